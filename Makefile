@@ -1,0 +1,48 @@
+# Two commands set up everything on a fresh machine: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+# Debian packages the tests and benchmarks use as real peers (promtool, node_exporter, fio, iostat).
+DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: run test unit lint bench golden system-deps venv clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+system-deps:
+	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+run: venv
+	$(VENV)/bin/gpuio-exporter $(ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check exporter tests bench
+	$(VENV)/bin/mypy exporter
+
+test: venv system-deps lint
+	$(PY) -m pytest -q -rs tests
+
+unit: venv
+	$(PY) -m pytest -q tests/unit
+
+bench: venv system-deps
+	$(PY) bench/scrape_bench.py
+
+golden: venv
+	$(PY) -m pytest -q tests/unit/test_golden.py --update-golden
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

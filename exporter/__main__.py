@@ -1,0 +1,3 @@
+from .cli import exporter_main
+
+exporter_main()

@@ -1,0 +1,86 @@
+"""Entry points: ``gpuio-exporter`` (the server) and ``gpuio`` (tools for the engineer on the node)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from . import __version__, collectors  # noqa: F401  (importing registers the collectors)
+from .collect import REGISTRY, Collector, Context, Scraper
+from .config import Config, ConfigError, parse_args
+from .exposition import label_string, render
+from .logsetup import fields, setup
+from .process import ProcessMetrics
+
+log = logging.getLogger("gpuio")
+
+
+def build_scraper(config: Config) -> Scraper:
+    """Instantiate the enabled collectors; a collector may reject its options with ConfigError."""
+    context = Context(procfs=config.procfs, sysfs=config.sysfs, rootfs=config.rootfs)
+    enabled: list[Collector] = [
+        REGISTRY[name](context, config.collector_options[name])
+        for name in sorted(REGISTRY)
+        if config.enabled[name]
+    ]
+    from .server import build_labels
+
+    exporter_metrics = None if config.disable_exporter_metrics else ProcessMetrics().families
+    return Scraper(enabled, config.collector_timeout, label_string(build_labels()), exporter_metrics)
+
+
+def _configure(argv: Sequence[str] | None, prog: str) -> tuple[Config, Scraper]:
+    try:
+        config = parse_args(argv, prog=prog)
+        scraper = build_scraper(config)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    setup(config.log_level, config.log_format)
+    return config, scraper
+
+
+def exporter_main(argv: Sequence[str] | None = None) -> None:
+    import uvicorn
+
+    from .server import bind, build_app
+
+    config, scraper = _configure(argv, "gpuio-exporter")
+    try:
+        sock = bind(config.listen_host, config.listen_port)
+    except OSError as exc:
+        address = f"{config.listen_host}:{config.listen_port}"
+        print(f"gpuio-exporter: error: cannot listen on --web.listen-address {address!r}: {exc.strerror}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    log.info("starting gpuio-exporter", extra=fields(
+        version=__version__, address=f"{config.listen_host}:{config.listen_port}",
+        collectors=",".join(scraper.names)))
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(config, scraper), loop="uvloop", http="httptools", lifespan="on", access_log=False,
+        log_config=None, server_header=False, date_header=False, timeout_keep_alive=75,
+    ))
+    asyncio.run(server.serve(sockets=[sock]))
+
+
+def tools_main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: gpuio scrape [exporter flags]   print one scrape of this machine in the text format\n"
+              "       gpuio --version")
+        raise SystemExit(0 if args else 2)
+    if args[0] == "--version":
+        print(f"gpuio {__version__}")
+        return
+    if args[0] == "scrape":
+        _, scraper = _configure(args[1:], "gpuio scrape")
+        scraper.start()
+        try:
+            sys.stdout.write(render(scraper.scrape_sync()))
+        finally:
+            scraper.stop()
+        return
+    print(f"gpuio: error: unknown command {args[0]!r}; accepted: scrape", file=sys.stderr)
+    raise SystemExit(2)

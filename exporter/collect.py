@@ -1,0 +1,257 @@
+"""Collector registry, per-collector isolation and time budget, and the exporter's self-metrics.
+
+A collector is a plain class with ``collect() -> list[Family]``.  Registering it (``@register``)
+declares its name, whether it is on by default and its options; :mod:`exporter.config` turns that
+into ``--collector.<name>``, ``--no-collector.<name>`` and ``--collector.<name>.<option>``.
+
+Isolation: a scrape runs the selected collectors in one worker thread (one thread hand-off per
+scrape, not one per collector: the hand-off costs more than reading /proc/diskstats).  The event loop
+waits at most the time budget.  A collector that raises or is still running when the budget ends is
+reported with ``gpuio_scrape_collector_success 0`` and a log line; the rest of the scrape is served.
+A collector stuck in a hung read is marked busy and skipped (success 0) until it returns, so a hang
+costs one thread, never one thread per scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from .logsetup import fields
+
+log = logging.getLogger("gpuio.collect")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A collector option, exposed as ``--collector.<collector>.<name>`` and ``GPUIO_COLLECTOR_...``."""
+
+    name: str
+    default: str | None  # as typed on the command line; None: unset
+    parse: Callable[[str], Any]
+    accepted: str
+    help: str
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where collectors find the host: every path goes through these roots (node_exporter's --path.*)."""
+
+    procfs: str = "/proc"
+    sysfs: str = "/sys"
+    rootfs: str = "/"
+
+
+class Collector:
+    name: ClassVar[str]
+    default_enabled: ClassVar[bool] = True
+    options: ClassVar[tuple[Option, ...]] = ()
+
+    def __init__(self, context: Context, options: dict[str, Any]) -> None:
+        self.context = context
+        self.settings = options
+
+    def collect(self) -> list[Family]:
+        """Return this scrape's families.  Raise on failure; return [] when there is no such source here."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Start background sampling, if the collector has any (called once the server runs)."""
+
+    def stop(self) -> None:
+        """Stop background sampling."""
+
+
+class DaemonWorkers:
+    """A fixed set of daemon threads running submitted calls.
+
+    Not concurrent.futures.ThreadPoolExecutor: its threads are joined at interpreter exit, so one
+    collector stuck in a hung read (a dead NFS or FUSE procfs) would keep the exporter from ever
+    shutting down.  A few threads: one per scrape in flight, plus room for threads stuck in a hang.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        for index in range(count):
+            threading.Thread(target=self._work, name=f"gpuio-scrape-{index}", daemon=True).start()
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((future, function, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, function, args = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function(*args))
+            except BaseException as exc:  # handed to the awaiting scrape, which reports it
+                future.set_exception(exc)
+
+
+REGISTRY: dict[str, type[Collector]] = {}
+
+
+def register(cls: type[Collector]) -> type[Collector]:
+    if cls.name in REGISTRY:
+        raise ValueError(f"collector {cls.name} registered twice")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+SUCCESS = Desc("gpuio_scrape_collector_success", GAUGE, "Whether a collector succeeded (1) or failed (0).")
+DURATION = Desc(
+    "gpuio_scrape_collector_duration_seconds", GAUGE, "How long a collector took in this scrape."
+)
+BUILD_INFO = Desc("gpuio_exporter_build_info", INFO, "Version of gpuio-exporter and the Python running it.")
+FAILURES = Desc(
+    "gpuio_scrape_collector_failures_total", COUNTER, "Scrapes in which a collector failed, by reason."
+)
+
+
+@dataclass
+class CollectorState:
+    """What the landing page and the self-metrics show of one collector."""
+
+    collector: Collector
+    labels: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    running_since: float | None = None
+    last_duration: float | None = None
+    last_error: str | None = None
+    last_success: bool | None = None
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    families: list[Family] = field(default_factory=list)
+    success: bool = False
+    duration: float = 0.0
+    error: str | None = None
+    reason: str = "error"  # the failures counter's label: "error" (raised) or "timeout"
+
+
+class Scraper:
+    """Runs the enabled collectors for one scrape with isolation and a time budget."""
+
+    def __init__(
+        self,
+        collectors: Iterable[Collector],
+        budget_seconds: float,
+        build_labels: str,
+        exporter_metrics: Callable[[], list[Family]] | None = None,
+    ) -> None:
+        self.exporter_metrics = exporter_metrics
+        self.states = {c.name: CollectorState(c, label_string({"collector": c.name})) for c in collectors}
+        self.budget = budget_seconds
+        self._build_sample = BUILD_INFO.sample(build_labels, 1)
+        self._workers = DaemonWorkers(4)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.states)
+
+    def start(self) -> None:
+        for state in self.states.values():
+            state.collector.start()
+
+    def stop(self) -> None:
+        for state in self.states.values():
+            try:
+                state.collector.stop()
+            except Exception:
+                log.exception("collector failed to stop", extra=fields(collector=state.collector.name))
+
+    async def scrape(self, names: list[str] | None = None) -> list[Family]:
+        selected = [self.states[n] for n in (names or self.states)]
+        outcomes: dict[str, Outcome] = {}
+        deadline = time.monotonic() + self.budget
+        future = asyncio.wrap_future(self._workers.submit(self._run_all, selected, outcomes, deadline))
+        # On timeout, whatever finished is in `outcomes`; the rest is reported as timed out.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(future), timeout=self.budget)
+        return self._assemble(selected, dict(outcomes))
+
+    def scrape_sync(self, names: list[str] | None = None) -> list[Family]:
+        """The same as :meth:`scrape` for callers without an event loop (``gpuio top``, tests)."""
+        selected = [self.states[n] for n in (names or self.states)]
+        outcomes: dict[str, Outcome] = {}
+        self._run_all(selected, outcomes, time.monotonic() + self.budget)
+        return self._assemble(selected, outcomes)
+
+    def _run_all(self, selected: list[CollectorState], outcomes: dict[str, Outcome], deadline: float) -> None:
+        for state in selected:
+            if time.monotonic() >= deadline:
+                return
+            outcomes[state.collector.name] = self._run_one(state, deadline)
+
+    def _run_one(self, state: CollectorState, deadline: float) -> Outcome:
+        # A second scrape in flight waits for the first to finish this collector (collectors keep
+        # caches and need not be re-entrant); a collector stuck past its budget is not waited for.
+        if not state.lock.acquire(blocking=False):
+            stuck_since = state.running_since
+            if stuck_since is not None and time.monotonic() - stuck_since > self.budget:
+                return Outcome(error="still running from an earlier scrape (hung source?)", reason="timeout")
+            if not state.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return Outcome(error="still running from an earlier scrape (hung source?)", reason="timeout")
+        start = time.perf_counter()
+        state.running_since = time.monotonic()
+        try:
+            families = state.collector.collect()
+            return Outcome(families, True, time.perf_counter() - start)
+        except Exception as exc:  # isolation: one collector's failure is never the scrape's
+            return Outcome([], False, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        finally:
+            state.running_since = None
+            state.lock.release()
+
+    def _assemble(self, selected: list[CollectorState], outcomes: dict[str, Outcome]) -> list[Family]:
+        families: list[Family] = []
+        success: list[str] = []
+        duration: list[str] = []
+        for state in selected:
+            outcome = outcomes.get(state.collector.name)
+            if outcome is None:
+                outcome = Outcome(
+                    duration=self.budget, error=f"ran past its time budget of {self.budget:g}s", reason="timeout"
+                )
+            self._record(state, outcome)
+            families.extend(outcome.families)
+            success.append(SUCCESS.sample(state.labels, 1 if outcome.success else 0))
+            duration.append(DURATION.sample(state.labels, outcome.duration))
+        failures = [
+            FAILURES.sample(label_string({"collector": s.collector.name, "reason": reason}), count)
+            for s in selected
+            for reason, count in s.failures.items()
+        ]
+        families.append(SUCCESS.family(success))
+        families.append(DURATION.family(duration))
+        families.append(FAILURES.family(failures))
+        if self.exporter_metrics is not None:
+            families.append(BUILD_INFO.family([self._build_sample]))
+            families.extend(self.exporter_metrics())
+        return families
+
+    @staticmethod
+    def _record(state: CollectorState, outcome: Outcome) -> None:
+        state.last_duration = outcome.duration
+        state.last_success = outcome.success
+        state.last_error = outcome.error
+        if outcome.error is not None:
+            state.failures[outcome.reason] = state.failures.get(outcome.reason, 0) + 1
+            log.error(
+                "collector failed",
+                extra=fields(collector=state.collector.name, err=outcome.error),
+            )

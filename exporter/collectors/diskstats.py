@@ -1,0 +1,235 @@
+"""Per-device IO counters from /proc/diskstats, with node_exporter's names, units and values.
+
+Each ``gpuio_disk_<suffix>`` equals ``node_disk_<suffix>`` on the same input, to the last bit:
+sectors are multiplied by 512.0 (the kernel's diskstats sectors are always 512 bytes, whatever the
+device's block size), milliseconds by 0.001 (the same float operation Go performs), and discarded
+sectors stay in sectors, as node_exporter leaves them.  A line exports as many fields as the kernel
+wrote: 11 before 4.18, 15 with discards (4.18+), 17 with flushes (5.5+) — Documentation/admin-guide/
+iostats.rst.  Fields past the 17th (a future kernel) are ignored.
+
+Cost per scrape: one read of /proc/diskstats.  Sample lines of a device whose line did not change
+since the last scrape (an idle disk) are reused; sysfs metadata is read again only when the set of
+devices changes or every METADATA_MAX_AGE seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from ..blockdev import BlockDevices
+from ..collect import Collector, Context, Option, register
+from ..config import parse_regex
+from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..logsetup import LogOnce
+
+log = logging.getLogger("gpuio.collector.diskstats")
+
+# node_exporter's current default (collector/diskstats_linux.go): partitions, loop, ram/zram, fd.
+DEFAULT_EXCLUDE = r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$"
+METADATA_MAX_AGE = 300.0
+SECONDS_PER_TICK = 1.0 / 1000.0
+SECTOR_BYTES = 512.0
+MIN_FIELDS = 14  # major, minor, name and the 11 fields every kernel since 2.6 writes
+
+# (name suffix, kind, help, scale): scale None keeps the integer, else value * scale as a float.
+FIELDS: tuple[tuple[str, str, str, float | None], ...] = (
+    ("reads_completed_total", COUNTER, "The total number of reads completed successfully.", None),
+    ("reads_merged_total", COUNTER, "The total number of reads merged.", None),
+    ("read_bytes_total", COUNTER, "The total number of bytes read successfully.", SECTOR_BYTES),
+    ("read_time_seconds_total", COUNTER, "The total number of seconds spent by all reads.", SECONDS_PER_TICK),
+    ("writes_completed_total", COUNTER, "The total number of writes completed successfully.", None),
+    ("writes_merged_total", COUNTER, "The number of writes merged.", None),
+    ("written_bytes_total", COUNTER, "The total number of bytes written successfully.", SECTOR_BYTES),
+    ("write_time_seconds_total", COUNTER, "This is the total number of seconds spent by all writes.",
+     SECONDS_PER_TICK),
+    ("io_now", GAUGE, "The number of I/Os currently in progress.", None),
+    ("io_time_seconds_total", COUNTER, "Total seconds spent doing I/Os.", SECONDS_PER_TICK),
+    ("io_time_weighted_seconds_total", COUNTER, "The weighted # of seconds spent doing I/Os.", SECONDS_PER_TICK),
+    ("discards_completed_total", COUNTER, "The total number of discards completed successfully.", None),
+    ("discards_merged_total", COUNTER, "The total number of discards merged.", None),
+    ("discarded_sectors_total", COUNTER, "The total number of sectors discarded successfully.", None),
+    ("discard_time_seconds_total", COUNTER, "This is the total number of seconds spent by all discards.",
+     SECONDS_PER_TICK),
+    ("flush_requests_total", COUNTER, "The total number of flush requests completed successfully.", None),
+    ("flush_requests_time_seconds_total", COUNTER,
+     "This is the total number of seconds spent by all flush requests.", SECONDS_PER_TICK),
+)
+DESCS = tuple(Desc(f"gpuio_disk_{suffix}", kind, text) for suffix, kind, text, _ in FIELDS)
+SCALES = tuple(scale for *_, scale in FIELDS)
+
+INFO_DESC = Desc("gpuio_disk_info", INFO, "Identity of a block device from sysfs.")
+DM_DESC = Desc("gpuio_disk_device_mapper_info", INFO, "Name and uuid of a device-mapper device.")
+BACKING_DESC = Desc(
+    "gpuio_disk_backing_device_info", INFO,
+    "A device directly under another: a partition's disk, or a dm/md device's slaves.",
+)
+PHYSICAL_DESC = Desc(
+    "gpuio_disk_physical_device_info", INFO,
+    "The whole disks at the bottom of a device's stack (a plain disk names itself), for joins from any device.",
+)
+
+
+class BadLine(ValueError):
+    pass
+
+
+def parse_line(line: str) -> tuple[int, int, str, list[int]]:
+    """``major, minor, name, stats`` of one diskstats line (up to 17 stats); BadLine if it is not one."""
+    parts = line.split()
+    if len(parts) < MIN_FIELDS:
+        raise BadLine(f"{len(parts)} fields, at least {MIN_FIELDS} expected")
+    try:
+        numbers = [int(part) for part in parts[3 : 3 + len(FIELDS)]]
+        major, minor = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise BadLine("non-numeric field") from None
+    if major < 0 or minor < 0 or min(numbers) < 0:
+        raise BadLine("negative field")
+    return major, minor, parts[2], numbers
+
+
+def render_stats(labels: str, stats: list[int]) -> tuple[str, ...]:
+    """One sample line per field the kernel wrote, in FIELDS order."""
+    lines = []
+    for desc, scale, raw in zip(DESCS, SCALES, stats, strict=False):  # stats may be shorter
+        lines.append(desc.sample(labels, raw if scale is None else float(raw) * scale))
+    return tuple(lines)
+
+
+@register
+class DiskstatsCollector(Collector):
+    name = "diskstats"
+    options = (
+        Option("device-include", None, parse_regex, "a regular expression",
+               "Regexp of devices to include (mutually exclusive with device-exclude)."),
+        Option("device-exclude", None, parse_regex, "a regular expression",
+               f"Regexp of devices to exclude (default {DEFAULT_EXCLUDE})."),
+    )
+
+    def __init__(self, context: Context, options: dict[str, Any]) -> None:
+        super().__init__(context, options)
+        include, exclude = options.get("device-include"), options.get("device-exclude")
+        if include is not None and exclude is not None:
+            from ..config import ConfigError
+
+            raise ConfigError(
+                "--collector.diskstats.device-include and --collector.diskstats.device-exclude are mutually "
+                "exclusive; accepted: at most one of them"
+            )
+        self._include: re.Pattern[str] | None = include
+        self._exclude: re.Pattern[str] | None = None if include is not None else exclude or re.compile(
+            DEFAULT_EXCLUDE
+        )
+        self._path = os.path.join(context.procfs, "diskstats")
+        self._bad_lines = LogOnce(log)
+        self._rendered: dict[str, tuple[str, tuple[str, ...]]] = {}  # device -> (its line, its samples)
+        self._label_cache: dict[str, str] = {}
+        self._metadata_key: tuple[tuple[str, int, int], ...] | None = None
+        self._metadata_time = 0.0
+        self._metadata: list[Family] = []
+
+    def wanted(self, device: str) -> bool:
+        if self._include is not None:
+            return self._include.search(device) is not None
+        return self._exclude is None or self._exclude.search(device) is None
+
+    def collect(self) -> list[Family]:
+        with open(self._path, encoding="ascii", errors="replace") as handle:
+            text = handle.read()
+        rendered: dict[str, tuple[str, tuple[str, ...]]] = {}
+        identities: list[tuple[str, int, int]] = []
+        for line in text.splitlines():
+            device = self._device_of(line)
+            if device is None or device in rendered or not self.wanted(device):
+                continue
+            cached = self._rendered.get(device)
+            if cached is not None and cached[0] == line:
+                rendered[device] = cached
+                identities.append(self._identity(line))
+                continue
+            try:
+                major, minor, _, stats = parse_line(line)
+            except BadLine as exc:
+                self._bad_lines.warning("skipping bad diskstats line", line.strip(), reason=str(exc))
+                continue
+            rendered[device] = (line, render_stats(self._labels(device), stats))
+            identities.append((device, major, minor))
+        self._rendered = rendered
+        return self._counter_families(rendered) + self._metadata_families(tuple(identities))
+
+    @staticmethod
+    def _device_of(line: str) -> str | None:
+        parts = line.split(None, 3)
+        return parts[2] if len(parts) >= 3 else None
+
+    @staticmethod
+    def _identity(line: str) -> tuple[str, int, int]:
+        major, minor, device = line.split(None, 3)[:3]
+        return device, int(major), int(minor)
+
+    def _labels(self, device: str) -> str:
+        labels = self._label_cache.get(device)
+        if labels is None:
+            if len(self._label_cache) > 10_000:  # devices come and go (loop, nbd); keep the cache bounded
+                self._label_cache.clear()
+            labels = self._label_cache[device] = label_string({"device": device})
+        return labels
+
+    @staticmethod
+    def _counter_families(rendered: dict[str, tuple[str, tuple[str, ...]]]) -> list[Family]:
+        columns: list[list[str]] = [[] for _ in DESCS]
+        for _, samples in rendered.values():
+            for index, sample in enumerate(samples):
+                columns[index].append(sample)
+        return [Family(desc, column) for desc, column in zip(DESCS, columns, strict=True)]
+
+    def _metadata_families(self, identities: tuple[tuple[str, int, int], ...]) -> list[Family]:
+        now = time.monotonic()
+        if identities != self._metadata_key or now - self._metadata_time > METADATA_MAX_AGE:
+            self._metadata = self._read_metadata(identities)
+            self._metadata_key = identities
+            self._metadata_time = now
+        return self._metadata
+
+    def _read_metadata(self, identities: tuple[tuple[str, int, int], ...]) -> list[Family]:
+        devices = BlockDevices(self.context.sysfs)
+        info, dm, backing, physical = [], [], [], []
+        for name, major, minor in identities:
+            info.append(INFO_DESC.sample(label_string(self._identity_labels(devices, name, major, minor)), 1))
+            device = devices.get(name)
+            if device is not None and device.attribute("dm/name") is not None:
+                labels = {"device": name, "name": device.attribute("dm/name") or "",
+                          "uuid": device.attribute("dm/uuid") or ""}
+                dm.append(DM_DESC.sample(label_string(labels), 1))
+            for below in devices.backing(name):
+                backing.append(BACKING_DESC.sample(label_string({"device": name, "backing_device": below}), 1))
+            for disk in devices.physical(name):
+                physical.append(PHYSICAL_DESC.sample(label_string({"device": name, "physical_device": disk}), 1))
+        return [Family(INFO_DESC, info), Family(DM_DESC, dm), Family(BACKING_DESC, backing),
+                Family(PHYSICAL_DESC, physical)]
+
+    def _identity_labels(self, devices: BlockDevices, name: str, major: int, minor: int) -> dict[str, str]:
+        device = devices.get(name)
+        # A partition has no device/ of its own: it is the disk's model, serial and so on.
+        owner = devices.get(device.parent) if device is not None and device.parent else device
+        labels = {"device": name, "major": str(major), "minor": str(minor), "model": "", "vendor": "",
+                  "serial": "", "wwn": "", "revision": "", "rotational": ""}
+        if owner is None:
+            return labels
+        first = owner.attribute
+        labels["model"] = first("device/model") or first("device/name") or ""
+        labels["vendor"] = first("device/vendor") or ""
+        labels["serial"] = first("device/serial") or first("serial") or ""
+        labels["wwn"] = first("wwid") or first("device/wwid") or ""
+        labels["revision"] = first("device/rev") or first("device/firmware_rev") or ""
+        rotational = devices.rotational(name) or ""
+        if rotational not in ("", "0", "1"):
+            self._bad_lines.warning("ignoring unreadable sysfs attribute", rotational,
+                                    device=name, attribute="queue/rotational")
+            rotational = ""
+        labels["rotational"] = rotational
+        return labels

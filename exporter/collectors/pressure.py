@@ -1,0 +1,102 @@
+"""Pressure stall information from /proc/pressure (Documentation/accounting/psi.rst).
+
+``total`` is cumulative stall time in microseconds; exported as seconds with node_exporter's exact
+arithmetic (``total / 1000.0 / 1000.0``), so ``gpuio_pressure_*`` equals ``node_pressure_*``.
+"some" is time in which at least one task waited, "full" time in which all non-idle tasks did.
+
+No /proc/pressure (a kernel before 4.20 or without CONFIG_PSI) or PSI turned off (``psi=0``: reads
+fail with EOPNOTSUPP) is "no data here", not a failure.  cpu "full" appears from 5.13 and irq from
+6.1 (CONFIG_IRQ_TIME_ACCOUNTING); each series is exported where the kernel writes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+from ..collect import Collector, register
+from ..exposition import COUNTER, Desc, Family
+from ..logsetup import LogOnce
+
+log = logging.getLogger("gpuio.collector.pressure")
+
+# (resource, line kind) -> the family it feeds.
+DESCS: dict[tuple[str, str], Desc] = {
+    ("cpu", "some"): Desc("gpuio_pressure_cpu_waiting_seconds_total", COUNTER,
+                          "Total time in seconds that processes have waited for CPU time."),
+    ("cpu", "full"): Desc("gpuio_pressure_cpu_stalled_seconds_total", COUNTER,
+                          "Total time in seconds no process could make progress due to CPU congestion."),
+    ("io", "some"): Desc("gpuio_pressure_io_waiting_seconds_total", COUNTER,
+                         "Total time in seconds that processes have waited due to IO congestion."),
+    ("io", "full"): Desc("gpuio_pressure_io_stalled_seconds_total", COUNTER,
+                         "Total time in seconds no process could make progress due to IO congestion."),
+    ("memory", "some"): Desc("gpuio_pressure_memory_waiting_seconds_total", COUNTER,
+                             "Total time in seconds that processes have waited for memory."),
+    ("memory", "full"): Desc("gpuio_pressure_memory_stalled_seconds_total", COUNTER,
+                             "Total time in seconds no process could make progress due to memory congestion."),
+    ("irq", "full"): Desc("gpuio_pressure_irq_stalled_seconds_total", COUNTER,
+                          "Total time in seconds no process could make progress due to IRQ/softirq work."),
+}
+RESOURCES = ("cpu", "io", "memory", "irq")
+
+
+class BadLine(ValueError):
+    pass
+
+
+def parse_total(line: str) -> tuple[str, int]:
+    """``("some"|"full", total microseconds)`` of one PSI line; BadLine otherwise."""
+    kind, _, rest = line.partition(" ")
+    if kind not in ("some", "full"):
+        raise BadLine("line starts with neither 'some' nor 'full'")
+    for item in rest.split():
+        key, _, value = item.partition("=")
+        if key == "total":
+            if not value.isdigit():
+                raise BadLine("total is not a non-negative integer")
+            return kind, int(value)
+    raise BadLine("no total=")
+
+
+@register
+class PressureCollector(Collector):
+    name = "pressure"
+
+    def __init__(self, context, options) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(context, options)
+        self._directory = os.path.join(context.procfs, "pressure")
+        self._bad_lines = LogOnce(log)
+
+    def collect(self) -> list[Family]:
+        if not os.path.isdir(self._directory):
+            return []  # no PSI in this kernel
+        families = []
+        for resource in RESOURCES:
+            text = self._read(resource)
+            if text is None:
+                continue
+            for line in text.splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    kind, total = parse_total(line)
+                except BadLine as exc:
+                    self._bad_lines.warning("skipping bad pressure line", line.strip(), resource=resource,
+                                            reason=str(exc))
+                    continue
+                desc = DESCS.get((resource, kind))
+                if desc is not None:
+                    families.append(Family(desc, [desc.sample("", total / 1000.0 / 1000.0)]))
+        return families
+
+    def _read(self, resource: str) -> str | None:
+        try:
+            with open(os.path.join(self._directory, resource), encoding="ascii", errors="replace") as handle:
+                return handle.read()
+        except FileNotFoundError:
+            return None  # irq before 6.1, or a resource this kernel does not account
+        except OSError as exc:
+            if exc.errno == errno.EOPNOTSUPP:
+                return None  # psi=0 on the kernel command line
+            raise

@@ -1,0 +1,239 @@
+"""Flags in node_exporter's style, each with a GPUIO_* environment twin, validated with clear errors.
+
+Precedence: command line, then environment, then default.  A bad value stops start-up with a message
+that names the flag (and the environment variable, when it came from there), the value, and what
+would be accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import __version__
+from .collect import REGISTRY, Option
+from .logsetup import LEVELS
+
+DEFAULT_PORT = 9817  # see README "Port": not used by node_exporter, dcgm-exporter, smartctl_exporter & co.
+
+
+class ConfigError(ValueError):
+    """A flag or environment value that cannot be used; the message is meant for the operator."""
+
+
+def env_name(flag: str) -> str:
+    return "GPUIO_" + re.sub(r"[.\-]", "_", flag).upper()
+
+
+# --- value parsers: each raises ValueError with the reason; `accepted` says what would do ---------
+
+
+def parse_listen_address(value: str) -> tuple[str, int]:
+    match = re.fullmatch(r"(?:\[(?P<v6>[0-9a-fA-F:.]+)\]|(?P<host>[^:\[\]]*)):(?P<port>\d{1,5})", value)
+    if not match:
+        raise ValueError("not of the form [host]:port")
+    port = int(match["port"])
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is outside 1-65535")
+    return (match["v6"] or match["host"] or ""), port
+
+
+def parse_telemetry_path(value: str) -> str:
+    if not value.startswith("/") or value in ("/", "/healthz") or "?" in value or " " in value:
+        raise ValueError("must be an absolute URL path other than / and /healthz")
+    return value
+
+
+def parse_directory(value: str) -> str:
+    if not os.path.isdir(value):
+        raise ValueError("no such directory")
+    return value
+
+
+def parse_choice(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise ValueError("unknown choice")
+        return value
+
+    return parse
+
+
+def parse_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("not a boolean")
+
+
+def parse_seconds(value: str) -> float:
+    """A duration: plain seconds ("2.5") or Prometheus style ("500ms", "2s", "5m", "1h")."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", value.strip())
+    if not match:
+        raise ValueError("not a duration")
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[match[2] or "s"]
+    seconds = float(match[1]) * scale
+    if seconds <= 0:
+        raise ValueError("must be above zero")
+    return seconds
+
+
+def parse_regex(value: str) -> re.Pattern[str]:
+    try:
+        return re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"bad regular expression: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    default: str | None
+    parse: Callable[[str], Any]
+    accepted: str
+    help: str
+    boolean: bool = False
+
+
+DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
+
+GLOBAL_FLAGS: tuple[Flag, ...] = (
+    Flag("web.listen-address", f":{DEFAULT_PORT}", parse_listen_address,
+         "[host]:port, e.g. :9817, 127.0.0.1:9817, [::1]:9817", "Address on which to expose metrics."),
+    Flag("web.telemetry-path", "/metrics", parse_telemetry_path,
+         "an absolute path such as /metrics", "Path under which to expose metrics."),
+    Flag("web.disable-exporter-metrics", "false", parse_bool, "true or false",
+         "Leave out the exporter's own process_* and build metrics.", boolean=True),
+    Flag("path.procfs", "/proc", parse_directory, "an existing directory", "procfs mountpoint."),
+    Flag("path.sysfs", "/sys", parse_directory, "an existing directory", "sysfs mountpoint."),
+    Flag("path.rootfs", "/", parse_directory, "an existing directory",
+         "The host's root filesystem (for paths of the host seen from a container)."),
+    Flag("log.level", "info", parse_choice(tuple(LEVELS)), ", ".join(LEVELS), "Only log at this level or above."),
+    Flag("log.format", "logfmt", parse_choice(("logfmt", "json")), "logfmt, json", "Output format of log lines."),
+    Flag("collector.timeout", "2s", parse_seconds, DURATION_ACCEPTED,
+         "Time budget of each scrape's collectors; one still running then reports success 0."),
+    Flag("collector.disable-defaults", "false", parse_bool, "true or false",
+         "Turn off every collector that is on by default; then turn on the ones you want.", boolean=True),
+)
+
+
+@dataclass
+class Config:
+    listen_host: str = ""
+    listen_port: int = DEFAULT_PORT
+    telemetry_path: str = "/metrics"
+    disable_exporter_metrics: bool = False
+    procfs: str = "/proc"
+    sysfs: str = "/sys"
+    rootfs: str = "/"
+    log_level: str = "info"
+    log_format: str = "logfmt"
+    collector_timeout: float = 2.0
+    enabled: dict[str, bool] = field(default_factory=dict)
+    collector_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _option_flag(collector: str, option: Option) -> Flag:
+    return Flag(f"collector.{collector}.{option.name}", option.default, option.parse, option.accepted, option.help)
+
+
+def _build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        allow_abbrev=False,
+        description="Prometheus exporter for GPU nodes serving TensorRT engines: disks, IO pressure, GPUs, engines.",
+        epilog="Every flag has an environment twin: --web.listen-address is GPUIO_WEB_LISTEN_ADDRESS.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpuio-exporter {__version__}")
+    for flag in _all_value_flags():
+        _add_flag(parser, flag)
+    for name, cls in sorted(REGISTRY.items()):
+        state = "on" if cls.default_enabled else "off"
+        parser.add_argument(f"--collector.{name}", dest=f"collector.{name}", action="store_const", const=True,
+                            default=None, help=f"Turn the {name} collector on (default {state}).")
+        parser.add_argument(f"--no-collector.{name}", dest=f"collector.{name}", action="store_const",
+                            const=False, help=f"Turn the {name} collector off.")
+    return parser
+
+
+def _all_value_flags() -> list[Flag]:
+    flags = list(GLOBAL_FLAGS)
+    for name, cls in sorted(REGISTRY.items()):
+        flags.extend(_option_flag(name, option) for option in cls.options)
+    return flags
+
+
+def _add_flag(parser: argparse.ArgumentParser, flag: Flag) -> None:
+    text = f"{flag.help} (env {env_name(flag.name)}; default {flag.default!s})"
+    if flag.boolean:
+        parser.add_argument(f"--{flag.name}", dest=flag.name, action="store_const", const="true", default=None,
+                            help=text)
+        parser.add_argument(f"--no-{flag.name}", dest=flag.name, action="store_const", const="false",
+                            help=argparse.SUPPRESS)
+    else:
+        parser.add_argument(f"--{flag.name}", dest=flag.name, default=None, metavar="VALUE", help=text)
+
+
+def _resolve(flag: Flag, given: str | None, environ: Mapping[str, str]) -> Any:
+    source = f"--{flag.name}"
+    raw = given
+    if raw is None and env_name(flag.name) in environ:
+        raw = environ[env_name(flag.name)]
+        source = f"--{flag.name} (from environment variable {env_name(flag.name)})"
+    if raw is None:
+        # Defaults are written as an operator would type them and go through the same parser.
+        raw = flag.default
+        if raw is None:
+            return None
+    try:
+        return flag.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"invalid value {raw!r} for {source}: {exc}; accepted: {flag.accepted}") from None
+
+
+def _resolve_enabled(name: str, default: bool, given: bool | None, environ: Mapping[str, str]) -> bool:
+    if given is not None:
+        return given
+    key = env_name(f"collector.{name}")
+    if key in environ:
+        try:
+            return parse_bool(environ[key])
+        except ValueError:
+            raise ConfigError(
+                f"invalid value {environ[key]!r} for --collector.{name} (from environment variable {key}): "
+                "not a boolean; accepted: true or false"
+            ) from None
+    return default
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+               prog: str = "gpuio-exporter") -> Config:
+    """Parse flags and environment into a Config; raise ConfigError on a bad value."""
+    environ = os.environ if environ is None else environ
+    given = vars(_build_parser(prog).parse_args(argv))
+    values = {flag.name: _resolve(flag, given.get(flag.name), environ) for flag in _all_value_flags()}
+    host, port = values["web.listen-address"]
+    disable_defaults = values["collector.disable-defaults"]
+    config = Config(
+        listen_host=host,
+        listen_port=port,
+        telemetry_path=values["web.telemetry-path"],
+        disable_exporter_metrics=values["web.disable-exporter-metrics"],
+        procfs=values["path.procfs"],
+        sysfs=values["path.sysfs"],
+        rootfs=values["path.rootfs"],
+        log_level=values["log.level"],
+        log_format=values["log.format"],
+        collector_timeout=values["collector.timeout"],
+    )
+    for name, cls in REGISTRY.items():
+        default = cls.default_enabled and not disable_defaults
+        config.enabled[name] = _resolve_enabled(name, default, given.get(f"collector.{name}"), environ)
+        config.collector_options[name] = {o.name: values[f"collector.{name}.{o.name}"] for o in cls.options}
+    return config

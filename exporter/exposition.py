@@ -1,0 +1,101 @@
+"""Prometheus text (0.0.4) and OpenMetrics (1.0.0) rendering without a client registry.
+
+Why not prometheus_client's registry: it rebuilds every metric object and re-escapes every label on
+each scrape (about 2x node_exporter's scrape time here, see docs/performance.md).  Collectors here
+describe each family once (:class:`Desc`, which pre-renders both headers) and hand back finished
+sample lines, so a scrape is mostly string joins.  Sample lines are identical in both formats; only
+the family headers differ (OpenMetrics names counters without ``_total`` and has an ``info`` type).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+COUNTER = "counter"
+GAUGE = "gauge"
+INFO = "info"  # a gauge of value 1 named *_info; OpenMetrics has a type of its own for it
+
+
+def escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def label_string(labels: Mapping[str, str]) -> str:
+    """``{a="x",b="y"}`` (empty string for no labels), escaped for both formats."""
+    if not labels:
+        return ""
+    inner = ",".join(f'{key}="{escape_label_value(str(value))}"' for key, value in labels.items())
+    return "{" + inner + "}"
+
+
+def format_value(value: float | int) -> str:
+    """Shortest text that parses back to the same float64 (Go's strconv 'g', -1 gives the same number)."""
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+class Desc:
+    """One metric family's fixed part: name, type, help and both pre-rendered headers."""
+
+    __slots__ = ("name", "kind", "help", "text_header", "om_header")
+
+    def __init__(self, name: str, kind: str, help_text: str) -> None:
+        if kind == COUNTER and not name.endswith("_total"):
+            raise ValueError(f"counter {name} must end in _total")
+        if kind == INFO and not name.endswith("_info"):
+            raise ValueError(f"info metric {name} must end in _info")
+        self.name = name
+        self.kind = kind
+        self.help = help_text
+        escaped = escape_help(help_text)
+        text_type = GAUGE if kind == INFO else kind
+        self.text_header = f"# HELP {name} {escaped}\n# TYPE {name} {text_type}\n"
+        om_name = name[: -len("_total")] if kind == COUNTER else name[: -len("_info")] if kind == INFO else name
+        self.om_header = f"# HELP {om_name} {escaped}\n# TYPE {om_name} {kind}\n"
+
+    def sample(self, labels: str, value: float | int) -> str:
+        """One finished sample line; ``labels`` comes from :func:`label_string`."""
+        return f"{self.name}{labels} {format_value(value)}\n"
+
+    def family(self, samples: list[str]) -> Family:
+        return Family(self, samples)
+
+
+class Family:
+    """A described family with its finished sample lines (already newline-terminated)."""
+
+    __slots__ = ("desc", "samples")
+
+    def __init__(self, desc: Desc, samples: list[str]) -> None:
+        self.desc = desc
+        self.samples = samples
+
+
+def render(families: Iterable[Family], openmetrics: bool = False) -> str:
+    parts: list[str] = []
+    for family in families:
+        if not family.samples:
+            continue
+        parts.append(family.desc.om_header if openmetrics else family.desc.text_header)
+        parts.extend(family.samples)
+    if openmetrics:
+        parts.append("# EOF\n")
+    return "".join(parts)
+
+
+def wants_openmetrics(accept_header: str) -> bool:
+    """Content negotiation as Prometheus does it: OpenMetrics only when the scraper lists it."""
+    return "application/openmetrics-text" in accept_header

@@ -1,0 +1,55 @@
+"""The exporter's own process_* metrics (the names client_golang and client_python use).
+
+Read from the exporter's own /proc/self, not from --path.procfs (that is the host's view).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+from .exposition import COUNTER, GAUGE, Desc, Family
+
+CPU = Desc("process_cpu_seconds_total", COUNTER, "Total user and system CPU time spent in seconds.")
+RSS = Desc("process_resident_memory_bytes", GAUGE, "Resident memory size in bytes.")
+VSIZE = Desc("process_virtual_memory_bytes", GAUGE, "Virtual memory size in bytes.")
+START = Desc("process_start_time_seconds", GAUGE, "Start time of the process since unix epoch in seconds.")
+OPEN_FDS = Desc("process_open_fds", GAUGE, "Number of open file descriptors.")
+MAX_FDS = Desc("process_max_fds", GAUGE, "Maximum number of open file descriptors.")
+THREADS = Desc("process_threads", GAUGE, "Number of OS threads in the process.")
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _boot_time() -> float:
+    with open("/proc/stat") as handle:
+        for line in handle:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    return 0.0
+
+
+class ProcessMetrics:
+    def __init__(self) -> None:
+        self._start = _boot_time() + int(self._stat()[19]) / _TICKS
+        self._max_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+    @staticmethod
+    def _stat() -> list[str]:
+        with open("/proc/self/stat", "rb") as handle:
+            raw = handle.read().decode()
+        # Fields after the command name, which is in parentheses and may itself hold spaces.
+        return raw[raw.rindex(")") + 2 :].split()
+
+    def families(self) -> list[Family]:
+        stat = self._stat()
+        return [
+            Family(CPU, [CPU.sample("", (int(stat[11]) + int(stat[12])) / _TICKS)]),
+            Family(RSS, [RSS.sample("", int(stat[21]) * _PAGE)]),
+            Family(VSIZE, [VSIZE.sample("", int(stat[20]))]),
+            Family(START, [START.sample("", self._start)]),
+            Family(OPEN_FDS, [OPEN_FDS.sample("", len(os.listdir("/proc/self/fd")))]),
+            Family(MAX_FDS, [MAX_FDS.sample("", self._max_fds)]),
+            Family(THREADS, [THREADS.sample("", int(stat[17]))]),
+        ]

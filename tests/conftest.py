@@ -1,0 +1,117 @@
+"""Shared helpers: the real exporter as a subprocess, fixture roots, and a metrics parser."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOTS = os.path.join(REPO, "tests", "fixtures", "roots")
+KERNELS = ("linux-4.14", "linux-5.4", "linux-6.8")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", help="rewrite golden files instead of diffing")
+
+
+def root(name: str) -> tuple[str, str]:
+    """``(procfs, sysfs)`` of a fixture tree under tests/fixtures/roots."""
+    return os.path.join(ROOTS, name, "proc"), os.path.join(ROOTS, name, "sys")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse_samples(text: str) -> Samples:
+    """Every sample of a text exposition, keyed by (name, labels)."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+@dataclass
+class ExporterProcess:
+    """gpuio-exporter started for real (uvicorn, sockets) on a free loopback port."""
+
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ExporterProcess:
+        command = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{self.port}", *self.args]
+        environment = {**os.environ, **(self.env or {})}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        cwd=REPO, env=environment)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exporter exited: {self.process.stdout.read() if self.process.stdout else ''}")
+            try:
+                urllib.request.urlopen(self.base + "/healthz", timeout=1).read()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("exporter did not answer /healthz in 20 s")
+
+    def get(self, path: str = "/metrics", headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        request = urllib.request.Request(self.base + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
+
+    def scrape(self, path: str = "/metrics") -> str:
+        status, headers, body = self.get(path, {"Accept-Encoding": "gzip"})
+        assert status == 200, body
+        return (gzip.decompress(body) if headers.get("content-encoding") == "gzip" else body).decode()
+
+    def stop(self) -> str:
+        """Stop the exporter and return what it logged."""
+        assert self.process
+        self.process.terminate()
+        try:
+            output, _ = self.process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            output, _ = self.process.communicate()
+        return output or ""
+
+
+@pytest.fixture
+def exporter() -> Iterator[callable]:
+    """``exporter(*args, env=...)`` starts one; all are stopped after the test."""
+    started: list[ExporterProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> ExporterProcess:
+        process = ExporterProcess(list(args), env).start()
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.process and process.process.poll() is None:
+            process.stop()

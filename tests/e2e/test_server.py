@@ -1,0 +1,112 @@
+"""The real server over HTTP: formats, compression, filtering, errors, landing page, isolation."""
+
+import gzip
+import os
+import time
+
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+from tests.conftest import parse_samples, root
+
+PROC, SYS = root("linux-6.8")
+FIXTURE = (f"--path.procfs={PROC}", f"--path.sysfs={SYS}")
+
+
+def success(samples: dict) -> dict[str, float]:
+    return {dict(labels)["collector"]: value for (name, labels), value in samples.items()
+            if name == "gpuio_scrape_collector_success"}
+
+
+def test_text_by_default_openmetrics_when_asked_gzip_when_asked(exporter) -> None:
+    server = exporter(*FIXTURE)
+    status, headers, body = server.get()
+    assert status == 200 and headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "content-encoding" not in headers
+    assert success(parse_samples(body.decode())) == {"diskstats": 1, "pressure": 1}
+
+    status, headers, body = server.get(headers={"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5",
+                                                "Accept-Encoding": "gzip"})
+    assert headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert headers["content-encoding"] == "gzip"
+    families = {f.name: f for f in parse_openmetrics(gzip.decompress(body).decode())}
+    assert families["gpuio_disk_reads_completed"].type == "counter"
+
+
+def test_collect_filter_limits_the_scrape(exporter) -> None:
+    server = exporter(*FIXTURE)
+    text = server.scrape("/metrics?collect[]=pressure")
+    samples = parse_samples(text)
+    assert success(samples) == {"pressure": 1}
+    assert not any(name.startswith("gpuio_disk_") for name, _ in samples)
+    status, _, body = server.get("/metrics?collect[]=pressure&collect[]=nvml-typo")
+    assert status == 400 and b"nvml-typo is not an enabled collector" in body
+
+
+def test_methods_health_and_landing_page(exporter) -> None:
+    server = exporter(*FIXTURE, "--no-collector.pressure")
+    server.scrape()
+    status, _, body = server.get("/healthz")
+    assert (status, body) == (200, b"ok\n")
+    status, _, page = server.get("/")
+    assert status == 200
+    page_text = page.decode()
+    assert "<td>diskstats</td><td>on</td><td>ok</td>" in page_text
+    assert "<td>pressure</td><td>off</td><td>off</td>" in page_text
+    assert " ms</td>" in page_text
+    import urllib.request
+
+    request = urllib.request.Request(server.base + "/metrics", method="HEAD")
+    with urllib.request.urlopen(request) as response:
+        assert response.status == 200 and response.read() == b""
+    request = urllib.request.Request(server.base + "/metrics", method="POST", data=b"x")
+    try:
+        urllib.request.urlopen(request)
+        raise AssertionError("POST accepted")
+    except urllib.error.HTTPError as error:
+        assert error.code == 405
+
+
+def test_telemetry_path_from_environment_twin(exporter) -> None:
+    server = exporter(*FIXTURE, env={"GPUIO_WEB_TELEMETRY_PATH": "/gpuio"})
+    assert "gpuio_disk_reads_completed_total" in server.scrape("/gpuio")
+    assert server.get("/metrics")[0] == 404
+
+
+def test_a_hung_source_costs_one_budget_then_is_skipped_and_the_rest_is_served(exporter, tmp_path) -> None:
+    """A FIFO with no writer as /proc/diskstats: open() blocks forever, as on a hung FUSE/NFS procfs."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    os.mkfifo(proc / "diskstats")
+    (proc / "pressure").mkdir()
+    (proc / "pressure" / "io").write_text("some avg10=0 avg60=0 avg300=0 total=1000000\n")
+    server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}", "--collector.timeout=500ms")
+    timings, results = [], []
+    for _ in range(3):
+        start = time.monotonic()
+        results.append(parse_samples(server.scrape()))
+        timings.append(time.monotonic() - start)
+    print(f"scrape times with a hung diskstats: {[round(t, 3) for t in timings]} s")
+    # First scrape: diskstats holds the worker until the budget ends; pressure had no time in it.
+    assert success(results[0])["diskstats"] == 0
+    assert 0.4 < timings[0] < 2.0
+    # Later scrapes skip the stuck collector at once and serve the rest.
+    for samples, elapsed in zip(results[1:], timings[1:], strict=True):
+        assert success(samples) == {"diskstats": 0, "pressure": 1}
+        assert samples[("gpuio_pressure_io_waiting_seconds_total", frozenset())] == 1.0
+        assert elapsed < 0.4
+    failures = {(dict(labels)["collector"], dict(labels)["reason"]): v for (name, labels), v in results[2].items()
+                if name == "gpuio_scrape_collector_failures_total"}
+    # pressure lost only the first scrape, queued behind the hung read in the same worker.
+    assert failures == {("diskstats", "timeout"): 3, ("pressure", "timeout"): 1}
+    log = server.stop()
+    assert "collector failed" in log and "collector=diskstats" in log
+
+
+def test_a_failing_source_reports_success_0_and_the_scrape_answers_200(exporter, tmp_path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "diskstats").mkdir(parents=True)  # reading it raises IsADirectoryError
+    server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}")
+    samples = parse_samples(server.scrape())
+    assert success(samples) == {"diskstats": 0, "pressure": 1}  # no /proc/pressure here: no data, not failure
+    log = server.stop()
+    assert "IsADirectoryError" in log

@@ -1,0 +1,99 @@
+"""Flags and their GPUIO_* twins: precedence, and errors that name flag, value and what is accepted."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from exporter import collectors  # noqa: F401  (registers the collectors, which creates their flags)
+from exporter.cli import build_scraper
+from exporter.config import ConfigError, env_name, parse_args, parse_listen_address, parse_seconds
+from tests.conftest import REPO
+
+
+def test_defaults() -> None:
+    config = parse_args([], environ={})
+    assert (config.listen_host, config.listen_port) == ("", 9817)
+    assert config.telemetry_path == "/metrics"
+    assert config.enabled == {"diskstats": True, "pressure": True}
+    assert config.collector_timeout == 2.0
+
+
+def test_command_line_beats_environment_beats_default() -> None:
+    environ = {"GPUIO_WEB_LISTEN_ADDRESS": "127.0.0.1:9999", "GPUIO_LOG_LEVEL": "debug"}
+    config = parse_args(["--web.listen-address=[::1]:9001"], environ=environ)
+    assert (config.listen_host, config.listen_port) == ("::1", 9001)
+    assert config.log_level == "debug"
+
+
+def test_collector_switches_and_their_environment_twins() -> None:
+    assert parse_args(["--no-collector.pressure"], environ={}).enabled["pressure"] is False
+    assert parse_args([], environ={"GPUIO_COLLECTOR_PRESSURE": "false"}).enabled["pressure"] is False
+    config = parse_args(["--collector.disable-defaults", "--collector.diskstats"], environ={})
+    assert config.enabled == {"diskstats": True, "pressure": False}
+
+
+def test_collector_options_are_flags() -> None:
+    config = parse_args(["--collector.diskstats.device-include=^nvme"], environ={})
+    assert config.collector_options["diskstats"]["device-include"].pattern == "^nvme"
+    assert env_name("collector.diskstats.device-include") == "GPUIO_COLLECTOR_DISKSTATS_DEVICE_INCLUDE"
+
+
+@pytest.mark.parametrize(("argv", "environ", "expected"), [
+    (["--web.listen-address=localhost"], {}, r"'localhost' for --web\.listen-address: .*accepted: \[host\]:port"),
+    (["--web.listen-address=:99999"], {}, r"port 99999 is outside 1-65535"),
+    ([], {"GPUIO_LOG_LEVEL": "loud"},
+     r"'loud' for --log\.level \(from environment variable GPUIO_LOG_LEVEL\).*accepted: debug, info, warn, error"),
+    (["--log.format=xml"], {}, r"accepted: logfmt, json"),
+    (["--path.procfs=/no/such/dir"], {}, r"'/no/such/dir' for --path\.procfs: no such directory"),
+    (["--collector.timeout=0s"], {}, r"must be above zero"),
+    (["--collector.timeout=soon"], {}, r"accepted: a duration"),
+    (["--web.telemetry-path=metrics"], {}, r"accepted: an absolute path"),
+    (["--collector.diskstats.device-include=("], {}, r"bad regular expression"),
+    ([], {"GPUIO_COLLECTOR_DISKSTATS": "maybe"}, r"GPUIO_COLLECTOR_DISKSTATS.*accepted: true or false"),
+])
+def test_bad_values_name_flag_value_and_what_is_accepted(argv, environ, expected) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        parse_args(argv, environ=environ)
+
+
+def test_include_and_exclude_together_are_refused() -> None:
+    config = parse_args(["--collector.diskstats.device-include=a", "--collector.diskstats.device-exclude=b"],
+                        environ={})
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        build_scraper(config)
+
+
+def test_listen_address_forms() -> None:
+    assert parse_listen_address(":9817") == ("", 9817)
+    assert parse_listen_address("0.0.0.0:1") == ("0.0.0.0", 1)
+    assert parse_listen_address("[::]:9817") == ("::", 9817)
+    assert parse_seconds("500ms") == 0.5 and parse_seconds("5m") == 300.0
+
+
+def test_bad_flag_stops_start_up_with_exit_2_and_a_message() -> None:
+    result = subprocess.run([sys.executable, "-m", "exporter", "--web.listen-address=nope"], cwd=REPO,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert re.search(r"gpuio-exporter: error: invalid value 'nope' for --web\.listen-address", result.stderr)
+
+
+def test_unknown_flag_is_refused() -> None:
+    result = subprocess.run([sys.executable, "-m", "exporter", "--web.listen-adress=:1"], cwd=REPO,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --web.listen-adress=:1" in result.stderr
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}"],
+                                cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "cannot listen on --web.listen-address" in result.stderr and "in use" in result.stderr
