@@ -87,7 +87,9 @@ class BlockDevices:
             below = self.backing(current)
             if below:
                 stack.extend(below)
-            elif current in self.devices and current not in found:
+            elif current not in found:
+                # A device sysfs does not know (no /sys in a container, a wrong --path.sysfs) still
+                # names itself, so joins on physical_device keep working for it.
                 found.append(current)
         return sorted(found)
 

@@ -222,10 +222,12 @@ class DiskstatsCollector(Collector):
             return labels
         first = owner.attribute
         labels["model"] = first("device/model") or first("device/name") or ""
-        labels["vendor"] = first("device/vendor") or ""
+        vendor = first("device/vendor") or ""
+        # SCSI/ATA write a name here; virtio and NVMe write a PCI vendor id (0x1af4), which is no vendor name.
+        labels["vendor"] = "" if vendor.startswith("0x") else vendor
         labels["serial"] = first("device/serial") or first("serial") or ""
         labels["wwn"] = first("wwid") or first("device/wwid") or ""
-        labels["revision"] = first("device/rev") or first("device/firmware_rev") or ""
+        labels["revision"] = first("device/rev") or first("device/firmware_rev") or first("device/fwrev") or ""
         rotational = devices.rotational(name) or ""
         if rotational not in ("", "0", "1"):
             self._bad_lines.warning("ignoring unreadable sysfs attribute", rotational,

@@ -5,8 +5,10 @@ arithmetic (``total / 1000.0 / 1000.0``), so ``gpuio_pressure_*`` equals ``node_
 "some" is time in which at least one task waited, "full" time in which all non-idle tasks did.
 
 No /proc/pressure (a kernel before 4.20 or without CONFIG_PSI) or PSI turned off (``psi=0``: reads
-fail with EOPNOTSUPP) is "no data here", not a failure.  cpu "full" appears from 5.13 and irq from
-6.1 (CONFIG_IRQ_TIME_ACCOUNTING); each series is exported where the kernel writes it.
+fail with EOPNOTSUPP) is "no data here", not a failure.  irq appears from 6.1
+(CONFIG_IRQ_TIME_ACCOUNTING) and is exported where the kernel writes it.  The system-wide cpu "full"
+line that kernels print since 5.13 is left out: psi.rst says it is undefined at the system level and
+always zero there, kept only for the file's format.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ log = logging.getLogger("gpuio.collector.pressure")
 DESCS: dict[tuple[str, str], Desc] = {
     ("cpu", "some"): Desc("gpuio_pressure_cpu_waiting_seconds_total", COUNTER,
                           "Total time in seconds that processes have waited for CPU time."),
-    ("cpu", "full"): Desc("gpuio_pressure_cpu_stalled_seconds_total", COUNTER,
-                          "Total time in seconds no process could make progress due to CPU congestion."),
     ("io", "some"): Desc("gpuio_pressure_io_waiting_seconds_total", COUNTER,
                          "Total time in seconds that processes have waited due to IO congestion."),
     ("io", "full"): Desc("gpuio_pressure_io_stalled_seconds_total", COUNTER,

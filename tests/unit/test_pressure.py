@@ -33,15 +33,14 @@ def test_totals_in_seconds_with_node_exporters_arithmetic(tmp_path) -> None:
     assert found["gpuio_pressure_io_waiting_seconds_total"] == 5221373 / 1000.0 / 1000.0
     assert found["gpuio_pressure_io_stalled_seconds_total"] == 17 / 1000.0 / 1000.0
     assert found["gpuio_pressure_cpu_waiting_seconds_total"] == 5.221373
-    assert found["gpuio_pressure_cpu_stalled_seconds_total"] == 17 / 1000.0 / 1000.0
+    assert "gpuio_pressure_cpu_stalled_seconds_total" not in found  # system-wide cpu full: always 0
     assert found["gpuio_pressure_memory_stalled_seconds_total"] == 17 / 1000.0 / 1000.0
     assert found["gpuio_pressure_irq_stalled_seconds_total"] == 999 / 1000.0 / 1000.0
 
 
 def test_old_kernel_cpu_without_full_line(tmp_path) -> None:
     found = values(collector(tmp_path, {"cpu": SOME_FULL.splitlines()[0] + "\n", "io": SOME_FULL}))
-    assert "gpuio_pressure_cpu_waiting_seconds_total" in found
-    assert "gpuio_pressure_cpu_stalled_seconds_total" not in found
+    assert found["gpuio_pressure_cpu_waiting_seconds_total"] == 5.221373
 
 
 def test_no_psi_is_no_data_not_failure(tmp_path) -> None:
