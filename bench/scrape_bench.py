@@ -206,19 +206,26 @@ def compare(scrapes: int, devices: int) -> None:
 
 
 def scaling(scrapes: int) -> None:
-    print(f"\n== gpuio-exporter time per scrape by device count ({scrapes} scrapes each, plain) ==")
-    print(f"{'devices':>8}{'p50 ms':>9}{'p99 ms':>9}{'us/device':>11}")
+    """Time per scrape at 10, 100, 1,000 devices; 'us/extra device' is the slope from the row above."""
+    print(f"\n== time per scrape by device count ({scrapes} scrapes each, plain) ==")
+    print(f"{'devices':>8}{'exporter':>16}{'p50 ms':>9}{'p99 ms':>9}{'us/extra device':>17}")
+    previous: dict[str, tuple[int, float]] = {}
     for devices in (10, 100, 1000):
         with tempfile.TemporaryDirectory() as root:
             fixture = Fixture(root, devices)
-            exporter = gpuio(fixture)
-            exporter.start()
-            try:
-                result = measure(exporter, fixture, scrapes, {})
-            finally:
-                exporter.stop()
-        print(f"{devices:>8}{result['p50'] * 1e3:>9.3f}{result['p99'] * 1e3:>9.3f}"
-              f"{result['p50'] * 1e6 / devices:>11.1f}")
+            for exporter in (gpuio(fixture), node_exporter(fixture)):
+                exporter.start()
+                try:
+                    result = measure(exporter, fixture, scrapes, {})
+                finally:
+                    exporter.stop()
+                slope = ""
+                if exporter.name in previous:
+                    count, p50 = previous[exporter.name]
+                    slope = f"{(result['p50'] - p50) * 1e6 / (devices - count):.1f}"
+                previous[exporter.name] = (devices, result["p50"])
+                print(f"{devices:>8}{exporter.name:>16}{result['p50'] * 1e3:>9.3f}{result['p99'] * 1e3:>9.3f}"
+                      f"{slope:>17}")
 
 
 def main() -> None:
