@@ -105,7 +105,7 @@ def test_missing_diskstats_fails_the_collector(tmp_path) -> None:
         c.collect()
 
 
-def test_unchanged_lines_reuse_rendered_samples_and_changed_lines_do_not(tmp_path) -> None:
+def test_a_changed_line_is_seen_on_the_next_scrape(tmp_path) -> None:
     c = collector(tmp_path, LINE_14 + "\n" + LINE_20 + "\n")
     c.collect()
     write(str(tmp_path / "proc" / "diskstats"), LINE_14 + "\n" + LINE_20.replace(" 100 2 ", " 101 2 ", 1) + "\n")
