@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 # Debian packages the tests and benchmarks use as real peers (promtool, node_exporter, fio, iostat).
-DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat
+DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test unit lint bench golden system-deps venv clean
@@ -40,6 +40,7 @@ unit: venv
 
 bench: venv system-deps
 	$(PY) bench/scrape_bench.py
+	$(PY) bench/engines_bench.py
 
 golden: venv
 	$(PY) -m pytest -q tests/unit/test_golden.py --update-golden

@@ -9,6 +9,8 @@ can walk from the device under a filesystem (dm-1) down to the physical disks th
 from __future__ import annotations
 
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 
 
@@ -100,3 +102,132 @@ class BlockDevices:
             return None
         owner = self.devices.get(device.parent) if device.parent else device
         return owner.attribute("queue/rotational") if owner else None
+
+
+# --- path -> device --------------------------------------------------------------------------------
+#
+# A file's st_dev names the device of the filesystem holding it.  For filesystems on a block device
+# that is the device itself: /sys/dev/block/MAJ:MIN links to its sysfs directory (a partition's
+# parent disk and a dm/md device's slaves then come from BlockDevices).  Filesystems without one of
+# their own get an anonymous st_dev (major 0): btrfs (one per subvolume), overlayfs (container
+# images), tmpfs, NFS and FUSE.  /proc/<pid>/mountinfo knows them by the same MAJ:MIN: its mount
+# source names btrfs's block device, its super options name overlayfs's upper (or first lower)
+# directory, whose own st_dev is followed in turn; tmpfs and network filesystems have no block
+# device and say so with an empty device and their fstype.
+
+
+@dataclass(frozen=True)
+class Mount:
+    major: int
+    minor: int
+    root: str
+    mount_point: str
+    fstype: str
+    source: str
+    super_options: str
+
+
+def _unescape_mountinfo(field_text: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes (\\040 ...)."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match[1], 8)), field_text)
+
+
+def read_mountinfo(path: str) -> list[Mount]:
+    """The mounts of a /proc/<pid>/mountinfo file (proc(5)); [] when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []
+    mounts = []
+    for line in lines:
+        before, separator, after = line.partition(" - ")
+        fields_before, fields_after = before.split(), after.split()
+        if not separator or len(fields_before) < 5 or len(fields_after) < 2:
+            continue
+        major, _, minor = fields_before[2].partition(":")
+        if not (major.isdigit() and minor.isdigit()):
+            continue
+        mounts.append(Mount(int(major), int(minor), _unescape_mountinfo(fields_before[3]),
+                            _unescape_mountinfo(fields_before[4]), fields_after[0],
+                            _unescape_mountinfo(fields_after[1]),
+                            fields_after[2] if len(fields_after) > 2 else ""))
+    return mounts
+
+
+def device_by_number(sysfs: str, major: int, minor: int) -> str | None:
+    """The kernel's name of block device MAJ:MIN (sda1, nvme0n1, dm-0, loop3), or None."""
+    try:
+        return os.path.basename(os.readlink(os.path.join(sysfs, "dev", "block", f"{major}:{minor}")))
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class FileDevice:
+    device: str  # the block device under the filesystem; "" when it has none (tmpfs, NFS) or is unknown
+    fstype: str  # from mountinfo; "" when unknown
+    major: int  # the file's st_dev
+    minor: int
+
+
+class PathDevices:
+    """Resolves files (or st_dev numbers) to block devices; mountinfo is read once per instance.
+
+    ``rootfs`` prefixes paths taken from mountinfo (overlayfs upper directories, /dev nodes) when
+    the exporter sees the host's filesystem under --path.rootfs.
+    """
+
+    def __init__(self, sysfs: str = "/sys", mountinfo: str = "/proc/self/mountinfo", rootfs: str = "/") -> None:
+        self.sysfs = sysfs
+        self.rootfs = rootfs
+        self.mounts = read_mountinfo(mountinfo)
+
+    def of_path(self, path: str) -> FileDevice:
+        st = os.stat(path)
+        return self.of_dev(os.major(st.st_dev), os.minor(st.st_dev))
+
+    def of_dev(self, major: int, minor: int, depth: int = 0) -> FileDevice:
+        mounts = [m for m in self.mounts if (m.major, m.minor) == (major, minor)]
+        fstype = mounts[0].fstype if mounts else ""
+        name = device_by_number(self.sysfs, major, minor)
+        if name is not None:
+            return FileDevice(name, fstype, major, minor)
+        for mount in mounts:
+            found = self._through_mount(mount, depth)
+            if found:
+                return FileDevice(found, fstype, major, minor)
+        return FileDevice("", fstype, major, minor)
+
+    def _host(self, path: str) -> str:
+        return path if self.rootfs in ("", "/") else os.path.join(self.rootfs, path.lstrip("/"))
+
+    def _through_mount(self, mount: Mount, depth: int) -> str | None:
+        if mount.source.startswith("/dev/"):
+            return self._device_node(mount.source)
+        if mount.fstype == "overlay" and depth < 4:
+            options = dict(option.partition("=")[::2] for option in mount.super_options.split(","))
+            directory = options.get("upperdir") or options.get("lowerdir", "").split(":")[0]
+            if directory:
+                try:
+                    st = os.stat(self._host(directory))
+                except OSError:
+                    return None
+                return self.of_dev(os.major(st.st_dev), os.minor(st.st_dev), depth + 1).device or None
+        return None
+
+    def _device_node(self, node: str) -> str | None:
+        try:
+            st = os.stat(self._host(node))
+            if stat.S_ISBLK(st.st_mode):
+                return device_by_number(self.sysfs, os.major(st.st_rdev), os.minor(st.st_rdev))
+        except OSError:
+            pass
+        base = os.path.basename(node)
+        if os.path.exists(os.path.join(self.sysfs, "class", "block", base)):
+            return base
+        if node.startswith("/dev/mapper/"):  # a dm device by its dm name
+            for disk in _listdir(os.path.join(self.sysfs, "block")):
+                if read_attribute(os.path.join(self.sysfs, "block", disk, "dm", "name")) == base:
+                    return disk
+        return None

@@ -69,6 +69,11 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print("usage: gpuio scrape [exporter flags]   print one scrape of this machine in the text format\n"
+              "       gpuio top [--once|--json] [--url URL] [exporter flags]   live view of disks, IO pressure, "
+              "GPUs, engines\n"
+              "       gpuio engines [--spool-dir DIR] [--path GLOB] [--json]   engines on this node: size, "
+              "residency, disk, GPU\n"
+              "       gpuio warm PATH... [--jobs N] [--json]   read engine files into the page cache, print MiB/s\n"
               "       gpuio --version")
         raise SystemExit(0 if args else 2)
     if args[0] == "--version":
@@ -82,5 +87,17 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
         finally:
             scraper.stop()
         return
-    print(f"gpuio: error: unknown command {args[0]!r}; accepted: scrape", file=sys.stderr)
+    if args[0] == "top":
+        from .top import main as top_main
+
+        raise SystemExit(top_main(args[1:]))
+    if args[0] == "engines":
+        from .engines_cli import engines_main
+
+        raise SystemExit(engines_main(args[1:]))
+    if args[0] == "warm":
+        from .engines_cli import warm_main
+
+        raise SystemExit(warm_main(args[1:]))
+    print(f"gpuio: error: unknown command {args[0]!r}; accepted: scrape, top, engines, warm", file=sys.stderr)
     raise SystemExit(2)

@@ -10,7 +10,8 @@ the family headers differ (OpenMetrics names counters without ``_total`` and has
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -18,6 +19,7 @@ OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset
 COUNTER = "counter"
 GAUGE = "gauge"
 INFO = "info"  # a gauge of value 1 named *_info; OpenMetrics has a type of its own for it
+HISTOGRAM = "histogram"  # sample lines from histogram_samples(): _bucket (cumulative, le), _sum, _count
 
 
 def escape_label_value(value: str) -> str:
@@ -72,6 +74,34 @@ class Desc:
 
     def family(self, samples: list[str]) -> Family:
         return Family(self, samples)
+
+
+@lru_cache(maxsize=64)
+def _le_values(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    return (*(format_value(float(bound)) for bound in bounds), "+Inf")
+
+
+def _format_count(value: float) -> str:
+    return str(int(value)) if value.is_integer() and abs(value) < 2**63 else format_value(value)
+
+
+def histogram_samples(desc: Desc, labels: str, bounds: tuple[float, ...], counts: Sequence[float],
+                      total: float) -> list[str]:
+    """The ``_bucket``/``_sum``/``_count`` lines of one histogram series (a Desc of kind HISTOGRAM).
+
+    ``counts`` holds one count per bucket, *not* cumulative, the last one for +Inf (so it is one
+    longer than ``bounds``); the lines are cumulative, as both formats require.  ``labels`` comes
+    from :func:`label_string`; ``le`` is appended to it.
+    """
+    prefix = f"{desc.name}_bucket{labels[:-1]}," if labels else f"{desc.name}_bucket{{"
+    lines = []
+    running = 0.0
+    for le, count in zip(_le_values(bounds), counts, strict=True):
+        running += count
+        lines.append(f'{prefix}le="{le}"}} {_format_count(running)}\n')
+    lines.append(f"{desc.name}_sum{labels} {format_value(float(total))}\n")
+    lines.append(f"{desc.name}_count{labels} {_format_count(running)}\n")
+    return lines
 
 
 class Family:

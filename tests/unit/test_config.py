@@ -8,6 +8,7 @@ import pytest
 
 from exporter import collectors  # noqa: F401  (registers the collectors, which creates their flags)
 from exporter.cli import build_scraper
+from exporter.collect import REGISTRY
 from exporter.config import ConfigError, env_name, parse_args, parse_listen_address, parse_seconds
 from tests.conftest import REPO
 
@@ -16,7 +17,8 @@ def test_defaults() -> None:
     config = parse_args([], environ={})
     assert (config.listen_host, config.listen_port) == ("", 9817)
     assert config.telemetry_path == "/metrics"
-    assert config.enabled == {"diskstats": True, "pressure": True}
+    assert config.enabled == {name: cls.default_enabled for name, cls in REGISTRY.items()}
+    assert config.enabled["diskstats"] and config.enabled["pressure"]
     assert config.collector_timeout == 2.0
 
 
@@ -31,7 +33,7 @@ def test_collector_switches_and_their_environment_twins() -> None:
     assert parse_args(["--no-collector.pressure"], environ={}).enabled["pressure"] is False
     assert parse_args([], environ={"GPUIO_COLLECTOR_PRESSURE": "false"}).enabled["pressure"] is False
     config = parse_args(["--collector.disable-defaults", "--collector.diskstats"], environ={})
-    assert config.enabled == {"diskstats": True, "pressure": False}
+    assert {name for name, on in config.enabled.items() if on} == {"diskstats"}
 
 
 def test_collector_options_are_flags() -> None:

@@ -1,0 +1,340 @@
+"""Engine metrics: gpuio's spool against prometheus_client's multiprocess mode, measured in the same run.
+
+1. observe() cost, per call: gpuio's Histogram.observe (a bisect and two stores into the process's
+   mapped spool file) against prometheus_client's Histogram.observe in its default single-process
+   mode (child cached) and in its multiprocess mode (PROMETHEUS_MULTIPROC_DIR).  Each runs in a
+   fresh subprocess (the multiprocess mode is chosen at import); 400 batches of 1,000 calls over a
+   fixed list of latencies spread across the buckets; per-call p50 and p99 over batches.
+2. Scrape time with 10, 100 and 1,000 live processes and with 1,000 dead ones, one engine per
+   process (10 distinct engine names), every series the library writes (8 histograms, counters,
+   gauges, an error reason, an info record).  gpuio: the engines collector's collect() + render,
+   the writers held by a helper process (its locks are what the reader probes), and before every
+   timed scrape the helper observes into every file (untimed), so no file can be served from the
+   reader's cache.  prometheus_client: MultiProcessCollector + generate_latest over the same
+   series for the same number of pids (its files of dead pids are read like live ones).
+3. Page-cache residency scan of a big file (default 10 GiB, written in full, half of it cached):
+   cachestat, mincore, and util-linux fincore as the peer.
+
+    .venv/bin/python bench/engines_bench.py                     # all of it
+    .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+ENGINES = 10
+BATCH = 1000
+BATCHES = 400
+
+# --------------------------------------------------------------------------------------------------
+# 1. observe()
+# --------------------------------------------------------------------------------------------------
+
+OBSERVE = r"""
+import json, os, random, sys, time
+sys.path.insert(0, REPO)
+mode = sys.argv[1]
+from exporter.instrument.spool import LATENCY_BOUNDS
+random.seed(1)
+values = [random.choice(LATENCY_BOUNDS) * random.uniform(0.5, 1.0) for _ in range(BATCH)]
+if mode == "gpuio":
+    from exporter import instrument
+    instrument.configure(sys.argv[2])
+    observe = instrument.engine("resnet50").inference_seconds.observe
+elif mode == "gpuio-infer":
+    from exporter import instrument
+    instrument.configure(sys.argv[2])
+    metrics = instrument.engine("resnet50")
+    def observe(value, infer=metrics.infer):
+        with infer():
+            pass
+else:
+    if mode == "prometheus-multiprocess":
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[2]
+    from prometheus_client import Histogram
+    observe = Histogram("inference_seconds", "h", ["engine"], buckets=LATENCY_BOUNDS,
+                        registry=None).labels("resnet50").observe
+per_call = []
+clock = time.perf_counter_ns
+for _ in range(BATCHES):
+    start = clock()
+    for value in values:
+        observe(value)
+    per_call.append((clock() - start) / BATCH)
+print(json.dumps(per_call))
+"""
+
+
+def observe_costs() -> dict[str, list[float]]:
+    results = {}
+    script = OBSERVE.replace("REPO", repr(REPO)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
+    for mode in ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer"):
+        directory = tempfile.mkdtemp(prefix="gpuio-bench-observe-")
+        try:
+            output = subprocess.run([sys.executable, "-c", script, mode, directory], check=True,
+                                    capture_output=True, text=True).stdout
+        finally:
+            shutil.rmtree(directory)
+        results[mode] = json.loads(output)
+    return results
+
+
+def report_observe(results: dict[str, list[float]]) -> None:
+    print("observe() per call (ns), 400 batches of 1,000 calls, each mode in a fresh process")
+    print(f"  {'':34s} {'p50':>7s} {'p99':>7s}  {'p50 / gpuio':>11s}")
+    base = statistics.median(results["gpuio"])
+    names = {"gpuio": "gpuio Histogram.observe", "prometheus": "prometheus_client (single process)",
+             "prometheus-multiprocess": "prometheus_client multiprocess",
+             "gpuio-infer": "gpuio `with infer():` (whole wrapper)"}
+    for mode, label in names.items():
+        values = sorted(results[mode])
+        p50, p99 = statistics.median(values), values[int(len(values) * 0.99) - 1]
+        print(f"  {label:34s} {p50:7.0f} {p99:7.0f}  {p50 / base:11.2f}")
+    print(f"  ratio gpuio / prometheus_client: single-process {base / statistics.median(results['prometheus']):.2f}, "
+          f"multiprocess {base / statistics.median(results['prometheus-multiprocess']):.2f} (below 1: gpuio faster)")
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. scrapes
+# --------------------------------------------------------------------------------------------------
+
+
+def writer_helper(directory: str, count: int) -> None:
+    """Holds ``count`` spool writers (one engine each); on "tick" observes into every one."""
+    from exporter.instrument import spool as fmt
+    from exporter.instrument.metrics import EngineMetrics
+
+    writers = []
+    for index in range(count):
+        file = fmt.SpoolFile(directory, 64 * 1024)
+        metrics = EngineMetrics(f"engine{index % ENGINES}", file)
+        fill(metrics, index)
+        writers.append((file, metrics))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "tick":
+            for _, metrics in writers:
+                metrics.inference_seconds.observe(0.004)
+            print("done", flush=True)
+        elif line.strip() == "exit":
+            for file, _ in writers:
+                file.close()
+            print("closed", flush=True)
+            return
+
+
+def fill(metrics: object, index: int) -> None:
+    """Every series the library writes, a few observations each."""
+    for value in (0.002, 0.004, 0.03):
+        for name in ("inference_seconds", "inference_gpu_seconds", "pool_wait_seconds", "first_inference_seconds"):
+            getattr(metrics, name).observe(value)
+    for name in ("load_read_seconds", "load_deserialize_seconds", "warmup_seconds"):
+        getattr(metrics, name).observe(1.5)
+    metrics.batch_size.observe(8)  # type: ignore[attr-defined]
+    metrics.load_read_bytes.inc(1 << 30)  # type: ignore[attr-defined]
+    metrics.pool_contexts.inc(2)  # type: ignore[attr-defined]
+    metrics.pool_idle.inc(2)  # type: ignore[attr-defined]
+    metrics.error("timeout")  # type: ignore[attr-defined]
+    metrics.set_info(f"/models/engine{index % ENGINES}.engine", 0, "GPU-00000000-0000-0000-0000-000000000000",
+                     "tensorrt")  # type: ignore[attr-defined]
+
+
+PROMETHEUS_FILES = r"""
+import os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+sys.path.insert(0, REPO)
+from prometheus_client import Counter, Gauge, Histogram, values
+from exporter.instrument.spool import BATCH_BOUNDS, LATENCY_BOUNDS, LOAD_BOUNDS
+HISTOGRAMS = {"inference_seconds": LATENCY_BOUNDS, "inference_gpu_seconds": LATENCY_BOUNDS,
+              "pool_wait_seconds": LATENCY_BOUNDS, "first_inference_seconds": LATENCY_BOUNDS,
+              "load_read_seconds": LOAD_BOUNDS, "load_deserialize_seconds": LOAD_BOUNDS,
+              "warmup_seconds": LOAD_BOUNDS, "batch_size": BATCH_BOUNDS}
+for pid in range(1, int(sys.argv[2]) + 1):
+    values.ValueClass = values.MultiProcessValue(lambda pid=pid: pid)  # one set of files per pid
+    engine = f"engine{pid % 10}"
+    for name, bounds in HISTOGRAMS.items():
+        histogram = Histogram(f"gpuio_engine_{name}", "h", ["engine"], buckets=bounds, registry=None).labels(engine)
+        for value in ((8,) if name == "batch_size" else (1.5,) if bounds is LOAD_BOUNDS else (0.002, 0.004, 0.03)):
+            histogram.observe(value)
+    Counter("gpuio_engine_load_read_bytes", "c", ["engine"], registry=None).labels(engine).inc(1 << 30)
+    Counter("gpuio_engine_errors", "c", ["engine", "reason"], registry=None).labels(engine, "timeout").inc()
+    for name in ("pool_contexts", "pool_idle_contexts", "inferences_in_flight"):
+        Gauge(f"gpuio_engine_{name}", "g", ["engine"], multiprocess_mode="livesum",
+              registry=None).labels(engine).inc(2)
+    values.close_all_multiprocess_files() if hasattr(values, "close_all_multiprocess_files") else None
+"""
+
+
+def timed(function: object, repeats: int, before: object = None) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()  # type: ignore[operator]
+        start = time.perf_counter()
+        function()  # type: ignore[operator]
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def engines_collector_class() -> Any:
+    """The engines collector, also where exporter.collectors' other collectors cannot import."""
+    try:
+        return importlib.import_module("exporter.collectors.engines").EnginesCollector
+    except ImportError:
+        package = types.ModuleType("exporter.collectors")
+        package.__path__ = [os.path.join(REPO, "exporter", "collectors")]
+        sys.modules["exporter.collectors"] = package
+        return importlib.import_module("exporter.collectors.engines").EnginesCollector
+
+
+def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[list[float], float | None]:
+    from exporter.collect import Context
+    from exporter.exposition import render
+
+    EnginesCollector = engines_collector_class()  # noqa: N806
+
+    directory = tempfile.mkdtemp(prefix="gpuio-bench-spool-")
+    helper = subprocess.Popen([sys.executable, __file__, "--writer-helper", directory, str(count)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert helper.stdin is not None and helper.stdout is not None
+    try:
+        assert helper.stdout.readline().strip() == "ready"
+        options = {"spool-dir": directory, "path": (), "max-engines": 200, "max-files": 1000,
+                   "residency-interval": 3600.0}
+        collector = EnginesCollector(Context(), options)
+
+        def scrape() -> None:
+            render(collector.collect())
+
+        def tick() -> None:
+            helper.stdin.write("tick\n")  # type: ignore[union-attr]
+            helper.stdin.flush()  # type: ignore[union-attr]
+            assert helper.stdout.readline().strip() == "done"  # type: ignore[union-attr]
+
+        fold = None
+        if dead:
+            helper.stdin.write("exit\n")
+            helper.stdin.flush()
+            assert helper.stdout.readline().strip() == "closed"
+            helper.wait()
+            fold = timed(scrape, 1)[0]  # the first scrape folds every dead file and removes it
+            assert not os.listdir(directory)
+            return timed(scrape, repeats), fold
+        scrape()
+        return timed(scrape, repeats, tick), fold
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+            helper.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def prometheus_scrapes(count: int, repeats: int) -> list[float]:
+    directory = tempfile.mkdtemp(prefix="gpuio-bench-prom-")
+    try:
+        subprocess.run([sys.executable, "-c", PROMETHEUS_FILES.replace("REPO", repr(REPO)), directory, str(count)],
+                       check=True)
+        code = (f"import sys, time, json; from prometheus_client import CollectorRegistry, generate_latest; "
+                f"from prometheus_client.multiprocess import MultiProcessCollector; r = CollectorRegistry(); "
+                f"MultiProcessCollector(r, path={directory!r}); t = []\n"
+                f"for _ in range({repeats}):\n    s = time.perf_counter(); generate_latest(r); "
+                f"t.append(time.perf_counter() - s)\nprint(json.dumps(t))")
+        output = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+        return json.loads(output)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def report_scrapes(repeats: int) -> None:
+    print("\nscrape time (ms, p50 over scrapes): engines collector collect()+render vs prometheus_client "
+          "MultiProcessCollector+generate_latest; 10 engines")
+    print(f"  {'processes':>22s} {'gpuio':>9s} {'prometheus_client':>18s} {'gpuio / prom':>13s}")
+    for count, dead in ((10, False), (100, False), (1000, False), (1000, True)):
+        ours, fold = gpuio_scrapes(count, dead, repeats)
+        theirs = prometheus_scrapes(count, repeats)
+        a, b = statistics.median(ours) * 1000, statistics.median(theirs) * 1000
+        label = f"{count} {'dead' if dead else 'live'}"
+        print(f"  {label:>22s} {a:9.2f} {b:18.2f} {a / b:13.3f}")
+        if fold is not None:
+            print(f"  {'(first scrape: fold)':>22s} {fold * 1000:9.2f}   "
+                  f"(folds and removes all {count} dead files once)")
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. residency
+# --------------------------------------------------------------------------------------------------
+
+
+def report_residency(gib: float, directory: str) -> None:
+    from exporter import pagecache
+
+    size = int(gib * (1 << 30))
+    free = shutil.disk_usage(directory).free
+    if free < size * 2:
+        size = (free // 4) & ~((1 << 20) - 1)
+        print(f"\n(only {free / 2**30:.1f} GiB free: residency file reduced to {size / 2**30:.1f} GiB)")
+    path = os.path.join(directory, "gpuio-bench-residency.bin")
+    print(f"\nresidency scan of a {size / 2**30:.1f} GiB file written in full, first half in the page cache")
+    try:
+        chunk = os.urandom(1 << 20) * 16
+        with open(path, "wb") as handle:
+            for _ in range(size // len(chunk)):
+                handle.write(chunk)
+            os.fsync(handle.fileno())
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        offset, half = 0, size // 2
+        while offset < half:
+            offset += len(os.pread(fd, min(64 << 20, half - offset), offset))
+        os.close(fd)
+        for method in ("cachestat", "mincore"):
+            result = pagecache.residency(path, method)
+            times = timed(lambda method=method: pagecache.residency(path, method), 5)
+            print(f"  {method:10s} {statistics.median(times) * 1000:9.2f} ms  (ratio {result.ratio:.3f})")
+        fincore = shutil.which("fincore")
+        if fincore:
+            times = timed(lambda: subprocess.run([fincore, "--bytes", path], check=True, capture_output=True), 5)
+            print(f"  {'fincore':10s} {statistics.median(times) * 1000:9.2f} ms  (util-linux, mincore, process start "
+                  "included)")
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--writer-helper", nargs=2, metavar=("DIR", "COUNT"), help=argparse.SUPPRESS)
+    parser.add_argument("--scrapes", type=int, default=30)
+    parser.add_argument("--residency-gib", type=float, default=10.0)
+    parser.add_argument("--residency-dir", default=tempfile.gettempdir())
+    parser.add_argument("--skip-residency", action="store_true")
+    args = parser.parse_args()
+    if args.writer_helper:
+        writer_helper(args.writer_helper[0], int(args.writer_helper[1]))
+        return
+    print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, kernel {os.uname().release}\n")
+    report_observe(observe_costs())
+    report_scrapes(args.scrapes)
+    if not args.skip_residency:
+        report_residency(args.residency_gib, args.residency_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""Engines: what inference processes report through the spool, and what the exporter sees of engine files.
+
+Two sources (docs/engines.md):
+
+* the spool directory (``--collector.engines.spool-dir``): per-engine load, inference, pool and layer
+  series merged over every live process, plus the folded totals of processes that exited
+  (:class:`exporter.instrument.spool.SpoolReader`); read on the scrape path (file reads only);
+* engine files, named by the processes (their load path) and by ``--collector.engines.path`` globs:
+  size, mtime, the block device under them (st_dev -> /sys/dev/block, mountinfo for overlayfs and
+  btrfs) and their page-cache residency.  Residency scans of big files run in a background
+  :class:`PeriodicSampler`, never on the scrape path; the scrape renders the last scan.
+
+``gpuio_engine_info{engine, path, device, cuda_device, gpu_uuid, runtime}`` joins an engine to its
+disk and its GPU; ``gpuio_engine_physical_device_info`` names the whole disks under the device, the
+same way ``gpuio_disk_physical_device_info`` does, so rules can go engine -> disk -> diskstats.
+
+Bounded: at most ``max-engines`` engines (the ones already exported keep their place), 64 layers and
+32 error reasons per engine, ``max-files`` files from globs; what does not fit is counted in
+``gpuio_engine_dropped_series_total{kind}`` (once per distinct name).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..blockdev import BlockDevices, PathDevices
+from ..collect import Collector, Context, Option, register
+from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
+from ..instrument import spool as fmt
+from ..instrument.load import engine_name
+from ..logsetup import LogOnce
+from ..pagecache import Unavailable, residency
+from ..sampler import PeriodicSampler
+
+log = logging.getLogger("gpuio.collector.engines")
+
+MAX_LAYERS = 64
+MAX_ERRORS = 32
+DEVICE_CACHE_SECONDS = 60.0
+DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
+
+
+# The config module pulls in the web stack (TLS, bcrypt, yaml); this collector also runs inside
+# tools and GPU test scripts that have none of it, so it parses its few options itself.
+def _parse_seconds(value: str) -> float:
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    text = value.strip()
+    unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
+    try:
+        seconds = float(text[: len(text) - len(unit)]) * scale[unit or "s"]
+    except ValueError:
+        raise ValueError("not a duration") from None
+    if not seconds > 0:
+        raise ValueError("must be above zero")
+    return seconds
+
+
+def _parse_count(value: str) -> int:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError("not a whole number above zero")
+    return int(value)
+
+
+def _parse_globs(value: str) -> tuple[str, ...]:
+    patterns = tuple(part.strip() for part in value.split(",") if part.strip())
+    for pattern in patterns:
+        if not os.path.isabs(pattern):
+            raise ValueError(f"{pattern!r} is not an absolute path")
+    return patterns
+
+
+def _parse_directory_name(value: str) -> str:
+    if not value or not os.path.isabs(value):
+        raise ValueError("not an absolute path")
+    return value  # may not exist yet: processes and the exporter start in any order
+
+
+def _histogram_desc(name: str, text: str) -> Desc:
+    return Desc(f"gpuio_engine_{name}", HISTOGRAM, text)
+
+
+HISTOGRAM_DESCS = {
+    "load_read_seconds": _histogram_desc(
+        "load_read_seconds", "Time to read engine files from disk or page cache, per load (the disk's part)."),
+    "load_deserialize_seconds": _histogram_desc(
+        "load_deserialize_seconds", "Time to deserialize engines once read (TensorRT deserialize_cuda_engine "
+        "or the model loader), per load."),
+    "inference_seconds": _histogram_desc(
+        "inference_seconds", "End-to-end latency of completed inferences (enqueue to stream synchronised)."),
+    "inference_gpu_seconds": _histogram_desc(
+        "inference_gpu_seconds", "GPU time of inferences from CUDA events, where the process measures it."),
+    "batch_size": _histogram_desc("inference_batch_size", "Batch size of inferences, where known."),
+    "pool_wait_seconds": _histogram_desc(
+        "pool_wait_seconds", "Time requests waited for a free execution context in the engine pool."),
+    "warmup_seconds": _histogram_desc(
+        "warmup_seconds", "Warm-up time of each execution context before it served (all warm-up iterations)."),
+    "first_inference_seconds": _histogram_desc(
+        "first_inference_seconds", "Latency of each execution context's first inference (cold), to compare "
+        "with the steady inference latency."),
+}
+LOAD_BYTES = Desc("gpuio_engine_load_read_bytes_total", COUNTER, "Bytes read from engine files by loads.")
+ERRORS = Desc("gpuio_engine_errors_total", COUNTER,
+              "Failed loads and inferences by reason (enqueue_failed, timeout, pool_timeout, out_of_memory, "
+              "load_read_failed, load_deserialize_failed, an exception name, other).")
+LAYER_SECONDS = Desc("gpuio_engine_layer_seconds_total", COUNTER,
+                     "Time spent in each layer during profiled inferences (top layers; the rest is '(other)').")
+PROFILED = Desc("gpuio_engine_layer_profiled_inferences_total", COUNTER,
+                "Inferences profiled per layer (sampled 1 in N); divide layer seconds by this for a mean.")
+IN_FLIGHT = Desc("gpuio_engine_inferences_in_flight", GAUGE, "Inferences running now.")
+POOL_CONTEXTS = Desc("gpuio_engine_pool_contexts", GAUGE, "Execution contexts in engine pools.")
+POOL_IDLE = Desc("gpuio_engine_pool_idle_contexts", GAUGE, "Execution contexts free in engine pools.")
+PROCESSES = Desc("gpuio_engine_processes", GAUGE, "Live processes reporting the engine through the spool.")
+LAST_LOAD = Desc("gpuio_engine_last_load_timestamp_seconds", GAUGE, "When the engine was last loaded.")
+ENGINE_INFO = Desc("gpuio_engine_info", INFO,
+                   "An engine file as loaded by a live process: its block device and its GPU (for joins).")
+PHYSICAL_INFO = Desc("gpuio_engine_physical_device_info", INFO,
+                     "The whole disks at the bottom of an engine file's device stack.")
+FILE_SIZE = Desc("gpuio_engine_file_size_bytes", GAUGE, "Size of an engine file.")
+FILE_MTIME = Desc("gpuio_engine_file_modified_timestamp_seconds", GAUGE, "Last modification time of an engine file.")
+FILE_CACHED = Desc("gpuio_engine_file_cached_bytes", GAUGE,
+                   "Bytes of an engine file in the page cache at the last residency scan.")
+FILE_RATIO = Desc("gpuio_engine_file_cached_ratio", GAUGE,
+                  "Fraction (0-1) of an engine file in the page cache at the last residency scan.")
+RESIDENCY_UNAVAILABLE = Desc("gpuio_engine_file_residency_unavailable", GAUGE,
+                             "Engine files whose residency could not be measured truthfully at the last scan, "
+                             "by reason (permission: the kernel refuses or fakes it without write access).")
+SCAN_DURATION = Desc("gpuio_engine_residency_scan_duration_seconds", GAUGE,
+                     "How long the last background scan of engine files took.")
+SCAN_TIME = Desc("gpuio_engine_residency_scan_timestamp_seconds", GAUGE,
+                 "When the last background scan of engine files finished.")
+SPOOL_PROCESSES = Desc("gpuio_engine_spool_processes", GAUGE, "Live processes with a spool file.")
+SPOOL_FOLDED = Desc("gpuio_engine_spool_folded_processes_total", COUNTER,
+                    "Spool files of exited processes whose totals were folded in.")
+SPOOL_ERRORS = Desc("gpuio_engine_spool_errors_total", COUNTER,
+                    "Spool files skipped or damaged, by reason (empty, truncated, version, garbage, record, io, "
+                    "vanished), counted once per file.")
+WRITER_DROPS = Desc("gpuio_engine_spool_writer_dropped_series_total", COUNTER,
+                    "Series processes could not record because their spool file was full.")
+DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
+               "Distinct engines, layers, error reasons and files left out by the exporter's caps, by kind.")
+
+
+@dataclass(frozen=True)
+class Target:
+    engine: str
+    path: str
+    dev: tuple[int, int] | None  # the st_dev the process saw; None for files from globs
+    ino: int | None
+
+
+@dataclass(frozen=True)
+class FileView:
+    engine: str
+    path: str
+    from_glob: bool  # named only by --collector.engines.path (no process reports it)
+    dev: tuple[int, int] | None
+    size: int | None
+    mtime: float | None
+    cached_bytes: int | None
+    unavailable: str | None  # why there is no residency
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    files: dict[tuple[str, str], FileView]
+    duration: float
+    finished: float
+
+
+@register
+class EnginesCollector(Collector):
+    name = "engines"
+    options = (
+        Option("spool-dir", fmt.DEFAULT_DIR, _parse_directory_name, "an absolute directory path",
+               "Directory where inference processes write their spool files (GPUIO_SPOOL_DIR in them)."),
+        Option("path", "", _parse_globs, "comma-separated absolute glob patterns, e.g. /models/*.engine",
+               "Engine files to watch (size, residency, device) even when no process reports them."),
+        Option("max-engines", "200", _parse_count, "a whole number above zero", "At most this many engines."),
+        Option("max-files", "1000", _parse_count, "a whole number above zero",
+               "At most this many files from --collector.engines.path."),
+        Option("residency-interval", "30s", _parse_seconds, DURATION_ACCEPTED,
+               "How often the background scan measures engine files' page-cache residency and devices."),
+    )
+
+    def __init__(self, context: Context, options: dict[str, Any], read_only: bool = False) -> None:
+        super().__init__(context, options)
+        self.spool_dir: str = options.get("spool-dir") or fmt.DEFAULT_DIR
+        self.globs: tuple[str, ...] = options.get("path") or ()
+        self.max_engines: int = options.get("max-engines") or 200
+        self.max_files: int = options.get("max-files") or 1000
+        self.reader = fmt.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
+                                      remove_dead=not read_only)
+        self.scanner: PeriodicSampler[ScanResult] = PeriodicSampler(
+            "engine-files", options.get("residency-interval") or 30.0, self.scan_files, log)
+        self._targets: dict[tuple[str, str], Target] = {}
+        self._targets_lock = threading.Lock()
+        self._exported: set[str] = set()
+        self._dropped: dict[str, set[Any]] = {}
+        self._labels: dict[str, str] = {}
+        self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
+        self._devices: dict[tuple[int, int], tuple[float, str, list[str]]] = {}
+        self._bad = LogOnce(log)
+
+    def start(self) -> None:
+        self.scanner.start()
+
+    def stop(self) -> None:
+        self.scanner.stop()
+
+    # --- the scrape ----------------------------------------------------------------------------
+
+    def collect(self) -> list[Family]:
+        has_spool = os.path.isdir(self.spool_dir)
+        if not has_spool and not self.globs:
+            return []  # no such source here
+        totals = self.reader.read() if has_spool else fmt.Totals()
+        engines = self._select(totals)
+        families = self._engine_families(totals, engines)
+        families += self._info_families(totals, engines)
+        families += self._file_families()
+        families += self._spool_families(totals)
+        return families
+
+    def _select(self, totals: fmt.Totals) -> list[str]:
+        """At most max-engines engines; those exported before keep their place."""
+        names = sorted(totals.engines)
+        if len(names) <= self.max_engines:
+            self._exported = set(names)
+            return names
+        kept = [name for name in names if name in self._exported][: self.max_engines]
+        for name in names:
+            if len(kept) >= self.max_engines:
+                break
+            if name not in kept:
+                kept.append(name)
+        chosen = set(kept)
+        for name in names:
+            if name not in chosen:
+                self._drop("engine", name)
+        self._exported = chosen
+        return sorted(kept)
+
+    def _drop(self, kind: str, key: Any) -> None:
+        seen = self._dropped.setdefault(kind, set())
+        if len(seen) < 100_000:
+            seen.add(key)
+
+    def _label(self, engine: str) -> str:
+        labels = self._labels.get(engine)
+        if labels is None:
+            if len(self._labels) > 10_000:
+                self._labels.clear()
+            labels = self._labels[engine] = label_string({"engine": engine})
+        return labels
+
+    def _engine_families(self, totals: fmt.Totals, engines: list[str]) -> list[Family]:
+        layout = fmt.ENGINE_LAYOUT
+        histogram_names = list(HISTOGRAM_DESCS)
+        columns: list[list[str]] = [[] for _ in histogram_names]
+        load_bytes, profiled, in_flight, contexts, idle, processes, last_load = [], [], [], [], [], [], []
+        rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
+        for engine in engines:
+            values = totals.engines[engine]
+            labels = self._label(engine)
+            cached = self._rendered.get(engine)
+            if cached is not None and cached[0] == values:
+                lines = cached[1]
+            else:
+                lines = []
+                for name in histogram_names:
+                    first, total, bounds = layout.histograms[name]
+                    lines.append(histogram_samples(HISTOGRAM_DESCS[name], labels, bounds, values[first:total],
+                                                   values[total]))
+            rendered[engine] = (values, lines)
+            for column, block in zip(columns, lines, strict=True):
+                column.extend(block)
+            load_bytes.append(LOAD_BYTES.sample(labels, values[layout.counters["load_read_bytes"]]))
+            profiled.append(PROFILED.sample(labels, values[layout.counters["layer_profiled_inferences"]]))
+            in_flight.append(IN_FLIGHT.sample(labels, max(0.0, values[layout.gauges["in_flight"]])))
+            contexts.append(POOL_CONTEXTS.sample(labels, max(0.0, values[layout.gauges["pool_contexts"]])))
+            idle.append(POOL_IDLE.sample(labels, max(0.0, values[layout.gauges["pool_idle"]])))
+            processes.append(PROCESSES.sample(labels, totals.processes.get(engine, 0)))
+            if engine in totals.last_load:
+                last_load.append(LAST_LOAD.sample(labels, totals.last_load[engine]))
+        self._rendered = rendered
+        families = [Family(HISTOGRAM_DESCS[name], column) for name, column in zip(histogram_names, columns,
+                                                                                   strict=True)]
+        families += [Family(LOAD_BYTES, load_bytes), Family(IN_FLIGHT, in_flight), Family(POOL_CONTEXTS, contexts),
+                     Family(POOL_IDLE, idle), Family(PROCESSES, processes), Family(LAST_LOAD, last_load),
+                     Family(PROFILED, profiled)]
+        families.append(self._labelled(ERRORS, totals.errors, engines, "reason", MAX_ERRORS, "error"))
+        families.append(self._labelled(LAYER_SECONDS, {k: v[0] for k, v in totals.layers.items()}, engines,
+                                       "layer", MAX_LAYERS, "layer"))
+        return families
+
+    def _labelled(self, desc: Desc, table: dict[tuple[str, str], float], engines: list[str], label: str,
+                  cap: int, kind: str) -> Family:
+        wanted = set(engines)
+        per_engine: dict[str, int] = {}
+        samples = []
+        for (engine, value_label), value in sorted(table.items()):
+            if engine not in wanted:
+                continue
+            if per_engine.get(engine, 0) >= cap:
+                self._drop(kind, (engine, value_label))
+                continue
+            per_engine[engine] = per_engine.get(engine, 0) + 1
+            samples.append(desc.sample(label_string({"engine": engine, label: value_label}), value))
+        return Family(desc, samples)
+
+    # --- engine -> file -> disk, GPU -------------------------------------------------------------
+
+    def _info_families(self, totals: fmt.Totals, engines: list[str]) -> list[Family]:
+        info, physical = [], []
+        seen: set[str] = set()
+        targets: dict[tuple[str, str], Target] = {}
+        for engine in engines:
+            for item in totals.infos.get(engine, []):
+                device, disks = self._device(item.dev)
+                labels = {"engine": engine, "path": item.path, "device": device,
+                          "cuda_device": "" if item.cuda_device < 0 else str(item.cuda_device),
+                          "gpu_uuid": item.gpu_uuid, "runtime": item.runtime}
+                text = label_string(labels)
+                if text in seen:
+                    continue
+                seen.add(text)
+                info.append(ENGINE_INFO.sample(text, 1))
+                for disk in disks:
+                    line = PHYSICAL_INFO.sample(label_string({"engine": engine, "path": item.path,
+                                                              "physical_device": disk}), 1)
+                    if line not in physical:
+                        physical.append(line)
+                targets[(engine, item.path)] = Target(engine, item.path, item.dev, item.ino)
+        with self._targets_lock:
+            self._targets = targets
+        # Files only the globs name: the same join, with no GPU (no process has them loaded).
+        scan = self.scanner.snapshot().value
+        for view in scan.files.values() if scan is not None else ():
+            if not view.from_glob or view.dev is None:
+                continue
+            device, disks = self._device(view.dev)
+            info.append(ENGINE_INFO.sample(label_string({"engine": view.engine, "path": view.path, "device": device,
+                                                         "cuda_device": "", "gpu_uuid": "", "runtime": ""}), 1))
+            physical.extend(PHYSICAL_INFO.sample(label_string({"engine": view.engine, "path": view.path,
+                                                               "physical_device": disk}), 1) for disk in disks)
+        return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical)]
+
+    def _device(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
+        """The block device behind st_dev MAJ:MIN and the whole disks under it (sysfs reads, cached)."""
+        if dev == (0, 0):
+            return "", []
+        now = time.monotonic()
+        cached = self._devices.get(dev)
+        if cached is not None and now - cached[0] < DEVICE_CACHE_SECONDS:
+            return cached[1], cached[2]
+        mountinfo = os.path.join(self.context.procfs, "1", "mountinfo")
+        if not os.path.exists(mountinfo):
+            mountinfo = os.path.join(self.context.procfs, "self", "mountinfo")
+        resolved = PathDevices(self.context.sysfs, mountinfo, self.context.rootfs).of_dev(*dev)
+        disks = BlockDevices(self.context.sysfs).physical(resolved.device) if resolved.device else []
+        if len(self._devices) > 10_000:
+            self._devices.clear()
+        self._devices[dev] = (now, resolved.device, disks)
+        return resolved.device, disks
+
+    # --- files: background scan ----------------------------------------------------------------
+
+    def _host_path(self, path: str) -> str:
+        root = self.context.rootfs
+        return path if root in ("", "/") else os.path.join(root, path.lstrip("/"))
+
+    def scan_files(self) -> ScanResult:
+        """Stat and measure residency of every target file (runs on the sampler's thread)."""
+        start = time.perf_counter()
+        with self._targets_lock:
+            targets = dict(self._targets)
+        for path in self._glob():
+            key = (engine_name(path), path)
+            if not any(target.path == path for target in targets.values()):
+                targets[key] = Target(key[0], path, None, None)
+        files = {key: self._view(target) for key, target in targets.items()}
+        return ScanResult(files, time.perf_counter() - start, time.time())
+
+    def _glob(self) -> list[str]:
+        found: list[str] = []
+        for pattern in self.globs:
+            for path in sorted(glob.glob(pattern)):
+                if len(found) >= self.max_files:
+                    self._drop("file", path)
+                elif os.path.isfile(path):
+                    found.append(path)
+        return found
+
+    def _view(self, target: Target) -> FileView:
+        from_glob = target.dev is None
+        local = target.path if from_glob else self._host_path(target.path)
+        try:
+            st = os.stat(local)
+        except OSError:
+            return FileView(target.engine, target.path, from_glob, None, None, None, None, "not_visible")
+        dev = (os.major(st.st_dev), os.minor(st.st_dev))
+        if not from_glob and target.ino and (dev != target.dev or st.st_ino != target.ino):
+            # Another file by that name (the process sees another mount namespace, or the engine
+            # was replaced since it was loaded): measuring it would describe the wrong file.
+            return FileView(target.engine, target.path, from_glob, None, None, None, None, "not_visible")
+        try:
+            measured = residency(local)
+        except Unavailable as exc:
+            return FileView(target.engine, target.path, from_glob, dev, st.st_size, st.st_mtime, None, exc.reason)
+        return FileView(target.engine, target.path, from_glob, dev, measured.size, st.st_mtime,
+                        measured.cached_bytes, None)
+
+    def _file_families(self) -> list[Family]:
+        snapshot = self.scanner.snapshot()
+        result = snapshot.value
+        if result is None:
+            return []
+        size, mtime, cached, ratio = [], [], [], []
+        unavailable: dict[str, int] = {}
+        for view in result.files.values():
+            labels = label_string({"engine": view.engine, "path": view.path})
+            if view.size is not None:
+                size.append(FILE_SIZE.sample(labels, view.size))
+            if view.mtime is not None:
+                mtime.append(FILE_MTIME.sample(labels, view.mtime))
+            if view.cached_bytes is not None and view.size is not None:
+                cached.append(FILE_CACHED.sample(labels, view.cached_bytes))
+                ratio.append(FILE_RATIO.sample(labels, 1.0 if view.size == 0 else view.cached_bytes / view.size))
+            if view.unavailable is not None:
+                unavailable[view.unavailable] = unavailable.get(view.unavailable, 0) + 1
+        return [
+            Family(FILE_SIZE, size), Family(FILE_MTIME, mtime), Family(FILE_CACHED, cached), Family(FILE_RATIO, ratio),
+            Family(RESIDENCY_UNAVAILABLE, [RESIDENCY_UNAVAILABLE.sample(label_string({"reason": reason}), count)
+                                           for reason, count in sorted(unavailable.items())]),
+            Family(SCAN_DURATION, [SCAN_DURATION.sample("", result.duration)]),
+            Family(SCAN_TIME, [SCAN_TIME.sample("", result.finished)]),
+        ]
+
+    # --- the spool itself ----------------------------------------------------------------------
+
+    def _spool_families(self, totals: fmt.Totals) -> list[Family]:
+        reader = self.reader
+        errors = [SPOOL_ERRORS.sample(label_string({"reason": reason}), count)
+                  for reason, count in sorted(reader.errors.items())]
+        counts = {kind: len(keys) for kind, keys in self._dropped.items()}
+        if reader.forgotten_engines:  # folded engines of exited processes forgotten past the reader's cap
+            counts["folded_engine"] = reader.forgotten_engines
+        dropped = [DROPPED.sample(label_string({"kind": kind}), count) for kind, count in sorted(counts.items())]
+        return [
+            Family(SPOOL_PROCESSES, [SPOOL_PROCESSES.sample("", totals.live_files)]),
+            Family(SPOOL_FOLDED, [SPOOL_FOLDED.sample("", reader.folded_processes)]),
+            Family(SPOOL_ERRORS, errors),
+            Family(WRITER_DROPS, [WRITER_DROPS.sample("", totals.dropped_by_writers)]),
+            Family(DROPPED, dropped),
+        ]

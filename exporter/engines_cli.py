@@ -1,0 +1,227 @@
+"""``gpuio engines`` and ``gpuio warm``: the engine view for the engineer on the node.
+
+``gpuio engines`` lists the engines on this node (from the spool and ``--path`` globs): file size,
+page-cache residency, the block device and disks under the file, the GPU, live processes, loads and
+when the last one happened, mean read throughput and inference latency.  It reads the spool without
+changing it: files of exited processes are left for the exporter to fold.
+
+``gpuio warm PATH...`` reads engine files into the page cache ahead of a rollout (what teams do today
+by copying engines to tmpfs) and prints the throughput achieved and the residency before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .pagecache import Unavailable, residency
+
+WARM_CHUNK = 8 << 20
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.1f}"
+
+
+def _age(timestamp: float | None) -> str:
+    if not timestamp:
+        return "-"
+    seconds = max(0.0, time.time() - timestamp)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sysfs: str = "/sys",
+                rootfs: str = "/") -> list[dict[str, Any]]:
+    """One row per engine file (or per engine with no file known): what ``gpuio engines`` prints."""
+    from .collect import Context
+    from .collectors.engines import EnginesCollector
+    from .instrument.spool import ENGINE_LAYOUT
+
+    options = {"spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
+               "residency-interval": 3600.0}
+    collector = EnginesCollector(Context(procfs, sysfs, rootfs), options, read_only=True)
+    collector.collect()  # learns the files processes report
+    scan = collector.scanner.sample_now().value
+    totals = collector.reader.read()
+    files = dict(scan.files) if scan is not None else {}
+    rows = []
+    engines = sorted(set(totals.engines) | {engine for engine, _ in files})
+    for engine in engines:
+        values = totals.engines.get(engine)
+        infos = totals.infos.get(engine, [])
+        paths = sorted({path for name, path in files if name == engine} | {info.path for info in infos}) or [""]
+        for path in paths:
+            view = files.get((engine, path))
+            info = next((i for i in infos if i.path == path), None)
+            dev = info.dev if info is not None else view.dev if view is not None else None
+            device, disks = collector._device(dev) if dev else ("", [])
+            row: dict[str, Any] = {
+                "engine": engine, "path": path, "processes": totals.processes.get(engine, 0),
+                "size_bytes": view.size if view else (info.size if info else None),
+                "cached_ratio": (view.cached_bytes / view.size if view.size else 1.0)
+                if view is not None and view.cached_bytes is not None and view.size is not None else None,
+                "residency_unavailable": view.unavailable if view else None,
+                "device": device, "disks": disks,
+                "gpus": sorted({f"cuda:{i.cuda_device} {i.gpu_uuid}".strip() for i in infos
+                                if i.path == path and (i.cuda_device >= 0 or i.gpu_uuid)}),
+                "last_load_timestamp": totals.last_load.get(engine),
+            }
+            if values is not None:
+                first, total, _ = ENGINE_LAYOUT.histograms["load_read_seconds"]
+                loads = sum(values[first:total])
+                read_seconds = values[total]
+                first, total, _ = ENGINE_LAYOUT.histograms["inference_seconds"]
+                inferences = sum(values[first:total])
+                row.update({
+                    "loads": loads,
+                    "read_mib_per_second": (values[ENGINE_LAYOUT.counters["load_read_bytes"]] / 2**20 / read_seconds)
+                    if read_seconds > 0 else None,
+                    "inferences": inferences,
+                    "mean_latency_seconds": values[total] / inferences if inferences else None,
+                })
+            rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = ("ENGINE", "PROCS", "SIZE MiB", "CACHED", "DEVICE", "DISKS", "GPU", "LOADS", "LAST LOAD", "READ MiB/s",
+              "INFERENCES", "MEAN ms", "PATH")
+    lines = [header]
+    for row in rows:
+        cached = row["cached_ratio"]
+        lines.append((
+            row["engine"], str(row["processes"]),
+            _mib(row["size_bytes"]) if row["size_bytes"] is not None else "-",
+            f"{cached * 100:.0f}%" if cached is not None else (row["residency_unavailable"] or "-"),
+            row["device"] or "-", ",".join(row["disks"]) or "-", " ".join(row["gpus"]) or "-",
+            f"{row.get('loads', 0):.0f}", _age(row["last_load_timestamp"]),
+            f"{row['read_mib_per_second']:.0f}" if row.get("read_mib_per_second") else "-",
+            f"{row.get('inferences', 0):.0f}",
+            f"{row['mean_latency_seconds'] * 1000:.2f}" if row.get("mean_latency_seconds") else "-",
+            row["path"] or "-",
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+                     for line in lines) + "\n"
+
+
+def engines_main(argv: Sequence[str]) -> int:
+    from .instrument.spool import DEFAULT_DIR
+
+    parser = argparse.ArgumentParser(prog="gpuio engines", description="The engines on this node.")
+    parser.add_argument("--spool-dir", default=os.environ.get("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR", DEFAULT_DIR),
+                        help="spool directory (env GPUIO_COLLECTOR_ENGINES_SPOOL_DIR; default %(default)s)")
+    parser.add_argument("--path", action="append", default=[],
+                        help="glob of engine files to include (repeatable, or comma-separated)")
+    parser.add_argument("--path.procfs", dest="procfs", default="/proc")
+    parser.add_argument("--path.sysfs", dest="sysfs", default="/sys")
+    parser.add_argument("--path.rootfs", dest="rootfs", default="/")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(list(argv))
+    globs = [part.strip() for value in args.path for part in value.split(",") if part.strip()]
+    if not globs and env_globs():
+        globs = env_globs()
+    rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no engines: nothing in {args.spool_dir} and no --path files")
+    else:
+        sys.stdout.write(_table(rows))
+    return 0
+
+
+def env_globs() -> list[str]:
+    value = os.environ.get("GPUIO_COLLECTOR_ENGINES_PATH", "")
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def warm_file(path: str, chunk: int = WARM_CHUNK) -> dict[str, Any]:
+    """Read ``path`` once, sequentially, into the page cache; what it took and what it achieved."""
+    result: dict[str, Any] = {"path": path}
+    try:
+        result["cached_before"] = residency(path).ratio
+    except Unavailable as exc:
+        result["cached_before"] = None
+        result["residency_unavailable"] = exc.reason
+    buffer = bytearray(chunk)
+    view = memoryview(buffer)
+    total = 0
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as handle:
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while True:
+            count = handle.readinto(view)
+            if not count:
+                break
+            total += count
+    seconds = time.perf_counter() - start
+    result.update({"bytes": total, "seconds": seconds, "mib_per_second": total / 2**20 / seconds if seconds else None})
+    try:
+        result["cached_after"] = residency(path).ratio
+    except Unavailable:
+        result["cached_after"] = None
+    return result
+
+
+def warm_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gpuio warm",
+                                     description="Read engine files into the page cache and print the throughput.")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="files or globs")
+    parser.add_argument("--jobs", type=int, default=1, help="files read at once (default 1: one after another)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(list(argv))
+    paths: list[str] = []
+    for pattern in args.paths:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        paths.extend(path for path in matches if path not in paths)
+    if not paths:
+        print("gpuio warm: error: no files match", file=sys.stderr)
+        return 2
+    failed = 0
+    results: list[dict[str, Any]] = []
+    start = time.perf_counter()
+
+    def one(path: str) -> dict[str, Any]:
+        try:
+            return warm_file(path)
+        except OSError as exc:
+            return {"path": path, "error": exc.strerror or str(exc)}
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for result in pool.map(one, paths):
+            results.append(result)
+            failed += "error" in result
+            if not args.json:
+                print(_warm_line(result), flush=True)
+    elapsed = time.perf_counter() - start
+    total = sum(result.get("bytes", 0) for result in results)
+    if args.json:
+        print(json.dumps({"files": results, "bytes": total, "seconds": elapsed}, indent=2))
+    else:
+        print(f"total: {_mib(total)} MiB in {elapsed:.2f} s ({total / 2**20 / elapsed if elapsed else 0:.0f} MiB/s), "
+              f"{len(paths) - failed} of {len(paths)} files")
+    return 1 if failed else 0
+
+
+def _warm_line(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return f"{result['path']}: error: {result['error']}"
+
+    def ratio(value: float | None) -> str:
+        return "?" if value is None else f"{value * 100:.0f}%"
+
+    speed = result["mib_per_second"]
+    return (f"{result['path']}: {_mib(result['bytes'])} MiB in {result['seconds']:.2f} s "
+            f"({speed:.0f} MiB/s), cached {ratio(result['cached_before'])} -> {ratio(result['cached_after'])}"
+            if speed else f"{result['path']}: empty")

@@ -1,0 +1,148 @@
+"""Loading a model or engine from a file, with the disk's part timed apart from the deserializer's.
+
+``load(path, loader)`` is the generic path: any callable that turns bytes into a model (a TensorRT
+runtime, ``torch.load``, ``onnxruntime.InferenceSession``...).  The file read is timed on its own
+(bytes and seconds: what the disk and page cache delivered), then the loader (seconds: CPU and
+GPU work).  :class:`LoadTimer` does the same around code the caller owns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from . import gpu
+from .metrics import EngineMetrics, engine
+
+T = TypeVar("T")
+READ_CHUNK = 16 << 20
+
+
+def engine_name(path: str) -> str:
+    """The default engine name: the file name without its last suffix (``resnet50.engine`` -> resnet50)."""
+    base = os.path.basename(path.rstrip("/"))
+    stem, _ = os.path.splitext(base)
+    return stem or base
+
+
+def read_file(path: str, chunk: int = READ_CHUNK) -> tuple[bytearray, float]:
+    """The whole file and the seconds its reads took (the buffer is allocated before the clock starts)."""
+    with open(path, "rb", buffering=0) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        got = 0
+        start = time.perf_counter()
+        while got < size:
+            count = handle.readinto(view[got : got + chunk])
+            if not count:
+                break
+            got += count
+        tail = handle.read() if got == size else b""  # the file grew while we read it
+        elapsed = time.perf_counter() - start
+    view.release()
+    if got < size:
+        del buffer[got:]
+    if tail:
+        buffer += tail
+    return buffer, elapsed
+
+
+@dataclass
+class Loaded(Generic[T]):
+    """A loaded model with what its load cost."""
+
+    model: T
+    metrics: EngineMetrics
+    path: str
+    bytes_read: int
+    read_seconds: float
+    deserialize_seconds: float
+
+
+def load(path: str, loader: Callable[[bytearray], T], name: str | None = None, device: Any = None,
+         gpu_uuid: str | None = None, runtime: str = "generic") -> Loaded[T]:
+    """Read ``path`` (timed), hand the bytes to ``loader`` (timed) and record both for engine ``name``.
+
+    ``device`` (an ordinal, "cuda:1" or a torch.device) and ``gpu_uuid`` say which GPU the model
+    lives on; the UUID is looked up from torch or pycuda when the process has them loaded.
+    """
+    metrics = engine(name or engine_name(path))
+    try:
+        data, read_seconds = read_file(path)
+    except OSError:
+        metrics.error("load_read_failed")
+        raise
+    start = time.perf_counter()
+    try:
+        model = loader(data)
+        if model is None:
+            raise ValueError(f"loader returned nothing for {path}")
+    except Exception:
+        metrics.error("load_deserialize_failed")
+        raise
+    deserialize_seconds = time.perf_counter() - start
+    cuda_device, uuid = gpu.resolve(device, gpu_uuid)
+    metrics.record_load(read_seconds, len(data), deserialize_seconds, path, cuda_device, uuid, runtime)
+    return Loaded(model, metrics, os.path.abspath(path), len(data), read_seconds, deserialize_seconds)
+
+
+class LoadTimer:
+    """Time a load the caller performs itself::
+
+        with LoadTimer("resnet50", path, device=0, runtime="tensorrt") as timer:
+            data = timer.read()                       # or: with timer.reading(): data = my_read(path)
+            with timer.deserializing():
+                engine = runtime.deserialize_cuda_engine(data)
+
+    On a clean exit the load is recorded (read seconds and bytes, deserialize seconds, file info);
+    on an exception it counts as an error and nothing else.
+    """
+
+    def __init__(self, name: str | EngineMetrics, path: str | None = None, device: Any = None,
+                 gpu_uuid: str | None = None, runtime: str = "generic") -> None:
+        self.metrics = name if isinstance(name, EngineMetrics) else engine(name)
+        self.path = path
+        self.device = device
+        self.gpu_uuid = gpu_uuid
+        self.runtime = runtime
+        self.read_seconds = 0.0
+        self.bytes_read = 0
+        self.deserialize_seconds = 0.0
+
+    def __enter__(self) -> LoadTimer:
+        return self
+
+    def read(self, path: str | None = None) -> bytearray:
+        target = path or self.path
+        if target is None:
+            raise ValueError("no path to read")
+        data, seconds = read_file(target)
+        self.read_seconds += seconds
+        self.bytes_read += len(data)
+        return data
+
+    @contextmanager
+    def reading(self, nbytes: int = 0) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.read_seconds += time.perf_counter() - start
+        self.bytes_read += nbytes
+
+    @contextmanager
+    def deserializing(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.deserialize_seconds += time.perf_counter() - start
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None:
+            self.metrics.error("load_failed")
+            return
+        cuda_device, uuid = gpu.resolve(self.device, self.gpu_uuid)
+        self.metrics.record_load(self.read_seconds, self.bytes_read, self.deserialize_seconds, self.path,
+                                 cuda_device, uuid, self.runtime)

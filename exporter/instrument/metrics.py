@@ -1,0 +1,460 @@
+"""Per-engine metrics of one inference process, written straight into its spool file.
+
+``engine("resnet50")`` returns the process's :class:`EngineMetrics` for that engine (created on first
+use, one record in the spool).  Its handles (:class:`Histogram`, :class:`Counter`, :class:`Gauge`)
+are views on doubles in the shared mapping: ``observe`` is a bisect and two stores under the
+process's lock, no syscall.  Everything here is safe to call from many threads.
+
+Label sets are bounded in the writer already: at most ``MAX_ERROR_REASONS`` distinct error reasons
+per engine (later ones count as ``other``) and a top-K set of layers (see :meth:`add_layer_times`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Protocol
+
+from . import spool as fmt
+
+log = logging.getLogger("gpuio.instrument")
+
+MAX_ENGINE_NAME_BYTES = 200
+MAX_LABEL_BYTES = 200
+MAX_ERROR_REASONS = 16
+OTHER = "other"
+OTHER_LAYERS = "(other)"
+
+
+class EnqueueError(RuntimeError):
+    """The runtime refused to enqueue an inference (TensorRT's execute_async_v3 returned False)."""
+
+
+class PoolTimeout(TimeoutError):
+    """No execution context became free in time."""
+
+
+def error_reason(exc: BaseException) -> str:
+    """A short, bounded reason for an inference that raised (the errors counter's label)."""
+    if isinstance(exc, EnqueueError):
+        return "enqueue_failed"
+    if isinstance(exc, PoolTimeout):
+        return "pool_timeout"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return "out_of_memory"
+    if type(exc).__name__ in ("CancelledError", "KeyboardInterrupt"):
+        return "cancelled"
+    return type(exc).__name__
+
+
+def _clean(text: str, limit: int) -> str:
+    raw = text.replace("\0", "").encode("utf-8", "replace")[:limit]
+    return raw.decode("utf-8", "ignore")
+
+
+class _Slot:
+    """Where a handle writes: the spool's values and lock (rebound after a fork)."""
+
+    __slots__ = ("_values", "_lock")
+
+    def __init__(self, file: fmt.SpoolFile) -> None:
+        self._values = file.values
+        self._lock = file.lock
+
+
+class Histogram(_Slot):
+    __slots__ = ("_first", "_sum", "_bounds")
+
+    def __init__(self, file: fmt.SpoolFile, first: int, bounds: tuple[float, ...]) -> None:
+        super().__init__(file)
+        self._first = first
+        self._sum = first + len(bounds) + 1
+        self._bounds = bounds
+
+    def observe(self, value: float) -> None:
+        if value != value:  # NaN would poison the sum forever
+            return
+        index = bisect_left(self._bounds, value)  # le semantics: value <= bound
+        values = self._values
+        with self._lock:
+            values[self._first + index] += 1.0
+            values[self._sum] += value
+
+    def count(self) -> float:
+        return sum(self._values[self._first : self._sum])
+
+    def total(self) -> float:
+        return self._values[self._sum]
+
+
+class Counter(_Slot):
+    __slots__ = ("_index",)
+
+    def __init__(self, file: fmt.SpoolFile, index: int) -> None:
+        super().__init__(file)
+        self._index = index
+
+    def inc(self, amount: float = 1.0) -> None:
+        if not amount >= 0:  # also refuses NaN
+            raise ValueError("counters only go up")
+        with self._lock:
+            self._values[self._index] += amount
+
+    def value(self) -> float:
+        return self._values[self._index]
+
+
+class Gauge(_Slot):
+    __slots__ = ("_index",)
+
+    def __init__(self, file: fmt.SpoolFile, index: int) -> None:
+        super().__init__(file)
+        self._index = index
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[self._index] += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[self._index] -= amount
+
+    def set(self, value: float) -> None:
+        self._values[self._index] = float(value)
+
+    def value(self) -> float:
+        return self._values[self._index]
+
+
+class GpuTimer(Protocol):
+    """GPU time of one inference from CUDA events (see :mod:`exporter.instrument.gpu`)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def seconds(self) -> float | None: ...
+
+
+class Inference:
+    """One timed inference: ``with metrics.infer(batch_size=8): ...`` (enqueue and synchronise inside).
+
+    Latency is observed for inferences that complete; one that raises counts in the errors counter
+    by reason instead.  ``first=True`` also observes it as a context's first inference.
+    """
+
+    __slots__ = ("_metrics", "_batch", "_timer", "_first", "_start", "_stopped", "latency")
+
+    def __init__(self, metrics: EngineMetrics, batch_size: int | None, timer: GpuTimer | None, first: bool) -> None:
+        self._metrics = metrics
+        self._batch = batch_size
+        self._timer = timer
+        self._first = first
+        self._stopped = False
+        self._start = 0.0
+        self.latency: float | None = None
+
+    def __enter__(self) -> Inference:
+        self._metrics.in_flight.inc()
+        if self._timer is not None:
+            self._timer.start()
+        self._start = time.perf_counter()
+        return self
+
+    def enqueued(self) -> None:
+        """Mark the end of the GPU work on the stream (call right after the enqueue, before synchronising)."""
+        if self._timer is not None and not self._stopped:
+            self._timer.stop()
+            self._stopped = True
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        elapsed = time.perf_counter() - self._start
+        metrics = self._metrics
+        metrics.in_flight.dec()
+        if exc is not None:
+            metrics.error(error_reason(exc))
+            return
+        self.latency = elapsed
+        metrics.inference_seconds.observe(elapsed)
+        if self._first:
+            metrics.first_inference_seconds.observe(elapsed)
+        if self._batch is not None:
+            metrics.batch_size.observe(self._batch)
+        if self._timer is not None:
+            self.enqueued()
+            gpu = self._timer.seconds()
+            if gpu is not None:
+                metrics.inference_gpu_seconds.observe(gpu)
+
+
+class EngineMetrics:
+    """The metrics of one engine in this process.  Get it from :func:`engine`, not by constructing it."""
+
+    def __init__(self, name: str, file: fmt.SpoolFile) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._errors: dict[str, int | None] = {}
+        self._layers: dict[str, int | None] = {}
+        self._layer_buffer: dict[str, float] = {}
+        self._layer_samples = 0
+        self.layer_top_k = 20
+        self.layer_select_after = 5
+        self._info: bytes | None = None
+        self._bind(file)
+
+    # --- records -------------------------------------------------------------------------------
+
+    def _bind(self, file: fmt.SpoolFile) -> None:
+        """Create this engine's records in ``file`` (the process's spool; a new one after a fork)."""
+        self._file = file
+        layout = fmt.ENGINE_LAYOUT
+        with file.lock:
+            offset = file.add_record(fmt.KIND_ENGINE, self.name, layout.size * 8)
+        if offset is None:  # the file is full: keep working against scratch memory
+            log.warning("gpuio spool file full; engine %s is not reported", self.name)
+            scratch = fmt.SpoolFile(None, fmt.HEADER_SIZE + layout.size * 8 + 4096)
+            file, offset = scratch, fmt.HEADER_SIZE
+        base = offset // 8
+        histograms = {name: Histogram(file, base + first, bounds)
+                      for name, (first, _, bounds) in layout.histograms.items()}
+        self.load_read_seconds = histograms["load_read_seconds"]
+        self.load_deserialize_seconds = histograms["load_deserialize_seconds"]
+        self.inference_seconds = histograms["inference_seconds"]
+        self.inference_gpu_seconds = histograms["inference_gpu_seconds"]
+        self.batch_size = histograms["batch_size"]
+        self.pool_wait_seconds = histograms["pool_wait_seconds"]
+        self.warmup_seconds = histograms["warmup_seconds"]
+        self.first_inference_seconds = histograms["first_inference_seconds"]
+        self.load_read_bytes = Counter(file, base + layout.counters["load_read_bytes"])
+        self.layer_profiled_inferences = Counter(file, base + layout.counters["layer_profiled_inferences"])
+        self.in_flight = Gauge(file, base + layout.gauges["in_flight"])
+        self.pool_contexts = Gauge(file, base + layout.gauges["pool_contexts"])
+        self.pool_idle = Gauge(file, base + layout.gauges["pool_idle"])
+        # Labelled records the engine had (a fork's parent file, or none yet) are made again here.
+        errors, layers = list(self._errors), list(self._layers)
+        self._errors, self._layers = {}, {}
+        for reason in errors:
+            self._labelled(fmt.KIND_ERROR, self._errors, reason, 1)
+        for layer in layers:
+            self._labelled(fmt.KIND_LAYER, self._layers, layer, 2)
+        if self._info is not None:
+            self._append_info(self._info)
+
+    def _labelled(self, kind: int, table: dict[str, int | None], label: str, slots: int) -> int | None:
+        index = table.get(label)
+        if index is not None:
+            return index
+        with self._file.lock:
+            offset = self._file.add_record(kind, f"{self.name}\0{label}", slots * 8)
+        index = None if offset is None else offset // 8
+        table[label] = index
+        return index
+
+    # --- inference -----------------------------------------------------------------------------
+
+    def infer(self, batch_size: int | None = None, gpu_timer: GpuTimer | None = None, first: bool = False) -> Inference:
+        return Inference(self, batch_size, gpu_timer, first)
+
+    def observe_inference(self, seconds: float, batch_size: int | None = None,
+                          gpu_seconds: float | None = None) -> None:
+        """Record an inference timed elsewhere."""
+        self.inference_seconds.observe(seconds)
+        if batch_size is not None:
+            self.batch_size.observe(batch_size)
+        if gpu_seconds is not None:
+            self.inference_gpu_seconds.observe(gpu_seconds)
+
+    def error(self, reason: str, amount: float = 1.0) -> None:
+        reason = _clean(reason, MAX_LABEL_BYTES) or "error"
+        with self._lock:
+            if reason not in self._errors and len(self._errors) >= MAX_ERROR_REASONS:
+                reason = OTHER
+            index = self._labelled(fmt.KIND_ERROR, self._errors, reason, 1)
+        if index is not None:
+            with self._file.lock:
+                self._file.values[index] += amount
+
+    def errors(self) -> dict[str, float]:
+        """This process's error counts by reason (for tests and tools)."""
+        return {reason: self._file.values[index] for reason, index in self._errors.items() if index is not None}
+
+    # --- load ----------------------------------------------------------------------------------
+
+    def record_load(self, read_seconds: float, read_bytes: int, deserialize_seconds: float, path: str | None = None,
+                    cuda_device: int | None = None, gpu_uuid: str | None = None, runtime: str = "generic") -> None:
+        self.load_read_seconds.observe(read_seconds)
+        self.load_read_bytes.inc(read_bytes)
+        self.load_deserialize_seconds.observe(deserialize_seconds)
+        if path is not None:
+            self.set_info(path, cuda_device, gpu_uuid, runtime)
+
+    def set_info(self, path: str, cuda_device: int | None = None, gpu_uuid: str | None = None,
+                 runtime: str = "generic") -> None:
+        """What the exporter shows in gpuio_engine_info: the file (and its device), the GPU, the runtime."""
+        absolute = os.path.abspath(path)
+        try:
+            st = os.stat(absolute)
+            dev, ino, size, mtime_ns = (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns
+        except OSError:
+            dev, ino, size, mtime_ns = (0, 0), 0, 0, 0
+        payload = fmt.pack_info(-1 if cuda_device is None else cuda_device, dev, ino, size, mtime_ns, time.time(),
+                                absolute, gpu_uuid or "", runtime)
+        self._info = payload
+        self._append_info(payload)
+
+    def _append_info(self, payload: bytes) -> None:
+        with self._file.lock:
+            self._file.add_record(fmt.KIND_INFO, self.name, len(payload), payload)
+
+    # --- layers --------------------------------------------------------------------------------
+
+    def add_layer_times(self, seconds: Mapping[str, float]) -> None:
+        """One profiled inference's per-layer times.
+
+        The first ``layer_select_after`` profiles are buffered; then the ``layer_top_k`` layers with
+        the most time get records and everything else is summed into ``(other)``, for good: the
+        label set is fixed from then on (a spool record is never freed).
+        """
+        with self._lock:
+            self.layer_profiled_inferences.inc()
+            self._layer_samples += 1
+            if not self._layers:
+                for layer, value in seconds.items():
+                    self._layer_buffer[layer] = self._layer_buffer.get(layer, 0.0) + value
+                if self._layer_samples < self.layer_select_after:
+                    return
+                ranked = sorted(self._layer_buffer, key=self._layer_buffer.__getitem__, reverse=True)
+                chosen = [_clean(layer, MAX_LABEL_BYTES) or "?" for layer in ranked[: self.layer_top_k]]
+                pending = dict(self._layer_buffer)
+                for layer in chosen:
+                    self._labelled(fmt.KIND_LAYER, self._layers, layer, 2)
+                self._labelled(fmt.KIND_LAYER, self._layers, OTHER_LAYERS, 2)
+                self._layer_buffer.clear()
+                self._add_layers(pending, self.layer_select_after)
+                return
+            self._add_layers(seconds, 1)
+
+    def _add_layers(self, seconds: Mapping[str, float], samples: int) -> None:
+        summed: dict[int, float] = {}
+        for layer, value in seconds.items():
+            index = self._layers.get(_clean(layer, MAX_LABEL_BYTES) or "?")
+            if index is None:
+                index = self._layers.get(OTHER_LAYERS)
+            if index is not None:
+                summed[index] = summed.get(index, 0.0) + value
+        values = self._file.values
+        with self._file.lock:
+            for index, value in summed.items():
+                values[index] += value
+                values[index + 1] += samples
+
+
+# --------------------------------------------------------------------------------------------------
+# The process's spool and its engines
+# --------------------------------------------------------------------------------------------------
+
+_state_lock = threading.Lock()
+_spool: fmt.SpoolFile | None = None
+_spool_dir: str | None = None
+_file_bytes = fmt.DEFAULT_FILE_BYTES
+_engines: dict[str, EngineMetrics] = {}
+
+
+def configure(spool_dir: str | None = None, file_bytes: int | None = None) -> None:
+    """Choose the spool directory (default ``$GPUIO_SPOOL_DIR``, else /run/gpuio/spool).
+
+    Call it before the first metric; calling it later moves this process to a new file (the old
+    one is left for the exporter to fold, counters restart in the new one).
+    """
+    global _spool_dir, _file_bytes
+    with _state_lock:
+        _spool_dir = spool_dir
+        if file_bytes is not None:
+            _file_bytes = file_bytes
+        if _spool is not None:
+            _replace_spool(after_fork=False)
+
+
+def spool_file() -> fmt.SpoolFile:
+    global _spool
+    current = _spool
+    if current is not None:
+        return current
+    with _state_lock:
+        if _spool is None:
+            _spool = fmt.SpoolFile(_directory(), _file_bytes)
+        return _spool
+
+
+def _directory() -> str | None:
+    directory = _spool_dir or os.environ.get("GPUIO_SPOOL_DIR") or fmt.DEFAULT_DIR
+    if directory == "-":  # explicitly off
+        return None
+    if not os.path.isdir(directory):
+        log.warning("gpuio spool directory %s does not exist; engine metrics stay in this process", directory)
+        return None
+    return directory
+
+
+def engine(name: str) -> EngineMetrics:
+    """This process's metrics for the engine ``name`` (an engine's file stem by default)."""
+    clean = _clean(str(name), MAX_ENGINE_NAME_BYTES)
+    if not clean:
+        raise ValueError("engine name must not be empty")
+    found = _engines.get(clean)
+    if found is not None:
+        return found
+    file = spool_file()
+    with _state_lock:
+        found = _engines.get(clean)
+        if found is None:
+            found = _engines[clean] = EngineMetrics(clean, file)
+        return found
+
+
+def _replace_spool(after_fork: bool) -> None:
+    global _spool
+    old = _spool
+    if old is not None:
+        if after_fork:
+            old.abandon_after_fork()
+        else:
+            old.release_lock()  # the mapping stays valid for a handle still in use; the exporter folds the file
+    _spool = fmt.SpoolFile(_directory(), _file_bytes)
+    for metrics in _engines.values():
+        metrics._lock = threading.Lock()
+        metrics._bind(_spool)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gets a file of its own and starts its counts at zero (the parent keeps its own)."""
+    global _state_lock
+    _state_lock = threading.Lock()
+    if _spool is not None:
+        _replace_spool(after_fork=True)
+
+
+def _reset_for_tests() -> None:
+    """Forget this process's spool and engines (tests only)."""
+    global _spool
+    with _state_lock:
+        if _spool is not None:
+            _spool.close()
+        _spool = None
+        _engines.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def describe() -> dict[str, Any]:
+    """Where this process reports: the spool file (None: nowhere) and its engines."""
+    file = _spool
+    return {"spool": None if file is None else file.path, "engines": sorted(_engines)}

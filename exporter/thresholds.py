@@ -1,0 +1,101 @@
+"""Alert thresholds: the one place that says when a disk, the node's IO or a GPU is in trouble.
+
+`gpuio top` highlights a row by these judgements, and the alert rules take the same numbers
+(deploy/prometheus/config.py imports this module), so that what is red on the node's screen is what
+pages.  The names are that module's interface: rename with it.  All values are in base units:
+seconds, ratios 0-1.
+
+Why these shapes (from issue 6 and node-mixin's history):
+- never %util alone: a parallel device (NVMe, a network volume, md/dm over several disks) can be
+  "100 % busy" with plenty of headroom; latency (await) is what the work feels;
+- await is judged against the device's class: a spinning disk seeks in 5-15 ms, so 20 ms is normal
+  load there but an alarm on flash, where reads take well under 1 ms;
+- a disk is *saturated* when it is slow AND work piles up behind it (a deep queue, or tasks stalled
+  on IO per PSI): a slow device that nobody waits on is not starving anyone;
+- await needs a few completions per second to mean anything: one slow IO on an idle disk (a single
+  cold read) is not a storm;
+- a GPU that is mostly idle while a disk is saturated is *possibly* starved ("starved?"): at node
+  level nothing tells a GPU waiting on data from one that simply has no requests; the engine rows
+  (in-flight requests, pool wait) settle it where engines report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROTATIONAL = "rotational"
+SOLID_STATE = "solid_state"
+
+
+@dataclass(frozen=True)
+class DiskClass:
+    await_seconds: float  # r_await or w_await at or above this is slow
+    queue_size: float  # aqu-sz (average requests in flight) at or above this is a deep queue
+
+
+# A device whose class sysfs does not tell (no rotational attribute, a device sysfs does not know) is
+# judged as rotational: the lenient side, since a false page costs more than a late one here.
+DISK_CLASSES = {
+    ROTATIONAL: DiskClass(await_seconds=0.050, queue_size=4.0),
+    SOLID_STATE: DiskClass(await_seconds=0.010, queue_size=16.0),
+}
+# Await is judged only when the device completed at least this many requests per second (reads for
+# r_await, writes for w_await) in the interval.
+AWAIT_MIN_IOPS = 5.0
+
+# Node IO pressure (PSI, /proc/pressure/io): the share of time in which some task waited on IO, and
+# in which all non-idle tasks did ("full").
+IO_PRESSURE_SOME = 0.30
+IO_PRESSURE_FULL = 0.10
+
+# GPU busy ratio (busy seconds per second) under which a GPU counts as mostly idle (issue 6: "GPU busy
+# under 30 %").
+GPU_BUSY_LOW = 0.30
+# GPU temperature at or above which the row is flagged hot (H100/A100 slow down from about 85-87 C).
+GPU_TEMPERATURE_HOT = 85.0
+
+# Flags, as `gpuio top` prints them and `--json` lists them.
+AWAIT = "await"  # slow for its class
+QUEUE = "queue"  # deep queue for its class
+SATURATED = "saturated"  # slow and (deep queue or node IO pressure)
+STARVED = "starved?"  # GPU (or engine) mostly idle while a disk is saturated
+THROTTLED = "throttled"  # a GPU with a clock-event (throttle) reason active, other than idle
+HOT = "hot"
+LOST = "lost"  # a GPU the driver reports lost (gpuio_gpu_up 0)
+SMART_FAILED = "smart-fail"  # the disk, or a disk under it, fails its SMART overall-health self-assessment
+
+
+def disk_class(rotational: str | None) -> str:
+    """The class of a device from gpuio_disk_info's ``rotational`` label ("1", "0" or "")."""
+    return SOLID_STATE if rotational == "0" else ROTATIONAL
+
+
+def io_pressure_high(some: float | None, full: float | None) -> bool:
+    return (some is not None and some >= IO_PRESSURE_SOME) or (full is not None and full >= IO_PRESSURE_FULL)
+
+
+def disk_flags(rotational: str | None, reads_per_second: float | None, writes_per_second: float | None,
+               read_await: float | None, write_await: float | None, queue_size: float | None,
+               io_pressure: bool) -> list[str]:
+    """The flags of one device over one interval: [], or some of AWAIT, QUEUE, SATURATED."""
+    limits = DISK_CLASSES[disk_class(rotational)]
+    slow = any(
+        rate is not None and rate >= AWAIT_MIN_IOPS and wait is not None and wait >= limits.await_seconds
+        for rate, wait in ((reads_per_second, read_await), (writes_per_second, write_await))
+    )
+    deep = queue_size is not None and queue_size >= limits.queue_size
+    flags = [flag for flag, on in ((AWAIT, slow), (QUEUE, deep)) if on]
+    if slow and (deep or io_pressure):
+        flags.append(SATURATED)
+    return flags
+
+
+def gpu_starved(busy: float | None, any_disk_saturated: bool) -> bool:
+    return busy is not None and busy < GPU_BUSY_LOW and any_disk_saturated
+
+
+def engine_starved(gpu_busy: float | None, disk_saturated: bool, in_flight: float | None,
+                   pool_wait: float | None) -> bool:
+    """An engine's GPU mostly idle while its backing disk is saturated and work waits for it."""
+    waiting = (in_flight is not None and in_flight > 0) or (pool_wait is not None and pool_wait > 0)
+    return gpu_starved(gpu_busy, disk_saturated) and waiting

@@ -1,0 +1,198 @@
+"""An engine load from a real disk, as the exporter shows it: disk seconds and bytes, device, residency.
+
+Setup: a 256 MiB backing file written in full (a sparse file's holes never reach a disk), attached
+with ``losetup --direct-io=on`` so every read of the loop device goes to the disk underneath,
+formatted ext4 and mounted.  A 64 MiB "engine" is written there, synced, and evicted from the page
+cache (POSIX_FADV_DONTNEED; cachestat confirms 0 %).
+
+A real inference process (a subprocess importing exporter.instrument) loads it through the generic
+loader path, warms a pool and serves a few inferences; the real exporter (HTTP) serves the engines
+collector and diskstats for the loop device.  The test checks that the load's bytes are the file's,
+that the loop device really read at least that much during the load (the disk did the work), that
+the engine's device is the loop device and its residency went from 0 to 1; a second load of the
+now-cached file reads nothing from the disk.  Finally the process is SIGKILLed: its counters stay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from exporter import pagecache
+from tests.conftest import REPO, ExporterProcess, Samples, parse_samples
+
+pytestmark = [pytest.mark.e2e, pytest.mark.root]
+
+BACKING_MIB = 256
+ENGINE_MIB = 64
+
+
+@pytest.fixture
+def loop_mount() -> Iterator[tuple[str, str]]:
+    """``(loop device name, mount point)`` of a fresh ext4 on a direct-IO loop device."""
+    if os.geteuid() != 0:
+        pytest.skip("loop devices need root")
+    if shutil.which("losetup") is None or shutil.which("mkfs.ext4") is None:
+        pytest.skip("losetup and mkfs.ext4 are needed")
+    work = tempfile.mkdtemp(prefix="gpuio-engines-e2e-")
+    backing = os.path.join(work, "backing.img")
+    with open(backing, "wb") as handle:
+        block = b"\0" * (1 << 20)
+        for _ in range(BACKING_MIB):
+            handle.write(block)
+        os.fsync(handle.fileno())
+    device = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", backing], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    mount_point = os.path.join(work, "mnt")
+    os.mkdir(mount_point)
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", device], check=True)
+        subprocess.run(["mount", device, mount_point], check=True)
+        yield os.path.basename(device), mount_point
+    finally:
+        subprocess.run(["umount", mount_point], check=False)
+        subprocess.run(["losetup", "-d", device], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class EnginesExporter(ExporterProcess):
+    """The real exporter with the engines collector registered (whatever exporter.collectors imports)."""
+
+    def start(self) -> EnginesExporter:
+        command = [sys.executable, "-c", "import exporter.collectors.engines; from exporter.cli import exporter_main; "
+                   "exporter_main()", f"--web.listen-address=127.0.0.1:{self.port}", *self.args]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        cwd=REPO)
+        import urllib.request
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exporter exited: {self.process.stdout.read() if self.process.stdout else ''}")
+            try:
+                urllib.request.urlopen(self.base + "/healthz", timeout=1).read()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("exporter did not answer /healthz in 20 s")
+
+
+INFERENCE = textwrap.dedent("""
+    import hashlib, json, sys, time
+    sys.path.insert(0, {repo!r})
+    from exporter import instrument
+    instrument.configure({spool!r})
+
+    def load():
+        loaded = instrument.load({engine!r}, lambda data: hashlib.sha256(data).hexdigest())
+        print(json.dumps({{"read_seconds": loaded.read_seconds, "bytes": loaded.bytes_read,
+                           "deserialize_seconds": loaded.deserialize_seconds}}), flush=True)
+        return loaded
+
+    loaded = load()
+    pool = instrument.EnginePool(loaded.metrics, create=object, size=2, warmup=lambda c: time.sleep(0.01))
+    for _ in range(20):
+        pool.run(lambda context: time.sleep(0.002), batch_size=4)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "reload":
+            load()
+""")
+
+
+def wait_for(scrape: Callable[[], Samples], condition: Callable[[Samples], bool], timeout: float = 10.0) -> Samples:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape()
+        if condition(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def test_engine_load_from_a_real_disk(loop_mount, tmp_path) -> None:
+    loop, mount_point = loop_mount
+    engine_path = os.path.join(mount_point, "detector.engine")
+    with open(engine_path, "wb") as handle:
+        handle.write(os.urandom(ENGINE_MIB << 20))
+        os.fsync(handle.fileno())
+    fd = os.open(engine_path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert pagecache.residency(engine_path).cached_bytes == 0
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    exporter = EnginesExporter([
+        f"--collector.engines.spool-dir={spool}", f"--collector.engines.path={mount_point}/*.engine",
+        "--collector.engines.residency-interval=200ms", f"--collector.diskstats.device-include=^{loop}$",
+    ]).start()
+    try:
+        run_scenario(exporter, loop, engine_path, str(spool))
+    finally:
+        exporter.stop()
+
+
+def run_scenario(exporter: EnginesExporter, loop: str, engine_path: str, spool: str) -> None:
+    def scrape() -> Samples:
+        return parse_samples(exporter.scrape())
+
+    file_labels = frozenset({("engine", "detector"), ("path", engine_path)})
+    engine = frozenset({("engine", "detector")})
+    disk = frozenset({("device", loop)})
+    before = wait_for(scrape, lambda s: ("gpuio_engine_file_cached_ratio", file_labels) in s)
+    assert before[("gpuio_engine_file_cached_ratio", file_labels)] == 0.0
+    disk_before = before[("gpuio_disk_read_bytes_total", disk)]
+
+    process = subprocess.Popen([sys.executable, "-c", INFERENCE.format(repo=REPO, spool=spool, engine=engine_path)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        cold = json.loads(process.stdout.readline())
+        assert process.stdout.readline().strip() == "ready"
+        after = wait_for(scrape, lambda s: s.get(("gpuio_engine_file_cached_ratio", file_labels)) == 1.0
+                         and s.get(("gpuio_engine_processes", engine)) == 1)
+        disk_read = after[("gpuio_disk_read_bytes_total", disk)] - disk_before
+        print(f"\ncold load of {ENGINE_MIB} MiB from {loop} (direct IO): read {cold['read_seconds']:.3f} s "
+              f"({ENGINE_MIB / cold['read_seconds']:.0f} MiB/s), deserialize {cold['deserialize_seconds']:.3f} s; "
+              f"{loop} read {disk_read / 2**20:.1f} MiB meanwhile")
+        assert cold["bytes"] == ENGINE_MIB << 20
+        assert after[("gpuio_engine_load_read_bytes_total", engine)] == ENGINE_MIB << 20
+        assert after[("gpuio_engine_load_read_seconds_sum", engine)] == pytest.approx(cold["read_seconds"])
+        assert after[("gpuio_engine_load_read_seconds_count", engine)] == 1
+        assert disk_read >= ENGINE_MIB << 20, "the load must have come off the disk"
+        assert after[("gpuio_engine_inference_seconds_count", engine)] == 20
+        assert after[("gpuio_engine_pool_contexts", engine)] == 2
+        assert after[("gpuio_engine_warmup_seconds_count", engine)] == 2
+        info = [dict(labels) for name, labels in after
+                if name == "gpuio_engine_info" and ("runtime", "generic") in labels]
+        assert [(i["device"], i["path"]) for i in info] == [(loop, engine_path)]
+        physical = {dict(labels)["physical_device"] for name, labels in after
+                    if name == "gpuio_engine_physical_device_info" and ("path", engine_path) in labels}
+        assert physical == {loop}
+
+        process.stdin.write("reload\n")
+        process.stdin.flush()
+        warm = json.loads(process.stdout.readline())
+        again = wait_for(scrape, lambda s: s.get(("gpuio_engine_load_read_seconds_count", engine)) == 2)
+        disk_read_warm = again[("gpuio_disk_read_bytes_total", disk)] - after[("gpuio_disk_read_bytes_total", disk)]
+        print(f"warm load (page cache): read {warm['read_seconds']:.3f} s; "
+              f"{loop} read {disk_read_warm / 2**20:.1f} MiB")
+        assert disk_read_warm < 1 << 20  # nothing came off the disk the second time
+        assert warm["read_seconds"] < cold["read_seconds"]
+        assert again[("gpuio_engine_load_read_bytes_total", engine)] == 2 * (ENGINE_MIB << 20)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    gone = wait_for(scrape, lambda s: s.get(("gpuio_engine_processes", engine)) == 0)
+    assert gone[("gpuio_engine_load_read_bytes_total", engine)] == 2 * (ENGINE_MIB << 20)  # folded, not lost
+    assert gone[("gpuio_engine_inference_seconds_count", engine)] == 20
+    assert gone[("gpuio_engine_spool_folded_processes_total", frozenset())] == 1
+    assert os.listdir(spool) == []

@@ -1,0 +1,256 @@
+"""The engines collector: spool series, caps, the file view (residency, device), flags, documentation."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+from exporter import instrument
+from exporter.blockdev import PathDevices
+from exporter.collect import REGISTRY, Context
+from exporter.collectors import engines  # noqa: F401  (registers the collector)
+from exporter.exposition import render
+from exporter.instrument import metrics
+from exporter.instrument import spool as fmt
+from tests.conftest import REPO, parse_samples
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.fixture
+def spool_dir(tmp_path) -> Iterator[str]:
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    metrics._reset_for_tests()
+    instrument.configure(str(directory))
+    yield str(directory)
+    metrics._reset_for_tests()
+    instrument.configure(None)
+
+
+def collector(spool: str, **options: object) -> engines.EnginesCollector:
+    settings = {option.name: option.parse(option.default) if option.default is not None else None
+                for option in engines.EnginesCollector.options}
+    settings["spool-dir"] = spool
+    settings.update({key.replace("_", "-"): value for key, value in options.items()})
+    return engines.EnginesCollector(Context(), settings)
+
+
+def scrape(target: engines.EnginesCollector, openmetrics: bool = False) -> str:
+    return render(target.collect(), openmetrics=openmetrics)
+
+
+def busy_engine(tmp_path, name: str = "resnet50") -> instrument.EngineMetrics:
+    plan = tmp_path / f"{name}.engine"
+    plan.write_bytes(os.urandom(1 << 20))
+    loaded = instrument.load(str(plan), bytes, device=1, gpu_uuid="GPU-5a1e")
+    pool = instrument.EnginePool(loaded.metrics, object, size=2, warmup=lambda context: None)
+    for _ in range(10):
+        pool.run(lambda context: None, batch_size=8)
+    loaded.metrics.error("timeout")
+    return loaded.metrics
+
+
+def test_registered_with_flags_and_environment_twins() -> None:
+    assert REGISTRY["engines"] is engines.EnginesCollector
+    names = {option.name for option in engines.EnginesCollector.options}
+    assert {"spool-dir", "path", "max-engines", "residency-interval"} <= names
+    parse = {option.name: option.parse for option in engines.EnginesCollector.options}
+    assert parse["path"]("/models/*.engine, /cache/*.plan") == ("/models/*.engine", "/cache/*.plan")
+    assert parse["residency-interval"]("500ms") == 0.5
+    for name, bad in (("path", "models/*.engine"), ("max-engines", "0"), ("residency-interval", "soon"),
+                      ("spool-dir", "relative")):
+        with pytest.raises(ValueError):
+            parse[name](bad)
+
+
+def test_flags_through_the_exporters_config(tmp_path) -> None:
+    config = pytest.importorskip("exporter.config")
+    parsed = config.parse_args(["--collector.engines.path=/models/*.engine"],
+                               environ={"GPUIO_COLLECTOR_ENGINES_SPOOL_DIR": str(tmp_path)})
+    assert parsed.collector_options["engines"]["spool-dir"] == str(tmp_path)
+    assert parsed.collector_options["engines"]["path"] == ("/models/*.engine",)
+    with pytest.raises(config.ConfigError, match="--collector.engines.max-engines"):
+        config.parse_args(["--collector.engines.max-engines=none"], environ={})
+
+
+def test_no_spool_and_no_paths_is_no_source(tmp_path) -> None:
+    assert collector(str(tmp_path / "absent")).collect() == []
+
+
+def test_per_engine_series_parse_in_both_formats(spool_dir, tmp_path) -> None:
+    busy_engine(tmp_path)
+    target = collector(spool_dir)
+    text = scrape(target)
+    samples = parse_samples(text)
+    engine = frozenset({("engine", "resnet50")})
+    assert samples[("gpuio_engine_inference_seconds_count", engine)] == 10
+    assert samples[("gpuio_engine_inference_batch_size_sum", engine)] == 80
+    assert samples[("gpuio_engine_load_read_bytes_total", engine)] == 1 << 20
+    assert samples[("gpuio_engine_load_read_seconds_count", engine)] == 1
+    assert samples[("gpuio_engine_pool_contexts", engine)] == 2
+    assert samples[("gpuio_engine_pool_idle_contexts", engine)] == 2
+    assert samples[("gpuio_engine_warmup_seconds_count", engine)] == 2
+    assert samples[("gpuio_engine_first_inference_seconds_count", engine)] == 2
+    assert samples[("gpuio_engine_pool_wait_seconds_count", engine)] == 10
+    assert samples[("gpuio_engine_processes", engine)] == 1
+    assert samples[("gpuio_engine_errors_total", frozenset({("engine", "resnet50"), ("reason", "timeout")}))] == 1
+    buckets = [value for (name, labels), value in samples.items()
+               if name == "gpuio_engine_inference_seconds_bucket" and ("engine", "resnet50") in labels]
+    assert buckets == sorted(buckets) and max(buckets) == 10  # cumulative, +Inf holds them all
+    plan = str(tmp_path / "resnet50.engine")
+    device = PathDevices().of_path(plan).device
+    info = {("engine", "resnet50"), ("path", plan), ("device", device), ("cuda_device", "1"),
+            ("gpu_uuid", "GPU-5a1e"), ("runtime", "generic")}
+    assert samples[("gpuio_engine_info", frozenset(info))] == 1
+    assert samples[("gpuio_engine_spool_processes", frozenset())] == 1
+    families = {family.name: family for family in parse_openmetrics(scrape(target, openmetrics=True))}
+    assert families["gpuio_engine_inference_seconds"].type == "histogram"
+    assert families["gpuio_engine"].type == "info"
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
+def test_promtool_check_metrics_is_clean(spool_dir, tmp_path) -> None:
+    busy_engine(tmp_path)
+    (tmp_path / "spool" / "gpuio-1-1-bad.spool").write_bytes(b"")
+    target = collector(spool_dir, path=(str(tmp_path / "*.engine"),))
+    target.collect()
+    target.scanner.sample_now()
+    result = subprocess.run([PROMTOOL, "check", "metrics"], input=scrape(target), capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_counters_survive_the_process_exiting(spool_dir, tmp_path) -> None:
+    m = busy_engine(tmp_path)
+    target = collector(spool_dir)
+    engine = frozenset({("engine", "resnet50")})
+    before = parse_samples(scrape(target))
+    metrics._reset_for_tests()  # the process's spool file is closed: as if it exited
+    after = parse_samples(scrape(target))
+    assert after[("gpuio_engine_inference_seconds_count", engine)] == before[
+        ("gpuio_engine_inference_seconds_count", engine)]
+    assert after[("gpuio_engine_processes", engine)] == 0
+    assert after[("gpuio_engine_pool_contexts", engine)] == 0
+    assert after[("gpuio_engine_spool_folded_processes_total", frozenset())] == 1
+    assert not any(name == "gpuio_engine_info" for name, _ in after)  # no live process has it loaded
+    assert m.name == "resnet50"
+
+
+def test_engine_cap_keeps_the_exported_ones_and_counts_the_rest(spool_dir) -> None:
+    for name in ("b", "c"):
+        instrument.engine(name).inference_seconds.observe(0.1)
+    target = collector(spool_dir, max_engines=2)
+    scrape(target)
+    instrument.engine("a").inference_seconds.observe(0.1)  # sorts first, but b and c were there before
+    for _ in range(2):
+        samples = parse_samples(scrape(target))
+    exported = {dict(labels)["engine"] for name, labels in samples if name == "gpuio_engine_processes"}
+    assert exported == {"b", "c"}
+    assert samples[("gpuio_engine_dropped_series_total", frozenset({("kind", "engine")}))] == 1
+
+
+def test_layer_cap_in_the_exporter(spool_dir) -> None:
+    file = metrics.spool_file()
+    instrument.engine("deep")
+    with file.lock:
+        for index in range(engines.MAX_LAYERS + 6):
+            offset = file.add_record(fmt.KIND_LAYER, f"deep\0layer{index:03d}", 16)
+            assert offset is not None
+            file.values[offset // 8] = 0.001
+    samples = parse_samples(scrape(collector(spool_dir)))
+    layers = [labels for name, labels in samples if name == "gpuio_engine_layer_seconds_total"]
+    assert len(layers) == engines.MAX_LAYERS
+    assert samples[("gpuio_engine_dropped_series_total", frozenset({("kind", "layer")}))] == 6
+
+
+def test_spool_errors_are_exported(spool_dir) -> None:
+    with open(os.path.join(spool_dir, "gpuio-1-1-zero.spool"), "wb"):
+        pass
+    samples = parse_samples(scrape(collector(spool_dir)))
+    assert samples[("gpuio_engine_spool_errors_total", frozenset({("reason", "empty")}))] == 1
+
+
+def test_file_view_of_reported_and_globbed_files(spool_dir, tmp_path) -> None:
+    busy_engine(tmp_path)
+    extra = tmp_path / "models" / "bert.plan"
+    extra.parent.mkdir()
+    extra.write_bytes(b"p" * 10000)
+    os.sync()
+    fd = os.open(extra, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    target = collector(spool_dir, path=(str(tmp_path / "models" / "*.plan"),))
+    target.collect()  # learns the files the processes report
+    target.scanner.sample_now()  # what the background thread does every residency-interval
+    samples = parse_samples(scrape(target))
+    plan = str(tmp_path / "resnet50.engine")
+    reported = frozenset({("engine", "resnet50"), ("path", plan)})
+    globbed = frozenset({("engine", "bert"), ("path", str(extra))})
+    assert samples[("gpuio_engine_file_size_bytes", reported)] == 1 << 20
+    assert samples[("gpuio_engine_file_cached_ratio", reported)] == 1.0  # just read by the load
+    assert samples[("gpuio_engine_file_size_bytes", globbed)] == 10000
+    assert samples[("gpuio_engine_file_cached_ratio", globbed)] == 0.0
+    assert samples[("gpuio_engine_file_modified_timestamp_seconds", globbed)] == pytest.approx(extra.stat().st_mtime)
+    device = PathDevices().of_path(str(extra)).device
+    glob_info = {("engine", "bert"), ("path", str(extra)), ("device", device), ("cuda_device", ""),
+                 ("gpu_uuid", ""), ("runtime", "")}
+    assert samples[("gpuio_engine_info", frozenset(glob_info))] == 1
+    assert ("gpuio_engine_residency_scan_duration_seconds", frozenset()) in samples
+
+
+def test_a_file_the_exporter_sees_differently_is_not_measured(spool_dir, tmp_path) -> None:
+    """The process loaded /models/x.engine in its own mount namespace; at that path the exporter finds
+    another file (another st_dev/st_ino than the process reported): no residency for the wrong file."""
+    m = busy_engine(tmp_path)
+    plan = tmp_path / "resnet50.engine"
+    st = plan.stat()
+    m._append_info(fmt.pack_info(1, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino + 1, st.st_size,
+                                 st.st_mtime_ns, 0.0, str(plan), "GPU-5a1e", "generic"))
+    target = collector(spool_dir)
+    target.collect()
+    target.scanner.sample_now()
+    samples = parse_samples(scrape(target))
+    assert not any(name == "gpuio_engine_file_size_bytes" for name, _ in samples)
+    assert samples[("gpuio_engine_file_residency_unavailable", frozenset({("reason", "not_visible")}))] == 1
+
+
+def test_every_engine_family_is_documented(spool_dir, tmp_path) -> None:
+    busy_engine(tmp_path)
+    instrument.engine("resnet50").add_layer_times({"conv": 0.001})
+    (tmp_path / "spool" / "gpuio-1-1-bad.spool").write_bytes(b"")
+    target = collector(spool_dir, path=(str(tmp_path / "*.engine"),), max_engines=1)
+    instrument.engine("zz").inference_seconds.observe(0.1)  # over the cap: the dropped counter appears
+    target.collect()
+    target.scanner.sample_now()
+    names = set(re.findall(r"^# TYPE (\S+) ", scrape(target), re.MULTILINE))
+    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
+        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    assert len(names) >= 28
+    assert names - documented == set()
+
+
+def test_histogram_lines_are_cumulative_and_parse_in_both_formats() -> None:
+    from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+    from exporter.exposition import HISTOGRAM, Desc, Family, histogram_samples, label_string
+
+    desc = Desc("gpuio_test_seconds", HISTOGRAM, "Test.")
+    lines = histogram_samples(desc, label_string({"engine": 'a"b'}), (0.005, 1.0), [2.0, 0.0, 1.0], 7.25)
+    assert lines == ['gpuio_test_seconds_bucket{engine="a\\"b",le="0.005"} 2\n',
+                     'gpuio_test_seconds_bucket{engine="a\\"b",le="1.0"} 2\n',
+                     'gpuio_test_seconds_bucket{engine="a\\"b",le="+Inf"} 3\n',
+                     'gpuio_test_seconds_sum{engine="a\\"b"} 7.25\n',
+                     'gpuio_test_seconds_count{engine="a\\"b"} 3\n']
+    bare = histogram_samples(desc, "", (1.0,), [0.0, 0.0], 0.0)
+    assert bare[0] == 'gpuio_test_seconds_bucket{le="1.0"} 0\n'
+    family = Family(desc, lines)
+    (parsed,) = parse_text(render([family]))
+    assert parsed.type == "histogram" and len(parsed.samples) == 5
+    (om,) = parse_openmetrics(render([family], openmetrics=True))
+    assert om.type == "histogram"

@@ -1,0 +1,73 @@
+"""``gpuio engines`` and ``gpuio warm`` (exporter/engines_cli.py) on real files and a real spool."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from exporter import instrument
+from exporter.engines_cli import engines_main, warm_main
+from exporter.instrument import metrics
+from exporter.instrument import spool as fmt
+
+
+@pytest.fixture
+def spool_dir(tmp_path) -> Iterator[str]:
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    metrics._reset_for_tests()
+    instrument.configure(str(directory))
+    yield str(directory)
+    metrics._reset_for_tests()
+    instrument.configure(None)
+
+
+def evicted(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    return path
+
+
+def test_engines_lists_spool_and_glob_engines_without_touching_dead_files(spool_dir, tmp_path, capsys) -> None:
+    plan = tmp_path / "yolo.engine"
+    plan.write_bytes(os.urandom(2 << 20))
+    loaded = instrument.load(str(plan), bytes, device=0, gpu_uuid="GPU-77")
+    with loaded.metrics.infer():
+        pass
+    dead = fmt.SpoolFile(spool_dir)
+    metrics.EngineMetrics("retired", dead).inference_seconds.observe(0.1)
+    dead.close()
+    other = tmp_path / "models" / "bert.plan"
+    other.parent.mkdir()
+    other.write_bytes(b"b" * 8192)
+    evicted(str(other))
+    assert engines_main(["--spool-dir", spool_dir, "--path", str(tmp_path / "models" / "*.plan"), "--json"]) == 0
+    rows = {row["engine"]: row for row in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {"yolo", "bert", "retired"}
+    assert rows["yolo"]["processes"] == 1 and rows["yolo"]["gpus"] == ["cuda:0 GPU-77"]
+    assert rows["yolo"]["cached_ratio"] == 1.0 and rows["yolo"]["inferences"] == 1 and rows["yolo"]["loads"] == 1
+    assert rows["bert"]["cached_ratio"] == 0.0 and rows["bert"]["size_bytes"] == 8192
+    assert dead.path is not None and os.path.exists(dead.path)  # left for the exporter to fold
+    assert engines_main(["--spool-dir", spool_dir]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("ENGINE") and "yolo" in table and "GPU-77" in table
+
+
+def test_warm_reads_files_into_the_page_cache(tmp_path, capsys) -> None:
+    first = tmp_path / "a.engine"
+    second = tmp_path / "b.engine"
+    for path in (first, second):
+        path.write_bytes(os.urandom(4 << 20))
+        evicted(str(path))
+    assert warm_main([str(tmp_path / "*.engine"), "--jobs", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bytes"] == 8 << 20
+    assert [(f["cached_before"], f["cached_after"]) for f in report["files"]] == [(0.0, 1.0), (0.0, 1.0)]
+    assert warm_main([str(first), str(tmp_path / "missing.engine")]) == 1
+    assert "missing.engine: error" in capsys.readouterr().out
+    assert warm_main([str(tmp_path / "*.nothing")]) == 2

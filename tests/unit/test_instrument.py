@@ -1,0 +1,260 @@
+"""The instrumentation library: what importing it costs, the hot path, loads, inferences, the pool."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from exporter import instrument
+from exporter.instrument import gpu, metrics
+from exporter.instrument import spool as fmt
+from tests.conftest import REPO
+
+
+@pytest.fixture
+def spool_dir(tmp_path) -> Iterator[str]:
+    metrics._reset_for_tests()
+    instrument.configure(str(tmp_path))
+    yield str(tmp_path)
+    metrics._reset_for_tests()
+    instrument.configure(None)
+
+
+def test_importing_the_library_pulls_in_no_server_and_no_gpu_library() -> None:
+    code = ("import sys; import exporter.instrument; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('fastapi', 'starlette', 'uvicorn', 'prometheus_client', 'tensorrt', 'tensorrt_lean_bindings', "
+            "'torch', 'pycuda', 'pynvml', 'yaml', 'bcrypt') or m in ('exporter.server', 'exporter.config', "
+            "'exporter.cli')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+def test_the_hot_path_makes_no_syscall(tmp_path) -> None:
+    """observe(), the inference context manager and error() between two markers: strace sees nothing."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {REPO!r})
+        from exporter import instrument
+        instrument.configure({str(tmp_path)!r})
+        m = instrument.engine("hot")
+        m.inference_seconds.observe(0.1); m.error("e")  # records created (and pages touched) before
+        with m.infer(batch_size=2):
+            pass
+        os.write(1, b"BEGIN\\n")
+        for i in range(20000):
+            m.inference_seconds.observe(0.001 * (i % 50))
+            with m.infer(batch_size=4):
+                pass
+            m.error("e")
+            m.pool_idle.inc()
+        os.write(1, b"END\\n")
+    """)
+    trace = tmp_path / "trace"
+    subprocess.run(["strace", "-f", "-o", str(trace), sys.executable, "-c", script], check=True,
+                   capture_output=True)
+    lines = trace.read_text().splitlines()
+    begin = next(i for i, line in enumerate(lines) if 'write(1, "BEGIN' in line)
+    end = next(i for i, line in enumerate(lines) if 'write(1, "END' in line)
+    assert lines[begin + 1 : end] == []
+
+
+def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) -> None:
+    model_file = tmp_path / "detector.pt"
+    model_file.write_bytes(os.urandom(3 << 20))
+
+    def loader(data: bytearray) -> dict[str, int]:
+        time.sleep(0.05)
+        return {"bytes": len(data)}
+
+    loaded = instrument.load(str(model_file), loader, device=2, gpu_uuid="GPU-x")
+    assert loaded.model == {"bytes": 3 << 20}
+    assert loaded.metrics.name == "detector"
+    assert loaded.bytes_read == 3 << 20
+    assert loaded.deserialize_seconds >= 0.05 > loaded.read_seconds
+    m = loaded.metrics
+    assert m.load_read_seconds.count() == 1 and m.load_deserialize_seconds.count() == 1
+    assert m.load_read_bytes.value() == 3 << 20
+    (info,) = fmt.SpoolReader(spool_dir).read().infos["detector"]
+    assert (info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.size) == (
+        str(model_file), 2, "GPU-x", "generic", 3 << 20)
+    assert info.ino == model_file.stat().st_ino
+
+
+def test_load_failures_count_by_reason(spool_dir, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        instrument.load(str(tmp_path / "missing.onnx"), bytes)
+    (tmp_path / "bad.onnx").write_bytes(b"xx")
+
+    def refuse(data: bytearray) -> None:
+        raise ValueError("not a model")
+
+    with pytest.raises(ValueError):
+        instrument.load(str(tmp_path / "bad.onnx"), refuse, name="missing")
+    assert instrument.engine("missing").errors() == {"load_read_failed": 1, "load_deserialize_failed": 1}
+    assert instrument.engine("missing").load_read_seconds.count() == 0
+
+
+def test_load_timer_around_a_loader_the_caller_owns(spool_dir, tmp_path) -> None:
+    path = tmp_path / "owned.plan"
+    path.write_bytes(b"e" * 4096)
+    with instrument.LoadTimer("owned", str(path), runtime="tensorrt") as timer:
+        data = timer.read()
+        with timer.deserializing():
+            time.sleep(0.02)
+    assert len(data) == 4096
+    m = instrument.engine("owned")
+    assert m.load_read_bytes.value() == 4096 and m.load_deserialize_seconds.total() >= 0.02
+    with pytest.raises(RuntimeError), instrument.LoadTimer("owned", str(path)):
+        raise RuntimeError("deserialize failed")
+    assert m.errors() == {"load_failed": 1} and m.load_read_seconds.count() == 1
+
+
+def test_inference_latency_in_flight_batch_and_errors(spool_dir) -> None:
+    m = instrument.engine("resnet50")
+    with m.infer(batch_size=8) as call:
+        assert m.in_flight.value() == 1
+        time.sleep(0.01)
+    assert m.in_flight.value() == 0
+    assert call.latency is not None and call.latency >= 0.01
+    assert m.inference_seconds.count() == 1 and m.batch_size.count() == 1
+    for exc in (TimeoutError(), instrument.EnqueueError("x"), RuntimeError("CUDA out of memory"), KeyError("k")):
+        with pytest.raises(type(exc)), m.infer():
+            raise exc
+    assert m.errors() == {"timeout": 1, "enqueue_failed": 1, "out_of_memory": 1, "KeyError": 1}
+    assert m.inference_seconds.count() == 1  # failed inferences are errors, not latencies
+    assert m.in_flight.value() == 0
+
+
+def test_error_reasons_are_capped(spool_dir) -> None:
+    m = instrument.engine("noisy")
+    for index in range(40):
+        m.error(f"reason{index}")
+    errors = m.errors()
+    assert len(errors) == metrics.MAX_ERROR_REASONS + 1
+    assert errors["other"] == 40 - metrics.MAX_ERROR_REASONS
+
+
+def test_gpu_timer_is_read_after_the_inference(spool_dir) -> None:
+    class Timer:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def start(self) -> None:
+            self.calls.append("start")
+
+        def stop(self) -> None:
+            self.calls.append("stop")
+
+        def seconds(self) -> float:
+            self.calls.append("seconds")
+            return 0.004
+
+    timer = Timer()
+    m = instrument.engine("timed")
+    with m.infer(gpu_timer=timer) as call:
+        call.enqueued()  # right after the enqueue, before synchronising
+    assert timer.calls == ["start", "stop", "seconds"]
+    assert m.inference_gpu_seconds.total() == 0.004
+
+
+def test_pool_warms_every_context_before_serving(spool_dir) -> None:
+    made: list[dict[str, int]] = []
+
+    def create() -> dict[str, int]:
+        made.append({"runs": 0})
+        return made[-1]
+
+    def warmup(context: dict[str, int]) -> None:
+        time.sleep(0.02 if context["runs"] == 0 else 0.001)  # the first run is the slow one
+        context["runs"] += 1
+
+    pool = instrument.EnginePool("pooled", create, size=3, warmup=warmup, warmup_iterations=3)
+    m = pool.metrics
+    assert [c["runs"] for c in made] == [3, 3, 3]
+    assert m.pool_contexts.value() == 3 and m.pool_idle.value() == 3
+    assert m.warmup_seconds.count() == 3 and m.first_inference_seconds.count() == 3
+    assert m.first_inference_seconds.total() >= 0.06
+    result = pool.run(lambda context, x: x * 2, 21, batch_size=4)
+    assert result == 42
+    assert m.inference_seconds.count() == 1 and m.pool_wait_seconds.count() == 1
+    assert m.first_inference_seconds.count() == 3  # warmed: the served call is steady state
+    with pool.acquire() as context:
+        assert context in made and m.pool_idle.value() == 2
+    assert m.pool_idle.value() == 3
+    pool.close()
+    assert m.pool_contexts.value() == 0 and m.pool_idle.value() == 0
+
+
+def test_pool_without_warmup_counts_each_contexts_first_call(spool_dir) -> None:
+    pool = instrument.EnginePool("cold", lambda: object(), size=2)
+    for _ in range(4):
+        pool.run(lambda context: None)
+    assert pool.metrics.first_inference_seconds.count() == 2
+    assert pool.metrics.inference_seconds.count() == 4
+
+
+def test_pool_wait_and_timeout(spool_dir) -> None:
+    pool = instrument.EnginePool("busy", lambda: object(), size=1)
+    lease = pool.acquire()
+    released = threading.Timer(0.1, lease.release)
+    released.start()
+    start = time.perf_counter()
+    with pool.acquire():
+        waited = time.perf_counter() - start
+    assert waited >= 0.09
+    assert pool.metrics.pool_wait_seconds.total() >= 0.09
+    with pool.acquire(), pytest.raises(instrument.PoolTimeout):
+        pool.acquire(timeout=0.05)
+    assert pool.metrics.errors() == {"pool_timeout": 1}
+    assert pool.metrics.pool_wait_seconds.count() == 4
+
+
+def test_layer_times_keep_the_top_k_and_sum_the_rest(spool_dir) -> None:
+    m = instrument.engine("layered")
+    m.layer_top_k = 2
+    m.layer_select_after = 2
+    profile = {"conv1": 0.003, "conv2": 0.002, "relu": 0.0001, "pool": 0.0002}
+    for _ in range(4):
+        m.add_layer_times(profile)
+    m.add_layer_times({"never-seen-before": 0.5})
+    layers = fmt.SpoolReader(spool_dir).read().layers
+    assert set(layers) == {("layered", "conv1"), ("layered", "conv2"), ("layered", "(other)")}
+    assert layers[("layered", "conv1")][0] == pytest.approx(0.012)
+    assert layers[("layered", "(other)")][0] == pytest.approx(4 * 0.0003 + 0.5)
+    assert m.layer_profiled_inferences.value() == 5
+
+
+def test_gpu_helpers_without_any_gpu_library() -> None:
+    assert [gpu.ordinal(x) for x in (None, 3, "cuda:1", "2", "cpu")] == [None, 3, 1, 2, None]
+
+    class TorchLike:
+        cuda_stream = 1234
+
+    class PyCudaLike:
+        handle = 99
+
+    assert (gpu.stream_handle(None), gpu.stream_handle(TorchLike()), gpu.stream_handle(PyCudaLike()),
+            gpu.stream_handle(7)) == (0, 1234, 99, 7)
+
+
+def test_no_spool_directory_means_metrics_stay_in_the_process(tmp_path) -> None:
+    metrics._reset_for_tests()
+    instrument.configure(str(tmp_path / "absent"))
+    try:
+        m = instrument.engine("nowhere")
+        m.inference_seconds.observe(0.1)  # works, goes nowhere
+        assert m.inference_seconds.count() == 1
+        assert instrument.describe()["spool"] is None
+    finally:
+        metrics._reset_for_tests()
+        instrument.configure(None)

@@ -1,0 +1,426 @@
+"""The spool: format round trip, liveness by lock, folding of exited processes, damaged files, pid reuse.
+
+Writers here are real: SpoolFile objects in this process (each holds its own flock, which a reader's
+probe from another open file description sees, as it would from another process) and, where the
+point is a process dying, real subprocesses killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from exporter.instrument import spool as fmt
+from exporter.instrument.metrics import EngineMetrics
+from tests.conftest import REPO
+
+LAYOUT = fmt.ENGINE_LAYOUT
+
+
+def writer(directory: str, engine: str = "resnet50", size: int = fmt.DEFAULT_FILE_BYTES
+           ) -> tuple[fmt.SpoolFile, EngineMetrics]:
+    file = fmt.SpoolFile(directory, size)
+    assert file.path is not None, "the spool directory should be usable"
+    return file, EngineMetrics(engine, file)
+
+
+def count(values: list[float], histogram: str) -> float:
+    first, total, _ = LAYOUT.histograms[histogram]
+    return sum(values[first:total])
+
+
+def total(values: list[float], histogram: str) -> float:
+    return values[LAYOUT.histograms[histogram][1]]
+
+
+def spool_files(directory: str) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.endswith(fmt.SUFFIX))
+
+
+def test_round_trip_of_every_series(tmp_path) -> None:
+    file, metrics = writer(str(tmp_path))
+    for latency in (0.0004, 0.003, 0.003, 2.0):
+        metrics.inference_seconds.observe(latency)
+    metrics.batch_size.observe(8)
+    metrics.load_read_bytes.inc(1 << 20)
+    metrics.in_flight.inc(3)
+    metrics.pool_contexts.inc(4)
+    metrics.error("timeout")
+    metrics.error("timeout")
+    metrics.set_info("/etc/hostname", 1, "GPU-1234", "tensorrt")
+    reader = fmt.SpoolReader(str(tmp_path))
+    totals = reader.read()
+    values = totals.engines["resnet50"]
+    assert count(values, "inference_seconds") == 4
+    assert total(values, "inference_seconds") == pytest.approx(2.0064)
+    first, _, bounds = LAYOUT.histograms["inference_seconds"]
+    assert values[first + bounds.index(0.005)] == 2  # 0.003 <= 0.005, in the 0.005 bucket
+    assert count(values, "batch_size") == 1
+    assert values[LAYOUT.counters["load_read_bytes"]] == 1 << 20
+    assert values[LAYOUT.gauges["in_flight"]] == 3
+    assert totals.errors == {("resnet50", "timeout"): 2.0}
+    (info,) = totals.infos["resnet50"]
+    assert (info.path, info.cuda_device, info.gpu_uuid, info.runtime) == ("/etc/hostname", 1, "GPU-1234", "tensorrt")
+    assert info.dev == (os.major(os.stat("/etc/hostname").st_dev), os.minor(os.stat("/etc/hostname").st_dev))
+    assert totals.processes == {"resnet50": 1} and totals.live_files == 1
+    assert reader.errors == {}
+    file.close()
+
+
+def test_histogram_bucket_edges_are_inclusive(tmp_path) -> None:
+    file, metrics = writer(str(tmp_path))
+    metrics.inference_seconds.observe(0.001)  # exactly a bound: le="0.001"
+    metrics.inference_seconds.observe(1e9)  # past the last bound: +Inf
+    metrics.inference_seconds.observe(float("nan"))  # ignored
+    values = fmt.SpoolReader(str(tmp_path)).read().engines["resnet50"]
+    first, _, bounds = LAYOUT.histograms["inference_seconds"]
+    assert values[first + bounds.index(0.001)] == 1
+    assert values[first + len(bounds)] == 1
+    assert count(values, "inference_seconds") == 2
+    file.close()
+
+
+def test_merges_processes_and_folds_exited_ones_without_going_backwards(tmp_path) -> None:
+    reader = fmt.SpoolReader(str(tmp_path))
+    first, a = writer(str(tmp_path))
+    second, b = writer(str(tmp_path))
+    a.inference_seconds.observe(0.01)
+    b.inference_seconds.observe(0.01)
+    a.error("timeout")
+    a.in_flight.inc()
+    totals = reader.read()
+    assert count(totals.engines["resnet50"], "inference_seconds") == 2
+    assert totals.processes["resnet50"] == 2
+    a.inference_seconds.observe(0.02)  # after the last scrape, before exiting: must not be lost
+    first.close()  # the process exits: its lock is gone
+    totals = reader.read()
+    values = totals.engines["resnet50"]
+    assert count(values, "inference_seconds") == 3
+    assert values[LAYOUT.gauges["in_flight"]] == 0  # a dead process has nothing in flight
+    assert totals.errors[("resnet50", "timeout")] == 1
+    assert totals.processes["resnet50"] == 1 and totals.live_files == 1
+    assert reader.folded_processes == 1
+    assert len(spool_files(str(tmp_path))) == 1  # the dead file was deleted after folding
+    b.inference_seconds.observe(0.01)
+    assert count(reader.read().engines["resnet50"], "inference_seconds") == 4
+    second.close()
+    for _ in range(3):
+        assert count(reader.read().engines["resnet50"], "inference_seconds") == 4
+    assert spool_files(str(tmp_path)) == []
+
+
+def write_file(directory: str, name: str, data: bytes) -> str:
+    path = os.path.join(directory, name)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    return path
+
+
+def valid_bytes(directory: str) -> bytes:
+    """The bytes of a real, finished spool file (one engine, one error)."""
+    file, metrics = writer(directory, "donor")
+    metrics.inference_seconds.observe(0.01)
+    metrics.error("boom")
+    assert file.path is not None
+    with open(file.path, "rb") as handle:
+        data = handle.read(file.used)
+    file.close()
+    fmt.SpoolReader(directory).read()  # fold and remove the donor
+    return data
+
+
+def test_damaged_and_foreign_files_are_skipped_counted_once_and_left_alone(tmp_path) -> None:
+    directory = str(tmp_path)
+    good = valid_bytes(directory)
+    foreign = bytearray(good)
+    struct.pack_into("<I", foreign, 8, 99)  # a newer library's format
+    garbage_records = bytearray(good)
+    struct.pack_into("<IHH", garbage_records, fmt.HEADER_SIZE, 7, 77, 3)  # first record makes no sense
+    oversized_used = bytearray(good)
+    struct.pack_into("<Q", oversized_used, fmt.USED_OFFSET, len(good) + 4096)
+    files = {
+        "gpuio-1-1-empty.spool": b"",
+        "gpuio-1-1-short.spool": good[:100],
+        "gpuio-1-1-truncated.spool": bytes(oversized_used),
+        "gpuio-1-1-foreign.spool": bytes(foreign),
+        "gpuio-1-1-garbage.spool": os.urandom(5000),
+        "gpuio-1-1-records.spool": bytes(garbage_records),
+    }
+    for name, data in files.items():
+        write_file(directory, name, data)
+    live, metrics = writer(directory)
+    metrics.inference_seconds.observe(0.5)
+    reader = fmt.SpoolReader(directory)
+    for _ in range(3):  # the same bad files are not counted again
+        totals = reader.read()
+    assert reader.errors == {"empty": 1, "truncated": 2, "version": 1, "garbage": 1, "record": 1}
+    assert count(totals.engines["resnet50"], "inference_seconds") == 1  # the good file still counts
+    assert "donor" not in totals.engines  # nothing from files that could not be parsed
+    # Files that could not be understood are not ours to delete; the one with a good header and a
+    # bad record is ours: its writer is gone, what parsed (nothing) was folded, and it was removed.
+    remaining = set(spool_files(directory))
+    assert set(files) - remaining == {"gpuio-1-1-records.spool"}
+    live.close()
+
+
+def test_bad_record_after_good_ones_keeps_the_good_ones(tmp_path) -> None:
+    directory = str(tmp_path)
+    file, metrics = writer(directory)
+    metrics.inference_seconds.observe(0.01)
+    metrics.error("boom")  # a second record, after the ENGINE record
+    assert file.path is not None
+    with open(file.path, "r+b") as handle:  # scribble over the second record's header
+        handle.seek(fmt.HEADER_SIZE + fmt.RECORD_HEAD.size + 8 + LAYOUT.size * 8)
+        handle.write(b"\xff" * 8)
+    reader = fmt.SpoolReader(directory)
+    totals = reader.read()
+    reader.read()
+    assert count(totals.engines["resnet50"], "inference_seconds") == 1
+    assert totals.errors == {}
+    assert reader.errors == {"record": 1}
+    file.close()
+
+
+def test_a_live_file_truncated_under_the_reader_keeps_its_last_good_totals(tmp_path) -> None:
+    directory = str(tmp_path)
+    file, metrics = writer(directory)
+    metrics.inference_seconds.observe(0.01)
+    reader = fmt.SpoolReader(directory)
+    assert count(reader.read().engines["resnet50"], "inference_seconds") == 1
+    assert file.path is not None
+    os.truncate(file.path, 0)
+    for _ in range(2):
+        assert count(reader.read().engines["resnet50"], "inference_seconds") == 1
+    assert reader.errors == {"truncated": 1}
+    file.release_lock()  # the writer dies: its last good totals are folded
+    assert count(reader.read().engines["resnet50"], "inference_seconds") == 1
+    assert reader.folded_processes == 1
+
+
+def test_a_live_file_removed_by_someone_else_is_folded_from_what_was_seen(tmp_path) -> None:
+    directory = str(tmp_path)
+    file, metrics = writer(directory)
+    metrics.inference_seconds.observe(0.01)
+    reader = fmt.SpoolReader(directory)
+    reader.read()
+    assert file.path is not None
+    os.unlink(file.path)
+    assert count(reader.read().engines["resnet50"], "inference_seconds") == 1
+    assert reader.errors == {"vanished": 1}
+    file.close()
+
+
+def test_symlinks_are_not_followed(tmp_path) -> None:
+    directory = str(tmp_path)
+    os.symlink("/etc/passwd", os.path.join(directory, "gpuio-1-1-link.spool"))
+    reader = fmt.SpoolReader(directory)
+    reader.read()
+    assert reader.errors == {"io": 1}
+
+
+def test_a_full_file_drops_new_series_and_says_so(tmp_path) -> None:
+    directory = str(tmp_path)
+    file, metrics = writer(directory, size=fmt.HEADER_SIZE + 4096)  # room for the engine and a few errors
+    for index in range(15):
+        metrics.error(f"reason{index}-" + "x" * 190)
+    metrics.inference_seconds.observe(0.01)  # existing series keep working
+    totals = fmt.SpoolReader(directory).read()
+    assert totals.dropped_by_writers > 0
+    assert count(totals.engines["resnet50"], "inference_seconds") == 1
+    assert 0 < len([key for key in totals.errors if key[0] == "resnet50"]) < 15
+    file.close()
+
+
+def test_a_thousand_dead_processes_are_folded_once_then_cost_nothing(tmp_path, monkeypatch) -> None:
+    directory = str(tmp_path)
+    for index in range(1000):
+        file, metrics = writer(directory, f"engine{index % 10}", size=8192)
+        metrics.inference_seconds.observe(0.01)
+        metrics.load_read_bytes.inc(100)
+        file.close()
+    reader = fmt.SpoolReader(directory)
+    totals = reader.read()
+    assert reader.folded_processes == 1000
+    assert sum(count(values, "inference_seconds") for values in totals.engines.values()) == 1000
+    assert totals.engines["engine3"][LAYOUT.counters["load_read_bytes"]] == 100 * 100
+    assert spool_files(directory) == []
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k))
+    again = reader.read()
+    assert opened == [] and again.engines == totals.engines
+
+
+def test_dead_files_that_cannot_be_deleted_are_tombstoned(tmp_path, monkeypatch) -> None:
+    directory = str(tmp_path)
+    for _ in range(5):
+        file, metrics = writer(directory)
+        metrics.inference_seconds.observe(0.01)
+        file.close()
+
+    def refuse(path: str, *args: object, **kwargs: object) -> None:
+        raise PermissionError(1, "Operation not permitted", path)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    reader = fmt.SpoolReader(directory)
+    assert count(reader.read().engines["resnet50"], "inference_seconds") == 5
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k))
+    assert count(reader.read().engines["resnet50"], "inference_seconds") == 5  # not folded twice
+    assert opened == [] and len(spool_files(directory)) == 5
+
+
+def test_a_writer_that_died_before_renaming_leaves_a_temporary_that_is_swept(tmp_path) -> None:
+    directory = str(tmp_path)
+    stale = write_file(directory, ".gpuio-1-1-0000000000000001.spool.tmp", b"")
+    fresh = write_file(directory, ".gpuio-2-1-0000000000000002.spool.tmp", b"")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    fmt.SpoolReader(directory).read()
+    assert not os.path.exists(stale) and os.path.exists(fresh)
+
+
+# --- real processes ------------------------------------------------------------------------------
+
+HAMMER = textwrap.dedent("""
+    import sys, os
+    sys.path.insert(0, {repo!r})
+    from exporter import instrument
+    instrument.configure({directory!r})
+    metrics = instrument.engine("hammer")
+    metrics.inference_seconds.observe(0.25)
+    print(os.getpid(), flush=True)
+    sys.stdout.close()
+    index = 0
+    while True:
+        metrics.inference_seconds.observe(0.25)
+        metrics.load_read_bytes.inc(1)
+        index += 1
+        if index % 1000 == 0:
+            metrics.error(f"reason{{index // 1000 % 40}}")
+""")
+
+
+def start_hammer(directory: str) -> subprocess.Popen[str]:
+    process = subprocess.Popen([sys.executable, "-c", HAMMER.format(repo=REPO, directory=directory)],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    process.stdout.readline()  # the spool file exists and has one observation
+    return process
+
+
+def test_a_process_killed_mid_write_is_folded_consistently(tmp_path) -> None:
+    directory = str(tmp_path)
+    process = start_hammer(directory)
+    reader = fmt.SpoolReader(directory)
+    seen = []
+    for _ in range(5):
+        time.sleep(0.05)
+        values = reader.read().engines["hammer"]
+        seen.append((count(values, "inference_seconds"), values[LAYOUT.counters["load_read_bytes"]]))
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    totals = reader.read()
+    values = totals.engines["hammer"]
+    final = count(values, "inference_seconds")
+    assert [a for a, _ in seen] == sorted(a for a, _ in seen) and seen[-1][0] <= final  # never backwards
+    assert final > 1000, "the process ran long enough to be killed mid-loop"
+    # Killed between two stores: the count and the sum disagree by one observation at most.
+    assert abs(total(values, "inference_seconds") - 0.25 * final) <= 0.25
+    assert abs(values[LAYOUT.counters["load_read_bytes"]] - (final - 1)) <= 1
+    assert reader.errors == {} and reader.folded_processes == 1
+    assert spool_files(directory) == []
+    assert sum(v for (engine, _), v in totals.errors.items() if engine == "hammer") >= (final - 1) // 1000 - 1
+
+
+def _set_next_pid(pid: int) -> None:
+    with open("/proc/sys/kernel/ns_last_pid", "w") as handle:
+        handle.write(str(pid - 1))
+
+
+@pytest.mark.root
+def test_real_pid_reuse_cannot_mix_two_processes(tmp_path) -> None:
+    """Process A dies; process B is given A's pid (ns_last_pid); the reader keeps them apart."""
+    if os.geteuid() != 0:
+        pytest.skip("setting the next pid needs root")
+    directory = str(tmp_path)
+    reader = fmt.SpoolReader(directory)
+    first = start_hammer(directory)
+    reader.read()
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    for _ in range(20):
+        _set_next_pid(first.pid)
+        second = start_hammer(directory)
+        if second.pid == first.pid:
+            break
+        second.kill()
+        second.wait()
+    else:
+        pytest.skip("could not get the same pid again (busy machine)")
+    names = spool_files(directory)
+    assert len(names) == 2 and all(name.startswith(f"gpuio-{first.pid}-") for name in names)
+    totals = reader.read()
+    time.sleep(0.05)
+    after = reader.read()
+    second.send_signal(signal.SIGKILL)
+    second.wait()
+    final = reader.read()
+    assert reader.folded_processes == 2 and reader.errors == {}
+    # A's totals were folded once; B's kept growing on top of them; nothing went backwards.
+    assert count(totals.engines["hammer"], "inference_seconds") <= count(after.engines["hammer"], "inference_seconds")
+    assert count(after.engines["hammer"], "inference_seconds") <= count(final.engines["hammer"], "inference_seconds")
+    assert after.processes["hammer"] == 1
+
+
+def test_two_live_files_claiming_the_same_pid_are_two_processes(tmp_path) -> None:
+    """Pid namespaces: every pod has a pid 1.  Identity is the file (and its lock), not the pid."""
+    directory = str(tmp_path)
+    first, a = writer(directory)
+    second, b = writer(directory)
+    assert first.pid == second.pid
+    a.inference_seconds.observe(0.01)
+    b.inference_seconds.observe(0.01)
+    totals = fmt.SpoolReader(directory).read()
+    assert totals.processes["resnet50"] == 2
+    assert count(totals.engines["resnet50"], "inference_seconds") == 2
+    first.close()
+    second.close()
+
+
+def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {REPO!r})
+        from exporter import instrument
+        instrument.configure({str(tmp_path)!r})
+        metrics = instrument.engine("forky")
+        metrics.inference_seconds.observe(0.01)
+        metrics.error("boom")
+        pid = os.fork()
+        if pid == 0:
+            child = instrument.engine("forky")
+            child.inference_seconds.observe(0.01)
+            child.inference_seconds.observe(0.01)
+            child.error("boom")
+            assert child.inference_seconds.count() == 2, child.inference_seconds.count()
+            assert child.errors() == {{"boom": 1.0}}, child.errors()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, "the child's checks failed"
+        assert metrics.inference_seconds.count() == 1
+        print(instrument.describe()["spool"])
+    """)
+    parent_file = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    reader = fmt.SpoolReader(str(tmp_path))
+    totals = reader.read()
+    assert count(totals.engines["forky"], "inference_seconds") == 3
+    assert totals.errors[("forky", "boom")] == 2
+    assert reader.folded_processes == 2 and parent_file.strip()
