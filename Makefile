@@ -8,7 +8,7 @@ ARGS ?=
 DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test unit lint bench golden system-deps venv clean
+.PHONY: run test unit lint bench golden rules dashboards system-deps venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,10 @@ run: venv
 	$(VENV)/bin/gpuio-exporter $(ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check exporter tests bench
+	$(VENV)/bin/ruff check exporter tests bench dashboards deploy
 	$(VENV)/bin/mypy exporter
+	# The Grafana SDK needs 3.11 (StrEnum); the dashboards are generated at build time, not on nodes.
+	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus
 
 test: venv system-deps lint
 	$(PY) -m pytest -q -rs tests
@@ -41,6 +43,13 @@ unit: venv
 bench: venv system-deps
 	$(PY) bench/scrape_bench.py
 	$(PY) bench/engines_bench.py
+
+# Rules and dashboards are generated from Python; the output is checked in and CI fails on drift.
+rules: venv
+	$(PY) -m deploy.prometheus.generate
+
+dashboards: venv
+	$(PY) -m dashboards
 
 golden: venv
 	$(PY) -m pytest -q tests/unit/test_golden.py --update-golden

@@ -1,0 +1,141 @@
+"""Shared pieces of gpuio's dashboards: datasource, variables, selectors, panels, links, JSON output.
+
+Selectors, dashboard uids and titles come from deploy/prometheus/config.py (the one config of rules,
+alerts and dashboards); recording-rule names from deploy/prometheus/rules.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
+from grafana_foundation_sdk.builders.common import VizLegendOptions, VizTooltipOptions
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, SortOrder, TooltipDisplayMode
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DashboardLinkType,
+    DataSourceRef,
+    DataTransformerConfig,
+    VariableHide,
+    VariableRefresh,
+    VariableSort,
+)
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+from deploy.prometheus import config as c
+
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+# Every panel query: gpuio's job, the chosen node.  `$__rate_interval` in every rate(): Grafana makes it
+# at least four scrape intervals, so a rate() never sees fewer than two samples.
+NODE = f'{c.SELECTOR},{c.NODE_LABEL}=~"$instance"'
+DEVICE = f'{NODE},device=~"$device"'
+RATE = "$__rate_interval"
+
+
+def sel(*matchers: str) -> str:
+    return "{" + ",".join((NODE, *matchers)) + "}"
+
+
+def dev(*matchers: str) -> str:
+    return "{" + ",".join((DEVICE, *matchers)) + "}"
+
+
+def rate(metric: str, selector: str) -> str:
+    return f"rate({metric}{selector}[{RATE}])"
+
+
+def guarded_ratio(numerator: str, denominator: str, selector: str) -> str:
+    """rate(numerator) / rate(denominator), no series where the denominator did not move (no NaN)."""
+    return f"{rate(numerator, selector)}\n/\n({rate(denominator, selector)} > 0)"
+
+
+def query(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
+    return prometheus.Dataquery().expr(expr).legend_format(legend or "__auto").ref_id(ref).range()
+
+
+def table_query(expr: str, ref: str = "A") -> prometheus.Dataquery:
+    return prometheus.Dataquery().expr(expr).ref_id(ref).instant().format(PromQueryFormat.TABLE)
+
+
+def _legend() -> VizLegendOptions:
+    return (VizLegendOptions().display_mode(LegendDisplayMode.TABLE).placement(LegendPlacement.BOTTOM)
+            .show_legend(True).calcs(["mean", "max", "lastNotNull"]))
+
+
+def graph(title: str, description: str, unit: str, *targets: prometheus.Dataquery,
+          width: int = 12, height: int = 8, max_value: float | None = None) -> timeseries.Panel:
+    panel = (timeseries.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
+             .span(width).height(height).legend(_legend())
+             .tooltip(VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING))
+             .fill_opacity(10).line_width(1).span_nulls(False).min(0))
+    if max_value is not None:
+        panel = panel.max(max_value)
+    for ref, target in zip("ABCDEFGH", targets, strict=False):
+        panel = panel.with_target(target.ref_id(ref))
+    return panel
+
+
+def value_table(title: str, description: str, expr: str, hide: list[str], width: int = 24,
+                height: int = 8) -> table.Panel:
+    """An instant query shown as a table, one row per series, its labels as columns."""
+    exclude = {name: True for name in ["Time", "Value", "__name__", *hide]}
+    return (table.Panel().title(title).description(description).datasource(DATASOURCE).span(width).height(height)
+            .with_target(table_query(expr))
+            .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": exclude})))
+
+
+def single_stat(title: str, description: str, expr: str, unit: str, width: int = 6, height: int = 4) -> stat.Panel:
+    return (stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
+            .span(width).height(height).with_target(query(expr)))
+
+
+def datasource_variable() -> db.DatasourceVariable:
+    return db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+
+
+def node_variable() -> db.QueryVariable:
+    # gpuio_scrape_collector_success exists on every gpuio target, whatever collectors run.
+    return (db.QueryVariable("instance").label("Node").datasource(DATASOURCE)
+            .query(f"label_values(gpuio_scrape_collector_success{{{c.SELECTOR}}}, {c.NODE_LABEL})")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC))
+
+
+def device_variable() -> db.QueryVariable:
+    return (db.QueryVariable("device").label("Device").datasource(DATASOURCE)
+            .query(f"label_values(gpuio_disk_info{{{NODE}}}, device)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".+"))
+
+
+def hidden(variable: db.QueryVariable) -> db.QueryVariable:
+    return variable.hide(VariableHide.HIDE_VARIABLE)
+
+
+def board(uid: str, description: str) -> db.Dashboard:
+    """A gpuio dashboard with its uid, title, tags, time settings and links to the other boards."""
+    return (db.Dashboard(c.DASHBOARD_TITLES[uid]).uid(uid).description(description).tags([c.DASHBOARD_TAG])
+            .editable().tooltip(DashboardCursorSync.CROSSHAIR).refresh("30s").time("now-3h", "now")
+            .timezone("browser")
+            .link(db.DashboardLink("gpuio").type(DashboardLinkType.DASHBOARDS).tags([c.DASHBOARD_TAG])
+                  .as_dropdown(True).include_vars(True).keep_time(True)))
+
+
+def alerts_annotation() -> db.AnnotationQuery:
+    """Firing alerts of the node as annotations on every graph (Prometheus' ALERTS series)."""
+    return (db.AnnotationQuery().name("Firing alerts").datasource(DATASOURCE).enable(True).icon_color("red")
+            .expr(f'ALERTS{{alertstate="firing",{c.NODE_LABEL}=~"$instance"}}'))
+
+
+def render(dashboard: db.Dashboard) -> str:
+    """Stable JSON text: panels numbered in order, keys sorted, a trailing newline."""
+    model = json.loads(JSONEncoder(sort_keys=True).encode(dashboard.build()))
+    number = 1
+    for panel in model.get("panels", []):
+        panel["id"] = number
+        number += 1
+        for inner in panel.get("panels", []):
+            inner["id"] = number
+            number += 1
+    return json.dumps(model, indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,124 @@
+"""gpuio / Disk IO: `iostat -x` per device, the DiskIOStorm inputs, and pressure (PSI) of one node.
+
+Every figure is computed the way iostat computes it (sysstat's rd_stats.c), from counters that mirror
+node_exporter's node_disk_*: r/s = rate(reads), r_await = rate(read time) / rate(reads) and so on.
+Awaits and request sizes divide by ``(rate(ops) > 0)``: a device that completed nothing has no
+series instead of NaN.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+
+from deploy.prometheus import config as c
+from deploy.prometheus import rules as r
+
+from .common import (
+    alerts_annotation,
+    board,
+    datasource_variable,
+    dev,
+    device_variable,
+    graph,
+    guarded_ratio,
+    node_variable,
+    query,
+    rate,
+    sel,
+    value_table,
+)
+
+UTIL_NOTE = (
+    "Share of time with at least one request in flight (iostat %util). On NVMe, cloud volumes and "
+    "md/dm over several disks requests run in parallel: 100 % there is not saturation. Judge by await, "
+    "aqu-sz and IO pressure."
+)
+
+
+def iostat_panels() -> list:
+    d = dev()
+    per_device = "{{device}}"
+    return [
+        graph("IOPS (r/s, w/s)", "Requests completed per second (iostat r/s and w/s).", "iops",
+              query(rate("gpuio_disk_reads_completed_total", d), f"{per_device} r/s"),
+              query(rate("gpuio_disk_writes_completed_total", d), f"{per_device} w/s")),
+        graph("Throughput (rkB/s, wkB/s)", "Bytes read and written per second.", "binBps",
+              query(rate("gpuio_disk_read_bytes_total", d), f"{per_device} read"),
+              query(rate("gpuio_disk_written_bytes_total", d), f"{per_device} write")),
+        graph("Await (r_await, w_await)",
+              "Mean time a request took, queue included (iostat r_await, w_await). No line while a device "
+              "completed nothing.", "s",
+              query(guarded_ratio("gpuio_disk_read_time_seconds_total", "gpuio_disk_reads_completed_total", d),
+                    f"{per_device} r_await"),
+              query(guarded_ratio("gpuio_disk_write_time_seconds_total", "gpuio_disk_writes_completed_total", d),
+                    f"{per_device} w_await")),
+        graph("Queue size (aqu-sz)", "Mean number of requests in flight or queued (iostat aqu-sz).", "short",
+              query(rate("gpuio_disk_io_time_weighted_seconds_total", d), per_device)),
+        graph("Request size (rareq-sz, wareq-sz)", "Mean size of a completed request.", "bytes",
+              query(guarded_ratio("gpuio_disk_read_bytes_total", "gpuio_disk_reads_completed_total", d),
+                    f"{per_device} read"),
+              query(guarded_ratio("gpuio_disk_written_bytes_total", "gpuio_disk_writes_completed_total", d),
+                    f"{per_device} write")),
+        graph("%util (not saturation)", UTIL_NOTE, "percentunit",
+              query(rate("gpuio_disk_io_time_seconds_total", d), per_device), max_value=1),
+    ]
+
+
+def storm_panels() -> list:
+    k = f"{c.STORM_BASELINE_FACTOR:g}"
+    d = dev()
+    return [
+        graph("Judged await vs. its baseline and class limit",
+              f"The await DiskIOStorm judges (the slower of reads and writes, each only with at least "
+              f"{c.AWAIT_MIN_IOPS:g} requests/s), {k}x its {c.BASELINE_WINDOW} median, and its class limit "
+              f"(solid state {c.SOLID_STATE.await_seconds:g} s, rotational {c.ROTATIONAL.await_seconds:g} s). "
+              f"Recording rules at {c.RATE_WINDOW} resolution.", "s",
+              query(f"{r.AWAIT}{d}", "{{device}} await"),
+              query(f"{k} * {r.AWAIT_BASELINE}{d}", f"{{{{device}}}} {k}x median"),
+              query(f"{r.AWAIT_LIMIT}{d}", "{{device}} class limit")),
+        graph("Queue size vs. its baseline and class limit",
+              f"aqu-sz, {k}x its {c.BASELINE_WINDOW} median, and its class limit (solid state "
+              f"{c.SOLID_STATE.queue_size:g}, rotational {c.ROTATIONAL.queue_size:g}).", "short",
+              query(f"{r.QUEUE}{d}", "{{device}} aqu-sz"),
+              query(f"{k} * {r.QUEUE_BASELINE}{d}", f"{{{{device}}}} {k}x median"),
+              query(f"{r.QUEUE_LIMIT}{d}", "{{device}} class limit")),
+    ]
+
+
+def pressure_panels() -> list:
+    s = sel()
+    return [
+        graph("IO pressure (PSI)",
+              "Share of time in which some task waited on IO (some), and in which all non-idle tasks did "
+              "(full), from /proc/pressure/io. No series: the kernel has no PSI (before 4.20, or booted "
+              "without psi=1).", "percentunit",
+              query(rate("gpuio_pressure_io_waiting_seconds_total", s), "io some"),
+              query(rate("gpuio_pressure_io_stalled_seconds_total", s), "io full"), max_value=1),
+        graph("Memory and CPU pressure (PSI)",
+              "Memory pressure often shows up as IO (page cache thrashing, reclaim); CPU pressure "
+              "slows data loaders.", "percentunit",
+              query(rate("gpuio_pressure_memory_waiting_seconds_total", s), "memory some"),
+              query(rate("gpuio_pressure_memory_stalled_seconds_total", s), "memory full"),
+              query(rate("gpuio_pressure_cpu_waiting_seconds_total", s), "cpu some"), max_value=1),
+    ]
+
+
+def device_table() -> list:
+    return [
+        value_table("Devices", "Identity of each block device (gpuio_disk_info); rotational 0 is solid state.",
+                    f"gpuio_disk_info{dev()}", ["job", "major", "minor"]),
+        value_table("Device stacks", "The whole disks under each device (partition -> disk, dm/md -> slaves).",
+                    f"gpuio_disk_physical_device_info{dev()}", ["job"]),
+    ]
+
+
+def build() -> db.Dashboard:
+    dashboard = (board(c.DISK_IO_UID, "iostat -x per block device, the DiskIOStorm inputs and pressure (PSI).")
+                 .with_variable(datasource_variable()).with_variable(node_variable())
+                 .with_variable(device_variable()).annotation(alerts_annotation()))
+    for title, panels in (("iostat -x", iostat_panels()), ("DiskIOStorm inputs", storm_panels()),
+                          ("Pressure", pressure_panels()), ("Devices", device_table())):
+        dashboard = dashboard.with_row(db.Row(title))
+        for panel in panels:
+            dashboard = dashboard.with_panel(panel)
+    return dashboard

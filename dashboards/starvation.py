@@ -1,0 +1,124 @@
+"""gpuio / Starvation (on-call): is this node's GPU idle because a disk cannot keep up?
+
+One node, one time axis: GPU busy next to the await, queue depth and IO pressure of the node's disks,
+the disks gpuio judges saturated, engine latency and in-flight work, and what is firing.  Read it top
+to bottom at 3 a.m.: GPU idle? work waiting? a disk slow and queued with tasks stalled on IO?
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.models.dashboard import VariableRefresh, VariableSort
+
+from deploy.prometheus import config as c
+from deploy.prometheus import rules as r
+
+from .common import (
+    DATASOURCE,
+    NODE,
+    alerts_annotation,
+    board,
+    datasource_variable,
+    graph,
+    guarded_ratio,
+    node_variable,
+    query,
+    rate,
+    sel,
+    value_table,
+)
+
+GPU = 'gpu=~"$gpu"'
+ENGINE = 'engine=~"$engine"'
+
+
+def multi_variable(name: str, label: str, metric: str) -> db.QueryVariable:
+    return (db.QueryVariable(name).label(label).datasource(DATASOURCE)
+            .query(f"label_values({metric}{{{NODE}}}, {name})")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.NUMERICAL_ASC)
+            .multi(True).include_all(True).all_value(".*"))
+
+
+def gpu_panels() -> list:
+    return [
+        graph("GPU busy", f"Share of time a kernel ran (rate of gpuio_gpu_busy_seconds_total, integrated from "
+              f"NVML's samples: exact at any scrape interval). Under {c.GPU_BUSY_LOW:.0%} with work "
+              f"waiting is what the starvation alerts look for.", "percentunit",
+              query(rate("gpuio_gpu_busy_seconds_total", sel(GPU)), "GPU {{gpu}}"), max_value=1),
+        graph("GPU up", "1 while the GPU answers NVML; 0: lost, reset required or gone from the bus.", "short",
+              query(f"gpuio_gpu_up{sel(GPU)}", "GPU {{gpu}}"), max_value=1),
+    ]
+
+
+def disk_panels() -> list:
+    node_disks = sel()
+    return [
+        graph("Disk await (r_await, w_await)", "Mean time per request of the node's disks. No line: the device "
+              "completed nothing.", "s",
+              query(guarded_ratio("gpuio_disk_read_time_seconds_total", "gpuio_disk_reads_completed_total",
+                                  node_disks), "{{device}} r_await"),
+              query(guarded_ratio("gpuio_disk_write_time_seconds_total", "gpuio_disk_writes_completed_total",
+                                  node_disks), "{{device}} w_await")),
+        graph("Disk queue size (aqu-sz)", "Requests in flight or queued per device.", "short",
+              query(rate("gpuio_disk_io_time_weighted_seconds_total", node_disks), "{{device}}")),
+        graph("IO pressure (PSI)", "Share of time tasks waited on IO (some) or all stalled on it (full).",
+              "percentunit",
+              query(rate("gpuio_pressure_io_waiting_seconds_total", node_disks), "io some"),
+              query(rate("gpuio_pressure_io_stalled_seconds_total", node_disks), "io full"), max_value=1),
+        graph("Saturated disks", "Disks slow for their class with a deep queue or IO pressure (what `gpuio top` "
+              "flags 'saturated'); the line is the await. Empty is good.", "s",
+              query(f"{r.SATURATED}{node_disks}", "{{device}}")),
+    ]
+
+
+def engine_panels() -> list:
+    engines = sel(ENGINE)
+
+    def quantile(q: float) -> str:
+        return (f"histogram_quantile({q:g}, sum by ({c.NODE_LABEL}, engine, le) "
+                f"({rate('gpuio_engine_inference_seconds_bucket', engines)}))")
+
+    return [
+        graph("Inference latency (p50, p95, p99)", "End-to-end inference latency per engine, from the "
+              "engines' histograms.", "s",
+              query(quantile(0.5), "{{engine}} p50"), query(quantile(0.95), "{{engine}} p95"),
+              query(quantile(0.99), "{{engine}} p99")),
+        graph("Inferences in flight", "Inferences running now, per engine (work that waits on the GPU).",
+              "short", query(f"gpuio_engine_inferences_in_flight{engines}", "{{engine}}")),
+        graph("Engine cold starts", f"Mean load time (read + deserialize) and its read part, of the loads "
+              f"that finished in the last {c.ENGINE_LOAD_WINDOW} (recording rules); EngineColdStartSlow fires "
+              f"above {c.ENGINE_LOAD_SLOW_SECONDS:g} s.", "s",
+              query(f"{r.ENGINE_LOAD}{engines}", "{{engine}} load"),
+              query(f"{r.ENGINE_LOAD_READ}{engines}", "{{engine}} read")),
+        graph("Pool wait (mean)", "Mean time a request waited for a free execution context in the engine "
+              "pool. No line: no request acquired a context.", "s",
+              query(guarded_ratio("gpuio_engine_pool_wait_seconds_sum", "gpuio_engine_pool_wait_seconds_count",
+                                  engines), "{{engine}}")),
+        value_table("Engines on this node", "Each engine file a live process loaded: its block device and its GPU "
+                    "(gpuio_engine_info), the join the starvation alerts use.",
+                    f"gpuio_engine_info{engines}", ["job"], height=6),
+    ]
+
+
+def build() -> db.Dashboard:
+    engine_loads = (db.AnnotationQuery().name("Engine loads").datasource(DATASOURCE).enable(True)
+                    .icon_color("blue")
+                    .expr(f"changes(gpuio_engine_last_load_timestamp_seconds{sel(ENGINE)}[2m]) > 0"))
+    dashboard = (board(c.STARVATION_UID, "Is a GPU idle because a disk cannot keep up? GPU, disks, IO pressure "
+                       "and engines of one node on one time axis.")
+                 .with_variable(datasource_variable()).with_variable(node_variable())
+                 .with_variable(multi_variable("gpu", "GPU", "gpuio_gpu_info"))
+                 .with_variable(multi_variable("engine", "Engine", "gpuio_engine_info"))
+                 .annotation(alerts_annotation()).annotation(engine_loads))
+    firing = value_table("Firing alerts", "Alerts firing for this node now (Prometheus' ALERTS series).",
+                         f'ALERTS{{alertstate="firing",{c.NODE_LABEL}=~"$instance"}}', ["alertstate"], height=6)
+    busy, up = gpu_panels()
+    await_, queue, pressure, saturated = disk_panels()
+    # GPU on the left, its disks on the right, one shared crosshair: is the GPU idle while a disk is slow?
+    sections = (("Firing", [firing]), ("GPU vs. disks", [busy, await_, up, queue, saturated, pressure]),
+                ("Engines", engine_panels()))
+    for title, panels in sections:
+        dashboard = dashboard.with_row(db.Row(title))
+        for panel in panels:
+            dashboard = dashboard.with_panel(panel)
+    return dashboard

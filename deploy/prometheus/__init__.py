@@ -1,0 +1,1 @@
+"""gpuio's Prometheus rules and alerts, generated from config.py (see generate.py)."""

@@ -1,0 +1,160 @@
+"""The one place for the knobs of gpuio's rules, alerts and dashboards (the "mixin config").
+
+Change a value here, run ``make rules dashboards``, commit the regenerated YAML and JSON:
+tests/unit/test_rules.py and tests/unit/test_dashboards.py fail while the checked-in files differ
+from what this module generates.
+
+The per-class disk limits, the IO-pressure limits and the GPU-idle limit are not repeated here: they
+come from exporter/thresholds.py, the module `gpuio top` judges its rows by, so what is red on the
+node's screen is what the alerts fire on.  This module adds what only rules need: selectors,
+windows, how far above its own baseline a device must be, durations, URLs.
+
+Why these shapes (see docs/runbooks/DiskIOStorm.md for the on-call view):
+
+* Never %util alone.  %util is the share of time with at least one request in flight; a device
+  that serves requests in parallel (NVMe, a cloud volume, md/dm over several disks) sits at 100 %
+  with headroom to spare.  node-mixin's NodeDiskIOSaturation paged on exactly that.  What work
+  feels is await (time per request) and how many requests pile up (aqu-sz); what the node feels
+  is IO pressure (PSI: time in which tasks stalled on IO).
+* Absolute limits per device class (solid state vs rotational, from gpuio_disk_info{rotational}):
+  an HDD seeks in 5-15 ms, so 20 ms is a normal busy HDD but an alarm on flash.
+* Relative to the device's own recent normal: a cloud volume whose await is always 15 ms is above
+  the flash limit all day; only "4x its own 1 h median" says something changed.  The median, not
+  the mean: a storm must last half the window before it becomes its own baseline.  A device that
+  did IO in less than half of the window has no await baseline; then the absolute limits alone
+  decide (the cold-start storm on a disk that idled until the rollout).
+* Awaits are judged only for a direction (reads, writes) that completed at least
+  AWAIT_MIN_IOPS requests per second: one slow read on an idle disk is not a storm, and a
+  direction with no completions has no await at all (the recording rules divide by ``(ops > 0)``,
+  so an idle device yields no series rather than NaN).
+"""
+
+from __future__ import annotations
+
+from exporter import thresholds
+
+# --- selectors -------------------------------------------------------------------------------------
+# Picks gpuio's series out of everything Prometheus scrapes.  Every rule and panel uses it.
+SELECTOR = 'job="gpuio"'
+# The label that names a node.  Alerts group on it and inhibitions match on it; relabel `instance`
+# to the node's name in the scrape config (as node_exporter's docs recommend) for readable pages.
+NODE_LABEL = "instance"
+
+# --- windows -------------------------------------------------------------------------------------
+# rate() window of the recording rules: needs at least two scrapes inside it, so a scrape interval
+# of 30 s or less (15 s recommended).  Recording-rule names carry it (`:rate1m`).
+RATE_WINDOW = "1m"
+# The window of a device's own normal: median of its await and queue size over this long.
+BASELINE_WINDOW = "1h"
+# An await baseline needs evidence: a judged await (enough IOPS) in at least this share of the
+# window's evaluations.  Without it a disk that idled for an hour would take the first minutes of a
+# cold-start storm as its normal; with it, a storm becomes the normal only after half the window.
+BASELINE_MIN_COVERAGE = 0.5
+
+# --- disk limits (the numbers gpuio top uses) ---------------------------------------------------
+SOLID_STATE = thresholds.DISK_CLASSES[thresholds.SOLID_STATE]
+ROTATIONAL = thresholds.DISK_CLASSES[thresholds.ROTATIONAL]
+AWAIT_MIN_IOPS = thresholds.AWAIT_MIN_IOPS
+IO_PRESSURE_SOME = thresholds.IO_PRESSURE_SOME
+IO_PRESSURE_FULL = thresholds.IO_PRESSURE_FULL
+GPU_BUSY_LOW = thresholds.GPU_BUSY_LOW
+
+# --- DiskIOStorm ---------------------------------------------------------------------------------
+# Await and queue size must both be at least this many times the device's baseline (its median over
+# BASELINE_WINDOW), on top of the class limits above.
+STORM_BASELINE_FACTOR = 4.0
+STORM_FOR = "5m"
+# The description counts the engine loads from the stormed disk that finished in this window: many of
+# them at once is the cold-start storm (a rollout, an autoscaling burst).
+STORM_ENGINE_LOADS_WINDOW = "5m"
+
+# --- disk health (smart collector) ----------------------------------------------------------------
+# "Growing" is judged over this window: a disk with 100 reallocated sectors from its first year that
+# has not remapped one since is not news; one that remapped 8 today is.  SMART is polled every 5 min
+# (--collector.smart.interval), so a change shows in the next poll.
+SMART_GROWTH_WINDOW = "1d"
+# NVMe available spare: the drive itself raises its critical warning when spare falls below the vendor
+# threshold (typically 10 %); warn at this multiple of it, while there is time to order a disk.
+NVME_SPARE_WARN_FACTOR = 2.0
+SMART_HEALTH_FOR = "5m"
+# A disk's SMART values older than this (and the disk not asleep), or its polls failing (timeout, error,
+# permission denied) for SMART_STALE_FOR: the health alerts above are blind for it.
+SMART_STALE_AFTER_SECONDS = 1800
+SMART_STALE_FOR = "15m"
+
+# --- GPUs (nvml collector) ---------------------------------------------------------------------------
+# Clock-event reasons that mean trouble.  sw_power_cap is left out: a fully loaded GPU sits at its
+# power limit by design.  gpu_idle, sync_boost and the clock settings are not faults either.
+GPU_THROTTLE_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+GPU_THROTTLE_RATIO = 0.25  # share of time clocks were held down, over GPU_THROTTLE_WINDOW
+GPU_THROTTLE_WINDOW = "5m"
+GPU_THROTTLE_FOR = "10m"
+# PCIe generation drops at idle (power saving); it is judged only while the GPU is at least this busy.
+# Width is judged always.
+PCIE_GENERATION_BUSY = 0.5
+PCIE_DEGRADED_FOR = "10m"
+# Xid codes that report an application's fault (13 graphics engine exception, 31 MMU fault, 43 GPU
+# stopped processing, 45 preemptive cleanup), not the hardware's: no alert.
+XID_APPLICATION = ("13", "31", "43", "45")
+XID_RECENT_SECONDS = 900  # an Xid fires for this long after it was last seen
+GPU_ECC_WINDOW = "1h"
+GPU_LOST_FOR = "1m"
+GPU_STALE_AFTER_SECONDS = 30  # NVML snapshot age (the sampler reads every 1 s)
+GPU_STALE_FOR = "5m"
+
+# --- starvation ----------------------------------------------------------------------------------
+# Work waits on an engine: inferences in flight, or requests waiting this long for a pool context,
+# or p99 latency at least ENGINE_LATENCY_FACTOR x its BASELINE_WINDOW median.
+ENGINE_POOL_WAIT_SECONDS = 0.010
+ENGINE_LATENCY_FACTOR = 2.0
+STARVED_FOR = "5m"
+NODE_STARVED_FOR = "10m"
+
+# --- engine loads ----------------------------------------------------------------------------------
+# A cold start (read + deserialize, the mean of the loads that finished in ENGINE_LOAD_WINDOW) slower
+# than this is slow: engines of a few GB load in seconds from local NVMe or the page cache.
+ENGINE_LOAD_SLOW_SECONDS = 60.0
+ENGINE_LOAD_WINDOW = "15m"
+SPOOL_ERRORS_WINDOW = "15m"
+
+# --- the exporter itself -------------------------------------------------------------------------
+# A collector that failed in more than this share of its scrapes over COLLECTOR_FAILING_WINDOW.
+# "Most scrapes" rather than "every scrape": a collector that times out every other scrape leaves
+# holes in every rate() and is as broken as one that always fails.
+COLLECTOR_FAILING_RATIO = 0.5
+COLLECTOR_FAILING_WINDOW = "10m"
+COLLECTOR_FAILING_FOR = "5m"
+EXPORTER_DOWN_FOR = "5m"
+
+# --- severities ----------------------------------------------------------------------------------
+# deploy/alertmanager/alertmanager.yml routes on these: critical pages, warning opens a ticket,
+# info only shows on dashboards.
+CRITICAL = "critical"
+WARNING = "warning"
+INFO = "info"
+SEVERITIES = (CRITICAL, WARNING, INFO)
+
+# --- links ---------------------------------------------------------------------------------------
+# Where the runbooks (docs/runbooks/<Alert>.md of this repository) and Grafana are reachable.
+RUNBOOK_URL = "https://github.com/gpuio/gpuio/blob/main/docs/runbooks/{alert}.md"
+GRAFANA_URL = "http://localhost:3000"
+
+# Dashboards: uid -> title.  The uid is part of every dashboard_url, so it never changes.
+DISK_IO_UID = "gpuio-disk-io"
+STARVATION_UID = "gpuio-starvation"
+DASHBOARD_TITLES = {
+    DISK_IO_UID: "gpuio / Disk IO",
+    STARVATION_UID: "gpuio / Starvation (on-call)",
+}
+DASHBOARD_TAG = "gpuio"
+
+
+def dashboard_url(uid: str, **variables: str) -> str:
+    """A Grafana link to a board with its variables set (values may be alert templates)."""
+    query = "&".join(f"var-{name}={value}" for name, value in variables.items())
+    return f"{GRAFANA_URL}/d/{uid}/{uid}" + (f"?{query}" if query else "")
+
+
+def selector(*matchers: str) -> str:
+    """``{job="gpuio",...}``: the gpuio selector plus more matchers."""
+    return "{" + ",".join((SELECTOR, *matchers)) + "}"

@@ -1,0 +1,129 @@
+"""dashboards/*.json: current with the Python that generates them, and built the way gpuio's boards are.
+
+The queries are run against a real Prometheus in tests/e2e/test_prometheus_rules_dashboards.py; here
+they are parsed offline by promtool (as recording rules of a throw-away rule file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk (Python 3.11+) is not installed")
+
+import dashboards  # noqa: E402
+from dashboards.__main__ import stale  # noqa: E402
+from deploy.prometheus import config as c  # noqa: E402
+from deploy.prometheus import rules as r  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+
+PROMTOOL = shutil.which("promtool")
+BOARDS = {uid: json.loads(text) for uid, text in
+          ((os.path.basename(path)[:-5], text) for path, text in dashboards.rendered().items())}
+RANGE = re.compile(r"\[([^\]]+)\]")
+
+
+def panels(board: dict) -> list[dict]:
+    out = []
+    for panel in board["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out
+
+
+def exprs(board: dict) -> list[str]:
+    return [target["expr"] for panel in panels(board) for target in panel.get("targets", [])]
+
+
+def test_checked_in_json_matches_the_generator() -> None:
+    """CI's drift check: dashboards/*.json are exactly what `make dashboards` writes."""
+    assert stale() == [], "run `make dashboards` and commit the result"
+
+
+def test_generation_is_deterministic() -> None:
+    assert dashboards.rendered() == dashboards.rendered()
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_board_identity_variables_and_links(uid: str) -> None:
+    board = BOARDS[uid]
+    assert board["uid"] == uid and uid in c.DASHBOARD_TITLES
+    assert board["title"] == c.DASHBOARD_TITLES[uid]
+    assert c.DASHBOARD_TAG in board["tags"]
+    variables = {variable["name"]: variable for variable in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["instance"]["type"] == "query"
+    # links to the other gpuio boards (by tag), keeping time range and variables
+    (link,) = board["links"]
+    assert link["type"] == "dashboards" and link["tags"] == [c.DASHBOARD_TAG]
+    assert link["includeVars"] and link["keepTime"]
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_panels_use_the_datasource_variable_the_node_and_rate_interval(uid: str) -> None:
+    board = BOARDS[uid]
+    ids = [panel["id"] for panel in panels(board)]
+    assert len(ids) == len(set(ids))
+    for panel in panels(board):
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel.get("description"), f"{panel['title']}: a panel says what it shows"
+        refs = [target["refId"] for target in panel["targets"]]
+        assert len(refs) == len(set(refs)) and all(refs)
+        for target in panel["targets"]:
+            expr = target["expr"]
+            assert c.SELECTOR in expr or expr.startswith("ALERTS{"), (panel["title"], expr)
+            assert f'{c.NODE_LABEL}=~"$instance"' in expr, (panel["title"], expr)
+            # raw counters go through rate() over $__rate_interval, never a fixed window
+            assert set(RANGE.findall(expr)) <= {"$__rate_interval"}, (panel["title"], expr)
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_divisions_are_guarded(uid: str) -> None:
+    """Every ``a / b`` divides by ``(b > 0)``: an idle device has no series rather than NaN."""
+    for expr in exprs(BOARDS[uid]):
+        for denominator in expr.split("\n/\n")[1:]:
+            assert denominator.startswith("(") and " > 0)" in denominator, expr
+
+
+def test_every_metric_used_is_documented() -> None:
+    """Panels use only families docs/metrics.md lists, and recording rules that deploy/prometheus defines."""
+    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
+        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    recorded = {rule["record"] for rule in r.disk_recording_rules() + r.gpu_recording_rules()
+                + r.engine_recording_rules()}
+    for board in BOARDS.values():
+        text = " ".join(exprs(board) + [annotation["expr"] for annotation in board["annotations"]["list"]])
+        raw = {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"(?<![:\w])gpuio_[a-z_]+", text)}
+        assert raw - documented == set()
+        assert set(re.findall(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", text)) - recorded == set()
+
+
+def test_disk_io_board_has_the_iostat_figures() -> None:
+    titles = " ".join(panel["title"] for panel in panels(BOARDS[c.DISK_IO_UID]))
+    for figure in ("r/s", "w/s", "rkB/s", "wkB/s", "r_await", "w_await", "aqu-sz", "%util", "IO pressure"):
+        assert figure in titles
+
+
+@pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (Debian package prometheus)")
+def test_every_query_parses(tmp_path) -> None:
+    """Each panel query, Grafana's variables replaced, is valid PromQL (promtool parses it as a rule)."""
+    records = []
+    for board in BOARDS.values():
+        queries = exprs(board) + [annotation["expr"] for annotation in board["annotations"]["list"]]
+        for expr in queries:
+            for name, value in (("$__rate_interval", "1m"), ("$instance", "node"), ("$device", ".+"),
+                                ("$gpu", ".*"), ("$engine", ".*")):
+                expr = expr.replace(name, value)
+            records.append({"record": f"check:query:{len(records)}", "expr": expr})
+    path = tmp_path / "queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": records}]}))
+    result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr

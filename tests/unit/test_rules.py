@@ -1,0 +1,208 @@
+"""gpuio's Prometheus rules: generated files current, valid for promtool, unit-tested, complete.
+
+The scenario tests themselves (each alert firing on its scenario, quiet on its look-alikes) live in
+deploy/prometheus/tests/*.yml and run here through ``promtool test rules`` (Debian ``prometheus``).
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from deploy.prometheus import config as c
+from deploy.prometheus import generate
+from deploy.prometheus import rules as r
+from exporter import thresholds
+from tests.conftest import REPO
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (Debian package prometheus)")
+RULES_DIR = os.path.join(REPO, "deploy", "prometheus", "rules")
+TESTS_DIR = os.path.join(REPO, "deploy", "prometheus", "tests")
+RULE_FILES = sorted(glob.glob(os.path.join(RULES_DIR, "*.yml")))
+TEST_FILES = sorted(glob.glob(os.path.join(TESTS_DIR, "*.yml")))
+RECORD_NAME = re.compile(r"^[a-z]+(_[a-z]+)*:[a-z0-9_]+:[a-z0-9_]+$")  # level:metric:operations
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    assert PROMTOOL
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_rule_files_match_their_source() -> None:
+    """CI's drift check: the checked-in rules/*.yml are what config.py and rules.py generate."""
+    assert generate.stale() == [], "run `make rules` and commit the result"
+
+
+@needs_promtool
+def test_promtool_check_rules() -> None:
+    result = promtool("check", "rules", *RULE_FILES)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_promtool_check_example_prometheus_config() -> None:
+    result = promtool("check", "config", os.path.join("deploy", "prometheus", "prometheus.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+@pytest.mark.parametrize("path", TEST_FILES, ids=os.path.basename)
+def test_promtool_unit_tests(path: str) -> None:
+    result = promtool("test", "rules", path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_recording_rule_names_follow_level_metric_operations() -> None:
+    rules = [rule for group in all_groups() for rule in group["rules"] if "record" in rule]
+    assert rules
+    assert [rule["record"] for rule in rules if not RECORD_NAME.match(rule["record"])] == []
+    # one name may hold several series sets told apart by labels (the latency quantiles), never twice the same
+    keys = [(rule["record"], tuple(sorted(rule.get("labels", {}).items()))) for rule in rules]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("alert", r.alerts(), ids=lambda alert: alert["alert"])
+def test_alert_has_severity_summary_description_runbook_and_dashboard(alert: dict) -> None:
+    name = alert["alert"]
+    assert alert["labels"]["severity"] in c.SEVERITIES
+    annotations = alert["annotations"]
+    assert set(annotations) >= {"summary", "description", "runbook_url", "dashboard_url"}
+    # summary and description name the objects: the node at least, from the alert's own labels
+    for key in ("summary", "description"):
+        assert f"$labels.{c.NODE_LABEL}" in annotations[key], key
+    assert annotations["runbook_url"].endswith(f"/docs/runbooks/{name}.md")
+    runbook = os.path.join(REPO, "docs", "runbooks", f"{name}.md")
+    assert os.path.isfile(runbook), f"{name} has no runbook at docs/runbooks/{name}.md"
+    with open(runbook) as handle:
+        text = handle.read()
+    assert text.startswith(f"# {name}\n")
+    uid = re.search(r"/d/([a-z0-9-]+)/", annotations["dashboard_url"])
+    assert uid and uid.group(1) in c.DASHBOARD_TITLES
+    assert os.path.isfile(os.path.join(REPO, "dashboards", f"{uid.group(1)}.json"))
+
+
+def test_every_alert_has_a_firing_test_and_a_quiet_test() -> None:
+    """For each alert, deploy/prometheus/tests has a case where it fires and one where it must not."""
+    fires: set[str] = set()
+    quiet: set[str] = set()
+    for path in TEST_FILES:
+        with open(path) as handle:
+            for case in yaml.safe_load(handle)["tests"]:
+                for check in case.get("alert_rule_test", []):
+                    (fires if check.get("exp_alerts") else quiet).add(check["alertname"])
+    names = {alert["alert"] for alert in r.alerts()}
+    assert names - fires == set(), "alerts never shown firing"
+    assert names - quiet == set(), "alerts never shown quiet (a look-alike or a spike shorter than `for`)"
+
+
+def test_alert_names_are_unique() -> None:
+    names = [alert["alert"] for alert in r.alerts()]
+    assert len(names) == len(set(names))
+
+
+def test_runbook_index_lists_every_alert_with_its_severity() -> None:
+    pages = {os.path.basename(path)[:-3] for path in glob.glob(os.path.join(REPO, "docs", "runbooks", "*.md"))}
+    assert pages - {"README"} == {alert["alert"] for alert in r.alerts()}
+    with open(os.path.join(REPO, "docs", "runbooks", "README.md")) as handle:
+        index = dict(re.findall(r"^\| (\w+) \| (\w+) \| \[", handle.read(), re.MULTILINE))
+    assert index == {alert["alert"]: alert["labels"]["severity"] for alert in r.alerts()}
+
+
+def test_every_metric_used_is_documented() -> None:
+    """Rules use only families docs/metrics.md lists: a renamed metric fails here, not silently in production."""
+    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
+        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    used = set()
+    for group in all_groups():
+        for rule in group["rules"]:
+            text = rule["expr"] + " ".join(rule.get("annotations", {}).values())
+            used |= {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"(?<![:\w])gpuio_[a-z_]+", text)}
+    assert used - documented == set()
+
+
+@needs_promtool
+def test_saturated_rule_agrees_with_gpuio_top(tmp_path) -> None:
+    """The SATURATED recording rule flags exactly the devices exporter/thresholds.disk_flags flags.
+
+    One node per case: every combination of class, request rate (under and over the IOPS guard),
+    await and queue size (under, between and over the class limits) and IO pressure (none, low,
+    some high, full high), as steady counters; promtool evaluates the rule, Python the function.
+    """
+    cases = list(itertools.product(("0", "1"), (2.0, 50.0), (0.005, 0.02, 0.08), (2.0, 10.0, 40.0),
+                                   (None, (0.1, 0.01), (0.5, 0.0), (0.1, 0.2))))
+    series, expected = [], []
+    for index, (rotational, iops, wait, queue, psi) in enumerate(cases):
+        node = f'job="gpuio",instance="case-{index}"'
+        device = f'{node},device="d"'
+        series += [
+            {"series": f'gpuio_disk_info{{{device},rotational="{rotational}"}}', "values": "1x8"},
+            {"series": f"gpuio_disk_reads_completed_total{{{device}}}", "values": f"0+{iops * 15:g}x8"},
+            {"series": f"gpuio_disk_read_time_seconds_total{{{device}}}", "values": f"0+{iops * wait * 15:g}x8"},
+            {"series": f"gpuio_disk_io_time_weighted_seconds_total{{{device}}}", "values": f"0+{queue * 15:g}x8"},
+        ]
+        if psi is not None:
+            series += [
+                {"series": f"gpuio_pressure_io_waiting_seconds_total{{{node}}}", "values": f"0+{psi[0] * 15:g}x8"},
+                {"series": f"gpuio_pressure_io_stalled_seconds_total{{{node}}}", "values": f"0+{psi[1] * 15:g}x8"},
+            ]
+        pressure = psi is not None and thresholds.io_pressure_high(*psi)
+        if thresholds.SATURATED in thresholds.disk_flags(rotational, iops, None, wait, None, queue, pressure):
+            expected.append({"labels": f'{{instance="case-{index}"}}', "value": 1})
+    assert 0 < len(expected) < len(cases)
+    test = {
+        "rule_files": [os.path.join(RULES_DIR, "disk.yml")],
+        "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": [
+            {"expr": f"count by (instance) ({r.SATURATED})", "eval_time": "2m", "exp_samples": expected}]}],
+    }
+    path = tmp_path / "saturated.yml"
+    path.write_text(yaml.safe_dump(test))
+    result = promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+
+
+def all_groups() -> list[dict]:
+    groups = []
+    for path in RULE_FILES:
+        with open(path) as handle:
+            groups += yaml.safe_load(handle)["groups"]
+    return groups
+
+
+def pct(ratio: float) -> str:
+    return f"{ratio * 100:g} %"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:g} ms"
+
+
+RUNBOOK_FIGURES = {
+    "DiskIOStorm": [ms(c.SOLID_STATE.await_seconds), ms(c.ROTATIONAL.await_seconds),
+                    f"solid state {c.SOLID_STATE.queue_size:g}, rotational {c.ROTATIONAL.queue_size:g}",
+                    f"{c.STORM_BASELINE_FACTOR:g}x", pct(c.IO_PRESSURE_SOME), pct(c.IO_PRESSURE_FULL),
+                    f"{c.AWAIT_MIN_IOPS:g} requests/s", f"for {c.STORM_FOR.removesuffix('m')} minutes"],
+    "GPUStarvedByDiskIO": [pct(c.GPU_BUSY_LOW), ms(c.ENGINE_POOL_WAIT_SECONDS), f"{c.ENGINE_LATENCY_FACTOR:g}x",
+                           ms(c.SOLID_STATE.await_seconds), ms(c.ROTATIONAL.await_seconds)],
+    "NodeGPUStarvedByIO": [pct(c.GPU_BUSY_LOW)],
+    "EngineColdStartSlow": [f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s", f"{c.ENGINE_LOAD_WINDOW.removesuffix('m')} minutes"],
+    "GPUThrottled": [pct(c.GPU_THROTTLE_RATIO), *c.GPU_THROTTLE_REASONS],
+    "GPUPCIeLinkDegraded": [pct(c.PCIE_GENERATION_BUSY)],
+    "GPUXidError": list(c.XID_APPLICATION),
+}
+
+
+@pytest.mark.parametrize("alert", sorted(RUNBOOK_FIGURES))
+def test_runbook_quotes_the_thresholds_in_force(alert: str) -> None:
+    """A runbook that says "10 ms" while config.py says otherwise misleads at 3 a.m.: keep them in step."""
+    with open(os.path.join(REPO, "docs", "runbooks", f"{alert}.md")) as handle:
+        text = handle.read()
+    assert [figure for figure in RUNBOOK_FIGURES[alert] if figure not in text] == []
