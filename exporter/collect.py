@@ -51,6 +51,18 @@ class Context:
     rootfs: str = "/"
 
 
+class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)
+    """Raised by a collector whose source failed but which still has its last good data.
+
+    The scrape then reports ``gpuio_scrape_collector_success 0`` *and* serves ``families`` (which
+    should carry their age), so a dashboard keeps its last values while the alert on the failure fires.
+    """
+
+    def __init__(self, reason: str, families: list[Family]) -> None:
+        super().__init__(reason)
+        self.families = families
+
+
 class Collector:
     name: ClassVar[str]
     default_enabled: ClassVar[bool] = True
@@ -211,6 +223,8 @@ class Scraper:
         try:
             families = state.collector.collect()
             return Outcome(families, True, time.perf_counter() - start)
+        except StaleData as stale:
+            return Outcome(stale.families, False, time.perf_counter() - start, f"stale data: {stale}")
         except Exception as exc:  # isolation: one collector's failure is never the scrape's
             return Outcome([], False, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
         finally:

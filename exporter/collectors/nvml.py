@@ -1,0 +1,897 @@
+"""NVML state of every GPU, sampled in the background, safe when a GPU or the driver misbehaves (issue 3).
+
+The peers are dcgm-exporter and nvidia_gpu_exporter; this module answers their users' complaints:
+
+- **Nothing NVML does is on the scrape path.**  A PeriodicSampler thread owns the NVML session and
+  renders the families every ``--collector.nvml.interval`` (1 s); ``collect()`` hands them back with
+  ``gpuio_gpu_snapshot_age_seconds``.  Costly calls run every ``--collector.nvml.slow-interval`` (10 s):
+  total energy (~4 ms of CPU per call on an H100), the violation counters (~1 ms), ECC, remapped rows,
+  processes, MIG.  nvmlDeviceGetPcieThroughput (blocks 20 ms, and is a gauge) is never called.
+- **Busy time is a counter**: ``gpuio_gpu_busy_seconds_total`` integrates NVML's utilisation samples
+  (nvmlDeviceGetSamples, 5-6 per second on an H100, each "percent of the last sample period a kernel
+  ran"), so ``rate()`` is the true busy fraction at any scrape interval; the utilisation gauge aliases.
+- **PCIe bytes are counters that do not wrap**: NVML's PCIe byte fields (197/198) are 32-bit and wrap
+  every 4 GiB — every 72 ms at the 59 GB/s an H100 moves (measured).  Read once a second they are noise.
+  Instead GPM (Hopper and newer) gives the average rate since a baseline sample, times the baseline's
+  age (:class:`Gpm` says why not since the previous sample).  GPUs without GPM have no PCIe byte series
+  rather than wrong ones.
+- **Units are base units** (bytes, hertz, celsius, watts, joules, seconds, ratios), converted here.
+- **Failures stay small.**  A call NVML does not support on this GPU or driver (NotSupported,
+  FunctionNotFound, ...) leaves its series out; an old driver gets the older function where there is
+  one.  GPU_IS_LOST or an unknown error on one GPU sets its ``gpuio_gpu_up`` to 0 while the others
+  report; NVML is re-initialised after ``--collector.nvml.reinit-interval`` so a driver reload recovers
+  without a restart.  A GPU once seen stays listed (``up`` 0) when it falls off the bus, rather than
+  silently vanishing.  A sweep stuck in an NVML call past ``--collector.nvml.hang-timeout`` fails the
+  collector (success 0) instead of serving frozen data; until then the last snapshot is served and its
+  age shows.  No library or no driver is "no GPUs here": success 1 and no GPU series.
+- **Xid** events come from a listener thread blocked in nvmlEventSetWait (NVMLError_Timeout when idle).
+- Label sets are bounded: processes per GPU (``--collector.nvml.max-processes``, largest memory first,
+  ``gpuio_gpu_processes_dropped_total`` counts those left out), Xid codes per GPU (MAX_XID_CODES).
+
+The hardware sits behind :class:`exporter.nvml_device.Nvml`; tests run this module on a fake of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .. import nvml_device as nv
+from ..collect import Collector, Context, Option, StaleData, register
+from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..logsetup import LogOnce, fields
+from ..nvml_device import Nvml, NVMLError, error_code, error_name
+from ..sampler import PeriodicSampler, Snapshot
+
+log = logging.getLogger("gpuio.collector.nvml")
+T = TypeVar("T")
+
+MAX_SAMPLE_PERIOD_US = 1_100_000  # NVML samples utilisation every 1/6 s to 1 s, by product (+10 % jitter)
+MIB = 1024 * 1024
+XID_WAIT_MS = 500
+GPM_REBASE = 600.0  # seconds a GPM baseline serves before the next one (see Gpm)
+MAX_XID_CODES = 64
+
+DESCS: list[Desc] = []
+
+
+def _desc(name: str, kind: str, help_text: str) -> Desc:
+    desc = Desc(name, kind, help_text)
+    DESCS.append(desc)  # the order families are served in
+    return desc
+
+
+COUNT = _desc("gpuio_gpu_devices", GAUGE, "Number of GPUs NVML enumerates.")
+AGE = _desc("gpuio_gpu_snapshot_age_seconds", GAUGE, "Age of the NVML snapshot this scrape serves.")
+UP = _desc("gpuio_gpu_up", GAUGE, "Whether the GPU answers NVML (0: lost, reset required, or gone from the bus).")
+INFO_DESC = _desc("gpuio_gpu_info", INFO, "Identity of a GPU.")
+BUSY = _desc("gpuio_gpu_busy_seconds_total", COUNTER,
+             "Seconds in which a kernel was running, integrated from NVML's utilisation samples.")
+UTILIZATION = _desc("gpuio_gpu_utilization_ratio", GAUGE,
+                    "Fraction of NVML's last sample period in which a kernel ran (aliases; prefer busy seconds).")
+MEMORY_UTILIZATION = _desc("gpuio_gpu_memory_utilization_ratio", GAUGE,
+                           "Fraction of NVML's last sample period in which device memory was read or written.")
+MEMORY_TOTAL = _desc("gpuio_gpu_memory_total_bytes", GAUGE, "Device memory installed.")
+MEMORY_RESERVED = _desc("gpuio_gpu_memory_reserved_bytes", GAUGE, "Device memory reserved by driver and firmware.")
+MEMORY_USED = _desc("gpuio_gpu_memory_used_bytes", GAUGE, "Device memory allocated.")
+MEMORY_FREE = _desc("gpuio_gpu_memory_free_bytes", GAUGE, "Device memory free.")
+TEMPERATURE = _desc("gpuio_gpu_temperature_celsius", GAUGE, "GPU die temperature.")
+MEMORY_TEMPERATURE = _desc("gpuio_gpu_memory_temperature_celsius", GAUGE, "Memory (HBM) temperature.")
+POWER = _desc("gpuio_gpu_power_watts", GAUGE, "Power draw (averaged over 1 s on Ampere and newer).")
+POWER_LIMIT = _desc("gpuio_gpu_power_limit_watts", GAUGE, "Power limit the driver enforces.")
+ENERGY = _desc("gpuio_gpu_energy_joules_total", COUNTER, "Energy consumed since the driver loaded.")
+SM_CLOCK = _desc("gpuio_gpu_sm_clock_hertz", GAUGE, "SM clock.")
+SM_CLOCK_MAX = _desc("gpuio_gpu_sm_clock_max_hertz", GAUGE, "Highest SM clock.")
+MEMORY_CLOCK = _desc("gpuio_gpu_memory_clock_hertz", GAUGE, "Memory clock.")
+MEMORY_CLOCK_MAX = _desc("gpuio_gpu_memory_clock_max_hertz", GAUGE, "Highest memory clock.")
+LINK_GEN = _desc("gpuio_gpu_pcie_link_generation", GAUGE, "PCIe link generation now.")
+LINK_GEN_MAX = _desc("gpuio_gpu_pcie_link_generation_max", GAUGE, "Highest PCIe generation of this GPU and slot.")
+LINK_WIDTH = _desc("gpuio_gpu_pcie_link_width", GAUGE, "PCIe lanes now.")
+LINK_WIDTH_MAX = _desc("gpuio_gpu_pcie_link_width_max", GAUGE, "Most PCIe lanes of this GPU and slot.")
+PCIE_TX = _desc("gpuio_gpu_pcie_transmit_bytes_total", COUNTER, "PCIe bytes sent by the GPU (GPM, Hopper+).")
+PCIE_RX = _desc("gpuio_gpu_pcie_receive_bytes_total", COUNTER, "PCIe bytes received by the GPU (GPM, Hopper+).")
+REPLAYS = _desc("gpuio_gpu_pcie_replays_total", COUNTER, "PCIe replays (link-level retransmissions).")
+REASON = _desc("gpuio_gpu_clocks_event_reason_active", GAUGE, "Whether a clock event reason holds clocks down now.")
+VIOLATION = _desc("gpuio_gpu_clocks_event_seconds_total", COUNTER, "Time a clock event reason held clocks down.")
+ECC = _desc("gpuio_gpu_ecc_errors_total", COUNTER, "ECC errors since the driver loaded.")
+ECC_AGGREGATE = _desc("gpuio_gpu_ecc_aggregate_errors_total", COUNTER, "ECC errors over the GPU's lifetime.")
+REMAPPED = _desc("gpuio_gpu_remapped_rows", GAUGE, "Memory rows remapped, by the kind of error that caused it.")
+REMAP_PENDING = _desc("gpuio_gpu_remapped_rows_pending", GAUGE, "Whether a row remap waits for a GPU reset.")
+REMAP_FAILURE = _desc("gpuio_gpu_remapped_rows_failure", GAUGE, "Whether a row remap has failed.")
+XID = _desc("gpuio_gpu_xid_errors_total", COUNTER, "Xid events seen since the exporter started, by Xid code.")
+XID_LAST = _desc("gpuio_gpu_xid_last_timestamp_seconds", GAUGE, "When an Xid code was last seen.")
+PROCESSES = _desc("gpuio_gpu_processes", GAUGE, "Compute processes on the GPU (all, before the cap).")
+PROCESS_MEMORY = _desc("gpuio_gpu_process_memory_used_bytes", GAUGE,
+                       "Device memory of a compute process (NaN where NVML cannot say).")
+DROPPED = _desc("gpuio_gpu_processes_dropped_total", COUNTER, "Processes left out of the list by the cap.")
+MIG_ENABLED = _desc("gpuio_gpu_mig_enabled", GAUGE, "Whether MIG mode is on.")
+MIG_INFO = _desc("gpuio_gpu_mig_device_info", INFO, "A MIG device (compute instance) of a GPU.")
+MIG_MEMORY_TOTAL = _desc("gpuio_gpu_mig_device_memory_total_bytes", GAUGE, "Memory of a MIG device.")
+MIG_MEMORY_USED = _desc("gpuio_gpu_mig_device_memory_used_bytes", GAUGE, "Memory of a MIG device in use.")
+MIG_MEMORY_FREE = _desc("gpuio_gpu_mig_device_memory_free_bytes", GAUGE, "Memory of a MIG device free.")
+NVML_ERRORS = _desc("gpuio_gpu_nvml_errors_total", COUNTER,
+                    "NVML calls that failed other than unsupported or lost, by call and error.")
+
+# nvmlClocksEventReason* bits, named as nvidia-smi's clocks_event_reasons.* fields.
+EVENT_REASONS = ((0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"),
+                 (0x8, "hw_slowdown"), (0x10, "sync_boost"), (0x20, "sw_thermal_slowdown"),
+                 (0x40, "hw_thermal_slowdown"), (0x80, "hw_power_brake_slowdown"), (0x100, "display_clock_setting"))
+# NVML_FI_DEV_CLOCKS_EVENT_REASON_* field ids (nanoseconds), nvidia-smi's clocks_event_reasons_counters.*.
+VIOLATION_FIELDS = ((74, "sw_power_cap"), (76, "sync_boost"), (269, "sw_thermal_slowdown"),
+                    (270, "hw_thermal_slowdown"), (271, "hw_power_brake_slowdown"))
+FIELD_MEMORY_TEMPERATURE = 82
+GPM_PCIE = ((nv.GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx"), (nv.GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx"))
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """One NVML getter that yields one number: the declarative part of the catalog."""
+
+    call: str  # names the call in logs, in nvml_errors_total and in a GPU's unsupported set
+    desc: Desc
+    method: str  # the Nvml method
+    args: tuple[int, ...] = ()
+    scale: int | float | None = None  # raw unit -> base unit; None keeps NVML's number
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+STATIC = (
+    Scalar("max_sm_clock", SM_CLOCK_MAX, "device_max_clock_info", (nv.CLOCK_SM,), 1_000_000),
+    Scalar("max_memory_clock", MEMORY_CLOCK_MAX, "device_max_clock_info", (nv.CLOCK_MEM,), 1_000_000),
+    Scalar("max_pcie_link_generation", LINK_GEN_MAX, "device_max_pcie_link_generation"),
+    Scalar("max_pcie_link_width", LINK_WIDTH_MAX, "device_max_pcie_link_width"),
+)
+FAST = (
+    Scalar("temperature", TEMPERATURE, "device_temperature", (nv.TEMPERATURE_GPU,)),
+    Scalar("power_usage", POWER, "device_power_usage", (), 0.001),
+    Scalar("enforced_power_limit", POWER_LIMIT, "device_enforced_power_limit", (), 0.001),
+    Scalar("sm_clock", SM_CLOCK, "device_clock_info", (nv.CLOCK_SM,), 1_000_000),
+    Scalar("memory_clock", MEMORY_CLOCK, "device_clock_info", (nv.CLOCK_MEM,), 1_000_000),
+    Scalar("pcie_link_generation", LINK_GEN, "device_curr_pcie_link_generation"),
+    Scalar("pcie_link_width", LINK_WIDTH, "device_curr_pcie_link_width"),
+)
+SLOW = (
+    Scalar("total_energy_consumption", ENERGY, "device_total_energy_consumption", (), 0.001),
+    Scalar("pcie_replay_counter", REPLAYS, "device_pcie_replay_counter"),
+    Scalar("ecc_corrected_volatile", ECC, "device_total_ecc_errors", (nv.MEMORY_ERROR_CORRECTED, nv.VOLATILE_ECC),
+           None, (("error", "corrected"),)),
+    Scalar("ecc_uncorrected_volatile", ECC, "device_total_ecc_errors", (nv.MEMORY_ERROR_UNCORRECTED, nv.VOLATILE_ECC),
+           None, (("error", "uncorrected"),)),
+    Scalar("ecc_corrected_aggregate", ECC_AGGREGATE, "device_total_ecc_errors",
+           (nv.MEMORY_ERROR_CORRECTED, nv.AGGREGATE_ECC), None, (("error", "corrected"),)),
+    Scalar("ecc_uncorrected_aggregate", ECC_AGGREGATE, "device_total_ecc_errors",
+           (nv.MEMORY_ERROR_UNCORRECTED, nv.AGGREGATE_ECC), None, (("error", "uncorrected"),)),
+)
+
+Reading = tuple[Desc, str, float]
+MemoryDescs = tuple[Desc, "Desc | None", Desc, Desc]  # total, reserved, free, used
+MEMORY_DESCS: MemoryDescs = (MEMORY_TOTAL, MEMORY_RESERVED, MEMORY_FREE, MEMORY_USED)
+MIG_MEMORY_DESCS: MemoryDescs = (MIG_MEMORY_TOTAL, None, MIG_MEMORY_FREE, MIG_MEMORY_USED)  # v2's reserved: GPU-wide
+
+
+class NvmlHung(StaleData):
+    """An NVML call has not returned within the hang timeout: the collector fails, the last snapshot is served."""
+
+
+class BusyIntegrator:
+    """Busy seconds from NVML utilisation samples: the sum of value x the period each sample covers.
+
+    Each sample is "percent of the time since the previous sample in which a kernel ran", so the
+    integral is exact however rarely it is read, as long as NVML's buffer (about 14 s on an H100)
+    has not wrapped.  A gap longer than the longest sample period NVML uses (1 s) is missing data:
+    only the sample's own period is counted.  The first read only sets the baseline: what ran before
+    the exporter started is not ours to count.
+    """
+
+    def __init__(self) -> None:
+        self.last_seen_us: int | None = None
+        self.seconds = 0.0
+
+    def feed(self, samples: list[tuple[int, float]]) -> None:
+        if not samples:
+            return
+        if self.last_seen_us is None:
+            self.last_seen_us = max(timestamp for timestamp, _ in samples)
+            return
+        for timestamp, percent in sorted(samples):
+            if timestamp <= self.last_seen_us:
+                continue
+            period = min(timestamp - self.last_seen_us, MAX_SAMPLE_PERIOD_US)
+            self.seconds += min(max(percent, 0.0), 100.0) / 100.0 * period / 1e6
+            self.last_seen_us = timestamp
+
+
+@dataclass
+class Gpm:
+    """PCIe bytes from GPM, measured from a long-lived baseline sample rather than from the previous one.
+
+    GPM gives the average rate between two samples, but a sample holds the counters of GPM's last
+    internal refresh (every 100 ms, nvml.h), so the time NVML divides by differs from the time between
+    our two calls by up to 0.1 s.  Measured on an H100: 2 GiB moved read as 0 to 3.6 GiB over windows
+    of 0.04-0.54 s.  Multiplying the rate by our own interval would be off by up to 10 % each second.
+    Measured from a baseline ``age`` seconds old, the error is 0.1 s / age of the average rate (0.1 %
+    after 100 s); the baseline moves every GPM_REBASE seconds, its total kept in ``carry``.  The
+    exported total never decreases (a wobble of that error must not look like a counter reset).
+    """
+
+    baseline: Any  # sample buffer holding the baseline
+    scratch: Any  # sample buffer for the newest sample
+    since: float | None = None  # monotonic time of the baseline; None: no baseline yet
+    carry: dict[str, float] = field(default_factory=dict)  # bytes counted up to the baseline
+
+
+@dataclass
+class Gpu:
+    """What the collector knows of one GPU, kept by UUID across NVML sessions (counters stay monotonic)."""
+
+    uuid: str
+    index: int
+    handle: Any = None  # None: not in the current NVML session
+    up: bool = False
+    labels: str = ""
+    info_labels: str = ""
+    unsupported: set[str] = field(default_factory=set)
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    static: list[Reading] = field(default_factory=list)
+    fast: list[Reading] = field(default_factory=list)
+    slow: list[Reading] = field(default_factory=list)
+    busy: BusyIntegrator = field(default_factory=BusyIntegrator)
+    gpm: Gpm | None = None
+    pcie: dict[str, float] = field(default_factory=dict)
+    reasons_supported: int = 0x1FF
+    xid: dict[str, tuple[int, float]] = field(default_factory=dict)
+    dropped: int = 0
+    dropped_pids: set[int] = field(default_factory=set)
+    names: dict[int, str] = field(default_factory=dict)
+    label_cache: dict[tuple[tuple[str, str], ...], str] = field(default_factory=dict)
+
+    def attach(self, index: int, handle: Any) -> None:
+        """Join a new NVML session: fresh handle, nothing known unsupported, no stale readings."""
+        self.index, self.handle, self.up = index, handle, True
+        self.unsupported = set()
+        self.static, self.fast, self.slow = [], [], []
+        self.gpm = None
+        self.label_cache = {}
+        self.labels = label_string({"gpu": str(index), "uuid": self.uuid})
+
+    def label(self, extra: tuple[tuple[str, str], ...]) -> str:
+        if not extra:
+            return self.labels
+        labels = self.label_cache.get(extra)
+        if labels is None:
+            if len(self.label_cache) > 1000:  # pids and MIG devices come and go
+                self.label_cache.clear()
+            labels = self.label_cache[extra] = label_string({"gpu": str(self.index), "uuid": self.uuid, **dict(extra)})
+        return labels
+
+
+@dataclass
+class Session:
+    """One nvmlInit .. nvmlShutdown: the GPUs it enumerated and the Xid listener on its event set."""
+
+    count: int
+    driver_version: str
+    cuda_version: str
+    gpus: list[Gpu] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)  # indexes whose handle NVML refused (lost at start)
+    event_set: Any = None
+    listener: XidListener | None = None
+
+
+class XidListener:
+    """Blocks in nvmlEventSetWait on its own thread and counts Xid events per GPU and code.
+
+    Why a thread: the wait is the only way to see every event as it happens (the set queues them); it
+    returns NVMLError_Timeout every XID_WAIT_MS when idle, which is how it notices ``stop()``.
+    """
+
+    def __init__(self, nvml: Nvml, event_set: Any, by_key: dict[Hashable, Gpu], lock: threading.Lock,
+                 wait_ms: int = XID_WAIT_MS) -> None:
+        self._nvml = nvml
+        self.wait_ms = wait_ms
+        self._set = event_set
+        self._by_key = by_key
+        self._lock = lock
+        self._stop = threading.Event()
+        self._once = LogOnce(log)
+        self.waiting_since: float | None = None
+        self._thread = threading.Thread(target=self._run, name="gpuio-nvml-xid", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the thread to end; True when it did within ``timeout`` (False: stuck inside NVML)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.waiting_since = time.monotonic()
+            try:
+                event = self._nvml.event_set_wait(self._set, self.wait_ms)
+            except NVMLError as exc:
+                if error_code(exc) != nv.ERROR_TIMEOUT:
+                    self._once.warning("waiting for Xid events failed", error_name(exc))
+                    self._stop.wait(1.0)  # a lost GPU can fail every wait at once: do not spin
+                continue
+            finally:
+                self.waiting_since = None
+            self._record(event.device, event.event_type, event.data)
+
+    def _record(self, device: Hashable, event_type: int, code: int) -> None:
+        gpu = self._by_key.get(device)
+        if gpu is None or not event_type & nv.EVENT_TYPE_XID_CRITICAL_ERROR:
+            return
+        key = str(code)
+        with self._lock:
+            if key not in gpu.xid and len(gpu.xid) >= MAX_XID_CODES:
+                key = "other"
+            count, _ = gpu.xid.get(key, (0, 0.0))
+            gpu.xid[key] = (count + 1, time.time())
+        log.warning("Xid event", extra=fields(gpu=gpu.index, uuid=gpu.uuid, xid=code))
+
+
+def _seconds(value: str) -> float:
+    from ..config import parse_seconds  # lazily: the GPU machine runs this module without the web stack
+
+    return parse_seconds(value)
+
+
+def _positive_int(value: str) -> int:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError("not a whole number above zero")
+    return int(value)
+
+
+DURATION = "a duration above zero such as 500ms, 2s, 5m"
+
+
+@register
+class NvmlCollector(Collector):
+    name = "nvml"
+    options = (
+        Option("interval", "1s", _seconds, DURATION, "How often NVML is read (utilisation, memory, power, clocks)."),
+        Option("slow-interval", "10s", _seconds, DURATION,
+               "How often the costly fields are read: energy, violation counters, ECC, processes, MIG."),
+        Option("hang-timeout", "10s", _seconds, DURATION,
+               "An NVML call still running after this long fails the collector (the data is stale)."),
+        Option("reinit-interval", "30s", _seconds, DURATION,
+               "How long after a lost GPU NVML is re-initialised, and how often a missing NVML is retried."),
+        Option("max-processes", "64", _positive_int, "a whole number above zero",
+               "Most compute processes listed per GPU (largest memory first); the rest are counted as dropped."),
+    )
+
+    xid_wait_ms = XID_WAIT_MS  # how long each nvmlEventSetWait blocks; a re-init waits up to this long
+
+    def __init__(self, context: Context, options: dict[str, Any], nvml: Nvml | None = None) -> None:
+        super().__init__(context, options)
+        self._nvml = nvml
+        self._interval: float = options.get("interval") or 1.0
+        self._slow_interval: float = options.get("slow-interval") or 10.0
+        self._hang_timeout: float = options.get("hang-timeout") or 10.0
+        self._reinit_interval: float = options.get("reinit-interval") or 30.0
+        self._max_processes: int = options.get("max-processes") or 64
+        self._gpus: dict[str, Gpu] = {}
+        self._session: Session | None = None
+        self._retry_at = 0.0  # when to try nvmlInit again while there is no session
+        self._reinit_at: float | None = None  # when to re-initialise a session with a lost GPU
+        self._next_slow = 0.0
+        self._lock = threading.Lock()  # one sweep at a time; stop() waits for it
+        self._xid_lock = threading.Lock()
+        self._sweep_started: float | None = None
+        self._current_call = ""
+        self._once = LogOnce(log)
+        self._absent_logged: set[str] = set()
+        self._stopped = False
+        self.sampler: PeriodicSampler[list[Family]] = PeriodicSampler("nvml", self._interval, self.sweep, log)
+
+    # -- the scrape path: no NVML here --
+
+    def start(self) -> None:
+        self.sampler.start()
+
+    def stop(self) -> None:
+        self.sampler.stop()
+        self._stopped = True  # a sweep already past the sampler's stop check must not open a new session
+        if self._lock.acquire(timeout=self.xid_wait_ms / 1000 + 1.0):  # a hung sweep keeps its session
+            try:
+                self._close()
+            finally:
+                self._lock.release()
+
+    def collect(self) -> list[Family]:
+        snapshot = self.sampler.snapshot()
+        served = self._served(snapshot)
+        hung = self.hung(time.monotonic())
+        if hung is not None:
+            self._once.warning("NVML hung: the nvml collector fails until the call returns", self._current_call)
+            raise NvmlHung(hung, served)
+        if snapshot.error is not None:
+            raise StaleData(f"the last NVML sweep failed: {snapshot.error}", served)
+        return served
+
+    @staticmethod
+    def _served(snapshot: Snapshot[list[Family]]) -> list[Family]:
+        """The last sweep's families with their age; nothing when there are no GPUs or no sweep yet."""
+        if not snapshot.value or snapshot.taken_at is None:
+            return []
+        return [*snapshot.value, AGE.family([AGE.sample("", max(0.0, time.time() - snapshot.taken_at))])]
+
+    def hung(self, now: float) -> str | None:
+        """Why the data is stale, when a sweep or the Xid wait has been inside NVML too long."""
+        started = self._sweep_started
+        if started is not None and now - started > self._hang_timeout:
+            return f"an NVML sweep has been running for {now - started:.1f}s (in {self._current_call or 'nvml'})"
+        session = self._session
+        listener = session.listener if session is not None else None
+        waiting = listener.waiting_since if listener is not None else None
+        if waiting is not None and now - waiting > self._hang_timeout + self.xid_wait_ms / 1000:
+            return f"nvmlEventSetWait has not returned for {now - waiting:.1f}s"
+        return None
+
+    # -- one sweep, on the sampler's thread --
+
+    def sweep(self) -> list[Family]:
+        """Read what is due and render the families scrapes serve until the next sweep."""
+        with self._lock:
+            if self._stopped:
+                return []
+            self._sweep_started = time.monotonic()
+            try:
+                now = self._sweep_started
+                self._manage_session(now)
+                session = self._session
+                if session is not None:
+                    slow = now >= self._next_slow
+                    if slow:
+                        self._next_slow = now + self._slow_interval
+                    for gpu in session.gpus:
+                        self._read(gpu, slow)
+                return self._render()
+            finally:
+                self._sweep_started = None
+                self._current_call = ""
+
+    def _manage_session(self, now: float) -> None:
+        if self._session is None:
+            if now >= self._retry_at:
+                self._open(now)
+        elif self._reinit_at is not None and now >= self._reinit_at:
+            log.info("re-initialising NVML", extra=fields(
+                down=",".join(g.uuid for g in self._gpus.values() if not g.up) or "-"))
+            self._close()
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self._reinit_at = None
+        try:
+            if self._nvml is None:
+                self._nvml = nv.PyNvml()
+            self._current_call = "init"
+            self._nvml.init()
+            session = self._start_session(self._nvml)
+        except NVMLError as exc:
+            self._no_nvml(exc)
+            self._retry_at = now + self._reinit_interval
+            return
+        self._session = session
+        self._next_slow = now
+        self._start_listener(session)
+        log.info("NVML session open", extra=fields(gpus=session.count, driver=session.driver_version))
+
+    def _no_nvml(self, exc: Exception) -> None:
+        if self._gpus:  # the driver went away under GPUs we had: they stay listed, up 0
+            self._once.warning("NVML unavailable: GPUs reported down", error_name(exc))
+        elif error_code(exc) in (nv.ERROR_LIBRARY_NOT_FOUND, nv.ERROR_DRIVER_NOT_LOADED):
+            if error_name(exc) not in self._absent_logged:  # an info line, once: a CPU node is no problem
+                self._absent_logged.add(error_name(exc))
+                log.info("NVML not available: no GPUs here", extra=fields(reason=error_name(exc)))
+        else:
+            self._once.warning("nvmlInit failed", error_name(exc))
+
+    def _start_session(self, nvml: Nvml) -> Session:
+        self._current_call = "device_count"
+        try:
+            count = nvml.device_count()
+            driver = nvml.system_driver_version()
+        except NVMLError:
+            _quietly(nvml.shutdown)
+            raise
+        cuda = _try(nvml.system_cuda_driver_version)
+        session = Session(count, driver, "" if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}")
+        for index in range(count):
+            self._discover(nvml, session, index)
+        return session
+
+    def _discover(self, nvml: Nvml, session: Session, index: int) -> None:
+        self._current_call = "device_handle_by_index"
+        try:
+            handle = nvml.device_handle_by_index(index)
+            uuid = nvml.device_uuid(handle)
+        except NVMLError as exc:
+            log.warning("GPU not usable", extra=fields(gpu=index, err=error_name(exc)))
+            if not any(g.index == index for g in self._gpus.values()):
+                session.missing.append(index)
+            if error_code(exc) in nv.LOST:
+                self._schedule_reinit()
+            return
+        gpu = self._gpus.get(uuid) or Gpu(uuid, index)
+        self._gpus[uuid] = gpu
+        gpu.attach(index, handle)
+        session.gpus.append(gpu)
+        self._read_identity(nvml, session, gpu)
+        gpu.static = self._scalars(gpu, STATIC)
+        gpu.gpm = self._open_gpm(gpu)
+
+    def _read_identity(self, nvml: Nvml, session: Session, gpu: Gpu) -> None:
+        handle = gpu.handle
+        minor = self._call(gpu, "minor_number", nvml.device_minor_number, handle)
+        gpu.info_labels = label_string({
+            "gpu": str(gpu.index), "uuid": gpu.uuid,
+            "name": self._call(gpu, "name", nvml.device_name, handle) or "",
+            "pci_bus_id": self._call(gpu, "pci_bus_id", nvml.device_pci_bus_id, handle) or "",
+            "serial": self._call(gpu, "serial", nvml.device_serial, handle) or "",
+            "minor_number": "" if minor is None else str(minor),
+            "driver_version": session.driver_version, "cuda_version": session.cuda_version,
+        })
+        supported = self._call(gpu, "supported_clocks_event_reasons", nvml.device_supported_clocks_event_reasons,
+                               handle)
+        gpu.reasons_supported = 0x1FF if supported is None else supported
+
+    def _open_gpm(self, gpu: Gpu) -> Gpm | None:
+        nvml = self._nvml
+        assert nvml is not None
+        if not self._call(gpu, "gpm_query_device_support", nvml.gpm_query_device_support, gpu.handle):
+            return None
+        first = self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc)
+        second = self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc)
+        if first is None or second is None:
+            return None
+        return Gpm(first, second)
+
+    def _start_listener(self, session: Session) -> None:
+        nvml = self._nvml
+        assert nvml is not None
+        if not session.gpus:
+            return
+        try:
+            session.event_set = nvml.event_set_create()
+        except NVMLError as exc:
+            self._once.warning("no Xid events: nvmlEventSetCreate failed", error_name(exc))
+            return
+        by_key: dict[Hashable, Gpu] = {}
+        for gpu in session.gpus:
+            registered = self._call(gpu, "register_xid_events", _returns_true(nvml.device_register_events),
+                                    gpu.handle, nv.EVENT_TYPE_XID_CRITICAL_ERROR, session.event_set)
+            if registered:
+                by_key[nvml.handle_key(gpu.handle)] = gpu
+        session.listener = XidListener(nvml, session.event_set, by_key, self._xid_lock, self.xid_wait_ms)
+        session.listener.start()
+
+    def _close(self) -> None:
+        session, self._session = self._session, None
+        if session is None or self._nvml is None:
+            return
+        nvml = self._nvml
+        if session.listener is not None and not session.listener.stop(self.xid_wait_ms / 1000 + 1.0):
+            # Shutting NVML down under a thread still inside it is asking for a crash; leave it be.
+            log.warning("Xid listener stuck in NVML: NVML is not shut down before re-initialising")
+            self._detach(session)
+            return
+        if session.event_set is not None:
+            _quietly(nvml.event_set_free, session.event_set)
+        for gpu in session.gpus:
+            for buffer in (gpu.gpm.baseline, gpu.gpm.scratch) if gpu.gpm else ():
+                _quietly(nvml.gpm_sample_free, buffer)
+        self._detach(session)
+        _quietly(nvml.shutdown)
+
+    @staticmethod
+    def _detach(session: Session) -> None:
+        for gpu in session.gpus:
+            gpu.handle, gpu.up, gpu.gpm = None, False, None
+
+    def _schedule_reinit(self) -> None:
+        if self._reinit_at is None:
+            self._reinit_at = time.monotonic() + self._reinit_interval
+
+    # -- calls and what their errors mean --
+
+    def _call(self, gpu: Gpu, call: str, function: Callable[..., T], *args: Any) -> T | None:
+        """``function(*args)``, or None when the GPU is down, the call unsupported here, or it failed."""
+        if not gpu.up or call in gpu.unsupported:
+            return None
+        self._current_call = call
+        try:
+            return function(*args)
+        except NVMLError as exc:
+            self._failed(gpu, call, exc)
+            return None
+
+    def _failed(self, gpu: Gpu, call: str, exc: Exception) -> None:
+        code = error_code(exc)
+        if code in nv.UNSUPPORTED:
+            gpu.unsupported.add(call)  # until the next session: the driver will not change its mind
+        elif code in nv.LOST:
+            if gpu.up:
+                log.warning("GPU lost", extra=fields(gpu=gpu.index, uuid=gpu.uuid, call=call, err=error_name(exc)))
+            gpu.up = False
+            self._schedule_reinit()
+        elif code in nv.SESSION:
+            log.warning("NVML session broken", extra=fields(call=call, err=error_name(exc)))
+            for other in self._gpus.values():
+                other.up = False
+            self._schedule_reinit()
+        else:
+            key = (call, error_name(exc))
+            gpu.errors[key] = gpu.errors.get(key, 0) + 1
+            self._once.warning("NVML call failed", f"{call}: {key[1]}", gpu=gpu.index, uuid=gpu.uuid)
+
+    def _scalars(self, gpu: Gpu, catalog: tuple[Scalar, ...]) -> list[Reading]:
+        assert self._nvml is not None
+        readings: list[Reading] = []
+        for scalar in catalog:
+            value = self._call(gpu, scalar.call, getattr(self._nvml, scalar.method), gpu.handle, *scalar.args)
+            if value is not None:
+                scaled = value if scalar.scale is None else value * scalar.scale
+                readings.append((scalar.desc, gpu.label(scalar.labels), scaled))
+        return readings
+
+    # -- reading one GPU --
+
+    def _read(self, gpu: Gpu, slow: bool) -> None:
+        fast = self._read_fast(gpu)
+        slow_readings = self._read_slow(gpu) if slow else None
+        if not gpu.up:
+            return
+        gpu.fast = fast
+        if slow_readings is not None:
+            gpu.slow = slow_readings
+
+    def _read_fast(self, gpu: Gpu) -> list[Reading]:
+        readings = self._read_busy(gpu)
+        readings += self._read_rates(gpu)
+        readings += self._read_memory(gpu, gpu.handle, gpu.labels, MEMORY_DESCS, "")
+        readings += self._scalars(gpu, FAST)
+        readings += self._read_memory_temperature(gpu)
+        readings += self._read_reasons(gpu)
+        readings += self._read_gpm(gpu)
+        return readings
+
+    def _read_slow(self, gpu: Gpu) -> list[Reading]:
+        readings = self._scalars(gpu, SLOW)
+        readings += self._read_violations(gpu)
+        readings += self._read_remapped_rows(gpu)
+        readings += self._read_processes(gpu)
+        readings += self._read_mig(gpu)
+        return readings
+
+    def _read_busy(self, gpu: Gpu) -> list[Reading]:
+        assert self._nvml is not None
+        if not gpu.up or "samples" in gpu.unsupported:
+            return []
+        self._current_call = "samples"
+        try:
+            samples = self._nvml.device_samples(gpu.handle, nv.GPU_UTILIZATION_SAMPLES, gpu.busy.last_seen_us or 0)
+        except NVMLError as exc:
+            if error_code(exc) != nv.ERROR_NOT_FOUND:  # NotFound: no sample newer than the last one seen
+                self._failed(gpu, "samples", exc)
+                return []
+            samples = []
+        gpu.busy.feed(samples)
+        return [(BUSY, gpu.labels, gpu.busy.seconds)]
+
+    def _read_rates(self, gpu: Gpu) -> list[Reading]:
+        assert self._nvml is not None
+        rates = self._call(gpu, "utilization_rates", self._nvml.device_utilization_rates, gpu.handle)
+        if rates is None:
+            return []
+        return [(UTILIZATION, gpu.labels, rates[0] / 100), (MEMORY_UTILIZATION, gpu.labels, rates[1] / 100)]
+
+    def _read_memory(self, gpu: Gpu, handle: Any, labels: str, descs: MemoryDescs, prefix: str) -> list[Reading]:
+        """total/reserved/free/used from nvmlDeviceGetMemoryInfo_v2, or total/free/used on a driver without it."""
+        assert self._nvml is not None
+        total, reserved, free, used = descs
+        v2 = self._call(gpu, prefix + "memory_info_v2", self._nvml.device_memory_info_v2, handle)
+        if v2 is not None:
+            readings: list[Reading] = [(total, labels, v2[0]), (free, labels, v2[2]), (used, labels, v2[3])]
+            return readings if reserved is None else [*readings, (reserved, labels, v2[1])]
+        v1 = self._call(gpu, prefix + "memory_info", self._nvml.device_memory_info, handle)
+        if v1 is None:
+            return []
+        return [(total, labels, v1[0]), (free, labels, v1[1]), (used, labels, v1[2])]
+
+    def _read_memory_temperature(self, gpu: Gpu) -> list[Reading]:
+        values = self._fields(gpu, "memory_temperature", (FIELD_MEMORY_TEMPERATURE,))
+        value = values.get(FIELD_MEMORY_TEMPERATURE)
+        return [] if value is None else [(MEMORY_TEMPERATURE, gpu.labels, value)]
+
+    def _read_reasons(self, gpu: Gpu) -> list[Reading]:
+        assert self._nvml is not None
+        mask = self._call(gpu, "clocks_event_reasons", self._nvml.device_current_clocks_event_reasons, gpu.handle)
+        if mask is None and "clocks_event_reasons" in gpu.unsupported:  # driver < 535 names it "throttle"
+            mask = self._call(gpu, "clocks_throttle_reasons", self._nvml.device_current_clocks_throttle_reasons,
+                              gpu.handle)
+        if mask is None:
+            return []
+        return [(REASON, gpu.label((("reason", name),)), 1 if mask & bit else 0)
+                for bit, name in EVENT_REASONS if gpu.reasons_supported & bit]
+
+    def _read_gpm(self, gpu: Gpu) -> list[Reading]:
+        """PCIe bytes: GPM's average rate since the baseline sample times the baseline's age (see Gpm)."""
+        nvml, gpm = self._nvml, gpu.gpm
+        if gpm is None or nvml is None:
+            return []
+        now = time.monotonic()
+        if gpm.since is None:  # a new session: the baseline starts from the totals so far
+            if self._call(gpu, "gpm_sample_get", nvml.gpm_sample_get, gpu.handle, gpm.baseline) is not None:
+                gpm.since, gpm.carry = now, {key: gpu.pcie.get(key, 0.0) for _, key in GPM_PCIE}
+        elif self._call(gpu, "gpm_sample_get", nvml.gpm_sample_get, gpu.handle, gpm.scratch) is not None:
+            rates = self._call(gpu, "gpm_metrics_get", nvml.gpm_metrics_get, gpm.baseline, gpm.scratch,
+                               [metric for metric, _ in GPM_PCIE]) or {}
+            for metric, key in GPM_PCIE:
+                rate = rates.get(metric)
+                if isinstance(rate, Exception):
+                    self._failed(gpu, f"gpm_metric_{metric}", rate)
+                elif rate is not None:
+                    total = gpm.carry[key] + max(rate, 0.0) * MIB * (now - gpm.since)
+                    gpu.pcie[key] = max(gpu.pcie.get(key, 0.0), total)
+            if now - gpm.since >= GPM_REBASE:
+                gpm.baseline, gpm.scratch, gpm.since = gpm.scratch, gpm.baseline, now
+                gpm.carry = {key: gpu.pcie.get(key, 0.0) for _, key in GPM_PCIE}
+        if gpm.since is None or "gpm_metrics_get" in gpu.unsupported:
+            return []
+        return [(PCIE_TX, gpu.labels, gpu.pcie.get("pcie_tx", 0.0)),
+                (PCIE_RX, gpu.labels, gpu.pcie.get("pcie_rx", 0.0))]
+
+    def _fields(self, gpu: Gpu, call: str, field_ids: tuple[int, ...]) -> dict[int, int | float]:
+        """Field values NVML gave; a field it refused is classified like a failed call of its own."""
+        assert self._nvml is not None
+        wanted = [f for f in field_ids if f"field_{f}" not in gpu.unsupported]
+        values = self._call(gpu, call, self._nvml.device_field_values, gpu.handle, wanted) if wanted else None
+        result: dict[int, int | float] = {}
+        for field_id, value in (values or {}).items():
+            if isinstance(value, Exception):
+                self._failed(gpu, f"field_{field_id}", value)
+            else:
+                result[field_id] = value
+        return result
+
+    def _read_violations(self, gpu: Gpu) -> list[Reading]:
+        values = self._fields(gpu, "violation_fields", tuple(f for f, _ in VIOLATION_FIELDS))
+        return [(VIOLATION, gpu.label((("reason", reason),)), values[f] / 1e9)
+                for f, reason in VIOLATION_FIELDS if f in values]
+
+    def _read_remapped_rows(self, gpu: Gpu) -> list[Reading]:
+        assert self._nvml is not None
+        rows = self._call(gpu, "remapped_rows", self._nvml.device_remapped_rows, gpu.handle)
+        if rows is None:
+            return []
+        correctable, uncorrectable, pending, failure = rows
+        return [(REMAPPED, gpu.label((("cause", "correctable"),)), correctable),
+                (REMAPPED, gpu.label((("cause", "uncorrectable"),)), uncorrectable),
+                (REMAP_PENDING, gpu.labels, 1 if pending else 0), (REMAP_FAILURE, gpu.labels, 1 if failure else 0)]
+
+    def _read_processes(self, gpu: Gpu) -> list[Reading]:
+        assert self._nvml is not None
+        processes = self._call(gpu, "compute_running_processes", self._nvml.device_compute_running_processes,
+                               gpu.handle)
+        if processes is None:
+            return []
+        processes = sorted(processes, key=lambda p: (-(p.used_memory or 0), p.pid))
+        kept, dropped = processes[: self._max_processes], processes[self._max_processes :]
+        dropped_pids = {p.pid for p in dropped}
+        gpu.dropped += len(dropped_pids - gpu.dropped_pids)  # each process counted once, when first left out
+        gpu.dropped_pids = dropped_pids
+        gpu.names = {p.pid: gpu.names.get(p.pid) or self._process_name(p.pid) for p in kept}
+        readings: list[Reading] = [(PROCESSES, gpu.labels, len(processes)), (DROPPED, gpu.labels, gpu.dropped)]
+        for process in kept:
+            labels = gpu.label((("pid", str(process.pid)), ("process_name", gpu.names[process.pid])))
+            used = math.nan if process.used_memory is None else process.used_memory
+            readings.append((PROCESS_MEMORY, labels, used))
+        return readings
+
+    def _process_name(self, pid: int) -> str:
+        assert self._nvml is not None
+        try:
+            return self._nvml.system_process_name(pid)
+        except NVMLError:
+            return ""  # the process ended, or lives where NVML cannot see its name
+
+    def _read_mig(self, gpu: Gpu) -> list[Reading]:
+        """MIG mode; with it on, each MIG device's identity and memory (NVML has no MIG utilisation)."""
+        assert self._nvml is not None
+        mode = self._call(gpu, "mig_mode", self._nvml.device_mig_mode, gpu.handle)
+        if mode is None:
+            return []
+        readings: list[Reading] = [(MIG_ENABLED, gpu.labels, 1 if mode[0] else 0)]
+        if not mode[0]:
+            return readings
+        count = self._call(gpu, "max_mig_device_count", self._nvml.device_max_mig_device_count, gpu.handle) or 0
+        for index in range(count):
+            self._current_call = "mig_device_handle_by_index"
+            try:
+                handle = self._nvml.device_mig_device_handle_by_index(gpu.handle, index)
+            except NVMLError as exc:
+                if error_code(exc) == nv.ERROR_NOT_FOUND:  # an empty slot
+                    continue
+                self._failed(gpu, "mig_device_handle_by_index", exc)
+                break
+            readings += self._read_mig_device(gpu, handle)
+        return readings
+
+    def _read_mig_device(self, gpu: Gpu, handle: Any) -> list[Reading]:
+        assert self._nvml is not None
+        nvml = self._nvml
+        mig_uuid = self._call(gpu, "mig_uuid", nvml.device_uuid, handle)
+        if mig_uuid is None:
+            return []
+        gpu_instance = self._call(gpu, "mig_gpu_instance_id", nvml.device_gpu_instance_id, handle)
+        compute_instance = self._call(gpu, "mig_compute_instance_id", nvml.device_compute_instance_id, handle)
+        info = gpu.label((("mig_uuid", mig_uuid),
+                          ("gpu_instance", "" if gpu_instance is None else str(gpu_instance)),
+                          ("compute_instance", "" if compute_instance is None else str(compute_instance)),
+                          ("name", self._call(gpu, "mig_name", nvml.device_name, handle) or "")))
+        memory = self._read_memory(gpu, handle, gpu.label((("mig_uuid", mig_uuid),)), MIG_MEMORY_DESCS, "mig_")
+        return [(MIG_INFO, info, 1), *memory]
+
+    # -- rendering, once per sweep --
+
+    def _render(self) -> list[Family]:
+        lines: dict[Desc, list[str]] = {desc: [] for desc in DESCS}
+        session = self._session
+        if session is not None:
+            lines[COUNT].append(COUNT.sample("", session.count))
+            for index in session.missing:
+                lines[UP].append(UP.sample(label_string({"gpu": str(index), "uuid": ""}), 0))
+        with self._xid_lock:
+            for gpu in sorted(self._gpus.values(), key=lambda g: (g.index, g.uuid)):
+                self._render_gpu(gpu, lines)
+        return [Family(desc, samples) for desc, samples in lines.items() if samples]
+
+    @staticmethod
+    def _render_gpu(gpu: Gpu, lines: dict[Desc, list[str]]) -> None:
+        up = gpu.handle is not None and gpu.up
+        lines[UP].append(UP.sample(gpu.labels, 1 if up else 0))
+        lines[INFO_DESC].append(INFO_DESC.sample(gpu.info_labels, 1))
+        for code, (count, seen) in gpu.xid.items():  # events already seen stay true when the GPU is down
+            labels = gpu.label((("xid", code),))
+            lines[XID].append(XID.sample(labels, count))
+            lines[XID_LAST].append(XID_LAST.sample(labels, seen))
+        for (call, error), count in gpu.errors.items():
+            lines[NVML_ERRORS].append(NVML_ERRORS.sample(gpu.label((("call", call), ("error", error))), count))
+        if up:
+            for desc, labels, value in (*gpu.static, *gpu.fast, *gpu.slow):
+                lines[desc].append(desc.sample(labels, value))
+
+
+def _quietly(function: Callable[..., Any], *args: Any) -> None:
+    """Tear-down calls: a GPU already lost or a session already gone must not stop the rest."""
+    try:
+        function(*args)
+    except NVMLError as exc:
+        log.debug("NVML tear-down call failed", extra=fields(call=function.__name__, err=error_name(exc)))
+
+
+def _try(function: Callable[[], T]) -> T | None:
+    try:
+        return function()
+    except NVMLError:
+        return None
+
+
+def _returns_true(function: Callable[..., Any]) -> Callable[..., bool]:
+    """Calls whose success has no value (nvmlDeviceRegisterEvents) answer True, so None means failure."""
+
+    def call(*args: Any) -> bool:
+        function(*args)
+        return True
+
+    return call

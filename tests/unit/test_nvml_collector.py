@@ -1,0 +1,409 @@
+"""The nvml collector on a fake NVML (tests/unit/test_nvml_fake.py), because CI has no GPU.
+
+The fake follows NVML's documented and measured semantics; tests/gpu/ runs the same collector on a
+real H100 and compares it with nvidia-smi.  Sweeps are driven synchronously (``sample_now``) except
+where the background threads are the point (the hang watchdog, Xid listener).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+
+import pynvml
+import pytest
+
+from exporter.collect import Context, Scraper
+from exporter.collectors.nvml import DESCS, NvmlCollector
+from exporter.exposition import render
+from exporter.nvml_device import ProcessInfo
+from tests.conftest import REPO, Samples, parse_samples
+from tests.unit.test_nvml_fake import FakeGpu, FakeMig, FakeNvml, h100s
+
+GIB = 1024**3
+
+
+def make(fake: FakeNvml, **options: float) -> NvmlCollector:
+    """A collector on ``fake``; slow fields are read on every sweep unless a test says otherwise."""
+    settings: dict[str, float] = {"interval": 60.0, "slow-interval": 1e-9, "hang-timeout": 10.0,
+                                  "reinit-interval": 60.0, "max-processes": 64}
+    settings.update({key.replace("_", "-"): value for key, value in options.items()})
+    collector = NvmlCollector(Context(), settings, nvml=fake)
+    collector.xid_wait_ms = 20  # a re-initialisation waits for the Xid listener's current wait to end
+    return collector
+
+
+def sweep(collector: NvmlCollector) -> Samples:
+    collector.sampler.sample_now()
+    return parse_samples(render(collector.collect()))
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    matches = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(matches) == 1, f"{name}{labels}: {len(matches)} samples"
+    return matches[0]
+
+
+def has(samples: Samples, name: str, **labels: str) -> bool:
+    return any(n == name and set(labels.items()) <= ls for (n, ls), _ in samples.items())
+
+
+def scrape_success(collector: NvmlCollector) -> tuple[float, Samples]:
+    """``gpuio_scrape_collector_success`` for nvml through the real Scraper, and all samples."""
+    samples = parse_samples(render(Scraper([collector], 2.0, "").scrape_sync()))
+    return value(samples, "gpuio_scrape_collector_success", collector="nvml"), samples
+
+
+def sweep_and_scrape(collector: NvmlCollector) -> tuple[float, Samples]:
+    collector.sampler.sample_now()
+    return scrape_success(collector)
+
+
+def test_every_value_in_base_units_with_identity_labels() -> None:
+    gpu = FakeGpu("GPU-1", utilization=(37, 12), power_mw=120593, energy_mj=2074432, remapped=(2, 1, 1, 0),
+                  reasons=0x1 | 0x4, ecc={(0, 0): 3, (1, 0): 0, (0, 1): 7, (1, 1): 1})
+    gpu.fields[74] = 2_500_000_000  # ns of sw power capping
+    gpu.processes = [ProcessInfo(4242, 1616904192)]
+    gpu.process_names = {4242: "python3"}
+    samples = sweep(make(FakeNvml([gpu])))
+    g = {"gpu": "0", "uuid": "GPU-1"}
+    expected = {
+        "gpuio_gpu_devices": 1, "gpuio_gpu_up": 1, "gpuio_gpu_memory_total_bytes": 85520809984,
+        "gpuio_gpu_memory_reserved_bytes": 503316480, "gpuio_gpu_memory_free_bytes": 80000000000,
+        "gpuio_gpu_memory_used_bytes": 5017493504, "gpuio_gpu_temperature_celsius": 35,
+        "gpuio_gpu_memory_temperature_celsius": 36, "gpuio_gpu_power_watts": 120.593,
+        "gpuio_gpu_power_limit_watts": 700.0, "gpuio_gpu_energy_joules_total": 2074.432,
+        "gpuio_gpu_sm_clock_hertz": 1.98e9, "gpuio_gpu_sm_clock_max_hertz": 1.98e9,
+        "gpuio_gpu_memory_clock_hertz": 2.619e9, "gpuio_gpu_memory_clock_max_hertz": 2.619e9,
+        "gpuio_gpu_pcie_link_generation": 5, "gpuio_gpu_pcie_link_generation_max": 5,
+        "gpuio_gpu_pcie_link_width": 16, "gpuio_gpu_pcie_link_width_max": 16,
+        "gpuio_gpu_utilization_ratio": 0.37, "gpuio_gpu_memory_utilization_ratio": 0.12,
+        "gpuio_gpu_pcie_replays_total": 0, "gpuio_gpu_remapped_rows_pending": 1,
+        "gpuio_gpu_remapped_rows_failure": 0, "gpuio_gpu_mig_enabled": 0, "gpuio_gpu_processes": 1,
+        "gpuio_gpu_processes_dropped_total": 0,
+    }
+    for name, want in expected.items():
+        assert value(samples, name, **(g if name != "gpuio_gpu_devices" else {})) == pytest.approx(want), name
+    assert value(samples, "gpuio_gpu_clocks_event_seconds_total", reason="sw_power_cap") == 2.5
+    assert value(samples, "gpuio_gpu_clocks_event_reason_active", reason="gpu_idle") == 1
+    assert value(samples, "gpuio_gpu_clocks_event_reason_active", reason="sw_power_cap") == 1
+    assert value(samples, "gpuio_gpu_clocks_event_reason_active", reason="hw_slowdown") == 0
+    assert value(samples, "gpuio_gpu_ecc_errors_total", error="corrected") == 3
+    assert value(samples, "gpuio_gpu_ecc_aggregate_errors_total", error="uncorrected") == 1
+    assert value(samples, "gpuio_gpu_remapped_rows", cause="correctable") == 2
+    assert value(samples, "gpuio_gpu_process_memory_used_bytes", pid="4242", process_name="python3") == 1616904192
+    info = next(dict(ls) for (n, ls), _ in samples.items() if n == "gpuio_gpu_info")
+    assert info == {**g, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:00:06.0", "serial": "1752624002237",
+                    "minor_number": "0", "driver_version": "580.159.04", "cuda_version": "13.0"}
+    assert 0 <= value(samples, "gpuio_gpu_snapshot_age_seconds") < 1
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_busy_seconds_integrate_the_utilisation_samples() -> None:
+    fake = FakeNvml(h100s(1))
+    gpu, collector = fake.gpus[0], make(fake)
+    now = gpu.add_samples(1_000_000, [100] * 30)  # history from before the exporter started: not counted
+    assert value(sweep(collector), "gpuio_gpu_busy_seconds_total") == 0
+    now = gpu.add_samples(now, [100, 0] * 5)  # 2 s at 50 % duty, 200 ms samples
+    assert value(sweep(collector), "gpuio_gpu_busy_seconds_total") == pytest.approx(1.0)
+    assert value(sweep(collector), "gpuio_gpu_busy_seconds_total") == pytest.approx(1.0)  # NotFound: nothing new
+    gpu.add_samples(now + 5_000_000, [100])  # 5 s gap (samples lost): a sample covers at most ~1 s
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_busy_seconds_total") == pytest.approx(2.1)
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_pcie_bytes_from_gpm_converge_and_never_go_back() -> None:
+    """GPM rates times the baseline's age: off by at most one GPM refresh over that age, and monotonic."""
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.gpm_refresh = 0.02
+    collector = make(fake)
+    assert value(sweep(collector), "gpuio_gpu_pcie_receive_bytes_total") == 0  # the baseline
+    time.sleep(0.1)
+    gpu.move_pcie(rx=4 * GIB + 12345, tx=3 * GIB)  # more than 2**32: the 32-bit field counters would wrap
+    time.sleep(0.3)
+    seen = []
+    for _ in range(5):
+        time.sleep(0.05)
+        samples = sweep(collector)
+        seen.append(value(samples, "gpuio_gpu_pcie_receive_bytes_total"))
+        age = 0.4 + 0.05 * len(seen)  # the baseline's age, about
+        assert seen[-1] == pytest.approx(4 * GIB + 12345, rel=0.02 / age + 0.02)
+        assert value(samples, "gpuio_gpu_pcie_transmit_bytes_total") == pytest.approx(3 * GIB, rel=0.02 / age + 0.02)
+    assert seen == sorted(seen)  # idle now: the estimate wobbles with the refresh, the counter does not go back
+
+
+def test_a_lost_gpu_is_down_while_the_others_report_and_recovers_after_reinit() -> None:
+    fake = FakeNvml(h100s(2))
+    collector = make(fake, reinit_interval=0.05)
+    first, second = ({"gpu": str(i), "uuid": fake.gpus[i].uuid} for i in range(2))
+    fake.gpus[0].add_samples(1_000_000, [0])
+    sweep(collector)
+    fake.gpus[1].lost = True
+    fake.gpus[0].add_samples(1_200_000, [100] * 5)
+    success, samples = sweep_and_scrape(collector)
+    assert success == 1
+    assert value(samples, "gpuio_gpu_up", **first) == 1 and value(samples, "gpuio_gpu_up", **second) == 0
+    assert has(samples, "gpuio_gpu_info", **second)  # still listed, with its identity
+    assert not has(samples, "gpuio_gpu_power_watts", **second)  # no stale readings of a lost GPU
+    assert value(samples, "gpuio_gpu_power_watts", **first) == pytest.approx(120.593)
+    busy = value(samples, "gpuio_gpu_busy_seconds_total", **first)
+    assert busy == pytest.approx(1.0)
+
+    fake.gpus[1].lost = False  # the GPU came back (a reset, or a driver reload)
+    time.sleep(0.06)
+    samples = sweep(collector)
+    assert fake.calls["init"] == 2
+    assert value(samples, "gpuio_gpu_up", **second) == 1 and value(samples, "gpuio_gpu_up", **first) == 1
+    assert value(samples, "gpuio_gpu_busy_seconds_total", **first) == pytest.approx(busy)  # no counter reset
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_an_unknown_error_takes_only_that_gpu_down() -> None:
+    fake = FakeNvml(h100s(2))
+    fake.gpus[0].errors["device_power_usage"] = pynvml.NVML_ERROR_UNKNOWN
+    samples = sweep(make(fake))
+    assert value(samples, "gpuio_gpu_up", gpu="0") == 0 and value(samples, "gpuio_gpu_up", gpu="1") == 1
+
+
+def test_a_gpu_that_falls_off_the_bus_stays_listed_down() -> None:
+    fake = FakeNvml(h100s(2))
+    collector = make(fake, reinit_interval=0.01)
+    lost = {"gpu": "1", "uuid": fake.gpus[1].uuid}
+    sweep(collector)
+    fake.gpus[1].lost = True
+    sweep(collector)
+    fake.gpus[1].present = False  # NVML no longer enumerates it
+    time.sleep(0.02)
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_devices") == 1
+    assert value(samples, "gpuio_gpu_up", **lost) == 0
+    assert value(samples, "gpuio_gpu_up", gpu="0") == 1
+
+
+def test_driver_unloaded_then_reloaded() -> None:
+    fake = FakeNvml(h100s(1))
+    collector = make(fake, reinit_interval=0.01)
+    sweep(collector)
+    fake.driver_loaded, fake.initialized = False, 0  # the module is gone: calls fail Uninitialized
+    success, samples = sweep_and_scrape(collector)
+    assert success == 1 and value(samples, "gpuio_gpu_up", gpu="0") == 0
+    time.sleep(0.02)
+    samples = sweep(collector)  # nvmlInit now fails DriverNotLoaded: the GPU we knew stays listed, down
+    assert value(samples, "gpuio_gpu_up", gpu="0") == 0
+    fake.driver_loaded = True
+    time.sleep(0.02)
+    assert value(sweep(collector), "gpuio_gpu_up", gpu="0") == 1
+
+
+def test_a_failing_call_leaves_its_series_out_and_is_counted() -> None:
+    fake = FakeNvml(h100s(1))
+    fake.gpus[0].errors["device_temperature"] = pynvml.NVML_ERROR_TIMEOUT
+    collector = make(fake)
+    sweep(collector)
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_up") == 1
+    assert not has(samples, "gpuio_gpu_temperature_celsius")
+    assert value(samples, "gpuio_gpu_nvml_errors_total", call="temperature", error="Timeout") == 2
+
+
+def test_old_driver_missing_functions_fall_back_or_leave_series_out() -> None:
+    missing = {"device_memory_info_v2", "device_current_clocks_event_reasons", "device_supported_clocks_event_reasons",
+               "gpm_query_device_support", "device_remapped_rows", "device_mig_mode",
+               "device_total_energy_consumption"}
+    fake = FakeNvml(h100s(1), missing=missing)
+    fake.gpus[0].fields = {}  # fields an old driver does not know: refused per field
+    collector = make(fake)
+    sweep(collector)
+    success, samples = sweep_and_scrape(collector)
+    assert success == 1
+    # nvmlDeviceGetMemoryInfo (v1) counts reserved memory as used and has no reserved figure
+    assert value(samples, "gpuio_gpu_memory_used_bytes") == 5017493504 + 503316480
+    assert not has(samples, "gpuio_gpu_memory_reserved_bytes")
+    # nvmlDeviceGetCurrentClocksThrottleReasons, the name before driver 535, and every reason
+    assert value(samples, "gpuio_gpu_clocks_event_reason_active", reason="gpu_idle") == 1
+    assert len([n for n, _ in samples if n == "gpuio_gpu_clocks_event_reason_active"]) == 9
+    for absent in ("gpuio_gpu_pcie_receive_bytes_total", "gpuio_gpu_remapped_rows", "gpuio_gpu_mig_enabled",
+                   "gpuio_gpu_energy_joules_total", "gpuio_gpu_memory_temperature_celsius",
+                   "gpuio_gpu_clocks_event_seconds_total", "gpuio_gpu_nvml_errors_total"):
+        assert not has(samples, absent), absent
+    assert value(samples, "gpuio_gpu_power_watts") == pytest.approx(120.593)
+    assert fake.calls["device_memory_info_v2"] == 1  # an unsupported call is not retried every sweep
+
+
+def test_mig_devices_report_memory_and_the_parent_has_no_utilisation() -> None:
+    gpu = FakeGpu("GPU-M", mig_mode=(1, 1), mig=[FakeMig("MIG-a", 1, 0), None, FakeMig("MIG-b", 2, 0)])
+    gpu.add_samples(1_000_000, [50] * 5)
+    samples = sweep(make(FakeNvml([gpu])))
+    assert value(samples, "gpuio_gpu_mig_enabled") == 1
+    assert value(samples, "gpuio_gpu_mig_device_info", mig_uuid="MIG-b", gpu_instance="2",
+                 compute_instance="0") == 1
+    assert value(samples, "gpuio_gpu_mig_device_memory_total_bytes", mig_uuid="MIG-a") == 10 * GIB
+    assert value(samples, "gpuio_gpu_mig_device_memory_used_bytes", mig_uuid="MIG-b") == GIB
+    assert not has(samples, "gpuio_gpu_busy_seconds_total")
+    assert not has(samples, "gpuio_gpu_utilization_ratio")
+    assert value(samples, "gpuio_gpu_memory_total_bytes") == 85520809984
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_processes_are_capped_largest_first_and_drops_counted_once() -> None:
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.processes = [ProcessInfo(pid, pid * 1000) for pid in (101, 102, 103, 104)] + [ProcessInfo(105, None)]
+    gpu.process_names = {pid: f"worker{pid}" for pid in range(101, 107)}
+    collector = make(fake, max_processes=2)
+    samples = sweep(collector)
+    listed = {dict(ls)["pid"] for (n, ls), _ in samples.items() if n == "gpuio_gpu_process_memory_used_bytes"}
+    assert listed == {"104", "103"}
+    assert value(samples, "gpuio_gpu_processes") == 5
+    assert value(samples, "gpuio_gpu_processes_dropped_total") == 3
+    assert value(sweep(collector), "gpuio_gpu_processes_dropped_total") == 3  # the same ones: not again
+    gpu.processes.append(ProcessInfo(106, 1))
+    assert value(sweep(collector), "gpuio_gpu_processes_dropped_total") == 4
+    gpu.processes = [ProcessInfo(105, None)]
+    samples = sweep(collector)
+    assert math.isnan(value(samples, "gpuio_gpu_process_memory_used_bytes", pid="105", process_name="worker105"))
+
+
+def test_slow_fields_wait_for_their_interval() -> None:
+    fake = FakeNvml(h100s(1))
+    collector = make(fake, slow_interval=60.0)
+    sweep(collector)
+    fake.gpus[0].energy_mj += 5000
+    fake.gpus[0].power_mw = 300000
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_power_watts") == 300.0
+    assert value(samples, "gpuio_gpu_energy_joules_total") == pytest.approx(2074.432)  # the last slow reading
+    assert fake.calls["device_total_energy_consumption"] == 1
+
+
+def wait_for(condition, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_xid_events_are_counted_per_gpu_and_code() -> None:
+    fake = FakeNvml(h100s(2))
+    fake.gpus[1].unsupported.add("device_register_events")
+    collector = make(fake, interval=0.02)
+    collector.start()
+    try:
+        wait_for(lambda: fake.event_sets and collector.sampler.snapshot().value)
+        for code in (79, 79, 13):
+            fake.xid(fake.gpus[0], code)
+        wait_for(lambda: has(parse_samples(render(collector.collect())), "gpuio_gpu_xid_errors_total", xid="13"))
+        samples = parse_samples(render(collector.collect()))
+        assert value(samples, "gpuio_gpu_xid_errors_total", gpu="0", xid="79") == 2
+        assert value(samples, "gpuio_gpu_xid_last_timestamp_seconds", gpu="0", xid="13") == pytest.approx(
+            time.time(), abs=2)
+        assert not has(samples, "gpuio_gpu_xid_errors_total", gpu="1")
+    finally:
+        collector.stop()
+    assert fake.event_sets == [] and fake.initialized == 0  # the listener ended; NVML shut down
+
+
+def test_a_hung_call_fails_the_collector_without_hanging_the_scrape() -> None:
+    fake = FakeNvml(h100s(1))
+    collector = make(fake, interval=0.02, hang_timeout=0.3)
+    collector.start()
+    try:
+        wait_for(lambda: collector.sampler.snapshot().value)
+        release = fake.hang["device_power_usage"] = threading.Event()
+        wait_for(lambda: collector.hung(time.monotonic() + 1.0) is not None)  # a sweep is now stuck
+        time.sleep(0.1)
+        success, samples = scrape_success(collector)  # stale but within the timeout: served, with its age
+        assert success == 1 and value(samples, "gpuio_gpu_snapshot_age_seconds") >= 0.1
+        time.sleep(0.3)
+        started = time.monotonic()
+        success, samples = scrape_success(collector)
+        assert time.monotonic() - started < 0.5
+        # Past the timeout: the collector fails, and the last snapshot is still served with its age.
+        assert success == 0 and has(samples, "gpuio_gpu_up")
+        assert value(samples, "gpuio_gpu_snapshot_age_seconds") >= 0.4
+        release.set()
+        del fake.hang["device_power_usage"]
+        wait_for(lambda: scrape_success(collector)[0] == 1)
+    finally:
+        collector.stop()
+
+
+def test_no_nvml_on_this_machine_is_no_gpus_and_success() -> None:
+    """The real bindings here: no libnvidia-ml (or no driver), so NVMLError_LibraryNotFound."""
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA driver")
+    collector = NvmlCollector(Context(), {})
+    collector.sampler.sample_now()
+    assert collector.collect() == []
+    success, samples = scrape_success(collector)
+    assert success == 1 and not any(name.startswith("gpuio_gpu_") for name, _ in samples)
+    collector.stop()
+
+
+@pytest.mark.e2e
+def test_no_nvml_through_the_real_exporter(exporter, tmp_path) -> None:
+    """The real server process on this GPU-less machine: nvml succeeds and serves no GPU series.
+
+    ``sitecustomize`` imports the nvml module, which registers the collector, as the import line in
+    exporter/collectors/__init__.py does once it is added (then it is redundant and harmless).
+    """
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA driver")
+    (tmp_path / "sitecustomize.py").write_text("import exporter.collectors.nvml  # noqa: F401\n")
+    path = os.pathsep.join([str(tmp_path), REPO, os.environ.get("PYTHONPATH", "")])
+    server = exporter("--collector.disable-defaults", "--collector.nvml", "--collector.nvml.interval=50ms",
+                      env={"PYTHONPATH": path})
+    time.sleep(0.3)
+    samples = parse_samples(server.scrape())
+    assert value(samples, "gpuio_scrape_collector_success", collector="nvml") == 1
+    assert not any(name.startswith("gpuio_gpu_") for name, _ in samples)
+    assert "NVML not available: no GPUs here" in server.stop()
+
+
+def everything() -> str:
+    """One scrape with every family the collector has: MIG, Xid, failing calls, a lost GPU."""
+    gpus = h100s(3) + [FakeGpu("GPU-M", mig_mode=(1, 0), mig=[FakeMig("MIG-a", 1, 0)])]
+    gpus[0].processes, gpus[0].process_names = [ProcessInfo(7, 1), ProcessInfo(8, 2)], {7: "a", 8: "b"}
+    gpus[1].errors["device_temperature"] = pynvml.NVML_ERROR_TIMEOUT
+    gpus[0].add_samples(1, [1])
+    fake = FakeNvml(gpus)
+    collector = make(fake, max_processes=1)
+    collector.sampler.sample_now()  # opens the session and starts the Xid listener
+    try:
+        gpus[2].lost = True
+        fake.xid(gpus[0], 79)
+        wait_for(lambda: "gpuio_gpu_xid_errors_total{" in render(collector.sampler.sample_now().value or []))
+        return render(collector.collect())
+    finally:
+        collector.stop()
+
+
+def test_every_family_is_documented() -> None:
+    names = set(re.findall(r"^# TYPE (\S+) ", everything(), re.MULTILINE))
+    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
+        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    assert len(names) == len(DESCS)
+    assert names - documented == set()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian prometheus) not installed")
+def test_promtool_check_metrics_is_clean() -> None:
+    result = subprocess.run(["promtool", "check", "metrics"], input=everything(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_flags_and_environment_reach_the_collector() -> None:
+    from exporter.config import ConfigError, parse_args
+
+    config = parse_args(["--collector.nvml.interval=500ms"], environ={"GPUIO_COLLECTOR_NVML_MAX_PROCESSES": "8"})
+    assert config.collector_options["nvml"] == {"interval": 0.5, "slow-interval": 10.0, "hang-timeout": 10.0,
+                                                "reinit-interval": 30.0, "max-processes": 8}
+    with pytest.raises(ConfigError, match="--collector.nvml.max-processes.*accepted: a whole number above zero"):
+        parse_args(["--collector.nvml.max-processes=0"], environ={})
