@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 # Debian packages the tests and benchmarks use as real peers (promtool, node_exporter, fio, iostat).
-DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux
+DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test unit lint bench golden rules dashboards system-deps venv clean
@@ -43,6 +43,7 @@ unit: venv
 bench: venv system-deps
 	$(PY) bench/scrape_bench.py
 	$(PY) bench/engines_bench.py
+	$(PY) bench/smart_bench.py
 
 # Rules and dashboards are generated from Python; the output is checked in and CI fails on drift.
 rules: venv

@@ -1,0 +1,184 @@
+"""What the smart collector costs: the time 24 cached disks add to a scrape, and the poll time per disk.
+
+A scrape never runs smartctl; it serves the families the last background sweep rendered.  So the
+scrape cost is measured as the server pays it, in-process: ``Scraper.scrape`` (the thread hand-off,
+the collectors, the self-metrics), ``render`` and ``encode``, plus gzip at the server's level 1 as
+Prometheus asks for it.  The peer, measured in the same run on the same fixture tree, is the same
+exporter without the smart collector (diskstats and pressure on tests/fixtures/roots/linux-6.8); the
+difference of the medians is what the disks add.  Each scrape is timed on its own, the variants
+interleaved in rotating order.  One more variant is a what-if for the server (see cached_member).
+
+The 24 disks are replayed by the fake smartctl of tests/fixtures/smartctl from real recordings:
+16 SATA HDDs (sat_hdd_0_issue70, 22 ATA attributes each: the largest output per disk) and 8 NVMe
+(nvme_0).  The poll time per disk printed is the sweep that filled the cache; through the fake it is
+mostly a Python start-up per smartctl run, so ``--real`` polls this machine's own disks with the real
+smartctl instead (run it as root on a node with disks; no scrape figures then).
+
+    .venv/bin/python bench/smart_bench.py                 # --scrapes 3000 --disks 24
+    sudo .venv/bin/python bench/smart_bench.py --real     # poll time of this machine's disks
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import exporter.collectors.smart  # noqa: E402,F401  (registers the collector)
+from exporter.collect import Context, Scraper  # noqa: E402
+from exporter.collectors import diskstats, pressure  # noqa: E402
+from exporter.collectors.smart import SmartCollector  # noqa: E402
+from exporter.config import parse_args  # noqa: E402
+from exporter.exposition import render  # noqa: E402
+from tests.conftest import root  # noqa: E402
+from tests.fixtures.smartctl.fake import SINGLE, FakeSmartctl  # noqa: E402
+
+GZIP_LEVEL = 1  # exporter/server.py
+
+
+def build_host(directory: str, disks: int) -> tuple[FakeSmartctl, str]:
+    """A fake host with ``disks`` disks (two thirds SATA, one third NVMe) and a sysfs naming the namespaces."""
+    data = os.path.join(directory, "disks")
+    sysfs = os.path.join(directory, "sys")
+    os.makedirs(data)
+    scan = []
+    nvme = disks // 3
+    for index in range(disks):
+        if index < nvme:
+            name, kind, case = f"nvme{index}", "nvme", "nvme_0/_-d_nvme_--all__dev_nvme0"
+            os.makedirs(os.path.join(sysfs, "class", "nvme", name, f"{name}n1"))
+            scan.append(f"/dev/{name} -d nvme # /dev/{name}, NVMe device")
+        else:
+            n = index - nvme
+            name = "sd" + (chr(96 + n // 26) if n >= 26 else "") + chr(97 + n % 26)
+            kind, case = "sat", "sat_hdd_0_issue70/_-d_sat_--all__dev_sg2"
+            scan.append(f"/dev/{name} -d sat # /dev/{name} [SAT], ATA device")
+        os.symlink(os.path.join(SINGLE, case), os.path.join(data, f"_-d_{kind}_--all__dev_{name}"))
+    return FakeSmartctl(os.path.join(directory, "fake"), [data], scan=scan), sysfs
+
+
+def smart_collector(sysfs: str, *flags: str) -> SmartCollector:
+    options = parse_args([f"--collector.smart.{flag}" for flag in flags], environ={}).collector_options["smart"]
+    return SmartCollector(Context(sysfs=sysfs), options)
+
+
+def print_polls(smart: SmartCollector, sweep_seconds: float) -> None:
+    print(f"{'device':>12} {'smartctl device':>16} {'type':>6} {'state':>12} {'poll ms':>8}")
+    for target, record in smart._records.items():
+        print(f"{','.join(target.devices):>12} {target.path:>16} {target.kind or '':>6} {record.state:>12} "
+              f"{record.seconds * 1000:8.1f}")
+    polls = [record.seconds for record in smart._records.values()]
+    if polls:
+        print(f"poll per disk: median {statistics.median(polls) * 1000:.1f} ms, max {max(polls) * 1000:.1f} ms; "
+              f"whole sweep {sweep_seconds * 1000:.0f} ms ({len(polls)} disks, "
+              f"{smart._concurrency} at a time)")
+    else:
+        print("no disks found")
+
+
+Variant = Callable[[], Awaitable[bytes]]
+
+
+def plain(scraper: Scraper, compress: bool) -> Variant:
+    """A scrape as the server answers it: scrape, render, encode, gzip when asked."""
+    async def run() -> bytes:
+        body = render(await scraper.scrape()).encode()
+        return gzip.compress(body, GZIP_LEVEL) if compress else body
+    return run
+
+
+def cached_member(scraper: Scraper, smart: SmartCollector) -> Variant:
+    """What-if, not what the server does today: the smart families gzipped once per sweep, as a gzip
+    member of their own, and each scrape compressing only the rest (a body of several gzip members is
+    valid gzip, RFC 1952 2.2, and Go's gzip.Reader, Prometheus's, reads them all)."""
+    mine = {id(family) for family in smart.collect()}
+    member = gzip.compress(render(smart.collect()).encode(), GZIP_LEVEL)
+
+    async def run() -> bytes:
+        rest = [family for family in await scraper.scrape() if id(family) not in mine]
+        return gzip.compress(render(rest).encode(), GZIP_LEVEL) + member
+    return run
+
+
+def time_variants(variants: dict[str, Variant], count: int) -> dict[str, list[float]]:
+    """Seconds per scrape of each variant, interleaved (rotating order) so all see the same machine state."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+
+    async def run() -> None:
+        names = list(variants)
+        for index in range(count):
+            for name in names[index % len(names):] + names[: index % len(names)]:
+                started = time.perf_counter()
+                await variants[name]()
+                times[name].append(time.perf_counter() - started)
+
+    asyncio.run(run())
+    return times
+
+
+def report(times: dict[str, list[float]], baseline: str, disks: int) -> None:
+    p50 = {name: statistics.median(values) * 1000 for name, values in times.items()}
+    for name, values in times.items():
+        p99 = statistics.quantiles(values, n=100)[98] * 1000
+        added = "" if name == baseline else f"; {disks} cached disks add {p50[name] - p50[baseline]:.3f} ms"
+        print(f"  {name:>34}: p50 {p50[name]:.3f} ms (p99 {p99:.3f}){added}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scrapes", type=int, default=3000)
+    parser.add_argument("--disks", type=int, default=24)
+    parser.add_argument("--real", action="store_true", help="poll this machine's disks with the real smartctl")
+    args = parser.parse_args()
+    if args.real:
+        smartctl = shutil.which("smartctl") or shutil.which("smartctl", path="/usr/sbin:/sbin")
+        if smartctl is None:
+            raise SystemExit("smartctl is not installed")
+        smart = smart_collector("/sys", f"smartctl-path={smartctl}")
+        started = time.perf_counter()
+        smart.sampler.sample_now()
+        print_polls(smart, time.perf_counter() - started)
+        return
+
+    with tempfile.TemporaryDirectory() as directory:
+        fake, sysfs = build_host(directory, args.disks)
+        smart = smart_collector(sysfs, f"smartctl-path={fake.path}")
+        started = time.perf_counter()
+        smart.sampler.sample_now()
+        sweep_seconds = time.perf_counter() - started
+        print(f"== poll time per disk (fake smartctl: {len(fake.calls())} runs, each a Python start-up)")
+        print_polls(smart, sweep_seconds)
+
+        procfs, tree_sysfs = root("linux-6.8")
+        context = Context(procfs=procfs, sysfs=tree_sysfs)
+        base = [diskstats.DiskstatsCollector(context, {}), pressure.PressureCollector(context, {})]
+        scrapers = {"without smart": Scraper(base, 2.0, ""), "with smart": Scraper([*base, smart], 2.0, "")}
+        smart_lines = sum(len(family.samples) for family in smart.collect())
+        collect = []
+        for _ in range(args.scrapes):
+            started = time.perf_counter()
+            smart.collect()
+            collect.append(time.perf_counter() - started)
+        print(f"\n== scrape cost, {args.scrapes} scrapes each, in ms; smart adds {smart_lines} sample lines")
+        print(f"smart collect() alone: {statistics.median(collect) * 1e6:.2f} us")
+        without, with_smart = scrapers["without smart"], scrapers["with smart"]
+        print("text:")
+        report(time_variants({"without smart": plain(without, False), "with smart": plain(with_smart, False)},
+                             args.scrapes), "without smart", args.disks)
+        print("text + gzip level 1 (what Prometheus asks for):")
+        report(time_variants({"without smart": plain(without, True), "with smart": plain(with_smart, True),
+                              "with smart, its gzip member cached": cached_member(with_smart, smart)},
+                             args.scrapes), "without smart", args.disks)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""smart, end to end: the real exporter over HTTP, with the replaying smartctl and with the real one.
+
+With the fake (tests/fixtures/smartctl/fake.py: no machine here has the disks it replays), the
+exporter finds disks by ``--scan-open``, polls them in the background and serves them; a hung
+smartctl leaves scrapes answering within the collector budget, and stopping the exporter ends it.
+With the real smartctl (Debian smartmontools): the scan of this machine, and, as ``nobody``, a disk
+that cannot be opened, which must be said once in the log and by ``gpuio_smart_permission_denied``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import REPO, free_port, parse_samples
+from tests.fixtures.smartctl.fake import LISTINGS, FakeSmartctl
+from tests.fixtures.smartctl.harness import make_sysfs, state, value
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def smart_env() -> Iterator[dict[str, str]]:
+    """Environment for an exporter started by hand (some tests run it as ``nobody``): the repo on
+    PYTHONPATH, so the package imports whoever runs it."""
+    yield {**os.environ, "PYTHONPATH": REPO}
+
+
+HOST = os.path.join(LISTINGS, "linux_multiple_devices")  # nvme0, nvme1, bus/0 (sat+megaraid,60)
+ONLY_SMART = ("--collector.disable-defaults", "--collector.smart")
+SMARTCTL = shutil.which("smartctl") or shutil.which("smartctl", path="/usr/sbin:/sbin")
+
+
+def wait_for(server, condition, seconds: float = 20.0) -> dict:
+    """Scrape until ``condition(samples)`` holds; the samples of that scrape."""
+    deadline = time.monotonic() + seconds
+    while True:
+        samples = parse_samples(server.scrape())
+        if condition(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def polled(samples: dict) -> bool:
+    return any(name == "gpuio_smart_device_state" for name, _ in samples)
+
+
+def test_disks_found_by_the_scan_are_served_over_http(exporter, smart_env, tmp_path) -> None:
+    sysfs = make_sysfs(str(tmp_path / "sys"), nvme={"nvme0": ["nvme0n1"], "nvme1": ["nvme1n1"]})
+    fake = FakeSmartctl(str(tmp_path / "fake"), [HOST])
+    server = exporter(*ONLY_SMART, f"--path.sysfs={sysfs}", f"--collector.smart.smartctl-path={fake.path}",
+                      env=smart_env)
+    samples = wait_for(server, polled)
+    assert value(samples, "gpuio_scrape_collector_success", collector="smart") == 1
+    assert {state(samples, d) for d in ("nvme0n1", "nvme1n1", "bus/0:sat+megaraid,60")} == {"ok"}
+    # linux_multiple_devices/_-d_nvme_--all__dev_nvme1: "Temperature: 46 Celsius", "Error Information
+    # Log Entries: 197", "Data Units Written: 36 848 011"; the megaraid disk: "194 Temperature_Celsius ... 19"
+    assert value(samples, "gpuio_smart_temperature_celsius", device="nvme1n1") == 46
+    assert value(samples, "gpuio_smart_nvme_error_log_entries_total", device="nvme1n1") == 197
+    assert value(samples, "gpuio_smart_nvme_written_bytes_total", device="nvme1n1") == 36_848_011 * 512_000
+    assert value(samples, "gpuio_smart_temperature_celsius", device="bus/0:sat+megaraid,60") == 19
+    assert {tuple(call[:2]) for call in fake.calls()} == {("-n", "standby")}
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "check", "metrics"], input=server.scrape(), capture_output=True,
+                               text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_hung_smartctl_never_holds_up_a_scrape_and_dies_with_the_exporter(exporter, smart_env, tmp_path) -> None:
+    sysfs = make_sysfs(str(tmp_path / "sys"), nvme={"nvme0": ["nvme0n1"], "nvme1": ["nvme1n1"]})
+    fake = FakeSmartctl(str(tmp_path / "fake"), [HOST], [("nvme0$", "hang")], hang_seconds=120)
+    server = exporter(*ONLY_SMART, f"--path.sysfs={sysfs}", f"--collector.smart.smartctl-path={fake.path}",
+                      "--collector.smart.timeout=60s", "--collector.timeout=2s", env=smart_env)
+    while not fake.running("/dev/nvme0"):
+        time.sleep(0.02)  # the first sweep is now waiting on the hung smartctl of nvme0
+    samples = parse_samples(server.scrape())
+    assert fake.running("/dev/nvme0")
+    assert value(samples, "gpuio_scrape_collector_success", collector="smart") == 1  # within the 2 s budget
+    assert not polled(samples)  # no sweep has finished yet: nothing to serve, nothing made up
+    log = server.stop()
+    assert fake.running() == [], log
+
+
+def test_the_real_smartctl_scan_of_this_machine(exporter, smart_env) -> None:
+    if SMARTCTL is None:
+        pytest.skip("smartctl is not installed (Debian package smartmontools)")
+    server = exporter(*ONLY_SMART, f"--collector.smart.smartctl-path={SMARTCTL}", env=smart_env)
+    samples = wait_for(server, lambda s: value(s, "gpuio_smart_permission_denied") is not None)
+    assert value(samples, "gpuio_scrape_collector_success", collector="smart") == 1
+    assert value(samples, "gpuio_smart_permission_denied") is not None  # a sweep ran to its end
+
+
+def a_disk() -> str | None:
+    """A whole disk of this machine (not loop, ram, zram, dm or md)."""
+    for name in sorted(os.listdir("/sys/block")):
+        if not name.startswith(("loop", "ram", "zram", "dm-", "md", "sr", "fd")):
+            return f"/dev/{name}"
+    return None
+
+
+@pytest.mark.root
+def test_the_real_smartctl_without_permission_is_said_once(smart_env) -> None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or SMARTCTL is None:
+        pytest.skip("needs root (to drop to nobody), setpriv and smartctl")
+    disk = a_disk()
+    if disk is None:
+        pytest.skip("no disk in /sys/block")
+    port = free_port()
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+               "--bounding-set=-all", "--no-new-privs", sys.executable, "-m", "exporter",
+               f"--web.listen-address=127.0.0.1:{port}", *ONLY_SMART, f"--collector.smart.smartctl-path={SMARTCTL}",
+               f"--collector.smart.devices={disk};sat", "--collector.smart.interval=1s"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=smart_env)
+    try:
+        samples: dict = {}
+        deadline = time.monotonic() + 20
+        while value(samples, "gpuio_smart_permission_denied") is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                    samples = parse_samples(response.read().decode())
+            except OSError:
+                continue
+        time.sleep(2.5)  # two more sweeps at the 1 s interval: the log line must not repeat
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=10)
+    device = disk[len("/dev/"):]
+    assert value(samples, "gpuio_smart_permission_denied") == 1, output
+    assert state(samples, device) == "permission_denied"
+    lines = [line for line in output.splitlines() if "no permission to open disks" in line]
+    assert len(lines) == 1, output
+    assert "CAP_SYS_RAWIO" in lines[0] and "Permission denied" in lines[0]
