@@ -65,27 +65,6 @@ def loop_mount() -> Iterator[tuple[str, str]]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-class EnginesExporter(ExporterProcess):
-    """The real exporter with the engines collector registered (whatever exporter.collectors imports)."""
-
-    def start(self) -> EnginesExporter:
-        command = [sys.executable, "-c", "import exporter.collectors.engines; from exporter.cli import exporter_main; "
-                   "exporter_main()", f"--web.listen-address=127.0.0.1:{self.port}", *self.args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        cwd=REPO)
-        import urllib.request
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"exporter exited: {self.process.stdout.read() if self.process.stdout else ''}")
-            try:
-                urllib.request.urlopen(self.base + "/healthz", timeout=1).read()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("exporter did not answer /healthz in 20 s")
-
-
 INFERENCE = textwrap.dedent("""
     import hashlib, json, sys, time
     sys.path.insert(0, {repo!r})
@@ -130,7 +109,7 @@ def test_engine_load_from_a_real_disk(loop_mount, tmp_path) -> None:
     assert pagecache.residency(engine_path).cached_bytes == 0
     spool = tmp_path / "spool"
     spool.mkdir()
-    exporter = EnginesExporter([
+    exporter = ExporterProcess([
         f"--collector.engines.spool-dir={spool}", f"--collector.engines.path={mount_point}/*.engine",
         "--collector.engines.residency-interval=200ms", f"--collector.diskstats.device-include=^{loop}$",
     ]).start()
@@ -140,7 +119,7 @@ def test_engine_load_from_a_real_disk(loop_mount, tmp_path) -> None:
         exporter.stop()
 
 
-def run_scenario(exporter: EnginesExporter, loop: str, engine_path: str, spool: str) -> None:
+def run_scenario(exporter: ExporterProcess, loop: str, engine_path: str, spool: str) -> None:
     def scrape() -> Samples:
         return parse_samples(exporter.scrape())
 
