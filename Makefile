@@ -5,10 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 # Debian packages the tests and benchmarks use as real peers (promtool, node_exporter, fio, iostat).
-DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools
+DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test unit lint bench golden rules dashboards system-deps venv clean
+.PHONY: run test unit lint bench golden rules dashboards system-deps venv clean fuzz load soak
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ lint: venv
 	$(VENV)/bin/ruff check exporter tests bench dashboards deploy
 	$(VENV)/bin/mypy exporter
 	# The Grafana SDK needs 3.11 (StrEnum); the dashboards are generated at build time, not on nodes.
-	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus
+	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus deploy/kubernetes
 
 test: venv system-deps lint
 	$(PY) -m pytest -q -rs tests
@@ -48,9 +48,21 @@ bench: venv system-deps
 # Rules and dashboards are generated from Python; the output is checked in and CI fails on drift.
 rules: venv
 	$(PY) -m deploy.prometheus.generate
+	$(PY) -m deploy.kubernetes.generate
 
 dashboards: venv
 	$(PY) -m dashboards
+	$(PY) -m deploy.kubernetes.generate
+
+# Hardening figures (docs/reliability.md): longer fuzzing, 50 scrapers for 10 minutes, a 100,000-scrape soak.
+fuzz: venv
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/fuzz --hypothesis-show-statistics
+
+load: venv
+	$(PY) bench/load_bench.py $(ARGS)
+
+soak: venv system-deps
+	$(SUDO) $(PY) bench/soak.py $(ARGS)
 
 golden: venv
 	$(PY) -m pytest -q tests/unit/test_golden.py --update-golden

@@ -67,8 +67,8 @@ def build_host(directory: str, disks: int) -> tuple[FakeSmartctl, str]:
     return FakeSmartctl(os.path.join(directory, "fake"), [data], scan=scan), sysfs
 
 
-def smart_collector(sysfs: str, *flags: str) -> SmartCollector:
-    options = parse_args([f"--collector.smart.{flag}" for flag in flags], environ={}).collector_options["smart"]
+def smart_collector(sysfs: str, smartctl: str) -> SmartCollector:
+    options = parse_args([f"--smartctl.path={smartctl}"], environ={}).collector_options["smart"]
     return SmartCollector(Context(sysfs=sysfs), options)
 
 
@@ -144,7 +144,7 @@ def main() -> None:
         smartctl = shutil.which("smartctl") or shutil.which("smartctl", path="/usr/sbin:/sbin")
         if smartctl is None:
             raise SystemExit("smartctl is not installed")
-        smart = smart_collector("/sys", f"smartctl-path={smartctl}")
+        smart = smart_collector("/sys", smartctl)
         started = time.perf_counter()
         smart.sampler.sample_now()
         print_polls(smart, time.perf_counter() - started)
@@ -152,7 +152,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as directory:
         fake, sysfs = build_host(directory, args.disks)
-        smart = smart_collector(sysfs, f"smartctl-path={fake.path}")
+        smart = smart_collector(sysfs, fake.path)
         started = time.perf_counter()
         smart.sampler.sample_now()
         sweep_seconds = time.perf_counter() - started

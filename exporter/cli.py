@@ -45,7 +45,7 @@ def _configure(argv: Sequence[str] | None, prog: str) -> tuple[Config, Scraper]:
 def exporter_main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
-    from .server import bind, build_app
+    from .server import KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS, BoundedHttpToolsProtocol, bind, build_app
 
     config, scraper = _configure(argv, "gpuio-exporter")
     try:
@@ -55,12 +55,19 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
         print(f"gpuio-exporter: error: cannot listen on --web.listen-address {address!r}: {exc.strerror}",
               file=sys.stderr)
         raise SystemExit(2) from None
+    web = config.web_config
     log.info("starting gpuio-exporter", extra=fields(
         version=__version__, address=f"{config.listen_host}:{config.listen_port}",
-        collectors=",".join(scraper.names)))
+        collectors=",".join(scraper.names), **(web.describe() if web else {"tls": "off"})))
+    # TLS: our own SSLContext, built and checked while the web config was read, handed to uvicorn
+    # whole.  uvicorn's ssl_* options cannot say minimum/maximum version, Go-named cipher suites or
+    # the toolkit's client-auth modes, and would fail on a bad certificate only once serving began.
+    context = web.ssl_context if web else None
     server = uvicorn.Server(uvicorn.Config(
-        build_app(config, scraper), loop="uvloop", http="httptools", lifespan="on", access_log=False,
-        log_config=None, server_header=False, date_header=False, timeout_keep_alive=75,
+        build_app(config, scraper), loop="uvloop", http=BoundedHttpToolsProtocol, ws="none", lifespan="on",
+        access_log=False, log_config=None, server_header=False, date_header=False,
+        timeout_keep_alive=KEEP_ALIVE_TIMEOUT, limit_concurrency=MAX_CONNECTIONS,
+        ssl_context_factory=None if context is None else lambda _config, _default: context,
     ))
     asyncio.run(server.serve(sockets=[sock]))
 

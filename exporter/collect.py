@@ -40,6 +40,10 @@ class Option:
     parse: Callable[[str], Any]
     accepted: str
     help: str
+    flag: str | None = None  # another flag name where the ecosystem has one (smartctl_exporter's smartctl.path)
+
+    def flag_name(self, collector: str) -> str:
+        return self.flag or f"collector.{collector}.{self.name}"
 
 
 @dataclass(frozen=True)

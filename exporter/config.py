@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import __version__
+from . import __version__, webconfig
 from .collect import REGISTRY, Option
 from .logsetup import LEVELS
+from .webconfig import WebConfig
 
 DEFAULT_PORT = 9817  # see README "Port": not used by node_exporter, dcgm-exporter, smartctl_exporter & co.
 
@@ -84,10 +85,21 @@ def parse_seconds(value: str) -> float:
     return seconds
 
 
+def parse_web_config_file(value: str) -> WebConfig | None:
+    """The exporter-toolkit web configuration (TLS, basic auth); "" is none: plain HTTP, no auth."""
+    return webconfig.load(value) if value else None
+
+
+def parse_max_requests(value: str) -> int:
+    if not value.strip().isdigit():
+        raise ValueError("not a whole number")
+    return int(value)
+
+
 def parse_regex(value: str) -> re.Pattern[str]:
     try:
         return re.compile(value)
-    except re.error as exc:
+    except (re.error, OverflowError, RecursionError) as exc:  # "a{4300000000}" is an OverflowError (found by fuzzing)
         raise ValueError(f"bad regular expression: {exc}") from None
 
 
@@ -108,6 +120,11 @@ GLOBAL_FLAGS: tuple[Flag, ...] = (
          "[host]:port, e.g. :9817, 127.0.0.1:9817, [::1]:9817", "Address on which to expose metrics."),
     Flag("web.telemetry-path", "/metrics", parse_telemetry_path,
          "an absolute path such as /metrics", "Path under which to expose metrics."),
+    Flag("web.config.file", "", parse_web_config_file,
+         "a YAML file in Prometheus exporter-toolkit's web configuration format (docs/reliability.md)",
+         "Configuration file for TLS and basic auth (exporter-toolkit format)."),
+    Flag("web.max-requests", "40", parse_max_requests, "a whole number; 0 for no limit",
+         "Maximum number of scrapes served at once; more get 503."),
     Flag("web.disable-exporter-metrics", "false", parse_bool, "true or false",
          "Leave out the exporter's own process_* and build metrics.", boolean=True),
     Flag("path.procfs", "/proc", parse_directory, "an existing directory", "procfs mountpoint."),
@@ -128,6 +145,8 @@ class Config:
     listen_host: str = ""
     listen_port: int = DEFAULT_PORT
     telemetry_path: str = "/metrics"
+    web_config: WebConfig | None = None
+    max_requests: int = 40
     disable_exporter_metrics: bool = False
     procfs: str = "/proc"
     sysfs: str = "/sys"
@@ -140,7 +159,7 @@ class Config:
 
 
 def _option_flag(collector: str, option: Option) -> Flag:
-    return Flag(f"collector.{collector}.{option.name}", option.default, option.parse, option.accepted, option.help)
+    return Flag(option.flag_name(collector), option.default, option.parse, option.accepted, option.help)
 
 
 def _build_parser(prog: str) -> argparse.ArgumentParser:
@@ -183,6 +202,8 @@ def _add_flag(parser: argparse.ArgumentParser, flag: Flag) -> None:
 def _resolve(flag: Flag, given: str | None, environ: Mapping[str, str]) -> Any:
     source = f"--{flag.name}"
     raw = given
+    if isinstance(raw, list):  # argparse (3.11) turns "--flag=--" into [] (found by fuzzing): the value was "--"
+        raw = " ".join(raw) or "--"
     if raw is None and env_name(flag.name) in environ:
         raw = environ[env_name(flag.name)]
         source = f"--{flag.name} (from environment variable {env_name(flag.name)})"
@@ -224,6 +245,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         listen_host=host,
         listen_port=port,
         telemetry_path=values["web.telemetry-path"],
+        web_config=values["web.config.file"],
+        max_requests=values["web.max-requests"],
         disable_exporter_metrics=values["web.disable-exporter-metrics"],
         procfs=values["path.procfs"],
         sysfs=values["path.sysfs"],
@@ -235,5 +258,5 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     for name, cls in REGISTRY.items():
         default = cls.default_enabled and not disable_defaults
         config.enabled[name] = _resolve_enabled(name, default, given.get(f"collector.{name}"), environ)
-        config.collector_options[name] = {o.name: values[f"collector.{name}.{o.name}"] for o in cls.options}
+        config.collector_options[name] = {o.name: values[o.flag_name(name)] for o in cls.options}
     return config

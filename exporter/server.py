@@ -8,6 +8,7 @@ else — the landing page, /healthz, OpenAPI — is plain FastAPI.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import html
 import logging
@@ -20,11 +21,13 @@ from urllib.parse import parse_qs
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, PlainTextResponse
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import __version__
 from .collect import Scraper
 from .config import Config
 from .exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE, render, wants_openmetrics
+from .webconfig import guard
 
 log = logging.getLogger("gpuio.server")
 
@@ -35,12 +38,21 @@ Send = Callable[[Message], Awaitable[None]]
 
 GZIP_LEVEL = 1  # /metrics text compresses ~10x even at level 1; higher levels cost CPU on every scrape
 
+# Bounds on what one client can make the server hold (docs/reliability.md).  Prometheus sends a request
+# head of ~300 bytes (~400 with basic auth) right after connecting.
+MAX_REQUEST_HEAD = 64 * 1024  # request line + headers; Go's net/http allows 1 MiB, h11 16 KiB
+REQUEST_HEAD_TIMEOUT = 10.0  # seconds from a connection's (or a request's) first byte to its last header
+KEEP_ALIVE_TIMEOUT = 75  # idle keep-alive; above the longest common scrape interval (60 s), so reused
+MAX_CONNECTIONS = 512  # uvicorn's limit_concurrency: a request on a connection beyond it gets 503
+
 
 class MetricsEndpoint:
     """The telemetry path: GET or HEAD, optional ``collect[]`` filter, content negotiation, gzip."""
 
-    def __init__(self, scraper: Scraper) -> None:
+    def __init__(self, scraper: Scraper, max_requests: int = 0) -> None:
         self.scraper = scraper
+        self.max_requests = max_requests  # node_exporter's --web.max-requests; 0: no limit
+        self.in_flight = 0
 
     async def __call__(self, scope: Scope, send: Send) -> None:
         if scope["method"] not in ("GET", "HEAD"):
@@ -50,9 +62,17 @@ class MetricsEndpoint:
         if problem:
             await _plain(send, 400, problem.encode())
             return
+        if self.max_requests and self.in_flight >= self.max_requests:
+            await _plain(send, 503, b"too many scrapes in flight (--web.max-requests)\n")
+            return
         accept, encoding = _request_headers(scope)
         openmetrics = wants_openmetrics(accept)
-        body = render(await self.scraper.scrape(names), openmetrics).encode()
+        self.in_flight += 1  # one event loop: no lock needed
+        try:
+            families = await self.scraper.scrape(names)
+        finally:
+            self.in_flight -= 1
+        body = render(families, openmetrics).encode()
         headers = [(b"content-type", (OPENMETRICS_CONTENT_TYPE if openmetrics else TEXT_CONTENT_TYPE).encode())]
         if "gzip" in encoding:
             body = gzip.compress(body, GZIP_LEVEL)
@@ -133,7 +153,7 @@ def build_app(config: Config, scraper: Scraper) -> Callable[[Scope, Receive, Sen
     def healthz() -> str:
         return "ok\n"
 
-    metrics = MetricsEndpoint(scraper)
+    metrics = MetricsEndpoint(scraper, config.max_requests)
     telemetry_path = config.telemetry_path
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -142,7 +162,79 @@ def build_app(config: Config, scraper: Scraper) -> Callable[[Scope, Receive, Sen
         else:
             await api(scope, receive, send)
 
+    # Basic auth and headers wrap everything, the fast path too; without a web config nothing is added.
+    web = config.web_config
+    if web is not None and (web.users or web.headers):
+        return guard(app, web)
     return app
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the two bounds it lacks on a request head.
+
+    httptools buffers a request line and headers of any size (a 100 MB header value is accepted),
+    and uvicorn times out only idle keep-alive connections, never one that connects and then sends
+    nothing or trickles its headers (slowloris).  uvicorn's h11_max_incomplete_event_size bounds only
+    its h11 protocol, which costs more per request.  Here: at most MAX_REQUEST_HEAD bytes and
+    REQUEST_HEAD_TIMEOUT seconds until the headers are complete, else 431 or 408 and the connection
+    is closed.  Bodies need no bound here: nothing reads one, and uvicorn stops reading a body that
+    the app has not consumed beyond 64 KiB.
+    """
+
+    _head_bytes = 0
+    _in_head = True  # between a request's end (or the connection's start) and the next headers' end
+    _head_since: float | None = None  # when the head now arriving began; None: no head in progress
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_since = self.loop.time()  # a connection that never sends a byte is a slow head too
+        self._head_timer = self.loop.call_later(REQUEST_HEAD_TIMEOUT, self._check_head)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_REQUEST_HEAD:
+                self._refuse(b"431 Request Header Fields Too Large")
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_since = self.loop.time()
+        # One timer per connection, re-armed lazily: not a call_later and a cancel for every request.
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(REQUEST_HEAD_TIMEOUT, self._check_head)
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes, self._head_since = False, 0, None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head = True
+        super().on_message_complete()
+
+    def _check_head(self) -> None:
+        self._head_timer = None
+        if self._head_since is None:
+            return  # idle between requests (uvicorn's keep-alive timeout's business) or being answered
+        remaining = self._head_since + REQUEST_HEAD_TIMEOUT - self.loop.time()
+        if remaining > 0:
+            self._head_timer = self.loop.call_later(remaining, self._check_head)
+        else:
+            self._refuse(b"408 Request Timeout")
+
+    def _refuse(self, status: bytes) -> None:
+        self._in_head, self._head_since = False, None
+        if not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 " + status + b"\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+            self.transport.close()
 
 
 def build_labels() -> dict[str, str]:

@@ -2,18 +2,31 @@
 
     python -m deploy.prometheus.generate          # rewrite the rule files
     python -m deploy.prometheus.generate --check  # exit 1 if a checked-in file is stale
+
+A variant with other knobs, written elsewhere (never into rules/): the end-to-end test of the
+storm page uses it to shrink DiskIOStorm's 5 m ``for`` and 1 h baseline to seconds.
+
+    python -m deploy.prometheus.generate --set STORM_FOR=10s --set BASELINE_WINDOW=2m --out /tmp/rules
+
+``--set NAME=VALUE`` replaces one knob of config.py for this run: a number for a number, a
+Prometheus duration for a duration, any text for other text.  Without ``--set`` the output is
+exactly what is checked in.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
+import re
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
 
-from . import rules
+from . import config, rules
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RULES_DIR = os.path.join(HERE, "rules")
@@ -36,13 +49,57 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def dump(content: dict[str, Any]) -> str:
-    return HEADER + yaml.dump(content, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
+def dump(content: dict[str, Any], header: str = HEADER) -> str:
+    return header + yaml.dump(content, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 
-def rendered() -> dict[str, str]:
-    """Path of each rule file -> its generated text."""
-    return {os.path.join(RULES_DIR, f"{name}.yml"): dump(content) for name, content in rules.rule_files().items()}
+# A Prometheus duration: 90s, 1h30m, 500ms.
+DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+Overrides = dict[str, Any]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` -> (NAME, VALUE typed like the knob it replaces); ValueError says what is accepted."""
+    name, sep, value = text.partition("=")
+    current = getattr(config, name, None) if name.isupper() else None
+    if not sep or current is None:
+        raise ValueError(f"--set {text!r}: expected NAME=VALUE with NAME a knob of deploy/prometheus/config.py")
+    if isinstance(current, bool) or not isinstance(current, (int, float, str)):
+        raise ValueError(f"--set {name}: only numbers, durations and text can be replaced, "
+                         f"not {type(current).__name__}")
+    if isinstance(current, (int, float)):
+        try:
+            return name, type(current)(value)
+        except ValueError:
+            raise ValueError(f"--set {name}={value!r}: expected a {type(current).__name__}") from None
+    if DURATION.match(current) and not DURATION.match(value):
+        raise ValueError(f"--set {name}={value!r}: expected a Prometheus duration such as 30s, 2m or 1h")
+    return name, value
+
+
+@contextlib.contextmanager
+def overridden(overrides: Overrides) -> Iterator[None]:
+    """config.py with ``overrides`` in place, and rules.py rebuilt from it; both restored afterwards."""
+    saved = {name: getattr(config, name) for name in overrides}
+    try:
+        for name, value in overrides.items():
+            setattr(config, name, value)
+        importlib.reload(rules)  # rules.py derives names (`:rate1m`) from config.py when it is imported
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+        importlib.reload(rules)
+
+
+def rendered(overrides: Overrides | None = None, directory: str = RULES_DIR) -> dict[str, str]:
+    """Path of each rule file -> its generated text (with ``overrides``: a variant, its header says so)."""
+    if not overrides:
+        return {os.path.join(directory, f"{name}.yml"): dump(content) for name, content in rules.rule_files().items()}
+    header = HEADER + "# VARIANT, not for production: " + " ".join(f"{k}={v}" for k, v in overrides.items()) + "\n"
+    with overridden(overrides):
+        return {os.path.join(directory, f"{name}.yml"): dump(content, header)
+                for name, content in rules.rule_files().items()}
 
 
 def stale() -> list[str]:
@@ -64,14 +121,24 @@ def stale() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.prometheus.generate", description=__doc__)
     parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="replace a knob of config.py (a variant: needs --out)")
+    parser.add_argument("--out", metavar="DIR", help="write the files into DIR instead of rules/")
     args = parser.parse_args(argv)
+    try:
+        overrides = dict(parse_override(text) for text in args.set)
+    except ValueError as error:
+        parser.error(str(error))
+    out = os.path.abspath(args.out) if args.out else RULES_DIR
+    if overrides and (args.check or out == RULES_DIR):
+        parser.error("--set writes a variant: give --out DIR (never rules/), and no --check")
     if args.check:
         bad = stale()
         for path in bad:
             print(f"stale: {os.path.relpath(path)} (run make rules)", file=sys.stderr)
         return 1 if bad else 0
-    os.makedirs(RULES_DIR, exist_ok=True)
-    for path, text in rendered().items():
+    os.makedirs(out, exist_ok=True)
+    for path, text in rendered(overrides, out).items():
         with open(path, "w") as handle:
             handle.write(text)
         print(f"wrote {os.path.relpath(path)}")

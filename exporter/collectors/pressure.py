@@ -53,7 +53,8 @@ def parse_total(line: str) -> tuple[str, int]:
     for item in rest.split():
         key, _, value = item.partition("=")
         if key == "total":
-            if not value.isdigit():
+            # isdigit() alone accepts '²' and other Unicode digits that int() refuses.
+            if not (value.isascii() and value.isdigit()):
                 raise BadLine("total is not a non-negative integer")
             return kind, int(value)
     raise BadLine("no total=")
@@ -76,6 +77,7 @@ class PressureCollector(Collector):
             text = self._read(resource)
             if text is None:
                 continue
+            seen: set[str] = set()  # a second "some" line (no kernel writes one) must not repeat a family
             for line in text.splitlines():
                 if not line.strip():
                     continue
@@ -86,6 +88,10 @@ class PressureCollector(Collector):
                                             reason=str(exc))
                     continue
                 desc = DESCS.get((resource, kind))
+                if kind in seen:
+                    self._bad_lines.warning("skipping repeated pressure line", line.strip(), resource=resource)
+                    continue
+                seen.add(kind)
                 if desc is not None:
                     families.append(Family(desc, [desc.sample("", total / 1000.0 / 1000.0)]))
         return families

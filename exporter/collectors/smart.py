@@ -680,7 +680,8 @@ class SmartCollector(Collector):
     name = "smart"
     options = (
         Option("smartctl-path", None, parse_executable, "a path to an executable file, or a command name",
-               "smartctl to run (default: smartctl on PATH; none there means no SMART data)."),
+               "smartctl to run (default: smartctl on PATH; none there means no SMART data).",
+               flag="smartctl.path"),  # smartctl_exporter's name for it
         Option("interval", "5m", parse_seconds, "a duration above zero such as 30s, 5m",
                "How often every disk is polled; scrapes serve the last poll."),
         Option("timeout", "30s", parse_seconds, "a duration above zero such as 10s, 1m",

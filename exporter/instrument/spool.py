@@ -145,6 +145,10 @@ def _layout() -> Layout:
 
 
 ENGINE_LAYOUT = _layout()
+# The histogram bucket slots of an ENGINE record: whole counts (OpenMetrics refuses anything else).
+BUCKET_SLOTS = tuple(index for first, sum_index, _ in ENGINE_LAYOUT.histograms.values()
+                     for index in range(first, sum_index))
+MAX_VALUE = 2.0**53
 
 
 def _pad8(length: int) -> int:
@@ -388,11 +392,16 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
             text[n_path + n_uuid :].decode("utf-8", "replace"), (major, minor), ino, size, mtime_ns, load_time)
         return
     values = typing.cast("list[float]", payload.cast("d").tolist())  # typeshed says list[int]
-    if not math.isfinite(sum(values)):  # NaN or infinity: the library never writes one
-        raise ValueError("non-finite value in a record")
+    # What the library never writes, and what would break the exposition or the merged totals: NaN or
+    # infinity, a negative value (a counter that went down reads as a reset), one past 2**53 (where
+    # doubles stop counting by ones; a sum of such values over many files could overflow).
+    if values and (not math.isfinite(sum(values)) or min(values) < 0 or max(values) > MAX_VALUE):
+        raise ValueError("value out of range in a record")
     if kind == KIND_ENGINE:
         if len(values) < ENGINE_LAYOUT.size or not key:
             raise ValueError("short ENGINE record")
+        if not all(map(float.is_integer, (values[index] for index in BUCKET_SLOTS))):
+            raise ValueError("a histogram bucket that is not a whole count")
         parsed.engines[key] = values[: ENGINE_LAYOUT.size]
         return
     engine, _, label = key.partition("\0")

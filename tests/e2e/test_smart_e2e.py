@@ -55,7 +55,7 @@ def polled(samples: dict) -> bool:
 def test_disks_found_by_the_scan_are_served_over_http(exporter, smart_env, tmp_path) -> None:
     sysfs = make_sysfs(str(tmp_path / "sys"), nvme={"nvme0": ["nvme0n1"], "nvme1": ["nvme1n1"]})
     fake = FakeSmartctl(str(tmp_path / "fake"), [HOST])
-    server = exporter(*ONLY_SMART, f"--path.sysfs={sysfs}", f"--collector.smart.smartctl-path={fake.path}",
+    server = exporter(*ONLY_SMART, f"--path.sysfs={sysfs}", f"--smartctl.path={fake.path}",
                       env=smart_env)
     samples = wait_for(server, polled)
     assert value(samples, "gpuio_scrape_collector_success", collector="smart") == 1
@@ -76,7 +76,7 @@ def test_disks_found_by_the_scan_are_served_over_http(exporter, smart_env, tmp_p
 def test_a_hung_smartctl_never_holds_up_a_scrape_and_dies_with_the_exporter(exporter, smart_env, tmp_path) -> None:
     sysfs = make_sysfs(str(tmp_path / "sys"), nvme={"nvme0": ["nvme0n1"], "nvme1": ["nvme1n1"]})
     fake = FakeSmartctl(str(tmp_path / "fake"), [HOST], [("nvme0$", "hang")], hang_seconds=120)
-    server = exporter(*ONLY_SMART, f"--path.sysfs={sysfs}", f"--collector.smart.smartctl-path={fake.path}",
+    server = exporter(*ONLY_SMART, f"--path.sysfs={sysfs}", f"--smartctl.path={fake.path}",
                       "--collector.smart.timeout=60s", "--collector.timeout=2s", env=smart_env)
     while not fake.running("/dev/nvme0"):
         time.sleep(0.02)  # the first sweep is now waiting on the hung smartctl of nvme0
@@ -91,7 +91,7 @@ def test_a_hung_smartctl_never_holds_up_a_scrape_and_dies_with_the_exporter(expo
 def test_the_real_smartctl_scan_of_this_machine(exporter, smart_env) -> None:
     if SMARTCTL is None:
         pytest.skip("smartctl is not installed (Debian package smartmontools)")
-    server = exporter(*ONLY_SMART, f"--collector.smart.smartctl-path={SMARTCTL}", env=smart_env)
+    server = exporter(*ONLY_SMART, f"--smartctl.path={SMARTCTL}", env=smart_env)
     samples = wait_for(server, lambda s: value(s, "gpuio_smart_permission_denied") is not None)
     assert value(samples, "gpuio_scrape_collector_success", collector="smart") == 1
     assert value(samples, "gpuio_smart_permission_denied") is not None  # a sweep ran to its end
@@ -115,7 +115,7 @@ def test_the_real_smartctl_without_permission_is_said_once(smart_env) -> None:
     port = free_port()
     command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
                "--bounding-set=-all", "--no-new-privs", sys.executable, "-m", "exporter",
-               f"--web.listen-address=127.0.0.1:{port}", *ONLY_SMART, f"--collector.smart.smartctl-path={SMARTCTL}",
+               f"--web.listen-address=127.0.0.1:{port}", *ONLY_SMART, f"--smartctl.path={SMARTCTL}",
                f"--collector.smart.devices={disk};sat", "--collector.smart.interval=1s"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=smart_env)

@@ -20,7 +20,7 @@ import pytest
 
 from exporter import top
 from tests.conftest import REPO, root
-from tests.unit.test_top import SYS, LiveProcfs, check_scenario, two_samples
+from tests.unit.test_top import PATH_COLLECTORS, SYS, LiveProcfs, check_scenario, two_samples
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -79,7 +79,9 @@ def test_once_and_json_on_fixture_roots(tree: str, process: bool, monkeypatch) -
 def test_url_reads_a_running_exporter_with_the_same_figures(exporter, tmp_path) -> None:
     """The exporter serves a procfs copy that moves on between top's two scrapes of it over HTTP."""
     live = LiveProcfs(str(tmp_path))
-    server = exporter(f"--path.procfs={live.path}", f"--path.sysfs={SYS}")
+    # Only the fixture's collectors: a background source (smart's first sweep where smartctl is installed)
+    # delivering between the two scrapes would make top take a third sample, which two_samples cannot feed.
+    server = exporter(f"--path.procfs={live.path}", f"--path.sysfs={SYS}", *PATH_COLLECTORS)
     clock, sleep = two_samples(live)
     out = io.StringIO()
     assert top.main(["--json", "--url", server.base], clock=clock, sleep=sleep, out=out) == 0

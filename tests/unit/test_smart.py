@@ -331,8 +331,8 @@ def test_a_device_without_a_type_is_typed_by_smartctl(tmp_path) -> None:
     ("--collector.smart.powermode-check=sometimes",
      "invalid value 'sometimes' for --collector.smart.powermode-check: unknown choice; accepted: never, sleep, "
      "standby, idle"),
-    ("--collector.smart.smartctl-path=/no/such/smartctl",
-     "invalid value '/no/such/smartctl' for --collector.smart.smartctl-path: no executable file there"),
+    ("--smartctl.path=/no/such/smartctl",
+     "invalid value '/no/such/smartctl' for --smartctl.path: no executable file there"),
     ("--collector.smart.concurrency=0", "--collector.smart.concurrency: not a whole number of at least 1"),
     ("--collector.smart.timeout=soon", "--collector.smart.timeout: not a duration"),
     ("--collector.smart.devices=;sat", "--collector.smart.devices: entry ';sat' has no device path"),

@@ -1,0 +1,144 @@
+"""deploy/systemd: the unit, its SMART drop-in and the spool's tmpfiles.d entry.
+
+* parsed as systemd parses them (sections, repeated keys, empty assignments that reset a list);
+  the hardening settings are present and nothing hides what the exporter reads or uses;
+* ``systemd-analyze verify`` (systemd is installed here, but does not run as PID 1: verify and
+  ``security --offline`` need neither) finds no unknown key or bad value in the unit, alone and
+  with the drop-in; ExecStart is pointed at this checkout's gpuio-exporter because verify checks
+  that the program exists;
+* ``systemd-analyze security --offline=yes`` rates the unit's exposure; it must stay "OK" (<= 3.0,
+  printed);
+* ``systemd-tmpfiles --create --root=DIR`` makes the spool directory with mode 1777.
+
+Not done here: starting the unit (no systemd as PID 1 in this container), so the seccomp filter and
+namespacing have not been seen with the exporter running under them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+HERE = os.path.join(REPO, "deploy", "systemd")
+UNIT = os.path.join(HERE, "gpuio-exporter.service")
+SMART = os.path.join(HERE, "smart.conf")
+TMPFILES = os.path.join(HERE, "gpuio-spool.conf")
+ANALYZE = shutil.which("systemd-analyze")
+TMPFILES_BIN = shutil.which("systemd-tmpfiles")
+EXPOSURE_MAX = 3.0
+
+
+def parse(path: str) -> dict[str, dict[str, list[str]]]:
+    """systemd's unit syntax: [Section], Key=Value (repeatable), # and ; comments, backslash continuation."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    with open(path) as handle:
+        text = re.sub(r"\\\n", " ", handle.read())
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        assert current is not None and "=" in line, line
+        key, value = (part.strip() for part in line.split("=", 1))
+        values = current.setdefault(key, [])
+        if value == "":
+            values.clear()  # an empty assignment resets the list
+        else:
+            values.append(value)
+    return sections
+
+
+def service(path: str = UNIT) -> dict[str, list[str]]:
+    return parse(path)["Service"]
+
+
+def test_unit_hardening() -> None:
+    s = service()
+    expected = {
+        "DynamicUser": "yes", "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
+        "PrivateTmp": "yes", "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes",
+        "ProtectControlGroups": "yes", "RestrictSUIDSGID": "yes", "RestrictNamespaces": "yes",
+        "LockPersonality": "yes", "SystemCallArchitectures": "native",
+    }
+    assert {key: s[key][-1] for key in expected} == expected
+    assert "CapabilityBoundingSet" in s and s["CapabilityBoundingSet"] == [], "an empty bounding set: no capabilities"
+    assert s["AmbientCapabilities"] == []
+    assert s["ReadOnlyPaths"] == ["/"] and s["ReadWritePaths"] == ["-/run/gpuio/spool"]
+    assert s["ExecStart"] == ["/opt/gpuio/bin/gpuio-exporter"] and s["Type"] == ["exec"]
+    assert parse(UNIT)["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_unit_leaves_open_what_the_exporter_needs() -> None:
+    s = service()
+    # NVML opens /dev/nvidia*: these would install a device allow-list without them
+    assert "PrivateDevices" not in s and "ProtectClock" not in s and "DevicePolicy" not in s
+    # diskstats and pressure live outside /proc/<pid>
+    assert "ProcSubset" not in s
+    assert set(s["RestrictAddressFamilies"][0].split()) >= {"AF_INET", "AF_INET6", "AF_UNIX"}
+
+
+def test_smart_drop_in_grants_root_with_exactly_the_two_capabilities() -> None:
+    s = service(SMART)
+    assert s["User"] == ["root"] and s["DynamicUser"] == ["no"]
+    assert set(s["CapabilityBoundingSet"][0].split()) == {"CAP_SYS_RAWIO", "CAP_SYS_ADMIN"}
+    # everything else of the unit's hardening stays
+    assert not {"NoNewPrivileges", "ProtectSystem", "ReadOnlyPaths", "SystemCallFilter"} & set(s)
+
+
+def runnable_copy(tmp_path, with_smart: bool) -> str:
+    """The unit with ExecStart pointing at this checkout's exporter (verify checks the program exists)."""
+    exporter = os.path.join(os.path.dirname(sys.executable), "gpuio-exporter")
+    if not os.access(exporter, os.X_OK):
+        pytest.skip(f"{exporter} is not installed (pip install -e .)")
+    with open(UNIT) as handle:
+        text = handle.read().replace("ExecStart=/opt/gpuio/bin/gpuio-exporter", f"ExecStart={exporter}")
+    path = tmp_path / "gpuio-exporter.service"
+    path.write_text(text)
+    if with_smart:
+        (tmp_path / "gpuio-exporter.service.d").mkdir()
+        shutil.copy(SMART, tmp_path / "gpuio-exporter.service.d" / "smart.conf")
+    return str(path)
+
+
+@pytest.mark.skipif(not ANALYZE, reason="systemd-analyze is not installed (Debian package systemd)")
+@pytest.mark.parametrize("with_smart", [False, True], ids=["unit", "unit+smart"])
+def test_systemd_analyze_verify_is_clean(tmp_path, with_smart: bool) -> None:
+    path = runnable_copy(tmp_path, with_smart)
+    result = subprocess.run([ANALYZE, "verify", path], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    # verify exits 0 on unknown keys and only warns: any line about our files is a finding
+    output = (result.stdout + result.stderr).splitlines()
+    findings = [line for line in output if "gpuio" in line or "smart.conf" in line]
+    assert result.returncode == 0 and findings == [], result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not ANALYZE, reason="systemd-analyze is not installed (Debian package systemd)")
+@pytest.mark.parametrize("with_smart", [False, True], ids=["unit", "unit+smart"])
+def test_systemd_analyze_security_exposure_is_ok(tmp_path, with_smart: bool) -> None:
+    path = runnable_copy(tmp_path, with_smart)
+    result = subprocess.run([ANALYZE, "security", "--offline=yes", "--no-pager", path], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
+    found = re.search(r"Overall exposure level for \S+: ([\d.]+) (\w+)", result.stdout + result.stderr)
+    assert found, result.stdout + result.stderr
+    print(f"\nsystemd-analyze security ({'unit+smart' if with_smart else 'unit'}): {found.group(1)} {found.group(2)}")
+    assert float(found.group(1)) <= EXPOSURE_MAX
+
+
+@pytest.mark.skipif(not TMPFILES_BIN, reason="systemd-tmpfiles is not installed (Debian package systemd)")
+def test_tmpfiles_creates_the_spool_sticky_and_world_writable(tmp_path) -> None:
+    result = subprocess.run([TMPFILES_BIN, "--create", f"--root={tmp_path}", TMPFILES], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    mode = os.stat(tmp_path / "run" / "gpuio" / "spool").st_mode
+    assert stat.S_IMODE(mode) == 0o1777
+    assert stat.S_IMODE(os.stat(tmp_path / "run" / "gpuio").st_mode) == 0o755
