@@ -32,7 +32,7 @@ lint: venv
 	$(VENV)/bin/ruff check exporter tests bench dashboards deploy
 	$(VENV)/bin/mypy exporter
 	# The Grafana SDK needs 3.11 (StrEnum); the dashboards are generated at build time, not on nodes.
-	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus deploy/kubernetes
+	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus deploy/kubernetes deploy/generated.py
 
 test: venv system-deps lint
 	$(PY) -m pytest -q -rs tests

@@ -9,23 +9,14 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import sys
+
+from deploy.generated import report_stale, stale_files, write
 
 from . import HERE, rendered
 
 
 def stale() -> list[str]:
-    files = rendered()
-    out = []
-    for path, text in files.items():
-        try:
-            with open(path) as handle:
-                if handle.read() == text:
-                    continue
-        except FileNotFoundError:
-            pass
-        out.append(path)
-    return sorted(out + sorted(set(glob.glob(os.path.join(HERE, "*.json"))) - set(files)))
+    return stale_files(rendered(), glob.glob(os.path.join(HERE, "*.json")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,15 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
     args = parser.parse_args(argv)
     if args.check:
-        bad = stale()
-        for path in bad:
-            print(f"stale: {os.path.relpath(path)} (run make dashboards)", file=sys.stderr)
-        return 1 if bad else 0
-    for path, text in rendered().items():
-        with open(path, "w") as handle:
-            handle.write(text)
-        print(f"wrote {os.path.relpath(path)}")
-    return 0
+        return report_stale(stale(), "make dashboards")
+    return write(rendered())
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the family headers differ (OpenMetrics names counters without ``_total`` and has
 
 from __future__ import annotations
 
+import gzip
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
@@ -105,25 +106,77 @@ def histogram_samples(desc: Desc, labels: str, bounds: tuple[float, ...], counts
 
 
 class Family:
-    """A described family with its finished sample lines (already newline-terminated)."""
+    """A described family with its finished sample lines (already newline-terminated).
 
-    __slots__ = ("desc", "samples")
+    ``frozen``: the collector hands out this very object, unchanged, scrape after scrape (the output
+    of a background sweep), so its compressed form can be reused (:class:`GzipRenderer`).
+    """
 
-    def __init__(self, desc: Desc, samples: list[str]) -> None:
+    __slots__ = ("desc", "samples", "frozen")
+
+    def __init__(self, desc: Desc, samples: list[str], frozen: bool = False) -> None:
         self.desc = desc
         self.samples = samples
+        self.frozen = frozen
 
 
-def render(families: Iterable[Family], openmetrics: bool = False) -> str:
+def render(families: Iterable[Family], openmetrics: bool = False, end: bool = True) -> str:
+    """The exposition of ``families``; ``end=False`` leaves out OpenMetrics' closing ``# EOF``."""
     parts: list[str] = []
     for family in families:
         if not family.samples:
             continue
         parts.append(family.desc.om_header if openmetrics else family.desc.text_header)
         parts.extend(family.samples)
-    if openmetrics:
+    if openmetrics and end:
         parts.append("# EOF\n")
     return "".join(parts)
+
+
+class GzipRenderer:
+    """gzip bodies in which runs of frozen families are compressed once, not on every scrape.
+
+    A gzip body may hold several members one after another (RFC 1952 2.2); every reader Prometheus
+    users have (Go's compress/gzip, Python's gzip, curl, browsers) reads them all as one stream.  So a
+    body is: a member for the families before a frozen run, the frozen run's cached member, a member
+    for the rest.  Why: the smart collector's ~1,400 lines for 24 disks are ~0.3 ms of gzip per scrape
+    that would otherwise be spent compressing the same bytes again (docs/smart.md).
+    """
+
+    MAX_CACHED = 8  # members of runs no longer served are dropped wholesale past this
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        # (format, ids of the run's families) -> (the families, kept alive so ids stay theirs; member)
+        self._members: dict[tuple[bool, tuple[int, ...]], tuple[list[Family], bytes]] = {}
+
+    def compress(self, families: Iterable[Family], openmetrics: bool = False) -> bytes:
+        members: list[bytes] = []
+        run: list[Family] = []
+        frozen = False
+        for family in families:
+            if run and family.frozen != frozen:
+                members.append(self._member(run, frozen, openmetrics))
+                run = []
+            frozen = family.frozen
+            run.append(family)
+        if frozen and run:  # the body must end with # EOF, which is never part of a cached member
+            members.append(self._member(run, True, openmetrics))
+            run = []
+        members.append(gzip.compress(render(run, openmetrics).encode(), self.level))
+        return b"".join(members)
+
+    def _member(self, run: list[Family], frozen: bool, openmetrics: bool) -> bytes:
+        if not frozen:
+            return gzip.compress(render(run, openmetrics, end=False).encode(), self.level)
+        key = (openmetrics, tuple(map(id, run)))
+        cached = self._members.get(key)
+        if cached is None:
+            if len(self._members) >= self.MAX_CACHED:
+                self._members.clear()
+            member = gzip.compress(render(run, openmetrics, end=False).encode(), self.level)
+            cached = self._members[key] = (run, member)
+        return cached[1]
 
 
 def wants_openmetrics(accept_header: str) -> bool:

@@ -9,7 +9,6 @@ else — the landing page, /healthz, OpenAPI — is plain FastAPI.
 from __future__ import annotations
 
 import asyncio
-import gzip
 import html
 import logging
 import platform
@@ -26,7 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from . import __version__
 from .collect import Scraper
 from .config import Config
-from .exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE, render, wants_openmetrics
+from .exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE, GzipRenderer, render, wants_openmetrics
 from .webconfig import guard
 
 log = logging.getLogger("gpuio.server")
@@ -53,6 +52,7 @@ class MetricsEndpoint:
         self.scraper = scraper
         self.max_requests = max_requests  # node_exporter's --web.max-requests; 0: no limit
         self.in_flight = 0
+        self.gzip = GzipRenderer(GZIP_LEVEL)
 
     async def __call__(self, scope: Scope, send: Send) -> None:
         if scope["method"] not in ("GET", "HEAD"):
@@ -72,11 +72,12 @@ class MetricsEndpoint:
             families = await self.scraper.scrape(names)
         finally:
             self.in_flight -= 1
-        body = render(families, openmetrics).encode()
         headers = [(b"content-type", (OPENMETRICS_CONTENT_TYPE if openmetrics else TEXT_CONTENT_TYPE).encode())]
         if "gzip" in encoding:
-            body = gzip.compress(body, GZIP_LEVEL)
+            body = self.gzip.compress(families, openmetrics)
             headers.append((b"content-encoding", b"gzip"))
+        else:
+            body = render(families, openmetrics).encode()
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})

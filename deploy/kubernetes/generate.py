@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import sys
 from typing import Any
 
 import yaml
 
+from deploy.generated import report_stale, stale_files, write
 from deploy.prometheus.generate import _Dumper
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,16 +83,7 @@ def rendered() -> dict[str, str]:
 
 
 def stale() -> list[str]:
-    out = []
-    for path, text in rendered().items():
-        try:
-            with open(path) as handle:
-                if handle.read() == text:
-                    continue
-        except FileNotFoundError:
-            pass
-        out.append(path)
-    return out
+    return stale_files(rendered())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,15 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
     args = parser.parse_args(argv)
     if args.check:
-        bad = stale()
-        for path in bad:
-            print(f"stale: {os.path.relpath(path)} (run python -m deploy.kubernetes.generate)", file=sys.stderr)
-        return 1 if bad else 0
-    for path, text in rendered().items():
-        with open(path, "w") as handle:
-            handle.write(text)
-        print(f"wrote {os.path.relpath(path)}")
-    return 0
+        return report_stale(stale(), "python -m deploy.kubernetes.generate")
+    return write(rendered())
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ import contextlib
 import importlib
 import os
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import yaml
+
+from deploy.generated import report_stale, stale_files, write
 
 from . import config, rules
 
@@ -104,18 +105,8 @@ def rendered(overrides: Overrides | None = None, directory: str = RULES_DIR) -> 
 
 def stale() -> list[str]:
     """Rule files whose checked-in text differs from the generated one, and stray .yml files."""
-    files = rendered()
-    out = []
-    for path, text in files.items():
-        try:
-            with open(path) as handle:
-                if handle.read() == text:
-                    continue
-        except FileNotFoundError:
-            pass
-        out.append(path)
-    present = {os.path.join(RULES_DIR, n) for n in os.listdir(RULES_DIR) if n.endswith(".yml")}
-    return sorted(out + sorted(present - set(files)))
+    present = [os.path.join(RULES_DIR, n) for n in os.listdir(RULES_DIR) if n.endswith(".yml")]
+    return stale_files(rendered(), present)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,16 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and (args.check or out == RULES_DIR):
         parser.error("--set writes a variant: give --out DIR (never rules/), and no --check")
     if args.check:
-        bad = stale()
-        for path in bad:
-            print(f"stale: {os.path.relpath(path)} (run make rules)", file=sys.stderr)
-        return 1 if bad else 0
+        return report_stale(stale(), "make rules")
     os.makedirs(out, exist_ok=True)
-    for path, text in rendered(overrides, out).items():
-        with open(path, "w") as handle:
-            handle.write(text)
-        print(f"wrote {os.path.relpath(path)}")
-    return 0
+    return write(rendered(overrides, out))
 
 
 if __name__ == "__main__":

@@ -9,11 +9,8 @@ API says is inhibited.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import shutil
-import subprocess
 import threading
 import time
 import urllib.request
@@ -22,13 +19,12 @@ from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import yaml
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
+from tests.peers import ALERTMANAGER, start_alertmanager, stop
 
 pytestmark = pytest.mark.e2e
 
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 CONFIG = os.path.join(REPO, "deploy", "alertmanager", "alertmanager.yml")
 
 ALERTS = {
@@ -73,39 +69,15 @@ def alertmanager(tmp_path) -> Iterator[str]:
     Webhook.received = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    with open(CONFIG) as handle:
-        original = yaml.safe_load(handle)
-    config = copy.deepcopy(original)
-    config["route"].update(group_wait="1s", group_interval="1s")
-    for receiver in config["receivers"]:
-        for hook in receiver.get("webhook_configs", []):
-            hook["url"] = f"http://127.0.0.1:{server.server_port}/{receiver['name']}"
-    assert config["route"]["routes"] == original["route"]["routes"]
-    assert config["inhibit_rules"] == original["inhibit_rules"]
-    path = tmp_path / "alertmanager.yml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    process = subprocess.Popen(
-        [ALERTMANAGER, f"--config.file={path}", f"--storage.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"alertmanager exited: {process.stdout.read() if process.stdout else ''}")
-            try:
-                urllib.request.urlopen(base + "/-/ready", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        process, base = start_alertmanager(tmp_path, server.server_port)
+    except BaseException:
+        server.shutdown()
+        raise
+    try:
         yield base
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        stop(process)
         server.shutdown()
 
 

@@ -59,6 +59,7 @@ import time
 import pytest
 
 from tests.conftest import parse_samples
+from tests.peers import stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root]
 
@@ -150,17 +151,6 @@ def _iostat_report(output: str, device: str) -> dict[str, float]:
     return {name: float(disks[device][name]) for name in TOLERANCES}
 
 
-def _stop(process: subprocess.Popen | None) -> None:
-    if process is None or process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def test_rates_agree_with_iostat_under_fio_load(exporter) -> None:
     _require_tools()
     workdir = tempfile.mkdtemp(prefix="gpuio-iostat-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
@@ -250,8 +240,8 @@ def test_rates_agree_with_iostat_under_fio_load(exporter) -> None:
         assert ours["r_await"] > 0 and ours["w_await"] > 0 and ours["util"] > 0, ours
         assert not failures, "gpuio disagrees with iostat -x:\n" + "\n".join(failures)
     finally:
-        _stop(iostat)
-        _stop(fio)
+        stop(iostat, timeout=10)
+        stop(fio, timeout=10)
         if fio_log is not None:
             fio_log.close()
         if loop:

@@ -34,11 +34,12 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from tests.conftest import REPO, ExporterProcess, free_port
+from tests.conftest import REPO, ExporterProcess
+from tests.peers import PROMETHEUS, start_prometheus
+from tests.peers import stop as stop_process
 
 pytestmark = pytest.mark.e2e
 
-PROMETHEUS = shutil.which("prometheus")
 RULE_FILES = sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")))
 DASHBOARDS = sorted(glob.glob(os.path.join(REPO, "dashboards", "*.json")))
 SCRAPES = 6  # samples per series before querying: a 4 s $__rate_interval then always holds 4 or more
@@ -90,21 +91,12 @@ def prometheus(tmp_path_factory) -> Iterator[tuple[Prometheus, str]]:
         pytest.skip("prometheus is not installed (Debian package prometheus; make system-deps)")
     tmp_path = tmp_path_factory.mktemp("prometheus")
     target = ExporterProcess().start()
-    with open(os.path.join(REPO, "deploy", "prometheus", "prometheus.yml")) as handle:
-        config = yaml.safe_load(handle)
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = RULE_FILES
-    config.pop("alerting", None)
-    (job,) = config["scrape_configs"]
-    job["static_configs"] = [{"targets": [f"127.0.0.1:{target.port}"]}]
-    config_path = tmp_path / "prometheus.yml"
-    config_path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config_path}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    api = Prometheus(f"http://127.0.0.1:{port}")
+    try:
+        process, base = start_prometheus(tmp_path, RULE_FILES, target.port)
+    except BaseException:
+        target.stop()
+        raise
+    api = Prometheus(base)
     load_dir = tempfile.mkdtemp(prefix=".e2e-disk-load-", dir=REPO)  # a real disk, unlike a tmpfs /tmp
     stop = threading.Event()
     loader = threading.Thread(target=disk_load, args=(load_dir, stop), daemon=True)
@@ -118,12 +110,7 @@ def prometheus(tmp_path_factory) -> Iterator[tuple[Prometheus, str]]:
         stop.set()
         loader.join(timeout=10)
         shutil.rmtree(load_dir, ignore_errors=True)
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         target.stop()
 
 

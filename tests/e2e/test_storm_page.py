@@ -40,7 +40,6 @@ over 1 m, ``for: 5m``) the same chain takes 5-6 minutes.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import re
@@ -59,14 +58,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.conftest import REPO, ExporterProcess, free_port
+from tests.conftest import REPO, ExporterProcess
+from tests.peers import ALERTMANAGER, PROMETHEUS, start_alertmanager, start_prometheus, stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root]
 
-PROMETHEUS = shutil.which("prometheus")
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
 # Production: RATE_WINDOW 1m, BASELINE_WINDOW 1h, STORM_FOR 5m at a 15 s scrape interval.
 VARIANT = {"RATE_WINDOW": "10s", "BASELINE_WINDOW": "2m", "STORM_FOR": "10s"}
@@ -188,31 +185,6 @@ def since(origin: float, moment: float | None) -> str:
     return f"{moment - origin:.1f} s" if moment is not None else "never"
 
 
-def stop(process: subprocess.Popen | None) -> None:
-    if process is None or process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def wait_ready(url: str, process: subprocess.Popen, name: str, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited: {process.stdout.read() if process.stdout else ''}")
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def ios(device: str) -> int:
     with open(f"/sys/block/{device}/stat") as handle:
         fields = handle.read().split()
@@ -244,50 +216,6 @@ def generate_variant_rules(directory: Path) -> list[str]:
     disk = (directory / "disk.yml").read_text()
     assert f"for: {VARIANT['STORM_FOR']}" in disk and FIGURES["await_baseline_s"] in disk, disk[:2000]
     return files
-
-
-def start_alertmanager(tmp: Path, webhook_port: int) -> tuple[subprocess.Popen, str]:
-    with open(os.path.join(REPO, "deploy", "alertmanager", "alertmanager.yml")) as handle:
-        original = yaml.safe_load(handle)
-    config = copy.deepcopy(original)
-    config["route"].update(group_wait="1s", group_interval="1s")
-    for receiver in config["receivers"]:
-        for hook in receiver.get("webhook_configs", []):
-            hook["url"] = f"http://127.0.0.1:{webhook_port}/{receiver['name']}"
-    assert config["route"]["routes"] == original["route"]["routes"]
-    assert config["inhibit_rules"] == original["inhibit_rules"]
-    path = tmp / "alertmanager.yml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    process = subprocess.Popen(
-        [ALERTMANAGER, f"--config.file={path}", f"--storage.path={tmp / 'am-data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    wait_ready(base + "/-/ready", process, "alertmanager")
-    return process, base
-
-
-def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alertmanager: str
-                     ) -> tuple[subprocess.Popen, str]:
-    with open(os.path.join(REPO, "deploy", "prometheus", "prometheus.yml")) as handle:
-        config = yaml.safe_load(handle)
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = rule_files
-    (target,) = config["alerting"]["alertmanagers"]
-    target["static_configs"] = [{"targets": [alertmanager.removeprefix("http://")]}]
-    (job,) = config["scrape_configs"]
-    job["static_configs"] = [{"targets": [f"127.0.0.1:{exporter_port}"]}]
-    path = tmp / "prometheus.yml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={path}", f"--storage.tsdb.path={tmp / 'prom-data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    wait_ready(base + "/-/ready", process, "prometheus")
-    return process, base
 
 
 @pytest.fixture(scope="module")

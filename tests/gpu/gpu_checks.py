@@ -25,6 +25,7 @@ Tolerances, stated once:
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import shutil
@@ -431,6 +432,36 @@ def check_xid_listener_waits() -> list[str]:
     return [f"Xid listener waiting; Xid counts seen: {xids or 'none'}"]
 
 
+NOBODY_READ = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from tests.gpu import gpu_checks
+instance = gpu_checks.collector()
+samples = gpu_checks.read(instance)
+instance.stop()
+print(json.dumps(sorted({{name for name, _ in samples if name.startswith("gpuio_gpu_")}})))
+"""
+
+
+def check_as_nobody() -> list[str]:
+    """Least privilege: the collector as nobody (uid/gid 65534, no groups, no capabilities, no_new_privs)
+    reads every GPU family it reads as the user running the checks (NVML opens /dev/nvidia*, 0666)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return ["not run: needs root and setpriv to switch to nobody"]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = NOBODY_READ.format(repo=repo)
+    mine = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                         check=True, cwd="/").stdout))
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+              "--bounding-set=-all", "--no-new-privs"]
+    result = subprocess.run([*nobody, sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                            env={**os.environ, "HOME": "/nonexistent"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    theirs = set(json.loads(result.stdout))
+    assert "gpuio_gpu_up" in theirs and theirs == mine, f"missing as nobody: {sorted(mine - theirs)}"
+    return [f"as nobody without capabilities: all {len(theirs)} gpuio_gpu_* families, as as root"]
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -444,4 +475,5 @@ CHECKS = (
     Check("busy_counter_and_processes", check_busy_counter_and_processes),
     Check("pcie_byte_counters", check_pcie_byte_counters),
     Check("xid_listener_waits", check_xid_listener_waits),
+    Check("as_nobody", check_as_nobody),
 )

@@ -1,12 +1,24 @@
 """The hand-rolled renderer must produce what Prometheus' own parsers accept, in both formats."""
 
+import gzip
 import math
+import zlib
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from exporter.exposition import COUNTER, GAUGE, INFO, Desc, Family, format_value, label_string, render
+from exporter.exposition import (
+    COUNTER,
+    GAUGE,
+    INFO,
+    Desc,
+    Family,
+    GzipRenderer,
+    format_value,
+    label_string,
+    render,
+)
 
 
 def families() -> list[Family]:
@@ -55,3 +67,47 @@ def test_desc_rejects_names_that_break_conventions() -> None:
         Desc("gpuio_reads", COUNTER, "x")
     with pytest.raises(ValueError, match="_info"):
         Desc("gpuio_identity", INFO, "x")
+
+
+def _families(frozen_sweep: list[Family]) -> list[Family]:
+    live = Desc("gpuio_live_total", COUNTER, "changes every scrape")
+    last = Desc("gpuio_last", GAUGE, "after the frozen run")
+    return [live.family([live.sample("", 1)]), *frozen_sweep, last.family([last.sample('{a="x"}', 2.5)])]
+
+
+def _members(body: bytes) -> int:
+    """How many gzip members a body holds (each one a complete gzip stream)."""
+    count = 0
+    while body:
+        decompressor = zlib.decompressobj(wbits=31)
+        decompressor.decompress(body)
+        body = decompressor.unused_data
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("openmetrics", [False, True])
+def test_gzip_renderer_bodies_decompress_to_the_plain_exposition(openmetrics: bool) -> None:
+    smart = Desc("gpuio_smart_value", GAUGE, "from a background sweep")
+    sweep = [Family(smart, [smart.sample(label_string({"device": f"sd{c}"}), 7) for c in "abc"], frozen=True)]
+    renderer = GzipRenderer(1)
+    first = renderer.compress(_families(sweep), openmetrics)
+    assert gzip.decompress(first).decode() == render(_families(sweep), openmetrics)
+    assert _members(first) == 3  # before the frozen run, the run, after it (with # EOF)
+    # The same sweep again: its member is the cached bytes, the rest compressed anew.
+    second = renderer.compress(_families(sweep), openmetrics)
+    assert second == first
+    # A new sweep (new objects, other values) is compressed again, not served from the cache.
+    new_sweep = [Family(smart, [smart.sample(label_string({"device": "sda"}), 8)], frozen=True)]
+    third = renderer.compress(_families(new_sweep), openmetrics)
+    assert gzip.decompress(third).decode() == render(_families(new_sweep), openmetrics)
+    if openmetrics:
+        list(parse_openmetrics(gzip.decompress(third).decode()))
+
+
+def test_gzip_renderer_ends_with_eof_after_a_trailing_frozen_run() -> None:
+    smart = Desc("gpuio_smart_value", GAUGE, "from a background sweep")
+    sweep = [Family(smart, [smart.sample("", 1)], frozen=True)]
+    body = GzipRenderer(1).compress(sweep, openmetrics=True)
+    assert gzip.decompress(body).decode() == render(sweep, openmetrics=True)
+    assert gzip.decompress(body).decode().endswith("# EOF\n")

@@ -1,0 +1,112 @@
+"""The whole exporter on a GPU machine, over HTTP, as nobody without capabilities.
+
+Starts ``python -m exporter`` under ``setpriv`` (uid/gid 65534, no groups, no capabilities,
+no_new_privs) with every default collector on this machine's real /proc, /sys and GPUs; checks that
+diskstats, pressure, nvml and engines succeed and that every GPU is up with its busy counter; times 300
+scrapes (p50/p99); prints ``gpuio top --once --url`` against it.  Without root it runs as the current
+user.  Exit 1 on a failed check.
+
+    PYTHONPATH=. python3 tests/gpu/exporter_http_check.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def main() -> int:
+    port = free_port()
+    spool = tempfile.mkdtemp(prefix="gpuio-spool-")
+    os.chmod(spool, 0o1777)
+    prefix = []
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                  "--bounding-set=-all", "--no-new-privs"]
+    command = [*prefix, sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+               f"--collector.engines.spool-dir={spool}"]
+    environment = {**os.environ, "HOME": "/nonexistent"}
+    process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/metrics"
+    failures = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                text = scrape(url)
+                if "gpuio_gpu_busy_seconds_total{" in text:
+                    break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                print(process.stdout.read() if process.stdout and process.poll() is not None else "")
+                print("FAIL exporter did not serve GPU series in 30 s")
+                return 1
+            time.sleep(0.2)
+        time.sleep(2)
+        samples = {}
+        for family in text_string_to_metric_families(scrape(url)):
+            for sample in family.samples:
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        success = {dict(labels)["collector"]: value for (name, labels), value in samples.items()
+                   if name == "gpuio_scrape_collector_success"}
+        up = [value for (name, _), value in samples.items() if name == "gpuio_gpu_up"]
+        gpu_series = sum(1 for name, _ in samples if name.startswith("gpuio_gpu_"))
+        print(f"running as {'nobody, no capabilities' if prefix else f'uid {os.geteuid()}'}; collectors: {success}")
+        print(f"GPUs up: {up}; gpuio_gpu_* series: {gpu_series}")
+        for name in ("diskstats", "pressure", "nvml", "engines"):
+            if success.get(name) != 1:
+                failures.append(f"collector {name} success {success.get(name)}")
+        if not up or not all(value == 1 for value in up):
+            failures.append("not every GPU is up")
+        latencies = []
+        for _ in range(300):
+            started = time.perf_counter()
+            scrape(url)
+            latencies.append((time.perf_counter() - started) * 1000)
+        latencies.sort()
+        print(f"300 scrapes over HTTP: p50 {statistics.median(latencies):.2f} ms, "
+              f"p99 {latencies[int(len(latencies) * 0.99) - 1]:.2f} ms, max {latencies[-1]:.2f} ms")
+        tools = "import sys; from exporter.cli import tools_main; tools_main(sys.argv[1:])"
+        top = subprocess.run([sys.executable, "-c", tools, "top", "--once", f"--url={url}"],
+                             capture_output=True, text=True, cwd=REPO, env={**os.environ, "COLUMNS": "100"})
+        print(top.stdout or top.stderr)
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=15)
+        shutil.rmtree(spool, ignore_errors=True)
+    errors = [line for line in output.splitlines() if "level=error" in line and "smart" not in line]
+    if errors:
+        failures.append(f"exporter logged errors: {errors[:3]}")
+    for failure in failures:
+        print("FAIL", failure)
+    print("PASS exporter over HTTP" if not failures else "")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

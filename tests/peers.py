@@ -1,0 +1,104 @@
+"""The real peers the end-to-end tests start: Prometheus and Alertmanager (Debian packages) with the
+project's own configuration, tightened to 1 s intervals, on loopback ports of their own."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import REPO, free_port
+
+PROMETHEUS = shutil.which("prometheus")
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+
+
+def stop(process: subprocess.Popen | None, timeout: float = 15) -> None:
+    """Terminate, and kill what does not exit in ``timeout`` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def wait_ready(url: str, process: subprocess.Popen, name: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited: {process.stdout.read() if process.stdout else ''}")
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def start_alertmanager(tmp: Path, webhook_port: int) -> tuple[subprocess.Popen, str]:
+    """deploy/alertmanager/alertmanager.yml with its routes and inhibitions untouched; every webhook
+    receiver posts to ``http://127.0.0.1:<webhook_port>/<receiver name>``; 1 s group wait/interval."""
+    with open(os.path.join(REPO, "deploy", "alertmanager", "alertmanager.yml")) as handle:
+        original = yaml.safe_load(handle)
+    config = copy.deepcopy(original)
+    config["route"].update(group_wait="1s", group_interval="1s")
+    for receiver in config["receivers"]:
+        for hook in receiver.get("webhook_configs", []):
+            hook["url"] = f"http://127.0.0.1:{webhook_port}/{receiver['name']}"
+    assert config["route"]["routes"] == original["route"]["routes"]
+    assert config["inhibit_rules"] == original["inhibit_rules"]
+    path = tmp / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    process = subprocess.Popen(
+        [str(ALERTMANAGER), f"--config.file={path}", f"--storage.path={tmp / 'am-data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base + "/-/ready", process, "alertmanager")
+    except BaseException:
+        stop(process)
+        raise
+    return process, base
+
+
+def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alertmanager: str | None = None
+                     ) -> tuple[subprocess.Popen, str]:
+    """deploy/prometheus/prometheus.yml scraping the exporter on ``exporter_port`` every second, with
+    ``rule_files``, alerting to ``alertmanager`` (a base URL) or to nothing."""
+    with open(os.path.join(REPO, "deploy", "prometheus", "prometheus.yml")) as handle:
+        config = yaml.safe_load(handle)
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["rule_files"] = rule_files
+    if alertmanager is None:
+        config.pop("alerting", None)
+    else:
+        (target,) = config["alerting"]["alertmanagers"]
+        target["static_configs"] = [{"targets": [alertmanager.removeprefix("http://")]}]
+    (job,) = config["scrape_configs"]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{exporter_port}"]}]
+    path = tmp / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    process = subprocess.Popen(
+        [str(PROMETHEUS), f"--config.file={path}", f"--storage.tsdb.path={tmp / 'prom-data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base + "/-/ready", process, "prometheus")
+    except BaseException:
+        stop(process)
+        raise
+    return process, base
