@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 
-from deploy.generated import report_stale, stale_files, write
+from deploy.generated import main as generator_main
+from deploy.generated import stale_files
 
 from . import HERE, rendered
 
@@ -20,12 +20,7 @@ def stale() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dashboards", description=__doc__)
-    parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
-    args = parser.parse_args(argv)
-    if args.check:
-        return report_stale(stale(), "make dashboards")
-    return write(rendered())
+    return generator_main(argv, "python -m dashboards", __doc__, rendered, stale, "make dashboards")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@ equal what the code generates; CI fails on drift."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 
 def stale_files(files: Mapping[str, str], present: Iterable[str] = ()) -> list[str]:
@@ -36,3 +37,12 @@ def write(files: Mapping[str, str]) -> int:
             handle.write(text)
         print(f"wrote {os.path.relpath(path)}")
     return 0
+
+
+def main(argv: list[str] | None, prog: str, description: str | None, rendered: Callable[[], Mapping[str, str]],
+         stale: Callable[[], list[str]], remedy: str) -> int:
+    """A generator's command line: write its files, or with ``--check`` report the stale ones."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
+    args = parser.parse_args(argv)
+    return report_stale(stale(), remedy) if args.check else write(rendered())

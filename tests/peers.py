@@ -19,6 +19,24 @@ PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
 
+def write_random(path: str, mib: int) -> None:
+    """Write every block for real (random data, fsync'ed): no holes for reads to short-circuit."""
+    chunk = os.urandom(1 << 20)
+    with open(path, "wb") as handle:
+        for _ in range(mib):
+            handle.write(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def direct_io_loop(backing: str, mib: int) -> str:
+    """A loop device (its /dev path) over ``backing``, written in full first, attached with direct IO so
+    every read of the device reaches the disk underneath, not the page cache."""
+    write_random(backing, mib)
+    return subprocess.run(["losetup", "--find", "--show", "--direct-io=on", backing], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
 def stop(process: subprocess.Popen | None, timeout: float = 15) -> None:
     """Terminate, and kill what does not exit in ``timeout`` seconds."""
     if process is None or process.poll() is not None:
@@ -59,18 +77,8 @@ def start_alertmanager(tmp: Path, webhook_port: int) -> tuple[subprocess.Popen, 
     assert config["inhibit_rules"] == original["inhibit_rules"]
     path = tmp / "alertmanager.yml"
     path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    process = subprocess.Popen(
-        [str(ALERTMANAGER), f"--config.file={path}", f"--storage.path={tmp / 'am-data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", "--log.level=warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base + "/-/ready", process, "alertmanager")
-    except BaseException:
-        stop(process)
-        raise
-    return process, base
+    return _serve("alertmanager", [str(ALERTMANAGER), f"--config.file={path}", f"--storage.path={tmp / 'am-data'}",
+                                   "--cluster.listen-address=", "--log.level=warn"])
 
 
 def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alertmanager: str | None = None
@@ -90,14 +98,18 @@ def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alert
     job["static_configs"] = [{"targets": [f"127.0.0.1:{exporter_port}"]}]
     path = tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
+    return _serve("prometheus", [str(PROMETHEUS), f"--config.file={path}", f"--storage.tsdb.path={tmp / 'prom-data'}",
+                                 "--log.level=warn"])
+
+
+def _serve(name: str, command: list[str]) -> tuple[subprocess.Popen, str]:
+    """Start a Prometheus-family server on a free loopback port; return it once /-/ready answers."""
     port = free_port()
-    process = subprocess.Popen(
-        [str(PROMETHEUS), f"--config.file={path}", f"--storage.tsdb.path={tmp / 'prom-data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen([*command, f"--web.listen-address=127.0.0.1:{port}"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base + "/-/ready", process, "prometheus")
+        wait_ready(base + "/-/ready", process, name)
     except BaseException:
         stop(process)
         raise

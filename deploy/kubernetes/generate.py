@@ -12,14 +12,14 @@ they are stale.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 from typing import Any
 
 import yaml
 
-from deploy.generated import report_stale, stale_files, write
+from deploy.generated import main as generator_main
+from deploy.generated import stale_files
 from deploy.prometheus.generate import _Dumper
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,12 +87,8 @@ def stale() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.kubernetes.generate", description=__doc__)
-    parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
-    args = parser.parse_args(argv)
-    if args.check:
-        return report_stale(stale(), "python -m deploy.kubernetes.generate")
-    return write(rendered())
+    command = "python -m deploy.kubernetes.generate"
+    return generator_main(argv, command, __doc__, rendered, stale, command)
 
 
 if __name__ == "__main__":

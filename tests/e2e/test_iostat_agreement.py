@@ -59,7 +59,7 @@ import time
 import pytest
 
 from tests.conftest import parse_samples
-from tests.peers import stop
+from tests.peers import direct_io_loop, stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root]
 
@@ -93,16 +93,6 @@ def _require_tools() -> None:
     missing = [tool for tool in ("losetup", "fio", "iostat") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (Debian packages util-linux, fio, sysstat)")
-
-
-def _fill(path: str, mib: int) -> None:
-    """Write every block for real (random data, fsync'ed): no holes for reads to short-circuit."""
-    chunk = os.urandom(1 << 20)
-    with open(path, "wb") as handle:
-        for _ in range(mib):
-            handle.write(chunk)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def _sysfs_ios(device: str) -> int:
@@ -160,9 +150,7 @@ def test_rates_agree_with_iostat_under_fio_load(exporter) -> None:
     iostat: subprocess.Popen | None = None
     fio_log = None
     try:
-        _fill(backing, BACKING_MIB)
-        loop = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", backing], check=True,
-                              capture_output=True, text=True).stdout.strip()
+        loop = direct_io_loop(backing, BACKING_MIB)
         device = os.path.basename(loop)
         with open(f"/sys/block/{device}/loop/dio") as handle:
             dio = handle.read().strip()

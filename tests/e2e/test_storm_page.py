@@ -60,7 +60,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, ExporterProcess
-from tests.peers import ALERTMANAGER, PROMETHEUS, start_alertmanager, start_prometheus, stop
+from tests.peers import ALERTMANAGER, PROMETHEUS, direct_io_loop, start_alertmanager, start_prometheus, stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root]
 
@@ -191,15 +191,6 @@ def ios(device: str) -> int:
     return int(fields[0]) + int(fields[4])
 
 
-def fill(path: str, mib: int) -> None:
-    chunk = os.urandom(1 << 20)
-    with open(path, "wb") as handle:
-        for _ in range(mib):
-            handle.write(chunk)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def set_queue(device: str, scheduler: str, requests: int) -> None:
     queue = f"/sys/block/{device}/queue"
     with open(f"{queue}/scheduler", "w") as handle:
@@ -251,9 +242,7 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
     exporter = None
     stack_ = None
     try:
-        fill(backing, BACKING_MIB)
-        loop = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", backing], check=True,
-                              capture_output=True, text=True).stdout.strip()
+        loop = direct_io_loop(backing, BACKING_MIB)
         device = os.path.basename(loop)
         queue = f"/sys/block/{device}/queue"
         with open(f"{queue}/scheduler") as handle:
