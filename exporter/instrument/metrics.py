@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -60,32 +60,50 @@ def _clean(text: str, limit: int) -> str:
 
 
 class _Slot:
-    """Where a handle writes: the spool's values and lock (rebound after a fork)."""
+    """Where a handle writes: the spool's values and lock (rebound after a fork).
 
-    __slots__ = ("_values", "_lock")
+    The hot paths call the lock's bound ``acquire``/``release`` kept here, not ``with lock:``: on the
+    development VM the with-statement costs ~530 ns a call against ~230 ns (docs/engines.md).
+    """
+
+    __slots__ = ("_values", "_lock", "_acquire", "_release")
 
     def __init__(self, file: fmt.SpoolFile) -> None:
         self._values = file.values
         self._lock = file.lock
+        self._acquire = file.lock.acquire
+        self._release = file.lock.release
 
 
 class Histogram(_Slot):
-    __slots__ = ("_first", "_sum", "_bounds")
+    __slots__ = ("_first", "_sum", "_bounds", "observe")
 
     def __init__(self, file: fmt.SpoolFile, first: int, bounds: tuple[float, ...]) -> None:
         super().__init__(file)
         self._first = first
         self._sum = first + len(bounds) + 1
         self._bounds = bounds
+        self.observe: Callable[[float], None] = self._observer()
 
-    def observe(self, value: float) -> None:
-        if value != value:  # NaN would poison the sum forever
-            return
-        index = bisect_left(self._bounds, value)  # le semantics: value <= bound
-        values = self._values
-        with self._lock:
-            values[self._first + index] += 1.0
-            values[self._sum] += value
+    def _observer(self) -> Callable[[float], None]:
+        """``observe`` as a closure over this handle's slots: the hot path reads no attribute
+        (each costs ~30 ns here, and observe() has a 1 µs budget)."""
+        values, first, total, bounds = self._values, self._first, self._sum, self._bounds
+        acquire, release = self._acquire, self._release
+
+        def observe(value: float) -> None:
+            """Record one observation: a bisect and two stores into the spool's mapping, no syscall."""
+            if value != value:  # NaN would poison the sum forever
+                return
+            index = first + bisect_left(bounds, value)  # le semantics: value <= bound
+            acquire()
+            try:
+                values[index] += 1.0
+                values[total] += value
+            finally:
+                release()
+
+        return observe
 
     def count(self) -> float:
         return sum(self._values[self._first : self._sum])
@@ -104,8 +122,11 @@ class Counter(_Slot):
     def inc(self, amount: float = 1.0) -> None:
         if not amount >= 0:  # also refuses NaN
             raise ValueError("counters only go up")
-        with self._lock:
+        self._acquire()
+        try:
             self._values[self._index] += amount
+        finally:
+            self._release()
 
     def value(self) -> float:
         return self._values[self._index]
@@ -119,12 +140,14 @@ class Gauge(_Slot):
         self._index = index
 
     def inc(self, amount: float = 1.0) -> None:
-        with self._lock:
+        self._acquire()
+        try:
             self._values[self._index] += amount
+        finally:
+            self._release()
 
     def dec(self, amount: float = 1.0) -> None:
-        with self._lock:
-            self._values[self._index] -= amount
+        self.inc(-amount)
 
     def set(self, value: float) -> None:
         self._values[self._index] = float(value)
