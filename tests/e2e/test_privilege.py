@@ -33,6 +33,17 @@ FIXTURE = (f"--path.procfs={PROC}", f"--path.sysfs={SYS}")
 NOBODY = 65534
 
 
+def _skip_unless_importable_as(uid: int) -> None:
+    """Skip (with the reason) where this checkout or its Python is closed to ``uid``: a directory on
+    the way that other users cannot enter, as a clone under a 0700 home would be."""
+    result = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable,
+                             "-c", "import exporter.cli, fastapi"], cwd=REPO, capture_output=True, text=True,
+                            env={"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent"})
+    if result.returncode != 0 and ("Permission denied" in result.stderr or "PermissionError" in result.stderr):
+        pytest.skip(f"uid {uid} cannot read this checkout or its Python: {result.stderr.strip()[-200:]}")
+    assert result.returncode == 0, result.stderr
+
+
 def _status(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status") as handle:
         return dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
@@ -56,6 +67,7 @@ def test_runs_as_nobody_without_capabilities_and_reads_disks_and_pressure(tmp_pa
         pytest.skip("needs root to switch to nobody and to attach a loop device")
     if shutil.which("setpriv") is None or shutil.which("losetup") is None:
         pytest.skip("needs setpriv and losetup (util-linux)")
+    _skip_unless_importable_as(NOBODY)
     port = free_port()
     command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
                "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs",
@@ -276,6 +288,8 @@ def test_engines_and_nvml_as_nobody_and_smart_only_with_its_two_capabilities(loo
     smartctl = shutil.which("smartctl")
     if smartctl is None:
         pytest.skip("needs smartctl (smartmontools, in make test's Debian packages)")
+    _skip_unless_importable_as(NOBODY)
+    _skip_unless_importable_as(WRITER_UID)
     work = Path(tempfile.mkdtemp(prefix="gpuio-privilege-"))
     os.chmod(work, 0o755)  # tmp_path's parents are 0700: neither nobody nor the writer could reach it
     spool, engine = work / "spool", work / "model.engine"
