@@ -9,7 +9,7 @@ from grafana_foundation_sdk.builders.dashboard import Dashboard
 
 from deploy.prometheus import config
 
-from . import disk_io, starvation
+from . import disk_health, disk_io, engines, gpu, starvation
 from .common import render
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -18,6 +18,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BOARDS: dict[str, Callable[[], Dashboard]] = {
     config.DISK_IO_UID: disk_io.build,
     config.STARVATION_UID: starvation.build,
+    config.GPU_UID: gpu.build,
+    config.ENGINES_UID: engines.build,
+    config.DISK_HEALTH_UID: disk_health.build,
 }
 
 

@@ -7,6 +7,7 @@ alerts and dashboards); recording-rule names from deploy/prometheus/rules.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
@@ -109,6 +110,28 @@ def device_variable() -> db.QueryVariable:
             .multi(True).include_all(True).all_value(".+"))
 
 
+def multi_variable(name: str, label: str, metric: str, all_value: str = ".*") -> db.QueryVariable:
+    """A multi-value variable over the values of label ``name`` on ``metric`` of the chosen node."""
+    return (db.QueryVariable(name).label(label).datasource(DATASOURCE)
+            .query(f"label_values({metric}{{{NODE}}}, {name})")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.NUMERICAL_ASC)
+            .multi(True).include_all(True).all_value(all_value))
+
+
+def histogram_quantile(q: float, histogram: str, selector: str, by: str = "engine") -> str:
+    """The q-quantile of a histogram family per ``by`` (and node), over $__rate_interval."""
+    return (f"histogram_quantile({q:g}, sum by ({c.NODE_LABEL}, {by}, le) "
+            f"({rate(histogram + '_bucket', selector)}))")
+
+
+def section(dashboard: db.Dashboard, title: str, panels: list) -> db.Dashboard:
+    """A row titled ``title`` followed by its panels."""
+    dashboard = dashboard.with_row(db.Row(title))
+    for panel in panels:
+        dashboard = dashboard.with_panel(panel)
+    return dashboard
+
+
 def hidden(variable: db.QueryVariable) -> db.QueryVariable:
     return variable.hide(VariableHide.HIDE_VARIABLE)
 
@@ -126,6 +149,28 @@ def alerts_annotation() -> db.AnnotationQuery:
     """Firing alerts of the node as annotations on every graph (Prometheus' ALERTS series)."""
     return (db.AnnotationQuery().name("Firing alerts").datasource(DATASOURCE).enable(True).icon_color("red")
             .expr(f'ALERTS{{alertstate="firing",{c.NODE_LABEL}=~"$instance"}}'))
+
+
+def engine_loads_annotation(selector: str) -> db.AnnotationQuery:
+    """A mark where an engine finished loading (its last-load timestamp changed)."""
+    return (db.AnnotationQuery().name("Engine loads").datasource(DATASOURCE).enable(True).icon_color("blue")
+            .expr(f"changes(gpuio_engine_last_load_timestamp_seconds{selector}[2m]) > 0"))
+
+
+def assemble(uid: str, description: str, sections: Iterable[tuple[str, list]],
+             variables: Iterable[db.QueryVariable] = (),
+             annotations: Iterable[db.AnnotationQuery] = ()) -> db.Dashboard:
+    """A gpuio board: datasource and node variables, then ``variables``; firing alerts, then
+    ``annotations``; then each (row title, panels) of ``sections``."""
+    dashboard = board(uid, description).with_variable(datasource_variable()).with_variable(node_variable())
+    for variable in variables:
+        dashboard = dashboard.with_variable(variable)
+    dashboard = dashboard.annotation(alerts_annotation())
+    for annotation in annotations:
+        dashboard = dashboard.annotation(annotation)
+    for title, panels in sections:
+        dashboard = section(dashboard, title, panels)
+    return dashboard
 
 
 def render(dashboard: db.Dashboard) -> str:

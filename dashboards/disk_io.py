@@ -14,14 +14,11 @@ from deploy.prometheus import config as c
 from deploy.prometheus import rules as r
 
 from .common import (
-    alerts_annotation,
-    board,
-    datasource_variable,
+    assemble,
     dev,
     device_variable,
     graph,
     guarded_ratio,
-    node_variable,
     query,
     rate,
     sel,
@@ -113,12 +110,7 @@ def device_table() -> list:
 
 
 def build() -> db.Dashboard:
-    dashboard = (board(c.DISK_IO_UID, "iostat -x per block device, the DiskIOStorm inputs and pressure (PSI).")
-                 .with_variable(datasource_variable()).with_variable(node_variable())
-                 .with_variable(device_variable()).annotation(alerts_annotation()))
-    for title, panels in (("iostat -x", iostat_panels()), ("DiskIOStorm inputs", storm_panels()),
-                          ("Pressure", pressure_panels()), ("Devices", device_table())):
-        dashboard = dashboard.with_row(db.Row(title))
-        for panel in panels:
-            dashboard = dashboard.with_panel(panel)
-    return dashboard
+    return assemble(c.DISK_IO_UID, "iostat -x per block device, the DiskIOStorm inputs and pressure (PSI).",
+                    (("iostat -x", iostat_panels()), ("DiskIOStorm inputs", storm_panels()),
+                     ("Pressure", pressure_panels()), ("Devices", device_table())),
+                    variables=[device_variable()])

@@ -8,20 +8,17 @@ to bottom at 3 a.m.: GPU idle? work waiting? a disk slow and queued with tasks s
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.models.dashboard import VariableRefresh, VariableSort
 
 from deploy.prometheus import config as c
 from deploy.prometheus import rules as r
 
 from .common import (
-    DATASOURCE,
-    NODE,
-    alerts_annotation,
-    board,
-    datasource_variable,
+    assemble,
+    engine_loads_annotation,
     graph,
     guarded_ratio,
-    node_variable,
+    histogram_quantile,
+    multi_variable,
     query,
     rate,
     sel,
@@ -30,13 +27,6 @@ from .common import (
 
 GPU = 'gpu=~"$gpu"'
 ENGINE = 'engine=~"$engine"'
-
-
-def multi_variable(name: str, label: str, metric: str) -> db.QueryVariable:
-    return (db.QueryVariable(name).label(label).datasource(DATASOURCE)
-            .query(f"label_values({metric}{{{NODE}}}, {name})")
-            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.NUMERICAL_ASC)
-            .multi(True).include_all(True).all_value(".*"))
 
 
 def gpu_panels() -> list:
@@ -75,8 +65,7 @@ def engine_panels() -> list:
     engines = sel(ENGINE)
 
     def quantile(q: float) -> str:
-        return (f"histogram_quantile({q:g}, sum by ({c.NODE_LABEL}, engine, le) "
-                f"({rate('gpuio_engine_inference_seconds_bucket', engines)}))")
+        return histogram_quantile(q, "gpuio_engine_inference_seconds", engines)
 
     return [
         graph("Inference latency (p50, p95, p99)", "End-to-end inference latency per engine, from the "
@@ -101,15 +90,6 @@ def engine_panels() -> list:
 
 
 def build() -> db.Dashboard:
-    engine_loads = (db.AnnotationQuery().name("Engine loads").datasource(DATASOURCE).enable(True)
-                    .icon_color("blue")
-                    .expr(f"changes(gpuio_engine_last_load_timestamp_seconds{sel(ENGINE)}[2m]) > 0"))
-    dashboard = (board(c.STARVATION_UID, "Is a GPU idle because a disk cannot keep up? GPU, disks, IO pressure "
-                       "and engines of one node on one time axis.")
-                 .with_variable(datasource_variable()).with_variable(node_variable())
-                 .with_variable(multi_variable("gpu", "GPU", "gpuio_gpu_info"))
-                 .with_variable(multi_variable("engine", "Engine", "gpuio_engine_info"))
-                 .annotation(alerts_annotation()).annotation(engine_loads))
     firing = value_table("Firing alerts", "Alerts firing for this node now (Prometheus' ALERTS series).",
                          f'ALERTS{{alertstate="firing",{c.NODE_LABEL}=~"$instance"}}', ["alertstate"], height=6)
     busy, up = gpu_panels()
@@ -117,8 +97,8 @@ def build() -> db.Dashboard:
     # GPU on the left, its disks on the right, one shared crosshair: is the GPU idle while a disk is slow?
     sections = (("Firing", [firing]), ("GPU vs. disks", [busy, await_, up, queue, saturated, pressure]),
                 ("Engines", engine_panels()))
-    for title, panels in sections:
-        dashboard = dashboard.with_row(db.Row(title))
-        for panel in panels:
-            dashboard = dashboard.with_panel(panel)
-    return dashboard
+    return assemble(c.STARVATION_UID, "Is a GPU idle because a disk cannot keep up? GPU, disks, IO pressure and "
+                    "engines of one node on one time axis.", sections,
+                    variables=[multi_variable("gpu", "GPU", "gpuio_gpu_info"),
+                               multi_variable("engine", "Engine", "gpuio_engine_info")],
+                    annotations=[engine_loads_annotation(sel(ENGINE))])

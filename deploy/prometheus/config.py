@@ -142,9 +142,15 @@ GRAFANA_URL = "http://localhost:3000"
 # Dashboards: uid -> title.  The uid is part of every dashboard_url, so it never changes.
 DISK_IO_UID = "gpuio-disk-io"
 STARVATION_UID = "gpuio-starvation"
+GPU_UID = "gpuio-gpu"
+ENGINES_UID = "gpuio-engines"
+DISK_HEALTH_UID = "gpuio-disk-health"
 DASHBOARD_TITLES = {
     DISK_IO_UID: "gpuio / Disk IO",
     STARVATION_UID: "gpuio / Starvation (on-call)",
+    GPU_UID: "gpuio / GPU",
+    ENGINES_UID: "gpuio / Engines",
+    DISK_HEALTH_UID: "gpuio / Disk health",
 }
 DASHBOARD_TAG = "gpuio"
 

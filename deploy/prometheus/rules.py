@@ -307,7 +307,8 @@ def smart_alerts() -> list[Rule]:
         f"max without (state) (gpuio_smart_device_state{failing} == 1)",
     ])
     links = {
-        "dashboard_url": c.dashboard_url(c.DISK_IO_UID, instance=f"{{{{ {node} }}}}", device="{{ $labels.device }}"),
+        "dashboard_url": c.dashboard_url(c.DISK_HEALTH_UID, instance=f"{{{{ {node} }}}}",
+                                         device="{{ $labels.device }}"),
     }
     return [
         {
@@ -371,6 +372,14 @@ def starvation_board(**variables: str) -> str:
     return c.dashboard_url(c.STARVATION_UID, instance=NODE, **variables)
 
 
+def gpu_board(**variables: str) -> str:
+    return c.dashboard_url(c.GPU_UID, instance=NODE, **variables)
+
+
+def engines_board(**variables: str) -> str:
+    return c.dashboard_url(c.ENGINES_UID, instance=NODE, **variables)
+
+
 def gpu_recording_rules() -> list[Rule]:
     return [record(GPU_BUSY, rate("gpuio_gpu_busy_seconds_total"))]
 
@@ -408,37 +417,37 @@ def gpu_alerts() -> list[Rule]:
     gen = figure("gpuio_gpu_pcie_link_generation", GPU_LABELS, "printf \"%.0f\"", "?")
     gen_max = figure("gpuio_gpu_pcie_link_generation_max", GPU_LABELS, "printf \"%.0f\"", "?")
     xid_count = figure("gpuio_gpu_xid_errors_total", (*GPU_LABELS, "xid"), "printf \"%.0f\"", "?")
-    gpu_board = starvation_board(gpu="{{ $labels.gpu }}")
+    this_gpu = gpu_board(gpu="{{ $labels.gpu }}")
     return [
         alert("GPULost", f"gpuio_gpu_up{sel} == 0", c.GPU_LOST_FOR, c.CRITICAL,
               f"{GPU_NAME} at {NODE} is lost.",
               f"{GPU_NAME} at {NODE} does not answer NVML: it is lost, needs a reset, or fell off the bus "
-              f"(Xid 79). Its work has stopped; anything scheduled on it fails or waits.", gpu_board),
+              f"(Xid 79). Its work has stopped; anything scheduled on it fails or waits.", this_gpu),
         alert("GPUThrottled", throttled, c.GPU_THROTTLE_FOR, c.WARNING,
               f"{GPU_NAME} at {NODE} is throttled: {{{{ $labels.reason }}}}.",
               f"Clocks of {GPU_NAME} at {NODE} are held down by {{{{ $labels.reason }}}} "
               f"(share of the last {c.GPU_THROTTLE_WINDOW}: {{{{ $value | humanizePercentage }}}}; 1 = active now "
               f"where the GPU has no counter). Work on it runs slower; this is heat or power delivery, "
-              f"not the disk.", gpu_board),
+              f"not the disk.", this_gpu),
         alert("GPUPCIeLinkDegraded", degraded, c.PCIE_DEGRADED_FOR, c.WARNING,
               f"PCIe link of {GPU_NAME} at {NODE} is degraded.",
               f"The PCIe link of {GPU_NAME} at {NODE} runs at x{width} of x{width_max}, Gen {gen} of "
               f"Gen {gen_max} (generation judged only while the GPU is busy: it downshifts when idle). "
-              f"Host-to-GPU copies (engine loads, inputs) are slower.", gpu_board),
+              f"Host-to-GPU copies (engine loads, inputs) are slower.", this_gpu),
         alert("GPUXidError", xid, None, c.WARNING,
               f"Xid {{{{ $labels.xid }}}} on {GPU_NAME} at {NODE}.",
               f"{GPU_NAME} at {NODE} reported Xid {{{{ $labels.xid }}}} {{{{ $value | humanizeDuration }}}} ago "
               f"({xid_count} since the exporter started). Xids {', '.join(c.XID_APPLICATION)} (application "
-              f"faults) do not alert.", gpu_board),
+              f"faults) do not alert.", this_gpu),
         alert("GPUECCUncorrectable", ecc, None, c.WARNING,
               f"{GPU_NAME} at {NODE}: {{{{ $labels.reason }}}}.",
               f"Memory of {GPU_NAME} at {NODE}: {{{{ $labels.reason }}}} (now {{{{ $value | printf \"%.4g\" }}}}). "
-              f"Work on it may have been killed or computed on bad memory; drain it and reset it.", gpu_board),
+              f"Work on it may have been killed or computed on bad memory; drain it and reset it.", this_gpu),
         alert("GpuioGPUDataStale", f"gpuio_gpu_snapshot_age_seconds{sel} > {c.GPU_STALE_AFTER_SECONDS}",
               c.GPU_STALE_FOR, c.WARNING,
               f"GPU data of gpuio at {NODE} is stale.",
               f"The NVML snapshot gpuio-exporter serves at {NODE} is {{{{ $value | humanizeDuration }}}} old: "
-              f"NVML calls are slow or hanging. GPU alerts for this node see old values.", starvation_board()),
+              f"NVML calls are slow or hanging. GPU alerts for this node see old values.", gpu_board()),
         node_gpu_starved(),
     ]
 
@@ -566,13 +575,13 @@ def engine_alerts() -> list[Rule]:
             f"{figure(ENGINE_LOAD_READ, engine_labels, 'humanizeDuration', '?')} of it, at "
             f"{figure(ENGINE_LOAD_THROUGHPUT, engine_labels, 'humanize1024', '?')}B/s. The rest is "
             f"deserialization. Until loads finish, the GPU behind them waits.",
-            starvation_board(engine="{{ $labels.engine }}")),
+            engines_board(engine="{{ $labels.engine }}")),
         alert(
             "GpuioEngineSpoolErrors", spool, None, c.WARNING,
             f"gpuio at {NODE} skips damaged engine spool files ({{{{ $labels.reason }}}}).",
             f"gpuio-exporter at {NODE} found {{{{ $value | printf \"%.0f\" }}}} more spool file(s) it could "
             f"not read in the last {w} (reason {{{{ $labels.reason }}}}): the engine metrics of those "
-            f"inference processes are missing or incomplete.", starvation_board()),
+            f"inference processes are missing or incomplete.", engines_board()),
     ]
 
 

@@ -1,10 +1,14 @@
 """Every rule and every dashboard query, run by a real Prometheus against a real gpuio-exporter.
 
-Setup: the exporter (conftest ``exporter`` fixture, this machine's /proc and /sys, default
-collectors) and Debian's ``prometheus`` started with deploy/prometheus/prometheus.yml, changed only
-where a test must: 1 s scrape and evaluation intervals, the exporter's port as the target, rule
-files by absolute path, no Alertmanager.  A thread writes (with fsync) and reads (O_DIRECT) a small
-file on the disk under the repository, so the disks have completions to compute awaits from.
+Setup: the exporter (this machine's /proc and /sys, default collectors plus smart) and Debian's
+``prometheus`` started with deploy/prometheus/prometheus.yml, changed only where a test must: 1 s
+scrape and evaluation intervals, the exporter's port as the target, rule files by absolute path, no
+Alertmanager.  A thread writes (with fsync) and reads (O_DIRECT) a small file on the disk under the
+repository, so the disks have completions to compute awaits from.  An inference process (the gpuio
+library, a generic loader standing in for TensorRT) loads an engine file from that disk every
+second and runs inferences through a pool, with per-layer times, into the exporter's spool; smart
+polls the replaying smartctl (tests/fixtures/smartctl: two NVMe disks and a SATA disk behind a
+MegaRAID controller).  No GPU here: the GPU panels are run, not expected to return data.
 
 Checked, through Prometheus' HTTP API once a few scrapes are in:
 
@@ -13,8 +17,9 @@ Checked, through Prometheus' HTTP API once a few scrapes are in:
 * every panel query, annotation and variable query of every dashboards/*.json runs without error
   (Grafana's variables replaced by what Grafana would send: ``$__rate_interval`` is 4 scrape
   intervals, ``$instance`` the exporter's node, ``$device`` etc. the "All" value);
-* every disk and pressure panel returns data: the PromQL is not only valid but names series that
-  exist (pressure only where the kernel has /proc/pressure).  "Saturated disks" may rightly be empty.
+* every panel whose gpuio families the exporter serves here returns data: the PromQL is not only
+  valid but names series that exist and joins them right (MAY_BE_EMPTY lists the panels that are
+  rightly empty on a healthy node).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -34,7 +41,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from tests.conftest import REPO, ExporterProcess
+from tests.conftest import REPO, ExporterProcess, parse_samples
+from tests.fixtures.smartctl.fake import LISTINGS, FakeSmartctl
 from tests.peers import PROMETHEUS, start_prometheus
 from tests.peers import stop as stop_process
 
@@ -44,9 +52,27 @@ RULE_FILES = sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules"
 DASHBOARDS = sorted(glob.glob(os.path.join(REPO, "dashboards", "*.json")))
 SCRAPES = 6  # samples per series before querying: a 4 s $__rate_interval then always holds 4 or more
 RATE_INTERVAL = "4s"
-MAY_BE_EMPTY = {"Saturated disks"}  # empty while no disk is saturated: the healthy case
-DISK_METRICS = ("gpuio_disk_", "instance_device:gpuio_disk_")
-PRESSURE_METRICS = ("gpuio_pressure_", "instance:gpuio_pressure_")
+# Rightly empty on a healthy node: no disk saturated, no NVMe critical warning bit set, no alert firing.
+MAY_BE_EMPTY = {"Saturated disks", "NVMe critical warnings", "Firing alerts"}
+GPUIO_NAME = re.compile(r"(?<![:\w])gpuio_[a-z_]+")
+RECORDED_NAME = re.compile(r"\b[a-z_]+:gpuio_[a-z0-9_]+:[a-z0-9_]+")
+SMART_HOST = os.path.join(LISTINGS, "linux_multiple_devices")  # nvme0, nvme1, bus/0 (sat+megaraid,60)
+INFERENCE = """
+import hashlib, sys, time
+sys.path.insert(0, sys.argv[1])
+from exporter import instrument
+instrument.configure(sys.argv[2])
+deserialize = lambda data: hashlib.sha256(data).hexdigest()
+metrics = instrument.load(sys.argv[3], deserialize).metrics
+pool = instrument.EnginePool(metrics, create=object, size=2, warmup=lambda context: time.sleep(0.005))
+layers = {"conv1": 0.002, "conv2": 0.001, "fc": 0.0005}
+while True:
+    deadline = time.monotonic() + 1
+    while time.monotonic() < deadline:
+        pool.run(lambda context: time.sleep(0.002), batch_size=4)
+        metrics.add_layer_times(layers)
+    instrument.load(sys.argv[3], deserialize)  # a reload every second: loads in every window
+"""
 
 
 class Prometheus:
@@ -90,28 +116,47 @@ def prometheus(tmp_path_factory) -> Iterator[tuple[Prometheus, str]]:
     if not PROMETHEUS:
         pytest.skip("prometheus is not installed (Debian package prometheus; make system-deps)")
     tmp_path = tmp_path_factory.mktemp("prometheus")
-    target = ExporterProcess().start()
-    try:
-        process, base = start_prometheus(tmp_path, RULE_FILES, target.port)
-    except BaseException:
-        target.stop()
-        raise
-    api = Prometheus(base)
     load_dir = tempfile.mkdtemp(prefix=".e2e-disk-load-", dir=REPO)  # a real disk, unlike a tmpfs /tmp
+    spool = os.path.join(load_dir, "spool")
+    os.mkdir(spool)
+    engine = os.path.join(load_dir, "resnet50.engine")
+    with open(engine, "wb") as handle:
+        handle.write(os.urandom(4 << 20))
+    fake = FakeSmartctl(str(tmp_path / "smartctl"), [SMART_HOST])
     stop = threading.Event()
     loader = threading.Thread(target=disk_load, args=(load_dir, stop), daemon=True)
     loader.start()
+    inference = subprocess.Popen([sys.executable, "-c", INFERENCE, REPO, spool, engine])
+    target = ExporterProcess([f"--collector.engines.spool-dir={spool}", f"--collector.engines.path={load_dir}/*.engine",
+                              "--collector.smart", f"--smartctl.path={fake.path}"])
+    process = None
     try:
+        target.start()
+        process, base = start_prometheus(tmp_path, RULE_FILES, target.port)
+        api = Prometheus(base)
         wait_for_scrapes(api, process)
         # the node as Prometheus names it (the example config relabels instance to the host)
         (sample,) = api.query('up{job="gpuio"}')["data"]["result"]
-        yield api, sample["metric"]["instance"]
+        yield api, sample["metric"]["instance"], served_names(target)
     finally:
         stop.set()
+        inference.kill()
+        inference.wait()
         loader.join(timeout=10)
-        shutil.rmtree(load_dir, ignore_errors=True)
-        stop_process(process)
+        if process:
+            stop_process(process)
         target.stop()
+        shutil.rmtree(load_dir, ignore_errors=True)
+
+
+def served_names(target: ExporterProcess) -> set[str]:
+    """Sample names the exporter serves once smart has polled and the inference process has reported."""
+    deadline = time.monotonic() + 20
+    while True:
+        names = {name for name, _ in parse_samples(target.scrape())}
+        if {"gpuio_smart_health_passed", "gpuio_engine_layer_seconds_total"} <= names or time.monotonic() > deadline:
+            return names
+        time.sleep(0.2)
 
 
 def wait_for_scrapes(api: Prometheus, process: subprocess.Popen) -> None:
@@ -138,6 +183,36 @@ def grafana_substitute(expr: str, instance: str) -> str:
     return expr
 
 
+def recorded_inputs() -> dict[str, set[str]]:
+    """Each recording rule -> the raw gpuio names it is computed from (through other recorded ones)."""
+    exprs: dict[str, list[str]] = {}
+    for rule in rules():
+        if "record" in rule:
+            exprs.setdefault(rule["record"], []).append(rule["expr"])
+
+    def inputs(name: str, seen: frozenset[str]) -> set[str]:
+        out: set[str] = set()
+        for expr in exprs.get(name, []):
+            out |= set(GPUIO_NAME.findall(expr))
+            for other in set(RECORDED_NAME.findall(expr)) - seen - {name}:
+                out |= inputs(other, seen | {name})
+        return out
+
+    return {name: inputs(name, frozenset()) for name in exprs}
+
+
+def expects_data(exprs: list[str], served: set[str]) -> bool:
+    """A panel must return data when it queries gpuio's series, raw or recorded, and every raw series
+    they come from is served here (no GPU in CI, no PSI on some kernels, no SCSI disk replayed)."""
+    text = " ".join(exprs)
+    needed = set(GPUIO_NAME.findall(text))
+    recorded = set(RECORDED_NAME.findall(text))
+    inputs = recorded_inputs()
+    for name in recorded:
+        needed |= inputs[name]
+    return bool(needed) and needed <= served
+
+
 def panels(dashboard: dict) -> Iterator[dict]:
     for panel in dashboard["panels"]:
         yield panel
@@ -152,7 +227,7 @@ def rules() -> Iterator[dict]:
 
 
 def test_rules_are_healthy_and_run(prometheus) -> None:
-    api, _ = prometheus
+    api, _, _ = prometheus
     expected = {rule.get("record") or rule.get("alert") for rule in rules()}
     deadline = time.monotonic() + 10
     while True:  # every rule evaluated at least once
@@ -173,24 +248,27 @@ def test_rules_are_healthy_and_run(prometheus) -> None:
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=os.path.basename)
-def test_dashboard_queries_run_and_disk_panels_have_data(prometheus, path: str) -> None:
-    api, instance = prometheus
+def test_dashboard_queries_run_and_panels_have_data(prometheus, path: str) -> None:
+    api, instance, served = prometheus
     with open(path) as handle:
         dashboard = json.load(handle)
-    has_psi = os.path.exists("/proc/pressure/io")
-    empty = []
+    empty, expected, titles = [], [], []
     for panel in panels(dashboard):
         exprs = [target["expr"] for target in panel.get("targets", [])]
+        if exprs:
+            titles.append(panel["title"])
         found = 0
         for expr in exprs:
             result = api.query(grafana_substitute(expr, instance))
             assert result["status"] == "success", (panel["title"], expr, result)
             found += len(result["data"]["result"])
-        disk = any(metric in expr for expr in exprs for metric in DISK_METRICS)
-        pressure = any(metric in expr for expr in exprs for metric in PRESSURE_METRICS)
-        if (disk or (pressure and has_psi)) and panel["title"] not in MAY_BE_EMPTY and not found:
-            empty.append(panel["title"])
-    assert empty == [], "disk or pressure panels without data"
+        if expects_data(exprs, served) and panel["title"] not in MAY_BE_EMPTY:
+            expected.append(panel["title"])
+            if not found:
+                empty.append(panel["title"])
+    print(f"\n{os.path.basename(path)}: {len(titles)} panels queried, {len(expected)} expected to have data: "
+          f"{len(expected) - len(empty)} have; not expected: {sorted(set(titles) - set(expected))}")
+    assert empty == [], "panels without data although the exporter serves what they query"
     for annotation in dashboard["annotations"]["list"]:
         result = api.query(grafana_substitute(annotation["expr"], instance))
         assert result["status"] == "success", (annotation["name"], result)

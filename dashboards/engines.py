@@ -1,0 +1,159 @@
+"""gpuio / Engines: the TensorRT engines (or other models) of one node, from the engines collector.
+
+Cold starts (read from disk apart from deserialize, bytes and throughput), inference latency from
+the histograms (p50/p95/p99, GPU time beside end to end), pool occupancy and wait, warm-up against
+steady state, the engine files' page-cache residency and the disk and GPU behind each, per-layer
+time where profiling is on, and the health of the spool the inference processes write.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+
+from deploy.prometheus import config as c
+from deploy.prometheus import rules as r
+
+from .common import (
+    assemble,
+    engine_loads_annotation,
+    graph,
+    guarded_ratio,
+    histogram_quantile,
+    multi_variable,
+    query,
+    rate,
+    sel,
+    value_table,
+)
+
+ENGINE = 'engine=~"$engine"'
+PER_ENGINE = "{{engine}}"
+
+
+def load_panels() -> list:
+    e = sel(ENGINE)
+    return [
+        graph("Cold start: load time and its disk part",
+              f"Mean seconds per load (read + deserialize) and the read part, of the loads that finished in the "
+              f"last {c.ENGINE_LOAD_WINDOW} (recording rules). EngineColdStartSlow fires above "
+              f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s. Read close to the whole: the disk is the bottleneck.", "s",
+              query(f"{r.ENGINE_LOAD}{e}", f"{PER_ENGINE} load"),
+              query(f"{r.ENGINE_LOAD_READ}{e}", f"{PER_ENGINE} read")),
+        graph("Load read and deserialize (p50, p99)", "Per-load time to read the engine file (disk or page cache) "
+              "and to deserialize it, from the load histograms.", "s",
+              query(histogram_quantile(0.5, "gpuio_engine_load_read_seconds", e), f"{PER_ENGINE} read p50"),
+              query(histogram_quantile(0.99, "gpuio_engine_load_read_seconds", e), f"{PER_ENGINE} read p99"),
+              query(histogram_quantile(0.5, "gpuio_engine_load_deserialize_seconds", e),
+                    f"{PER_ENGINE} deserialize p50"),
+              query(histogram_quantile(0.99, "gpuio_engine_load_deserialize_seconds", e),
+                    f"{PER_ENGINE} deserialize p99")),
+        graph("Load read throughput", f"Bytes read by loads per second of reading, over the last "
+              f"{c.ENGINE_LOAD_WINDOW} (recording rule): what the disk (or page cache) delivered to loads.",
+              "binBps", query(f"{r.ENGINE_LOAD_THROUGHPUT}{e}", PER_ENGINE)),
+        graph("Loads and bytes read", "Engine loads finished per second, and bytes read by loads per second.",
+              "short",
+              query(rate("gpuio_engine_load_read_seconds_count", e), f"{PER_ENGINE} loads/s"),
+              query(rate("gpuio_engine_load_read_bytes_total", e), f"{PER_ENGINE} bytes/s")),
+    ]
+
+
+def inference_panels() -> list:
+    e = sel(ENGINE)
+    latency = "gpuio_engine_inference_seconds"
+    return [
+        graph("Inference latency (p50, p95, p99)", "End-to-end latency (enqueue to stream synchronised) per engine, "
+              "from the histograms.", "s",
+              *(query(histogram_quantile(q, latency, e), f"{PER_ENGINE} p{q * 100:g}") for q in (0.5, 0.95, 0.99))),
+        graph("GPU time vs. end to end (p50)", "GPU time from CUDA events (where the process measures it) against "
+              "end-to-end latency: a wide gap is time outside the GPU (input copies, queueing, the host).", "s",
+              query(histogram_quantile(0.5, "gpuio_engine_inference_gpu_seconds", e), f"{PER_ENGINE} GPU"),
+              query(histogram_quantile(0.5, latency, e), f"{PER_ENGINE} end to end")),
+        graph("Inferences and errors", "Completed inferences per second, and failed loads and inferences per "
+              "second by reason.", "reqps",
+              query(rate(f"{latency}_count", e), f"{PER_ENGINE} completed"),
+              query(rate("gpuio_engine_errors_total", e), f"{PER_ENGINE} error {{{{reason}}}}")),
+        graph("In flight and batch size", "Inferences running now (work waiting on the GPU), and the mean batch "
+              "size where the process reports it.", "short",
+              query(f"gpuio_engine_inferences_in_flight{e}", f"{PER_ENGINE} in flight"),
+              query(guarded_ratio("gpuio_engine_inference_batch_size_sum", "gpuio_engine_inference_batch_size_count",
+                                  e), f"{PER_ENGINE} batch")),
+    ]
+
+
+def pool_panels() -> list:
+    e = sel(ENGINE)
+    return [
+        graph("Pool contexts", "Execution contexts in the engine pools, and how many are free. None free while "
+              "requests wait: the pool is too small or the GPU too slow.", "short",
+              query(f"gpuio_engine_pool_contexts{e}", f"{PER_ENGINE} contexts"),
+              query(f"gpuio_engine_pool_idle_contexts{e}", f"{PER_ENGINE} idle")),
+        graph("Pool wait (mean, p99)", f"Time a request waited for a free context. The starvation alert counts "
+              f"a mean over {c.ENGINE_POOL_WAIT_SECONDS * 1000:g} ms as work waiting.", "s",
+              query(guarded_ratio("gpuio_engine_pool_wait_seconds_sum", "gpuio_engine_pool_wait_seconds_count", e),
+                    f"{PER_ENGINE} mean"),
+              query(histogram_quantile(0.99, "gpuio_engine_pool_wait_seconds", e), f"{PER_ENGINE} p99")),
+        graph("Warm-up and first inference vs. steady state", "Mean warm-up time of a context before it served, "
+              "the mean first (cold) inference of a context, and the steady mean inference: warm-up is what the "
+              "pool spends so that requests do not pay the first-inference cost.", "s",
+              query(guarded_ratio("gpuio_engine_warmup_seconds_sum", "gpuio_engine_warmup_seconds_count", e),
+                    f"{PER_ENGINE} warm-up"),
+              query(guarded_ratio("gpuio_engine_first_inference_seconds_sum",
+                                  "gpuio_engine_first_inference_seconds_count", e), f"{PER_ENGINE} first inference"),
+              query(guarded_ratio("gpuio_engine_inference_seconds_sum", "gpuio_engine_inference_seconds_count", e),
+                    f"{PER_ENGINE} steady")),
+    ]
+
+
+def file_panels() -> list:
+    e = sel(ENGINE)
+    return [
+        graph("Page-cache residency", "Share of each engine file in the page cache at the last background scan: "
+              "a load of a resident file never touches the disk. `gpuio warm PATH` fills it before a rollout.",
+              "percentunit", query(f"gpuio_engine_file_cached_ratio{e}", "{{engine}} {{path}}"), max_value=1),
+        graph("Files whose residency is unknown", "Engine files the last scan could not measure truthfully, by "
+              "reason (permission: since Linux 5.2 the kernel reports files the exporter cannot write as "
+              "resident; see docs/engines.md).", "short",
+              query(f"gpuio_engine_file_residency_unavailable{sel()}", "{{reason}}")),
+        value_table("Engine files: disk and GPU", "Each engine file a live process loaded, its block device and "
+                    "GPU (gpuio_engine_info): the join the starvation alerts use.", f"gpuio_engine_info{e}",
+                    ["job"], height=6),
+        value_table("Engine files: the disks underneath", "The whole disks at the bottom of each file's device "
+                    "stack (partition, dm, md, overlayfs resolved).", f"gpuio_engine_physical_device_info{e}",
+                    ["job"], height=6),
+    ]
+
+
+def layer_panels() -> list:
+    e = sel(ENGINE)
+    per_inference = (f"{rate('gpuio_engine_layer_seconds_total', e)}\n"
+                     f"/ on ({c.NODE_LABEL}, engine) group_left ()\n"
+                     f"({rate('gpuio_engine_layer_profiled_inferences_total', e)} > 0)")
+    return [
+        graph("Layer time per inference (profiled)", "Mean seconds per profiled inference spent in each of the top "
+              "layers (TensorRT IProfiler, sampled 1 in N inferences; the rest of the layers is '(other)').", "s",
+              query(per_inference, "{{engine}} {{layer}}"), width=24),
+    ]
+
+
+def spool_panels() -> list:
+    s = sel()
+    return [
+        graph("Reporting processes", "Live inference processes with a spool file, and those reporting each engine.",
+              "short", query(f"gpuio_engine_spool_processes{s}", "spool files"),
+              query(f"gpuio_engine_processes{sel(ENGINE)}", f"{PER_ENGINE} processes")),
+        graph("Spool errors and dropped series", "Spool files skipped or damaged per second by reason "
+              "(GpuioEngineSpoolErrors), and series left out by the caps of the writers and of the exporter.",
+              "short",
+              query(rate("gpuio_engine_spool_errors_total", s), "spool {{reason}}"),
+              query(rate("gpuio_engine_spool_writer_dropped_series_total", s), "writer dropped"),
+              query(rate("gpuio_engine_dropped_series_total", s), "exporter dropped {{kind}}")),
+    ]
+
+
+def build() -> db.Dashboard:
+    return assemble(c.ENGINES_UID, "The engines of a node: cold starts, inference latency, pools, residency of the "
+                    "engine files and the disk and GPU behind each.",
+                    (("Cold starts", load_panels()), ("Inference", inference_panels()), ("Pool", pool_panels()),
+                     ("Engine files", file_panels()), ("Layers", layer_panels()), ("Spool", spool_panels())),
+                    variables=[multi_variable("engine", "Engine", "gpuio_engine_info")],
+                    annotations=[engine_loads_annotation(sel(ENGINE))])

@@ -1,0 +1,142 @@
+"""gpuio / GPU: NVML state of every GPU of one node (the nvml collector).
+
+Busy time first (the counter integrated from NVML's samples, exact at any scrape interval, beside the
+aliasing utilisation gauge), then what holds a GPU back: memory, heat and power, clocks and the
+reasons they are held down, the PCIe link and its traffic, errors (Xid, ECC, remapped rows), and
+which processes hold memory on it.  Every series carries ``gpu`` (index) and ``uuid``.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as db
+
+from deploy.prometheus import config as c
+
+from .common import (
+    assemble,
+    graph,
+    multi_variable,
+    query,
+    rate,
+    sel,
+    value_table,
+)
+
+GPU = 'gpu=~"$gpu"'
+PER_GPU = "GPU {{gpu}}"
+
+
+def activity_panels() -> list:
+    g = sel(GPU)
+    return [
+        graph("GPU busy (counter) vs. utilisation gauge",
+              "Busy: rate of gpuio_gpu_busy_seconds_total, the share of time a kernel ran, integrated from every "
+              "NVML sample (exact at any scrape interval). Gauge: NVML's utilisation of its last sample period "
+              "only; it aliases when scrapes are further apart than that period, so trust the busy line.",
+              "percentunit",
+              query(rate("gpuio_gpu_busy_seconds_total", g), f"{PER_GPU} busy"),
+              query(f"gpuio_gpu_utilization_ratio{g}", f"{PER_GPU} gauge"), max_value=1),
+        graph("Memory bandwidth utilisation", "Share of NVML's last sample period in which device memory was "
+              "read or written.", "percentunit",
+              query(f"gpuio_gpu_memory_utilization_ratio{g}", PER_GPU), max_value=1),
+        graph("Device memory", "Memory allocated and installed per GPU (used includes the driver's reserve on "
+              "drivers without nvmlDeviceGetMemoryInfo_v2).", "bytes",
+              query(f"gpuio_gpu_memory_used_bytes{g}", f"{PER_GPU} used"),
+              query(f"gpuio_gpu_memory_total_bytes{g}", f"{PER_GPU} total")),
+        graph("GPUs up", "1 while a GPU answers NVML; 0: lost, reset required or gone from the bus (GPULost). "
+              "The count is what NVML enumerates now.", "short",
+              query(f"gpuio_gpu_up{g}", PER_GPU), query(f"gpuio_gpu_devices{sel()}", "GPUs enumerated")),
+    ]
+
+
+def thermal_panels() -> list:
+    g = sel(GPU)
+    return [
+        graph("Temperature", "GPU die and memory (HBM) temperature.", "celsius",
+              query(f"gpuio_gpu_temperature_celsius{g}", f"{PER_GPU} die"),
+              query(f"gpuio_gpu_memory_temperature_celsius{g}", f"{PER_GPU} memory")),
+        graph("Power", "Power draw against the limit the driver enforces, and the mean draw from the energy "
+              "counter (rate of joules: exact between scrapes).", "watt",
+              query(f"gpuio_gpu_power_watts{g}", f"{PER_GPU} draw"),
+              query(rate("gpuio_gpu_energy_joules_total", g), f"{PER_GPU} mean (energy)"),
+              query(f"gpuio_gpu_power_limit_watts{g}", f"{PER_GPU} limit")),
+        graph("Clocks", "SM and memory clocks against their maxima: a clock well under its maximum on a busy GPU "
+              "is held down (see the reasons).", "hertz",
+              query(f"gpuio_gpu_sm_clock_hertz{g}", f"{PER_GPU} SM"),
+              query(f"gpuio_gpu_sm_clock_max_hertz{g}", f"{PER_GPU} SM max"),
+              query(f"gpuio_gpu_memory_clock_hertz{g}", f"{PER_GPU} memory"),
+              query(f"gpuio_gpu_memory_clock_max_hertz{g}", f"{PER_GPU} memory max")),
+        graph("Clocks held down (share of time, by reason)",
+              f"Rate of the clock-event violation counters. GPUThrottled fires when "
+              f"{', '.join(c.GPU_THROTTLE_REASONS)} hold clocks down for over {c.GPU_THROTTLE_RATIO:.0%} of "
+              f"{c.GPU_THROTTLE_WINDOW}; sw_power_cap on a fully loaded GPU is by design.", "percentunit",
+              query(rate("gpuio_gpu_clocks_event_seconds_total", g), f"{PER_GPU} {{{{reason}}}}")),
+        graph("Clock event reasons active now", "Each reason that holds clocks down at the last sample (1), "
+              "as nvidia-smi's clocks_event_reasons.*.", "short",
+              query(f"gpuio_gpu_clocks_event_reason_active{g} == 1", f"{PER_GPU} {{{{reason}}}}")),
+    ]
+
+
+def pcie_panels() -> list:
+    g = sel(GPU)
+    return [
+        graph("PCIe traffic", "Bytes per second over the GPU's PCIe link, TLP overhead included (Hopper and "
+              "newer): host to GPU is receive. Engine loads and input batches cross here.", "binBps",
+              query(rate("gpuio_gpu_pcie_receive_bytes_total", g), f"{PER_GPU} receive"),
+              query(rate("gpuio_gpu_pcie_transmit_bytes_total", g), f"{PER_GPU} transmit")),
+        graph("PCIe link (generation and width vs. maximum)",
+              f"A width under its maximum is a degraded link (GPUPCIeLinkDegraded); the generation drops at idle "
+              f"to save power, so it is judged only while the GPU is over {c.PCIE_GENERATION_BUSY:.0%} busy.",
+              "short",
+              query(f"gpuio_gpu_pcie_link_generation{g}", f"{PER_GPU} gen"),
+              query(f"gpuio_gpu_pcie_link_generation_max{g}", f"{PER_GPU} gen max"),
+              query(f"gpuio_gpu_pcie_link_width{g}", f"{PER_GPU} width"),
+              query(f"gpuio_gpu_pcie_link_width_max{g}", f"{PER_GPU} width max")),
+        graph("PCIe replays", "Link-level retransmissions per second: a steady rate points at a bad riser, "
+              "slot or cable.", "short",
+              query(rate("gpuio_gpu_pcie_replays_total", g), PER_GPU)),
+    ]
+
+
+def error_panels() -> list:
+    g = sel(GPU)
+    return [
+        graph("Xid events", "Xid events per second by code (driver error reports). 13, 31, 43, 45 are usually the "
+              "application's fault; others (48, 63, 64, 74, 79, 92-95...) the hardware's or driver's.", "short",
+              query(rate("gpuio_gpu_xid_errors_total", g), f"{PER_GPU} Xid {{{{xid}}}}")),
+        graph("ECC errors", "ECC errors per second since the driver loaded, corrected and uncorrected "
+              "(GPUECCUncorrectable).", "short",
+              query(rate("gpuio_gpu_ecc_errors_total", g), f"{PER_GPU} {{{{error}}}}")),
+        graph("Remapped rows", "Memory rows remapped, by cause; pending: a remap waits for a GPU reset; "
+              "failure: a remap failed (replace the GPU).", "short",
+              query(f"gpuio_gpu_remapped_rows{g}", f"{PER_GPU} {{{{cause}}}}"),
+              query(f"gpuio_gpu_remapped_rows_pending{g}", f"{PER_GPU} pending"),
+              query(f"gpuio_gpu_remapped_rows_failure{g}", f"{PER_GPU} failure")),
+        graph("NVML call errors and snapshot age", "NVML calls that failed (other than unsupported), per second "
+              f"by call and error; and the age of the snapshot scrapes serve (GpuioGPUDataStale over "
+              f"{c.GPU_STALE_AFTER_SECONDS} s).", "short",
+              query(rate("gpuio_gpu_nvml_errors_total", g), f"{PER_GPU} {{{{call}}}} {{{{error}}}}"),
+              query(f"gpuio_gpu_snapshot_age_seconds{sel()}", "snapshot age (s)")),
+    ]
+
+
+def process_panels() -> list:
+    g = sel(GPU)
+    return [
+        value_table("Compute processes", "Processes holding device memory on each GPU (largest first, up to "
+                    "--collector.nvml.max-processes): how an engine's process is tied to its GPU.",
+                    f"gpuio_gpu_process_memory_used_bytes{g}", ["job"]),
+        value_table("GPUs", "Identity of each GPU (gpuio_gpu_info).", f"gpuio_gpu_info{g}", ["job"], height=6),
+        graph("MIG devices: memory", "Memory used and installed per MIG device, where MIG is on.", "bytes",
+              query(f"gpuio_gpu_mig_device_memory_used_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} used"),
+              query(f"gpuio_gpu_mig_device_memory_total_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} total"),
+              width=24),
+    ]
+
+
+def build() -> db.Dashboard:
+    return assemble(c.GPU_UID, "NVML state of every GPU of a node: busy time, memory, heat and power, clocks "
+                    "and throttling, PCIe, errors, processes.",
+                    (("Activity", activity_panels()), ("Heat, power and clocks", thermal_panels()),
+                     ("PCIe", pcie_panels()), ("Errors", error_panels()), ("Processes", process_panels())),
+                    variables=[multi_variable("gpu", "GPU", "gpuio_gpu_info")])
