@@ -261,12 +261,28 @@ class Processes:
             self._running.discard(process)
 
     def kill_all(self) -> None:
-        """Signal only: the poll that started each process is reading its pipes and reaps it."""
+        """SIGKILL every running smartctl and wait (bounded) until each has exited, so that none outlives
+        a stopping exporter.  Waiting does not reap: the poll that started each process is reading its
+        pipes and reaps it."""
         with self._lock:
             self._closed = True
             running = list(self._running)
         for process in running:
             signal_group(process)
+        deadline = time.monotonic() + KILL_GRACE_SECONDS
+        for process in running:
+            while not exited(process) and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
+def exited(process: subprocess.Popen[bytes]) -> bool:
+    """Whether a child has exited (a zombie, or already reaped), without reaping it."""
+    if process.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped meanwhile by the poll's communicate()
+        return True
 
 
 class Runner:

@@ -278,6 +278,9 @@ class TensorRTRunner:
                     call.enqueued()
                 if synchronize:
                     gpu.synchronize(stream)
+                if profiled and not self._profiler_detachable:
+                    # TensorRT reports the last enqueue's layer times when asked: ask after this one.
+                    self.context.report_to_profiler()
             finally:
                 if profiled:
                     self._detach()
@@ -292,10 +295,10 @@ class TensorRTRunner:
         return time.perf_counter() - start
 
     def _attach(self) -> None:
+        # A binding that will not take None back keeps the profiler attached for good; then only
+        # sampled inferences report (enqueue_emits_profile False, report_to_profiler() after them).
         if self._profiler_detachable:
             self.context.profiler = self.profiler
-        else:  # profiler stays attached; only sampled inferences report (enqueue_emits_profile False)
-            self.context.report_to_profiler()
 
     def _detach(self) -> None:
         if not self._profiler_detachable:

@@ -239,6 +239,73 @@ def test_layer_profiles_are_sampled_one_in_n(spool_dir, plan) -> None:
     assert layers[("resnet50", "(other)")][0] == pytest.approx(3 * 0.0003)
 
 
+class NoneRefusingContext(FakeContext):
+    """A context whose ``profiler`` will not take None back (a binding's limitation the adapter must
+    survive).  As TensorRT does with ``enqueue_emits_profile`` False, an enqueue keeps its layer times
+    and ``report_to_profiler()`` reports those of the last enqueue; the n-th enqueue's times are n
+    times the base ones, so a report of the wrong inference shows."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self._profiler: Any = None
+        self._ready = False
+        super().__init__(engine)
+        self._ready = True
+        self.enqueues = 0
+        self.last: int | None = None
+
+    @property
+    def profiler(self) -> Any:
+        return self._profiler
+
+    @profiler.setter
+    def profiler(self, value: Any) -> None:
+        if value is None and self._ready:
+            raise TypeError("incompatible function arguments")
+        self._profiler = value
+
+    def execute_async_v3(self, stream_handle: int) -> bool:
+        self.addresses = {name: 1 for name in self.engine.names}
+        self.enqueues += 1
+        if self._profiler is not None:
+            if self.enqueue_emits_profile:
+                self._report(self.enqueues)
+            else:
+                self.last = self.enqueues
+        return True
+
+    def report_to_profiler(self) -> bool:
+        if self.last is None:
+            return False
+        self._report(self.last)
+        return True
+
+    def _report(self, enqueue: int) -> None:
+        for index, layer in enumerate(LAYERS):
+            self._profiler.report_layer_time(layer, 0.1 * (index + 1) * enqueue)
+
+
+def test_a_profiler_that_cannot_be_detached_reports_the_sampled_inference(spool_dir, plan) -> None:
+    engine = adapter.load_engine(plan, FakeRuntime()).model
+    m = instrument.engine("resnet50")
+    m.layer_select_after = 1
+    context = NoneRefusingContext(engine)
+    runner = adapter.TensorRTRunner(engine, m, context=context,
+                                    profiler=adapter.layer_profiler(m, every=3, top_k=4, trt=trt))
+    for _ in range(9):
+        runner.execute(FakeStream())
+    assert context.enqueue_emits_profile is False and context.profiler is not None  # stayed attached
+    assert m.layer_profiled_inferences.value() == 3
+    layers = fmt.SpoolReader(spool_dir).read().layers
+    # fc reports 0.4 ms x the enqueue's number: the sum over the three sampled enqueues, no other
+    expected = sum(0.0004 * n for n in profiled_enqueues(9, 3))
+    assert layers[("resnet50", "fc")][0] == pytest.approx(expected)
+
+
+def profiled_enqueues(count: int, every: int) -> list[int]:
+    """Which of ``count`` inferences the 1-in-``every`` sampler profiles (1-based)."""
+    return [n for n in range(1, count + 1) if n % every == 0]
+
+
 def test_tensorrt_pool_warms_contexts_without_counting_warmup_as_traffic(spool_dir, plan) -> None:
     engine = adapter.load_engine(plan, FakeRuntime()).model
     stream = FakeStream()
