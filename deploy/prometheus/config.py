@@ -99,6 +99,10 @@ XID_APPLICATION = ("13", "31", "43", "45")
 XID_RECENT_SECONDS = 900  # an Xid fires for this long after it was last seen
 GPU_ECC_WINDOW = "1h"
 GPU_LOST_FOR = "1m"
+# A GPU that NVML no longer enumerates (gone before the exporter or the driver restarted, so there is
+# no gpuio_gpu_up == 0 to see): fewer GPUs than the node had at any time in this window.  After a
+# planned removal the alert holds for this long: silence it.
+GPU_MISSING_WINDOW = "1d"
 GPU_STALE_AFTER_SECONDS = 30  # NVML snapshot age (the sampler reads every 1 s)
 GPU_STALE_FOR = "5m"
 

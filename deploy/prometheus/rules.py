@@ -363,6 +363,7 @@ def alert(name: str, expr: str, duration: str | None, severity: str, summary: st
 
 NODE = f"{{{{ $labels.{c.NODE_LABEL} }}}}"
 ONE_DECIMAL = 'printf "%.1f"'
+COUNT = 'printf "%.0f"'
 WITH_GPU = c.selector('gpu_uuid!=""')
 GPU_NAME = "GPU {{ $labels.gpu }} ({{ $labels.uuid }})"
 GPU_LABELS = (c.NODE_LABEL, "gpu")
@@ -418,11 +419,20 @@ def gpu_alerts() -> list[Rule]:
     gen_max = figure("gpuio_gpu_pcie_link_generation_max", GPU_LABELS, "printf \"%.0f\"", "?")
     xid_count = figure("gpuio_gpu_xid_errors_total", (*GPU_LABELS, "xid"), "printf \"%.0f\"", "?")
     this_gpu = gpu_board(gpu="{{ $labels.gpu }}")
+    missing = f"{{{{ $value | {COUNT} }}}}"
     return [
         alert("GPULost", f"gpuio_gpu_up{sel} == 0", c.GPU_LOST_FOR, c.CRITICAL,
               f"{GPU_NAME} at {NODE} is lost.",
               f"{GPU_NAME} at {NODE} does not answer NVML: it is lost, needs a reset, or fell off the bus "
               f"(Xid 79). Its work has stopped; anything scheduled on it fails or waits.", this_gpu),
+        alert("GPUMissing",
+              f"max_over_time(gpuio_gpu_devices{sel}[{c.GPU_MISSING_WINDOW}]) - gpuio_gpu_devices{sel} > 0",
+              c.GPU_LOST_FOR, c.CRITICAL,
+              f"{missing} GPU(s) missing at {NODE}.",
+              f"NVML at {NODE} enumerates {node_figure('gpuio_gpu_devices', COUNT, '?')} GPU(s), {missing} fewer "
+              f"than in the last {c.GPU_MISSING_WINDOW}: a GPU fell off the bus, or the driver has not seen it "
+              f"since a restart, so no gpuio_gpu_up series is left to go to 0. Work scheduled for it fails or "
+              f"waits. After a planned removal, silence this for {c.GPU_MISSING_WINDOW}.", gpu_board()),
         alert("GPUThrottled", throttled, c.GPU_THROTTLE_FOR, c.WARNING,
               f"{GPU_NAME} at {NODE} is throttled: {{{{ $labels.reason }}}}.",
               f"Clocks of {GPU_NAME} at {NODE} are held down by {{{{ $labels.reason }}}} "

@@ -32,19 +32,24 @@ ALERTS = {
     "a-starved": {"alertname": "GPUStarvedByDiskIO", "instance": "gpu-a", "gpu": "0", "severity": "critical"},
     "a-storm-0": {"alertname": "DiskIOStorm", "instance": "gpu-a", "device": "nvme0n1", "severity": "warning"},
     "a-storm-1": {"alertname": "DiskIOStorm", "instance": "gpu-a", "device": "nvme1n1", "severity": "warning"},
-    # gpu-b: the exporter is down, so the node's storm is held back
+    # gpu-b: the exporter is down, so the node's storm and starvation are held back
     "b-down": {"alertname": "GpuioExporterDown", "instance": "gpu-b", "severity": "warning"},
     "b-storm": {"alertname": "DiskIOStorm", "instance": "gpu-b", "device": "nvme0n1", "severity": "warning"},
-    # gpu-c: GPU 1 is lost, so its starvation is held back; GPU 2's is not
+    "b-starved": {"alertname": "GPUStarvedByDiskIO", "instance": "gpu-b", "gpu": "0", "severity": "critical"},
+    # gpu-c: GPU 1 is lost, so its starvation (engine-joined and node-level) is held back; GPU 2's is not
     "c-lost": {"alertname": "GPULost", "instance": "gpu-c", "gpu": "1", "severity": "critical"},
     "c-starved-1": {"alertname": "GPUStarvedByDiskIO", "instance": "gpu-c", "gpu": "1", "severity": "critical"},
+    "c-node-starved-1": {"alertname": "NodeGPUStarvedByIO", "instance": "gpu-c", "gpu": "1", "severity": "warning"},
     "c-starved-2": {"alertname": "GPUStarvedByDiskIO", "instance": "gpu-c", "gpu": "2", "severity": "critical"},
+    # gpu-d: the node itself is down (another job's alert, same instance): its GPU's starvation is held back
+    "d-down": {"alertname": "NodeDown", "instance": "gpu-d", "severity": "critical"},
+    "d-node-starved": {"alertname": "NodeGPUStarvedByIO", "instance": "gpu-d", "gpu": "0", "severity": "warning"},
 }
-INHIBITED = {"b-storm", "c-starved-1"}
+INHIBITED = {"b-storm", "b-starved", "c-starved-1", "c-node-starved-1", "d-node-starved"}
 # receiver -> {(instance, alertname): the alerts of that notification group}
 EXPECTED = {
     "page": {("gpu-a", "GPUStarvedByDiskIO"): {"a-starved"}, ("gpu-c", "GPULost"): {"c-lost"},
-             ("gpu-c", "GPUStarvedByDiskIO"): {"c-starved-2"}},
+             ("gpu-c", "GPUStarvedByDiskIO"): {"c-starved-2"}, ("gpu-d", "NodeDown"): {"d-down"}},
     "ticket": {("gpu-a", "DiskIOStorm"): {"a-storm-0", "a-storm-1"}, ("gpu-b", "GpuioExporterDown"): {"b-down"}},
 }
 
