@@ -51,16 +51,21 @@ IO_PRESSURE_FULL = 0.10
 # GPU busy ratio (busy seconds per second) under which a GPU counts as mostly idle (issue 6: "GPU busy
 # under 30 %").
 GPU_BUSY_LOW = 0.30
-# GPU temperature at or above which the row is flagged hot (H100/A100 slow down from about 85-87 C).
-GPU_TEMPERATURE_HOT = 85.0
+# Clock-event reasons that mean trouble (GPUThrottled).  sw_power_cap is left out: a fully loaded GPU
+# sits at its power limit by design.  gpu_idle, sync_boost and the clock settings are not faults either.
+# Heat shows here (sw/hw thermal slowdown), which is why there is no temperature flag of its own.
+GPU_THROTTLE_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+# Share of time those reasons held clocks down, over the alert's window, for GPUThrottled.
+GPU_THROTTLE_RATIO = 0.25
+# Requests waiting this long (mean) for a pooled execution context count as work waiting on an engine.
+ENGINE_POOL_WAIT_SECONDS = 0.010
 
 # Flags, as `gpuio top` prints them and `--json` lists them.
 AWAIT = "await"  # slow for its class
 QUEUE = "queue"  # deep queue for its class
 SATURATED = "saturated"  # slow and (deep queue or node IO pressure)
 STARVED = "starved?"  # GPU (or engine) mostly idle while a disk is saturated
-THROTTLED = "throttled"  # a GPU with a clock-event (throttle) reason active, other than idle
-HOT = "hot"
+THROTTLED = "throttled"  # a GPU with one of GPU_THROTTLE_REASONS active
 LOST = "lost"  # a GPU the driver reports lost (gpuio_gpu_up 0)
 SMART_FAILED = "smart-fail"  # the disk, or a disk under it, fails its SMART overall-health self-assessment
 
@@ -94,8 +99,16 @@ def gpu_starved(busy: float | None, any_disk_saturated: bool) -> bool:
     return busy is not None and busy < GPU_BUSY_LOW and any_disk_saturated
 
 
+def gpu_throttled(active_reasons: list[str]) -> list[str]:
+    """The reasons among those active now that GPUThrottled judges (the alert also wants them to hold
+    the clocks down for GPU_THROTTLE_RATIO of its window; a live view judges the moment)."""
+    return [reason for reason in active_reasons if reason in GPU_THROTTLE_REASONS]
+
+
 def engine_starved(gpu_busy: float | None, disk_saturated: bool, in_flight: float | None,
                    pool_wait: float | None) -> bool:
-    """An engine's GPU mostly idle while its backing disk is saturated and work waits for it."""
-    waiting = (in_flight is not None and in_flight > 0) or (pool_wait is not None and pool_wait > 0)
+    """An engine's GPU mostly idle while its backing disk is saturated and work waits for it (requests
+    in flight, or a mean pool wait of at least ENGINE_POOL_WAIT_SECONDS)."""
+    waiting = ((in_flight is not None and in_flight > 0)
+               or (pool_wait is not None and pool_wait >= ENGINE_POOL_WAIT_SECONDS))
     return gpu_starved(gpu_busy, disk_saturated) and waiting

@@ -82,7 +82,8 @@ GPU_POWER = "gpuio_gpu_power_watts"  # NVML's 1 s average (the energy counter is
 GPU_AGE = "gpuio_gpu_snapshot_age_seconds"
 GPU_THROTTLE = "gpuio_gpu_clocks_event_reason_active"  # one 0/1 series per reason
 GPU_THROTTLE_REASON_LABEL = "reason"
-# Clock-event reasons that are no slowdown: an idle GPU, clocks an operator or a display set.
+# Clock-event reasons that are no slowdown (an idle GPU, clocks an operator or a display set): not listed.
+# Of those listed, only thresholds.GPU_THROTTLE_REASONS flag a row (sw_power_cap is listed, not flagged).
 GPU_THROTTLE_IGNORED = ("gpu_idle", "applications_clocks_setting", "display_clock_setting")
 # Engines (engines collector), every series labelled engine.
 ENGINE_LABEL = "engine"
@@ -429,8 +430,7 @@ def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: boo
         row.flags = [flag for flag, on in (
             (th.LOST, row.up is False),
             (th.STARVED, th.gpu_starved(row.busy, disk_saturated)),
-            (th.THROTTLED, bool(row.throttle_reasons)),
-            (th.HOT, row.temperature_celsius is not None and row.temperature_celsius >= th.GPU_TEMPERATURE_HOT),
+            (th.THROTTLED, bool(th.gpu_throttled(row.throttle_reasons))),
         ) if on]
         rows.append(row)
     return rows
@@ -525,7 +525,7 @@ def view_json(view: View) -> dict[str, Any]:
 # --- tables: columns, sorting, filtering -------------------------------------------------------------
 
 SEVERITY = {th.SATURATED: 3, th.STARVED: 3, th.SMART_FAILED: 3, th.LOST: 3, th.AWAIT: 2,
-            th.QUEUE: 1, th.THROTTLED: 1, th.HOT: 1}
+            th.QUEUE: 1, th.THROTTLED: 1}
 
 
 def severity(flags: list[str]) -> int:

@@ -83,10 +83,10 @@ SMART_STALE_AFTER_SECONDS = 1800
 SMART_STALE_FOR = "15m"
 
 # --- GPUs (nvml collector) ---------------------------------------------------------------------------
-# Clock-event reasons that mean trouble.  sw_power_cap is left out: a fully loaded GPU sits at its
-# power limit by design.  gpu_idle, sync_boost and the clock settings are not faults either.
-GPU_THROTTLE_REASONS = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
-GPU_THROTTLE_RATIO = 0.25  # share of time clocks were held down, over GPU_THROTTLE_WINDOW
+# Clock-event reasons that mean trouble, and the share of GPU_THROTTLE_WINDOW they must hold the clocks
+# down (exporter/thresholds.py: `gpuio top` flags the same reasons).
+GPU_THROTTLE_REASONS = thresholds.GPU_THROTTLE_REASONS
+GPU_THROTTLE_RATIO = thresholds.GPU_THROTTLE_RATIO
 GPU_THROTTLE_WINDOW = "5m"
 GPU_THROTTLE_FOR = "10m"
 # PCIe generation drops at idle (power saving); it is judged only while the GPU is at least this busy.
@@ -109,7 +109,7 @@ GPU_STALE_FOR = "5m"
 # --- starvation ----------------------------------------------------------------------------------
 # Work waits on an engine: inferences in flight, or requests waiting this long for a pool context,
 # or p99 latency at least ENGINE_LATENCY_FACTOR x its BASELINE_WINDOW median.
-ENGINE_POOL_WAIT_SECONDS = 0.010
+ENGINE_POOL_WAIT_SECONDS = thresholds.ENGINE_POOL_WAIT_SECONDS
 ENGINE_LATENCY_FACTOR = 2.0
 STARVED_FOR = "5m"
 NODE_STARVED_FOR = "10m"

@@ -207,6 +207,7 @@ def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float,
         f'{top.GPU_THROTTLE}{{{gpu0},{top.GPU_THROTTLE_REASON_LABEL}="hw_slowdown"}} 0',
         f'{top.GPU_THROTTLE}{{{gpu0},{top.GPU_THROTTLE_REASON_LABEL}="applications_clocks_setting"}} 1',
         f"{top.GPU_BUSY}{{{gpu1}}} {gpu_busy * 4}",
+        f'{top.GPU_THROTTLE}{{{gpu1},{top.GPU_THROTTLE_REASON_LABEL}="sw_power_cap"}} 1',
         f'{top.ENGINE_INFO}{{{engine},path="/models/resnet.plan",{top.ENGINE_INFO_DEVICE_LABEL}="dm-0",'
         f'{top.ENGINE_INFO_GPU_LABEL}="GPU-aaa"}} 1',
         *(f'{top.ENGINE_LATENCY}_bucket{{{engine},le="{le}"}} {count}'
@@ -241,7 +242,8 @@ def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
     assert gpu0.memory_used_bytes == 40 * 2**30 and gpu0.temperature_celsius == 86
     assert gpu0.power_watts == 312.5
     assert gpu0.throttle_reasons == ["sw_thermal_slowdown"]  # "gpu_idle" is no slowdown
-    assert gpu0.flags == ["starved?", "throttled", "hot"] and gpu1.flags == []
+    assert gpu0.flags == ["starved?", "throttled"] and gpu1.flags == []  # 86 C: heat shows as thermal slowdown
+    assert gpu1.throttle_reasons == ["sw_power_cap"]  # listed, not flagged: a loaded GPU at its power limit
     (disk,) = view.disks
     assert disk.flags == ["await", "queue", "saturated", "smart-fail"]
     (engine,) = view.engines
@@ -255,8 +257,8 @@ def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
     screen = render(view, top.UiState(), height=None)
     lines = [line.split() for line in screen.splitlines()]
     assert ["nvme1n1", "200.0", "-", "-", "-", "100.0", "-", "80.0", "-", "saturated+3"] in lines
-    assert ["0", "20.0", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+2"] in lines
-    assert ["1", "80.0", "-", "-", "-", "-"] in lines
+    assert ["0", "20.0", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
+    assert ["1", "80.0", "-", "-", "-", "sw_power_cap"] in lines  # listed, no flag
     assert ["resnet", "0", "dm-0", "18.0", "50.0", "3.00", "25.0", "25.0", "starved?"] in lines
 
 
@@ -299,6 +301,11 @@ def test_thresholds_judge_by_device_class_and_need_waiting_work() -> None:
     assert th.io_pressure_high(0.30, 0.0) and th.io_pressure_high(0.0, 0.10) and not th.io_pressure_high(0.2, 0.05)
     assert th.gpu_starved(0.1, True) and not th.gpu_starved(0.1, False) and not th.gpu_starved(None, True)
     assert not th.engine_starved(0.1, True, 0, 0.0)  # an idle GPU with no requests waiting is not starved
+    # pool wait counts as work waiting from the alert's ENGINE_POOL_WAIT_SECONDS (10 ms) on
+    assert not th.engine_starved(0.1, True, 0, 0.005) and th.engine_starved(0.1, True, 0, 0.010)
+    # the reasons GPUThrottled judges; a GPU at its power cap is working as designed
+    assert th.gpu_throttled(["sw_power_cap", "hw_thermal_slowdown"]) == ["hw_thermal_slowdown"]
+    assert th.gpu_throttled(["sw_power_cap", "sync_boost"]) == []
 
 
 def fake_view(disks: int, gpus: int, engines: int) -> top.View:
