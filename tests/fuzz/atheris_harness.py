@@ -8,6 +8,8 @@ time; a crash (an exception other than the allowed ones) stops it and writes the
     .venv/bin/python tests/fuzz/atheris_harness.py pressure -runs=200000
     .venv/bin/python tests/fuzz/atheris_harness.py webconfig -runs=50000
     .venv/bin/python tests/fuzz/atheris_harness.py args -runs=50000
+    .venv/bin/python tests/fuzz/atheris_harness.py spool -runs=100000
+    .venv/bin/python tests/fuzz/atheris_harness.py smartctl -runs=100000
 
 Targets and what each may raise:
   diskstats  parse_line on any text (BadLine), and the collector on the bytes as /proc/diskstats
@@ -16,6 +18,11 @@ Targets and what each may raise:
              collector on the bytes as /proc/pressure/io
   webconfig  the bytes as a --web.config.file (WebConfigError)
   args       argv and GPUIO_* environment drawn from the bytes (ConfigError, SystemExit(2))
+  spool      a real spool file (written by the library at start-up) with bytes overwritten at offsets and
+             truncated as the fuzzer chooses, through the reader's parse (BadFile); whatever parses has
+             finite values
+  smartctl   the bytes as smartctl's output with any exit status, through decode, check and parse_scan
+             (SmartctlError)
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ import atheris
 with atheris.instrument_imports():
     from exporter import collectors, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
     from exporter.collect import Context
-    from exporter.collectors import diskstats, pressure
+    from exporter.collectors import diskstats, pressure, smart
     from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
     from exporter.exposition import render
+    from exporter.instrument import spool
 
 ROOT = tempfile.mkdtemp(prefix="gpuio-atheris-")
 os.makedirs(os.path.join(ROOT, "pressure"))
@@ -97,13 +105,65 @@ def fuzz_args(data: bytes) -> None:
                 raise
 
 
-TARGETS = {"diskstats": fuzz_diskstats, "pressure": fuzz_pressure, "webconfig": fuzz_webconfig, "args": fuzz_args}
+def pristine_spool() -> bytes:
+    """A spool file as the library writes it: an engine with loads, inferences, errors and layers."""
+    from exporter import instrument
+
+    directory = tempfile.mkdtemp(prefix="gpuio-atheris-spool-")
+    instrument.configure(directory)
+    metrics = instrument.engine("resnet50")
+    metrics.observe_inference(0.004, batch_size=8, gpu_seconds=0.003)
+    metrics.record_load(0.05, 1 << 20, 0.2, path="/models/resnet50.plan", cuda_device=0, gpu_uuid="GPU-a")
+    metrics.layer_select_after = 1
+    metrics.add_layer_times({"conv1": 0.001, "fc": 0.002})
+    metrics.error("timeout")
+    (name,) = os.listdir(directory)
+    with open(os.path.join(directory, name), "rb") as handle:
+        return handle.read()
+
+
+SPOOL = b""
+
+
+def fuzz_spool(data: bytes) -> None:
+    provider = atheris.FuzzedDataProvider(data)
+    mutated = bytearray(SPOOL)
+    for _ in range(provider.ConsumeIntInRange(1, 8)):
+        offset = provider.ConsumeIntInRange(0, len(mutated) - 1)
+        chunk = provider.ConsumeBytes(provider.ConsumeIntInRange(1, 8))
+        mutated[offset : offset + len(chunk)] = chunk
+    mutated = mutated[: provider.ConsumeIntInRange(0, len(mutated))]
+    try:
+        parsed = spool.parse(bytes(mutated))
+    except spool.BadFile:
+        return
+    for values in parsed.engines.values():
+        assert all(value == value and abs(value) != float("inf") for value in values), values
+
+
+def fuzz_smartctl(data: bytes) -> None:
+    provider = atheris.FuzzedDataProvider(data)
+    status = provider.ConsumeIntInRange(0, 255)
+    params = [["--all"], ["-i"], ["--scan-open"], ["-d", "nvme", "--all"]][provider.ConsumeIntInRange(0, 3)]
+    lines = smart.decode(provider.ConsumeBytes(4096))
+    with contextlib.suppress(smart.SmartctlError):
+        smart.check(params, lines, [], status)
+    with contextlib.suppress(smart.SmartctlError):
+        smart.parse_scan(lines, "/nonexistent")
+
+
+TARGETS = {"diskstats": fuzz_diskstats, "pressure": fuzz_pressure, "webconfig": fuzz_webconfig, "args": fuzz_args,
+           "spool": fuzz_spool, "smartctl": fuzz_smartctl}
 
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in TARGETS:
         raise SystemExit(f"usage: {sys.argv[0]} {{{','.join(TARGETS)}}} [libFuzzer flags such as -runs=100000]")
-    target = TARGETS[sys.argv.pop(1)]
+    name = sys.argv.pop(1)
+    target = TARGETS[name]
+    if name == "spool":
+        global SPOOL
+        SPOOL = pristine_spool()
     atheris.Setup(sys.argv, target)
     atheris.Fuzz()
 
