@@ -106,7 +106,7 @@ def wear_panels() -> list:
         graph("Power cycles", "Power on/off cycles of the disk.", "short",
               query(f"gpuio_smart_power_cycles_total{d}", PER_DEVICE), width=6),
         graph("NVMe host traffic (SMART)", "Bytes read and written by the host as the NVMe drive counts them "
-              "(in 512,000-byte units: a coarse check of the Disk IO board).", "binBps",
+              "(it counts 512,000-byte units: a coarse check of the Disk IO board).", "binBps",
               query(rate("gpuio_smart_nvme_read_bytes_total", d), f"{PER_DEVICE} read"),
               query(rate("gpuio_smart_nvme_written_bytes_total", d), f"{PER_DEVICE} written")),
     ]

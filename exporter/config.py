@@ -189,7 +189,12 @@ def _all_value_flags() -> list[Flag]:
 
 
 def _add_flag(parser: argparse.ArgumentParser, flag: Flag) -> None:
-    text = f"{flag.help} (env {env_name(flag.name)}; default {flag.default!s})"
+    # An option whose help states its default itself (a long regex) is not given "default None" too.
+    if flag.default is None:
+        default = "" if "(default" in flag.help else "; unset by default"
+    else:
+        default = f"; default {flag.default}"
+    text = f"{flag.help} (env {env_name(flag.name)}{default})"
     if flag.boolean:
         parser.add_argument(f"--{flag.name}", dest=flag.name, action="store_const", const="true", default=None,
                             help=text)

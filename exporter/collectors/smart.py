@@ -153,9 +153,10 @@ NVME_MEDIA_ERRORS = Desc("gpuio_smart_nvme_media_errors_total", COUNTER,
                          "NVMe unrecovered data integrity errors.")
 NVME_ERROR_LOG = Desc("gpuio_smart_nvme_error_log_entries_total", COUNTER,
                       "NVMe error information log entries over the life of the controller.")
-NVME_READ = Desc("gpuio_smart_nvme_read_bytes_total", COUNTER, "Data read by the host (units of 512,000 bytes).")
+NVME_READ = Desc("gpuio_smart_nvme_read_bytes_total", COUNTER,
+                 "Data read by the host, in bytes (the drive counts units of 512,000 bytes).")
 NVME_WRITTEN = Desc("gpuio_smart_nvme_written_bytes_total", COUNTER,
-                    "Data written by the host (units of 512,000 bytes).")
+                    "Data written by the host, in bytes (the drive counts units of 512,000 bytes).")
 NVME_UNSAFE_SHUTDOWNS = Desc("gpuio_smart_nvme_unsafe_shutdowns_total", COUNTER, "NVMe unsafe shutdowns.")
 SCSI_GROWN_DEFECTS = Desc("gpuio_smart_scsi_grown_defects_total", COUNTER,
                           "Elements in the SCSI grown defect list (blocks reassigned since manufacture).")

@@ -1,7 +1,9 @@
 """The real server over HTTP: formats, compression, filtering, errors, landing page, isolation."""
 
 import gzip
+import json
 import os
+import re
 import time
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -113,3 +115,18 @@ def test_a_failing_source_reports_success_0_and_the_scrape_answers_200(exporter,
     assert success(samples) == {"diskstats": 0, "pressure": 1}  # no /proc/pressure here: no data, not failure
     log = server.stop()
     assert "IsADirectoryError" in log
+
+
+def test_log_formats_json_and_logfmt(exporter) -> None:
+    """--log.format: every line of a json log is one JSON object with node_exporter's keys; a logfmt
+    line carries the same keys as key=value, and structured fields come along in both."""
+    args = ("--collector.disable-defaults", "--collector.diskstats", "--log.level=debug")
+    json_log = exporter(*args, "--log.format=json").stop()
+    records = [json.loads(line) for line in json_log.splitlines() if line.strip()]
+    assert records and all({"ts", "level", "logger", "msg"} <= set(record) for record in records)
+    (start,) = [record for record in records if record["msg"] == "starting gpuio-exporter"]
+    assert start["level"] == "info" and start["logger"] == "gpuio" and start["collectors"] == "diskstats"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", start["ts"])
+    logfmt_log = exporter(*args, "--log.format=logfmt").stop()
+    (line,) = [line for line in logfmt_log.splitlines() if 'msg="starting gpuio-exporter"' in line]
+    assert re.match(r"ts=\S+Z level=info logger=gpuio msg=\"starting gpuio-exporter\" .*collectors=diskstats", line)
