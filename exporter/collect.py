@@ -46,13 +46,33 @@ class Option:
         return self.flag or f"collector.{collector}.{self.name}"
 
 
+class GpuProcesses:
+    """Which GPU each compute process is on, as the nvml collector last read it (pid -> GPU UUID).
+
+    The engines collector uses it for an inference process that did not say which GPU it uses (the
+    library learns the UUID only through torch, or pycuda with NVML).  Replaced whole on each update,
+    so readers on other threads see one sweep or the next, never half of one.
+    """
+
+    def __init__(self) -> None:
+        self._by_pid: dict[int, str] = {}
+
+    def update(self, by_pid: dict[int, str]) -> None:
+        self._by_pid = dict(by_pid)
+
+    def get(self, pid: int) -> str | None:
+        return self._by_pid.get(pid)
+
+
 @dataclass(frozen=True)
 class Context:
-    """Where collectors find the host: every path goes through these roots (node_exporter's --path.*)."""
+    """Where collectors find the host: every path goes through these roots (node_exporter's --path.*),
+    and what one collector tells another (the GPU of each compute process)."""
 
     procfs: str = "/proc"
     sysfs: str = "/sys"
     rootfs: str = "/"
+    gpu_processes: GpuProcesses = field(default_factory=GpuProcesses, compare=False)
 
 
 class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)

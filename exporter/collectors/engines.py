@@ -11,8 +11,9 @@ Two sources (docs/engines.md):
   :class:`PeriodicSampler`, never on the scrape path; the scrape renders the last scan.
 
 ``gpuio_engine_info{engine, path, device, cuda_device, gpu_uuid, runtime}`` joins an engine to its
-disk and its GPU; ``gpuio_engine_physical_device_info`` names the whole disks under the device, the
-same way ``gpuio_disk_physical_device_info`` does, so rules can go engine -> disk -> diskstats.
+disk and its GPU (as the process recorded it, else as NVML lists the process: ``gpu_of_process``);
+``gpuio_engine_physical_device_info`` names the whole disks under the device, the same way
+``gpuio_disk_physical_device_info`` does, so rules can go engine -> disk -> diskstats.
 
 Bounded: at most ``max-engines`` engines (the ones already exported keep their place), 64 layers and
 32 error reasons per engine, ``max-files`` files from globs; what does not fit is counted in
@@ -195,7 +196,8 @@ class EnginesCollector(Collector):
         self.max_engines: int = options.get("max-engines") or 200
         self.max_files: int = options.get("max-files") or 1000
         self.reader = fmt.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
-                                      remove_dead=not read_only)
+                                      remove_dead=not read_only, gpu_of=self.gpu_of_process)
+        self._same_process: dict[tuple[int, int], bool] = {}  # (pid, start ticks) -> our /proc shows it
         self.scanner: PeriodicSampler[ScanResult] = PeriodicSampler(
             "engine-files", options.get("residency-interval") or 30.0, self.scan_files, log)
         self._targets: dict[tuple[str, str], Target] = {}
@@ -315,6 +317,24 @@ class EnginesCollector(Collector):
         return Family(desc, samples)
 
     # --- engine -> file -> disk, GPU -------------------------------------------------------------
+
+    def gpu_of_process(self, pid: int, start_ticks: int) -> str | None:
+        """The GPU NVML lists the spool writer ``pid`` on, for a writer that recorded none.
+
+        Only when this exporter's procfs shows that very process (same start time): a writer in
+        another pid namespace (a pod without hostPID) has a pid that means another process here, or
+        none, and NVML reports host pids.
+        """
+        uuid = self.context.gpu_processes.get(pid)
+        if uuid is None or start_ticks <= 0:
+            return None
+        key = (pid, start_ticks)
+        same = self._same_process.get(key)
+        if same is None:
+            if len(self._same_process) > 4096:
+                self._same_process.clear()
+            same = self._same_process[key] = fmt.process_start_ticks(pid, self.context.procfs) == start_ticks
+        return uuid if same else None
 
     def _info_families(self, totals: fmt.Totals, engines: list[str]) -> list[Family]:
         info, physical = [], []

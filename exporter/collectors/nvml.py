@@ -248,6 +248,7 @@ class Gpu:
     dropped: int = 0
     dropped_pids: set[int] = field(default_factory=set)
     names: dict[int, str] = field(default_factory=dict)
+    pids: set[int] = field(default_factory=set)  # every compute process at the last slow read, cap or not
     label_cache: dict[tuple[tuple[str, str], ...], str] = field(default_factory=dict)
 
     def attach(self, index: int, handle: Any) -> None:
@@ -454,6 +455,9 @@ class NvmlCollector(Collector):
                         self._next_slow = now + self._slow_interval
                     for gpu in session.gpus:
                         self._read(gpu, slow)
+                    if slow:
+                        self.context.gpu_processes.update(
+                            {pid: gpu.uuid for gpu in session.gpus if gpu.up for pid in gpu.pids})
                 return self._render()
             finally:
                 self._sweep_started = None
@@ -785,6 +789,7 @@ class NvmlCollector(Collector):
                                gpu.handle)
         if processes is None:
             return []
+        gpu.pids = {p.pid for p in processes}
         processes = sorted(processes, key=lambda p: (-(p.used_memory or 0), p.pid))
         kept, dropped = processes[: self._max_processes], processes[self._max_processes :]
         dropped_pids = {p.pid for p in dropped}

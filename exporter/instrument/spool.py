@@ -50,6 +50,7 @@ and skipped by name.  The exporter never writes into any spool file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -64,7 +65,7 @@ import sys
 import threading
 import time
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 log = logging.getLogger("gpuio.spool")
@@ -464,8 +465,11 @@ class SpoolReader:
     that once: it is folded, then deleted (or tombstoned) and never opened again.
     """
 
-    def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True) -> None:
+    def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
+                 gpu_of: Callable[[int, int], str | None] | None = None) -> None:
         self.directory = directory
+        # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
+        self.gpu_of = gpu_of
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
         self.remove_dead = remove_dead
         self.max_folded_engines = max_folded_engines
@@ -737,6 +741,8 @@ class SpoolReader:
                 old = totals.layers.get(key)
                 totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
             for engine, info in parsed.infos.items():
+                if not info.gpu_uuid and self.gpu_of is not None:
+                    info = dataclasses.replace(info, gpu_uuid=self.gpu_of(parsed.pid, parsed.start_ticks) or "")
                 identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
                 seen = distinct.get(identity)
                 if seen is None or seen.load_time < info.load_time:

@@ -91,6 +91,7 @@ def main() -> int:
         latencies.sort()
         print(f"300 scrapes over HTTP: p50 {statistics.median(latencies):.2f} ms, "
               f"p99 {latencies[int(len(latencies) * 0.99) - 1]:.2f} ms, max {latencies[-1]:.2f} ms")
+        failures += engine_gpu_from_nvml(url, spool)
         tools = "import sys; from exporter.cli import tools_main; tools_main(sys.argv[1:])"
         top = subprocess.run([sys.executable, "-c", tools, "top", "--once", f"--url={url}"],
                              capture_output=True, text=True, cwd=REPO, env={**os.environ, "COLUMNS": "100"})
@@ -106,6 +107,45 @@ def main() -> int:
         print("FAIL", failure)
     print("PASS exporter over HTTP" if not failures else "")
     return 1 if failures else 0
+
+
+# A PyTorch process that loads a model through the generic loader without naming its GPU: the exporter
+# must take the GPU from NVML's process list (slow fields: within ~10 s).
+SILENT_WRITER = """
+import os, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from exporter import instrument
+instrument.configure(sys.argv[2])
+held = torch.ones(1 << 20, device="cuda")  # a CUDA context: NVML lists this process
+path = os.path.join(sys.argv[2], "..", "silent-model.bin")
+with open(path, "wb") as handle:
+    handle.write(os.urandom(1 << 20))
+instrument.load(path, bytes, name="silent")
+print("loaded", flush=True)
+time.sleep(60)
+"""
+
+
+def engine_gpu_from_nvml(url: str, spool: str) -> list[str]:
+    writer = subprocess.Popen([sys.executable, "-c", SILENT_WRITER, REPO, spool], stdout=subprocess.PIPE, text=True)
+    try:
+        writer.stdout.readline()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            samples = [(family.name, sample.labels) for family in text_string_to_metric_families(scrape(url))
+                       for sample in family.samples]
+            info = [labels for name, labels in samples
+                    if name == "gpuio_engine_info" and labels.get("engine") == "silent"]
+            gpus = {labels["uuid"] for name, labels in samples if name == "gpuio_gpu_info"}
+            if info and info[0].get("gpu_uuid"):
+                print(f"engine 'silent' (no GPU recorded by its process {writer.pid}): gpu_uuid "
+                      f"{info[0]['gpu_uuid']} from NVML's process list; GPUs {sorted(gpus)}")
+                return [] if info[0]["gpu_uuid"] in gpus else ["engine's gpu_uuid is no GPU of gpuio_gpu_info"]
+            time.sleep(0.5)
+        return ["engine 'silent' got no gpu_uuid from NVML's process list in 30 s"]
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 if __name__ == "__main__":

@@ -254,3 +254,37 @@ def test_histogram_lines_are_cumulative_and_parse_in_both_formats() -> None:
     assert parsed.type == "histogram" and len(parsed.samples) == 5
     (om,) = parse_openmetrics(render([family], openmetrics=True))
     assert om.type == "histogram"
+
+
+def test_the_gpu_of_a_writer_that_did_not_say_comes_from_the_nvml_process_list(spool_dir, tmp_path) -> None:
+    """A process that loads without naming its GPU (no torch, no pycuda with NVML) is joined to the GPU
+    NVML lists it on, but only when the exporter's procfs shows that very process (same start time)."""
+    plan = tmp_path / "bert.engine"
+    plan.write_bytes(os.urandom(1 << 16))
+    instrument.load(str(plan), bytes)  # this test process is the writer; it records no GPU
+
+    def info_uuid(target: engines.EnginesCollector) -> str:
+        samples = parse_samples(scrape(target))
+        (labels,) = [dict(ls) for (name, ls), _ in samples.items() if name == "gpuio_engine_info"]
+        return labels["gpu_uuid"]
+
+    assert info_uuid(collector(spool_dir)) == ""  # NVML lists nothing yet
+    target = collector(spool_dir)
+    target.context.gpu_processes.update({os.getpid(): "GPU-from-nvml", os.getpid() + 1: "GPU-other"})
+    assert info_uuid(target) == "GPU-from-nvml"
+    # Another pid namespace: the exporter's /proc shows a different process under that pid.
+    fake_proc = tmp_path / "proc" / str(os.getpid())
+    fake_proc.mkdir(parents=True)
+    fake_proc.joinpath("stat").write_text(f"{os.getpid()} (other) S " + " ".join(["1"] * 18) + " 12345 0 0\n")
+    elsewhere = collector(spool_dir)
+    elsewhere.context = Context(procfs=str(tmp_path / "proc"))
+    elsewhere.context.gpu_processes.update({os.getpid(): "GPU-from-nvml"})
+    assert info_uuid(elsewhere) == ""
+
+
+def test_a_gpu_the_writer_named_is_kept(spool_dir, tmp_path) -> None:
+    busy_engine(tmp_path)  # loads with gpu_uuid="GPU-5a1e"
+    target = collector(spool_dir)
+    target.context.gpu_processes.update({os.getpid(): "GPU-from-nvml"})
+    samples = parse_samples(scrape(target))
+    assert {dict(ls)["gpu_uuid"] for (name, ls), _ in samples.items() if name == "gpuio_engine_info"} == {"GPU-5a1e"}

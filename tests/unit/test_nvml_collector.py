@@ -407,3 +407,18 @@ def test_flags_and_environment_reach_the_collector() -> None:
                                                 "reinit-interval": 30.0, "max-processes": 8}
     with pytest.raises(ConfigError, match="--collector.nvml.max-processes.*accepted: a whole number above zero"):
         parse_args(["--collector.nvml.max-processes=0"], environ={})
+
+
+def test_slow_sweeps_tell_the_engines_collector_which_gpu_each_process_is_on() -> None:
+    fake = FakeNvml(h100s(2))
+    fake.gpus[0].processes = [ProcessInfo(pid, GIB) for pid in (101, 102, 103)]
+    fake.gpus[1].processes = [ProcessInfo(201, GIB)]
+    collector = make(fake, max_processes=1)
+    sweep(collector)
+    table = collector.context.gpu_processes
+    uuids = [gpu.uuid for gpu in fake.gpus]
+    # every process, also those the series' cap leaves out
+    assert [table.get(pid) for pid in (101, 102, 103, 201, 999)] == [uuids[0]] * 3 + [uuids[1], None]
+    fake.gpus[1].processes = []
+    sweep(collector)
+    assert table.get(201) is None and table.get(101) == uuids[0]
