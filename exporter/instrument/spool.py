@@ -741,8 +741,9 @@ class SpoolReader:
                 old = totals.layers.get(key)
                 totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
             for engine, info in parsed.infos.items():
-                if not info.gpu_uuid and self.gpu_of is not None:
-                    info = dataclasses.replace(info, gpu_uuid=self.gpu_of(parsed.pid, parsed.start_ticks) or "")
+                found = self.gpu_of(parsed.pid, parsed.start_ticks) if not info.gpu_uuid and self.gpu_of else None
+                if found:
+                    info = dataclasses.replace(info, gpu_uuid=found)
                 identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
                 seen = distinct.get(identity)
                 if seen is None or seen.load_time < info.load_time:
