@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -44,6 +45,30 @@ class Option:
 
     def flag_name(self, collector: str) -> str:
         return self.flag or f"collector.{collector}.{self.name}"
+
+
+def parse_seconds(value: str) -> float:
+    """A duration: plain seconds ("2.5") or Prometheus style ("500ms", "2s", "5m", "1h")."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", value.strip())
+    if not match:
+        raise ValueError("not a duration")
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[match[2] or "s"]
+    seconds = float(match[1]) * scale
+    if seconds <= 0:
+        raise ValueError("must be above zero")
+    return seconds
+
+
+def parse_count(minimum: int = 1) -> Callable[[str], int]:
+    """A parser of whole numbers (ASCII digits: int() refuses '²', which isdigit() accepts) >= ``minimum``."""
+
+    def parse(value: str) -> int:
+        text = value.strip()
+        if not (text.isascii() and text.isdigit()) or int(text) < minimum:
+            raise ValueError(f"not a whole number of at least {minimum}")
+        return int(text)
+
+    return parse
 
 
 class GpuProcesses:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__, webconfig
-from .collect import REGISTRY, Option
+from .collect import REGISTRY, Option, parse_count, parse_seconds  # noqa: F401  (parse_seconds: re-exported)
 from .logsetup import LEVELS
 from .webconfig import WebConfig
 
@@ -73,27 +73,9 @@ def parse_bool(value: str) -> bool:
     raise ValueError("not a boolean")
 
 
-def parse_seconds(value: str) -> float:
-    """A duration: plain seconds ("2.5") or Prometheus style ("500ms", "2s", "5m", "1h")."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", value.strip())
-    if not match:
-        raise ValueError("not a duration")
-    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[match[2] or "s"]
-    seconds = float(match[1]) * scale
-    if seconds <= 0:
-        raise ValueError("must be above zero")
-    return seconds
-
-
 def parse_web_config_file(value: str) -> WebConfig | None:
     """The exporter-toolkit web configuration (TLS, basic auth); "" is none: plain HTTP, no auth."""
     return webconfig.load(value) if value else None
-
-
-def parse_max_requests(value: str) -> int:
-    if not value.strip().isdigit():
-        raise ValueError("not a whole number")
-    return int(value)
 
 
 def parse_regex(value: str) -> re.Pattern[str]:
@@ -123,7 +105,7 @@ GLOBAL_FLAGS: tuple[Flag, ...] = (
     Flag("web.config.file", "", parse_web_config_file,
          "a YAML file in Prometheus exporter-toolkit's web configuration format (docs/reliability.md)",
          "Configuration file for TLS and basic auth (exporter-toolkit format)."),
-    Flag("web.max-requests", "40", parse_max_requests, "a whole number; 0 for no limit",
+    Flag("web.max-requests", "40", parse_count(0), "a whole number; 0 for no limit",
          "Maximum number of scrapes served at once; more get 503."),
     Flag("web.disable-exporter-metrics", "false", parse_bool, "true or false",
          "Leave out the exporter's own process_* and build metrics.", boolean=True),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..blockdev import BlockDevices, PathDevices
-from ..collect import Collector, Context, Option, register
+from ..collect import Collector, Context, Option, parse_count, parse_seconds, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..instrument import spool as fmt
 from ..instrument.load import engine_name
@@ -45,27 +45,6 @@ MAX_LAYERS = 64
 MAX_ERRORS = 32
 DEVICE_CACHE_SECONDS = 60.0
 DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
-
-
-# The config module pulls in the web stack (TLS, bcrypt, yaml); this collector also runs inside
-# tools and GPU test scripts that have none of it, so it parses its few options itself.
-def _parse_seconds(value: str) -> float:
-    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-    text = value.strip()
-    unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
-    try:
-        seconds = float(text[: len(text) - len(unit)]) * scale[unit or "s"]
-    except ValueError:
-        raise ValueError("not a duration") from None
-    if not seconds > 0:
-        raise ValueError("must be above zero")
-    return seconds
-
-
-def _parse_count(value: str) -> int:
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError("not a whole number above zero")
-    return int(value)
 
 
 def _parse_globs(value: str) -> tuple[str, ...]:
@@ -182,10 +161,10 @@ class EnginesCollector(Collector):
                "Directory where inference processes write their spool files (GPUIO_SPOOL_DIR in them)."),
         Option("path", "", _parse_globs, "comma-separated absolute glob patterns, e.g. /models/*.engine",
                "Engine files to watch (size, residency, device) even when no process reports them."),
-        Option("max-engines", "200", _parse_count, "a whole number above zero", "At most this many engines."),
-        Option("max-files", "1000", _parse_count, "a whole number above zero",
+        Option("max-engines", "200", parse_count(1), "a whole number above zero", "At most this many engines."),
+        Option("max-files", "1000", parse_count(1), "a whole number above zero",
                "At most this many files from --collector.engines.path."),
-        Option("residency-interval", "30s", _parse_seconds, DURATION_ACCEPTED,
+        Option("residency-interval", "30s", parse_seconds, DURATION_ACCEPTED,
                "How often the background scan measures engine files' page-cache residency and devices."),
     )
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .. import nvml_device as nv
-from ..collect import Collector, Context, Option, StaleData, register
+from ..collect import Collector, Context, Option, StaleData, parse_count, parse_seconds, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..nvml_device import Nvml, NVMLError, error_code, error_name
@@ -339,18 +339,6 @@ class XidListener:
         log.warning("Xid event", extra=fields(gpu=gpu.index, uuid=gpu.uuid, xid=code))
 
 
-def _seconds(value: str) -> float:
-    from ..config import parse_seconds  # lazily: the GPU machine runs this module without the web stack
-
-    return parse_seconds(value)
-
-
-def _positive_int(value: str) -> int:
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError("not a whole number above zero")
-    return int(value)
-
-
 DURATION = "a duration above zero such as 500ms, 2s, 5m"
 
 
@@ -358,14 +346,15 @@ DURATION = "a duration above zero such as 500ms, 2s, 5m"
 class NvmlCollector(Collector):
     name = "nvml"
     options = (
-        Option("interval", "1s", _seconds, DURATION, "How often NVML is read (utilisation, memory, power, clocks)."),
-        Option("slow-interval", "10s", _seconds, DURATION,
+        Option("interval", "1s", parse_seconds, DURATION,
+               "How often NVML is read (utilisation, memory, power, clocks)."),
+        Option("slow-interval", "10s", parse_seconds, DURATION,
                "How often the costly fields are read: energy, violation counters, ECC, processes, MIG."),
-        Option("hang-timeout", "10s", _seconds, DURATION,
+        Option("hang-timeout", "10s", parse_seconds, DURATION,
                "An NVML call still running after this long fails the collector (the data is stale)."),
-        Option("reinit-interval", "30s", _seconds, DURATION,
+        Option("reinit-interval", "30s", parse_seconds, DURATION,
                "How long after a lost GPU NVML is re-initialised, and how often a missing NVML is retried."),
-        Option("max-processes", "64", _positive_int, "a whole number above zero",
+        Option("max-processes", "64", parse_count(1), "a whole number above zero",
                "Most compute processes listed per GPU (largest memory first); the rest are counted as dropped."),
     )
 

@@ -49,8 +49,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..collect import Collector, Context, Option, register
-from ..config import ConfigError, parse_choice, parse_regex, parse_seconds
+from ..collect import Collector, Context, Option, parse_count, parse_seconds, register
+from ..config import ConfigError, parse_choice, parse_regex
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..sampler import PeriodicSampler
@@ -88,12 +88,6 @@ def parse_executable(value: str) -> str:
     if not (os.path.isfile(value) and os.access(value, os.X_OK)):
         raise ValueError("no executable file there")
     return value
-
-
-def parse_positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError("not a whole number of at least 1")
-    return int(value)
 
 
 def parse_devices(value: str) -> tuple[tuple[str, str | None], ...]:
@@ -703,7 +697,7 @@ class SmartCollector(Collector):
                "How often every disk is polled; scrapes serve the last poll."),
         Option("timeout", "30s", parse_seconds, "a duration above zero such as 10s, 1m",
                "Time allowed for one disk's poll (all its smartctl runs); smartctl is killed after it."),
-        Option("concurrency", "4", parse_positive_int, "a whole number of at least 1",
+        Option("concurrency", "4", parse_count(1), "a whole number of at least 1",
                "How many disks are polled at the same time."),
         Option("powermode-check", "standby", parse_choice(POWER_MODES), ", ".join(POWER_MODES),
                "smartctl -n: leave a disk alone while it is in this power mode or a deeper one "
@@ -714,7 +708,7 @@ class SmartCollector(Collector):
                "Regexp of disks not to poll (device label or smartctl name)."),
         Option("devices", None, parse_devices, "space-separated PATH or PATH;TYPE: '/dev/sda /dev/bus/0;megaraid,8'",
                "Poll these devices instead of the ones smartctl --scan-open finds."),
-        Option("max-devices", "256", parse_positive_int, "a whole number of at least 1",
+        Option("max-devices", "256", parse_count(1), "a whole number of at least 1",
                "At most this many disks are polled and exported; the rest are counted as dropped."),
     )
 
