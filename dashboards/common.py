@@ -118,6 +118,19 @@ def multi_variable(name: str, label: str, metric: str, all_value: str = ".*") ->
             .multi(True).include_all(True).all_value(all_value))
 
 
+# The gpu and engine variables, and the matchers that apply them (Starvation, GPU, Engines boards).
+GPU = 'gpu=~"$gpu"'
+ENGINE = 'engine=~"$engine"'
+
+
+def gpu_variable() -> db.QueryVariable:
+    return multi_variable("gpu", "GPU", "gpuio_gpu_info")
+
+
+def engine_variable() -> db.QueryVariable:
+    return multi_variable("engine", "Engine", "gpuio_engine_info")
+
+
 def histogram_quantile(q: float, histogram: str, selector: str, by: str = "engine") -> str:
     """The q-quantile of a histogram family per ``by`` (and node), over $__rate_interval."""
     return (f"histogram_quantile({q:g}, sum by ({c.NODE_LABEL}, {by}, le) "

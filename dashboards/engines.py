@@ -14,19 +14,19 @@ from deploy.prometheus import config as c
 from deploy.prometheus import rules as r
 
 from .common import (
+    ENGINE,
     assemble,
     engine_loads_annotation,
+    engine_variable,
     graph,
     guarded_ratio,
     histogram_quantile,
-    multi_variable,
     query,
     rate,
     sel,
     value_table,
 )
 
-ENGINE = 'engine=~"$engine"'
 PER_ENGINE = "{{engine}}"
 
 
@@ -155,5 +155,5 @@ def build() -> db.Dashboard:
                     "engine files and the disk and GPU behind each.",
                     (("Cold starts", load_panels()), ("Inference", inference_panels()), ("Pool", pool_panels()),
                      ("Engine files", file_panels()), ("Layers", layer_panels()), ("Spool", spool_panels())),
-                    variables=[multi_variable("engine", "Engine", "gpuio_engine_info")],
+                    variables=[engine_variable()],
                     annotations=[engine_loads_annotation(sel(ENGINE))])

@@ -13,16 +13,16 @@ from grafana_foundation_sdk.builders import dashboard as db
 from deploy.prometheus import config as c
 
 from .common import (
+    GPU,
     assemble,
+    gpu_variable,
     graph,
-    multi_variable,
     query,
     rate,
     sel,
     value_table,
 )
 
-GPU = 'gpu=~"$gpu"'
 PER_GPU = "GPU {{gpu}}"
 
 
@@ -139,4 +139,4 @@ def build() -> db.Dashboard:
                     "and throttling, PCIe, errors, processes.",
                     (("Activity", activity_panels()), ("Heat, power and clocks", thermal_panels()),
                      ("PCIe", pcie_panels()), ("Errors", error_panels()), ("Processes", process_panels())),
-                    variables=[multi_variable("gpu", "GPU", "gpuio_gpu_info")])
+                    variables=[gpu_variable()])

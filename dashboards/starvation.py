@@ -13,20 +13,20 @@ from deploy.prometheus import config as c
 from deploy.prometheus import rules as r
 
 from .common import (
+    ENGINE,
+    GPU,
     assemble,
     engine_loads_annotation,
+    engine_variable,
+    gpu_variable,
     graph,
     guarded_ratio,
     histogram_quantile,
-    multi_variable,
     query,
     rate,
     sel,
     value_table,
 )
-
-GPU = 'gpu=~"$gpu"'
-ENGINE = 'engine=~"$engine"'
 
 
 def gpu_panels() -> list:
@@ -99,6 +99,6 @@ def build() -> db.Dashboard:
                 ("Engines", engine_panels()))
     return assemble(c.STARVATION_UID, "Is a GPU idle because a disk cannot keep up? GPU, disks, IO pressure and "
                     "engines of one node on one time axis.", sections,
-                    variables=[multi_variable("gpu", "GPU", "gpuio_gpu_info"),
-                               multi_variable("engine", "Engine", "gpuio_engine_info")],
+                    variables=[gpu_variable(),
+                               engine_variable()],
                     annotations=[engine_loads_annotation(sel(ENGINE))])

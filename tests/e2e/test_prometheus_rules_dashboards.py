@@ -24,6 +24,7 @@ Checked, through Prometheus' HTTP API once a few scrapes are in:
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -183,6 +184,7 @@ def grafana_substitute(expr: str, instance: str) -> str:
     return expr
 
 
+@functools.cache
 def recorded_inputs() -> dict[str, set[str]]:
     """Each recording rule -> the raw gpuio names it is computed from (through other recorded ones)."""
     exprs: dict[str, list[str]] = {}
