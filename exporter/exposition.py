@@ -163,20 +163,22 @@ class GzipRenderer:
         if frozen and run:  # the body must end with # EOF, which is never part of a cached member
             members.append(self._member(run, True, openmetrics))
             run = []
-        members.append(gzip.compress(render(run, openmetrics).encode(), self.level))
+        members.append(self._gzip(run, openmetrics, end=True))
         return b"".join(members)
 
     def _member(self, run: list[Family], frozen: bool, openmetrics: bool) -> bytes:
         if not frozen:
-            return gzip.compress(render(run, openmetrics, end=False).encode(), self.level)
+            return self._gzip(run, openmetrics, end=False)
         key = (openmetrics, tuple(map(id, run)))
         cached = self._members.get(key)
         if cached is None:
             if len(self._members) >= self.MAX_CACHED:
                 self._members.clear()
-            member = gzip.compress(render(run, openmetrics, end=False).encode(), self.level)
-            cached = self._members[key] = (run, member)
+            cached = self._members[key] = (run, self._gzip(run, openmetrics, end=False))
         return cached[1]
+
+    def _gzip(self, run: list[Family], openmetrics: bool, end: bool) -> bytes:
+        return gzip.compress(render(run, openmetrics, end=end).encode(), self.level)
 
 
 def wants_openmetrics(accept_header: str) -> bool:
