@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__, webconfig
-from .collect import REGISTRY, Option, parse_count, parse_seconds  # noqa: F401  (parse_seconds: re-exported)
+from .collect import REGISTRY, Option, parse_count, parse_seconds
 from .logsetup import LEVELS
 from .webconfig import WebConfig
 
