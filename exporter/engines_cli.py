@@ -41,14 +41,14 @@ def _age(timestamp: float | None) -> str:
 
 
 def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sysfs: str = "/sys",
-                rootfs: str = "/") -> list[dict[str, Any]]:
+                rootfs: str = "/", path_include: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """One row per engine file (or per engine with no file known): what ``gpuio engines`` prints."""
     from .collect import Context
     from .collectors.engines import EnginesCollector
     from .instrument.spool import ENGINE_LAYOUT
 
     options = {"spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
-               "residency-interval": 3600.0}
+               "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None}
     collector = EnginesCollector(Context(procfs, sysfs, rootfs), options, read_only=True)
     collector.collect()  # learns the files processes report
     scan = collector.scanner.sample_now().value
@@ -126,12 +126,16 @@ def engines_main(argv: Sequence[str]) -> int:
     parser.add_argument("--path.procfs", dest="procfs", default="/proc")
     parser.add_argument("--path.sysfs", dest="sysfs", default="/sys")
     parser.add_argument("--path.rootfs", dest="rootfs", default="/")
+    parser.add_argument("--path-include", default=os.environ.get("GPUIO_COLLECTOR_ENGINES_PATH_INCLUDE", ""),
+                        help="directories where engine files named by processes may be opened (comma-separated; "
+                             "env GPUIO_COLLECTOR_ENGINES_PATH_INCLUDE; default: the exporter's)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(list(argv))
     globs = [part.strip() for value in args.path for part in value.split(",") if part.strip()]
     if not globs and env_globs():
         globs = env_globs()
-    rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs)
+    include = [part.strip() for part in args.path_include.split(",") if part.strip()]
+    rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs, include or None)
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:

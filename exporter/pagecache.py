@@ -37,6 +37,7 @@ class Unavailable(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
+        self.st: os.stat_result | None = None  # set where the file itself was found and checked
 
 
 @dataclass(frozen=True)
@@ -120,39 +121,189 @@ def mincore_trustworthy(path: str, st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() or _has_cap_fowner() or os.access(path, os.W_OK, effective_ids=True)
 
 
+# --------------------------------------------------------------------------------------------------
+# Opening a file someone else named (a spool writer's engine path): only what that writer could load
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    """An engine file as a spool writer reported it: where, which inode, and who the writer is."""
+
+    path: str  # absolute, in the writer's view (the exporter finds it under --path.rootfs)
+    dev: tuple[int, int]  # st_dev (major, minor) the writer saw
+    ino: int  # st_ino the writer saw; 0 (not recorded) means "do not open"
+    uids: frozenset[int]  # owners of the spool files that name it: the writers
+
+
+def _inside(parts: list[str], roots: tuple[str, ...]) -> bool:
+    for root in roots:
+        prefix = [part for part in root.split("/") if part]
+        if parts[: len(prefix)] == prefix:
+            return True
+    return False
+
+
+def _writer_may(st: os.stat_result, uids: frozenset[int], bit_user: int, bit_other: int) -> bool:
+    """Whether one of the writers could have had that access by the mode bits (root always could).
+    Group bits are not taken: the writer's groups are not known here (a group-only file is refused)."""
+    return bool(st.st_mode & bit_other) or any(uid == 0 or (uid == st.st_uid and st.st_mode & bit_user)
+                                               for uid in uids)
+
+
+def open_claimed(rootfs: str, claim: Claim, allowed: tuple[str, ...]) -> tuple[int, os.stat_result]:
+    """Open, read-only, the regular file ``claim`` names, under ``rootfs``; or raise Unavailable.
+
+    Nothing a writer says can make this open anything else (each check comes before any open that
+    could have an effect):
+
+    * ``ino`` 0 is not opened ("unverified"); the path must be absolute, without ``..`` or ``.``, inside
+      one of ``allowed`` ("outside_paths");
+    * the walk goes component by component from ``rootfs`` with O_PATH|O_NOFOLLOW (an O_PATH open
+      touches no driver and follows no link, so ``..`` and symlinks cannot leave ``rootfs``): a
+      symlink anywhere is refused ("symlink"), and every directory must be searchable by a writer
+      ("writer_permission");
+    * the last component is opened O_PATH and fstat'ed: anything but a regular file (FIFO, device,
+      socket) is refused ("not_regular") before it is ever opened for reading; another device or
+      inode than the writer reported is "not_visible"; a file no writer could read, "writer_permission";
+    * only then is it reopened for reading through /proc/self/fd (the very inode), O_NONBLOCK.
+
+    Returns the readable descriptor (the caller closes it) and its stat.
+    """
+    if claim.ino == 0:
+        raise Unavailable("unverified", f"{claim.path}: the writer recorded no inode")
+    parts = claim.path.split("/")
+    if not claim.path.startswith("/") or any(part in (".", "..") for part in parts):
+        raise Unavailable("outside_paths", f"{claim.path}: not a plain absolute path")
+    parts = [part for part in parts if part]
+    if not parts or not _inside(parts, allowed):
+        raise Unavailable("outside_paths", f"{claim.path}: outside --collector.engines.path-include")
+    fd = _walk(rootfs, parts, claim)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            raise Unavailable("symlink", f"{claim.path} is a symbolic link")
+        if not stat.S_ISREG(st.st_mode):
+            raise Unavailable("not_regular", f"{claim.path} is not a regular file")
+        if (os.major(st.st_dev), os.minor(st.st_dev)) != claim.dev or st.st_ino != claim.ino:
+            raise Unavailable("not_visible", f"{claim.path}: another file than the writer loaded")
+        if not _writer_may(st, claim.uids, stat.S_IRUSR, stat.S_IROTH):
+            raise Unavailable("writer_permission", f"{claim.path}: no writer could read it")
+        readable = _reopen(fd)
+    finally:
+        os.close(fd)
+    return readable, st
+
+
+def _walk(rootfs: str, parts: list[str], claim: Claim) -> int:
+    """An O_PATH descriptor of ``parts`` under ``rootfs``, no link followed, each directory checked."""
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        current = os.open(rootfs or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Unavailable("not_visible", f"{rootfs}: {exc.strerror}") from None
+    try:
+        for index, part in enumerate(parts):
+            try:
+                following = os.open(part, flags, dir_fd=current)
+            except OSError as exc:
+                raise Unavailable("not_visible", f"{claim.path}: {exc.strerror}") from None
+            os.close(current)
+            current = following
+            if index == len(parts) - 1:
+                break
+            st = os.fstat(current)
+            if stat.S_ISLNK(st.st_mode):
+                raise Unavailable("symlink", f"{claim.path}: {part} is a symbolic link")
+            if not stat.S_ISDIR(st.st_mode):
+                raise Unavailable("not_visible", f"{claim.path}: {part} is not a directory")
+            if not _writer_may(st, claim.uids, stat.S_IXUSR, stat.S_IXOTH):
+                raise Unavailable("writer_permission", f"{claim.path}: no writer may enter {part}")
+    except BaseException:
+        os.close(current)
+        raise
+    return current
+
+
+def _reopen(path_fd: int) -> int:
+    """Open for reading the inode an O_PATH descriptor holds (already known to be a regular file)."""
+    try:
+        return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Unavailable("permission" if exc.errno in (errno.EACCES, errno.EPERM) else "io", str(exc)) from None
+
+
+def residency_of_claim(rootfs: str, claim: Claim, allowed: tuple[str, ...]) -> tuple[os.stat_result, Residency]:
+    """Stat and residency of a writer-named engine file, checked by :func:`open_claimed`.
+
+    Raises Unavailable with the reason; the stat of a file that passed every check but whose
+    residency cannot be measured is on the exception's ``st``.
+    """
+    fd, st = open_claimed(rootfs, claim, allowed)
+    try:
+        return st, residency_fd(fd, st, f"/proc/self/fd/{fd}", "auto")
+    except Unavailable as exc:
+        exc.st = st
+        raise
+    finally:
+        os.close(fd)
+
+
 def residency(path: str, method: str = "auto") -> Residency:
     """Page-cache residency of ``path``.  ``method``: "auto" (cachestat, else mincore), "cachestat", "mincore".
 
     Raises Unavailable("permission") where the kernel would refuse or fake the answer,
     Unavailable("io") when the file cannot be opened, Unavailable("unsupported") when neither call
-    exists, Unavailable("not_regular") for anything but a regular file.
+    exists, Unavailable("not_regular") for anything but a regular file (never opened for reading).
     """
-    global _cachestat_missing
+    fd, st = open_regular(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        return residency_fd(fd, st, path, method)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str, follow: bool = True) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path`` and its stat, if it is a regular file; else Unavailable.
+
+    The type is checked on an O_PATH descriptor before the file is opened for reading, so a FIFO is
+    never waited on and a device node's driver never sees an open (a watchdog would arm, /dev/ptmx
+    would make a terminal).  ``follow=False`` refuses a symbolic link as the last component.
+    """
+    try:
+        path_fd = os.open(path, os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     except OSError as exc:
         raise Unavailable("permission" if exc.errno in (errno.EACCES, errno.EPERM) else "io", str(exc)) from None
     try:
-        st = os.fstat(fd)
+        st = os.fstat(path_fd)
+        if stat.S_ISLNK(st.st_mode):
+            raise Unavailable("symlink", f"{path} is a symbolic link")
         if not stat.S_ISREG(st.st_mode):
             raise Unavailable("not_regular", f"{path} is not a regular file")
-        if method in ("auto", "cachestat") and not (_cachestat_missing and method == "auto"):
-            try:
-                stats = cachestat(fd)
-                cached = min(stats.nr_cache * PAGE, st.st_size)
-                return Residency(st.st_size, cached, "cachestat", stats.nr_evicted, stats.nr_recently_evicted)
-            except OSError as exc:
-                if exc.errno == errno.EPERM:
-                    raise Unavailable("permission", f"cachestat refused for {path} (no write permission)") from None
-                if exc.errno != errno.ENOSYS or method == "cachestat":
-                    raise Unavailable("unsupported" if exc.errno == errno.ENOSYS else "io", str(exc)) from None
-                _cachestat_missing = True
-        if not mincore_trustworthy(path, st):
-            raise Unavailable("permission", f"mincore would report {path} fully cached (no write permission)")
-        try:
-            pages = mincore_pages(fd, st.st_size)
-        except OSError as exc:
-            raise Unavailable("io", str(exc)) from None
-        return Residency(st.st_size, min(pages * PAGE, st.st_size), "mincore")
+        return _reopen(path_fd), st
     finally:
-        os.close(fd)
+        os.close(path_fd)
+
+
+def residency_fd(fd: int, st: os.stat_result, path: str, method: str) -> Residency:
+    global _cachestat_missing
+    if not stat.S_ISREG(st.st_mode):
+        raise Unavailable("not_regular", f"{path} is not a regular file")
+    if method in ("auto", "cachestat") and not (_cachestat_missing and method == "auto"):
+        try:
+            stats = cachestat(fd)
+            cached = min(stats.nr_cache * PAGE, st.st_size)
+            return Residency(st.st_size, cached, "cachestat", stats.nr_evicted, stats.nr_recently_evicted)
+        except OSError as exc:
+            if exc.errno == errno.EPERM:
+                raise Unavailable("permission", f"cachestat refused for {path} (no write permission)") from None
+            if exc.errno != errno.ENOSYS or method == "cachestat":
+                raise Unavailable("unsupported" if exc.errno == errno.ENOSYS else "io", str(exc)) from None
+            _cachestat_missing = True
+    if not mincore_trustworthy(path, st):
+        raise Unavailable("permission", f"mincore would report {path} fully cached (no write permission)")
+    try:
+        pages = mincore_pages(fd, st.st_size)
+    except OSError as exc:
+        raise Unavailable("io", str(exc)) from None
+    return Residency(st.st_size, min(pages * PAGE, st.st_size), "mincore")

@@ -15,15 +15,24 @@ disk and its GPU (as the process recorded it, else as NVML lists the process: ``
 ``gpuio_engine_physical_device_info`` names the whole disks under the device, the same way
 ``gpuio_disk_physical_device_info`` does, so rules can go engine -> disk -> diskstats.
 
-Bounded: at most ``max-engines`` engines (the ones already exported keep their place), 64 layers and
-32 error reasons per engine, ``max-files`` files from globs; what does not fit is counted in
-``gpuio_engine_dropped_series_total{kind}`` (once per distinct name).
+Bounded: at most ``max-engines`` engines, 64 layers, 32 error reasons and 16 info series per engine,
+``max-files`` files from globs; what does not fit is counted in
+``gpuio_engine_dropped_series_total{kind}`` each time something shown is left out.  Which engines are
+shown when there are more than the cap is decided so that junk cannot push out real engines: engines
+whose counters moved recently first, then those with live writers, then any with observations, then
+those shown before (no flapping among equals).
+
+Engine files named by writers are opened only through :func:`exporter.pagecache.open_claimed`: inside
+``--collector.engines.path-include`` (and the ``--collector.engines.path`` directories), the very
+inode the writer reported, a regular file one of the writers could read, no symlink, under
+``--path.rootfs``.
 """
 
 from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import threading
 import time
@@ -36,13 +45,16 @@ from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogra
 from ..instrument import spool as fmt
 from ..instrument.load import engine_name
 from ..logsetup import LogOnce
-from ..pagecache import Unavailable, residency
+from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..sampler import PeriodicSampler
 
 log = logging.getLogger("gpuio.collector.engines")
 
 MAX_LAYERS = 64
 MAX_ERRORS = 32
+MAX_INFOS = 16  # info series (path, GPU, runtime) per engine: a few GPUs and copies on a node
+ACTIVE_SECONDS = 600.0  # an engine whose counters moved this recently ranks as active for the cap
+DEFAULT_PATH_INCLUDE = "/models,/mnt,/data,/srv,/opt,/var/lib"
 DEVICE_CACHE_SECONDS = 60.0
 DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
 
@@ -53,6 +65,43 @@ def _parse_globs(value: str) -> tuple[str, ...]:
         if not os.path.isabs(pattern):
             raise ValueError(f"{pattern!r} is not an absolute path")
     return patterns
+
+
+def _parse_directories(value: str) -> tuple[str, ...]:
+    directories = tuple(part.strip().rstrip("/") or "/" for part in value.split(",") if part.strip())
+    for directory in directories:
+        if not os.path.isabs(directory) or any(part in (".", "..") for part in directory.split("/")):
+            raise ValueError(f"{directory!r} is not an absolute path without . or ..")
+    return directories
+
+
+def _glob_directory(pattern: str) -> str:
+    """The directory above a glob's first wildcard: /models/*/x.engine -> /models."""
+    fixed = []
+    for part in pattern.split("/"):
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    else:
+        fixed = fixed[:-1]  # no wildcard: the file's directory
+    return "/".join(fixed) or "/"
+
+
+class LeftOut:
+    """What a cap left out, counted each time a key goes from shown to left out.  Only the keys left
+    out at the last pass are remembered, so the memory is that of what is there now."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._before: set[Any] = set()
+        self._now: set[Any] = set()
+
+    def add(self, key: Any) -> None:
+        self._now.add(key)
+
+    def commit(self) -> None:
+        self.total += len(self._now - self._before)
+        self._before, self._now = self._now, set()
 
 
 def _parse_directory_name(value: str) -> str:
@@ -119,11 +168,15 @@ SPOOL_FOLDED = Desc("gpuio_engine_spool_folded_processes_total", COUNTER,
                     "Spool files of exited processes whose totals were folded in.")
 SPOOL_ERRORS = Desc("gpuio_engine_spool_errors_total", COUNTER,
                     "Spool files skipped or damaged, by reason (empty, truncated, version, garbage, record, io, "
-                    "vanished), counted once per file.")
+                    "vanished, oversized, not_deleted), counted once per file.")
+SPOOL_DEFERRED = Desc("gpuio_engine_spool_deferred_files", GAUGE,
+                      "Spool files not read at this scrape because its read budget was spent (read at a later "
+                      "scrape; live files keep their last values).")
 WRITER_DROPS = Desc("gpuio_engine_spool_writer_dropped_series_total", COUNTER,
                     "Series processes could not record because their spool file was full.")
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
-               "Distinct engines, layers, error reasons and files left out by the exporter's caps, by kind.")
+               "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
+               "(counted each time one is left out that was not left out at the scrape before).")
 
 
 @dataclass(frozen=True)
@@ -132,6 +185,7 @@ class Target:
     path: str
     dev: tuple[int, int] | None  # the st_dev the process saw; None for files from globs
     ino: int | None
+    uids: frozenset[int] = frozenset()  # the writers (spool file owners) that reported it
 
 
 @dataclass(frozen=True)
@@ -166,6 +220,13 @@ class EnginesCollector(Collector):
                "At most this many files from --collector.engines.path."),
         Option("residency-interval", "30s", parse_seconds, DURATION_ACCEPTED,
                "How often the background scan measures engine files' page-cache residency and devices."),
+        Option("path-include", DEFAULT_PATH_INCLUDE, _parse_directories,
+               "comma-separated absolute directories, e.g. /models,/mnt/cache",
+               "Directories where engine files named by spool writers may be opened (size, residency); "
+               "the --collector.engines.path directories are added."),
+        Option("max-file-bytes", str(fmt.DEFAULT_FILE_BYTES), parse_count(fmt.HEADER_SIZE + 4096),
+               "a whole number of bytes, at least 4352",
+               "Spool files bigger than this are refused unread (the library makes 1 MiB files)."),
     )
 
     def __init__(self, context: Context, options: dict[str, Any], read_only: bool = False) -> None:
@@ -175,14 +236,21 @@ class EnginesCollector(Collector):
         self.max_engines: int = options.get("max-engines") or 200
         self.max_files: int = options.get("max-files") or 1000
         self.reader = fmt.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
-                                      remove_dead=not read_only, gpu_of=self.gpu_of_process)
+                                      remove_dead=not read_only, gpu_of=self.gpu_of_process,
+                                      max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES)
+        include = options.get("path-include")
+        if include is None:
+            include = _parse_directories(DEFAULT_PATH_INCLUDE)
+        self.path_include: tuple[str, ...] = tuple(include) + tuple(_glob_directory(g) for g in self.globs)
         self._same_process: dict[tuple[int, int], bool] = {}  # (pid, start ticks) -> our /proc shows it
         self.scanner: PeriodicSampler[ScanResult] = PeriodicSampler(
             "engine-files", options.get("residency-interval") or 30.0, self.scan_files, log)
         self._targets: dict[tuple[str, str], Target] = {}
         self._targets_lock = threading.Lock()
         self._exported: set[str] = set()
-        self._dropped: dict[str, set[Any]] = {}
+        self._activity: dict[str, tuple[float, float]] = {}  # engine -> (sum of its counters, when it moved)
+        self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer")}
+        self._files_left_out = LeftOut()  # the background scan's own (another thread)
         self._labels: dict[str, str] = {}
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
         self._devices: dict[tuple[int, int], tuple[float, str, list[str]]] = {}
@@ -205,32 +273,50 @@ class EnginesCollector(Collector):
         families = self._engine_families(totals, engines)
         families += self._info_families(totals, engines)
         families += self._file_families()
+        for left_out in self._left_out.values():
+            left_out.commit()
         families += self._spool_families(totals)
         return families
 
     def _select(self, totals: fmt.Totals) -> list[str]:
-        """At most max-engines engines; those exported before keep their place."""
-        names = sorted(totals.engines)
-        if len(names) <= self.max_engines:
-            self._exported = set(names)
-            return names
-        kept = [name for name in names if name in self._exported][: self.max_engines]
-        for name in names:
-            if len(kept) >= self.max_engines:
-                break
-            if name not in kept:
-                kept.append(name)
-        chosen = set(kept)
-        for name in names:
-            if name not in chosen:
+        """At most max-engines engines, ranked so that junk cannot push out real ones (module note).
+
+        The reader is told which engines are shown: their folded totals are never forgotten."""
+        now = time.monotonic()
+        self._note_activity(totals, now)
+        names = list(totals.engines)
+        if len(names) > self.max_engines:
+            names.sort(key=lambda name: self._rank(totals, name, now))
+            for name in names[self.max_engines:]:
                 self._drop("engine", name)
-        self._exported = chosen
-        return sorted(kept)
+            names = names[: self.max_engines]
+        self._exported = set(names)
+        self.reader.protected = self._exported
+        return sorted(names)
+
+    def _note_activity(self, totals: fmt.Totals, now: float) -> None:
+        """When each engine's counters last moved, as this exporter saw them (not as a writer says)."""
+        prefix = fmt.ENGINE_LAYOUT.monotonic_prefix
+        activity: dict[str, tuple[float, float]] = {}
+        for name, values in totals.engines.items():
+            signature = sum(values[:prefix])
+            before = self._activity.get(name)
+            if before is None:
+                activity[name] = (signature, -math.inf)  # first sight proves nothing
+            else:
+                activity[name] = (signature, now if signature != before[0] else before[1])
+        self._activity = activity
+
+    def _rank(self, totals: fmt.Totals, name: str, now: float) -> tuple[bool, bool, bool, bool, float, str]:
+        """Sort key, best first: moved recently, has live writers, has observations, shown before,
+        moved most recently; then the name (a stable order among equals)."""
+        moved = self._activity[name][1]
+        values = totals.engines[name]
+        return (now - moved > ACTIVE_SECONDS, totals.processes.get(name, 0) == 0,
+                fmt.observations(values) == 0, name not in self._exported, -moved, name)
 
     def _drop(self, kind: str, key: Any) -> None:
-        seen = self._dropped.setdefault(kind, set())
-        if len(seen) < 100_000:
-            seen.add(key)
+        self._left_out[kind].add(key)
 
     def _label(self, engine: str) -> str:
         labels = self._labels.get(engine)
@@ -315,12 +401,31 @@ class EnginesCollector(Collector):
             same = self._same_process[key] = fmt.process_start_ticks(pid, self.context.procfs) == start_ticks
         return uuid if same else None
 
+    def _infos(self, totals: fmt.Totals, engine: str) -> list[fmt.EngineInfo]:
+        """At most MAX_INFOS of an engine's info records: those whose file the last scan found as the
+        writer reported it first, then the latest loads.  Many writers naming many paths for one
+        engine cannot multiply its series."""
+        items = totals.infos.get(engine, [])
+        if len(items) <= MAX_INFOS:
+            return items
+        scan = self.scanner.snapshot().value
+        files = scan.files if scan is not None else {}
+
+        def verified(item: fmt.EngineInfo) -> bool:
+            view = files.get((engine, item.path))
+            return view is not None and view.size is not None
+
+        ranked = sorted(items, key=lambda item: (not verified(item), -item.load_time, item.path))
+        for item in ranked[MAX_INFOS:]:
+            self._drop("info", (engine, item.path, item.gpu_uuid, item.runtime))
+        return ranked[:MAX_INFOS]
+
     def _info_families(self, totals: fmt.Totals, engines: list[str]) -> list[Family]:
         info, physical = [], []
         seen: set[str] = set()
         targets: dict[tuple[str, str], Target] = {}
         for engine in engines:
-            for item in totals.infos.get(engine, []):
+            for item in self._infos(totals, engine):
                 device, disks = self._device(item.dev)
                 labels = {"engine": engine, "path": item.path, "device": device,
                           "cuda_device": "" if item.cuda_device < 0 else str(item.cuda_device),
@@ -335,7 +440,8 @@ class EnginesCollector(Collector):
                                                               "physical_device": disk}), 1)
                     if line not in physical:
                         physical.append(line)
-                targets[(engine, item.path)] = Target(engine, item.path, item.dev, item.ino)
+                targets[(engine, item.path)] = Target(engine, item.path, item.dev, item.ino,
+                                                      frozenset(totals.info_uids.get((engine, item.path), ())))
         with self._targets_lock:
             self._targets = targets
         # Files only the globs name: the same join, with no GPU (no process has them loaded).
@@ -370,10 +476,6 @@ class EnginesCollector(Collector):
 
     # --- files: background scan ----------------------------------------------------------------
 
-    def _host_path(self, path: str) -> str:
-        root = self.context.rootfs
-        return path if root in ("", "/") else os.path.join(root, path.lstrip("/"))
-
     def scan_files(self) -> ScanResult:
         """Stat and measure residency of every target file (runs on the sampler's thread)."""
         start = time.perf_counter()
@@ -384,6 +486,7 @@ class EnginesCollector(Collector):
             if not any(target.path == path for target in targets.values()):
                 targets[key] = Target(key[0], path, None, None)
         files = {key: self._view(target) for key, target in targets.items()}
+        self._files_left_out.commit()
         return ScanResult(files, time.perf_counter() - start, time.time())
 
     def _glob(self) -> list[str]:
@@ -391,27 +494,35 @@ class EnginesCollector(Collector):
         for pattern in self.globs:
             for path in sorted(glob.glob(pattern)):
                 if len(found) >= self.max_files:
-                    self._drop("file", path)
+                    self._files_left_out.add(path)
                 elif os.path.isfile(path):
                     found.append(path)
         return found
 
     def _view(self, target: Target) -> FileView:
+        """Stat and residency of one file.  A file a writer named is opened only as
+        :func:`pagecache.open_claimed` allows (another file by that name, say in another mount
+        namespace, is "not_visible"); a glob's file is the operator's choice, but a symlink or a
+        non-regular file there is not opened either."""
         from_glob = target.dev is None
-        local = target.path if from_glob else self._host_path(target.path)
         try:
-            st = os.stat(local)
-        except OSError:
-            return FileView(target.engine, target.path, from_glob, None, None, None, None, "not_visible")
-        dev = (os.major(st.st_dev), os.minor(st.st_dev))
-        if not from_glob and target.ino and (dev != target.dev or st.st_ino != target.ino):
-            # Another file by that name (the process sees another mount namespace, or the engine
-            # was replaced since it was loaded): measuring it would describe the wrong file.
-            return FileView(target.engine, target.path, from_glob, None, None, None, None, "not_visible")
-        try:
-            measured = residency(local)
+            if from_glob:
+                fd, st = open_regular(target.path, follow=False)
+                try:
+                    measured = residency_fd(fd, st, target.path, "auto")
+                finally:
+                    os.close(fd)
+            else:
+                claim = Claim(target.path, target.dev or (0, 0), target.ino or 0, target.uids)
+                st, measured = residency_of_claim(self.context.rootfs, claim, self.path_include)
         except Unavailable as exc:
-            return FileView(target.engine, target.path, from_glob, dev, st.st_size, st.st_mtime, None, exc.reason)
+            found = exc.st
+            if found is None:
+                return FileView(target.engine, target.path, from_glob, None, None, None, None, exc.reason)
+            dev = (os.major(found.st_dev), os.minor(found.st_dev))
+            return FileView(target.engine, target.path, from_glob, dev, found.st_size, found.st_mtime, None,
+                            exc.reason)
+        dev = (os.major(st.st_dev), os.minor(st.st_dev))
         return FileView(target.engine, target.path, from_glob, dev, measured.size, st.st_mtime,
                         measured.cached_bytes, None)
 
@@ -447,7 +558,9 @@ class EnginesCollector(Collector):
         reader = self.reader
         errors = [SPOOL_ERRORS.sample(label_string({"reason": reason}), count)
                   for reason, count in sorted(reader.errors.items())]
-        counts = {kind: len(keys) for kind, keys in self._dropped.items()}
+        counts = {kind: left_out.total for kind, left_out in self._left_out.items() if left_out.total}
+        if self._files_left_out.total:
+            counts["file"] = self._files_left_out.total
         if reader.forgotten_engines:  # folded engines of exited processes forgotten past the reader's cap
             counts["folded_engine"] = reader.forgotten_engines
         dropped = [DROPPED.sample(label_string({"kind": kind}), count) for kind, count in sorted(counts.items())]
@@ -455,6 +568,7 @@ class EnginesCollector(Collector):
             Family(SPOOL_PROCESSES, [SPOOL_PROCESSES.sample("", totals.live_files)]),
             Family(SPOOL_FOLDED, [SPOOL_FOLDED.sample("", reader.folded_processes)]),
             Family(SPOOL_ERRORS, errors),
+            Family(SPOOL_DEFERRED, [SPOOL_DEFERRED.sample("", totals.deferred_files)]),
             Family(WRITER_DROPS, [WRITER_DROPS.sample("", totals.dropped_by_writers)]),
             Family(DROPPED, dropped),
         ]

@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import logging
 import math
 import mmap
@@ -437,9 +438,12 @@ class FileState:
 
     name: str
     ino: int
-    raw: bytes = b""
+    raw: bytes = b""  # not kept (see ``digest``): a live file's bytes cost memory for every scrape it lives
     parsed: Parsed | None = None
     bad_reported: bool = False
+    digest: bytes = b""  # of the bytes ``parsed`` came from: unchanged bytes are not parsed again
+    used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
+    uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
 
 
 @dataclass
@@ -455,6 +459,29 @@ class Totals:
     last_load: dict[str, float] = field(default_factory=dict)
     live_files: int = 0
     dropped_by_writers: int = 0
+    # (engine, path) -> owners (uids) of the live files whose INFO names that path: the exporter opens an
+    # engine file only where one of them could have read it (collectors/engines.py)
+    info_uids: dict[tuple[str, str], set[int]] = field(default_factory=dict)
+    deferred_files: int = 0  # files left for a later scrape: this one's read budget was spent
+
+
+# What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
+# be, how much of it is "used", how many files it makes and how often it changes them.
+MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (deferred)
+SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
+SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
+RETAINED_BYTES = 16 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
+
+
+@dataclass
+class ReadBudget:
+    """What is left of one read()'s work: bytes read, bytes parsed."""
+
+    read: int
+    parse: int
+
+    def spent(self) -> bool:
+        return self.read <= 0 or self.parse <= 0
 
 
 class SpoolReader:
@@ -463,22 +490,43 @@ class SpoolReader:
     ``read()`` costs one directory listing plus, per live file, open + pread + flock probe + close;
     a file whose bytes did not change since the last read is not parsed again.  A dead file costs
     that once: it is folded, then deleted (or tombstoned) and never opened again.
+
+    Bounded whatever the writers do: a file is read up to ``max_file_bytes`` at most (a bigger one is
+    refused, ``oversized``); one read() reads at most SCRAPE_READ_BYTES and parses at most
+    SCRAPE_PARSE_BYTES (files past that keep their last values and are read at a later call, live
+    files first, in turn); the parsed content kept for live files comes from at most RETAINED_BYTES
+    of them; a bad file is counted once for as long as it stays (remembered by name and inode).
     """
 
     def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
-                 gpu_of: Callable[[int, int], str | None] | None = None) -> None:
+                 gpu_of: Callable[[int, int], str | None] | None = None,
+                 max_file_bytes: int = DEFAULT_FILE_BYTES) -> None:
         self.directory = directory
         # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
         self.gpu_of = gpu_of
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
         self.remove_dead = remove_dead
         self.max_folded_engines = max_folded_engines
+        self.max_file_bytes = max_file_bytes
+        self.scrape_read_bytes = SCRAPE_READ_BYTES
+        self.scrape_parse_bytes = SCRAPE_PARSE_BYTES
+        self.retained_bytes = RETAINED_BYTES
+        # Engines whose folded totals are never forgotten (the exporter's exported engines).
+        self.protected: set[str] = set()
         self.errors: dict[str, int] = {}
         self.folded_processes = 0
         self.forgotten_engines = 0
+        self.deferred_files = 0  # at the last read()
         self._live: dict[str, FileState] = {}
         self._tombstones: set[str] = set()
-        self._bad: dict[str, tuple[int, int, int]] = {}  # name -> (ino, size, mtime_ns) counted as bad
+        # name -> inode of files counted as bad; pruned to the names still listed, never cleared
+        # wholesale (that re-counted every bad file), so it is as big as the bad files present.
+        self._bad: dict[str, int] = {}
+        self._listed: dict[str, int] = {}  # name -> inode, from the last listing (readdir's d_ino: no stat)
+        self._cursor = ""  # where the last read() ran out of budget: the next one starts after it
+        self._budget = ReadBudget(0, 0)
+        self._deferred_now = 0
+        self._unlisted = 0
         self._folded = Totals()
         self._folded_touched: dict[str, float] = {}
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
@@ -489,25 +537,62 @@ class SpoolReader:
         with self._lock:
             names = self._list()
             if names is None:
-                return self._merge()
+                return self._with_owners(self._merge())
             for name in list(self._live):
                 if name not in names:
                     self._vanished(name)
-            for name in names:
-                if name not in self._tombstones:
-                    self._visit(name)
+            self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
+            self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
+            self._deferred_now = deferred = 0
+            for name in self._visit_order(names):
+                if name in self._tombstones or self._bad.get(name, -1) == self._listed.get(name):
+                    continue  # folded already, or known bad and not replaced: not even opened
+                if self._budget.spent():
+                    deferred += 1
+                    continue
+                self._cursor = name
+                self._visit(name)
+            if not deferred:
+                self._cursor = ""
+            self.deferred_files = deferred + self._deferred_now + self._unlisted
             self._tombstones &= names  # forget tombstones of files someone else removed
-            return self._merge()
+            return self._with_owners(self._merge())
+
+    def _visit_order(self, names: set[str]) -> list[str]:
+        """Live files first (their values go stale when skipped), then the rest; each group in name
+        order, starting after the file where the last read() ran out of budget, so all get their turn."""
+        def turn(group: list[str]) -> list[str]:
+            group.sort()
+            after = [name for name in group if name > self._cursor]
+            return after + group[: len(group) - len(after)]
+        return turn([n for n in names if n in self._live]) + turn([n for n in names if n not in self._live])
+
+    def _with_owners(self, totals: Totals) -> Totals:
+        """Which writers (file owners) report each engine path: the exporter opens an engine file only
+        where one of them could have read it."""
+        for state in self._live.values():
+            if state.parsed is not None:
+                for engine, info in state.parsed.infos.items():
+                    totals.info_uids.setdefault((engine, info.path), set()).add(state.uid)
+        totals.deferred_files = self.deferred_files
+        return totals
 
     def _list(self) -> set[str] | None:
+        self._unlisted = 0
         try:
             with os.scandir(self.directory) as entries:
-                names = set()
+                names: set[str] = set()
+                listed: dict[str, int] = {}
                 for entry in entries:
                     if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                        if len(names) >= MAX_LISTED_FILES:
+                            self._unlisted += 1
+                            continue
                         names.add(entry.name)
+                        listed[entry.name] = entry.inode()
                     elif entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".tmp"):
                         self._sweep_temporary(entry.name)
+                self._listed = listed
                 return names
         except FileNotFoundError:
             return None
@@ -570,21 +655,27 @@ class SpoolReader:
             self._vanished(name)
             state = None
         identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if state is None and self._bad.get(name) == identity:
-            return  # known bad and unchanged: counted once already
-        if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 30:
+        if not stat.S_ISREG(st.st_mode):
             self._count_bad(name, identity, "garbage")
+            return
+        if st.st_size > self.max_file_bytes:  # sparse or not: never read a file past what a writer makes
+            self._count_bad(name, identity, "oversized")
             return
         try:
             gone = self._writer_gone(fd)
         except OSError:
             gone = False
-        data = self._read(fd, state.raw if state else b"")
-        if data is None:
-            self._count_bad(name, identity, "io")
+        data = self._read_bounded(fd, state.used if state else 0)
+        if isinstance(data, str):
+            if state is None or state.parsed is None:
+                self._count_bad(name, identity, data)
             return
         if state is None:
-            state = FileState(name, st.st_ino)
+            state = FileState(name, st.st_ino, uid=st.st_uid)
+        if not self._affordable(state, data):
+            if state.parsed is not None:
+                self._live[name] = state  # keeps its last values; parsed again when there is room
+            return
         parsed = self._parse(state, data, name, identity)
         if parsed is None:
             # Never understood: not ours to fold or delete (a foreign version's file, garbage); it stays,
@@ -601,8 +692,43 @@ class SpoolReader:
         else:
             self._live[name] = state
 
+    def _affordable(self, state: FileState, data: bytes) -> bool:
+        """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
+        live files; charges the parse budget.  A file that does not fit waits (``deferred_files``)."""
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if state.parsed is not None and digest == state.digest:
+            return True
+        retained = sum(other.used for other in self._live.values()) - state.used
+        if len(data) > self._budget.parse or retained + len(data) > self.retained_bytes:
+            self._deferred_now += 1
+            return False
+        self._budget.parse -= len(data)
+        return True
+
+    def _read_bounded(self, fd: int, hint: int) -> bytes | str:
+        """The file up to its ``used`` offset, or the spool-errors reason why not.
+
+        One pread of the last size seen (at least a page); a second only when the file grew.  ``used``
+        past ``max_file_bytes`` is refused before anything past the header is read.
+        """
+        try:
+            data = os.pread(fd, max(hint, 4096), 0)
+            if len(data) >= USED_OFFSET + 8 and data[:8] == MAGIC:  # else parse() says what it is
+                used, size = (struct.unpack_from("<Q", data, offset)[0] for offset in (USED_OFFSET, 16))
+                if used > self.max_file_bytes or size > self.max_file_bytes:
+                    return "oversized"
+                if len(data) < used:
+                    data += os.pread(fd, used - len(data), len(data))
+                if HEADER_SIZE <= used <= len(data):
+                    data = data[:used]
+        except OSError:
+            return "io"
+        self._budget.read -= max(len(data), 4096)
+        return data
+
     def _parse(self, state: FileState, data: bytes, name: str, identity: tuple[int, int, int]) -> Parsed | None:
-        if data == state.raw and state.parsed is not None:
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if digest == state.digest and state.parsed is not None:
             return state.parsed
         try:
             parsed = parse(data)
@@ -618,25 +744,9 @@ class SpoolReader:
             self._count("record")
         if state.parsed is not None:
             _clamp(state.parsed, parsed)
-        state.raw = data
+        state.digest, state.used = digest, len(data)
         state.parsed = parsed
         return parsed
-
-    @staticmethod
-    def _read(fd: int, previous: bytes) -> bytes | None:
-        """The file up to its ``used`` offset: usually one pread (sized by the last read)."""
-        hint = max(len(previous), 4096)
-        try:
-            data = os.pread(fd, hint, 0)
-            if len(data) >= USED_OFFSET + 8:
-                used = struct.unpack_from("<Q", data, USED_OFFSET)[0]
-                if len(data) < used <= 1 << 30:
-                    data += os.pread(fd, used - len(data), len(data))
-                if used <= len(data):
-                    data = data[:used] if used >= HEADER_SIZE else data
-        except OSError:
-            return None
-        return data
 
     # --- folding -----------------------------------------------------------------------------
 
@@ -654,7 +764,10 @@ class SpoolReader:
         except FileNotFoundError:
             pass
         except OSError:
+            # The directory does not let the exporter delete (a sticky 1777 directory owned by someone
+            # else): the file stays, and an exporter restart folds it again.  Said once per file.
             self._tombstones.add(name)
+            self._count("not_deleted")
 
     def _vanished(self, name: str) -> None:
         """A live file disappeared without us folding it (another reader, a wiped emptyDir):
@@ -686,12 +799,19 @@ class SpoolReader:
         self._bound_folded()
 
     def _bound_folded(self) -> None:
-        """Folded totals are kept while the exporter runs, up to a cap: past it, the engines folded
-        longest ago are forgotten (counted), so endless distinct names cannot grow memory forever."""
+        """Folded totals are kept while the exporter runs, up to a cap, so endless distinct names cannot
+        grow memory forever.  Past it an engine is forgotten whole (counted), never in part, and never
+        one whose counters someone sees: not a ``protected`` (exported) engine, not one a live file
+        still reports (its counters would drop to the live part: a reset).  Junk goes first: engines
+        with no observation at all, then those with the fewest, then those folded longest ago."""
         excess = len(self._folded.engines) - self.max_folded_engines
         if excess <= 0:
             return
-        for engine in sorted(self._folded_touched, key=self._folded_touched.__getitem__)[:excess]:
+        live = {engine for state in self._live.values() if state.parsed for engine in state.parsed.engines}
+        candidates = [engine for engine in self._folded_touched if engine not in self.protected and engine not in live]
+        candidates.sort(key=lambda engine: (observations(self._folded.engines.get(engine)),
+                                            self._folded_touched[engine]))
+        for engine in candidates[:excess]:
             self._folded_touched.pop(engine)
             self._folded.engines.pop(engine, None)
             self._folded.last_load.pop(engine, None)
@@ -706,11 +826,11 @@ class SpoolReader:
         self.errors[reason] = self.errors.get(reason, 0) + 1
 
     def _count_bad(self, name: str, identity: tuple[int, int, int], reason: str) -> None:
-        if self._bad.get(name) == identity:
+        """Count a bad file once for as long as it stays under that name and inode (read() skips it
+        unopened from then on; a file put in its place is a new file)."""
+        if self._bad.get(name) == identity[0]:
             return
-        if len(self._bad) > 10_000:
-            self._bad.clear()
-        self._bad[name] = identity
+        self._bad[name] = identity[0]
         self._count(reason)
 
     # --- merging -----------------------------------------------------------------------------
@@ -752,6 +872,13 @@ class SpoolReader:
         for identity, info in distinct.items():
             totals.infos.setdefault(identity[0], []).append(info)
         return totals
+
+
+def observations(values: list[float] | None) -> float:
+    """How much an engine's totals say: histogram observations plus bytes loaded (0: nothing)."""
+    if values is None:
+        return 0.0
+    return sum(values[index] for index in BUCKET_SLOTS) + values[ENGINE_LAYOUT.counters["load_read_bytes"]]
 
 
 def _clamp(previous: Parsed, current: Parsed) -> None:

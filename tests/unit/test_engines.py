@@ -185,7 +185,7 @@ def test_file_view_of_reported_and_globbed_files(spool_dir, tmp_path) -> None:
     fd = os.open(extra, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    target = collector(spool_dir, path=(str(tmp_path / "models" / "*.plan"),))
+    target = collector(spool_dir, path=(str(tmp_path / "models" / "*.plan"),), path_include=(str(tmp_path),))
     target.collect()  # learns the files the processes report
     target.scanner.sample_now()  # what the background thread does every residency-interval
     samples = parse_samples(scrape(target))
@@ -212,7 +212,7 @@ def test_a_file_the_exporter_sees_differently_is_not_measured(spool_dir, tmp_pat
     st = plan.stat()
     m._append_info(fmt.pack_info(1, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino + 1, st.st_size,
                                  st.st_mtime_ns, 0.0, str(plan), "GPU-5a1e", "generic"))
-    target = collector(spool_dir)
+    target = collector(spool_dir, path_include=(str(tmp_path),))
     target.collect()
     target.scanner.sample_now()
     samples = parse_samples(scrape(target))

@@ -46,7 +46,8 @@ def test_engines_lists_spool_and_glob_engines_without_touching_dead_files(spool_
     other.parent.mkdir()
     other.write_bytes(b"b" * 8192)
     evicted(str(other))
-    assert engines_main(["--spool-dir", spool_dir, "--path", str(tmp_path / "models" / "*.plan"), "--json"]) == 0
+    assert engines_main(["--spool-dir", spool_dir, "--path", str(tmp_path / "models" / "*.plan"),
+                         "--path-include", str(tmp_path), "--json"]) == 0
     rows = {row["engine"]: row for row in json.loads(capsys.readouterr().out)}
     assert set(rows) == {"yolo", "bert", "retired"}
     assert rows["yolo"]["processes"] == 1 and rows["yolo"]["gpus"] == ["cuda:0 GPU-77"]
