@@ -470,7 +470,10 @@ class Totals:
 MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (deferred)
 SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
 SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
-RETAINED_BYTES = 16 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
+RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
+# A real process's file holds a few engines: a few KiB.  Files above this may take only half of
+# RETAINED_BYTES, so a few big files cannot keep the small ones out.
+SMALL_FILE_BYTES = 64 << 10
 
 
 @dataclass
@@ -527,6 +530,7 @@ class SpoolReader:
         self._budget = ReadBudget(0, 0)
         self._deferred_now = 0
         self._unlisted = 0
+        self._retained = {False: 0, True: 0}
         self._folded = Totals()
         self._folded_touched: dict[str, float] = {}
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
@@ -543,6 +547,9 @@ class SpoolReader:
                     self._vanished(name)
             self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
             self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
+            self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
+            for state in self._live.values():
+                self._retained[state.used > SMALL_FILE_BYTES] += state.used
             self._deferred_now = deferred = 0
             for name in self._visit_order(names):
                 if name in self._tombstones or self._bad.get(name, -1) == self._listed.get(name):
@@ -698,11 +705,14 @@ class SpoolReader:
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if state.parsed is not None and digest == state.digest:
             return True
-        retained = sum(other.used for other in self._live.values()) - state.used
-        if len(data) > self._budget.parse or retained + len(data) > self.retained_bytes:
+        big = len(data) > SMALL_FILE_BYTES
+        retained = self._retained[big] - (state.used if (state.used > SMALL_FILE_BYTES) == big else 0)
+        allowance = self.retained_bytes // 2 if big else self.retained_bytes - self._retained[True]
+        if len(data) > self._budget.parse or retained + len(data) > allowance:
             self._deferred_now += 1
             return False
         self._budget.parse -= len(data)
+        self._retained[big] += len(data)  # an over-estimate until the next read() sums them again
         return True
 
     def _read_bounded(self, fd: int, hint: int) -> bytes | str:
