@@ -8,7 +8,8 @@
   that the program exists;
 * ``systemd-analyze security --offline=yes`` rates the unit's exposure; it must stay "OK" (<= 3.0,
   printed);
-* ``systemd-tmpfiles --create --root=DIR`` makes the spool directory with mode 1777.
+* ``systemd-sysusers`` and ``systemd-tmpfiles --create --root=DIR`` make the spool's group (gpuio, GID
+  65532) and directory (root:gpuio 2770), and the unit joins that group.
 
 Not done here: starting the unit (no systemd as PID 1 in this container), so the seccomp filter and
 namespacing have not been seen with the exporter running under them.
@@ -33,6 +34,8 @@ SMART = os.path.join(HERE, "smart.conf")
 TMPFILES = os.path.join(HERE, "gpuio-spool.conf")
 ANALYZE = shutil.which("systemd-analyze")
 TMPFILES_BIN = shutil.which("systemd-tmpfiles")
+SYSUSERS = os.path.join(HERE, "gpuio-sysusers.conf")
+SYSUSERS_BIN = shutil.which("systemd-sysusers")
 EXPOSURE_MAX = 3.0
 
 
@@ -75,6 +78,7 @@ def test_unit_hardening() -> None:
     assert "CapabilityBoundingSet" in s and s["CapabilityBoundingSet"] == [], "an empty bounding set: no capabilities"
     assert s["AmbientCapabilities"] == []
     assert s["ReadOnlyPaths"] == ["/"] and s["ReadWritePaths"] == ["-/run/gpuio/spool"]
+    assert s["SupplementaryGroups"] == ["gpuio"], "the spool's group: to read it and delete dead files"
     assert s["ExecStart"] == ["/opt/gpuio/bin/gpuio-exporter"] and s["Type"] == ["exec"]
     assert parse(UNIT)["Install"]["WantedBy"] == ["multi-user.target"]
 
@@ -134,11 +138,13 @@ def test_systemd_analyze_security_exposure_is_ok(tmp_path, with_smart: bool) -> 
     assert float(found.group(1)) <= EXPOSURE_MAX
 
 
-@pytest.mark.skipif(not TMPFILES_BIN, reason="systemd-tmpfiles is not installed (Debian package systemd)")
-def test_tmpfiles_creates_the_spool_sticky_and_world_writable(tmp_path) -> None:
-    result = subprocess.run([TMPFILES_BIN, "--create", f"--root={tmp_path}", TMPFILES], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    mode = os.stat(tmp_path / "run" / "gpuio" / "spool").st_mode
-    assert stat.S_IMODE(mode) == 0o1777
+@pytest.mark.skipif(not TMPFILES_BIN or not SYSUSERS_BIN, reason="systemd-tmpfiles/sysusers are not installed")
+def test_tmpfiles_creates_the_spool_for_its_group(tmp_path) -> None:
+    (tmp_path / "etc").mkdir()  # an image's root: sysusers adds the group to its /etc/group
+    for command in ([SYSUSERS_BIN, f"--root={tmp_path}", SYSUSERS],
+                    [TMPFILES_BIN, "--create", f"--root={tmp_path}", TMPFILES]):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+    spool = os.stat(tmp_path / "run" / "gpuio" / "spool")
+    assert stat.S_IMODE(spool.st_mode) == 0o2770 and (spool.st_uid, spool.st_gid) == (0, 65532)
     assert stat.S_IMODE(os.stat(tmp_path / "run" / "gpuio").st_mode) == 0o755
