@@ -438,7 +438,6 @@ class FileState:
 
     name: str
     ino: int
-    raw: bytes = b""  # not kept (see ``digest``): a live file's bytes cost memory for every scrape it lives
     parsed: Parsed | None = None
     bad_reported: bool = False
     digest: bytes = b""  # of the bytes ``parsed`` came from: unchanged bytes are not parsed again
