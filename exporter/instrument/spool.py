@@ -664,21 +664,23 @@ class SpoolReader:
         if not stat.S_ISREG(st.st_mode):
             self._count_bad(name, identity, "garbage")
             return
-        if st.st_size > self.max_file_bytes:  # sparse or not: never read a file past what a writer makes
-            self._count_bad(name, identity, "oversized")
-            return
         try:
             gone = self._writer_gone(fd)
         except OSError:
             gone = False
-        data = self._read_bounded(fd, state.used if state else 0)
+        # Sparse or not, a file is never read past what a writer makes.
+        data = "oversized" if st.st_size > self.max_file_bytes else self._read_bounded(fd, state.used if state else 0)
         if isinstance(data, str):
             if state is None or state.parsed is None:
                 self._count_bad(name, identity, data)
+            else:  # understood before, not now: its last good content stands, and is folded at the end
+                self._count_damaged(state, data)
+                if gone:
+                    self._fold_dead(name, path, state)
             return
         if state is None:
             state = FileState(name, st.st_ino, uid=st.st_uid)
-        if not self._affordable(state, data):
+        if not self._affordable(state, data, gone):
             if state.parsed is not None:
                 self._live[name] = state  # keeps its last values; parsed again when there is room
             return
@@ -698,16 +700,17 @@ class SpoolReader:
         else:
             self._live[name] = state
 
-    def _affordable(self, state: FileState, data: bytes) -> bool:
+    def _affordable(self, state: FileState, data: bytes, gone: bool) -> bool:
         """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
-        live files; charges the parse budget.  A file that does not fit waits (``deferred_files``)."""
+        live files (not for a dead writer's file: it is folded and let go at once); charges the parse
+        budget.  A file that does not fit waits (``deferred_files``)."""
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if state.parsed is not None and digest == state.digest:
             return True
         big = len(data) > SMALL_FILE_BYTES
         retained = self._retained[big] - (state.used if (state.used > SMALL_FILE_BYTES) == big else 0)
         allowance = self.retained_bytes // 2 if big else self.retained_bytes - self._retained[True]
-        if len(data) > self._budget.parse or retained + len(data) > allowance:
+        if len(data) > self._budget.parse or (not gone and retained + len(data) > allowance):
             self._deferred_now += 1
             return False
         self._budget.parse -= len(data)
@@ -744,9 +747,8 @@ class SpoolReader:
         except BadFile as exc:
             if state.parsed is None:
                 self._count_bad(name, identity, exc.reason)
-            elif not state.bad_reported:  # was fine, now is not (truncated by someone): keep the last good
-                state.bad_reported = True
-                self._count("truncated" if exc.reason in ("empty", "truncated") else exc.reason)
+            else:  # was fine, now is not (truncated by someone): keep the last good
+                self._count_damaged(state, exc.reason)
             return None
         if parsed.bad_record and not state.bad_reported:
             state.bad_reported = True
@@ -833,6 +835,12 @@ class SpoolReader:
 
     def _count(self, reason: str) -> None:
         self.errors[reason] = self.errors.get(reason, 0) + 1
+
+    def _count_damaged(self, state: FileState, reason: str) -> None:
+        """A file understood before and not now: counted once, whatever happens to it after."""
+        if not state.bad_reported:
+            state.bad_reported = True
+            self._count("truncated" if reason in ("empty", "truncated") else reason)
 
     def _count_bad(self, name: str, identity: tuple[int, int, int], reason: str) -> None:
         """Count a bad file once for as long as it stays under that name and inode (read() skips it

@@ -237,3 +237,20 @@ def test_garbage_files_are_counted_once_however_many(tmp_path) -> None:
         handle.write(b"another bad file" * 20)  # a new file: counted
     reader.read()
     assert reader.errors["garbage"] == 10_501 and len(reader._bad) == 10_500
+
+
+def test_a_live_file_that_turns_oversized_keeps_its_last_values_and_is_folded_when_its_writer_exits(tmp_path) -> None:
+    """A writer read before that then claims too much is neither read past the cap nor stuck as live:
+    its last good totals stand, it is counted once, and folded (then removed) when the writer exits."""
+    directory = str(tmp_path)
+    file = live_writer(directory, "resnet50")
+    reader = fmt.SpoolReader(directory)
+    assert reader.read().processes == {"resnet50": 1}
+    claim_used(file, 200 * MiB)
+    for _ in range(2):
+        totals = reader.read()
+    assert totals.processes == {"resnet50": 1} and reader.errors == {"oversized": 1}
+    file.close()
+    totals = reader.read()
+    assert totals.processes == {} and reader.folded_processes == 1 and os.listdir(directory) == []
+    assert sum(totals.engines["resnet50"][: LAYOUT.monotonic_prefix]) > 0
