@@ -680,11 +680,12 @@ class SpoolReader:
             return
         if state is None:
             state = FileState(name, st.st_ino, uid=st.st_uid)
-        if not self._affordable(state, data, gone):
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if not self._affordable(state, data, digest, gone):
             if state.parsed is not None:
                 self._live[name] = state  # keeps its last values; parsed again when there is room
             return
-        parsed = self._parse(state, data, name, identity)
+        parsed = self._parse(state, data, digest, name, identity)
         if parsed is None:
             # Never understood: not ours to fold or delete (a foreign version's file, garbage); it stays,
             # counted once.  Understood before and broken now (truncated by someone): its last good
@@ -700,11 +701,10 @@ class SpoolReader:
         else:
             self._live[name] = state
 
-    def _affordable(self, state: FileState, data: bytes, gone: bool) -> bool:
+    def _affordable(self, state: FileState, data: bytes, digest: bytes, gone: bool) -> bool:
         """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
         live files (not for a dead writer's file: it is folded and let go at once); charges the parse
         budget.  A file that does not fit waits (``deferred_files``)."""
-        digest = hashlib.blake2b(data, digest_size=16).digest()
         if state.parsed is not None and digest == state.digest:
             return True
         big = len(data) > SMALL_FILE_BYTES
@@ -738,8 +738,8 @@ class SpoolReader:
         self._budget.read -= max(len(data), 4096)
         return data
 
-    def _parse(self, state: FileState, data: bytes, name: str, identity: tuple[int, int, int]) -> Parsed | None:
-        digest = hashlib.blake2b(data, digest_size=16).digest()
+    def _parse(self, state: FileState, data: bytes, digest: bytes, name: str,
+               identity: tuple[int, int, int]) -> Parsed | None:
         if digest == state.digest and state.parsed is not None:
             return state.parsed
         try:
