@@ -184,9 +184,11 @@ def attack_folded(tree: str, spool: str, args: argparse.Namespace) -> str:
             writer(spool, f"junk-{index:04d}").close()
         later = writer(spool)
         EngineMetrics("resnet50", later).load_read_bytes.inc(1000)
-        values = [parse_samples(scrape()[0]).get(key) for _ in range(3)]
+        texts = [scrape()[0] for _ in range(3)]
     later.close()
-    return f"folded   load_read_bytes_total{{engine=resnet50}}: {first:.0f} before the junk, then {values}"
+    values = [parse_samples(text).get(key) for text in texts]
+    return (f"folded   load_read_bytes_total{{engine=resnet50}}: {first:.0f} before the junk, then {values}, "
+            f"engines success {[engines_success(text) for text in texts]}")
 
 
 def attack_garbage(tree: str, spool: str, args: argparse.Namespace) -> str:

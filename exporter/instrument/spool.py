@@ -562,6 +562,7 @@ class SpoolReader:
                 self._cursor = ""
             self.deferred_files = deferred + self._deferred_now + self._unlisted
             self._tombstones &= names  # forget tombstones of files someone else removed
+            self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._with_owners(self._merge())
 
     def _visit_order(self, names: set[str]) -> list[str]:
@@ -807,7 +808,6 @@ class SpoolReader:
         for engine, info in parsed.infos.items():
             folded.last_load[engine] = max(folded.last_load.get(engine, 0.0), info.load_time)
         folded.dropped_by_writers += parsed.dropped
-        self._bound_folded()
 
     def _bound_folded(self) -> None:
         """Folded totals are kept while the exporter runs, up to a cap, so endless distinct names cannot
