@@ -192,6 +192,7 @@ class Acceptor:
             self._loop.add_reader(self._sock.fileno(), self._accept)
 
     def _serve(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
         slot = Slot(self._table)
         task = self._loop.create_task(self._connect(conn, slot, self._tls()))
         slot.close = task.cancel  # until the protocol takes over: evicted during a TLS handshake

@@ -598,13 +598,16 @@ class BasicAuth:
         self._key = os.urandom(32)
         self._queue = queue or BcryptQueue()
         self.bcrypt_checks = 0
-        self._users: Mapping[bytes, bytes] = {}
-        self.use(users)
+        self._source: Mapping[bytes, bytes] | None = None
+        self._replace(users)
 
     def use(self, users: Mapping[bytes, bytes]) -> None:
         """Check against these users from now on (a reloaded file); what was remembered is forgotten."""
-        if users == self._users:
-            return
+        if users is not self._source and users != self._users:  # identity: the same WebConfig, every request
+            self._replace(users)
+        self._source = users
+
+    def _replace(self, users: Mapping[bytes, bytes]) -> None:
         self._users = dict(users)
         self._max_cost = max((_cost(hashed) for hashed in self._users.values()), default=10)
         self._good: dict[bytes, bytes] = {}  # user -> HMAC of the credential that verified
