@@ -245,3 +245,29 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_limit(limited) -> None:
 if not os.path.exists("/usr/bin/prlimit"):  # util-linux; test_accept_survives_running_out_of_descriptors needs it
     test_accept_survives_running_out_of_descriptors = pytest.mark.skip(reason="prlimit is not installed")(
         test_accept_survives_running_out_of_descriptors)
+
+
+def test_the_servers_families_are_documented(exporter, tmp_path) -> None:
+    """docs/metrics.md lists every family of a running exporter (with a web config and users), the ones only
+    the server adds (connections, accept errors, web config reloads, auth checks) included."""
+    import re
+
+    import bcrypt
+
+    (tmp_path / "web.yml").write_text("")
+    server = exporter(*FIXTURE, f"--web.config.file={tmp_path / 'web.yml'}")  # no users yet: /healthz answers
+    hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()
+    (tmp_path / "web.yml").write_text(f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+    deadline = time.monotonic() + 5
+    while (status := server.get()[0]) != 401 and time.monotonic() < deadline:  # until the reload applies
+        time.sleep(0.1)
+    assert status == 401
+    status, _, body = server.get(headers={"Authorization": "Basic cHJvbWV0aGV1czpwdw=="})  # prometheus:pw
+    assert status == 200
+    names = set(re.findall(r"^# TYPE (\S+) ", body.decode(), re.MULTILINE))
+    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
+        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    assert {"gpuio_exporter_http_connections", "gpuio_exporter_basic_auth_checks_total"} <= names
+    assert names - documented == set()
+    checked = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
