@@ -156,6 +156,7 @@ class Acceptor:
         self._unlogged = 0
         self._last_log = -ACCEPT_LOG_INTERVAL
         self._closed = False
+        self._connecting: set[asyncio.Task[None]] = set()  # before connection_made: a TLS handshake, mostly
         self._loop.add_reader(sock.fileno(), self._accept)
 
     def _accept(self) -> None:
@@ -196,6 +197,7 @@ class Acceptor:
         slot = Slot(self._table)
         task = self._loop.create_task(self._connect(conn, slot, self._tls()))
         slot.close = task.cancel  # until the protocol takes over: evicted during a TLS handshake
+        self._connecting.add(task)
         task.add_done_callback(lambda done: self._connect_done(done, conn, slot))
         self._table.add(slot)
 
@@ -213,6 +215,7 @@ class Acceptor:
                                                      ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT)
 
     def _connect_done(self, task: asyncio.Task[None], conn: socket.socket, slot: Slot) -> None:
+        self._connecting.discard(task)
         if not task.cancelled() and task.exception() is None:
             return  # the protocol has the connection now; its connection_lost leaves the table
         # A failed or timed-out TLS handshake, a client gone, or evicted: the event loop closed what it held.
@@ -224,6 +227,8 @@ class Acceptor:
         if not self._closed:
             self._closed = True
             self._loop.remove_reader(self._sock.fileno())
+            for task in list(self._connecting):
+                task.cancel()
 
     async def wait_closed(self) -> None:
         return None
