@@ -68,7 +68,7 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
     watcher = webconfig.WebConfigWatcher(web) if web else None
     auth = webconfig.BasicAuth(web.users) if web else None
     table = connections.ConnectionTable(connections.connection_limit())
-    accept_errors: dict[str, int] = {}
+    accept_errors = {"emfile": 0, "enfile": 0}  # always shown; others once seen
     if scraper.exporter_metrics is not None:
         scraper.exporter_metrics = _with_server_metrics(scraper.exporter_metrics, table, accept_errors, watcher, auth)
     log.info("starting gpuio-exporter", extra=fields(

@@ -270,15 +270,19 @@ ACCEPT_ERRORS = Desc("gpuio_exporter_accept_errors_total", COUNTER,
                      "Failed accept() calls by reason (emfile: out of file descriptors; enfile, enobufs, enomem, "
                      "other); each is followed by a back-off.")
 _STATE_LABELS = {state: label_string({"state": state}) for state in (WAITING, IDLE, BUSY)}
+_REASON_LABELS = {reason: label_string({"reason": reason})
+                  for reason in ("emfile", "enfile", *RESOURCE_ERRORS.values(), "other")}
 
 
 def families(table: ConnectionTable, accept_errors: dict[str, int]) -> list[Family]:
-    reasons = sorted({"emfile", "enfile", *accept_errors})
+    """Rendered on every scrape: a few integers into pre-rendered label strings."""
     return [
-        Family(CONNECTIONS, [CONNECTIONS.sample(_STATE_LABELS[state], table.count(state))
-                             for state in (WAITING, IDLE, BUSY)]),
+        Family(CONNECTIONS, [CONNECTIONS.sample(labels, table.count(state))
+                             for state, labels in _STATE_LABELS.items()]),
         Family(CONNECTIONS_LIMIT, [CONNECTIONS_LIMIT.sample("", table.limit)]),
         Family(EVICTED, [EVICTED.sample(_STATE_LABELS[state], count) for state, count in table.evicted.items()]),
-        Family(ACCEPT_ERRORS, [ACCEPT_ERRORS.sample(label_string({"reason": reason}), accept_errors.get(reason, 0))
-                               for reason in reasons]),
+        Family(ACCEPT_ERRORS, [ACCEPT_ERRORS.sample(_REASON_LABELS[reason], accept_errors[reason])
+                               for reason in ("emfile", "enfile")] +
+               [ACCEPT_ERRORS.sample(_REASON_LABELS[reason], count) for reason, count in accept_errors.items()
+                if reason not in ("emfile", "enfile")]),
     ]
