@@ -16,6 +16,7 @@ import http.client
 import os
 import resource
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -33,11 +34,21 @@ FIXTURE = (f"--path.procfs={PROC}", f"--path.sysfs={SYS}", "--collector.disable-
 
 
 class LimitedExporter(ExporterProcess):
-    """The exporter started with RLIMIT_NOFILE set to ``nofile`` (soft, hard) before it runs."""
+    """The exporter started with RLIMIT_NOFILE set to ``nofile`` (soft, hard) before it runs; HTTPS if
+    given the client's TLS ``context``."""
 
-    def __init__(self, nofile: tuple[int, int], args: list[str]) -> None:
+    def __init__(self, nofile: tuple[int, int], args: list[str], context: ssl.SSLContext | None = None) -> None:
         super().__init__(args)
         self.nofile = nofile
+        self.context = context
+
+    @property
+    def base(self) -> str:
+        return f"{'https' if self.context else 'http'}://127.0.0.1:{self.port}"
+
+    def open(self, path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(self.base + path, timeout=10, context=self.context) as response:
+            return response.status, response.read().decode()
 
     def start(self) -> LimitedExporter:
         command = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{self.port}", *self.args]
@@ -49,7 +60,7 @@ class LimitedExporter(ExporterProcess):
             if self.process.poll() is not None:
                 raise RuntimeError(f"exporter exited: {self.process.stdout.read() if self.process.stdout else ''}")
             try:
-                urllib.request.urlopen(self.base + "/healthz", timeout=1).read()
+                self.open("/healthz")
                 return self
             except OSError:
                 time.sleep(0.05)
@@ -114,15 +125,17 @@ def scrape_as_prometheus(connection: http.client.HTTPConnection) -> tuple[int, b
     raise AssertionError("unreachable")
 
 
-def trickle_chunked_body(port: int, seconds: float) -> tuple[bytes, float | None]:
-    """POST a chunked body one byte every 0.1 s; returns what the server sent and when it closed (None: never)."""
+def trickle_body(port: int, seconds: float, chunked: bool) -> tuple[bytes, float | None]:
+    """POST a body one byte every 0.1 s (chunked, or of a Content-Length of 1 MB); returns what the server
+    sent and when it closed the connection (None: not while it trickled)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=1)
-    sock.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: 1000000"
+    sock.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n\r\n")
     received, start = b"", time.monotonic()
     try:
         while time.monotonic() - start < seconds:
             try:
-                sock.sendall(b"1\r\na\r\n")
+                sock.sendall(b"1\r\na\r\n" if chunked else b"a")
             except OSError:
                 return received, time.monotonic() - start
             sock.settimeout(0.1)
@@ -166,11 +179,12 @@ def test_idle_keep_alive_connections_never_keep_out_a_scrape(exporter) -> None:
     assert samples[("gpuio_exporter_http_connections", frozenset({("state", "idle")}))] <= 512
 
 
-def test_a_trickled_request_body_is_cut_off_and_scrapes_go_on(exporter) -> None:
-    """A chunked body sent a byte every 0.1 s: before, it held its connection for as long as it trickled."""
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "content-length"])
+def test_a_trickled_request_body_is_cut_off_and_scrapes_go_on(exporter, chunked: bool) -> None:
+    """A body sent a byte every 0.1 s: before, it held its connection for as long as it trickled."""
     server = exporter(*FIXTURE)
     trickle: dict[str, tuple[bytes, float | None]] = {}
-    trickler = threading.Thread(target=lambda: trickle.update(result=trickle_chunked_body(server.port, 8)))
+    trickler = threading.Thread(target=lambda: trickle.update(result=trickle_body(server.port, 8, chunked)))
     trickler.start()
     try:
         time.sleep(0.5)
@@ -271,3 +285,40 @@ def test_the_servers_families_are_documented(exporter, tmp_path) -> None:
     assert names - documented == set()
     checked = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_silent_connections_stuck_before_their_tls_handshake_are_evicted_too(limited, tmp_path) -> None:
+    """TLS: a silent connection has not even begun its handshake, so it is in no HTTP protocol yet; it
+    still counts, and 400 of them at 256 descriptors do not keep a scrape out."""
+    import ssl
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from tests.e2e.test_tls import _certificate, _write_key
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    (tmp_path / "server.crt").write_bytes(_certificate("localhost", key, None, server=True).public_bytes(
+        serialization.Encoding.PEM))
+    _write_key(key, tmp_path / "server.key")
+    (tmp_path / "web.yml").write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n")
+    context = ssl.create_default_context(cafile=str(tmp_path / "server.crt"))
+    context.check_hostname = False
+    server = LimitedExporter((256, 256), [*FIXTURE, f"--web.config.file={tmp_path / 'web.yml'}"], context).start()
+    try:
+        silent = open_silent(server.port, 400)
+        try:
+            time.sleep(0.5)
+            start = time.monotonic()
+            status, body = server.open("/metrics")
+            print(f"TLS scrape beside 400 silent connections at 256 descriptors: {status} in "
+                  f"{(time.monotonic() - start) * 1000:.1f} ms")
+        finally:
+            close_all(silent)
+        assert status == 200
+        evicted = parse_samples(body)[("gpuio_exporter_http_connections_evicted_total",
+                                       frozenset({("state", "waiting")}))]
+        assert evicted >= 400 - (256 - 64)
+    finally:
+        log = server.stop()
+    assert len(log.splitlines()) < 20, log[-2000:]
