@@ -486,7 +486,10 @@ class WebConfigWatcher:
             log.error("web config file changed but cannot be used; keeping the last good one", extra=fields(
                 file=self.config.path, err=str(exc)))
             return
-        self.config, self._signature, self._failed = new, _signature(new), None
+        # The signature taken before reading, where the files are the same ones: a write that lands while
+        # they are read then shows as a change at the next look, and is read again.
+        same_files = new.files == self.config.files
+        self.config, self._signature, self._failed = new, signature if same_files else _signature(new), None
         self.reloads["success"] += 1
         self.last_reload_successful = True
         log.info("web config file reloaded", extra=fields(file=new.path, **new.describe()))
