@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from . import __version__, collectors  # noqa: F401  (importing registers the collectors)
 from .collect import REGISTRY, Collector, Context, Scraper
 from .config import Config, ConfigError, parse_args
-from .exposition import label_string, render
+from .exposition import Family, label_string, render
 from .logsetup import fields, setup
 from .process import ProcessMetrics
+
+if TYPE_CHECKING:
+    from .connections import ConnectionTable
+    from .webconfig import BasicAuth, WebConfigWatcher
 
 log = logging.getLogger("gpuio")
 
@@ -45,9 +50,13 @@ def _configure(argv: Sequence[str] | None, prog: str) -> tuple[Config, Scraper]:
 def exporter_main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
-    from .server import KEEP_ALIVE_TIMEOUT, MAX_CONNECTIONS, BoundedHttpToolsProtocol, bind, build_app
+    from . import connections, webconfig
+    from .server import KEEP_ALIVE_TIMEOUT, BoundedHttpToolsProtocol, bind, build_app
 
+    # Before anything opens a descriptor (and before process_max_fds is read): as Go does at start-up.
+    old_limit, new_limit, how = connections.raise_fd_limit()
     config, scraper = _configure(argv, "gpuio-exporter")
+    log.debug("open file limit", extra=fields(soft_before=old_limit, soft=new_limit, result=how))
     try:
         sock = bind(config.listen_host, config.listen_port)
     except OSError as exc:
@@ -56,20 +65,41 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
               file=sys.stderr)
         raise SystemExit(2) from None
     web = config.web_config
+    watcher = webconfig.WebConfigWatcher(web) if web else None
+    auth = webconfig.BasicAuth(web.users) if web else None
+    table = connections.ConnectionTable(connections.connection_limit())
+    accept_errors = {"emfile": 0, "enfile": 0}  # always shown; others once seen
+    if scraper.exporter_metrics is not None:
+        scraper.exporter_metrics = _with_server_metrics(scraper.exporter_metrics, table, accept_errors, watcher, auth)
     log.info("starting gpuio-exporter", extra=fields(
         version=__version__, address=f"{config.listen_host}:{config.listen_port}",
-        collectors=",".join(scraper.names), **(web.describe() if web else {"tls": "off"})))
-    # TLS: our own SSLContext, built and checked while the web config was read, handed to uvicorn
-    # whole.  uvicorn's ssl_* options cannot say minimum/maximum version, Go-named cipher suites or
-    # the toolkit's client-auth modes, and would fail on a bad certificate only once serving began.
-    context = web.ssl_context if web else None
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(config, scraper), loop="uvloop", http=BoundedHttpToolsProtocol, ws="none", lifespan="on",
-        access_log=False, log_config=None, server_header=False, date_header=False,
-        timeout_keep_alive=KEEP_ALIVE_TIMEOUT, limit_concurrency=MAX_CONNECTIONS,
-        ssl_context_factory=None if context is None else lambda _config, _default: context,
-    ))
+        collectors=",".join(scraper.names), max_connections=table.limit,
+        **(web.describe() if web else {"tls": "off"})))
+    # TLS: our own SSLContext, built and checked while the web config was read, given per connection by
+    # the acceptor (a reloaded certificate serves the next handshake).  uvicorn's ssl_* options cannot
+    # say minimum/maximum version, Go-named cipher suites or the toolkit's client-auth modes, and would
+    # fail on a bad certificate only once serving began.
+    # No limit_concurrency: it counts connections, so idle ones made scrapes get 503; the acceptor
+    # bounds connections by evicting idle ones and --web.max-requests bounds scrapes.
+    server = connections.Server(uvicorn.Config(
+        build_app(config, scraper, watcher, auth), loop="uvloop", http=BoundedHttpToolsProtocol, ws="none",
+        lifespan="on", access_log=False, log_config=None, server_header=False, date_header=False,
+        timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
+    ), table, (lambda: watcher.current().ssl_context) if watcher else (lambda: None), accept_errors)
     asyncio.run(server.serve(sockets=[sock]))
+
+
+def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionTable, accept_errors: dict[str, int],
+                         watcher: WebConfigWatcher | None, auth: BasicAuth | None) -> Callable[[], list[Family]]:
+    from . import connections, webconfig
+
+    def families() -> list[Family]:
+        result = process() + connections.families(table, accept_errors)
+        if watcher is not None:
+            result += webconfig.families(watcher, auth)
+        return result
+
+    return families
 
 
 def tools_main(argv: Sequence[str] | None = None) -> None:

@@ -25,8 +25,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from . import __version__
 from .collect import Scraper
 from .config import Config
+from .connections import BUSY, IDLE, Slot
 from .exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE, GzipRenderer, render, wants_openmetrics
-from .webconfig import guard
+from .webconfig import BasicAuth, WebConfigWatcher, guard
 
 log = logging.getLogger("gpuio.server")
 
@@ -42,7 +43,8 @@ GZIP_LEVEL = 1  # /metrics text compresses ~10x even at level 1; higher levels c
 MAX_REQUEST_HEAD = 64 * 1024  # request line + headers; Go's net/http allows 1 MiB, h11 16 KiB
 REQUEST_HEAD_TIMEOUT = 10.0  # seconds from a connection's (or a request's) first byte to its last header
 KEEP_ALIVE_TIMEOUT = 75  # idle keep-alive; above the longest common scrape interval (60 s), so reused
-MAX_CONNECTIONS = 512  # uvicorn's limit_concurrency: a request on a connection beyond it gets 503
+# Open connections are bounded in exporter/connections.py (an idle one makes room, a scrape is never
+# refused for it); scrapes in flight by --web.max-requests.
 
 
 class MetricsEndpoint:
@@ -135,7 +137,8 @@ def landing_page(config: Config, scraper: Scraper) -> str:
 """
 
 
-def build_app(config: Config, scraper: Scraper) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = None,
+              auth: BasicAuth | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         scraper.start()
@@ -164,24 +167,31 @@ def build_app(config: Config, scraper: Scraper) -> Callable[[Scope, Receive, Sen
             await api(scope, receive, send)
 
     # Basic auth and headers wrap everything, the fast path too; without a web config nothing is added.
-    web = config.web_config
-    if web is not None and (web.users or web.headers):
-        return guard(app, web)
+    # With one, the guard stays even if it has no users or headers yet: a reloaded file may add them.
+    if web is None and config.web_config is not None:
+        web = WebConfigWatcher(config.web_config)
+    if web is not None:
+        return guard(app, web, auth)
     return app
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the two bounds it lacks on a request head.
+    """uvicorn's httptools protocol with the bounds it lacks on a request, and a place in the connection table.
 
     httptools buffers a request line and headers of any size (a 100 MB header value is accepted),
     and uvicorn times out only idle keep-alive connections, never one that connects and then sends
     nothing or trickles its headers (slowloris).  uvicorn's h11_max_incomplete_event_size bounds only
     its h11 protocol, which costs more per request.  Here: at most MAX_REQUEST_HEAD bytes and
     REQUEST_HEAD_TIMEOUT seconds until the headers are complete, else 431 or 408 and the connection
-    is closed.  Bodies need no bound here: nothing reads one, and uvicorn stops reading a body that
-    the app has not consumed beyond 64 KiB.
+    is closed.  Nothing reads a request body: once the answer is sent, a connection whose request
+    body has not ended is closed (uvicorn would read and drop a trickled body forever, each byte
+    restarting its keep-alive timer); until then uvicorn stops reading an unread body beyond 64 KiB.
+
+    The acceptor (exporter/connections.py) sets ``_slot``: the protocol marks its connection busy
+    from a request's headers to its answer and idle after, which is what eviction looks at.
     """
 
+    _slot: Slot | None = None
     _head_bytes = 0
     _in_head = True  # between a request's end (or the connection's start) and the next headers' end
     _head_since: float | None = None  # when the head now arriving began; None: no head in progress
@@ -189,6 +199,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self._slot is not None:
+            self._slot.close = self._evicted
         self._head_since = self.loop.time()  # a connection that never sends a byte is a slow head too
         self._head_timer = self.loop.call_later(REQUEST_HEAD_TIMEOUT, self._check_head)
 
@@ -196,6 +208,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        if self._slot is not None:
+            self._slot.table.remove(self._slot)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -215,11 +229,26 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head, self._head_bytes, self._head_since = False, 0, None
+        if self._slot is not None:
+            self._slot.table.move(self._slot, BUSY)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._in_head = True
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if not self._in_head and not self.transport.is_closing():
+            self.transport.close()  # the request's body has not ended and nothing will read it
+        pipelined = bool(self.pipeline)
+        super().on_response_complete()
+        if self._slot is not None and not pipelined and not self.transport.is_closing():
+            self._slot.table.move(self._slot, IDLE)
+
+    def _evicted(self) -> None:
+        """Another connection needs this one's place (see ConnectionTable.evict_one)."""
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def _check_head(self) -> None:
         self._head_timer = None

@@ -26,15 +26,25 @@ so, rather than being ignored: ``client_auth_type`` RequestClientCert and Requir
 ``client_ca`` forms.  ``http_server_config.http2`` is accepted and has no effect: the server speaks
 HTTP/1.1, which every Prometheus negotiates.
 
-Unlike the toolkit, which re-reads the file on every request, the file is read once: a change
-(a new certificate, a new user) takes a restart.
+Every file (this one, the certificate, key and client CA) must be a regular file: a FIFO or a device
+is refused (opened without blocking, so start-up never hangs on one), and at most 1 MiB is read.
+
+Reload: like the toolkit, which re-reads the file for every connection and request, a change is picked
+up while running.  At most once a second, the file and the certificate, key and CA files it names are
+stat()ed; when one changed, everything is read and checked again and, if good, used for the next
+connection (TLS) and request (users, headers).  A broken new version keeps the last good one, is
+logged once and counted (``gpuio_exporter_web_config_reloads_total{result="failure"}``).
 
 Basic auth: bcrypt costs ~60-250 ms per check at cost 10-12, far more than a scrape.  As the toolkit
 does, a verified (or refused) credential is remembered, so only a client's first request pays
 bcrypt.  What is remembered is an HMAC of the credentials under a key made at start-up, never the
 password; the remembered good credential of a user is compared with ``hmac.compare_digest``.  bcrypt
 itself runs on one dedicated thread (the toolkit holds a mutex): a flood of wrong passwords costs at
-most one core and never blocks the event loop that serves the scrapes.
+most one core and never blocks the event loop that serves the scrapes.  Its queue is bounded and fair
+(:class:`BcryptQueue`): a credential whose client has gone is skipped, and a full queue answers 429.
+Every bcrypt check costs the same as one at the highest cost configured, so timing tells neither
+which users exist nor which hash costs more.  A password over bcrypt's 72 bytes never authenticates
+(bcrypt 4 silently compared only the first 72 bytes).
 """
 
 from __future__ import annotations
@@ -42,11 +52,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import errno
 import hmac
+import logging
 import os
 import re
 import ssl
-from collections import OrderedDict
+import stat
+import time
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,6 +69,11 @@ from typing import Any
 
 import bcrypt
 import yaml
+
+from .exposition import COUNTER, GAUGE, Desc, Family, label_string
+from .logsetup import fields
+
+log = logging.getLogger("gpuio.webconfig")
 
 
 class WebConfigError(ValueError):
@@ -124,8 +143,10 @@ HTTP_KEYS = {"http2", "headers"}
 
 MAX_FILE_BYTES = 1 << 20
 BCRYPT_HASH = re.compile(rb"\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}")
-# A hash no password matches, checked for unknown users so that they take as long as known ones.
-DUMMY_HASH = b"$2b$10$QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
+# Salt and hash of a bcrypt hash no password matches; with any cost in front, checked for unknown users
+# (and to pad cheaper hashes) so that every check takes as long as one at the highest configured cost.
+DUMMY_SALT_AND_HASH = b"QOauhQNbBCuQDKes6eFzPeMqBSjb7Mr5DUmpZ/VcEd00UAV/LDeSi"
+MAX_PASSWORD_BYTES = 72  # bcrypt reads no further; bcrypt 4 ignored the rest, bcrypt 5 raises
 
 
 @dataclass(frozen=True)
@@ -135,6 +156,7 @@ class WebConfig:
     client_auth: str = "NoClientCert"
     users: Mapping[bytes, bytes] = field(default_factory=dict)  # user (UTF-8) -> bcrypt hash
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    files: tuple[str, ...] = ()  # certificate, key, client CA: watched for changes with the file itself
 
     def describe(self) -> dict[str, str]:
         """For the start-up log line."""
@@ -168,11 +190,35 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 
 
+def read_regular_file(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """A regular file's first ``limit`` bytes; OSError for anything else.
+
+    Opened non-blocking: open() of a FIFO with no writer would otherwise wait forever (and a device
+    node may block or never end).  What is not a regular file is refused before a byte is read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+            raise OSError(errno.EINVAL, f"not a regular file but {kind}")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def load(path: str) -> WebConfig:
     """Read, validate and build a web configuration; WebConfigError says what is wrong and where."""
     try:
-        with open(path, "rb") as handle:
-            text = handle.read(MAX_FILE_BYTES + 1)  # not all of /dev/zero, should it be named here
+        text = read_regular_file(path)  # not all of /dev/zero, should it be named here
     except FileNotFoundError:
         raise WebConfigError("no such file") from None
     except OSError as exc:
@@ -192,9 +238,9 @@ def parse(data: Any, directory: str, path: str = "<memory>") -> WebConfig:
     """Validate an already-decoded document; relative file names are taken from ``directory``."""
     top = _mapping(data, "the file")
     _known_keys(top, TOP_KEYS, TOP_UNSUPPORTED, "")
-    context, client_auth = _tls(top.get("tls_server_config"), directory)
+    context, client_auth, files = _tls(top.get("tls_server_config"), directory)
     return WebConfig(path, context, client_auth, _users(top.get("basic_auth_users")),
-                     _headers(top.get("http_server_config")))
+                     _headers(top.get("http_server_config")), files)
 
 
 def _mapping(value: Any, where: str) -> dict[Any, Any]:
@@ -234,8 +280,7 @@ def _file(section: dict[Any, Any], key: str, directory: str) -> str:
         return ""
     path = os.path.join(directory, name)  # an absolute name stays as it is
     try:
-        with open(path, "rb"):
-            pass
+        read_regular_file(path, 0)  # exists, readable, and not a FIFO that would hang the loading below
     except FileNotFoundError:
         raise WebConfigError(f"tls_server_config.{key}: {path}: no such file") from None
     except OSError as exc:
@@ -243,14 +288,14 @@ def _file(section: dict[Any, Any], key: str, directory: str) -> str:
     return path
 
 
-def _tls(value: Any, directory: str) -> tuple[ssl.SSLContext | None, str]:
+def _tls(value: Any, directory: str) -> tuple[ssl.SSLContext | None, str, tuple[str, ...]]:
     section = _mapping(value, "tls_server_config")
     _known_keys(section, TLS_KEYS, TLS_UNSUPPORTED, "tls_server_config.")
     client_auth = _string(section, "client_auth_type", "tls_server_config")
     cert, key = _string(section, "cert_file", "tls_server_config"), _string(section, "key_file", "tls_server_config")
     client_ca = _string(section, "client_ca_file", "tls_server_config")
     if not (cert or key or client_auth or client_ca):
-        return None, "NoClientCert"  # as in the toolkit: no certificate and no client auth is plain HTTP
+        return None, "NoClientCert", ()  # as in the toolkit: no certificate and no client auth is plain HTTP
     if not cert:
         raise WebConfigError("tls_server_config.cert_file: missing; TLS needs cert_file and key_file")
     if not key:
@@ -258,11 +303,13 @@ def _tls(value: Any, directory: str) -> tuple[ssl.SSLContext | None, str]:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     _versions(context, section)
     _cipher_suites(context, section)
-    _load_certificate(context, _file(section, "cert_file", directory), _file(section, "key_file", directory))
+    files = (_file(section, "cert_file", directory), _file(section, "key_file", directory))
+    _load_certificate(context, *files)
     client_auth = client_auth or "NoClientCert"
-    _client_auth(context, client_auth, _file(section, "client_ca_file", directory))
+    client_ca_file = _file(section, "client_ca_file", directory)
+    _client_auth(context, client_auth, client_ca_file)
     context.set_alpn_protocols(["http/1.1"])
-    return context, client_auth
+    return context, client_auth, files + ((client_ca_file,) if client_ca_file else ())
 
 
 def _versions(context: ssl.SSLContext, section: dict[Any, Any]) -> None:
@@ -383,6 +430,71 @@ def _headers(value: Any) -> tuple[tuple[bytes, bytes], ...]:
     return tuple(headers)
 
 
+# --- reloading ---------------------------------------------------------------------------------------
+
+RELOAD_CHECK_INTERVAL = 1.0  # seconds between two stat() rounds over the file and the files it names
+
+Signature = tuple[tuple[str, int, int, int, int, int], ...]
+
+
+def _signature(config: WebConfig) -> Signature:
+    """What changes when any of the files is rewritten or replaced (a Kubernetes secret swaps a symlink)."""
+    marks = []
+    for path in (config.path, *config.files):
+        try:
+            info = os.stat(path)
+        except OSError:
+            marks.append((path, -1, -1, -1, -1, -1))
+        else:
+            marks.append((path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+    return tuple(marks)
+
+
+class WebConfigWatcher:
+    """The web configuration in use, re-read when its file or a file it names has changed.
+
+    :meth:`current` is called for every connection and request; it looks at the files at most once per
+    :data:`RELOAD_CHECK_INTERVAL`.  A new version that does not load keeps the last good one: the error
+    is logged once per version and counted.
+    """
+
+    def __init__(self, config: WebConfig) -> None:
+        self.config = config
+        self._signature = _signature(config)
+        self._failed: Signature | None = None
+        self._next_check = time.monotonic() + RELOAD_CHECK_INTERVAL
+        self.reloads = {"success": 0, "failure": 0}
+        self.last_reload_successful = True
+
+    def current(self) -> WebConfig:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + RELOAD_CHECK_INTERVAL
+            self._check()
+        return self.config
+
+    def _check(self) -> None:
+        signature = _signature(self.config)
+        if signature in (self._signature, self._failed):
+            return
+        try:
+            new = load(self.config.path)
+        except WebConfigError as exc:
+            self._failed = signature
+            self.reloads["failure"] += 1
+            self.last_reload_successful = False
+            log.error("web config file changed but cannot be used; keeping the last good one", extra=fields(
+                file=self.config.path, err=str(exc)))
+            return
+        # The signature taken before reading, where the files are the same ones: a write that lands while
+        # they are read then shows as a change at the next look, and is read again.
+        same_files = new.files == self.config.files
+        self.config, self._signature, self._failed = new, signature if same_files else _signature(new), None
+        self.reloads["success"] += 1
+        self.last_reload_successful = True
+        log.info("web config file reloaded", extra=fields(file=new.path, **new.describe()))
+
+
 # --- serving -----------------------------------------------------------------------------------------
 
 Scope = MutableMapping[str, Any]
@@ -392,49 +504,213 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 UNAUTHORIZED = b"Unauthorized\n"
+BUSY_BODY = b"too many unverified credentials waiting; retry\n"
 CHALLENGE = (b"www-authenticate", b'Basic realm="gpuio-exporter", charset="UTF-8"')
 REMEMBERED_FAILURES = 1000
+# Credentials waiting for the bcrypt thread: all clients, and one client address.  At cost 10 (~65 ms)
+# the whole queue drains in ~2 s; a client beyond either bound gets 429 at once.
+MAX_WAITING_CHECKS = 32
+MAX_WAITING_PER_CLIENT = 4
+MAX_KEPT_BODY = 64 * 1024  # request body held while waiting for bcrypt (nothing reads it; a bound all the same)
+
+OK, REFUSED, BUSY, GONE = "ok", "refused", "busy", "gone"
+
+
+def _cost(hashed: bytes) -> int:
+    return int(hashed[4:6])
+
+
+def _dummy(cost: int) -> bytes:
+    return b"$2b$%02d$" % cost + DUMMY_SALT_AND_HASH
+
+
+class BcryptQueue:
+    """bcrypt checks on one thread, from a bounded queue served round-robin across client addresses.
+
+    Why: a flood of wrong passwords (each distinct, so the cache of refusals does not help) would
+    otherwise queue without bound in front of a right credential not yet cached: 48 s were seen.
+    Here a client address has at most MAX_WAITING_PER_CLIENT checks waiting, the queue at
+    most MAX_WAITING_CHECKS, beyond which the request gets 429 at once; the next check is taken from
+    the next client address in turn, so a right credential waits for at most one check per other
+    client; and a check whose client has gone (its future cancelled) is skipped, not run.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpuio-bcrypt")
+        self._waiting: OrderedDict[str, deque[tuple[asyncio.Future[bool], Callable[[], bool]]]] = OrderedDict()
+        self._count = 0
+        self._running = False
+        self.counts = {"bcrypt": 0, "abandoned": 0, "shed": 0}
+
+    def submit(self, client: str, check: Callable[[], bool]) -> asyncio.Future[bool] | None:
+        """A future of the check's result, or None when the queue (or this client's share) is full."""
+        queue = self._waiting.get(client)
+        if self._count >= MAX_WAITING_CHECKS or (queue is not None and len(queue) >= MAX_WAITING_PER_CLIENT):
+            self.counts["shed"] += 1
+            return None
+        if queue is None:
+            queue = self._waiting[client] = deque()
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        queue.append((future, check))
+        self._count += 1
+        self._run_next()
+        return future
+
+    def _next(self) -> tuple[asyncio.Future[bool], Callable[[], bool]] | None:
+        while self._waiting:
+            client, queue = next(iter(self._waiting.items()))
+            future, check = queue.popleft()
+            self._count -= 1
+            if queue:
+                self._waiting.move_to_end(client)  # the next check comes from the next client
+            else:
+                del self._waiting[client]
+            if future.done():  # cancelled: its client went away
+                self.counts["abandoned"] += 1
+                continue
+            return future, check
+        return None
+
+    def _run_next(self) -> None:
+        if self._running:
+            return
+        job = self._next()
+        if job is None:
+            return
+        future, check = job
+        self._running = True
+        result = asyncio.get_running_loop().run_in_executor(self._executor, check)
+        result.add_done_callback(lambda done: self._finished(future, done))
+
+    def _finished(self, future: asyncio.Future[bool], done: asyncio.Future[bool]) -> None:
+        self._running = False
+        self.counts["bcrypt"] += 1
+        if not future.done():
+            error = done.exception()
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(done.result())
+        self._run_next()
 
 
 class BasicAuth:
     """Checks ``Authorization: Basic`` against bcrypt hashes, paying bcrypt once per credential."""
 
-    def __init__(self, users: Mapping[bytes, bytes]) -> None:
-        self._users = dict(users)
+    def __init__(self, users: Mapping[bytes, bytes], queue: BcryptQueue | None = None) -> None:
         self._key = os.urandom(32)
+        self._queue = queue or BcryptQueue()
+        self.bcrypt_checks = 0
+        self._source: Mapping[bytes, bytes] | None = None
+        self._replace(users)
+
+    def use(self, users: Mapping[bytes, bytes]) -> None:
+        """Check against these users from now on (a reloaded file); what was remembered is forgotten."""
+        if users is not self._source and users != self._users:  # identity: the same WebConfig, every request
+            self._replace(users)
+        self._source = users
+
+    def _replace(self, users: Mapping[bytes, bytes]) -> None:
+        self._users = dict(users)
+        self._max_cost = max((_cost(hashed) for hashed in self._users.values()), default=10)
         self._good: dict[bytes, bytes] = {}  # user -> HMAC of the credential that verified
         self._bad: OrderedDict[bytes, None] = OrderedDict()  # HMACs of refused credentials, oldest first
-        self._bcrypt = ThreadPoolExecutor(1, thread_name_prefix="gpuio-bcrypt")
-        self.bcrypt_checks = 0
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self._queue.counts
 
     async def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        return await self.check(headers) == OK
+
+    async def check(self, headers: list[tuple[bytes, bytes]], client: str = "",
+                    receive: Receive | None = None, kept: list[Message] | None = None) -> str:
+        """OK, REFUSED, BUSY (no room to check now) or GONE (the client left while waiting: no reply).
+
+        ``receive`` (the request's ASGI receive) lets a waiting check notice its client going away;
+        what it reads meanwhile is put in ``kept`` for the app.
+        """
         credential = _credential(headers)
         if credential is None:
-            return False
+            return REFUSED
         user, password = credential.split(b":", 1)
+        if len(password) > MAX_PASSWORD_BYTES:
+            return REFUSED  # on any bcrypt version; the same for every user, so it tells nothing
         digest = hmac.new(self._key, credential, sha256).digest()
         good = self._good.get(user)
         if good is not None and hmac.compare_digest(good, digest):
-            return True
+            return OK
         if digest in self._bad:  # keyed by a secret HMAC: lookup timing tells an attacker nothing
-            return False
-        ok = await asyncio.get_running_loop().run_in_executor(self._bcrypt, self._verify, user, password)
+            return REFUSED
+        users, max_cost = self._users, self._max_cost
+        future = self._queue.submit(client, lambda: self._verify(users, max_cost, user, password))
+        if future is None:
+            return BUSY
+        if receive is not None and not await _unless_disconnected(future, receive, kept if kept is not None else []):
+            return GONE
+        ok = await future
+        if users is self._users:  # not replaced by a reload meanwhile
+            self._remember(user, digest, ok)
+        return OK if ok else REFUSED
+
+    def _remember(self, user: bytes, digest: bytes, ok: bool) -> None:
         if ok:
             self._good[user] = digest
         else:
             self._bad[digest] = None
             if len(self._bad) > REMEMBERED_FAILURES:
                 self._bad.popitem(last=False)
-        return ok
 
-    def _verify(self, user: bytes, password: bytes) -> bool:
+    def _verify(self, users: Mapping[bytes, bytes], max_cost: int, user: bytes, password: bytes) -> bool:
+        """On the bcrypt thread.  Costs as much as one check at ``max_cost`` whoever the user is.
+
+        An unknown user is checked against a dummy hash of the highest configured cost; a user whose
+        hash is cheaper (cost c) pays extra checks at costs c, c+1, ..., max_cost-1:
+        2^c + (2^c + ... + 2^(max-1)) = 2^max, so the time says neither which users exist nor which
+        hash is cheaper (62 vs 240 ms at cost 10 vs 12 before).
+        """
         self.bcrypt_checks += 1
-        hashed = self._users.get(user)
-        try:
-            matches = bcrypt.checkpw(password, hashed or DUMMY_HASH)
-        except ValueError:  # bcrypt refuses passwords over 72 bytes
+        hashed = users.get(user)
+        if hashed is None:
+            _checkpw(password, _dummy(max_cost))
             return False
-        return hashed is not None and matches
+        matches = _checkpw(password, hashed)
+        for cost in range(_cost(hashed), max_cost):
+            _checkpw(password, _dummy(cost))
+        return matches
+
+
+def _checkpw(password: bytes, hashed: bytes) -> bool:
+    try:
+        return bcrypt.checkpw(password, hashed)
+    except ValueError:  # bcrypt 5 refuses passwords over 72 bytes (refused before this anyway)
+        return False
+
+
+async def _unless_disconnected(future: asyncio.Future[bool], receive: Receive, kept: list[Message]) -> bool:
+    """Wait for ``future``; False (and the future cancelled, so its check is skipped) if the client leaves first."""
+    watcher = asyncio.ensure_future(_until_disconnected(receive, kept))
+    try:
+        await asyncio.wait((future, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not watcher.done():
+            watcher.cancel()
+    if future.done():
+        return True
+    future.cancel()
+    return False
+
+
+async def _until_disconnected(receive: Receive, kept: list[Message]) -> None:
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        kept.append(message)
+        size += len(message.get("body", b""))
+        if size > MAX_KEPT_BODY:
+            await asyncio.Event().wait()  # hold no more; the check's result ends the wait
 
 
 def _credential(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -452,27 +728,79 @@ def _credential(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return credential if b":" in credential else None
 
 
-def guard(app: ASGIApp, web: WebConfig) -> ASGIApp:
-    """Wrap the whole app (the fast /metrics path included): basic auth on every path, configured headers."""
-    auth = BasicAuth(web.users) if web.users else None
-    extra = list(web.headers)
+def _replaying(kept: list[Message], receive: Receive) -> Receive:
+    """The request's receive, first giving back what was read while waiting for bcrypt."""
+    async def replay() -> Message:
+        return kept.pop(0) if kept else await receive()
 
-    async def send_with_headers(send: Send, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message["headers"] = [*message.get("headers", []), *extra]
-        await send(message)
+    return replay
+
+
+async def _answer(send: Send, status: int, body: bytes, *extra: tuple[bytes, bytes]) -> None:
+    headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode()), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def guard(app: ASGIApp, watcher: WebConfigWatcher, auth: BasicAuth | None = None) -> ASGIApp:
+    """Wrap the whole app (the fast /metrics path included): basic auth on every path, configured headers.
+
+    Both come from the configuration in use for each request, so a reloaded file applies at once.
+    """
+    auth = auth or BasicAuth(watcher.config.users)
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        reply = send if not extra else lambda message: send_with_headers(send, message)
-        if auth is not None and not await auth.allowed(scope["headers"]):
-            headers = [(b"content-type", b"text/plain; charset=utf-8"),
-                       (b"content-length", str(len(UNAUTHORIZED)).encode()), CHALLENGE]
-            await reply({"type": "http.response.start", "status": 401, "headers": headers})
-            await reply({"type": "http.response.body", "body": UNAUTHORIZED})
-            return
+        web = watcher.current()
+        reply = send if not web.headers else _with_headers(send, web.headers)
+        if web.users:
+            auth.use(web.users)
+            client = scope.get("client")
+            kept: list[Message] = []
+            verdict = await auth.check(scope["headers"], client[0] if client else "", receive, kept)
+            if verdict == GONE:
+                return
+            if verdict == BUSY:
+                await _answer(reply, 429, BUSY_BODY, (b"retry-after", b"1"))
+                return
+            if verdict != OK:
+                await _answer(reply, 401, UNAUTHORIZED, CHALLENGE)
+                return
+            if kept:
+                receive = _replaying(kept, receive)
         await app(scope, receive, reply)
 
     return guarded
+
+
+def _with_headers(send: Send, extra: tuple[tuple[bytes, bytes], ...]) -> Send:
+    async def send_with_headers(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", []), *extra]
+        await send(message)
+
+    return send_with_headers
+
+
+RELOADS = Desc("gpuio_exporter_web_config_reloads_total", COUNTER,
+               "Times a changed --web.config.file (or a certificate, key or CA file it names) was read again, "
+               "by result; a failure keeps the last good configuration.")
+LAST_RELOAD = Desc("gpuio_exporter_web_config_last_reload_successful", GAUGE,
+                   "1 if the web config in use is the latest version of its files, 0 if the latest failed to load.")
+AUTH_CHECKS = Desc("gpuio_exporter_basic_auth_checks_total", COUNTER,
+                   "Basic-auth credentials not answered from the cache, by what happened: bcrypt (checked), "
+                   "abandoned (the client left before its turn), shed (queue full: 429).")
+
+
+def families(watcher: WebConfigWatcher, auth: BasicAuth | None) -> list[Family]:
+    result = [
+        Family(RELOADS, [RELOADS.sample(label_string({"result": key}), count)
+                         for key, count in watcher.reloads.items()]),
+        Family(LAST_RELOAD, [LAST_RELOAD.sample("", int(watcher.last_reload_successful))]),
+    ]
+    if auth is not None and watcher.config.users:
+        result.append(Family(AUTH_CHECKS, [AUTH_CHECKS.sample(label_string({"result": key}), count)
+                                           for key, count in auth.counts.items()]))
+    return result
