@@ -111,7 +111,7 @@ class LoadTimer:
     On a clean exit the load is recorded (read seconds and bytes, deserialize seconds, file info);
     on an exception it counts as an error and nothing else.  From ``with`` to its end the load is in
     progress (gpuio_engine_loads_in_progress); bytes read by :meth:`read` count as they arrive, those
-    of :meth:`reading` when it ends, and :meth:`add_bytes` reports a read loop the caller owns.
+    of :meth:`reading` when it ends, and :meth:`add_bytes` counts those of a read loop the caller owns.
     """
 
     def __init__(self, name: str | EngineMetrics, path: str | None = None, device: Any = None,
@@ -132,7 +132,11 @@ class LoadTimer:
         return self
 
     def add_bytes(self, nbytes: int) -> None:
-        """Bytes read so far by the caller's own reads (shown while the load is in progress)."""
+        """Bytes the caller's own read loop just read: counted in the load, and shown while it is in progress."""
+        self.bytes_read += nbytes
+        self._report(nbytes)
+
+    def _report(self, nbytes: int) -> None:
         if self._progress is not None:
             self._progress.add(nbytes)
 
@@ -140,7 +144,7 @@ class LoadTimer:
         target = path or self.path
         if target is None:
             raise ValueError("no path to read")
-        data, seconds = read_file(target, progress=self.add_bytes)
+        data, seconds = read_file(target, progress=self._report)
         self.read_seconds += seconds
         self.bytes_read += len(data)
         return data
@@ -150,7 +154,6 @@ class LoadTimer:
         start = time.perf_counter()
         yield
         self.read_seconds += time.perf_counter() - start
-        self.bytes_read += nbytes
         self.add_bytes(nbytes)
 
     @contextmanager
