@@ -295,9 +295,11 @@ class MountstatsCollector(Collector):
 
     def collect(self) -> list[Family]:
         table = mounts.read_table(self.context.procfs)
+        text = self._read_mountstats(table)
+        if not table.source and text is None:
+            return []  # no mount table here at all (a procfs without it): no such source
         self.malformed += table.malformed
         families = [self._mount_info(table)]
-        text = self._read_mountstats(table)
         if text is not None:
             parsed = parse(text, self.max_mounts, self.max_operations)
             self.malformed += parsed.malformed
