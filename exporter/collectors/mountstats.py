@@ -16,8 +16,12 @@ names the mount point of each engine file).  The kernel writes the file in fs/nf
   cumulative queue, response (round trip) and request (execute) times in milliseconds, and since
   Linux 5.x the errors.
 
-Which mount namespace: ``<procfs>/1/mountstats`` (the host's, see :mod:`exporter.mounts`) with
-``<procfs>/1/mountinfo``, else ``self``.  Two mounts of one export with the same options share one
+Which mount namespace: ``<procfs>/1/mountinfo`` (the host's, see :mod:`exporter.mounts`) where it
+can be read, else ``self``; and the mountstats file of the same process.  /proc/<pid>/mountstats is
+mode 0400 (only root, or CAP_DAC_READ_SEARCH, reads init's): where init's is refused, the exporter's
+own is read instead, which shows the host's NFS mounts when the exporter shares the host's mount
+namespace or a copy of it (systemd, even with ProtectSystem=) and only its own mounts in a container.
+``gpuio_mountstats_source_info`` says which files were read.  Two mounts of one export with the same options share one
 NFS superblock, so they show the same counters under both mount points: do not sum over mount points.
 
 Bounded: at most ``max-mounts`` mounts and ``max-operations`` operations per mount (operations never
@@ -30,6 +34,7 @@ no failure.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +145,10 @@ MOUNT_INFO = Desc("gpuio_mount_info", INFO,
                   "fuse.*...): these have no block device, so disk series cannot describe them.")
 MALFORMED = Desc("gpuio_mountstats_malformed_lines_total", COUNTER,
                  "Lines of mountstats or mountinfo that made no sense and were skipped, counted at every read.")
+SOURCE = Desc("gpuio_mountstats_source_info", INFO,
+              "Whose mount table and NFS statistics were read: <procfs>/<mountinfo>/mountinfo and "
+              "<procfs>/<mountstats>/mountstats, 1 (the host's init) or self (\"\" when none could be read: "
+              "/proc/1/mountstats needs root or CAP_DAC_READ_SEARCH).")
 DROPPED = Desc("gpuio_mountstats_dropped_series_total", COUNTER,
                "Distinct mounts and operations left out by the collector's caps, by kind (mount, operation, "
                "mount_info).")
@@ -295,11 +304,12 @@ class MountstatsCollector(Collector):
 
     def collect(self) -> list[Family]:
         table = mounts.read_table(self.context.procfs)
-        text = self._read_mountstats(table)
+        text, source = self._read_mountstats(table)
         if not table.source and text is None:
             return []  # no mount table here at all (a procfs without it): no such source
         self.malformed += table.malformed
-        families = [self._mount_info(table)]
+        families = [self._mount_info(table), Family(SOURCE, [SOURCE.sample(label_string(
+            {"mountinfo": _process_of(table.source), "mountstats": _process_of(source)}), 1)])]
         if text is not None:
             parsed = parse(text, self.max_mounts, self.max_operations)
             self.malformed += parsed.malformed
@@ -314,13 +324,17 @@ class MountstatsCollector(Collector):
         families.append(Family(DROPPED, dropped))
         return families
 
-    def _read_mountstats(self, table: mounts.MountTable) -> str | None:
-        # The same process's file as the mount table, so that both describe one mount namespace.
-        directory = table.source.rsplit("/", 1)[0] if table.source else f"{self.context.procfs}/self"
-        try:
-            return mounts.read_bounded(f"{directory}/mountstats")
-        except FileNotFoundError:
-            return None  # no such file in this procfs (a fixture root, a kernel without it)
+    def _read_mountstats(self, table: mounts.MountTable) -> tuple[str | None, str]:
+        """The mountstats of the mount table's process (one mount namespace for both), else the
+        exporter's own where that one is refused (mode 0400); ``(None, "")`` when neither is there."""
+        own = os.path.join(self.context.procfs, "self", "mountstats")
+        first = os.path.join(os.path.dirname(table.source), "mountstats") if table.source else own
+        for path in dict.fromkeys((first, own)):
+            try:
+                return mounts.read_bounded(path), path
+            except (FileNotFoundError, PermissionError):
+                continue  # a procfs without it (a fixture root), or init's refused to a non-root exporter
+        return None, ""
 
     def _drop(self, kind: str, key: Any) -> None:
         seen = self._dropped.setdefault(kind, set())
@@ -371,3 +385,8 @@ class MountstatsCollector(Collector):
         order = [AGE, *BYTES, *(desc for _, desc, _ in TRANSPORT), *(desc for _, desc, _, _ in OPERATIONS),
                  *(desc for _, desc in EVENTS)]
         return [Family(desc, samples.get(desc, [])) for desc in order]
+
+
+def _process_of(path: str) -> str:
+    """``1`` or ``self`` for ``<procfs>/1/mountinfo``...; "" for no file."""
+    return os.path.basename(os.path.dirname(path)) if path else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -152,3 +153,20 @@ def test_every_node_exporter_series_has_an_equal_gpuio_twin(tmp_path, name: str)
         assert ours[(ours_name, frozenset(twin.items()))] == value, (metric, labels)
         compared += 1
     assert compared > 60
+
+
+def test_a_non_root_exporter_falls_back_to_its_own_mountstats_on_the_real_proc() -> None:
+    """/proc/1/mountstats is mode 0400: as nobody the collector reads init's mountinfo (world-readable)
+    and its own mountstats, says so, and does not fail."""
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        pytest.skip("needs root to switch to nobody")
+    code = (f"import sys; sys.path.insert(0, {REPO!r}); from exporter.collect import Context; "
+            "from exporter.collectors.mountstats import MountstatsCollector; from exporter.exposition import render; "
+            "print(render(MountstatsCollector(Context(), {}).collect()))")
+    result = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", code], capture_output=True,
+                            text=True, timeout=60)
+    if "Permission denied" in result.stderr and "python" in result.stderr.lower():
+        pytest.skip("nobody cannot run this Python")
+    assert result.returncode == 0, result.stderr
+    source = [dict(labels) for (name, labels) in parse_samples(result.stdout) if name == "gpuio_mountstats_source_info"]
+    assert source == [{"mountinfo": "1", "mountstats": "self"}]
