@@ -361,33 +361,31 @@ class EnginesCollector(Collector):
         """Loads in progress per engine and GPU, per physical disk and per mount point; and each engine
         file's mount.  Every engine GPU, disk and mount point of an engine file is served, at 0 when
         nothing loads there, so that ``max by`` and joins find it."""
-        now = time.time()
-        wanted = set(pairs)
-        per_pair: dict[tuple[str, str], list[float]] = {pair: [0.0, 0.0, 0.0] for pair in pairs}
-        per_disk: dict[str, list[float]] = {}
+        per_pair: dict[tuple[str, str], list[float]] = {pair: [0.0, 0.0, 0.0] for pair in pairs}  # count, age, bytes
+        per_disk: dict[str, list[float]] = {}  # count, age
         per_mount: dict[str, list[float]] = {}
-        mount_info: list[str] = []
-        for engine in engines:
-            for item in totals.infos.get(engine, []):
-                for disk in self._device(item.dev)[1]:
-                    per_disk.setdefault(disk, [0.0, 0.0])
-                mount = self._mounts.of_file(item.dev, item.path)
-                if mount is not None:
-                    per_mount.setdefault(mount.mountpoint, [0.0, 0.0])
-                    line = ENGINE_MOUNT.sample(label_string({"engine": engine, "path": item.path, "mountpoint":
+        mount_info: dict[str, None] = {}
+        for engine, path, dev in self._engine_files(totals, engines):
+            for disk in self._device(dev)[1]:
+                per_disk.setdefault(disk, [0.0, 0.0])
+            mount = self._mounts.of_file(dev, path)
+            if mount is not None:
+                per_mount.setdefault(mount.mountpoint, [0.0, 0.0])
+                mount_info[ENGINE_MOUNT.sample(label_string({"engine": engine, "path": path, "mountpoint":
                                                              mount.mountpoint, "fstype": mount.fstype,
-                                                             "source": mount.source}), 1)
-                    if line not in mount_info:
-                        mount_info.append(line)
+                                                             "source": mount.source}), 1)] = None
+        now = time.time()
         for (engine, uuid, dev), (count, read_bytes, oldest) in totals.loads.items():
-            if (engine, uuid) not in wanted or count <= 0:
+            if (engine, uuid) not in per_pair or count <= 0:
                 continue
             age = max(0.0, now - oldest) if oldest > 0 else 0.0
             _add_load(per_pair[(engine, uuid)], count, age, read_bytes)
-            for disk in self._device(dev)[1] if dev != (0, 0) else ():
+            if dev == (0, 0):  # the process could not stat its file: no disk, no mount
+                continue
+            for disk in self._device(dev)[1]:
                 _add_load(per_disk.setdefault(disk, [0.0, 0.0]), count, age)
             path = next((item.path for item in totals.infos.get(engine, []) if item.dev == dev), "")
-            mount = self._mounts.of_file(dev, path) if dev != (0, 0) else None
+            mount = self._mounts.of_file(dev, path)
             if mount is not None:
                 _add_load(per_mount.setdefault(mount.mountpoint, [0.0, 0.0]), count, age)
         families = [Family(desc, [desc.sample(label_string({"engine": engine, "gpu_uuid": uuid}), values[index])
@@ -399,8 +397,19 @@ class EnginesCollector(Collector):
                                           (MOUNT_LOAD_OLDEST, 1, per_mount, "mountpoint")):
             families.append(Family(desc, [desc.sample(label_string({label: key}), values[index])
                                           for key, values in sorted(table.items())]))
-        families.append(Family(ENGINE_MOUNT, mount_info))
+        families.append(Family(ENGINE_MOUNT, list(mount_info)))
         return families
+
+    def _engine_files(self, totals: fmt.Totals, engines: list[str]) -> list[tuple[str, str, tuple[int, int]]]:
+        """(engine, path, st_dev) of every engine file: those live processes load or loaded, and those
+        only the globs name (from the last background scan)."""
+        files = [(engine, item.path, item.dev) for engine in engines for item in totals.infos.get(engine, [])
+                 if item.dev != (0, 0)]
+        scan = self.scanner.snapshot().value
+        for view in scan.files.values() if scan is not None else ():
+            if view.from_glob and view.dev is not None:
+                files.append((view.engine, view.path, view.dev))
+        return files
 
     # --- engine -> file -> disk, GPU -------------------------------------------------------------
 

@@ -1,12 +1,21 @@
 """Mount tables (exporter.mounts) on mountinfo lines in the kernel's format: which mount holds a file,
-which mounts are network or FUSE, and what a malformed or oversized table costs."""
+which mounts are network or FUSE, and what a malformed or oversized table costs; and the engines
+collector's mount of each engine file on this machine, against findmnt."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
-from exporter import mounts
-from tests.conftest import REPO
+import pytest
+
+from exporter import instrument, mounts
+from exporter.collect import Context
+from exporter.collectors import engines
+from exporter.exposition import render
+from exporter.instrument import metrics
+from tests.conftest import REPO, parse_samples
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "mounts")
 
@@ -80,3 +89,37 @@ def test_host_table_comes_from_pid_1_then_self(tmp_path) -> None:
     (tmp_path / "1" / "mountinfo").write_text("1 0 0:50 / / rw - nfs4 srv:/ rw\n")
     assert mounts.read_table(str(tmp_path)).mounts[0].fstype == "nfs4"
     assert mounts.read_table(str(tmp_path / "absent")).mounts == []
+
+
+def test_every_engine_file_names_its_mount_as_findmnt_sees_it(tmp_path) -> None:
+    """The engines collector on this machine's real /proc: a file a process loads and a file only a glob
+    names both get gpuio_engine_mount_info, with the mount point and type util-linux's findmnt reports."""
+    if shutil.which("findmnt") is None:
+        pytest.skip("findmnt (util-linux) is not installed")
+    spool, models = tmp_path / "spool", tmp_path / "models"
+    spool.mkdir()
+    models.mkdir()
+    loaded, globbed = models / "loaded.engine", models / "globbed.plan"
+    loaded.write_bytes(b"\0" * 4096)
+    globbed.write_bytes(b"\0" * 4096)
+    metrics._reset_for_tests()
+    instrument.configure(str(spool))
+    try:
+        instrument.load(str(loaded), bytes)
+        settings = {option.name: option.parse(option.default) if option.default is not None else None
+                    for option in engines.EnginesCollector.options}
+        settings.update({"spool-dir": str(spool), "path": (str(models / "*.plan"),)})
+        target = engines.EnginesCollector(Context(), settings)
+        target.collect()
+        target.scanner.sample_now()
+        samples = parse_samples(render(target.collect()))
+    finally:
+        metrics._reset_for_tests()
+        instrument.configure(None)
+    found = {dict(labels)["path"]: dict(labels) for (name, labels) in samples if name == "gpuio_engine_mount_info"}
+    for path in (str(loaded), str(globbed)):
+        target_fs = subprocess.run(["findmnt", "-n", "-o", "TARGET,FSTYPE", "-T", path], capture_output=True,
+                                   text=True, check=True).stdout.split()
+        assert (found[path]["mountpoint"], found[path]["fstype"]) == tuple(target_fs)
+    mount = frozenset({("mountpoint", found[str(loaded)]["mountpoint"])})
+    assert samples[("gpuio_mount_engine_loads_in_progress", mount)] == 0  # served at 0 when nothing loads
