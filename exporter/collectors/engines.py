@@ -380,12 +380,14 @@ class EnginesCollector(Collector):
                 continue
             age = max(0.0, now - oldest) if oldest > 0 else 0.0
             _add_load(per_pair[(engine, uuid)], count, age, read_bytes)
-            if dev == (0, 0):  # the process could not stat its file: no disk, no mount
+            # Only a file the engine's info names (written when the load started): a writer cannot make
+            # the exporter resolve devices it invents, and the mount look-up gets the file's path.
+            load_path = next((item.path for item in totals.infos.get(engine, []) if item.dev == dev), None)
+            if load_path is None or dev == (0, 0):
                 continue
             for disk in self._device(dev)[1]:
                 _add_load(per_disk.setdefault(disk, [0.0, 0.0]), count, age)
-            path = next((item.path for item in totals.infos.get(engine, []) if item.dev == dev), "")
-            mount = self._mounts.of_file(dev, path)
+            mount = self._mounts.of_file(dev, load_path)
             if mount is not None:
                 _add_load(per_mount.setdefault(mount.mountpoint, [0.0, 0.0]), count, age)
         families = [Family(desc, [desc.sample(label_string({"engine": engine, "gpu_uuid": uuid}), values[index])

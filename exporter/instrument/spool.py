@@ -815,7 +815,7 @@ class SpoolReader:
 
     # --- per engine and GPU; loads in progress ----------------------------------------------------
 
-    def _gpu_of_writer(self, parsed: Parsed, engine: str, recorded: str) -> str:
+    def _gpu_of_writer(self, parsed: Parsed, recorded: str) -> str:
         """The GPU a live writer works on for ``engine``: what it recorded, else what NVML lists it on."""
         if recorded or self.gpu_of is None:
             return recorded
@@ -824,22 +824,32 @@ class SpoolReader:
     def _merge_per_gpu_and_loads(self, totals: Totals) -> None:
         """Per (engine, GPU): the live writers' per-GPU slots plus the folded ones; and the loads in
         progress of live writers (a dead writer's loads are over, whatever its file says)."""
-        per_gpu = {key: list(values) for key, values in self._folded_per_gpu.items()}
-        seen: dict[tuple[int, str], str] = {}
+        # Grouped first, summed once per (engine, GPU) at C speed: a scrape of 1,000 writers pays one
+        # tuple per writer and engine here, not one list addition.
+        groups: dict[tuple[str, str], list[typing.Sequence[float]]] = {
+            key: [values] for key, values in self._folded_per_gpu.items()}
+        seen: dict[tuple[int, str], str] = {}  # only GPUs NVML gave: a recorded one is in the file itself
         for state in self._live.values():
             parsed = state.parsed
             if parsed is None:
                 continue
+            infos = parsed.infos
             for engine, values in parsed.engines.items():
-                info = parsed.infos.get(engine)
-                uuid = self._gpu_of_writer(parsed, engine, info.gpu_uuid if info else "")
-                seen[(parsed.instance, engine)] = uuid
-                _add_into(per_gpu, (engine, uuid), _per_gpu_values(values))
-            for (engine, uuid, dev), values in parsed.loads.items():
-                key = (engine, self._gpu_of_writer(parsed, engine, uuid), dev)
-                _merge_load(totals.loads, key, values)
+                info = infos.get(engine)
+                uuid = info.gpu_uuid if info is not None else ""
+                if not uuid and self.gpu_of is not None:
+                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+                group = groups.get((engine, uuid))
+                if group is None:
+                    groups[(engine, uuid)] = [_per_gpu_values(values)]
+                else:
+                    group.append(_per_gpu_values(values))
+            if parsed.loads:
+                for (engine, uuid, dev), values in parsed.loads.items():
+                    _merge_load(totals.loads, (engine, self._gpu_of_writer(parsed, uuid), dev), values)
         self._gpu_seen = seen
-        totals.per_gpu = per_gpu
+        totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
+                          for key, group in groups.items()}
 
     def _fold_per_gpu(self, parsed: Parsed) -> None:
         """An exited writer's per-GPU counts stay under the GPU it had while alive (gauges zeroed).
