@@ -417,3 +417,31 @@ def test_a_process_that_died_mid_load_has_no_load_in_progress(tmp_path) -> None:
         process.wait()
     totals = reader.read()
     assert totals.loads == {} and totals.infos == {}
+
+
+def test_counts_of_a_dead_writer_stay_under_the_gpu_nvml_gave_it(tmp_path) -> None:
+    """A writer that recorded no GPU is placed by NVML's process list while it lives; once it exits
+    (NVML no longer lists it) its histogram counts stay under that GPU: no counter moves or resets."""
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {REPO!r})
+        from exporter import instrument
+        instrument.configure({str(tmp_path)!r})
+        m = instrument.engine("anon")
+        for _ in range(7):
+            m.inference_seconds.observe(0.01)
+        print("ready", flush=True); sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    listed = {"pid": 0}
+    reader = fmt.SpoolReader(str(tmp_path), gpu_of=lambda pid, ticks: "GPU-nvml" if pid == listed["pid"] else None)
+    first, total = fmt.PER_GPU_LAYOUT.histograms["inference_seconds"][:2]
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        listed["pid"] = writer.pid
+        live = reader.read().per_gpu
+        assert list(live) == [("anon", "GPU-nvml")] and sum(live[("anon", "GPU-nvml")][first:total]) == 7
+    finally:
+        writer.kill()
+        writer.wait()
+    listed["pid"] = 0  # NVML lists a process only while it runs
+    folded = reader.read().per_gpu
+    assert list(folded) == [("anon", "GPU-nvml")] and sum(folded[("anon", "GPU-nvml")][first:total]) == 7
