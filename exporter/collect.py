@@ -112,6 +112,38 @@ class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)
         self.families = families
 
 
+class MalformedSource(Exception):  # noqa: N818  (it is an outcome, as StaleData is)
+    """Raised by a collector when a source it read held nothing it could parse (every line malformed).
+
+    The scrape reports ``gpuio_scrape_collector_success 0`` and counts a failure with reason
+    ``malformed``; ``families`` (what the collector's other sources gave) are still served.
+    """
+
+    def __init__(self, detail: str, families: list[Family] | None = None) -> None:
+        super().__init__(detail)
+        self.families = families or []
+
+
+class DroppedLines:
+    """Lines a collector skipped, counted by source (a file under --path.procfs/sysfs) and reason.
+
+    Sources and reasons are the collector's own constants, never text from the line, so the label
+    set stays small however much garbage a source holds.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, source: str, reason: str, count: int = 1) -> None:
+        with self._lock:
+            self._counts[source, reason] = self._counts.get((source, reason), 0) + count
+
+    def counts(self) -> list[tuple[str, str, int]]:
+        with self._lock:
+            return [(source, reason, count) for (source, reason), count in self._counts.items()]
+
+
 class Collector:
     name: ClassVar[str]
     default_enabled: ClassVar[bool] = True
@@ -120,6 +152,7 @@ class Collector:
     def __init__(self, context: Context, options: dict[str, Any]) -> None:
         self.context = context
         self.settings = options
+        self.dropped_lines = DroppedLines()
 
     def collect(self) -> list[Family]:
         """Return this scrape's families.  Raise on failure; return [] when there is no such source here."""
@@ -179,6 +212,10 @@ BUILD_INFO = Desc("gpuio_exporter_build_info", INFO, "Version of gpuio-exporter 
 FAILURES = Desc(
     "gpuio_scrape_collector_failures_total", COUNTER, "Scrapes in which a collector failed, by reason."
 )
+DROPPED_LINES = Desc(
+    "gpuio_scrape_collector_dropped_lines_total", COUNTER,
+    "Lines of a source that a collector could not parse and skipped, by source and reason.",
+)
 
 
 @dataclass
@@ -201,7 +238,7 @@ class Outcome:
     success: bool = False
     duration: float = 0.0
     error: str | None = None
-    reason: str = "error"  # the failures counter's label: "error" (raised) or "timeout"
+    reason: str = "error"  # the failures counter's label: "error" (raised), "timeout" or "malformed"
 
 
 class Scraper:
@@ -272,6 +309,8 @@ class Scraper:
         try:
             families = state.collector.collect()
             return Outcome(families, True, time.perf_counter() - start)
+        except MalformedSource as bad:
+            return Outcome(bad.families, False, time.perf_counter() - start, f"malformed input: {bad}", "malformed")
         except StaleData as stale:
             return Outcome(stale.families, False, time.perf_counter() - start, f"stale data: {stale}")
         except Exception as exc:  # isolation: one collector's failure is never the scrape's
@@ -302,6 +341,11 @@ class Scraper:
         families.append(SUCCESS.family(success))
         families.append(DURATION.family(duration))
         families.append(FAILURES.family(failures))
+        families.append(DROPPED_LINES.family([
+            DROPPED_LINES.sample(label_string({"collector": s.collector.name, "source": source, "reason": reason}), n)
+            for s in selected
+            for source, reason, n in s.collector.dropped_lines.counts()
+        ]))
         if self.exporter_metrics is not None:
             families.append(BUILD_INFO.family([self._build_sample]))
             families.extend(self.exporter_metrics())
