@@ -244,26 +244,33 @@ def become_subreaper() -> bool:
         return False
 
 
-def process_table(procfs: str = "/proc") -> dict[int, int]:
-    """pid -> parent pid of every process now (/proc/<pid>/stat); processes that exit meanwhile are left out."""
+@dataclass(frozen=True)
+class ProcessRow:
+    parent: int
+    state: str  # "Z": a zombie, waiting to be reaped
+    session: int
+
+
+def process_table(procfs: str = "/proc") -> dict[int, ProcessRow]:
+    """Every process now, from /proc/<pid>/stat; processes that exit meanwhile are left out."""
     table = {}
     for name in os.listdir(procfs):
         if not name.isdigit():
             continue
         try:
             with open(f"{procfs}/{name}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+                fields = handle.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ...
+            table[int(name)] = ProcessRow(int(fields[1]), fields[0].decode(), int(fields[3]))
+        except (OSError, IndexError, ValueError):
             continue
-        table[int(name)] = int(fields[1])
     return table
 
 
-def descendants(table: dict[int, int], roots: Iterable[int]) -> set[int]:
+def descendants(table: dict[int, ProcessRow], roots: Iterable[int]) -> set[int]:
     """Every process below ``roots`` in ``table`` (the roots themselves not included)."""
     children: dict[int, list[int]] = {}
-    for pid, parent in table.items():
-        children.setdefault(parent, []).append(pid)
+    for pid, row in table.items():
+        children.setdefault(row.parent, []).append(pid)
     found: set[int] = set()
     todo = list(roots)
     while todo:
@@ -363,14 +370,20 @@ class Processes:
         self._closed = False
         self._adopted: set[int] = set()  # strays killed, to be reaped
 
-    def add(self, process: subprocess.Popen[bytes]) -> bool:
-        """Track a started smartctl; False (and it is killed) once the collector has stopped."""
+    def start(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Start a smartctl in a session of its own, and track it.  Under the lock, so that a hunt for
+        strays never meets it untracked; SmartctlError once the collector has stopped."""
         with self._lock:
-            if not self._closed:
-                self._running.add(process)
-                return True
-        kill(process)
-        return False
+            if self._closed:
+                raise SmartctlError("error", "the collector is stopping")
+            try:
+                process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, env=smartctl_environment(),
+                                           start_new_session=True)
+            except OSError as exc:
+                raise SmartctlError("error", f"cannot run {argv[0]}: {exc.strerror}") from None
+            self._running.add(process)
+            return process
 
     @property
     def closed(self) -> bool:
@@ -382,21 +395,24 @@ class Processes:
 
     def kill_strays(self) -> int:
         """Kill and reap the processes that smartctl descendants left behind and that were re-parented
-        to this process; how many were found alive."""
-        with self._lock:
+        to this process; how many were found alive.
+
+        A stray is a child of this process that is no running smartctl and carries the owner mark; a
+        stray that died before it was found is a zombie with no environment left to read, reaped when
+        it is outside this process's session (no process but smartctl is started in another one)."""
+        strays: set[int] = set()
+        with self._lock, contextlib.suppress(OSError):
             ours = {process.pid for process in self._running}
-        with contextlib.suppress(OSError):
             table = process_table()
-            me = os.getpid()
-            strays = {pid for pid, parent in table.items()
-                      if parent == me and pid not in ours and carries_owner_mark(pid)}
+            me, session = os.getpid(), os.getsid(0)
+            children = [(pid, row) for pid, row in table.items() if row.parent == me and pid not in ours]
+            strays = {pid for pid, row in children if row.state != "Z" and carries_owner_mark(pid)}
+            dead = {pid for pid, row in children if row.state == "Z" and row.session != session}
             strays |= descendants(table, strays)
             signal_pids(strays)
-            with self._lock:
-                self._adopted |= strays  # below the strays too: re-parented here as they die
-            self._reap()
-            return len(strays)
-        return 0
+            self._adopted |= strays | dead  # below the strays too: re-parented here as they die
+        self._reap()
+        return len(strays)
 
     def _reap(self) -> None:
         with self._lock:
@@ -478,13 +494,7 @@ class Runner:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise SmartctlError("timeout", f"no time left of the {self.timeout:g}s budget")
-        try:  # a session of its own: the kill reaches anything smartctl (or a wrapper script) started
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, env=smartctl_environment(), start_new_session=True)
-        except OSError as exc:
-            raise SmartctlError("error", f"cannot run {argv[0]}: {exc.strerror}") from None
-        if not self.processes.add(process):
-            raise SmartctlError("error", "the collector is stopping")
+        process = self.processes.start(argv)  # a session of its own: the kill reaches what it started
         try:
             stdout, stderr = read_bounded(process, self.deadline, MAX_OUTPUT_BYTES)
         except subprocess.TimeoutExpired:

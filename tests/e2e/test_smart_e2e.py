@@ -157,12 +157,15 @@ def alive(pid: int) -> bool:
 def test_processes_a_smartctl_wrapper_starts_outside_its_session_die_each_sweep_and_at_stop(
         exporter, smart_env, tmp_path) -> None:
     """A --smartctl.path wrapper that setsid's two sleepers per run, one holding smartctl's stdout open
-    (the poll times out) and one with its output elsewhere (the poll ends at once), then exits:
-    neither may outlive its sweep, nor the exporter."""
+    (the poll times out) and one with its output elsewhere (the poll ends at once), and a third that
+    exits at once, then exits: no sleeper may outlive its sweep, nor the exporter, and the one that
+    exited is reaped (it is the exporter's child now), not left a zombie."""
     pids = tmp_path / "pids"
+    quick = tmp_path / "quick"
     wrapper = tmp_path / "smartctl"
     wrapper.write_text(f"#!/bin/sh\nsetsid sleep 300 &\necho $! >> {pids}\n"
-                       f"setsid sleep 300 </dev/null >/dev/null 2>&1 &\necho $! >> {pids}\n")
+                       f"setsid sleep 300 </dev/null >/dev/null 2>&1 &\necho $! >> {pids}\n"
+                       f"setsid true </dev/null >/dev/null 2>&1 &\necho $! >> {quick}\n")
     wrapper.chmod(0o755)
     server = exporter(*ONLY_SMART, f"--smartctl.path={wrapper}", "--collector.smart.interval=200ms",
                       "--collector.smart.timeout=500ms", env=smart_env)
@@ -172,13 +175,15 @@ def test_processes_a_smartctl_wrapper_starts_outside_its_session_die_each_sweep_
     started = [int(pid) for pid in pids.read_text().split()]
     time.sleep(1.0)  # the sweep in flight ends (its timeout, then the clean-up)
     left = [pid for pid in started if alive(pid)]
+    zombies = [pid for pid in map(int, quick.read_text().split()) if os.path.exists(f"/proc/{pid}")]
     log = server.stop()
     time.sleep(0.2)
     survivors = [pid for pid in [int(pid) for pid in pids.read_text().split()] if alive(pid)]
     print(f"wrapper sleepers started: {len(started)}; alive while the exporter ran: {len(left)}; "
-          f"alive after it stopped: {len(survivors)}")
+          f"alive after it stopped: {len(survivors)}; exited ones not reaped: {len(zombies)}")
     signal_all(survivors)
     assert len(started) >= 16
+    assert len(zombies) <= 1  # at most the one of the sweep in flight
     assert len(left) <= 2, "sleepers outlived their sweep"  # at most the pair of the sweep in flight now
     assert survivors == [], log
 
