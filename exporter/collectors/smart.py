@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..collect import Collector, Context, Option, parse_count, parse_seconds, register
+from ..collect import Collector, Context, Option, StaleData, parse_count, parse_seconds, register
 from ..config import ConfigError, parse_choice, parse_regex
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
@@ -118,6 +118,8 @@ PERMISSION_DENIED = Desc("gpuio_smart_permission_denied", GAUGE,
                          "1 when smartctl could not open a disk for lack of privileges.")
 DROPPED = Desc("gpuio_smart_devices_dropped", GAUGE,
                "Disks found but not polled because of --collector.smart.max-devices.")
+STRAYS = Desc("gpuio_smart_stray_processes_killed_total", COUNTER,  # rendered per scrape, not per sweep
+              "Processes a smartctl (or a wrapper around it) left behind outside its session, killed.")
 HEALTH = Desc("gpuio_smart_health_passed", GAUGE,
               "SMART overall-health self-assessment: 0 when it failed or an attribute is failing now, else 1.")
 TEMPERATURE = Desc("gpuio_smart_temperature_celsius", GAUGE, "Current temperature of the disk.")
@@ -908,6 +910,7 @@ class SmartCollector(Collector):
         self._processes = Processes()
         self._once = LogOnce(log)
         self._denied_logged = False
+        self._strays_killed = 0
         self.sampler: PeriodicSampler[list[Family]] = PeriodicSampler(
             "smart", options.get("interval") or 300.0, self.sweep, log)
 
@@ -924,11 +927,13 @@ class SmartCollector(Collector):
     def collect(self) -> list[Family]:
         """The families of the last finished sweep: no smartctl, no parsing, no rendering here."""
         snapshot = self.sampler.snapshot()
+        # Served whatever the sweeps gave: strays come most from a wrapper whose every sweep fails.
+        strays = Family(STRAYS, [STRAYS.sample("", self._strays_killed)])
         if snapshot.value is None:
             if snapshot.error is not None:
-                raise RuntimeError(f"no SMART data yet: {snapshot.error}")
+                raise StaleData(f"no SMART data yet: {snapshot.error}", [strays])
             return []  # the first sweep is still running
-        return snapshot.value
+        return [*snapshot.value, strays] if snapshot.value else []  # []: no smartctl, no SMART series
 
     # -- one sweep, on the sampler's thread --
 
@@ -951,6 +956,7 @@ class SmartCollector(Collector):
 
     def _kill_strays(self) -> None:
         strays = self._processes.kill_strays()
+        self._strays_killed += strays
         if strays:
             self._once.warning("smartctl left processes behind outside its session (a wrapper that "
                                "starts its own?); killed them", self._smartctl, processes=strays)

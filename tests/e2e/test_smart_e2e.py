@@ -175,6 +175,7 @@ def test_processes_a_smartctl_wrapper_starts_outside_its_session_die_each_sweep_
     started = [int(pid) for pid in pids.read_text().split()]
     time.sleep(1.0)  # the sweep in flight ends (its timeout, then the clean-up)
     left = [pid for pid in started if alive(pid)]
+    killed = value(parse_samples(server.scrape()), "gpuio_smart_stray_processes_killed_total")
     zombies = [pid for pid in map(int, quick.read_text().split()) if os.path.exists(f"/proc/{pid}")]
     log = server.stop()
     time.sleep(0.2)
@@ -184,6 +185,7 @@ def test_processes_a_smartctl_wrapper_starts_outside_its_session_die_each_sweep_
     signal_all(survivors)
     assert len(started) >= 16
     assert len(zombies) <= 1  # at most the one of the sweep in flight
+    assert killed is not None and killed >= len(started) - 2  # visible in metrics, not only in the log
     assert len(left) <= 2, "sleepers outlived their sweep"  # at most the pair of the sweep in flight now
     assert survivors == [], log
 
