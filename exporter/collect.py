@@ -4,9 +4,12 @@ A collector is a plain class with ``collect() -> list[Family]``.  Registering it
 declares its name, whether it is on by default and its options; :mod:`exporter.config` turns that
 into ``--collector.<name>``, ``--no-collector.<name>`` and ``--collector.<name>.<option>``.
 
-Isolation: a scrape runs the selected collectors in one worker thread (one thread hand-off per
-scrape, not one per collector: the hand-off costs more than reading /proc/diskstats).  The event loop
-waits at most the time budget.  A collector that raises or is still running when the budget ends is
+Isolation: a scrape runs the selected collectors concurrently on daemon worker threads, and each
+is judged against the time budget on its own, so a slow or hung source fails only its own collector
+(node_exporter runs its collectors concurrently too).  Collectors that took under a millisecond last
+time share one worker, one after another (a thread hand-off costs more than reading /proc/diskstats);
+one that then hangs gets the ones behind it moved to another worker within STALL_SECONDS.  The event
+loop waits at most the budget.  A collector that raises or is still running when the budget ends is
 reported with ``gpuio_scrape_collector_success 0`` and a log line; the rest of the scrape is served.
 A collector stuck in a hung read is marked busy and skipped (success 0) until it returns, so a hang
 costs one thread, never one thread per scrape.
@@ -15,6 +18,7 @@ costs one thread, never one thread per scrape.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -30,6 +34,12 @@ from .exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from .logsetup import fields
 
 log = logging.getLogger("gpuio.collect")
+
+# A collector whose last run took less shares one worker with the other cheap ones (a thread hand-off
+# costs more than reading /proc/diskstats); a slower one gets a worker of its own.
+CHEAP_SECONDS = 0.001
+# A collector not started after this long waits behind a slow or hung one: another worker takes it.
+STALL_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,38 @@ class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)
         self.families = families
 
 
+class MalformedSource(Exception):  # noqa: N818  (it is an outcome, as StaleData is)
+    """Raised by a collector when a source it read held nothing it could parse (every line malformed).
+
+    The scrape reports ``gpuio_scrape_collector_success 0`` and counts a failure with reason
+    ``malformed``; ``families`` (what the collector's other sources gave) are still served.
+    """
+
+    def __init__(self, detail: str, families: list[Family] | None = None) -> None:
+        super().__init__(detail)
+        self.families = families or []
+
+
+class DroppedLines:
+    """Lines a collector skipped, counted by source (a file under --path.procfs/sysfs) and reason.
+
+    Sources and reasons are the collector's own constants, never text from the line, so the label
+    set stays small however much garbage a source holds.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, source: str, reason: str, count: int = 1) -> None:
+        with self._lock:
+            self._counts[source, reason] = self._counts.get((source, reason), 0) + count
+
+    def counts(self) -> list[tuple[str, str, int]]:
+        with self._lock:
+            return [(source, reason, count) for (source, reason), count in self._counts.items()]
+
+
 class Collector:
     name: ClassVar[str]
     default_enabled: ClassVar[bool] = True
@@ -120,6 +162,7 @@ class Collector:
     def __init__(self, context: Context, options: dict[str, Any]) -> None:
         self.context = context
         self.settings = options
+        self.dropped_lines = DroppedLines()
 
     def collect(self) -> list[Family]:
         """Return this scrape's families.  Raise on failure; return [] when there is no such source here."""
@@ -133,32 +176,86 @@ class Collector:
 
 
 class DaemonWorkers:
-    """A fixed set of daemon threads running submitted calls.
+    """Daemon threads running submitted calls, started on demand up to ``limit``, kept once started.
 
     Not concurrent.futures.ThreadPoolExecutor: its threads are joined at interpreter exit, so one
     collector stuck in a hung read (a dead NFS or FUSE procfs) would keep the exporter from ever
-    shutting down.  A few threads: one per scrape in flight, plus room for threads stuck in a hang.
+    shutting down.  A thread is started whenever a call finds none idle, so a thread held by a hung
+    collector never makes the others wait for one; ``limit`` only bounds a pathological pile-up
+    (then calls queue, and the scrapes waiting on them time out as they would have before).
     """
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, limit: int) -> None:
         self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
-        for index in range(count):
-            threading.Thread(target=self._work, name=f"gpuio-scrape-{index}", daemon=True).start()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a call, less calls queued for them
+        self._threads = 0
+        self._limit = limit
+
+    @property
+    def threads(self) -> int:
+        return self._threads
 
     def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
+        with self._lock:
+            self._idle -= 1
+            start = self._idle < 0 and self._threads < self._limit
+            if start:  # the new thread takes this call
+                self._idle += 1
+                self._threads += 1
+                name = f"gpuio-scrape-{self._threads}"
         self._calls.put((future, function, args))
+        if start:
+            threading.Thread(target=self._work, name=name, daemon=True).start()
         return future
 
     def _work(self) -> None:
         while True:
             future, function, args = self._calls.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(function(*args))
-            except BaseException as exc:  # handed to the awaiting scrape, which reports it
-                future.set_exception(exc)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(*args))
+                except BaseException as exc:  # handed to the awaiting scrape, which reports it
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+
+class Batch:
+    """One scrape's collectors, run concurrently by however many workers drain it.
+
+    Each worker takes the next collector not started yet and runs it, until none is left.  A scrape
+    starts one worker per collector that was slow last time (or never ran) and one for all the cheap
+    ones: a cheap collector (last run under CHEAP_SECONDS, such as diskstats or pressure) costs less
+    than a thread hand-off, so cheap ones share a worker, one after another.  If a collector then
+    hangs, the ones queued behind it are taken by a worker added when the scrape sees them still
+    waiting (:meth:`Scraper._watch`).  Every collector is judged against the scrape's deadline on its own.
+    """
+
+    def __init__(self, selected: list[CollectorState], deadline: float, on_done: Callable[[], object]) -> None:
+        self.deadline = deadline
+        slow = [s for s in selected if s.last_duration is None or s.last_duration >= CHEAP_SECONDS]
+        cheap = [s for s in selected if s.last_duration is not None and s.last_duration < CHEAP_SECONDS]
+        self.pending: collections.deque[CollectorState] = collections.deque(slow + cheap)
+        self.initial_workers = len(slow) + (1 if cheap else 0)
+        self.outcomes: dict[str, Outcome] = {}
+        self._unfinished = len(selected)
+        self._on_done = on_done  # called once, by the worker that finishes the last collector
+        self._lock = threading.Lock()
+
+    def finish(self, state: CollectorState, outcome: Outcome) -> None:
+        self.outcomes[state.collector.name] = outcome
+        with self._lock:
+            self._unfinished -= 1
+            last = self._unfinished == 0
+        if last:
+            self._on_done()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 REGISTRY: dict[str, type[Collector]] = {}
@@ -178,6 +275,10 @@ DURATION = Desc(
 BUILD_INFO = Desc("gpuio_exporter_build_info", INFO, "Version of gpuio-exporter and the Python running it.")
 FAILURES = Desc(
     "gpuio_scrape_collector_failures_total", COUNTER, "Scrapes in which a collector failed, by reason."
+)
+DROPPED_LINES = Desc(
+    "gpuio_scrape_collector_dropped_lines_total", COUNTER,
+    "Lines of a source that a collector could not parse and skipped, by source and reason.",
 )
 
 
@@ -201,7 +302,7 @@ class Outcome:
     success: bool = False
     duration: float = 0.0
     error: str | None = None
-    reason: str = "error"  # the failures counter's label: "error" (raised) or "timeout"
+    reason: str = "error"  # the failures counter's label: "error" (raised), "timeout" or "malformed"
 
 
 class Scraper:
@@ -217,8 +318,10 @@ class Scraper:
         self.exporter_metrics = exporter_metrics
         self.states = {c.name: CollectorState(c, label_string({"collector": c.name})) for c in collectors}
         self.budget = budget_seconds
+        self._stall = min(STALL_SECONDS, budget_seconds / 4)
         self._build_sample = BUILD_INFO.sample(build_labels, 1)
-        self._workers = DaemonWorkers(4)
+        # Enough for every collector of a few scrapes in flight, plus one thread per hung collector.
+        self._workers = DaemonWorkers(max(16, 4 * len(self.states)))
 
     @property
     def names(self) -> list[str]:
@@ -237,26 +340,53 @@ class Scraper:
 
     async def scrape(self, names: list[str] | None = None) -> list[Family]:
         selected = [self.states[n] for n in (names or self.states)]
-        outcomes: dict[str, Outcome] = {}
-        deadline = time.monotonic() + self.budget
-        future = asyncio.wrap_future(self._workers.submit(self._run_all, selected, outcomes, deadline))
-        # On timeout, whatever finished is in `outcomes`; the rest is reported as timed out.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(future), timeout=self.budget)
-        return self._assemble(selected, dict(outcomes))
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        batch = self._start(selected, lambda: loop.call_soon_threadsafe(_resolve, done))
+        while not done.done():
+            wait = min(batch.deadline - time.monotonic(), self._stall)
+            if wait <= 0:
+                break
+            # On timeout, whatever finished is in the batch's outcomes; the rest is reported as timed out.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(done), timeout=wait)
+            self._watch(batch)
+        return self._assemble(selected, dict(batch.outcomes))
 
     def scrape_sync(self, names: list[str] | None = None) -> list[Family]:
         """The same as :meth:`scrape` for callers without an event loop (``gpuio top``, tests)."""
         selected = [self.states[n] for n in (names or self.states)]
-        outcomes: dict[str, Outcome] = {}
-        self._run_all(selected, outcomes, time.monotonic() + self.budget)
-        return self._assemble(selected, outcomes)
+        done = threading.Event()
+        batch = self._start(selected, done.set)
+        while not done.is_set():
+            wait = min(batch.deadline - time.monotonic(), self._stall)
+            if wait <= 0:
+                break
+            done.wait(wait)
+            self._watch(batch)
+        return self._assemble(selected, dict(batch.outcomes))
 
-    def _run_all(self, selected: list[CollectorState], outcomes: dict[str, Outcome], deadline: float) -> None:
-        for state in selected:
-            if time.monotonic() >= deadline:
+    def _start(self, selected: list[CollectorState], on_done: Callable[[], object]) -> Batch:
+        batch = Batch(selected, time.monotonic() + self.budget, on_done)
+        if not selected:
+            on_done()
+        for _ in range(batch.initial_workers):
+            self._workers.submit(self._drain, batch)
+        return batch
+
+    def _watch(self, batch: Batch) -> None:
+        """A collector still waiting for a worker after a stall: one more worker (the one it waits
+        behind is slow or hung, and must not take the rest of the scrape with it)."""
+        if batch.pending and time.monotonic() < batch.deadline:
+            self._workers.submit(self._drain, batch)
+
+    def _drain(self, batch: Batch) -> None:
+        while time.monotonic() < batch.deadline:
+            try:
+                state = batch.pending.popleft()
+            except IndexError:
                 return
-            outcomes[state.collector.name] = self._run_one(state, deadline)
+            batch.finish(state, self._run_one(state, batch.deadline))
 
     def _run_one(self, state: CollectorState, deadline: float) -> Outcome:
         # A second scrape in flight waits for the first to finish this collector (collectors keep
@@ -272,6 +402,8 @@ class Scraper:
         try:
             families = state.collector.collect()
             return Outcome(families, True, time.perf_counter() - start)
+        except MalformedSource as bad:
+            return Outcome(bad.families, False, time.perf_counter() - start, f"malformed input: {bad}", "malformed")
         except StaleData as stale:
             return Outcome(stale.families, False, time.perf_counter() - start, f"stale data: {stale}")
         except Exception as exc:  # isolation: one collector's failure is never the scrape's
@@ -302,6 +434,11 @@ class Scraper:
         families.append(SUCCESS.family(success))
         families.append(DURATION.family(duration))
         families.append(FAILURES.family(failures))
+        families.append(DROPPED_LINES.family([
+            DROPPED_LINES.sample(label_string({"collector": s.collector.name, "source": source, "reason": reason}), n)
+            for s in selected
+            for source, reason, n in s.collector.dropped_lines.counts()
+        ]))
         if self.exporter_metrics is not None:
             families.append(BUILD_INFO.family([self._build_sample]))
             families.extend(self.exporter_metrics())

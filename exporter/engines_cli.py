@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .pagecache import Unavailable, residency
+from .terminal import printable
 
 WARM_CHUNK = 8 << 20
 
@@ -110,9 +111,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{row['mean_latency_seconds'] * 1000:.2f}" if row.get("mean_latency_seconds") else "-",
             row["path"] or "-",
         ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    # Names and paths come from spool writers: printed escaped, so none can drive the admin's terminal.
+    shown = [[printable(cell) for cell in line] for line in lines]
+    widths = [max(len(line[i]) for line in shown) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-                     for line in lines) + "\n"
+                     for line in shown) + "\n"
 
 
 def engines_main(argv: Sequence[str]) -> int:
@@ -139,7 +142,7 @@ def engines_main(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:
-        print(f"no engines: nothing in {args.spool_dir} and no --path files")
+        print(f"no engines: nothing in {printable(args.spool_dir)} and no --path files")
     else:
         sys.stdout.write(_table(rows))
     return 0
@@ -219,13 +222,14 @@ def warm_main(argv: Sequence[str]) -> int:
 
 
 def _warm_line(result: dict[str, Any]) -> str:
+    path = printable(result["path"])  # a glob's matches are names anyone with write access chose
     if "error" in result:
-        return f"{result['path']}: error: {result['error']}"
+        return f"{path}: error: {printable(result['error'])}"
 
     def ratio(value: float | None) -> str:
         return "?" if value is None else f"{value * 100:.0f}%"
 
     speed = result["mib_per_second"]
-    return (f"{result['path']}: {_mib(result['bytes'])} MiB in {result['seconds']:.2f} s "
+    return (f"{path}: {_mib(result['bytes'])} MiB in {result['seconds']:.2f} s "
             f"({speed:.0f} MiB/s), cached {ratio(result['cached_before'])} -> {ratio(result['cached_after'])}"
-            if speed else f"{result['path']}: empty")
+            if speed else f"{path}: empty")

@@ -46,6 +46,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import thresholds as th
+from .terminal import printable, safe_text
 
 # --- The metric names top reads: the ONE place to change when a collector names things otherwise. ---
 # Disks (diskstats collector; node_exporter's node_disk_* semantics).
@@ -705,7 +706,7 @@ def header_lines(view: View | None, ui: UiState, source: str, interval: float, e
     if view is not None:
         first.append(f"  {time.strftime('%H:%M:%S', time.localtime(view.taken_at))}"
                      f" over {view.interval_seconds:.1f}s")
-    first.append(f"  {source}")  # last: a long path is what gets cut at 80 columns
+    first.append(f"  {printable(source)}")  # last: a long path is what gets cut at 80 columns
     second = Text()
     if view is None:
         second.append(f"collecting: rates need two samples {interval:g}s apart")
@@ -718,19 +719,19 @@ def header_lines(view: View | None, ui: UiState, source: str, interval: float, e
                           style="bold red" if p.io_high else "")
             second.append(f"  mem {_pct(p.memory_some)}/{_pct(p.memory_full)}  cpu {_pct(p.cpu_some)}")
         if view.failing_collectors:
-            second.append(f"  failing: {','.join(view.failing_collectors)}", style="bold red")
+            second.append(f"  failing: {printable(','.join(view.failing_collectors))}", style="bold red")
     if error:
-        second.append(f"  {error}", style="bold red")
+        second.append(f"  {printable(error)}", style="bold red")
     return [first, second]
 
 
 def status_line(ui: UiState) -> Text:
     if ui.editing is not None:
-        return Text(f"filter: {ui.editing}_   (Enter keeps, Esc cancels)", style="reverse", no_wrap=True)
+        return Text(f"filter: {printable(ui.editing)}_   (Enter keeps, Esc cancels)", style="reverse", no_wrap=True)
     order = "desc" if ui.descending(ui.focus) else "asc"
     line = Text(f"sort {ui.focus}:{ui.sort[ui.focus]} {order}", style="bold")
     if ui.filter:
-        line.append(f"  filter '{ui.filter}'", style="bold")
+        line.append(f"  filter '{printable(ui.filter)}'", style="bold")
     line.append("  s sort r rev tab table / filter p pause q quit")
     line.no_wrap, line.overflow = True, "ellipsis"
     return line
@@ -753,7 +754,8 @@ def build_table(spec: TableSpec, rows: list[Any], ui: UiState, width: int, limit
     columns = spec.columns
     focused = live and spec.name == ui.focus
     others = sum(column.width + 1 for column in columns[1:])
-    first_width = max(4, min(max([len(columns[0].text(row)) for row in rows] + [columns[0].width]), width - others))
+    first_width = max(4, min(max([len(printable(columns[0].text(row))) for row in rows] + [columns[0].width]),
+                             width - others))
     table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1), expand=False,
                   header_style="bold reverse" if focused else "bold")
     for index, column in enumerate(columns):
@@ -766,7 +768,10 @@ def build_table(spec: TableSpec, rows: list[Any], ui: UiState, width: int, limit
                          no_wrap=True, overflow="ellipsis")
     shown = rows if limit is None or len(rows) <= limit else rows[: max(0, limit - 1)]
     for row in shown:
-        table.add_row(*(column.text(row) for column in columns), style=ROW_STYLE.get(severity(row.flags), ""))
+        # Cells as Text, escaped: engine and device names come from spool writers and sysfs, and a plain
+        # string would be read as rich markup and could carry terminal escapes.
+        cells = (safe_text(column.text(row)) for column in columns)
+        table.add_row(*cells, style=ROW_STYLE.get(severity(row.flags), ""))
     if len(shown) < len(rows):
         more = f"+{len(rows) - len(shown)}"
         table.add_row(more + " more" if len(more) + 5 <= first_width else more, style="dim")
@@ -788,7 +793,7 @@ def screen(view: View | None, ui: UiState, source: str, interval: float, width: 
             limits = list(given)
         for spec, table_rows, limit in zip(specs, rows, limits, strict=True):
             if not table_rows:
-                parts.append(Text(f"{spec.name}s: none match '{ui.filter}'", style="dim"))
+                parts.append(Text(f"{spec.name}s: none match '{printable(ui.filter)}'", style="dim"))
                 continue
             parts.append(build_table(spec, table_rows, ui, width, limit, live=height is not None,
                                      ascii_only=ascii_only))
@@ -985,7 +990,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
             config = parse_args(rest, prog="gpuio top")
             source = LocalSource(config, clock)
         except ConfigError as exc:
-            print(f"gpuio top: error: {exc}", file=sys.stderr)
+            print(f"gpuio top: error: {printable(exc)}", file=sys.stderr)
             return 2
         setup(config.log_level, config.log_format)
     once = args.once or args.json
@@ -1010,7 +1015,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
                 first, second = second, source.sample()
             view = compute(first, second, source.description)
         except SourceError as exc:
-            print(f"gpuio top: error: {exc}", file=sys.stderr)
+            print(f"gpuio top: error: {printable(exc)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 130

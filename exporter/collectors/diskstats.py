@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..blockdev import BlockDevices
-from ..collect import Collector, Context, Option, register
+from ..collect import Collector, Context, MalformedSource, Option, register
 from ..config import parse_regex
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce
@@ -74,21 +74,25 @@ PHYSICAL_DESC = Desc(
 
 
 class BadLine(ValueError):
-    pass
+    """A line that is no diskstats line; ``reason`` labels gpuio_scrape_collector_dropped_lines_total."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 def parse_line(line: str) -> tuple[int, int, str, list[int]]:
     """``major, minor, name, stats`` of one diskstats line (up to 17 stats); BadLine if it is not one."""
     parts = line.split()
     if len(parts) < MIN_FIELDS:
-        raise BadLine(f"{len(parts)} fields, at least {MIN_FIELDS} expected")
+        raise BadLine("too_few_fields", f"{len(parts)} fields, at least {MIN_FIELDS} expected")
     try:
         numbers = [int(part) for part in parts[3 : 3 + len(FIELDS)]]
         major, minor = int(parts[0]), int(parts[1])
     except ValueError:
-        raise BadLine("non-numeric field") from None
+        raise BadLine("non_numeric", "non-numeric field") from None
     if major < 0 or minor < 0 or min(numbers) < 0:
-        raise BadLine("negative field")
+        raise BadLine("negative", "negative field")
     return major, minor, parts[2], numbers
 
 
@@ -175,23 +179,33 @@ class DiskstatsCollector(Collector):
         return known
 
     def collect(self) -> list[Family]:
+        """Every wanted device's counters.  A bad line is skipped and counted (node_exporter 1.5 fails the
+        whole collector on one); a file of nothing but bad lines has failed (success 0).  An empty file
+        is no failure: a machine may have no block device."""
         with open(self._path, encoding="ascii", errors="replace") as handle:
             text = handle.read()
         rows: list[list[int | float]] = []
         identities: list[tuple[str, int, int]] = []
         seen: set[str] = set()
+        dropped = 0
         for line in text.splitlines():
             parts = line.split(None, 3)
-            if len(parts) < 3 or parts[2] in seen or not self.wanted(parts[2]):
-                continue
+            if not parts or (len(parts) >= 3 and not self.wanted(parts[2])):
+                continue  # blank, or a device the filters leave out
             try:
                 major, minor, device, stats = parse_line(line)
+                if device in seen:
+                    raise BadLine("repeated", "a second line for this device")
             except BadLine as exc:
+                dropped += 1
+                self.dropped_lines.add("diskstats", exc.reason)
                 self._bad_lines.warning("skipping bad diskstats line", line.strip(), reason=str(exc))
                 continue
             seen.add(device)
             rows.append(convert(stats))
             identities.append((device, major, minor))
+        if dropped and not rows:
+            raise MalformedSource(f"all {dropped} lines of {self._path} are malformed")
         shape = tuple((device, len(row)) for (device, _, _), row in zip(identities, rows, strict=True))
         if shape != self._layout.devices:
             self._layout = Layout(shape)

@@ -17,7 +17,7 @@ import errno
 import logging
 import os
 
-from ..collect import Collector, register
+from ..collect import Collector, MalformedSource, register
 from ..exposition import COUNTER, Desc, Family
 from ..logsetup import LogOnce
 
@@ -42,26 +42,34 @@ RESOURCES = ("cpu", "io", "memory", "irq")
 
 
 class BadLine(ValueError):
-    pass
+    """A line that is no PSI line; ``reason`` labels gpuio_scrape_collector_dropped_lines_total."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 def parse_total(line: str) -> tuple[str, int]:
     """``("some"|"full", total microseconds)`` of one PSI line; BadLine otherwise."""
     kind, _, rest = line.partition(" ")
     if kind not in ("some", "full"):
-        raise BadLine("line starts with neither 'some' nor 'full'")
+        raise BadLine("unknown_kind", "line starts with neither 'some' nor 'full'")
     for item in rest.split():
         key, _, value = item.partition("=")
         if key == "total":
             # isdigit() alone accepts '²' and other Unicode digits that int() refuses.
             if not (value.isascii() and value.isdigit()):
-                raise BadLine("total is not a non-negative integer")
+                raise BadLine("non_numeric", "total is not a non-negative integer")
             return kind, int(value)
-    raise BadLine("no total=")
+    raise BadLine("no_total", "no total=")
 
 
 @register
 class PressureCollector(Collector):
+    """One family per (resource, kind) line.  Each file the kernel writes holds at least one good line,
+    so a file with none (garbage, or empty) fails the collector (node_exporter 1.5 fails too); a bad line
+    beside good ones is skipped and counted in gpuio_scrape_collector_dropped_lines_total."""
+
     name = "pressure"
 
     def __init__(self, context, options) -> None:  # type: ignore[no-untyped-def]
@@ -72,29 +80,44 @@ class PressureCollector(Collector):
     def collect(self) -> list[Family]:
         if not os.path.isdir(self._directory):
             return []  # no PSI in this kernel
-        families = []
+        families: list[Family] = []
+        unreadable: list[str] = []
         for resource in RESOURCES:
             text = self._read(resource)
             if text is None:
                 continue
-            seen: set[str] = set()  # a second "some" line (no kernel writes one) must not repeat a family
-            for line in text.splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    kind, total = parse_total(line)
-                except BadLine as exc:
-                    self._bad_lines.warning("skipping bad pressure line", line.strip(), resource=resource,
-                                            reason=str(exc))
-                    continue
-                desc = DESCS.get((resource, kind))
-                if kind in seen:
-                    self._bad_lines.warning("skipping repeated pressure line", line.strip(), resource=resource)
-                    continue
-                seen.add(kind)
-                if desc is not None:
-                    families.append(Family(desc, [desc.sample("", total / 1000.0 / 1000.0)]))
+            found, good = self._parse(resource, text)
+            families.extend(found)
+            if not good:
+                unreadable.append(f"pressure/{resource}")
+        if unreadable:  # the other files' values are still served
+            raise MalformedSource(f"no valid PSI line in {', '.join(unreadable)}", families)
         return families
+
+    def _parse(self, resource: str, text: str) -> tuple[list[Family], int]:
+        """The families of one resource's file, and how many of its lines were good."""
+        families = []
+        source = f"pressure/{resource}"
+        seen: set[str] = set()  # a second "some" line (no kernel writes one) must not repeat a family
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                kind, total = parse_total(line)
+            except BadLine as exc:
+                self.dropped_lines.add(source, exc.reason)
+                self._bad_lines.warning("skipping bad pressure line", line.strip(), resource=resource,
+                                        reason=str(exc))
+                continue
+            if kind in seen:
+                self.dropped_lines.add(source, "repeated")
+                self._bad_lines.warning("skipping repeated pressure line", line.strip(), resource=resource)
+                continue
+            seen.add(kind)
+            desc = DESCS.get((resource, kind))
+            if desc is not None:
+                families.append(Family(desc, [desc.sample("", total / 1000.0 / 1000.0)]))
+        return families, len(seen)
 
     def _read(self, resource: str) -> str | None:
         try:

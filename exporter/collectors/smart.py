@@ -40,6 +40,7 @@ import logging
 import os
 import queue
 import re
+import selectors
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..collect import Collector, Context, Option, parse_count, parse_seconds, register
+from ..collect import Collector, Context, Option, StaleData, parse_count, parse_seconds, register
 from ..config import ConfigError, parse_choice, parse_regex
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
@@ -117,6 +118,8 @@ PERMISSION_DENIED = Desc("gpuio_smart_permission_denied", GAUGE,
                          "1 when smartctl could not open a disk for lack of privileges.")
 DROPPED = Desc("gpuio_smart_devices_dropped", GAUGE,
                "Disks found but not polled because of --collector.smart.max-devices.")
+STRAYS = Desc("gpuio_smart_stray_processes_killed_total", COUNTER,  # rendered per scrape, not per sweep
+              "Processes a smartctl (or a wrapper around it) left behind outside its session, killed.")
 HEALTH = Desc("gpuio_smart_health_passed", GAUGE,
               "SMART overall-health self-assessment: 0 when it failed or an attribute is failing now, else 1.")
 TEMPERATURE = Desc("gpuio_smart_temperature_celsius", GAUGE, "Current temperature of the disk.")
@@ -195,8 +198,9 @@ STICKY_STATES = ("timeout", "asleep", "permission_denied")
 
 
 def smartctl_environment() -> dict[str, str]:
-    """The C locale: smartctl prints numbers with the locale's grouping, which pySMART reads only as C's."""
-    return {**os.environ, "LC_ALL": "C", "LANG": "C"}
+    """The C locale (smartctl prints numbers with the locale's grouping, which pySMART reads only as C's),
+    and the mark by which a process that left smartctl's session is still known as ours (see Processes)."""
+    return {**os.environ, "LC_ALL": "C", "LANG": "C", OWNER_VARIABLE: str(os.getpid())}
 
 
 def decode(raw: bytes) -> list[str]:
@@ -213,39 +217,175 @@ def decode(raw: bytes) -> list[str]:
     return text.splitlines()
 
 
+# --- keeping smartctl's processes in hand ----------------------------------------------------------
+#
+# smartctl runs in a session of its own, and its process group is killed on a timeout.  A wrapper given
+# as --smartctl.path may start processes that leave that session (setsid, a daemonising helper); when
+# the wrapper exits they would be re-parented to init, outlive the timeout and the exporter, and pile up
+# one per poll.  So the exporter makes itself their "child subreaper" (prctl(2) PR_SET_CHILD_SUBREAPER,
+# Linux 3.4+): orphans of its descendants are re-parented to it instead.  Every smartctl carries
+# OWNER_VARIABLE=<exporter pid> in its environment, which its descendants inherit, so an adopted orphan
+# that carries it is known to come from a smartctl and is killed and reaped: after every sweep, on a
+# timeout and when the collector stops.  A wrapper that clears the environment (sudo does) is still
+# killed with its process tree while it runs, but what it left behind after exiting is not found.
+
+OWNER_VARIABLE = "GPUIO_SMARTCTL_OWNER"
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+MAX_OUTPUT_BYTES = 4 << 20  # smartctl --all writes 5-50 KiB; more is a broken or hostile smartctl
+READ_CHUNK = 64 << 10
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants of this process its children (Linux); False where that is not possible."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class ProcessRow:
+    parent: int
+    state: str  # "Z": a zombie, waiting to be reaped
+    session: int
+
+
+def process_table(procfs: str = "/proc") -> dict[int, ProcessRow]:
+    """Every process now, from /proc/<pid>/stat; processes that exit meanwhile are left out."""
+    table = {}
+    for name in os.listdir(procfs):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{procfs}/{name}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ...
+            table[int(name)] = ProcessRow(int(fields[1]), fields[0].decode(), int(fields[3]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return table
+
+
+def descendants(table: dict[int, ProcessRow], roots: Iterable[int]) -> set[int]:
+    """Every process below ``roots`` in ``table`` (the roots themselves not included)."""
+    children: dict[int, list[int]] = {}
+    for pid, row in table.items():
+        children.setdefault(row.parent, []).append(pid)
+    found: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def carries_owner_mark(pid: int) -> bool:
+    """Whether a process's environment says a smartctl of this exporter started it (or its ancestor)."""
+    mark = f"{OWNER_VARIABLE}={os.getpid()}".encode()
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return mark in handle.read().split(b"\0")
+    except OSError:  # gone, or not ours to read (then not ours to kill either)
+        return False
+
+
+def signal_pids(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def signal_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a smartctl and everything in its session (it was started in one of its own)."""
+    """SIGKILL a smartctl, everything in its session (it was started in one of its own) and every process
+    below it, in its session or not."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        signal_pids(descendants(process_table(), [process.pid]))
 
 
 def kill(process: subprocess.Popen[bytes]) -> bool:
-    """Kill a smartctl and reap it; False when it has not exited within the grace period."""
+    """Kill a smartctl and reap it; False when it has not exited within the grace period.
+
+    Our ends of its pipes are closed first: a process that escaped the kill may hold their other ends,
+    and a read would wait for it (and take in whatever it writes)."""
     signal_group(process)
+    for pipe in (process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()
     try:
-        process.communicate(timeout=KILL_GRACE_SECONDS)
+        process.wait(timeout=KILL_GRACE_SECONDS)
         return True
     except subprocess.TimeoutExpired:  # in uninterruptible sleep (D state) until its IO returns
         return False
 
 
+class OutputTooLarge(Exception):  # noqa: N818  (an outcome)
+    pass
+
+
+def read_bounded(process: subprocess.Popen[bytes], deadline: float, limit: int) -> tuple[bytes, bytes]:
+    """smartctl's stdout and stderr until both close, then its exit.
+
+    Raises subprocess.TimeoutExpired at ``deadline`` and OutputTooLarge past ``limit`` bytes in all:
+    Popen.communicate() would keep whatever a runaway smartctl writes (400 MB of output took the
+    exporter to ~1 GB), this keeps at most ``limit``.
+    """
+    assert process.stdout is not None and process.stderr is not None
+    chunks: dict[int, list[bytes]] = {process.stdout.fileno(): [], process.stderr.fileno(): []}
+    total = 0
+    with selectors.DefaultSelector() as selector:
+        for fd in chunks:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise subprocess.TimeoutExpired(process.args, 0)
+            for key, _ in selector.select(remaining):
+                data = os.read(key.fd, READ_CHUNK)
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                total += len(data)
+                if total > limit:
+                    raise OutputTooLarge(f"more than {limit} bytes of output")
+                chunks[key.fd].append(data)
+    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    out, err = (b"".join(chunks[pipe.fileno()]) for pipe in (process.stdout, process.stderr))
+    process.stdout.close()
+    process.stderr.close()
+    return out, err
+
+
 class Processes:
     """The smartctl processes running now, so that stopping the collector can end them (and any that a
-    sweep still in progress starts after that)."""
+    sweep still in progress starts after that), and the orphans their descendants left (see above)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen[bytes]] = set()
         self._closed = False
+        self._adopted: set[int] = set()  # strays killed, to be reaped
 
-    def add(self, process: subprocess.Popen[bytes]) -> bool:
-        """Track a started smartctl; False (and it is killed) once the collector has stopped."""
+    def start(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Start a smartctl in a session of its own, and track it.  Under the lock, so that a hunt for
+        strays never meets it untracked; SmartctlError once the collector has stopped."""
         with self._lock:
-            if not self._closed:
-                self._running.add(process)
-                return True
-        kill(process)
-        return False
+            if self._closed:
+                raise SmartctlError("error", "the collector is stopping")
+            try:
+                process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, env=smartctl_environment(),
+                                           start_new_session=True)
+            except OSError as exc:
+                raise SmartctlError("error", f"cannot run {argv[0]}: {exc.strerror}") from None
+            self._running.add(process)
+            return process
 
     @property
     def closed(self) -> bool:
@@ -255,19 +395,57 @@ class Processes:
         with self._lock:
             self._running.discard(process)
 
+    def kill_strays(self) -> int:
+        """Kill and reap the processes that smartctl descendants left behind and that were re-parented
+        to this process; how many were found alive.
+
+        A stray is a child of this process that is no running smartctl and carries the owner mark; a
+        stray that died before it was found is a zombie with no environment left to read, reaped when
+        it is outside this process's session (no process but smartctl is started in another one)."""
+        strays: set[int] = set()
+        with self._lock, contextlib.suppress(OSError):
+            ours = {process.pid for process in self._running}
+            table = process_table()
+            me, session = os.getpid(), os.getsid(0)
+            children = [(pid, row) for pid, row in table.items() if row.parent == me and pid not in ours]
+            strays = {pid for pid, row in children if row.state != "Z" and carries_owner_mark(pid)}
+            dead = {pid for pid, row in children if row.state == "Z" and row.session != session}
+            strays |= descendants(table, strays)
+            signal_pids(strays)
+            self._adopted |= strays | dead  # below the strays too: re-parented here as they die
+        self._reap()
+        return len(strays)
+
+    def _reap(self) -> None:
+        with self._lock:
+            adopted = list(self._adopted)
+        for pid in adopted:
+            try:
+                if os.waitpid(pid, os.WNOHANG) == (0, 0):
+                    continue  # still dying (D state): the next clean-up reaps it
+            except ChildProcessError:  # not (yet) ours: wait while it exists, its parent may die first
+                if os.path.exists(f"/proc/{pid}"):
+                    continue
+            with self._lock:
+                self._adopted.discard(pid)
+
     def kill_all(self) -> None:
-        """SIGKILL every running smartctl and wait (bounded) until each has exited, so that none outlives
-        a stopping exporter.  Waiting does not reap: the poll that started each process is reading its
-        pipes and reaps it."""
+        """SIGKILL every running smartctl with its process tree, and the strays, and wait (bounded) until
+        each has exited, so that none outlives a stopping exporter.  Waiting does not reap a running
+        smartctl: the poll that started it is reading its pipes and reaps it."""
         with self._lock:
             self._closed = True
             running = list(self._running)
         for process in running:
             signal_group(process)
         deadline = time.monotonic() + KILL_GRACE_SECONDS
+        self.kill_strays()
         for process in running:
             while not exited(process) and time.monotonic() < deadline:
                 time.sleep(0.005)
+        while self._adopted and time.monotonic() < deadline:
+            time.sleep(0.005)
+            self._reap()
 
 
 def exited(process: subprocess.Popen[bytes]) -> bool:
@@ -276,7 +454,7 @@ def exited(process: subprocess.Popen[bytes]) -> bool:
         return True
     try:
         return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped meanwhile by the poll's communicate()
+    except ChildProcessError:  # reaped meanwhile by the poll's read
         return True
 
 
@@ -318,24 +496,25 @@ class Runner:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise SmartctlError("timeout", f"no time left of the {self.timeout:g}s budget")
-        try:  # a session of its own: the kill reaches anything smartctl (or a wrapper script) started
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, env=smartctl_environment(), start_new_session=True)
-        except OSError as exc:
-            raise SmartctlError("error", f"cannot run {argv[0]}: {exc.strerror}") from None
-        if not self.processes.add(process):
-            raise SmartctlError("error", "the collector is stopping")
+        process = self.processes.start(argv)  # a session of its own: the kill reaches what it started
         try:
-            stdout, stderr = process.communicate(timeout=remaining)
+            stdout, stderr = read_bounded(process, self.deadline, MAX_OUTPUT_BYTES)
         except subprocess.TimeoutExpired:
-            if not kill(process):
-                self.stuck = process
+            self._kill(process)
             raise SmartctlError("timeout", f"{' '.join(argv[1:])} ran past the {self.timeout:g}s budget; "
                                            "killed") from None
+        except OutputTooLarge:
+            self._kill(process)
+            raise SmartctlError("error", f"{' '.join(argv[1:])}: output too large (over "
+                                         f"{MAX_OUTPUT_BYTES >> 20} MiB); killed") from None
         finally:
             if process.poll() is not None:
                 self.processes.discard(process)
         return decode(stdout), decode(stderr), process.returncode
+
+    def _kill(self, process: subprocess.Popen[bytes]) -> None:
+        if not kill(process):
+            self.stuck = process
 
 
 def check(params: Sequence[str], lines: list[str], stderr: list[str], status: int) -> None:
@@ -731,10 +910,14 @@ class SmartCollector(Collector):
         self._processes = Processes()
         self._once = LogOnce(log)
         self._denied_logged = False
+        self._strays_killed = 0
         self.sampler: PeriodicSampler[list[Family]] = PeriodicSampler(
             "smart", options.get("interval") or 300.0, self.sweep, log)
 
     def start(self) -> None:
+        if not become_subreaper():
+            log.debug("cannot become a child subreaper: processes a smartctl wrapper leaves outside its "
+                      "session are not tracked")
         self.sampler.start()
 
     def stop(self) -> None:
@@ -744,11 +927,13 @@ class SmartCollector(Collector):
     def collect(self) -> list[Family]:
         """The families of the last finished sweep: no smartctl, no parsing, no rendering here."""
         snapshot = self.sampler.snapshot()
+        # Served whatever the sweeps gave: strays come most from a wrapper whose every sweep fails.
+        strays = Family(STRAYS, [STRAYS.sample("", self._strays_killed)])
         if snapshot.value is None:
             if snapshot.error is not None:
-                raise RuntimeError(f"no SMART data yet: {snapshot.error}")
+                raise StaleData(f"no SMART data yet: {snapshot.error}", [strays])
             return []  # the first sweep is still running
-        return snapshot.value
+        return [*snapshot.value, strays] if snapshot.value else []  # []: no smartctl, no SMART series
 
     # -- one sweep, on the sampler's thread --
 
@@ -759,12 +944,22 @@ class SmartCollector(Collector):
             self._once.warning("smartctl not found: no SMART data", self._smartctl)
             self._records.clear()
             return []
-        targets, dropped = self._select(self._discover(path))
-        # A disk is the same disk while smartctl addresses it the same way, whatever its labels now.
-        before = {(target.path, target.kind): record for target, record in self._records.items()}
-        self._records = {target: before.get((target.path, target.kind)) or Record() for target in targets}
-        self._poll_all(path, targets)
+        try:
+            targets, dropped = self._select(self._discover(path))
+            # A disk is the same disk while smartctl addresses it the same way, whatever its labels now.
+            before = {(target.path, target.kind): record for target, record in self._records.items()}
+            self._records = {target: before.get((target.path, target.kind)) or Record() for target in targets}
+            self._poll_all(path, targets)
+        finally:  # every smartctl of the sweep has ended: what is left of theirs is a stray
+            self._kill_strays()
         return self._render(dropped)
+
+    def _kill_strays(self) -> None:
+        strays = self._processes.kill_strays()
+        self._strays_killed += strays
+        if strays:
+            self._once.warning("smartctl left processes behind outside its session (a wrapper that "
+                               "starts its own?); killed them", self._smartctl, processes=strays)
 
     def _discover(self, path: str) -> list[Target]:
         """This sweep's disks: the configured ones, or the scan's; a failed scan keeps the last list."""
@@ -829,7 +1024,7 @@ class SmartCollector(Collector):
                 self._record(target, PollResult("timeout", detail, 0.0, stuck=record.stuck))
                 return False
             with contextlib.suppress(subprocess.TimeoutExpired):
-                record.stuck.communicate(timeout=KILL_GRACE_SECONDS)  # reap it and close its pipes
+                record.stuck.wait(timeout=KILL_GRACE_SECONDS)  # reap it (kill() closed its pipes)
             self._processes.discard(record.stuck)
         return True
 

@@ -9,6 +9,7 @@ that cannot be opened, which must be said once in the log and by ``gpuio_smart_p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -139,3 +140,88 @@ def test_the_real_smartctl_without_permission_is_said_once(smart_env) -> None:
     lines = [line for line in output.splitlines() if "no permission to open disks" in line]
     assert len(lines) == 1, output
     assert "CAP_SYS_RAWIO" in lines[0] and "Permission denied" in lines[0]
+
+
+# --- a smartctl that leaves processes behind, or writes without end ---------------------------------
+
+
+def alive(pid: int) -> bool:
+    """Whether a process lives (a zombie is dead: it waits only to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_processes_a_smartctl_wrapper_starts_outside_its_session_die_each_sweep_and_at_stop(
+        exporter, smart_env, tmp_path) -> None:
+    """A --smartctl.path wrapper that setsid's two sleepers per run, one holding smartctl's stdout open
+    (the poll times out) and one with its output elsewhere (the poll ends at once), and a third that
+    exits at once, then exits: no sleeper may outlive its sweep, nor the exporter, and the one that
+    exited is reaped (it is the exporter's child now), not left a zombie."""
+    pids = tmp_path / "pids"
+    quick = tmp_path / "quick"
+    wrapper = tmp_path / "smartctl"
+    wrapper.write_text(f"#!/bin/sh\nsetsid sleep 300 &\necho $! >> {pids}\n"
+                       f"setsid sleep 300 </dev/null >/dev/null 2>&1 &\necho $! >> {pids}\n"
+                       f"setsid true </dev/null >/dev/null 2>&1 &\necho $! >> {quick}\n")
+    wrapper.chmod(0o755)
+    server = exporter(*ONLY_SMART, f"--smartctl.path={wrapper}", "--collector.smart.interval=200ms",
+                      "--collector.smart.timeout=500ms", env=smart_env)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 16):
+        time.sleep(0.1)
+    started = [int(pid) for pid in pids.read_text().split()]
+    time.sleep(1.0)  # the sweep in flight ends (its timeout, then the clean-up)
+    left = [pid for pid in started if alive(pid)]
+    killed = value(parse_samples(server.scrape()), "gpuio_smart_stray_processes_killed_total")
+    zombies = [pid for pid in map(int, quick.read_text().split()) if os.path.exists(f"/proc/{pid}")]
+    log = server.stop()
+    time.sleep(0.2)
+    survivors = [pid for pid in [int(pid) for pid in pids.read_text().split()] if alive(pid)]
+    print(f"wrapper sleepers started: {len(started)}; alive while the exporter ran: {len(left)}; "
+          f"alive after it stopped: {len(survivors)}; exited ones not reaped: {len(zombies)}")
+    signal_all(survivors)
+    assert len(started) >= 16
+    assert len(zombies) <= 1  # at most the one of the sweep in flight
+    assert killed is not None and killed >= len(started) - 2  # visible in metrics, not only in the log
+    assert len(left) <= 2, "sleepers outlived their sweep"  # at most the pair of the sweep in flight now
+    assert survivors == [], log
+
+
+def signal_all(pids: list[int]) -> None:
+    import signal
+
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_smartctl_that_writes_without_end_is_cut_off_and_memory_stays_bounded(
+        exporter, smart_env, tmp_path) -> None:
+    """50 MB of output per run (the attack used 400 MB): read up to the 4 MiB bound, then killed,
+    reported as an error, and the exporter's peak RSS grows by a few MiB, not by the output."""
+    wrapper = tmp_path / "smartctl"
+    wrapper.write_text("#!/bin/sh\nhead -c 50000000 /dev/zero | tr '\\0' 'x'\n")
+    wrapper.chmod(0o755)
+    server = exporter(*ONLY_SMART, f"--smartctl.path={wrapper}", "--collector.smart.interval=1h",
+                      "--collector.smart.timeout=30s", env=smart_env)
+    assert server.process is not None
+    before = peak_rss_bytes(server.process.pid)
+    samples = wait_for(server, lambda s: value(s, "gpuio_scrape_collector_success", collector="smart") == 0,
+                       seconds=60)
+    after = peak_rss_bytes(server.process.pid)
+    print(f"peak RSS: {before / 2**20:.1f} MiB at start, {after / 2**20:.1f} MiB after 50 MB of smartctl output")
+    assert value(samples, "gpuio_scrape_collector_success", collector="smart") == 0
+    log = server.stop()
+    assert "output too large" in log
+    assert after - before < 32 * 2**20, f"peak RSS grew by {(after - before) / 2**20:.0f} MiB"

@@ -165,6 +165,31 @@ def test_engine_columns_from_a_real_spool(tmp_path) -> None:
     assert row["flags"] == []
 
 
+def test_once_prints_a_hostile_engine_name_escaped(tmp_path) -> None:
+    """`gpuio top --once` as a process of its own, reading a spool this process writes: an engine name
+    with terminal escapes and rich markup is printed as visible escapes and literal brackets."""
+    pytest.importorskip("exporter.collectors.engines")
+    from exporter import instrument
+    from exporter.instrument import metrics
+    from tests.unit.test_engines_cli import HOSTILE_NAME
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    metrics._reset_for_tests()
+    instrument.configure(str(spool))
+    try:
+        instrument.engine(HOSTILE_NAME).observe_inference(0.01)
+        result = run("--once", "--interval=100ms", "--collector.disable-defaults", "--collector.engines",
+                     f"--collector.engines.spool-dir={spool}", env={"COLUMNS": "200"})
+    finally:
+        metrics._reset_for_tests()
+        instrument.configure(None)
+    assert result.returncode == 0, result.stderr
+    for raw in ("\x1b", "\x07", "\x9b", "\x7f", "\u202e"):
+        assert raw not in result.stdout, f"{raw!r} reached the terminal"
+    assert r"evil\x1b[2J\x1b]0;pwned\x07\x9b1m\x7f[bold red]x[/]\u202egnp.exe" in result.stdout
+
+
 # --- the live view in tmux -----------------------------------------------------------------------
 
 # Per 50 ms: nvme1n1 reads 20 at 15 ms each with ~40 queued (saturated on flash), sda 1 read of 10 ms,

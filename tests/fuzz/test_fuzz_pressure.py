@@ -1,7 +1,8 @@
 """Fuzz the PSI parser and the pressure collector on generated /proc/pressure trees.
 
 Oracles: parse_total returns a well-formed line's kind and total exactly and raises only BadLine
-otherwise; the collector never raises, and its output parses as Prometheus text and as OpenMetrics.
+otherwise; the collector raises nothing but MalformedSource (a file with no good line), and its output
+parses as Prometheus text and as OpenMetrics.
 """
 
 from __future__ import annotations
@@ -15,10 +16,19 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter.collect import Context
+from exporter.collect import Collector, Context, MalformedSource
 from exporter.collectors.pressure import RESOURCES, BadLine, PressureCollector, parse_total
-from exporter.exposition import render
+from exporter.exposition import Family, render
 from tests.conftest import parse_samples
+
+
+def collected(collector: Collector) -> list[Family]:
+    """What a scrape serves of the collector: its families, or those MalformedSource carries."""
+    try:
+        return collector.collect()
+    except MalformedSource as bad:
+        return bad.families
+
 
 AVERAGE = st.floats(0, 100, allow_nan=False).map(lambda value: f"{value:.2f}")
 
@@ -74,7 +84,7 @@ DIRECTORY = os.path.join(ROOT, "pressure")
 @given(pressure_tree())
 def test_collector_on_generated_trees(tree: dict[str, bytes | None]) -> None:
     _write(tree)
-    families = PressureCollector(CONTEXT, {}).collect()
+    families = collected(PressureCollector(CONTEXT, {}))
     samples = parse_samples(render(families))
     assert all(name.startswith("gpuio_pressure_") and value >= 0 for (name, _), value in samples.items())
     list(parse_openmetrics(render(families, openmetrics=True)))
@@ -94,7 +104,7 @@ def test_a_file_with_two_some_lines_renders_one_family() -> None:
     """No kernel writes two "some" lines; the first one counts, and OpenMetrics stays valid."""
     _write({"io": b"some avg10=0.00 avg60=0.00 avg300=0.00 total=1\n"
                   b"some avg10=0.00 avg60=0.00 avg300=0.00 total=2\n", "cpu": None, "memory": None, "irq": None})
-    families = PressureCollector(CONTEXT, {}).collect()
+    families = collected(PressureCollector(CONTEXT, {}))
     list(parse_openmetrics(render(families, openmetrics=True)))
     assert parse_samples(render(families)) == {("gpuio_pressure_io_waiting_seconds_total", frozenset()): 1e-06}
 

@@ -1,4 +1,8 @@
-"""The framework's isolation: a raising collector, a stale one, and self-metrics per collector."""
+"""The framework's isolation: a raising collector, a stale one, a slow or hung one beside others, and
+self-metrics per collector."""
+
+import asyncio
+import threading
 
 from exporter.collect import Collector, Context, Scraper, StaleData
 from exporter.exposition import GAUGE, Desc, Family, render
@@ -48,3 +52,56 @@ def test_stale_data_reports_failure_and_still_serves_the_last_values() -> None:
     samples = scrape("stale")
     assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "fixed")}))] == 0
     assert samples[("gpuio_test_last_value", frozenset())] == 7
+
+
+class Gate(Collector):
+    """A collector that returns at once until the test closes its gate, then blocks until it reopens:
+    a source that hangs (a dead NFS procfs, a stuck sysfs read) after working."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(Context(), {})
+        self.name = name  # type: ignore[misc]
+        self.open = threading.Event()
+        self.open.set()
+
+    def collect(self) -> list[Family]:
+        self.open.wait()
+        desc = Desc(f"gpuio_test_{self.name}", GAUGE, "A value.")
+        return [desc.family([desc.sample("", 1)])]
+
+
+def successes(scraper: Scraper) -> dict[str, float]:
+    """One scrape as the server runs it (on its event loop)."""
+    samples = parse_samples(render(asyncio.run(scraper.scrape())))
+    return {dict(labels)["collector"]: value for (name, labels), value in samples.items()
+            if name == "gpuio_scrape_collector_success"}
+
+
+def test_a_collector_that_hangs_fails_alone_and_holds_one_thread() -> None:
+    """First the hung collector blocks on its first run (no history), then one that was cheap blocks
+    in front of the cheap ones queued behind it: the others succeed in every scrape, and the hung ones
+    hold one worker thread each however many scrapes follow."""
+    first, cheap, other = Gate("first"), Gate("cheap"), Gate("other")
+    scraper = Scraper([first, cheap, other], 0.3, "")
+    first.open.clear()
+    for _ in range(3):
+        assert successes(scraper) == {"first": 0, "cheap": 1, "other": 1}
+    cheap.open.clear()
+    for _ in range(20):
+        assert successes(scraper) == {"first": 0, "cheap": 0, "other": 1}
+    hung_threads = 2
+    print(f"worker threads after 23 scrapes with two hung collectors: {scraper._workers.threads}")
+    assert scraper._workers.threads <= hung_threads + 3  # the rest run on a few threads, reused
+    first.open.set()
+    cheap.open.set()
+
+
+def test_scrape_sync_keeps_the_budget_too() -> None:
+    """`gpuio scrape` and `gpuio top` scrape without an event loop: a hung collector must not hang them."""
+    hung, fine = Gate("hung"), Gate("fine")
+    hung.open.clear()
+    scraper = Scraper([hung, fine], 0.3, "")
+    samples = parse_samples(render(scraper.scrape_sync()))
+    assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "hung")}))] == 0
+    assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "fine")}))] == 1
+    hung.open.set()

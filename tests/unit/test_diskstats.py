@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from exporter.collect import Context
+from exporter.collect import Context, Scraper
 from exporter.collectors.diskstats import DiskstatsCollector
 from exporter.config import parse_regex
 from exporter.exposition import render
@@ -96,6 +96,27 @@ def test_bad_lines_are_skipped_and_logged_once_good_lines_survive(tmp_path, capl
     bad_logs = [r for r in caplog.records if r.getMessage() == "skipping bad diskstats line"]
     assert len(bad_logs) == 4  # one per distinct bad line, not one per scrape; the blank line is not news
     assert {r.fields["detail"] for r in bad_logs} >= {"8 1 sdb 1 2 3", "this is not diskstats"}
+    # Counted, by reason, on every scrape (two here): the blank line is no line.
+    assert {(source, reason): n for source, reason, n in c.dropped_lines.counts()} == {
+        ("diskstats", "too_few_fields"): 4, ("diskstats", "non_numeric"): 2, ("diskstats", "negative"): 2}
+
+
+def test_a_repeated_device_line_is_dropped_and_counted(tmp_path) -> None:
+    c = collector(tmp_path, "\n".join([LINE_14, LINE_14.replace(" 100 2 ", " 999 2 ", 1)]) + "\n")
+    assert value(samples(c), "gpuio_disk_reads_completed_total", "sda") == 100  # the first line, as before
+    assert c.dropped_lines.counts() == [("diskstats", "repeated", 1)]
+
+
+def test_a_file_of_nothing_but_bad_lines_fails_the_collector(tmp_path) -> None:
+    """node_exporter 1.5 reports success 0 on such a file; an empty file (no block device) is no failure."""
+    c = collector(tmp_path, "garbage here and there\n   8 0 sda 1 2 x 4 5 6 7 8 9 10 11\n")
+    found = parse_samples(render(Scraper([c], 5.0, "").scrape_sync()))
+    assert found[("gpuio_scrape_collector_success", frozenset({("collector", "diskstats")}))] == 0
+    assert found[("gpuio_scrape_collector_failures_total",
+                  frozenset({("collector", "diskstats"), ("reason", "malformed")}))] == 1
+    empty = collector(tmp_path / "empty", "")
+    found = parse_samples(render(Scraper([empty], 5.0, "").scrape_sync()))
+    assert found[("gpuio_scrape_collector_success", frozenset({("collector", "diskstats")}))] == 1
 
 
 def test_missing_diskstats_fails_the_collector(tmp_path) -> None:

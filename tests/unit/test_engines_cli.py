@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +14,7 @@ from exporter import instrument
 from exporter.engines_cli import engines_main, warm_main
 from exporter.instrument import metrics
 from exporter.instrument import spool as fmt
+from tests.conftest import REPO
 
 
 @pytest.fixture
@@ -72,3 +75,21 @@ def test_warm_reads_files_into_the_page_cache(tmp_path, capsys) -> None:
     assert warm_main([str(first), str(tmp_path / "missing.engine")]) == 1
     assert "missing.engine: error" in capsys.readouterr().out
     assert warm_main([str(tmp_path / "*.nothing")]) == 2
+
+
+# Escapes a spool writer could put in an engine name: clear screen, set the window title (OSC ended by
+# BEL), a bare BEL, a C1 CSI, DEL, rich markup and a right-to-left override.
+GPUIO = "from exporter.cli import tools_main; tools_main()"  # the `gpuio` console script
+HOSTILE_NAME = "evil\x1b[2J\x1b]0;pwned\x07\x9b1m\x7f[bold red]x[/]\u202egnp.exe"
+
+
+def test_engines_prints_a_hostile_engine_name_escaped(spool_dir) -> None:
+    """The real `gpuio engines` command, in a process of its own, on a spool this process writes."""
+    instrument.engine(HOSTILE_NAME).observe_inference(0.01)
+    result = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--spool-dir", spool_dir],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for raw in ("\x1b", "\x07", "\x9b", "\x7f", "\u202e"):
+        assert raw not in out, f"{raw!r} reached the terminal"
+    assert r"evil\x1b[2J\x1b]0;pwned\x07\x9b1m\x7f[bold red]x[/]\u202egnp.exe" in out

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from exporter.collect import Context
+from exporter.collect import Context, Scraper
 from exporter.collectors.pressure import PressureCollector
 from exporter.exposition import render
 from tests.conftest import parse_samples
@@ -61,13 +61,47 @@ def test_psi_disabled_eopnotsupp_is_no_data(tmp_path, monkeypatch) -> None:
     assert c.collect() == []
 
 
-def test_garbage_and_empty_files_keep_the_good_lines(tmp_path, caplog) -> None:
+def scrape(c: PressureCollector) -> dict:
+    """One scrape through the framework, as the server runs it: what Prometheus would see."""
+    return parse_samples(render(Scraper([c], 5.0, "").scrape_sync()))
+
+
+def pressure_counts(found: dict, name: str) -> dict[tuple[str, ...], float]:
+    return {tuple(v for _, v in sorted(labels)): value for (n, labels), value in found.items()
+            if n == name and dict(labels)["collector"] == "pressure"}
+
+
+def test_a_file_of_garbage_fails_the_collector_and_says_why(tmp_path, caplog) -> None:
+    """/proc/pressure/io holding only garbage: no PSI line at all is a failed source, not success with
+    no series (node_exporter 1.5 fails too)."""
+    c = collector(tmp_path, {"io": "garbage\nsome avg10=x total=lots\n", "cpu": SOME_FULL})
+    with caplog.at_level(logging.ERROR):
+        found = scrape(c)
+    assert found[("gpuio_scrape_collector_success", frozenset({("collector", "pressure")}))] == 0
+    assert pressure_counts(found, "gpuio_scrape_collector_failures_total") == {("pressure", "malformed"): 1}
+    assert pressure_counts(found, "gpuio_scrape_collector_dropped_lines_total") == {
+        ("pressure", "unknown_kind", "pressure/io"): 1, ("pressure", "non_numeric", "pressure/io"): 1}
+    assert found[("gpuio_pressure_cpu_waiting_seconds_total", frozenset())] == 5.221373  # cpu is still served
+    (failed,) = [r for r in caplog.records if r.getMessage() == "collector failed"]
+    assert "no valid PSI line in pressure/io" in failed.fields["err"]
+
+
+def test_garbage_and_empty_files_keep_the_good_lines_and_count_the_bad(tmp_path, caplog) -> None:
+    from exporter.collect import MalformedSource
+
     c = collector(tmp_path, {"io": SOME_FULL.splitlines()[0] + "\nfull what=ever\n", "memory": "",
                              "cpu": "some avg10=0 total=-5\n"})
     with caplog.at_level(logging.WARNING):
-        found = values(c)
-    assert found == {"gpuio_pressure_io_waiting_seconds_total": 5.221373}
+        with pytest.raises(MalformedSource, match="pressure/cpu, pressure/memory") as failed:
+            c.collect()
+        found = scrape(c)
+    assert {name: v for (name, _), v in parse_samples(render(failed.value.families)).items()} == {
+        "gpuio_pressure_io_waiting_seconds_total": 5.221373}
+    assert found[("gpuio_pressure_io_waiting_seconds_total", frozenset())] == 5.221373
     assert len([r for r in caplog.records if r.getMessage() == "skipping bad pressure line"]) == 2
+    # Two collects: every scrape counts the lines it dropped.
+    assert pressure_counts(found, "gpuio_scrape_collector_dropped_lines_total") == {
+        ("pressure", "no_total", "pressure/io"): 2, ("pressure", "non_numeric", "pressure/cpu"): 2}
 
 
 def test_unreadable_pressure_directory_fails_the_collector(tmp_path) -> None:

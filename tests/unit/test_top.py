@@ -379,3 +379,12 @@ def test_every_metric_top_reads_is_documented() -> None:
     read = {value for name, value in vars(top).items()
             if name.isupper() and isinstance(value, str) and value.startswith("gpuio_")}
     assert len(read) > 25 and read - documented == set()
+
+
+def test_printable_escapes_what_a_terminal_would_act_on_and_keeps_the_rest() -> None:
+    from exporter.terminal import printable, safe_text
+
+    assert printable("résumé-モデル_v2.engine") == "résumé-モデル_v2.engine"  # plain names stay as they are
+    assert printable("a\x1b[31mb\x07c\x7fd\x9be\tf\ng") == r"a\x1b[31mb\x07c\x7fd\x9be\x09f\x0ag"
+    assert printable("x\u202ey\u2066z\u200b\u2028") == r"x\u202ey\u2066z\u200b\u2028"  # bidi, zero-width, line sep
+    assert safe_text("[bold red]x[/]").plain == "[bold red]x[/]"  # no markup read
