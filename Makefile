@@ -1,20 +1,50 @@
 # Two commands set up everything on a fresh machine: `make run` and `make test`.
 SHELL := /bin/bash
 PYTHON ?= python3
+# `make test` and the development targets: gpuio with its [dev] extras (linters, schema validators, the
+# Grafana SDK, TensorRT's lean libraries).
 VENV := .venv
 PY := $(VENV)/bin/python
+# `make run` and `make stack`: gpuio's runtime dependencies only, pinned in requirements-run.txt.  A venv of
+# its own, so that running the exporter never waits for the development toolchain, and so that every
+# `make run` proves the runtime lock is enough on its own.
+RUN_VENV := .venv-run
 ARGS ?=
 # Debian packages the tests and benchmarks use as real peers (promtool, node_exporter, fio, iostat).
 DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test unit lint bench golden rules dashboards system-deps venv clean fuzz load soak
+.PHONY: run stack test unit lint bench golden rules dashboards system-deps venv run-venv clean fuzz load soak
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e '.[dev]'
 	touch $@
+
+# The runtime venv, fast: no resolution (--no-deps on the pinned lock), no bytecode compiled ahead (the
+# interpreter writes it on first import, for the modules the exporter does import), no pip self-upgrade,
+# and no pip copied into the venv when this machine's pip can install into another interpreter
+# (--python, pip 22.3+).  The source tree goes on the venv's path (a .pth file, what an editable install
+# writes), so nothing is built, and the two console scripts are the ones pip would write.
+$(RUN_VENV)/.installed: requirements-run.txt pyproject.toml
+	rm -rf $(RUN_VENV)
+	@if $(PYTHON) -m pip --python $(PYTHON) --version >/dev/null 2>&1; then \
+	  $(PYTHON) -m venv --without-pip $(RUN_VENV) && pip="$(PYTHON) -m pip --python $(RUN_VENV)/bin/python"; \
+	else \
+	  $(PYTHON) -m venv $(RUN_VENV) && pip="$(RUN_VENV)/bin/pip"; \
+	fi && set -x && \
+	$$pip install --quiet --disable-pip-version-check --no-deps --no-compile -r requirements-run.txt && \
+	$$pip check --disable-pip-version-check >/dev/null
+	$(RUN_VENV)/bin/python -c 'import sys, sysconfig; open(sysconfig.get_path("purelib") + "/gpuio-source.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
+	@for script in gpuio-exporter:exporter_main gpuio:tools_main; do \
+	  printf '#!%s\nimport sys\nfrom exporter.cli import %s\nsys.exit(%s())\n' \
+	    "$(CURDIR)/$(RUN_VENV)/bin/python" "$${script#*:}" "$${script#*:}" > $(RUN_VENV)/bin/$${script%%:*}; \
+	  chmod +x $(RUN_VENV)/bin/$${script%%:*}; \
+	done
+	touch $@
+
+run-venv: $(RUN_VENV)/.installed
 
 venv: $(VENV)/.installed
 
@@ -25,8 +55,8 @@ system-deps:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-run: venv
-	$(VENV)/bin/gpuio-exporter $(ARGS)
+run: run-venv
+	$(RUN_VENV)/bin/gpuio-exporter $(ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check exporter tests bench dashboards deploy
@@ -68,4 +98,4 @@ golden: venv
 	$(PY) -m pytest -q tests/unit/test_golden.py --update-golden
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(RUN_VENV) .pytest_cache .mypy_cache .ruff_cache
