@@ -3,7 +3,10 @@ says what the rest of the repository says.  No Docker engine runs here or in CI,
 in containers; what can run outside one runs for real:
 
 * the file against the compose-spec JSON schema (``check-jsonschema --builtin-schema vendor.compose-spec``),
-  and a broken copy fails it (the validator is not a no-op);
+  and a broken copy fails it (the validator is not a no-op); the same for docker-compose.gpu.yml, alone
+  and merged over the base file as Compose merges ``-f`` files;
+* the base file asks for no GPU (it starts on a machine without one); the GPU override adds only the
+  exporter's GPU reservation;
 * every bind-mount source and the build context exist in the repository (or are host paths the
   exporter reads);
 * Prometheus' inline config is deploy/prometheus/prometheus.yml with only the targets changed, after
@@ -35,6 +38,7 @@ from deploy.prometheus import config as c
 from tests.conftest import REPO, free_port
 
 COMPOSE = os.path.join(REPO, "docker-compose.yml")
+GPU_OVERRIDE = os.path.join(REPO, "docker-compose.gpu.yml")
 CHECK_JSONSCHEMA = shutil.which("check-jsonschema") or shutil.which(
     "check-jsonschema", path=os.path.dirname(sys.executable))
 PROMTOOL = shutil.which("promtool")
@@ -52,18 +56,78 @@ def unescape(text: str) -> str:
     return text.replace("$$", "$")
 
 
+def gpu_override() -> dict:
+    with open(GPU_OVERRIDE) as handle:
+        return yaml.safe_load(handle)
+
+
+def merged(base: dict, override: dict) -> dict:
+    """``docker compose -f base -f override``: mappings merge key by key, the override's scalars win, and
+    sequences (ports, volumes, devices) are appended, as Compose merges files."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            out[key] = merged(base[key], value)
+        elif isinstance(value, list) and isinstance(base.get(key), list):
+            out[key] = base[key] + value
+        else:
+            out[key] = value
+    return out
+
+
+def schema_errors(path: str) -> str | None:
+    """None when ``path`` is valid for the Compose specification, else the validator's message."""
+    result = subprocess.run([CHECK_JSONSCHEMA, "--builtin-schema", "vendor.compose-spec", path],
+                            capture_output=True, text=True, timeout=120)
+    return None if result.returncode == 0 else result.stdout + result.stderr
+
+
 @pytest.mark.skipif(not CHECK_JSONSCHEMA, reason="pip install check-jsonschema (dev extras)")
 def test_valid_against_the_compose_spec(tmp_path) -> None:
-    result = subprocess.run([CHECK_JSONSCHEMA, "--builtin-schema", "vendor.compose-spec", COMPOSE],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert schema_errors(COMPOSE) is None, schema_errors(COMPOSE)
     broken = compose()
-    broken["services"]["gpuio-exporter"]["deploy"]["resources"]["reservations"]["devices"][0]["gpus"] = "all"
+    broken["services"]["gpuio-exporter"]["read_only"] = {"yes": True}
     path = tmp_path / "docker-compose.yml"
     path.write_text(yaml.safe_dump(broken))
-    result = subprocess.run([CHECK_JSONSCHEMA, "--builtin-schema", "vendor.compose-spec", str(path)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0, "the schema accepted an unknown key: is it checking anything?"
+    assert schema_errors(str(path)) is not None, "the schema accepted a mapping for a boolean: is it checking anything?"
+
+
+@pytest.mark.skipif(not CHECK_JSONSCHEMA, reason="pip install check-jsonschema (dev extras)")
+def test_gpu_override_is_valid_alone_and_merged(tmp_path) -> None:
+    assert schema_errors(GPU_OVERRIDE) is None, schema_errors(GPU_OVERRIDE)
+    path = tmp_path / "merged.yml"
+    path.write_text(yaml.safe_dump(merged(compose(), gpu_override())))
+    assert schema_errors(str(path)) is None, schema_errors(str(path))
+    broken = gpu_override()
+    broken["services"]["gpuio-exporter"]["deploy"]["resources"]["reservations"]["devices"][0]["gpus"] = "all"
+    path.write_text(yaml.safe_dump(merged(compose(), broken)))
+    assert schema_errors(str(path)) is not None, "the schema accepted an unknown key: is it checking anything?"
+
+
+def test_the_base_file_starts_without_a_gpu() -> None:
+    """Nothing in docker-compose.yml asks for a GPU or the NVIDIA runtime: `docker compose up` starts
+    on a machine without one (Docker refuses a service whose device reservation it cannot meet)."""
+    for name, service in compose()["services"].items():
+        assert "deploy" not in service and "runtime" not in service and "gpus" not in service, name
+        assert not [d for d in service.get("devices", []) if "nvidia" in str(d)], name
+
+
+def test_gpu_override_adds_only_the_exporters_gpu_reservation() -> None:
+    override = gpu_override()
+    assert set(override) == {"services"} and set(override["services"]) == {"gpuio-exporter"}
+    service = override["services"]["gpuio-exporter"]
+    assert set(service) == {"deploy"}
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["count"] == "all"
+    assert set(device["capabilities"]) == {"gpu", "utility"}  # NVML only: no compute, no CUDA context
+    exporter = merged(compose(), override)["services"]["gpuio-exporter"]
+    base = compose()["services"]["gpuio-exporter"]
+    assert exporter["deploy"] == service["deploy"] and exporter["command"] == base["command"]
+    # the file says how to use it, and the base file points at it
+    with open(GPU_OVERRIDE) as handle:
+        assert "docker compose -f docker-compose.yml -f docker-compose.gpu.yml up" in handle.read()
+    with open(COMPOSE) as handle:
+        assert "-f docker-compose.gpu.yml" in handle.read()
 
 
 def mounts() -> list[tuple[str, str, str, bool]]:
@@ -91,7 +155,7 @@ def test_every_mounted_file_exists_and_the_build_context_has_the_dockerfile() ->
     assert os.path.exists(os.path.join(REPO, exporter["build"], "Dockerfile"))
 
 
-def test_exporter_reads_the_host_read_only_with_least_privilege_and_gpus() -> None:
+def test_exporter_reads_the_host_read_only_with_least_privilege() -> None:
     service = compose()["services"]["gpuio-exporter"]
     host = {source: (target, read_only) for name, source, target, read_only in mounts() if name == "gpuio-exporter"}
     assert host["/proc"] == ("/host/proc", True) and host["/sys"] == ("/host/sys", True)
@@ -101,9 +165,6 @@ def test_exporter_reads_the_host_read_only_with_least_privilege_and_gpus() -> No
     assert service["read_only"] is True and service["cap_drop"] == ["ALL"] and "user" not in service
     assert "no-new-privileges:true" in service["security_opt"]
     assert not {"privileged", "pid", "network_mode", "cap_add"} & set(service)
-    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and device["count"] == "all"
-    assert set(device["capabilities"]) == {"gpu", "utility"}
     assert service["ports"] == ["9817:9817"]
 
 
