@@ -1,22 +1,21 @@
 """The real peers the end-to-end tests start: Prometheus and Alertmanager (Debian packages) with the
-project's own configuration, tightened to 1 s intervals, on loopback ports of their own."""
+project's own configuration, tightened to 1 s intervals, on loopback ports of their own.  Starting,
+waiting and stopping are deploy/local/stack.py's (`make stack`), the same code users run."""
 
 from __future__ import annotations
 
 import copy
 import os
-import shutil
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import yaml
 
+from deploy.local.stack import ALERTMANAGER, PROMETHEUS, prometheus_config, serve, stop, wait_ready
 from tests.conftest import REPO, free_port
 
-PROMETHEUS = shutil.which("prometheus")
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+__all__ = ["ALERTMANAGER", "PROMETHEUS", "direct_io_loop", "start_alertmanager", "start_prometheus", "stop",
+           "wait_ready", "write_random"]
 
 
 def write_random(path: str, mib: int) -> None:
@@ -35,32 +34,6 @@ def direct_io_loop(backing: str, mib: int) -> str:
     write_random(backing, mib)
     return subprocess.run(["losetup", "--find", "--show", "--direct-io=on", backing], check=True,
                           capture_output=True, text=True).stdout.strip()
-
-
-def stop(process: subprocess.Popen | None, timeout: float = 15) -> None:
-    """Terminate, and kill what does not exit in ``timeout`` seconds."""
-    if process is None or process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def wait_ready(url: str, process: subprocess.Popen, name: str, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited: {process.stdout.read() if process.stdout else ''}")
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def start_alertmanager(tmp: Path, webhook_port: int) -> tuple[subprocess.Popen, str]:
@@ -85,17 +58,8 @@ def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alert
                      ) -> tuple[subprocess.Popen, str]:
     """deploy/prometheus/prometheus.yml scraping the exporter on ``exporter_port`` every second, with
     ``rule_files``, alerting to ``alertmanager`` (a base URL) or to nothing."""
-    with open(os.path.join(REPO, "deploy", "prometheus", "prometheus.yml")) as handle:
-        config = yaml.safe_load(handle)
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = rule_files
-    if alertmanager is None:
-        config.pop("alerting", None)
-    else:
-        (target,) = config["alerting"]["alertmanagers"]
-        target["static_configs"] = [{"targets": [alertmanager.removeprefix("http://")]}]
-    (job,) = config["scrape_configs"]
-    job["static_configs"] = [{"targets": [f"127.0.0.1:{exporter_port}"]}]
+    config = prometheus_config(f"127.0.0.1:{exporter_port}", alertmanager.removeprefix("http://") if alertmanager
+                               else None, rule_files, scrape_interval="1s", evaluation_interval="1s")
     path = tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return _serve("prometheus", [str(PROMETHEUS), f"--config.file={path}", f"--storage.tsdb.path={tmp / 'prom-data'}",
@@ -105,12 +69,4 @@ def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alert
 def _serve(name: str, command: list[str]) -> tuple[subprocess.Popen, str]:
     """Start a Prometheus-family server on a free loopback port; return it once /-/ready answers."""
     port = free_port()
-    process = subprocess.Popen([*command, f"--web.listen-address=127.0.0.1:{port}"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base + "/-/ready", process, name)
-    except BaseException:
-        stop(process)
-        raise
-    return process, base
+    return serve(name, [*command, f"--web.listen-address=127.0.0.1:{port}"], port, "/-/ready")
