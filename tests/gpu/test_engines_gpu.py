@@ -138,7 +138,7 @@ def run(work: str) -> dict[str, Any]:
     options["spool-dir"] = spool
     # the model lies in a temporary directory: the exporter opens writer-named files only inside these
     options["path-include"] = next(option for option in engines.EnginesCollector.options
-                                   if option.name == "path-include").parse(work_dir)
+                                   if option.name == "path-include").parse(work)
     collector = engines.EnginesCollector(Context(), options)
     collector.collect()
     collector.scanner.sample_now()
