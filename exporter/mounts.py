@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import time
 from dataclasses import dataclass, field
 
@@ -183,3 +184,64 @@ class MountCache:
         self._table = read_table(self.procfs)
         self._read_at = now
         return self._table
+
+
+class MountTableWatch:
+    """The host's mount table (see :func:`read_table`), read again only when the kernel says it changed.
+
+    A mountinfo file is pollable: poll() on an open descriptor reports POLLPRI|POLLERR once the mount
+    namespace's table changed since the last poll (proc(5)).  Parsing the table at every scrape cost
+    about 0.5 ms on a node of 20 mounts, more than diskstats and pressure together; a poll with no
+    timeout costs a few microseconds.  A file that cannot be opened is tried again at most every
+    ``retry`` seconds, with an empty table meanwhile.
+    """
+
+    def __init__(self, procfs: str, max_mounts: int = DEFAULT_MAX_MOUNTS, retry: float = 10.0) -> None:
+        self.procfs = procfs
+        self.max_mounts = max_mounts
+        self.retry = retry
+        self._fd: int | None = None
+        self._poll = select.poll()
+        self._table = MountTable()
+        self._failed_at: float | None = None
+
+    def table(self) -> MountTable:
+        """The current table; a new object only when it was read again."""
+        if self._fd is None:
+            self._open()
+        elif self._poll.poll(0):
+            self._table = self._read(self._fd, self._table.source)
+        return self._table
+
+    def _open(self) -> None:
+        now = time.monotonic()
+        if self._failed_at is not None and now - self._failed_at < self.retry:
+            return
+        path = host_file(self.procfs, "mountinfo")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._failed_at = now
+            return
+        self._fd = fd
+        self._poll.register(fd, select.POLLPRI | select.POLLERR)
+        self._table = self._read(fd, path)
+
+    def _read(self, fd: int, path: str) -> MountTable:
+        os.lseek(fd, 0, os.SEEK_SET)
+        chunks, size = [], 0
+        while size < MAX_BYTES:
+            chunk = os.read(fd, min(1 << 16, MAX_BYTES - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        table = parse(b"".join(chunks).decode("utf-8", "replace"), self.max_mounts)
+        table.source = path
+        return table
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self._poll.unregister(self._fd)
+            os.close(self._fd)
+            self._fd = None

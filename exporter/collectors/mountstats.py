@@ -144,11 +144,12 @@ MOUNT_INFO = Desc("gpuio_mount_info", INFO,
                   "A network or FUSE mount as the host sees it (nfs, nfs4, cifs, ceph, glusterfs, lustre, 9p, "
                   "fuse.*...): these have no block device, so disk series cannot describe them.")
 MALFORMED = Desc("gpuio_mountstats_malformed_lines_total", COUNTER,
-                 "Lines of mountstats or mountinfo that made no sense and were skipped, counted at every read.")
+                 "Lines of mountstats or mountinfo that made no sense and were skipped, counted at every read "
+                 "(mountinfo is read again only when the mount table changes).")
 SOURCE = Desc("gpuio_mountstats_source_info", INFO,
               "Whose mount table and NFS statistics were read: <procfs>/<mountinfo>/mountinfo and "
-              "<procfs>/<mountstats>/mountstats, 1 (the host's init) or self (\"\" when none could be read: "
-              "/proc/1/mountstats needs root or CAP_DAC_READ_SEARCH).")
+              "<procfs>/<mountstats>/mountstats, 1 (the host's init) or self (\"\" when none was read: "
+              "no NFS mount, or none readable; /proc/1/mountstats needs root or CAP_DAC_READ_SEARCH).")
 DROPPED = Desc("gpuio_mountstats_dropped_series_total", COUNTER,
                "Distinct mounts and operations left out by the collector's caps, by kind (mount, operation, "
                "mount_info).")
@@ -301,13 +302,17 @@ class MountstatsCollector(Collector):
         self.max_operations: int = options.get("max-operations") or 64
         self.malformed = 0
         self._dropped: dict[str, set[Any]] = {}
+        self._watch = mounts.MountTableWatch(context.procfs)
+        self._counted: mounts.MountTable | None = None  # the table whose malformed lines are counted
 
     def collect(self) -> list[Family]:
-        table = mounts.read_table(self.context.procfs)
-        text, source = self._read_mountstats(table)
+        table = self._watch.table()
+        text, source = self._read_mountstats(table) if _may_have_nfs(table) else (None, "")
         if not table.source and text is None:
             return []  # no mount table here at all (a procfs without it): no such source
-        self.malformed += table.malformed
+        if table is not self._counted:  # the table is read again only when it changed
+            self.malformed += table.malformed
+            self._counted = table
         families = [self._mount_info(table), Family(SOURCE, [SOURCE.sample(label_string(
             {"mountinfo": _process_of(table.source), "mountstats": _process_of(source)}), 1)])]
         if text is not None:
@@ -385,6 +390,12 @@ class MountstatsCollector(Collector):
         order = [AGE, *BYTES, *(desc for _, desc, _ in TRANSPORT), *(desc for _, desc, _, _ in OPERATIONS),
                  *(desc for _, desc in EVENTS)]
         return [Family(desc, samples.get(desc, [])) for desc in order]
+
+
+def _may_have_nfs(table: mounts.MountTable) -> bool:
+    """Only NFS mounts have statistics in mountstats: a mount table that lists none spares reading it.
+    An empty or unreadable table says nothing, so mountstats is read then."""
+    return not table.mounts or any(mount.fstype.startswith("nfs") for mount in table.mounts)
 
 
 def _process_of(path: str) -> str:

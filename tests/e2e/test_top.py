@@ -149,7 +149,9 @@ def test_engine_columns_from_a_real_spool(tmp_path) -> None:
 
         out = io.StringIO()
         argv = ["--json", "--collector.disable-defaults", "--collector.engines",
-                f"--collector.engines.spool-dir={spool}", "--collector.engines.residency-interval=100ms"]
+                f"--collector.engines.spool-dir={spool}", "--collector.engines.residency-interval=100ms",
+                # the engine file lies under tmp_path: the exporter opens writer-named files only inside these
+                f"--collector.engines.path-include={tmp_path}"]
         assert top.main(argv, clock=lambda: next(times), sleep=sleep, out=out) == 0
     finally:
         metrics._reset_for_tests()

@@ -1,0 +1,46 @@
+"""The mount table is read again when, and only when, the kernel says it changed (poll on mountinfo).
+
+Runs as pid 1 of a pid and mount namespace of its own (unshare, as root), so the tmpfs it mounts touches nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.root]
+
+SCRIPT = textwrap.dedent("""
+    import os, subprocess, tempfile
+    from exporter.mounts import MountTableWatch
+    watch = MountTableWatch("/proc")
+    first = watch.table()
+    assert first.mounts, "no mount table read"
+    assert watch.table() is first, "an unchanged table was read again"
+    point = tempfile.mkdtemp()
+    subprocess.run(["mount", "-t", "tmpfs", "gpuio-watch-test", point], check=True)
+    changed = watch.table()
+    assert changed is not first, "a new mount did not make the table read again"
+    assert any(m.mountpoint == point and m.source == "gpuio-watch-test" for m in changed.mounts), point
+    assert watch.table() is changed, "read again without a change"
+    subprocess.run(["umount", point], check=True)
+    assert not any(m.mountpoint == point for m in watch.table().mounts), "an unmount was missed"
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+def test_the_mount_table_is_read_again_only_after_a_mount_or_unmount() -> None:
+    # The watch reads /proc/1/mountinfo (the host's init): a pid namespace of its own, with its own /proc,
+    # makes the script that pid 1, in the mount namespace where it mounts.
+    result = subprocess.run(["unshare", "--mount", "--pid", "--fork", "--mount-proc", "--propagation", "private",
+                             sys.executable, "-c", SCRIPT],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
