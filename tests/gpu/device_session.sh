@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything this project checks on a real GPU, in one go (one lease of the device machine):
 #   bash tests/gpu/device_session.sh            # from the repository root; OUT=dir keeps the logs
-# Needs python3 with torch, nvidia-ml-py, prometheus-client, psutil; the web stack comes from .whl/
-# (wheels downloaded beforehand: pip download -d .whl fastapi uvicorn httptools bcrypt PyYAML rich pySMART pytest).
-# With .whl/prometheus.xz (xz -c /usr/bin/prometheus > .whl/prometheus.xz: the Debian binary, static) it
+# Needs python3 with torch; everything else comes from .whl/, made beforehand on a machine with PyPI and
+# Debian's prometheus package by `make gpu-wheels GPU_PYTHON=<the GPU machine's python3 version>`: the
+# wheels of requirements-run.txt (the exporter's pinned runtime dependencies, pySMART's included) and
+# pytest for that Python, and .whl/prometheus.xz (the Debian binary, static).  With prometheus.xz it
 # also runs the dashboards/rules end-to-end test against a real Prometheus while a PyTorch process keeps
-# the GPU 50 % busy, so the GPU board's panels must return data from a real H100.
+# the GPU 50 % busy, so the GPU board's panels must return data from a real H100; the SMART replay it
+# relies on is checked first (smart_replay_check.py), so a missing dependency is named, not guessed.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpuio-device}
 mkdir -p "$OUT"
@@ -16,12 +18,20 @@ else
   export PYTHONPATH=$PWD
 fi
 status=0
+# Every module the exporter and its smart collector import, from .whl/ or from this python3.
+missing=$(python3 -c 'import importlib.util as u, sys; print(" ".join(m for m in sys.argv[1:] if u.find_spec(m) is None))' \
+  fastapi uvicorn uvloop httptools bcrypt yaml rich pySMART humanfriendly chardet prometheus_client psutil pynvml pytest)
+if [ -n "$missing" ]; then
+  echo "MISSING Python modules: $missing (make gpu-wheels GPU_PYTHON=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])'))"
+  status=1
+fi
 step() { echo "== $*"; "$@" 2>&1 | tee -a "$OUT/device.log" || status=1; }
 nvidia-smi --query-gpu=name,driver_version,pci.bus_id --format=csv,noheader | tee "$OUT/device.log"
 step python3 tests/gpu/run_gpu_checks.py
 step python3 tests/gpu/test_engines_gpu.py
 step python3 bench/nvml_bench.py
 step python3 tests/gpu/exporter_http_check.py
+step python3 tests/gpu/smart_replay_check.py
 if [ -f .whl/prometheus.xz ]; then
   mkdir -p /tmp/gpuio-bin && xz -dc .whl/prometheus.xz > /tmp/gpuio-bin/prometheus && chmod +x /tmp/gpuio-bin/prometheus
   echo "$(date +%s)" | python3 tests/gpu/gpu_worker.py duty 1 0.5 90 > "$OUT/worker.log" 2>&1 &

@@ -185,10 +185,13 @@ def run(work: str) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> None:
     found = result["samples"]
-    engine = frozenset({("engine", "mlp")})
 
     def mean(name: str) -> float:
-        return found[(f"{name}_sum", engine)] / max(1.0, found[(f"{name}_count", engine)])
+        """Over every series of the engine: some families are per engine, the work-waiting ones per engine and GPU."""
+        def total(suffix: str) -> float:
+            return sum(value for (sample, labels), value in found.items()
+                       if sample == f"{name}_{suffix}" and ("engine", "mlp") in labels)
+        return total("sum") / max(1.0, total("count"))
 
     print(f"GPU: {result['gpu']}   engine info: {result['info']}")
     print(f"nvidia-smi UUIDs: {result['nvidia_smi_uuids']}")
