@@ -666,7 +666,8 @@ def engine_recording_rules() -> list[Rule]:
             reason(f"{ENGINE_IN_FLIGHT}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid)\n"
                    f"(gpuio_engine_pool_contexts{sel} > 0)", "in flight >= contexts"),
             reason(f"{p99}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid) "
-                   f"({c.ENGINE_LATENCY_FACTOR:g} * {ENGINE_LATENCY_BASELINE})", f"p99 latency >= {c.ENGINE_LATENCY_FACTOR:g}x its normal"),
+                   f"({c.ENGINE_LATENCY_FACTOR:g} * {ENGINE_LATENCY_BASELINE})",
+                   f"p99 latency >= {c.ENGINE_LATENCY_FACTOR:g}x its normal"),
             reason(f"gpuio_engine_loads_in_progress{sel} > 0", "loading"),
         ])),
         # Starved: the engine's GPU mostly idle, work waiting for the engine on that GPU, its storage
@@ -728,13 +729,14 @@ def engine_alerts() -> list[Rule]:
     reasons = (f'{{{{ range printf "{WORK_WAITING}{{{c.NODE_LABEL}=\'%s\',engine=\'%s\',gpu_uuid=\'%s\'}}" '
                f'{node} $labels.engine $labels.uuid | query | sortByLabel "reason" }}}}{{{{ .Labels.reason }}}}; '
                f"{{{{ end }}}}")
+    mount = (c.NODE_LABEL, "mountpoint")
+    oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "none")
     storage = ("{{ if $labels.device }}the disk under {{ $labels.path }}, {{ $labels.device }}, is saturated: "
                f"await {figure(AWAIT, device_labels, 'humanizeDuration', '?')}, "
                f"{figure(QUEUE, device_labels, ONE_DECIMAL, '?')} requests queued"
                "{{ else }}the network mount under {{ $labels.path }}, {{ $labels.mountpoint }}, is slow: "
-               f"NFS READ round trip {figure(NFS_READ_RTT, (c.NODE_LABEL, 'mountpoint'), 'humanizeDuration', 'n/a')}, "
-               f"oldest engine load in progress "
-               f"{figure('gpuio_mount_engine_load_oldest_in_progress_seconds', (c.NODE_LABEL, 'mountpoint'), 'humanizeDuration', 'none')}"
+               f"NFS READ round trip {figure(NFS_READ_RTT, mount, 'humanizeDuration', 'n/a')}, "
+               f"oldest engine load in progress {oldest}"
                f"{{{{ end }}}}; IO pressure on the node {node_figure(IO_SOME, 'humanizePercentage', 'n/a (no PSI)')}")
     cold = "\n".join([
         f"{ENGINE_LOAD} > {c.ENGINE_LOAD_SLOW_SECONDS:g}",
