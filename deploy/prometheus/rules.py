@@ -1,8 +1,9 @@
 """gpuio's recording rules and alerts, as data built from config.py.
 
-``python -m deploy.prometheus.generate`` writes them to rules/<source>.yml.  One file per metric
-source (disk, gpu, engines, smart, exporter), each holding that source's recording group and alert
-group.  Recording rules are named ``level:metric:operations``
+``python -m deploy.prometheus.generate`` writes them to rules/<name>.yml: starvation.yml (disk, IO
+pressure, GPU busy, network mounts, engines' queueing, and the storm and starvation alerts built on
+them, in one group: see rule_files), gpu.yml (GPU hardware), engines.yml (cold starts, spool errors),
+smart.yml, exporter.yml.  Recording rules are named ``level:metric:operations``
 (https://prometheus.io/docs/practices/rules/): ``instance_device:gpuio_disk_reads_completed:rate1m`` is
 the per-second rate over RATE_WINDOW of gpuio_disk_reads_completed_total, one series per node and
 device.  Rules in a group run in order at one timestamp, so a rule may use the ones above it.
@@ -565,16 +566,20 @@ def gpu_alerts() -> list[Rule]:
               f"{GPU_NAME} at {NODE}: {{{{ $labels.reason }}}}.",
               f"Memory of {GPU_NAME} at {NODE}: {{{{ $labels.reason }}}} (now {{{{ $value | printf \"%.4g\" }}}}). "
               f"Work on it may have been killed or computed on bad memory; drain it and reset it.", this_gpu),
-        alert("GpuioGPUDataStale", GPU_STALE, c.GPU_STALE_FOR, c.WARNING,
+    ]
+
+
+def gpu_data_stale() -> Rule:
+    return (
+alert("GpuioGPUDataStale", GPU_STALE, c.GPU_STALE_FOR, c.WARNING,
               f"GPU data of gpuio at {NODE} is stale or failing.",
               f"The NVML snapshot gpuio-exporter serves at {NODE} is "
               f"{node_figure('gpuio_gpu_snapshot_age_seconds', 'humanizeDuration', '?')} old (stale after "
               f"{c.GPU_STALE_AFTER_SECONDS}s), or its nvml collector failed (success now: "
               f"{NVML_SUCCESS_NOW}"
               f"): NVML calls are slow, hanging or failing, and a frozen busy counter reads as an idle GPU. No "
-              f"starvation alert judges this node's GPUs until the data is fresh again.", gpu_board()),
-        node_gpu_starved(),
-    ]
+              f"starvation alert judges this node's GPUs until the data is fresh again.", gpu_board())
+    )
 
 
 def node_gpu_starved() -> Rule:
@@ -601,13 +606,9 @@ def node_gpu_starved() -> Rule:
         starvation_board(gpu="{{ $labels.gpu }}"))
 
 
-def engine_recording_rules() -> list[Rule]:
+def engine_waiting_rules() -> list[Rule]:
     sel = c.selector()
-    lw = c.ENGINE_LOAD_WINDOW
     per_gpu = f"job, {c.NODE_LABEL}, engine, gpu_uuid"
-
-    def increase(metric: str) -> str:
-        return f"increase({metric}{sel}[{lw}])"
 
     busy = "\n".join([
         f"max by (job, {c.NODE_LABEL}, engine, path, gpu, uuid) (",
@@ -685,6 +686,18 @@ def engine_recording_rules() -> list[Rule]:
             f'  label_replace({WORK_WAITING}, "uuid", "$1", "gpu_uuid", "(.+)")',
             f"unless on ({c.NODE_LABEL}) {GPU_STALE}",
         ])),
+    ]
+    return rules
+
+
+def engine_load_rules() -> list[Rule]:
+    sel = c.selector()
+    lw = c.ENGINE_LOAD_WINDOW
+
+    def increase(metric: str) -> str:
+        return f"increase({metric}{sel}[{lw}])"
+
+    return [
         # Cold starts that finished in the window: mean seconds per load (read + deserialize), the
         # read (disk) part, and the read throughput.
         record(ENGINE_LOAD, f"({increase('gpuio_engine_load_read_seconds_sum')}\n"
@@ -695,7 +708,6 @@ def engine_recording_rules() -> list[Rule]:
         record(ENGINE_LOAD_THROUGHPUT, f"{increase('gpuio_engine_load_read_bytes_total')}\n"
                                        f"/\n({increase('gpuio_engine_load_read_seconds_sum')} > 0)"),
     ]
-    return rules
 
 
 def learned_from(calm: str, every: str) -> str:
@@ -714,18 +726,9 @@ def engine_gpu_figure(metric: str, fmt: str, missing: str) -> str:
             f"{{{{ end }}}}")
 
 
-def engine_alerts() -> list[Rule]:
-    sel = c.selector()
-    engine_labels = (c.NODE_LABEL, "engine")
+def starved_alert() -> Rule:
     node = f"$labels.{c.NODE_LABEL}"
     device_labels = (c.NODE_LABEL, "device")
-    w = c.SPOOL_ERRORS_WINDOW
-    spool = "\n".join([
-        f"gpuio_engine_spool_errors_total{sel} - gpuio_engine_spool_errors_total{sel} offset {w} > 0",
-        "or",
-        "# a reason seen for the first time: its series starts at 1",
-        f"(gpuio_engine_spool_errors_total{sel} unless gpuio_engine_spool_errors_total{sel} offset {w})",
-    ])
     reasons = (f'{{{{ range printf "{WORK_WAITING}{{{c.NODE_LABEL}=\'%s\',engine=\'%s\',gpu_uuid=\'%s\'}}" '
                f'{node} $labels.engine $labels.uuid | query | sortByLabel "reason" }}}}{{{{ .Labels.reason }}}}; '
                f"{{{{ end }}}}")
@@ -738,6 +741,29 @@ def engine_alerts() -> list[Rule]:
                f"NFS READ round trip {figure(NFS_READ_RTT, mount, 'humanizeDuration', 'n/a')}, "
                f"oldest engine load in progress {oldest}"
                f"{{{{ end }}}}; IO pressure on the node {node_figure(IO_SOME, 'humanizePercentage', 'n/a (no PSI)')}")
+    return alert(
+        "GPUStarvedByDiskIO", STARVED, c.STARVED_FOR, c.CRITICAL,
+        f"Engine {{{{ $labels.engine }}}} on GPU {{{{ $labels.gpu }}}} at {NODE} is starved by "
+        f"{{{{ $labels.device }}}}{{{{ $labels.mountpoint }}}}.",
+        f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {NODE} is busy only "
+        f"{{{{ $value | humanizePercentage }}}} while work queues for engine {{{{ $labels.engine }}}} on it "
+        f"({reasons}in flight: {engine_gpu_figure(ENGINE_IN_FLIGHT, ONE_DECIMAL, '0')}, contexts: "
+        f"{engine_gpu_figure('gpuio_engine_pool_contexts', COUNT, 'n/a')}, pool wait: "
+        f"{engine_gpu_figure(ENGINE_POOL_WAIT, 'humanizeDuration', 'none')}, loads in progress: "
+        f"{engine_gpu_figure('gpuio_engine_loads_in_progress', COUNT, '0')}), and {storage}.",
+        starvation_board(gpu="{{ $labels.gpu }}", engine="{{ $labels.engine }}"))
+
+
+def engine_alerts() -> list[Rule]:
+    sel = c.selector()
+    engine_labels = (c.NODE_LABEL, "engine")
+    w = c.SPOOL_ERRORS_WINDOW
+    spool = "\n".join([
+        f"gpuio_engine_spool_errors_total{sel} - gpuio_engine_spool_errors_total{sel} offset {w} > 0",
+        "or",
+        "# a reason seen for the first time: its series starts at 1",
+        f"(gpuio_engine_spool_errors_total{sel} unless gpuio_engine_spool_errors_total{sel} offset {w})",
+    ])
     cold = "\n".join([
         f"{ENGINE_LOAD} > {c.ENGINE_LOAD_SLOW_SECONDS:g}",
         "or",
@@ -746,17 +772,6 @@ def engine_alerts() -> list[Rule]:
         f"  > {c.ENGINE_LOAD_SLOW_SECONDS:g}",
     ])
     return [
-        alert(
-            "GPUStarvedByDiskIO", STARVED, c.STARVED_FOR, c.CRITICAL,
-            f"Engine {{{{ $labels.engine }}}} on GPU {{{{ $labels.gpu }}}} at {NODE} is starved by "
-            f"{{{{ $labels.device }}}}{{{{ $labels.mountpoint }}}}.",
-            f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {NODE} is busy only "
-            f"{{{{ $value | humanizePercentage }}}} while work queues for engine {{{{ $labels.engine }}}} on it "
-            f"({reasons}in flight: {engine_gpu_figure(ENGINE_IN_FLIGHT, ONE_DECIMAL, '0')}, contexts: "
-            f"{engine_gpu_figure('gpuio_engine_pool_contexts', COUNT, 'n/a')}, pool wait: "
-            f"{engine_gpu_figure(ENGINE_POOL_WAIT, 'humanizeDuration', 'none')}, loads in progress: "
-            f"{engine_gpu_figure('gpuio_engine_loads_in_progress', COUNT, '0')}), and {storage}.",
-            starvation_board(gpu="{{ $labels.gpu }}", engine="{{ $labels.engine }}")),
         alert(
             "EngineColdStartSlow", cold, None, c.WARNING,
             f"Engine {{{{ $labels.engine }}}} at {NODE} takes {{{{ $value | humanizeDuration }}}} to load.",
@@ -846,23 +861,27 @@ def mount_alerts() -> list[Rule]:
 
 
 def rule_files() -> dict[str, dict[str, Any]]:
-    """rules/<name>.yml -> its content."""
+    """rules/<name>.yml -> its content.
+
+    starvation.yml is ONE group on purpose: the storm and starvation alerts chain recording rules of
+    several sources (disk -> mount -> engine on its GPU -> storm victims), and only rules of one group
+    run in a fixed order at one timestamp.  Split over groups, each link could see the previous
+    evaluation of the one before (Prometheus runs groups independently): first firing would wobble by
+    an evaluation per link, and promtool's tests with it.
+    """
     return {
-        "disk": {"groups": [
-            {"name": "gpuio.disk.rules", "rules": disk_recording_rules()},
-            {"name": "gpuio.disk.alerts", "rules": disk_alerts()},
+        "starvation": {"groups": [
+            {"name": "gpuio.starvation", "rules": [
+                *disk_recording_rules(), *gpu_recording_rules(), *mount_recording_rules(), *engine_waiting_rules(),
+                *disk_alerts(), *mount_alerts(), starved_alert(), node_gpu_starved(), gpu_data_stale(),
+            ]},
         ]},
         "gpu": {"groups": [
-            {"name": "gpuio.gpu.rules", "rules": gpu_recording_rules()},
             {"name": "gpuio.gpu.alerts", "rules": gpu_alerts()},
         ]},
         "engines": {"groups": [
-            {"name": "gpuio.engines.rules", "rules": engine_recording_rules()},
+            {"name": "gpuio.engines.rules", "rules": engine_load_rules()},
             {"name": "gpuio.engines.alerts", "rules": engine_alerts()},
-        ]},
-        "mounts": {"groups": [
-            {"name": "gpuio.mounts.rules", "rules": mount_recording_rules()},
-            {"name": "gpuio.mounts.alerts", "rules": mount_alerts()},
         ]},
         "smart": {"groups": [
             {"name": "gpuio.smart.alerts", "rules": smart_alerts()},

@@ -204,7 +204,7 @@ def generate_variant_rules(directory: Path) -> list[str]:
     subprocess.run([sys.executable, "-m", "deploy.prometheus.generate", *sets, "--out", str(directory)],
                    cwd=REPO, check=True, capture_output=True, text=True)
     files = sorted(str(path) for path in directory.glob("*.yml"))
-    disk = (directory / "disk.yml").read_text()
+    disk = (directory / "starvation.yml").read_text()
     assert f"for: {VARIANT['STORM_FOR']}" in disk and FIGURES["await_baseline_s"] in disk, disk[:2000]
     return files
 

@@ -24,7 +24,7 @@ VARIANT = {"RATE_WINDOW": "10s", "BASELINE_WINDOW": "2m", "STORM_FOR": "10s"}
 
 
 def disk_rules(files: dict[str, str]) -> list[dict]:
-    (disk,) = [text for path, text in files.items() if path.endswith("disk.yml")]
+    (disk,) = [text for path, text in files.items() if path.endswith("starvation.yml")]
     return [rule for group in yaml.safe_load(disk)["groups"] for rule in group["rules"]]
 
 

@@ -90,17 +90,30 @@ def test_alert_has_severity_summary_description_runbook_and_dashboard(alert: dic
 
 
 def test_every_alert_has_a_firing_test_and_a_quiet_test() -> None:
-    """For each alert, deploy/prometheus/tests has a case where it fires and one where it must not."""
-    fires: set[str] = set()
-    quiet: set[str] = set()
+    """For each alert and severity, deploy/prometheus/tests has a case where it fires and one where it must
+    not: an alert_rule_test, or (the scenario suite) a check of the ALERTS series a node has firing."""
+    fires: set[tuple[str, str]] = set()
+    quiet: set[tuple[str, str]] = set()
+    every = {(alert["alert"], alert["labels"]["severity"]) for alert in r.alerts()}
     for path in TEST_FILES:
         with open(path) as handle:
             for case in yaml.safe_load(handle)["tests"]:
                 for check in case.get("alert_rule_test", []):
-                    (fires if check.get("exp_alerts") else quiet).add(check["alertname"])
-    names = {alert["alert"] for alert in r.alerts()}
-    assert names - fires == set(), "alerts never shown firing"
-    assert names - quiet == set(), "alerts never shown quiet (a look-alike or a spike shorter than `for`)"
+                    shown = {(check["alertname"], alert["exp_labels"]["severity"]) for alert in check["exp_alerts"]}
+                    fires |= shown
+                    quiet |= {key for key in every if key[0] == check["alertname"]} - shown
+                for check in case.get("promql_expr_test", []):
+                    if not check["expr"].startswith("ALERTS{"):
+                        continue
+                    shown = {(dict(re.findall(r'(\w+)="([^"]*)"', sample["labels"]))["alertname"],
+                              dict(re.findall(r'(\w+)="([^"]*)"', sample["labels"]))["severity"])
+                             for sample in check["exp_samples"]}
+                    fires |= shown
+                    asked = dict(re.findall(r'(\w+)="([^"]*)"', check["expr"]))
+                    quiet |= {key for key in every if asked.get("alertname", key[0]) == key[0]
+                              and asked.get("severity", key[1]) == key[1]} - shown
+    assert every - fires == set(), "alerts never shown firing"
+    assert every - quiet == set(), "alerts never shown quiet (a look-alike or a spike shorter than `for`)"
 
 
 def test_alert_names_are_unique_per_severity() -> None:
@@ -164,7 +177,7 @@ def test_saturated_rule_agrees_with_gpuio_top(tmp_path) -> None:
             expected.append({"labels": f'{{instance="case-{index}"}}', "value": 1})
     assert 0 < len(expected) < len(cases)
     test = {
-        "rule_files": [os.path.join(RULES_DIR, "disk.yml")],
+        "rule_files": [os.path.join(RULES_DIR, "starvation.yml")],
         "evaluation_interval": "15s",
         "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": [
             {"expr": f"count by (instance) ({r.SATURATED})", "eval_time": "2m", "exp_samples": expected}]}],
