@@ -245,7 +245,7 @@ def test_rules_are_healthy_and_run(prometheus) -> None:
         assert result["status"] == "success", (rule.get("record") or rule.get("alert"), result)
     # The per-device iostat rules and the class limits exist for every device of this machine.
     for name in ("instance_device:gpuio_disk_reads_completed:rate1m", "instance_device:gpuio_disk_queue_limit:class",
-                 "instance_device:gpuio_disk_io_time_weighted_seconds:median1h"):
+                 "instance_device:gpuio_disk_calm_io_time_weighted_seconds:median1h_held6h"):
         assert api.query(name)["data"]["result"], name
 
 

@@ -151,16 +151,19 @@ def test_every_metric_used_is_documented() -> None:
 def test_saturated_rule_agrees_with_gpuio_top(tmp_path) -> None:
     """The SATURATED recording rule flags exactly the devices exporter/thresholds.disk_flags flags.
 
-    One node per case: every combination of class, request rate (under and over the IOPS guard),
-    await and queue size (under, between and over the class limits) and IO pressure (none, low,
-    some high, full high), as steady counters; promtool evaluates the rule, Python the function.
+    One node per case: every combination of class (SATA SSD, HDD, NVMe, network block device), request
+    rate (under and over the IOPS guard), await and queue size (under, between and over the class
+    limits) and IO pressure (none, low, some high, full high), as steady counters; promtool evaluates
+    the rule, Python the function.
     """
-    cases = list(itertools.product(("0", "1"), (2.0, 50.0), (0.005, 0.02, 0.08), (2.0, 10.0, 40.0),
+    # (device name, rotational): SATA SSD, HDD, NVMe and a Ceph RBD volume (classes by name first)
+    devices = (("sda", "0"), ("sdb", "1"), ("nvme0n1", "0"), ("rbd0", "0"))
+    cases = list(itertools.product(devices, (2.0, 50.0), (0.003, 0.007, 0.02, 0.08, 0.15), (2.0, 10.0, 20.0, 40.0),
                                    (None, (0.1, 0.01), (0.5, 0.0), (0.1, 0.2))))
     series, expected = [], []
-    for index, (rotational, iops, wait, queue, psi) in enumerate(cases):
+    for index, ((name, rotational), iops, wait, queue, psi) in enumerate(cases):
         node = f'job="gpuio",instance="case-{index}"'
-        device = f'{node},device="d"'
+        device = f'{node},device="{name}"'
         series += [
             {"series": f'gpuio_disk_info{{{device},rotational="{rotational}"}}', "values": "1x8"},
             {"series": f"gpuio_disk_reads_completed_total{{{device}}}", "values": f"0+{iops * 15:g}x8"},
@@ -173,7 +176,8 @@ def test_saturated_rule_agrees_with_gpuio_top(tmp_path) -> None:
                 {"series": f"gpuio_pressure_io_stalled_seconds_total{{{node}}}", "values": f"0+{psi[1] * 15:g}x8"},
             ]
         pressure = psi is not None and thresholds.io_pressure_high(*psi)
-        if thresholds.SATURATED in thresholds.disk_flags(rotational, iops, None, wait, None, queue, pressure):
+        if thresholds.SATURATED in thresholds.disk_flags(rotational, iops, None, wait, None, queue, pressure,
+                                                         device=name):
             expected.append({"labels": f'{{instance="case-{index}"}}', "value": 1})
     assert 0 < len(expected) < len(cases)
     test = {
