@@ -247,12 +247,17 @@ def engines_on(info: str, label: str, value_label: str) -> str:
 
 
 def gpus_on(info: str, label: str, value_label: str) -> str:
-    """An alert template listing the GPUs of the engines whose files are on the alert's disk or mount."""
+    """An alert template listing the GPUs of the engines whose files are on the alert's disk or mount: by
+    NVML index and UUID where the node's GPU data joins, else by the UUID the engines' processes report."""
     node = f"$labels.{c.NODE_LABEL}"
-    query = (f"count by (gpu, uuid) ({ENGINE_GPU_BUSY}{{{c.NODE_LABEL}='%s'}} and on ({c.NODE_LABEL}, engine, path) "
-             f"{info}{{{c.NODE_LABEL}='%s',{label}='%s'}})")
-    return (f'{{{{ range printf "{query}" {node} {node} $labels.{value_label} | query | sortByLabel "gpu" }}}}'
-            f"GPU {{{{ .Labels.gpu }}}} ({{{{ .Labels.uuid }}}}) {{{{ else }}}}none known {{{{ end }}}}")
+    on_storage = f"on ({c.NODE_LABEL}, engine, path) {info}{{{c.NODE_LABEL}='%s',{label}='%s'}}"
+    by_nvml = f"count by (gpu, uuid) ({ENGINE_GPU_BUSY}{{{c.NODE_LABEL}='%s'}} and {on_storage})"
+    by_writer = f"count by (gpu_uuid) (gpuio_engine_info{{{c.NODE_LABEL}='%s',gpu_uuid!=''}} and {on_storage})"
+    args = f"{node} {node} $labels.{value_label}"
+    return (f'{{{{ range printf "{by_nvml}" {args} | query | sortByLabel "gpu" }}}}'
+            f"GPU {{{{ .Labels.gpu }}}} ({{{{ .Labels.uuid }}}}) {{{{ else }}}}"
+            f'{{{{ range printf "{by_writer}" {args} | query | sortByLabel "gpu_uuid" }}}}'
+            f"{{{{ .Labels.gpu_uuid }}}} {{{{ else }}}}none known {{{{ end }}}}{{{{ end }}}}")
 
 
 def starved_on(label: str) -> str:
