@@ -324,6 +324,25 @@ def rolling_deploy() -> Scenario:
     return s
 
 
+def rolling_deploy_saturating() -> Scenario:
+    """A rolling deploy on a smaller disk: each replica's load saturates nvme0n1 for 30 s (25 ms, aqu-sz 60,
+    IO pressure 0.6) with 90 s between replicas.  Each burst is shorter than any `for`: no page, no ticket."""
+    s = Scenario("rolling-wave", "quiet", "8 reloads, each saturating nvme0n1 for 30 s, 90 s apart",
+                 minutes=40, storm_start=15 * MIN)
+    burst, gap = (0.5, 2000, 0.025, 60, 1.0), (1.5, *CALM_SSD)
+    s.disk("nvme0n1", "0", [(15, *CALM_SSD), *[phase for _ in range(8) for phase in (burst, gap)], (9, *CALM_SSD)])
+    s.psi([(15, 0.01, 0.0), *[phase for _ in range(8) for phase in ((0.5, 0.6, 0.2), (1.5, 0.01, 0.0))],
+           (9, 0.01, 0.0)])
+    s.nvml()
+    for i in range(8):
+        uuid = s.gpu(i, [(15 + 2 * i, 0.8), (0.5, 0.02), (24.5 - 2 * i, 0.8)])
+        s.engine_file(f"bert-{i}", uuid, device="nvme0n1")
+        s.loads(f"bert-{i}", uuid, [(15 + 2 * i, False), (0.5, True), (24.5 - 2 * i, False)])
+    s.add("gpuio_disk_engine_loads_in_progress",
+          gauge([(15, 0), *[phase for _ in range(8) for phase in ((0.5, 1), (1.5, 0))], (9, 0)]), device="nvme0n1")
+    return s
+
+
 def counter_reset() -> Scenario:
     """The exporter restarts (every counter from 0) on a calm node with busy GPUs and light queues."""
     s = Scenario("counter-reset", "quiet", "exporter restart at 30m: every counter restarts from 0",
@@ -530,9 +549,9 @@ def network_block_device() -> Scenario:
     return s
 
 
-SCENARIOS = [cold_start_storm, long_storm, rolling_deploy, counter_reset, unplug_and_loop, one_of_eight,
-             backup_light_traffic, drained_replica, frozen_nvml, nfs_engine, fuse_cold_start, nvme_busy_fast,
-             network_block_device]
+SCENARIOS = [cold_start_storm, long_storm, rolling_deploy, rolling_deploy_saturating, counter_reset, unplug_and_loop,
+             one_of_eight, backup_light_traffic, drained_replica, frozen_nvml, nfs_engine, fuse_cold_start,
+             nvme_busy_fast, network_block_device]
 
 
 # --- promtool tests --------------------------------------------------------------------------------
