@@ -260,6 +260,12 @@ def gpus_on(info: str, label: str, value_label: str) -> str:
             f"{{{{ .Labels.gpu_uuid }}}} {{{{ else }}}}none known {{{{ end }}}}{{{{ end }}}}")
 
 
+def starved_count(label: str) -> str:
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ with printf "count({STARVED}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}})" {node} $labels.{label} '
+            f'| query }}}}{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}0{{{{ end }}}}')
+
+
 def starved_on(label: str) -> str:
     node = f"$labels.{c.NODE_LABEL}"
     return (f'{{{{ range printf "{STARVED}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}}" {node} $labels.{label} '
@@ -300,7 +306,7 @@ def disk_alerts() -> list[Rule]:
             "DiskIOStorm", f"{STORM}\nand {ON_DEVICE}\n(\n{indent(disk_victims())}\n)", c.STORM_PAGE_FOR,
             c.CRITICAL,
             f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}} hurts serving: {loads_waiting} engine "
-            f"load(s) waiting; starved: {starved_on('device')}",
+            f"load(s) waiting, {starved_count('device')} engine(s) starving their GPU.",
             f"{figures} Engine loads waiting on this disk: {loads_waiting} (oldest in progress for {oldest}). "
             f"Starved engines: {starved_on('device')}. Engines with files on {{{{ $labels.device }}}}: "
             f"{engines_on(info, 'physical_device', 'device')}on GPUs: "
@@ -858,7 +864,7 @@ def mount_alerts() -> list[Rule]:
         alert("MountIOStorm", f"{MOUNT_SLOW}\nand on ({c.NODE_LABEL}, mountpoint)\n(\n{indent(victims)}\n)",
               c.STORM_PAGE_FOR, c.CRITICAL,
               f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow and hurts serving: "
-              f"{loads_waiting} engine load(s) waiting; starved: {starved_on('mountpoint')}",
+              f"{loads_waiting} engine load(s) waiting, {starved_count('mountpoint')} engine(s) starving their GPU.",
               f"{figures} Engine loads waiting on it: {loads_waiting}. Starved engines: "
               f"{starved_on('mountpoint')}. Engines with files on it: {engines_on(info, 'mountpoint', 'mountpoint')}"
               f"on GPUs: {gpus_on(info, 'mountpoint', 'mountpoint')}.", board),
