@@ -99,20 +99,43 @@ def age(phases: Iterable[tuple[float, bool]]) -> str:
 
 
 def compress(values: list[str]) -> str:
-    """Runs of equal values as promtool's ``vxN`` (N+1 values); the rest one by one."""
+    """promtool's expanding notation: runs of equal values as ``vxN``, runs growing by a constant step as
+    ``a+bxN`` (N+1 values each); the rest one by one."""
     out: list[str] = []
     i = 0
     while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[i]:
-            j += 1
-        run = j - i + 1
+        run = same_run(values, i)
+        step, growing = linear_run(values, i)
+        if values[i] != "_" and growing > run and growing >= 3:
+            sign = "+" if step >= 0 else "-"
+            out.append(f"{values[i]}{sign}{abs(step):.12g}x{growing - 1}")
+            i += growing
+            continue
         if values[i] == "_":
             out.append(f"_x{run}" if run > 1 else "_")
         else:
             out.append(f"{values[i]}x{run - 1}" if run > 1 else values[i])
-        i = j + 1
+        i += run
     return " ".join(out)
+
+
+def same_run(values: list[str], i: int) -> int:
+    j = i
+    while j + 1 < len(values) and values[j + 1] == values[i]:
+        j += 1
+    return j - i + 1
+
+
+def linear_run(values: list[str], i: int) -> tuple[float, int]:
+    """(step, length) of the run from ``i`` whose values grow by one constant step."""
+    if i + 1 >= len(values) or "_" in (values[i], values[i + 1]):
+        return 0.0, 1
+    first, step = float(values[i]), float(values[i + 1]) - float(values[i])
+    j = i + 1
+    while j + 1 < len(values) and values[j + 1] != "_" and \
+            abs(float(values[j + 1]) - (first + (j + 1 - i) * step)) <= 1e-9 * max(1.0, abs(float(values[j + 1]))):
+        j += 1
+    return step, j - i + 1
 
 
 def selector(name: str, **labels: str) -> str:

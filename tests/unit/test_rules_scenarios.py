@@ -89,6 +89,12 @@ def expand(text: str) -> list[float | None]:
         if missing:
             out += [None] * int(missing.group(1) or 1)
             continue
+        number = r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?"
+        linear = re.fullmatch(rf"({number})([+-])({number})x(\d+)", token)
+        if linear:
+            first, step = float(linear.group(1)), float(linear.group(3)) * (1 if linear.group(2) == "+" else -1)
+            out += [first + k * step for k in range(int(linear.group(4)) + 1)]
+            continue
         run = re.fullmatch(r"([-0-9.e+]+)(?:x(\d+))?", token)
         assert run, token
         out += [float(run.group(1))] * (int(run.group(2) or 0) + 1)
@@ -96,5 +102,6 @@ def expand(text: str) -> list[float | None]:
 
 
 def test_compress_round_trips() -> None:
-    values = ["0", "0", "1.5", "_", "_", "3", "3", "3"]
-    assert expand(sc.compress(values)) == [0.0, 0.0, 1.5, None, None, 3.0, 3.0, 3.0]
+    values = ["0", "0", "1.5", "_", "_", "3", "3", "3", "10", "25", "40", "55", "7"]
+    assert expand(sc.compress(values)) == [0.0, 0.0, 1.5, None, None, 3.0, 3.0, 3.0, 10.0, 25.0, 40.0, 55.0, 7.0]
+    assert "10+15x3" in sc.compress(values)
