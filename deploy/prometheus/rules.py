@@ -297,10 +297,10 @@ def disk_alerts() -> list[Rule]:
         alert(
             "DiskIOStorm", STORM, c.STORM_FOR, c.WARNING,
             f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}}: requests wait "
-            f"{{{{ $value | humanizeDuration }}}}, far above its normal; no engine waits on it.",
+            f"{{{{ $value | humanizeDuration }}}}, far above its normal.",
             f"{figures} Engine loads from this disk that finished in the last {c.STORM_ENGINE_LOADS_WINDOW}: "
-            f"{engine_loads}. No engine load is waiting on it and no engine on it starves its GPU, so this "
-            f"is a ticket; it pages (severity critical) as soon as one does.",
+            f"{engine_loads}. This ticket is the storm itself; it pages (the same alert, severity critical) "
+            f"while engine loads wait on the disk or engines on it starve their GPUs.",
             board),
         alert(
             "DiskIOStorm", f"{STORM}\nand {ON_DEVICE}\n(\n{indent(disk_victims())}\n)", c.STORM_PAGE_FOR,
@@ -858,9 +858,9 @@ def mount_alerts() -> list[Rule]:
     board = starvation_board()
     return [
         alert("MountIOStorm", MOUNT_SLOW, c.STORM_FOR, c.WARNING,
-              f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow; no engine waits on it.",
-              f"{figures} No engine load waits on it and no engine on it starves its GPU, so this is a ticket; "
-              f"it pages (severity critical) as soon as one does.", board),
+              f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow.",
+              f"{figures} This ticket is the slow mount itself; it pages (the same alert, severity critical) "
+              f"while engine loads wait on it or engines on it starve their GPUs.", board),
         alert("MountIOStorm", f"{MOUNT_SLOW}\nand on ({c.NODE_LABEL}, mountpoint)\n(\n{indent(victims)}\n)",
               c.STORM_PAGE_FOR, c.CRITICAL,
               f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow and hurts serving: "
