@@ -36,6 +36,7 @@ from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogra
 from ..instrument import spool as fmt
 from ..instrument.load import engine_name
 from ..logsetup import LogOnce
+from ..mounts import MountCache
 from ..pagecache import Unavailable, residency
 from ..sampler import PeriodicSampler
 
@@ -92,13 +93,35 @@ LAYER_SECONDS = Desc("gpuio_engine_layer_seconds_total", COUNTER,
                      "Time spent in each layer during profiled inferences (top layers; the rest is '(other)').")
 PROFILED = Desc("gpuio_engine_layer_profiled_inferences_total", COUNTER,
                 "Inferences profiled per layer (sampled 1 in N); divide layer seconds by this for a mean.")
-IN_FLIGHT = Desc("gpuio_engine_inferences_in_flight", GAUGE, "Inferences running now.")
-POOL_CONTEXTS = Desc("gpuio_engine_pool_contexts", GAUGE, "Execution contexts in engine pools.")
-POOL_IDLE = Desc("gpuio_engine_pool_idle_contexts", GAUGE, "Execution contexts free in engine pools.")
+IN_FLIGHT = Desc("gpuio_engine_inferences_in_flight", GAUGE, "Inferences running now, per engine and GPU.")
+POOL_CONTEXTS = Desc("gpuio_engine_pool_contexts", GAUGE, "Execution contexts in engine pools, per engine and GPU.")
+POOL_IDLE = Desc("gpuio_engine_pool_idle_contexts", GAUGE,
+                 "Execution contexts free in engine pools, per engine and GPU.")
+LOADS = Desc("gpuio_engine_loads_in_progress", GAUGE,
+             "Loads (read and deserialize) of the engine started and not finished by live processes, per GPU.")
+LOAD_PROGRESS_BYTES = Desc("gpuio_engine_load_in_progress_read_bytes", GAUGE,
+                           "Bytes read so far by the engine's loads in progress, per GPU.")
+LOAD_OLDEST = Desc("gpuio_engine_load_oldest_in_progress_seconds", GAUGE,
+                   "Age of the engine's oldest load in progress on the GPU; 0 when none is in progress.")
+DISK_LOADS = Desc("gpuio_disk_engine_loads_in_progress", GAUGE,
+                  "Engine loads in progress from files on the disk (a whole disk under the files' device stack; "
+                  "0 for every disk holding an engine file).")
+DISK_LOAD_OLDEST = Desc("gpuio_disk_engine_load_oldest_in_progress_seconds", GAUGE,
+                        "Age of the oldest engine load in progress from files on the disk; 0 when none is.")
+MOUNT_LOADS = Desc("gpuio_mount_engine_loads_in_progress", GAUGE,
+                   "Engine loads in progress from files under the mount point (local or network; 0 for every "
+                   "mount point holding an engine file).")
+MOUNT_LOAD_OLDEST = Desc("gpuio_mount_engine_load_oldest_in_progress_seconds", GAUGE,
+                         "Age of the oldest engine load in progress from files under the mount point; 0 when none is.")
+ENGINE_MOUNT = Desc("gpuio_engine_mount_info", INFO,
+                    "The mount holding an engine file as the host sees it (filesystem type and source; network "
+                    "and FUSE mounts too): joins engines with gpuio_mount_info and gpuio_mountstats_*.")
+MAX_GPUS_PER_ENGINE = 16
 PROCESSES = Desc("gpuio_engine_processes", GAUGE, "Live processes reporting the engine through the spool.")
 LAST_LOAD = Desc("gpuio_engine_last_load_timestamp_seconds", GAUGE, "When the engine was last loaded.")
 ENGINE_INFO = Desc("gpuio_engine_info", INFO,
-                   "An engine file as loaded by a live process: its block device and its GPU (for joins).")
+                   "An engine file as loaded, or being loaded, by a live process: its block device and its GPU "
+                   "(for joins).")
 PHYSICAL_INFO = Desc("gpuio_engine_physical_device_info", INFO,
                      "The whole disks at the bottom of an engine file's device stack.")
 FILE_SIZE = Desc("gpuio_engine_file_size_bytes", GAUGE, "Size of an engine file.")
@@ -187,6 +210,7 @@ class EnginesCollector(Collector):
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
         self._devices: dict[tuple[int, int], tuple[float, str, list[str]]] = {}
         self._bad = LogOnce(log)
+        self._mounts = MountCache(context.procfs)
 
     def start(self) -> None:
         self.scanner.start()
@@ -203,7 +227,10 @@ class EnginesCollector(Collector):
         totals = self.reader.read() if has_spool else fmt.Totals()
         engines = self._select(totals)
         families = self._engine_families(totals, engines)
+        pairs = self._engine_gpus(totals, engines)
+        families += self._per_gpu_families(totals, pairs)
         families += self._info_families(totals, engines)
+        families += self._load_families(totals, engines, pairs)
         families += self._file_families()
         families += self._spool_families(totals)
         return families
@@ -242,9 +269,9 @@ class EnginesCollector(Collector):
 
     def _engine_families(self, totals: fmt.Totals, engines: list[str]) -> list[Family]:
         layout = fmt.ENGINE_LAYOUT
-        histogram_names = list(HISTOGRAM_DESCS)
+        histogram_names = [name for name in HISTOGRAM_DESCS if name not in fmt.PER_GPU_HISTOGRAMS]
         columns: list[list[str]] = [[] for _ in histogram_names]
-        load_bytes, profiled, in_flight, contexts, idle, processes, last_load = [], [], [], [], [], [], []
+        load_bytes, profiled, processes, last_load = [], [], [], []
         rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
         for engine in engines:
             values = totals.engines[engine]
@@ -263,17 +290,13 @@ class EnginesCollector(Collector):
                 column.extend(block)
             load_bytes.append(LOAD_BYTES.sample(labels, values[layout.counters["load_read_bytes"]]))
             profiled.append(PROFILED.sample(labels, values[layout.counters["layer_profiled_inferences"]]))
-            in_flight.append(IN_FLIGHT.sample(labels, max(0.0, values[layout.gauges["in_flight"]])))
-            contexts.append(POOL_CONTEXTS.sample(labels, max(0.0, values[layout.gauges["pool_contexts"]])))
-            idle.append(POOL_IDLE.sample(labels, max(0.0, values[layout.gauges["pool_idle"]])))
             processes.append(PROCESSES.sample(labels, totals.processes.get(engine, 0)))
             if engine in totals.last_load:
                 last_load.append(LAST_LOAD.sample(labels, totals.last_load[engine]))
         self._rendered = rendered
         families = [Family(HISTOGRAM_DESCS[name], column) for name, column in zip(histogram_names, columns,
                                                                                    strict=True)]
-        families += [Family(LOAD_BYTES, load_bytes), Family(IN_FLIGHT, in_flight), Family(POOL_CONTEXTS, contexts),
-                     Family(POOL_IDLE, idle), Family(PROCESSES, processes), Family(LAST_LOAD, last_load),
+        families += [Family(LOAD_BYTES, load_bytes), Family(PROCESSES, processes), Family(LAST_LOAD, last_load),
                      Family(PROFILED, profiled)]
         families.append(self._labelled(ERRORS, totals.errors, engines, "reason", MAX_ERRORS, "error"))
         families.append(self._labelled(LAYER_SECONDS, {k: v[0] for k, v in totals.layers.items()}, engines,
@@ -294,6 +317,101 @@ class EnginesCollector(Collector):
             per_engine[engine] = per_engine.get(engine, 0) + 1
             samples.append(desc.sample(label_string({"engine": engine, label: value_label}), value))
         return Family(desc, samples)
+
+    # --- per engine and GPU; loads in progress -------------------------------------------------------
+
+    def _engine_gpus(self, totals: fmt.Totals, engines: list[str]) -> list[tuple[str, str]]:
+        """The (engine, GPU) pairs to serve: every GPU a process of the engine recorded or is loading on,
+        at most MAX_GPUS_PER_ENGINE per engine (GPU uuids come from writers: untrusted)."""
+        wanted = set(engines)
+        by_engine: dict[str, set[str]] = {}
+        for engine, uuid in list(totals.per_gpu) + [(engine, uuid) for engine, uuid, _ in totals.loads]:
+            if engine in wanted:
+                by_engine.setdefault(engine, set()).add(uuid)
+        pairs: list[tuple[str, str]] = []
+        for engine in engines:
+            uuids = sorted(by_engine.get(engine, ()))
+            for uuid in uuids[MAX_GPUS_PER_ENGINE:]:
+                self._drop("engine_gpu", (engine, uuid))
+            pairs.extend((engine, uuid) for uuid in uuids[:MAX_GPUS_PER_ENGINE])
+        return pairs
+
+    def _per_gpu_families(self, totals: fmt.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
+        """Work waiting, judged per engine *and* GPU: a spare replica on another GPU has its own series."""
+        layout = fmt.PER_GPU_LAYOUT
+        histograms: dict[str, list[str]] = {name: [] for name in fmt.PER_GPU_HISTOGRAMS}
+        gauges: dict[Desc, list[str]] = {IN_FLIGHT: [], POOL_CONTEXTS: [], POOL_IDLE: []}
+        slots = {IN_FLIGHT: layout.gauges["in_flight"], POOL_CONTEXTS: layout.gauges["pool_contexts"],
+                 POOL_IDLE: layout.gauges["pool_idle"]}
+        for engine, uuid in pairs:
+            values = totals.per_gpu.get((engine, uuid))
+            if values is None:  # only a load in progress so far
+                continue
+            labels = label_string({"engine": engine, "gpu_uuid": uuid})
+            for name, lines in histograms.items():
+                first, total, bounds = layout.histograms[name]
+                lines.extend(histogram_samples(HISTOGRAM_DESCS[name], labels, bounds, values[first:total],
+                                               values[total]))
+            for desc, lines in gauges.items():
+                lines.append(desc.sample(labels, max(0.0, values[slots[desc]])))
+        return ([Family(HISTOGRAM_DESCS[name], lines) for name, lines in histograms.items()]
+                + [Family(desc, lines) for desc, lines in gauges.items()])
+
+    def _load_families(self, totals: fmt.Totals, engines: list[str], pairs: list[tuple[str, str]]) -> list[Family]:
+        """Loads in progress per engine and GPU, per physical disk and per mount point; and each engine
+        file's mount.  Every engine GPU, disk and mount point of an engine file is served, at 0 when
+        nothing loads there, so that ``max by`` and joins find it."""
+        per_pair: dict[tuple[str, str], list[float]] = {pair: [0.0, 0.0, 0.0] for pair in pairs}  # count, age, bytes
+        per_disk: dict[str, list[float]] = {}  # count, age
+        per_mount: dict[str, list[float]] = {}
+        mount_info: dict[str, None] = {}
+        for engine, path, dev in self._engine_files(totals, engines):
+            for disk in self._device(dev)[1]:
+                per_disk.setdefault(disk, [0.0, 0.0])
+            mount = self._mounts.of_file(dev, path)
+            if mount is not None:
+                per_mount.setdefault(mount.mountpoint, [0.0, 0.0])
+                mount_info[ENGINE_MOUNT.sample(label_string({"engine": engine, "path": path, "mountpoint":
+                                                             mount.mountpoint, "fstype": mount.fstype,
+                                                             "source": mount.source}), 1)] = None
+        now = time.time()
+        for (engine, uuid, dev), (count, read_bytes, oldest) in totals.loads.items():
+            if (engine, uuid) not in per_pair or count <= 0:
+                continue
+            age = max(0.0, now - oldest) if oldest > 0 else 0.0
+            _add_load(per_pair[(engine, uuid)], count, age, read_bytes)
+            # Only a file the engine's info names (written when the load started): a writer cannot make
+            # the exporter resolve devices it invents, and the mount look-up gets the file's path.
+            load_path = next((item.path for item in totals.infos.get(engine, []) if item.dev == dev), None)
+            if load_path is None or dev == (0, 0):
+                continue
+            for disk in self._device(dev)[1]:
+                _add_load(per_disk.setdefault(disk, [0.0, 0.0]), count, age)
+            mount = self._mounts.of_file(dev, load_path)
+            if mount is not None:
+                _add_load(per_mount.setdefault(mount.mountpoint, [0.0, 0.0]), count, age)
+        families = [Family(desc, [desc.sample(label_string({"engine": engine, "gpu_uuid": uuid}), values[index])
+                                  for (engine, uuid), values in per_pair.items()])
+                    for desc, index in ((LOADS, 0), (LOAD_PROGRESS_BYTES, 2), (LOAD_OLDEST, 1))]
+        for desc, index, table, label in ((DISK_LOADS, 0, per_disk, "device"),
+                                          (DISK_LOAD_OLDEST, 1, per_disk, "device"),
+                                          (MOUNT_LOADS, 0, per_mount, "mountpoint"),
+                                          (MOUNT_LOAD_OLDEST, 1, per_mount, "mountpoint")):
+            families.append(Family(desc, [desc.sample(label_string({label: key}), values[index])
+                                          for key, values in sorted(table.items())]))
+        families.append(Family(ENGINE_MOUNT, list(mount_info)))
+        return families
+
+    def _engine_files(self, totals: fmt.Totals, engines: list[str]) -> list[tuple[str, str, tuple[int, int]]]:
+        """(engine, path, st_dev) of every engine file: those live processes load or loaded, and those
+        only the globs name (from the last background scan)."""
+        files = [(engine, item.path, item.dev) for engine in engines for item in totals.infos.get(engine, [])
+                 if item.dev != (0, 0)]
+        scan = self.scanner.snapshot().value
+        for view in scan.files.values() if scan is not None else ():
+            if view.from_glob and view.dev is not None:
+                files.append((view.engine, view.path, view.dev))
+        return files
 
     # --- engine -> file -> disk, GPU -------------------------------------------------------------
 
@@ -458,3 +576,11 @@ class EnginesCollector(Collector):
             Family(WRITER_DROPS, [WRITER_DROPS.sample("", totals.dropped_by_writers)]),
             Family(DROPPED, dropped),
         ]
+
+
+def _add_load(totals: list[float], count: float, age: float, read_bytes: float | None = None) -> None:
+    """Add loads to ``[count, oldest age(, bytes)]``."""
+    totals[0] += count
+    totals[1] = max(totals[1], age)
+    if read_bytes is not None:
+        totals[2] += read_bytes

@@ -4,6 +4,9 @@
 runtime, ``torch.load``, ``onnxruntime.InferenceSession``...).  The file read is timed on its own
 (bytes and seconds: what the disk and page cache delivered), then the loader (seconds: CPU and
 GPU work).  :class:`LoadTimer` does the same around code the caller owns.
+
+Both report the load from its start (the engine's file, device and GPU, then its bytes as they are
+read), so the exporter shows a load in progress, and a slow one's age, while it happens.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from . import gpu
-from .metrics import EngineMetrics, engine
+from .metrics import EngineMetrics, LoadProgress, engine
 
 T = TypeVar("T")
 READ_CHUNK = 16 << 20
@@ -29,8 +32,10 @@ def engine_name(path: str) -> str:
     return stem or base
 
 
-def read_file(path: str, chunk: int = READ_CHUNK) -> tuple[bytearray, float]:
-    """The whole file and the seconds its reads took (the buffer is allocated before the clock starts)."""
+def read_file(path: str, chunk: int = READ_CHUNK,
+              progress: Callable[[int], None] | None = None) -> tuple[bytearray, float]:
+    """The whole file and the seconds its reads took (the buffer is allocated before the clock starts);
+    ``progress`` is told each chunk's bytes as they arrive."""
     with open(path, "rb", buffering=0) as handle:
         size = os.fstat(handle.fileno()).st_size
         buffer = bytearray(size)
@@ -42,6 +47,8 @@ def read_file(path: str, chunk: int = READ_CHUNK) -> tuple[bytearray, float]:
             if not count:
                 break
             got += count
+            if progress is not None:
+                progress(count)
         tail = handle.read() if got == size else b""  # the file grew while we read it
         elapsed = time.perf_counter() - start
     view.release()
@@ -72,21 +79,23 @@ def load(path: str, loader: Callable[[bytearray], T], name: str | None = None, d
     lives on; the UUID is looked up from torch or pycuda when the process has them loaded.
     """
     metrics = engine(name or engine_name(path))
-    try:
-        data, read_seconds = read_file(path)
-    except OSError:
-        metrics.error("load_read_failed")
-        raise
-    start = time.perf_counter()
-    try:
-        model = loader(data)
-        if model is None:
-            raise ValueError(f"loader returned nothing for {path}")
-    except Exception:
-        metrics.error("load_deserialize_failed")
-        raise
-    deserialize_seconds = time.perf_counter() - start
     cuda_device, uuid = gpu.resolve(device, gpu_uuid)
+    with metrics.loading(path, cuda_device, uuid, runtime) as progress:
+        try:
+            data, read_seconds = read_file(path, progress=progress.add)
+        except OSError:
+            metrics.error("load_read_failed")
+            raise
+        start = time.perf_counter()
+        try:
+            model = loader(data)
+            if model is None:
+                raise ValueError(f"loader returned nothing for {path}")
+        except Exception:
+            metrics.error("load_deserialize_failed")
+            raise
+        deserialize_seconds = time.perf_counter() - start
+    cuda_device, uuid = gpu.resolve(device, gpu_uuid)  # again: the loader may have initialised CUDA
     metrics.record_load(read_seconds, len(data), deserialize_seconds, path, cuda_device, uuid, runtime)
     return Loaded(model, metrics, os.path.abspath(path), len(data), read_seconds, deserialize_seconds)
 
@@ -100,7 +109,9 @@ class LoadTimer:
                 engine = runtime.deserialize_cuda_engine(data)
 
     On a clean exit the load is recorded (read seconds and bytes, deserialize seconds, file info);
-    on an exception it counts as an error and nothing else.
+    on an exception it counts as an error and nothing else.  From ``with`` to its end the load is in
+    progress (gpuio_engine_loads_in_progress); bytes read by :meth:`read` count as they arrive, those
+    of :meth:`reading` when it ends, and :meth:`add_bytes` counts those of a read loop the caller owns.
     """
 
     def __init__(self, name: str | EngineMetrics, path: str | None = None, device: Any = None,
@@ -113,15 +124,27 @@ class LoadTimer:
         self.read_seconds = 0.0
         self.bytes_read = 0
         self.deserialize_seconds = 0.0
+        self._progress: LoadProgress | None = None
 
     def __enter__(self) -> LoadTimer:
+        cuda_device, uuid = gpu.resolve(self.device, self.gpu_uuid)
+        self._progress = self.metrics.loading(self.path, cuda_device, uuid, self.runtime)
         return self
+
+    def add_bytes(self, nbytes: int) -> None:
+        """Bytes the caller's own read loop just read: counted in the load, and shown while it is in progress."""
+        self.bytes_read += nbytes
+        self._report(nbytes)
+
+    def _report(self, nbytes: int) -> None:
+        if self._progress is not None:
+            self._progress.add(nbytes)
 
     def read(self, path: str | None = None) -> bytearray:
         target = path or self.path
         if target is None:
             raise ValueError("no path to read")
-        data, seconds = read_file(target)
+        data, seconds = read_file(target, progress=self._report)
         self.read_seconds += seconds
         self.bytes_read += len(data)
         return data
@@ -131,7 +154,7 @@ class LoadTimer:
         start = time.perf_counter()
         yield
         self.read_seconds += time.perf_counter() - start
-        self.bytes_read += nbytes
+        self.add_bytes(nbytes)
 
     @contextmanager
     def deserializing(self) -> Iterator[None]:
@@ -140,6 +163,8 @@ class LoadTimer:
         self.deserialize_seconds += time.perf_counter() - start
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if self._progress is not None:
+            self._progress.finish()
         if exc is not None:
             self.metrics.error("load_failed")
             return

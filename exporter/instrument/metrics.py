@@ -27,6 +27,7 @@ log = logging.getLogger("gpuio.instrument")
 MAX_ENGINE_NAME_BYTES = 200
 MAX_LABEL_BYTES = 200
 MAX_ERROR_REASONS = 16
+MAX_LOAD_RECORDS = 16  # distinct (GPU, file system) pairs an engine's loads are reported for
 OTHER = "other"
 OTHER_LAYERS = "(other)"
 
@@ -230,6 +231,9 @@ class EngineMetrics:
         self.layer_top_k = 20
         self.layer_select_after = 5
         self._info: bytes | None = None
+        self._last_load_time = 0.0  # when this process last finished a load of the engine (0: never)
+        self._load_records: dict[str, int | None] = {}  # "uuid\0MAJ:MIN" -> index of its LOAD record
+        self._active_loads: dict[str, list[list[float]]] = {}  # same key -> [start time, bytes] per load
         self._bind(file)
 
     # --- records -------------------------------------------------------------------------------
@@ -269,6 +273,10 @@ class EngineMetrics:
             self._labelled(fmt.KIND_LAYER, self._layers, layer, 2)
         if self._info is not None:
             self._append_info(self._info)
+        loads, self._load_records = list(self._load_records), {}
+        for label in loads:
+            self._labelled(fmt.KIND_LOAD, self._load_records, label, len(fmt.LOAD_SLOTS))
+            self._write_load(label)
 
     def _labelled(self, kind: int, table: dict[str, int | None], label: str, slots: int) -> int | None:
         index = table.get(label)
@@ -321,16 +329,87 @@ class EngineMetrics:
     def set_info(self, path: str, cuda_device: int | None = None, gpu_uuid: str | None = None,
                  runtime: str = "generic") -> None:
         """What the exporter shows in gpuio_engine_info: the file (and its device), the GPU, the runtime."""
+        self._last_load_time = time.time()
+        self._write_info(path, cuda_device, gpu_uuid, runtime, self._last_load_time)
+
+    def _write_info(self, path: str, cuda_device: int | None, gpu_uuid: str | None, runtime: str,
+                    load_time: float) -> tuple[int, int]:
+        """Append an INFO record unless it would repeat the last one; the file's st_dev ((0, 0): unknown)."""
         absolute = os.path.abspath(path)
         try:
             st = os.stat(absolute)
             dev, ino, size, mtime_ns = (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns
         except OSError:
             dev, ino, size, mtime_ns = (0, 0), 0, 0, 0
-        payload = fmt.pack_info(-1 if cuda_device is None else cuda_device, dev, ino, size, mtime_ns, time.time(),
+        payload = fmt.pack_info(-1 if cuda_device is None else cuda_device, dev, ino, size, mtime_ns, load_time,
                                 absolute, gpu_uuid or "", runtime)
-        self._info = payload
-        self._append_info(payload)
+        if payload != self._info:
+            self._info = payload
+            self._append_info(payload)
+        return dev
+
+    # --- loads in progress -----------------------------------------------------------------------
+
+    def loading(self, path: str | None, cuda_device: int | None = None, gpu_uuid: str | None = None,
+                runtime: str = "generic") -> LoadProgress:
+        """Report a load from its start: ``with metrics.loading(path, ...) as progress: ...
+        progress.add(nbytes)``.  The engine's info (file, device, GPU) is written now, so the exporter
+        shows the engine, its disk and its GPU while it loads; the load counts as in progress until
+        the block ends, however it ends."""
+        dev = (0, 0)
+        if path is not None:  # keeps the last finished load's time: the engine is not "loaded" yet
+            dev = self._write_info(path, cuda_device, gpu_uuid, runtime, self._last_load_time)
+        uuid = _clean(gpu_uuid or "", MAX_LABEL_BYTES)
+        label = f"{uuid}\0{dev[0]}:{dev[1]}"
+        entry = [time.time(), 0.0]
+        with self._lock:
+            if label in self._load_records or len(self._load_records) < MAX_LOAD_RECORDS:
+                self._labelled(fmt.KIND_LOAD, self._load_records, label, len(fmt.LOAD_SLOTS))
+            self._active_loads.setdefault(label, []).append(entry)
+            self._write_load(label)
+        return LoadProgress(self, label, entry)
+
+    def _load_progress(self, label: str, entry: list[float], nbytes: float) -> None:
+        with self._lock:
+            entry[1] += nbytes
+            index = self._load_records.get(label)
+            if index is not None:
+                with self._file.lock:
+                    self._file.values[index + 1] += nbytes
+
+    def _load_finished(self, label: str, entry: list[float]) -> None:
+        with self._lock:
+            active = self._active_loads.get(label, [])
+            for position, item in enumerate(active):
+                if item is entry:
+                    del active[position]
+                    break
+            self._write_load(label)
+
+    def _write_load(self, label: str) -> None:
+        """The LOAD record from this process's loads in progress (caller holds ``self._lock``).
+
+        Stores are ordered for a reader that takes no lock: a new load's start and bytes land before
+        its count, and a count drops before the rest is cleared."""
+        index = self._load_records.get(label)
+        if index is None:
+            return
+        active = self._active_loads.get(label, [])
+        values = self._file.values
+        with self._file.lock:
+            if active:
+                values[index + 2] = min(start for start, _ in active)
+                values[index + 1] = sum(nbytes for _, nbytes in active)
+                values[index] = float(len(active))
+            else:
+                values[index] = 0.0
+                values[index + 1] = 0.0
+                values[index + 2] = 0.0
+
+    def loads_in_progress(self) -> int:
+        """This process's loads of the engine that started and did not end (for tests and tools)."""
+        with self._lock:
+            return sum(len(active) for active in self._active_loads.values())
 
     def _append_info(self, payload: bytes) -> None:
         with self._file.lock:
@@ -377,6 +456,34 @@ class EngineMetrics:
             for index, value in summed.items():
                 values[index] += value
                 values[index + 1] += samples
+
+
+class LoadProgress:
+    """One load in progress (from :meth:`EngineMetrics.loading`): ``add`` bytes as they are read,
+    ``finish`` (or leave the ``with`` block) when the model is ready or the load failed."""
+
+    __slots__ = ("_metrics", "_label", "_entry", "_done")
+
+    def __init__(self, metrics: EngineMetrics, label: str, entry: list[float]) -> None:
+        self._metrics = metrics
+        self._label = label
+        self._entry = entry
+        self._done = False
+
+    def add(self, nbytes: float) -> None:
+        if nbytes > 0 and not self._done:
+            self._metrics._load_progress(self._label, self._entry, nbytes)
+
+    def finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._metrics._load_finished(self._label, self._entry)
+
+    def __enter__(self) -> LoadProgress:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.finish()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -453,6 +560,8 @@ def _replace_spool(after_fork: bool) -> None:
     _spool = fmt.SpoolFile(_directory(), _file_bytes)
     for metrics in _engines.values():
         metrics._lock = threading.Lock()
+        if after_fork:  # the parent's loads are the parent's threads' (the child has none of them)
+            metrics._active_loads.clear()
         metrics._bind(_spool)
 
 

@@ -21,7 +21,11 @@ Layout (version 1, little-endian, every value 8-byte aligned)::
          ENGINE: ENGINE_LAYOUT.size doubles (histogram buckets, sums, counters, gauges)
          ERROR:  1 double (count); key "engine\\0reason"
          LAYER:  2 doubles (seconds, samples); key "engine\\0layer"
-         INFO:   INFO_STRUCT, then path, gpu uuid and runtime as utf-8 (the last INFO of an engine wins)
+         INFO:   INFO_STRUCT, then path, gpu uuid and runtime as utf-8 (the last INFO of an engine wins;
+                 written when a load starts, with the load time of the last finished load or 0,
+                 and again when it finishes)
+         LOAD:   LOAD_SLOTS doubles (loads in progress, their bytes read so far, the start time of
+                 the oldest, seconds since the epoch); key "engine\0gpu uuid\0MAJ:MIN" of the file
 
 Hot path: an observation is one bisect and two stores of doubles into the process's MAP_SHARED
 mapping, under a per-process ``threading.Lock`` (Python threads; there is never a cross-process lock
@@ -90,7 +94,10 @@ KIND_ENGINE = 1
 KIND_ERROR = 2
 KIND_LAYER = 3
 KIND_INFO = 4
-KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO)
+KIND_LOAD = 5
+KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO, KIND_LOAD)
+# The LOAD record's doubles: gauges of one process's loads of one engine, GPU and file system.
+LOAD_SLOTS = ("in_progress", "read_bytes", "oldest_start")
 
 # cuda device (i32, -1 unknown), st_dev major, minor (u32), st_ino, size (u64), mtime ns (i64),
 # load time (f64, seconds since the epoch), then the lengths of path, gpu uuid, runtime (u16 each).
@@ -146,6 +153,26 @@ def _layout() -> Layout:
 
 
 ENGINE_LAYOUT = _layout()
+# What the reader keeps per engine *and GPU* (the rest is per engine): the series that say whether work
+# waits on one GPU.  A compact vector of these ENGINE slots, in this order; PER_GPU_LAYOUT indexes it.
+PER_GPU_HISTOGRAMS = ("inference_seconds", "pool_wait_seconds")
+
+
+def _per_gpu_layout() -> tuple[tuple[int, ...], Layout]:
+    slots: list[int] = []
+    histograms: dict[str, tuple[int, int, tuple[float, ...]]] = {}
+    for name in PER_GPU_HISTOGRAMS:
+        first, sum_index, bounds = ENGINE_LAYOUT.histograms[name]
+        histograms[name] = (len(slots), len(slots) + sum_index - first, bounds)
+        slots.extend(range(first, sum_index + 1))
+    monotonic = len(slots)
+    gauges = {name: monotonic + offset for offset, name in enumerate(GAUGES)}
+    slots.extend(ENGINE_LAYOUT.gauges[name] for name in GAUGES)
+    return tuple(slots), Layout(histograms, {}, gauges, len(slots), monotonic)
+
+
+PER_GPU_SLOTS, PER_GPU_LAYOUT = _per_gpu_layout()
+_per_gpu_values = operator.itemgetter(*PER_GPU_SLOTS)
 # The histogram bucket slots of an ENGINE record: whole counts (OpenMetrics refuses anything else).
 BUCKET_SLOTS = tuple(index for first, sum_index, _ in ENGINE_LAYOUT.histograms.values()
                      for index in range(first, sum_index))
@@ -312,6 +339,14 @@ class EngineInfo:
     load_time: float
 
 
+LoadKey = tuple[str, str, tuple[int, int]]  # engine, GPU uuid ("" unknown), st_dev of the file
+
+
+def load_key(engine: str, gpu_uuid: str, dev: tuple[int, int]) -> str:
+    """The key of a LOAD record."""
+    return f"{engine}\0{gpu_uuid}\0{dev[0]}:{dev[1]}"
+
+
 @dataclass
 class Parsed:
     """The content of one spool file."""
@@ -324,6 +359,7 @@ class Parsed:
     errors: dict[tuple[str, str], float] = field(default_factory=dict)
     layers: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     infos: dict[str, EngineInfo] = field(default_factory=dict)
+    loads: dict[LoadKey, list[float]] = field(default_factory=dict)  # LOAD records, LOAD_SLOTS each
     bad_record: bool = False
 
 
@@ -405,6 +441,9 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
             raise ValueError("a histogram bucket that is not a whole count")
         parsed.engines[key] = values[: ENGINE_LAYOUT.size]
         return
+    if kind == KIND_LOAD:
+        _parse_load(parsed, key, values)
+        return
     engine, _, label = key.partition("\0")
     if not engine or not label:
         raise ValueError("record key without engine and label")
@@ -414,6 +453,15 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
         parsed.layers[(engine, label)] = values[:2]
     else:
         raise ValueError("short record")
+
+
+def _parse_load(parsed: Parsed, key: str, values: list[float]) -> None:
+    engine, uuid, dev = key.split("\0") if key.count("\0") == 2 else ("", "", "")
+    major, colon, minor = dev.partition(":")
+    whole = (major + minor).isascii() and major.isdigit() and minor.isdigit()
+    if not engine or not colon or not whole or len(values) < len(LOAD_SLOTS):
+        raise ValueError("bad LOAD record")
+    parsed.loads[(engine, uuid, (int(major), int(minor)))] = values[: len(LOAD_SLOTS)]
 
 
 def _max_into(previous: list[float], current: list[float], monotonic: int) -> list[float]:
@@ -452,6 +500,11 @@ class Totals:
     # live processes only; one entry per distinct (path, GPU, runtime, file identity), the latest load
     infos: dict[str, list[EngineInfo]] = field(default_factory=dict)
     processes: dict[str, int] = field(default_factory=dict)  # engine -> live processes reporting it
+    # (engine, GPU uuid) -> PER_GPU_LAYOUT vector: live processes merged per GPU, plus folded totals
+    per_gpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    # loads in progress of live processes: (engine, GPU uuid, st_dev) -> LOAD_SLOTS (counts and bytes
+    # summed, the oldest start time the smallest)
+    loads: dict[LoadKey, list[float]] = field(default_factory=dict)
     last_load: dict[str, float] = field(default_factory=dict)
     live_files: int = 0
     dropped_by_writers: int = 0
@@ -481,6 +534,9 @@ class SpoolReader:
         self._bad: dict[str, tuple[int, int, int]] = {}  # name -> (ino, size, mtime_ns) counted as bad
         self._folded = Totals()
         self._folded_touched: dict[str, float] = {}
+        self._folded_per_gpu: dict[tuple[str, str], list[float]] = {}
+        self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
+        self._per_gpu_pruned_at = 0
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
 
     # --- the directory -------------------------------------------------------------------------
@@ -681,9 +737,11 @@ class SpoolReader:
             old = folded.layers.get(key, [0.0, 0.0])
             folded.layers[key] = [old[0] + pair[0], old[1] + pair[1]]
         for engine, info in parsed.infos.items():
-            folded.last_load[engine] = max(folded.last_load.get(engine, 0.0), info.load_time)
+            if info.load_time > 0:  # 0: loading, never finished a load
+                folded.last_load[engine] = max(folded.last_load.get(engine, 0.0), info.load_time)
         folded.dropped_by_writers += parsed.dropped
         self._bound_folded()
+        self._fold_per_gpu(parsed)
 
     def _bound_folded(self) -> None:
         """Folded totals are kept while the exporter runs, up to a cap: past it, the engines folded
@@ -748,10 +806,88 @@ class SpoolReader:
                 seen = distinct.get(identity)
                 if seen is None or seen.load_time < info.load_time:
                     distinct[identity] = info
-                totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
+                if info.load_time > 0:  # 0: loading, never finished a load
+                    totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
         for identity, info in distinct.items():
             totals.infos.setdefault(identity[0], []).append(info)
+        self._merge_per_gpu_and_loads(totals)
         return totals
+
+    # --- per engine and GPU; loads in progress ----------------------------------------------------
+
+    def _gpu_of_writer(self, parsed: Parsed, recorded: str) -> str:
+        """The GPU a live writer works on for ``engine``: what it recorded, else what NVML lists it on."""
+        if recorded or self.gpu_of is None:
+            return recorded
+        return self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+
+    def _merge_per_gpu_and_loads(self, totals: Totals) -> None:
+        """Per (engine, GPU): the live writers' per-GPU slots plus the folded ones; and the loads in
+        progress of live writers (a dead writer's loads are over, whatever its file says)."""
+        # Grouped first, summed once per (engine, GPU) at C speed: a scrape of 1,000 writers pays one
+        # tuple per writer and engine here, not one list addition.
+        groups: dict[tuple[str, str], list[typing.Sequence[float]]] = {
+            key: [values] for key, values in self._folded_per_gpu.items()}
+        seen: dict[tuple[int, str], str] = {}  # only GPUs NVML gave: a recorded one is in the file itself
+        for state in self._live.values():
+            parsed = state.parsed
+            if parsed is None:
+                continue
+            infos = parsed.infos
+            for engine, values in parsed.engines.items():
+                info = infos.get(engine)
+                uuid = info.gpu_uuid if info is not None else ""
+                if not uuid and self.gpu_of is not None:
+                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+                group = groups.get((engine, uuid))
+                if group is None:
+                    groups[(engine, uuid)] = [_per_gpu_values(values)]
+                else:
+                    group.append(_per_gpu_values(values))
+            if parsed.loads:
+                for (engine, uuid, dev), values in parsed.loads.items():
+                    _merge_load(totals.loads, (engine, self._gpu_of_writer(parsed, uuid), dev), values)
+        self._gpu_seen = seen
+        totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
+                          for key, group in groups.items()}
+
+    def _fold_per_gpu(self, parsed: Parsed) -> None:
+        """An exited writer's per-GPU counts stay under the GPU it had while alive (gauges zeroed).
+        Bounded: past max_folded_engines * 4 keys, new GPUs of an engine fold into its "" series, and
+        engines forgotten by the engine cap are forgotten here too."""
+        folded = self._folded_per_gpu
+        for engine, values in parsed.engines.items():
+            info = parsed.infos.get(engine)
+            uuid = (info.gpu_uuid if info else "") or self._gpu_seen.get((parsed.instance, engine), "")
+            if (engine, uuid) not in folded and len(folded) >= self.max_folded_engines * 4:
+                uuid = ""
+            kept = list(_per_gpu_values(values))
+            for index in PER_GPU_LAYOUT.gauges.values():
+                kept[index] = 0.0
+            _add_into(folded, (engine, uuid), kept)
+        if self._per_gpu_pruned_at != self.forgotten_engines:
+            self._per_gpu_pruned_at = self.forgotten_engines
+            for key in [key for key in folded if key[0] not in self._folded.engines]:
+                del folded[key]
+
+
+def _add_into(table: dict[tuple[str, str], list[float]], key: tuple[str, str], values: typing.Sequence[float]) -> None:
+    total = table.get(key)
+    table[key] = list(values) if total is None else list(map(operator.add, total, values))
+
+
+def _merge_load(table: dict[LoadKey, list[float]], key: LoadKey, values: list[float]) -> None:
+    """Loads of several writers: counts and bytes add up, the oldest start is the earliest (a slot
+    read while its writer was between stores may say loads with no start yet: 0, ignored)."""
+    in_progress, read_bytes, oldest = values
+    merged = table.get(key)
+    if merged is None:
+        table[key] = [in_progress, read_bytes, oldest if in_progress > 0 else 0.0]
+        return
+    merged[0] += in_progress
+    merged[1] += read_bytes
+    if in_progress > 0 and oldest > 0 and (merged[2] <= 0 or oldest < merged[2]):
+        merged[2] = oldest
 
 
 def _clamp(previous: Parsed, current: Parsed) -> None:

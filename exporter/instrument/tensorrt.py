@@ -111,12 +111,15 @@ class _TimedReader:
         self._handle = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
         self.read_seconds = 0.0
         self.bytes_read = 0
+        self.progress: Callable[[int], None] | None = None  # told each read's bytes (loads in progress)
 
     def read(self, num_bytes: int, stream: int) -> bytes:
         start = time.perf_counter()
         data = self._handle.read(num_bytes)
         self.read_seconds += time.perf_counter() - start
         self.bytes_read += len(data)
+        if self.progress is not None:
+            self.progress(len(data))
         return data
 
     def seek(self, offset: int, where: Any) -> bool:
@@ -168,14 +171,15 @@ def load_engine(path: str, runtime: Any = None, name: str | None = None, device:
         if module is None:
             raise RuntimeError("streaming loads need the TensorRT module")
         return _load_streaming(module, runtime, path, metrics, device, gpu_uuid)
-    try:
-        data, read_seconds = read_file(path)
-    except OSError:
-        metrics.error("load_read_failed")
-        raise
-    start = time.perf_counter()
-    cuda_engine = runtime.deserialize_cuda_engine(data)
-    deserialize_seconds = time.perf_counter() - start
+    with metrics.loading(path, *gpu.resolve(device, gpu_uuid), "tensorrt") as progress:
+        try:
+            data, read_seconds = read_file(path, progress=progress.add)
+        except OSError:
+            metrics.error("load_read_failed")
+            raise
+        start = time.perf_counter()
+        cuda_engine = runtime.deserialize_cuda_engine(data)
+        deserialize_seconds = time.perf_counter() - start
     if cuda_engine is None:
         metrics.error("load_deserialize_failed")
         raise RuntimeError(f"TensorRT could not deserialize {path} (see the TensorRT log above)")
@@ -192,9 +196,11 @@ def _load_streaming(module: ModuleType, runtime: Any, path: str, metrics: Engine
         metrics.error("load_read_failed")
         raise
     try:
-        start = time.perf_counter()
-        cuda_engine = runtime.deserialize_cuda_engine(reader)
-        total = time.perf_counter() - start
+        with metrics.loading(path, *gpu.resolve(device, gpu_uuid), "tensorrt") as progress:
+            reader.progress = progress.add
+            start = time.perf_counter()
+            cuda_engine = runtime.deserialize_cuda_engine(reader)
+            total = time.perf_counter() - start
     finally:
         reader.close()
     if cuda_engine is None:

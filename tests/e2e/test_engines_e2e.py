@@ -125,6 +125,7 @@ def run_scenario(exporter: ExporterProcess, loop: str, engine_path: str, spool: 
 
     file_labels = frozenset({("engine", "detector"), ("path", engine_path)})
     engine = frozenset({("engine", "detector")})
+    on_gpu = frozenset({("engine", "detector"), ("gpu_uuid", "")})  # the process names no GPU here
     disk = frozenset({("device", loop)})
     before = wait_for(scrape, lambda s: ("gpuio_engine_file_cached_ratio", file_labels) in s)
     assert before[("gpuio_engine_file_cached_ratio", file_labels)] == 0.0
@@ -147,8 +148,8 @@ def run_scenario(exporter: ExporterProcess, loop: str, engine_path: str, spool: 
         assert after[("gpuio_engine_load_read_seconds_sum", engine)] == pytest.approx(cold["read_seconds"])
         assert after[("gpuio_engine_load_read_seconds_count", engine)] == 1
         assert disk_read >= ENGINE_MIB << 20, "the load must have come off the disk"
-        assert after[("gpuio_engine_inference_seconds_count", engine)] == 20
-        assert after[("gpuio_engine_pool_contexts", engine)] == 2
+        assert after[("gpuio_engine_inference_seconds_count", on_gpu)] == 20
+        assert after[("gpuio_engine_pool_contexts", on_gpu)] == 2
         assert after[("gpuio_engine_warmup_seconds_count", engine)] == 2
         info = [dict(labels) for name, labels in after
                 if name == "gpuio_engine_info" and ("runtime", "generic") in labels]
@@ -172,6 +173,134 @@ def run_scenario(exporter: ExporterProcess, loop: str, engine_path: str, spool: 
         process.wait()
     gone = wait_for(scrape, lambda s: s.get(("gpuio_engine_processes", engine)) == 0)
     assert gone[("gpuio_engine_load_read_bytes_total", engine)] == 2 * (ENGINE_MIB << 20)  # folded, not lost
-    assert gone[("gpuio_engine_inference_seconds_count", engine)] == 20
+    assert gone[("gpuio_engine_inference_seconds_count", on_gpu)] == 20
     assert gone[("gpuio_engine_spool_folded_processes_total", frozenset())] == 1
     assert os.listdir(spool) == []
+
+
+LOADING = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    from exporter import instrument
+    instrument.configure({spool!r})
+    with instrument.LoadTimer("detector", {engine!r}, gpu_uuid="GPU-e2e0") as timer:
+        with open({engine!r}, "rb", buffering=0) as handle:
+            half = handle.read({half})
+            timer.add_bytes(len(half))
+            print("half", flush=True)
+            sys.stdin.readline()  # blocked mid-read until the test says go
+            rest = handle.read()
+            timer.add_bytes(len(rest))
+    print("loaded", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_load_in_progress_is_seen_while_it_happens(loop_mount, tmp_path) -> None:
+    """A real process blocked half-way through reading its engine from a real disk: the exporter shows
+    one load in progress for the engine and GPU, on the loop device and on its mount point, its bytes
+    so far and an age that grows, and the engine's info (disk, GPU) already; after the load, zeros."""
+    loop, mount_point = loop_mount
+    engine_path = os.path.join(mount_point, "detector.engine")
+    with open(engine_path, "wb") as handle:
+        handle.write(os.urandom(8 << 20))
+        os.fsync(handle.fileno())
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    exporter = ExporterProcess([f"--collector.engines.spool-dir={spool}",
+                                f"--collector.diskstats.device-include=^{loop}$"]).start()
+    script = LOADING.format(repo=REPO, spool=str(spool), engine=engine_path, half=4 << 20)
+    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    assert process.stdin is not None and process.stdout is not None
+
+    def scrape() -> Samples:
+        return parse_samples(exporter.scrape())
+
+    pair = frozenset({("engine", "detector"), ("gpu_uuid", "GPU-e2e0")})
+    disk, mount = frozenset({("device", loop)}), frozenset({("mountpoint", mount_point)})
+    try:
+        assert process.stdout.readline().strip() == "half"
+        first = scrape()
+        assert first[("gpuio_engine_loads_in_progress", pair)] == 1
+        assert first[("gpuio_engine_load_in_progress_read_bytes", pair)] == 4 << 20
+        assert first[("gpuio_disk_engine_loads_in_progress", disk)] == 1
+        assert first[("gpuio_mount_engine_loads_in_progress", mount)] == 1
+        info = [dict(labels) for name, labels in first if name == "gpuio_engine_info"]
+        assert [(i["device"], i["gpu_uuid"], i["path"]) for i in info] == [(loop, "GPU-e2e0", engine_path)]
+        mounts = [dict(labels) for name, labels in first if name == "gpuio_engine_mount_info"]
+        assert [(m["mountpoint"], m["fstype"], m["source"]) for m in mounts] == [
+            (mount_point, "ext4", f"/dev/{loop}")]
+        time.sleep(1.5)
+        second = scrape()
+        grown = (second[("gpuio_engine_load_oldest_in_progress_seconds", pair)]
+                 - first[("gpuio_engine_load_oldest_in_progress_seconds", pair)])
+        print(f"\noldest load in progress: {first[('gpuio_engine_load_oldest_in_progress_seconds', pair)]:.2f} s, "
+              f"then {second[('gpuio_engine_load_oldest_in_progress_seconds', pair)]:.2f} s")
+        assert grown >= 1.4
+        assert second[("gpuio_disk_engine_load_oldest_in_progress_seconds", disk)] >= 1.4
+        assert second[("gpuio_mount_engine_load_oldest_in_progress_seconds", mount)] >= 1.4
+
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        assert process.stdout.readline().strip() == "loaded"
+        done = scrape()
+        for name, labels in (("gpuio_engine_loads_in_progress", pair),
+                             ("gpuio_engine_load_in_progress_read_bytes", pair),
+                             ("gpuio_engine_load_oldest_in_progress_seconds", pair),
+                             ("gpuio_disk_engine_loads_in_progress", disk),
+                             ("gpuio_disk_engine_load_oldest_in_progress_seconds", disk),
+                             ("gpuio_mount_engine_loads_in_progress", mount)):
+            assert done[(name, labels)] == 0, name
+        assert done[("gpuio_engine_load_read_bytes_total", frozenset({("engine", "detector")}))] == 8 << 20
+    finally:
+        process.kill()
+        process.wait()
+        exporter.stop()
+
+
+SERVING = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    from exporter import instrument
+    instrument.configure({spool!r})
+    metrics = instrument.engine("ranker")
+    metrics.set_info({engine!r}, {device}, {uuid!r})
+    pool = instrument.EnginePool(metrics, create=object, size=2)
+    if {busy}:
+        with pool.acquire(), metrics.infer():
+            print("ready", flush=True)
+            sys.stdin.readline()
+    print("ready", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_two_replicas_of_one_engine_on_two_gpus_are_judged_apart(tmp_path) -> None:
+    """Two real processes serve one engine, on GPU 0 (a request in flight) and GPU 1 (a drained spare):
+    the spare's in-flight series is 0, not the busy replica's 1."""
+    engine_path = str(tmp_path / "ranker.engine")
+    with open(engine_path, "wb") as handle:
+        handle.write(b"\0" * 4096)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    exporter = ExporterProcess([f"--collector.engines.spool-dir={spool}"]).start()
+    processes = [subprocess.Popen([sys.executable, "-c", SERVING.format(repo=REPO, spool=str(spool), engine=engine_path,
+                                                                          device=device, uuid=uuid, busy=busy)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for device, uuid, busy in ((0, "GPU-busy", True), (1, "GPU-spare", False))]
+    try:
+        for process in processes:
+            assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        samples = parse_samples(exporter.scrape())
+        in_flight = {dict(labels)["gpu_uuid"]: value for (name, labels), value in samples.items()
+                     if name == "gpuio_engine_inferences_in_flight"}
+        idle = {dict(labels)["gpu_uuid"]: value for (name, labels), value in samples.items()
+                if name == "gpuio_engine_pool_idle_contexts"}
+        assert in_flight == {"GPU-busy": 1, "GPU-spare": 0}
+        assert idle == {"GPU-busy": 1, "GPU-spare": 2}
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        exporter.stop()

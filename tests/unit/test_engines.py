@@ -90,15 +90,16 @@ def test_per_engine_series_parse_in_both_formats(spool_dir, tmp_path) -> None:
     text = scrape(target)
     samples = parse_samples(text)
     engine = frozenset({("engine", "resnet50")})
-    assert samples[("gpuio_engine_inference_seconds_count", engine)] == 10
+    on_gpu = frozenset({("engine", "resnet50"), ("gpu_uuid", "GPU-5a1e")})  # work waiting: per engine and GPU
+    assert samples[("gpuio_engine_inference_seconds_count", on_gpu)] == 10
     assert samples[("gpuio_engine_inference_batch_size_sum", engine)] == 80
     assert samples[("gpuio_engine_load_read_bytes_total", engine)] == 1 << 20
     assert samples[("gpuio_engine_load_read_seconds_count", engine)] == 1
-    assert samples[("gpuio_engine_pool_contexts", engine)] == 2
-    assert samples[("gpuio_engine_pool_idle_contexts", engine)] == 2
+    assert samples[("gpuio_engine_pool_contexts", on_gpu)] == 2
+    assert samples[("gpuio_engine_pool_idle_contexts", on_gpu)] == 2
     assert samples[("gpuio_engine_warmup_seconds_count", engine)] == 2
     assert samples[("gpuio_engine_first_inference_seconds_count", engine)] == 2
-    assert samples[("gpuio_engine_pool_wait_seconds_count", engine)] == 10
+    assert samples[("gpuio_engine_pool_wait_seconds_count", on_gpu)] == 10
     assert samples[("gpuio_engine_processes", engine)] == 1
     assert samples[("gpuio_engine_errors_total", frozenset({("engine", "resnet50"), ("reason", "timeout")}))] == 1
     buckets = [value for (name, labels), value in samples.items()
@@ -133,10 +134,11 @@ def test_counters_survive_the_process_exiting(spool_dir, tmp_path) -> None:
     before = parse_samples(scrape(target))
     metrics._reset_for_tests()  # the process's spool file is closed: as if it exited
     after = parse_samples(scrape(target))
-    assert after[("gpuio_engine_inference_seconds_count", engine)] == before[
-        ("gpuio_engine_inference_seconds_count", engine)]
+    on_gpu = frozenset({("engine", "resnet50"), ("gpu_uuid", "GPU-5a1e")})
+    assert after[("gpuio_engine_inference_seconds_count", on_gpu)] == before[
+        ("gpuio_engine_inference_seconds_count", on_gpu)]
     assert after[("gpuio_engine_processes", engine)] == 0
-    assert after[("gpuio_engine_pool_contexts", engine)] == 0
+    assert after[("gpuio_engine_pool_contexts", on_gpu)] == 0
     assert after[("gpuio_engine_spool_folded_processes_total", frozenset())] == 1
     assert not any(name == "gpuio_engine_info" for name, _ in after)  # no live process has it loaded
     assert m.name == "resnet50"

@@ -45,7 +45,7 @@ def tree_argv(tree: str) -> list[str]:
     # Only the collectors that read through --path.procfs/--path.sysfs: the others (SMART, NVML,
     # engines) see this machine's real hardware, which would make the golden files machine-dependent.
     return [f"--path.procfs={procfs}", f"--path.sysfs={sysfs}", "--web.disable-exporter-metrics",
-            "--collector.disable-defaults", "--collector.diskstats", "--collector.pressure"]
+            "--collector.disable-defaults", "--collector.diskstats", "--collector.pressure", "--collector.mountstats"]
 
 
 def stable(text: str) -> str:

@@ -258,3 +258,190 @@ def test_no_spool_directory_means_metrics_stay_in_the_process(tmp_path) -> None:
     finally:
         metrics._reset_for_tests()
         instrument.configure(None)
+
+
+# --- loads in progress, work waiting per GPU ---------------------------------------------------------
+
+
+def _spool_totals(directory: str, remove_dead: bool = False) -> fmt.Totals:
+    return fmt.SpoolReader(directory, remove_dead=remove_dead).read()
+
+
+def _loads(totals: fmt.Totals, engine: str) -> list[list[float]]:
+    return [values for (name, _, _), values in totals.loads.items() if name == engine]
+
+
+def test_a_load_is_in_progress_from_its_start_until_the_loader_returns(spool_dir, tmp_path) -> None:
+    plan = tmp_path / "detector.engine"
+    plan.write_bytes(os.urandom(3 << 20))
+    st = os.stat(plan)
+    seen: dict[str, object] = {}
+
+    def loader(data: bytearray) -> str:
+        seen["during"] = _spool_totals(spool_dir)
+        return "model"
+
+    before = time.time()
+    instrument.load(str(plan), loader, gpu_uuid="GPU-aaaa", device=0)
+    during = seen["during"]
+    assert isinstance(during, fmt.Totals)
+    ((engine, uuid, dev), (count, read_bytes, oldest)), = during.loads.items()
+    assert (engine, uuid, dev) == ("detector", "GPU-aaaa", (os.major(st.st_dev), os.minor(st.st_dev)))
+    assert count == 1 and read_bytes == 3 << 20 and before <= oldest <= time.time()
+    # the engine's info exists while it loads (it did not before this change: only after the load)
+    (info,) = during.infos["detector"]
+    assert (info.path, info.gpu_uuid, info.ino) == (str(plan), "GPU-aaaa", st.st_ino)
+    assert "detector" not in during.last_load  # loading is not loaded
+    after = _spool_totals(spool_dir)
+    assert _loads(after, "detector") == [[0.0, 0.0, 0.0]]
+    assert after.last_load["detector"] >= before
+
+
+def test_a_failed_load_is_no_longer_in_progress(spool_dir, tmp_path) -> None:
+    plan = tmp_path / "broken.engine"
+    plan.write_bytes(b"x" * 4096)
+
+    def loader(data: bytearray) -> str:
+        raise ValueError("corrupt")
+
+    with pytest.raises(ValueError):
+        instrument.load(str(plan), loader)
+    assert _loads(_spool_totals(spool_dir), "broken") == [[0.0, 0.0, 0.0]]
+    assert instrument.engine("broken").loads_in_progress() == 0
+
+
+def test_load_timer_reports_bytes_as_the_caller_reads(spool_dir, tmp_path) -> None:
+    plan = tmp_path / "llm.plan"
+    plan.write_bytes(b"\0" * 8192)
+    with instrument.LoadTimer("llm", str(plan), gpu_uuid="GPU-bbbb") as timer:
+        timer.add_bytes(1000)
+        assert _loads(_spool_totals(spool_dir), "llm")[0][:2] == [1.0, 1000.0]
+        with timer.reading(500):
+            pass
+        assert _loads(_spool_totals(spool_dir), "llm")[0][:2] == [1.0, 1500.0]
+    assert _loads(_spool_totals(spool_dir), "llm")[0] == [0.0, 0.0, 0.0]
+    assert timer.bytes_read == 1500
+
+
+def test_concurrent_loads_count_and_the_oldest_start_is_kept(spool_dir, tmp_path) -> None:
+    plan = tmp_path / "multi.engine"
+    plan.write_bytes(b"\0" * 4096)
+    m = instrument.engine("multi")
+    first = m.loading(str(plan), 0, "GPU-c")
+    time.sleep(0.01)
+    second = m.loading(str(plan), 0, "GPU-c")
+    ((count, _, oldest),) = _loads(_spool_totals(spool_dir), "multi")
+    assert count == 2
+    first.finish()
+    ((count, _, newer),) = _loads(_spool_totals(spool_dir), "multi")
+    assert count == 1 and newer > oldest
+    second.finish()
+    second.finish()  # twice is once
+    assert _loads(_spool_totals(spool_dir), "multi") == [[0.0, 0.0, 0.0]]
+
+
+def test_a_bad_load_record_is_refused_and_counted() -> None:
+    spool = fmt.SpoolFile(None)
+    with spool.lock:
+        offset = spool.add_record(fmt.KIND_LOAD, "engine-without-gpu-and-device", 24)
+    assert offset is not None
+    parsed = fmt.parse(bytes(spool._map[: spool.used]))
+    assert parsed.bad_record and parsed.loads == {}
+
+
+HELD = textwrap.dedent("""
+    import os, sys, threading
+    sys.path.insert(0, {repo!r})
+    from exporter import instrument
+    instrument.configure({spool!r})
+    release = threading.Event()
+    m = instrument.engine("shared")
+    if {loading!r}:
+        def loader(data):
+            print("loading", flush=True)
+            release.wait()
+            return "model"
+        instrument.load({path!r}, loader, gpu_uuid={uuid!r})
+    else:
+        m.set_info({path!r}, 0, {uuid!r})
+        with m.infer():
+            print("in flight", flush=True)
+            sys.stdin.readline()
+""")
+
+
+def _held(spool: str, path: str, uuid: str, loading: bool) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", HELD.format(repo=REPO, spool=spool, path=path, uuid=uuid,
+                                                                  loading=loading)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() in ("loading", "in flight")
+    return process
+
+
+def test_two_processes_of_one_engine_on_two_gpus_give_two_in_flight_series(tmp_path) -> None:
+    plan = tmp_path / "shared.engine"
+    plan.write_bytes(b"\0" * 4096)
+    busy = _held(str(tmp_path), str(plan), "GPU-0000", loading=False)
+    spare = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {REPO!r})
+        from exporter import instrument
+        instrument.configure({str(tmp_path)!r})
+        m = instrument.engine("shared"); m.set_info({str(plan)!r}, 1, "GPU-1111")
+        m.pool_contexts.inc(2); m.pool_idle.inc(2)
+        print("ready", flush=True); sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert spare.stdout is not None and spare.stdout.readline().strip() == "ready"
+        totals = _spool_totals(str(tmp_path))
+        in_flight = fmt.PER_GPU_LAYOUT.gauges["in_flight"]
+        idle = fmt.PER_GPU_LAYOUT.gauges["pool_idle"]
+        assert {key: values[in_flight] for key, values in totals.per_gpu.items()} == {
+            ("shared", "GPU-0000"): 1.0, ("shared", "GPU-1111"): 0.0}
+        assert totals.per_gpu[("shared", "GPU-1111")][idle] == 2.0
+        assert totals.engines["shared"][fmt.ENGINE_LAYOUT.gauges["in_flight"]] == 1.0  # per engine: both
+    finally:
+        for process in (busy, spare):
+            process.kill()
+            process.wait()
+
+
+def test_a_process_that_died_mid_load_has_no_load_in_progress(tmp_path) -> None:
+    plan = tmp_path / "shared.engine"
+    plan.write_bytes(b"\0" * 4096)
+    process = _held(str(tmp_path), str(plan), "GPU-0000", loading=True)
+    reader = fmt.SpoolReader(str(tmp_path))
+    try:
+        assert [values[0] for values in reader.read().loads.values()] == [1.0]
+    finally:
+        process.kill()
+        process.wait()
+    totals = reader.read()
+    assert totals.loads == {} and totals.infos == {}
+
+
+def test_counts_of_a_dead_writer_stay_under_the_gpu_nvml_gave_it(tmp_path) -> None:
+    """A writer that recorded no GPU is placed by NVML's process list while it lives; once it exits
+    (NVML no longer lists it) its histogram counts stay under that GPU: no counter moves or resets."""
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {REPO!r})
+        from exporter import instrument
+        instrument.configure({str(tmp_path)!r})
+        m = instrument.engine("anon")
+        for _ in range(7):
+            m.inference_seconds.observe(0.01)
+        print("ready", flush=True); sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    listed = {"pid": 0}
+    reader = fmt.SpoolReader(str(tmp_path), gpu_of=lambda pid, ticks: "GPU-nvml" if pid == listed["pid"] else None)
+    first, total = fmt.PER_GPU_LAYOUT.histograms["inference_seconds"][:2]
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        listed["pid"] = writer.pid
+        live = reader.read().per_gpu
+        assert list(live) == [("anon", "GPU-nvml")] and sum(live[("anon", "GPU-nvml")][first:total]) == 7
+    finally:
+        writer.kill()
+        writer.wait()
+    listed["pid"] = 0  # NVML lists a process only while it runs
+    folded = reader.read().per_gpu
+    assert list(folded) == [("anon", "GPU-nvml")] and sum(folded[("anon", "GPU-nvml")][first:total]) == 7

@@ -1,0 +1,185 @@
+"""Mounts as the host sees them: which mount holds a file, and which mounts are network or FUSE.
+
+The source is ``/proc/<pid>/mountinfo`` (proc(5)): one line per mount,
+``ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS``.
+
+Which process's table: ``<procfs>/1/mountinfo`` (the host's init, so the host's mount namespace when
+the exporter runs with the host's /proc and its pid namespace, as the DaemonSet does), falling back
+to ``<procfs>/self/mountinfo`` where /proc/1 is not visible (hidepid, ProtectProc=invisible, a
+container without hostPID): then the exporter sees its own namespace's mounts only (docs/mounts.md).
+
+A file belongs to the mount whose MAJ:MIN equals the file's st_dev (exact even when the path means
+something else in the exporter's namespace: an inference pod's /models is a kubelet volume path on
+the host).  Several mounts can share one st_dev (bind mounts, the same NFS export mounted twice):
+the one whose mount point is the longest prefix of the path wins, else the first listed.  A file
+whose st_dev no mount has (it was read in another namespace the host table does not show) falls back
+to the longest mount point that is a prefix of its path.
+
+Untrusted input, bounded: at most ``MAX_BYTES`` of the file and ``max_mounts`` mounts are read;
+malformed lines are counted and skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+MAX_BYTES = 8 << 20  # a node with thousands of pod volumes has a mountinfo of a few hundred KiB
+DEFAULT_MAX_MOUNTS = 10_000
+
+# Filesystems whose data lives on another machine (or behind a FUSE daemon, which is usually an
+# object store or a network filesystem client): no local block device carries their IO.
+NETWORK_FSTYPES = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "9p", "afs", "beegfs",
+    "gpfs", "wekafs", "orangefs", "pvfs2", "ocfs2", "gfs2", "virtiofs", "fuse", "davfs", "ncpfs",
+})
+
+
+def is_network(fstype: str) -> bool:
+    """Network filesystems and FUSE mounts (``fuse.s3fs``, ``fuse.juicefs``...; not ``fuseblk``,
+    which is a local block device behind FUSE, like ntfs-3g)."""
+    return fstype in NETWORK_FSTYPES or fstype.startswith("fuse.")
+
+
+@dataclass(frozen=True)
+class MountPoint:
+    dev: tuple[int, int]
+    root: str
+    mountpoint: str
+    fstype: str
+    source: str
+    super_options: str
+
+    def option(self, name: str) -> str | None:
+        """A super option's value (``addr`` of an NFS mount), or None."""
+        for item in self.super_options.split(","):
+            key, _, value = item.partition("=")
+            if key == name:
+                return value
+        return None
+
+
+@dataclass
+class MountTable:
+    mounts: list[MountPoint] = field(default_factory=list)
+    malformed: int = 0  # lines that made no sense, skipped
+    dropped: int = 0  # mounts past the cap
+    source: str = ""  # the file read ("" when none could be)
+    by_dev: dict[tuple[int, int], list[MountPoint]] = field(default_factory=dict)
+
+    def of_file(self, dev: tuple[int, int], path: str) -> MountPoint | None:
+        """The mount holding a file with st_dev ``dev`` at ``path`` (see the module docstring)."""
+        candidates = self.by_dev.get(dev)
+        if candidates:
+            if len(candidates) == 1:
+                return candidates[0]
+            return _longest_prefix(candidates, path) or candidates[0]
+        return _longest_prefix(self.mounts, path)
+
+    def by_mountpoint(self) -> dict[str, MountPoint]:
+        """Each mount point's visible mount (the last one listed: later mounts cover earlier ones)."""
+        return {mount.mountpoint: mount for mount in self.mounts}
+
+
+def _longest_prefix(mounts: list[MountPoint], path: str) -> MountPoint | None:
+    best: MountPoint | None = None
+    for mount in mounts:
+        point = mount.mountpoint
+        inside = path == point or path.startswith(point if point.endswith("/") else point + "/")
+        if inside and (best is None or len(point) >= len(best.mountpoint)):
+            best = mount
+    return best
+
+
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def unescape(text: str) -> str:
+    """mountinfo and mountstats write space, tab, newline and backslash as octal escapes (\\040 ...)."""
+    return _ESCAPE.sub(lambda match: chr(int(match[1], 8)), text) if "\\" in text else text
+
+
+def parse_line(line: str) -> MountPoint | None:
+    """One mountinfo line, or None when it makes no sense."""
+    before, separator, after = line.partition(" - ")
+    head, tail = before.split(), after.split()
+    if not separator or len(head) < 6 or len(tail) < 2:
+        return None
+    major, colon, minor = head[2].partition(":")
+    if not colon or not (major.isascii() and major.isdigit() and minor.isascii() and minor.isdigit()):
+        return None
+    return MountPoint((int(major), int(minor)), unescape(head[3]), unescape(head[4]), tail[0], unescape(tail[1]),
+                      tail[2] if len(tail) > 2 else "")
+
+
+def parse(text: str, max_mounts: int = DEFAULT_MAX_MOUNTS) -> MountTable:
+    table = MountTable()
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        mount = parse_line(line)
+        if mount is None:
+            table.malformed += 1
+        elif len(table.mounts) >= max_mounts:
+            table.dropped += 1
+        else:
+            table.mounts.append(mount)
+            table.by_dev.setdefault(mount.dev, []).append(mount)
+    return table
+
+
+def read_bounded(path: str, limit: int = MAX_BYTES) -> str:
+    """At most ``limit`` bytes of a /proc file as text (OSError when it cannot be opened)."""
+    with open(path, "rb") as handle:
+        return handle.read(limit).decode("utf-8", "replace")
+
+
+def host_file(procfs: str, name: str) -> str:
+    """``<procfs>/1/<name>`` when it can be read (the host's mount namespace), else ``<procfs>/self/<name>``."""
+    host = os.path.join(procfs, "1", name)
+    return host if os.access(host, os.R_OK) else os.path.join(procfs, "self", name)
+
+
+def read_table(procfs: str, max_mounts: int = DEFAULT_MAX_MOUNTS) -> MountTable:
+    """The host's mount table (see :func:`host_file`); an empty table when none can be read."""
+    path = host_file(procfs, "mountinfo")
+    try:
+        text = read_bounded(path)
+    except OSError:
+        return MountTable()
+    table = parse(text, max_mounts)
+    table.source = path
+    return table
+
+
+class MountCache:
+    """The mount table, read again at most every ``ttl`` seconds, or sooner (but at most every
+    ``miss_ttl``) when asked for a st_dev it does not know (a volume mounted since)."""
+
+    def __init__(self, procfs: str, ttl: float = 60.0, miss_ttl: float = 5.0) -> None:
+        self.procfs = procfs
+        self.ttl = ttl
+        self.miss_ttl = miss_ttl
+        self._table: MountTable | None = None
+        self._read_at = 0.0
+
+    def table(self) -> MountTable:
+        now = time.monotonic()
+        if self._table is None or now - self._read_at >= self.ttl:
+            self._refresh(now)
+        assert self._table is not None
+        return self._table
+
+    def of_file(self, dev: tuple[int, int], path: str) -> MountPoint | None:
+        table = self.table()
+        now = time.monotonic()
+        if dev not in table.by_dev and now - self._read_at >= self.miss_ttl:
+            table = self._refresh(now)
+        return table.of_file(dev, path)
+
+    def _refresh(self, now: float) -> MountTable:
+        self._table = read_table(self.procfs)
+        self._read_at = now
+        return self._table
