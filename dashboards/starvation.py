@@ -72,8 +72,22 @@ def engine_panels() -> list:
               "engines' histograms.", "s",
               query(quantile(0.5), "{{engine}} p50"), query(quantile(0.95), "{{engine}} p95"),
               query(quantile(0.99), "{{engine}} p99")),
-        graph("Inferences in flight", "Inferences running now, per engine (work that waits on the GPU).",
-              "short", query(f"gpuio_engine_inferences_in_flight{engines}", "{{engine}}")),
+        graph("Inferences in flight", "Inferences running now, per engine and GPU. A request in flight is not "
+              "work waiting; as many in flight as the pool has contexts is.", "short",
+              query(f"gpuio_engine_inferences_in_flight{engines}", "{{engine}} {{gpu_uuid}}"),
+              query(f"gpuio_engine_pool_contexts{engines}", "{{engine}} {{gpu_uuid}} contexts")),
+        graph("Work waiting", "Why work queues for an engine on a GPU (pool wait, in flight >= contexts, p99 "
+              "latency over its calm normal, a load in progress): what GPUStarvedByDiskIO needs besides an idle "
+              "GPU and slow storage. Empty is good.", "short",
+              query(f"{r.WORK_WAITING}{engines}", "{{engine}} {{gpu_uuid}}: {{reason}}")),
+        graph("Engine loads in progress", "Loads started and not finished, per disk and per mount point: a "
+              "cold-start storm while it happens. DiskIOStorm / MountIOStorm page when loads wait on "
+              "storage that is saturated.", "short",
+              query(f"gpuio_disk_engine_loads_in_progress{sel()}", "disk {{device}}"),
+              query(f"gpuio_mount_engine_loads_in_progress{sel()}", "mount {{mountpoint}}")),
+        graph("Network storage: NFS READ round trip", f"Mean round trip of an NFS READ per mount (mountstats); "
+              f"{c.NFS_READ_RTT_SLOW_SECONDS * 1000:g} ms or more under IO pressure is a slow mount.", "s",
+              query(f"{r.NFS_READ_RTT}{sel()}", "{{mountpoint}}")),
         graph("Engine cold starts", f"Mean load time (read + deserialize) and its read part, of the loads "
               f"that finished in the last {c.ENGINE_LOAD_WINDOW} (recording rules); EngineColdStartSlow fires "
               f"above {c.ENGINE_LOAD_SLOW_SECONDS:g} s.", "s",

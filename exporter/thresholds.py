@@ -5,7 +5,7 @@
 pages.  The names are that module's interface: rename with it.  All values are in base units:
 seconds, ratios 0-1.
 
-Why these shapes (from issue 6 and node-mixin's history):
+Why these shapes (from node-mixin's history):
 - never %util alone: a parallel device (NVMe, a network volume, md/dm over several disks) can be
   "100 % busy" with plenty of headroom; latency (await) is what the work feels;
 - await is judged against the device's class: a spinning disk seeks in 5-15 ms, so 20 ms is normal
@@ -21,10 +21,13 @@ Why these shapes (from issue 6 and node-mixin's history):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 ROTATIONAL = "rotational"
-SOLID_STATE = "solid_state"
+SOLID_STATE = "solid_state"  # SATA/SAS SSDs, virtio and cloud disks that sysfs calls non-rotational
+NVME = "nvme"
+NETWORK = "network"  # network block devices: Ceph RBD (rbd*), NBD (nbd*)
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,18 @@ class DiskClass:
 DISK_CLASSES = {
     ROTATIONAL: DiskClass(await_seconds=0.050, queue_size=4.0),
     SOLID_STATE: DiskClass(await_seconds=0.010, queue_size=16.0),
+    # NVMe reads take ~0.1 ms and its queues are deep: 5 ms is far outside its normal even under load.
+    NVME: DiskClass(await_seconds=0.005, queue_size=16.0),
+    # Every request crosses the network to replicated storage: a few ms is normal, 100 ms is not;
+    # the cluster serves many requests in parallel, so a deeper queue is normal too.
+    NETWORK: DiskClass(await_seconds=0.100, queue_size=32.0),
 }
+# Device-name patterns (Python and PromQL regex syntax alike, anchored) of the classes sysfs cannot tell.
+# Partitions (nvme0n1p1) are matched too; dm/md devices take their class from their rotational flag.
+DEVICE_NAME_CLASSES = (
+    (NVME, "nvme[0-9]+n[0-9]+.*"),
+    (NETWORK, "(rbd|nbd)[0-9]+.*"),
+)
 # Await is judged only when the device completed at least this many requests per second (reads for
 # r_await, writes for w_await) in the interval.
 AWAIT_MIN_IOPS = 5.0
@@ -48,7 +62,7 @@ AWAIT_MIN_IOPS = 5.0
 IO_PRESSURE_SOME = 0.30
 IO_PRESSURE_FULL = 0.10
 
-# GPU busy ratio (busy seconds per second) under which a GPU counts as mostly idle (issue 6: "GPU busy
+# GPU busy ratio (busy seconds per second) under which a GPU counts as mostly idle ("GPU busy
 # under 30 %").
 GPU_BUSY_LOW = 0.30
 # Clock-event reasons that mean trouble (GPUThrottled).  sw_power_cap is left out: a fully loaded GPU
@@ -70,8 +84,12 @@ LOST = "lost"  # a GPU the driver reports lost (gpuio_gpu_up 0)
 SMART_FAILED = "smart-fail"  # the disk, or a disk under it, fails its SMART overall-health self-assessment
 
 
-def disk_class(rotational: str | None) -> str:
-    """The class of a device from gpuio_disk_info's ``rotational`` label ("1", "0" or "")."""
+def disk_class(rotational: str | None, device: str | None = None) -> str:
+    """The class of a device from its name (NVMe, network block devices) and otherwise from
+    gpuio_disk_info's ``rotational`` label ("1", "0" or "")."""
+    for name, pattern in DEVICE_NAME_CLASSES:
+        if device and re.fullmatch(pattern, device):
+            return name
     return SOLID_STATE if rotational == "0" else ROTATIONAL
 
 
@@ -81,9 +99,9 @@ def io_pressure_high(some: float | None, full: float | None) -> bool:
 
 def disk_flags(rotational: str | None, reads_per_second: float | None, writes_per_second: float | None,
                read_await: float | None, write_await: float | None, queue_size: float | None,
-               io_pressure: bool) -> list[str]:
+               io_pressure: bool, device: str | None = None) -> list[str]:
     """The flags of one device over one interval: [], or some of AWAIT, QUEUE, SATURATED."""
-    limits = DISK_CLASSES[disk_class(rotational)]
+    limits = DISK_CLASSES[disk_class(rotational, device)]
     slow = any(
         rate is not None and rate >= AWAIT_MIN_IOPS and wait is not None and wait >= limits.await_seconds
         for rate, wait in ((reads_per_second, read_await), (writes_per_second, write_await))
@@ -106,9 +124,11 @@ def gpu_throttled(active_reasons: list[str]) -> list[str]:
 
 
 def engine_starved(gpu_busy: float | None, disk_saturated: bool, in_flight: float | None,
-                   pool_wait: float | None) -> bool:
-    """An engine's GPU mostly idle while its backing disk is saturated and work waits for it (requests
-    in flight, or a mean pool wait of at least ENGINE_POOL_WAIT_SECONDS)."""
-    waiting = ((in_flight is not None and in_flight > 0)
-               or (pool_wait is not None and pool_wait >= ENGINE_POOL_WAIT_SECONDS))
+                   pool_wait: float | None, contexts: float | None = None) -> bool:
+    """An engine's GPU mostly idle while its backing disk is saturated and work queues for it: a mean
+    pool wait of at least ENGINE_POOL_WAIT_SECONDS, or as many requests in flight as it has execution
+    contexts.  A request in flight is not queueing: a spare replica serving one request now and then
+    is idle, not starved."""
+    saturated_pool = in_flight is not None and contexts is not None and 0 < contexts <= in_flight
+    waiting = saturated_pool or (pool_wait is not None and pool_wait >= ENGINE_POOL_WAIT_SECONDS)
     return gpu_starved(gpu_busy, disk_saturated) and waiting

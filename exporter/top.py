@@ -367,7 +367,8 @@ def _disks(before: Snapshot, after: Snapshot, seconds: float, io_pressure: bool)
             utilization=None if utilization is None else min(1.0, utilization),
         )
         row.flags = th.disk_flags(rotational.get(device), row.reads_per_second, row.writes_per_second,
-                                  row.read_await_seconds, row.write_await_seconds, row.queue_size, io_pressure)
+                                  row.read_await_seconds, row.write_await_seconds, row.queue_size, io_pressure,
+                                  device=device)
         if ({device} | physical.get(device, set())) & failed:
             row.flags.append(th.SMART_FAILED)  # the disk, or a disk under it, fails its SMART self-assessment
         rows.append(row)

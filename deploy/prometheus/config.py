@@ -16,13 +16,17 @@ Why these shapes (see docs/runbooks/DiskIOStorm.md for the on-call view):
   with headroom to spare.  node-mixin's NodeDiskIOSaturation paged on exactly that.  What work
   feels is await (time per request) and how many requests pile up (aqu-sz); what the node feels
   is IO pressure (PSI: time in which tasks stalled on IO).
-* Absolute limits per device class (solid state vs rotational, from gpuio_disk_info{rotational}):
-  an HDD seeks in 5-15 ms, so 20 ms is a normal busy HDD but an alarm on flash.
-* Relative to the device's own recent normal: a cloud volume whose await is always 15 ms is above
-  the flash limit all day; only "4x its own 1 h median" says something changed.  The median, not
-  the mean: a storm must last half the window before it becomes its own baseline.  A device that
-  did IO in less than half of the window has no await baseline; then the absolute limits alone
-  decide (the cold-start storm on a disk that idled until the rollout).
+* Absolute limits per device class (exporter/thresholds.py): NVMe and network block devices (rbd,
+  nbd) by name, then solid state vs rotational from gpuio_disk_info{rotational}: an HDD seeks in
+  5-15 ms, so 20 ms is a normal busy HDD but an alarm on flash.
+* Relative to the device's own calm normal: a cloud volume whose await is always 15 ms is above the
+  flash limit all day; only "4x its own median" says something changed.  The median is taken over
+  BASELINE_WINDOW of the evaluations in which the device was not saturated, and held for
+  BASELINE_HOLD once learned: a storm never feeds its own baseline, so a storm of hours keeps firing.
+  A device with no calm evidence (it idled until the rollout, or was saturated from its first sample)
+  has no baseline; then the absolute limits alone decide.
+* Who it hurts decides the severity: saturation alone opens a ticket; saturation while engine loads
+  wait on the disk, or engines on it starve their GPUs, pages.
 * Awaits are judged only for a direction (reads, writes) that completed at least
   AWAIT_MIN_IOPS requests per second: one slow read on an idle disk is not a storm, and a
   direction with no completions has no await at all (the recording rules divide by ``(ops > 0)``,
@@ -44,16 +48,24 @@ NODE_LABEL = "instance"
 # rate() window of the recording rules: needs at least two scrapes inside it, so a scrape interval
 # of 30 s or less (15 s recommended).  Recording-rule names carry it (`:rate1m`).
 RATE_WINDOW = "1m"
-# The window of a device's own normal: median of its await and queue size over this long.
+# The window of a device's own normal: median of its await and queue size over this long, from the
+# evaluations in which the device was NOT saturated (a storm never feeds its own baseline).
 BASELINE_WINDOW = "1h"
-# An await baseline needs evidence: a judged await (enough IOPS) in at least this share of the
-# window's evaluations.  Without it a disk that idled for an hour would take the first minutes of a
-# cold-start storm as its normal; with it, a storm becomes the normal only after half the window.
+# A baseline needs evidence: a calm judged await (enough IOPS, not saturated) in at least this share
+# of the window's evaluations.  A disk that idled for an hour has none, and the class limits decide.
 BASELINE_MIN_COVERAGE = 0.5
+# Once learned, a baseline holds for this long after its evidence ran out: through a storm of hours the
+# device is still judged against its last calm normal (and a storm can never become the normal, since
+# saturated evaluations never feed it).
+BASELINE_HOLD = "6h"
 
 # --- disk limits (the numbers gpuio top uses) ---------------------------------------------------
 SOLID_STATE = thresholds.DISK_CLASSES[thresholds.SOLID_STATE]
 ROTATIONAL = thresholds.DISK_CLASSES[thresholds.ROTATIONAL]
+NVME = thresholds.DISK_CLASSES[thresholds.NVME]
+NETWORK = thresholds.DISK_CLASSES[thresholds.NETWORK]
+DISK_CLASSES = thresholds.DISK_CLASSES
+DEVICE_NAME_CLASSES = thresholds.DEVICE_NAME_CLASSES
 AWAIT_MIN_IOPS = thresholds.AWAIT_MIN_IOPS
 IO_PRESSURE_SOME = thresholds.IO_PRESSURE_SOME
 IO_PRESSURE_FULL = thresholds.IO_PRESSURE_FULL
@@ -63,10 +75,24 @@ GPU_BUSY_LOW = thresholds.GPU_BUSY_LOW
 # Await and queue size must both be at least this many times the device's baseline (its median over
 # BASELINE_WINDOW), on top of the class limits above.
 STORM_BASELINE_FACTOR = 4.0
+# A storm with no victim (nothing gpuio sees waits on the disk): a ticket after this long.
 STORM_FOR = "5m"
+# A storm that hurts serving pages after this long: engine loads in progress on the disk (or mount),
+# engines on it starving their GPUs, or engines on it queueing work while the node's IO pressure
+# "full" is at least STORM_PAGE_IO_FULL.  Shorter than STORM_FOR: a cold-start wave is seen while it
+# happens.  First page: the rate window filling plus this, 2.5-3 minutes into the storm.
+STORM_PAGE_FOR = "2m"
+STORM_PAGE_IO_FULL = 0.25
 # The description counts the engine loads from the stormed disk that finished in this window: many of
 # them at once is the cold-start storm (a rollout, an autoscaling burst).
 STORM_ENGINE_LOADS_WINDOW = "5m"
+
+# --- network storage (NFS, CephFS, FUSE mounts) ------------------------------------------------------
+# A network mount is slow when the mean round trip of its NFS READs is at least this (with at least
+# AWAIT_MIN_IOPS READs a second), or when an engine load on it has been in progress for longer than
+# ENGINE_LOAD_SLOW_SECONDS (all a FUSE mount of an object store shows) - and the node's IO pressure is
+# high.  A 1 MiB READ from a healthy NFS server takes a few ms.
+NFS_READ_RTT_SLOW_SECONDS = 0.050
 
 # --- disk health (smart collector) ----------------------------------------------------------------
 # "Growing" is judged over this window: a disk with 100 reallocated sectors from its first year that
@@ -103,12 +129,17 @@ GPU_LOST_FOR = "1m"
 # no gpuio_gpu_up == 0 to see): fewer GPUs than the node had at any time in this window.  After a
 # planned removal the alert holds for this long: silence it.
 GPU_MISSING_WINDOW = "1d"
-GPU_STALE_AFTER_SECONDS = 30  # NVML snapshot age (the sampler reads every 1 s)
+# GPU data is stale when the NVML snapshot is older than this (the sampler reads every 1 s) or the nvml
+# collector failed, at any scrape within RATE_WINDOW: a frozen busy counter reads as an idle GPU, so no
+# starvation alert judges such a GPU; GpuioGPUDataStale fires instead (and inhibits them in Alertmanager).
+GPU_STALE_AFTER_SECONDS = 30
 GPU_STALE_FOR = "5m"
 
 # --- starvation ----------------------------------------------------------------------------------
-# Work waits on an engine: inferences in flight, or requests waiting this long for a pool context,
-# or p99 latency at least ENGINE_LATENCY_FACTOR x its BASELINE_WINDOW median.
+# Work waits on an engine on one GPU (judged per engine and GPU, never "a request is in flight"):
+# requests waiting this long (mean) for a pool context, or as many inferences in flight as the pool has
+# contexts, or p99 latency at least ENGINE_LATENCY_FACTOR x its calm median (learned, like the disk
+# baselines, only while the engine's storage was not saturated), or a load of the engine in progress.
 ENGINE_POOL_WAIT_SECONDS = thresholds.ENGINE_POOL_WAIT_SECONDS
 ENGINE_LATENCY_FACTOR = 2.0
 STARVED_FOR = "5m"

@@ -1,8 +1,9 @@
 """gpuio's recording rules and alerts, as data built from config.py.
 
-``python -m deploy.prometheus.generate`` writes them to rules/<source>.yml.  One file per metric
-source (disk, gpu, engines, smart, exporter), each holding that source's recording group and alert
-group.  Recording rules are named ``level:metric:operations``
+``python -m deploy.prometheus.generate`` writes them to rules/<name>.yml: starvation.yml (disk, IO
+pressure, GPU busy, network mounts, engines' queueing, and the storm and starvation alerts built on
+them, in one group: see rule_files), gpu.yml (GPU hardware), engines.yml (cold starts, spool errors),
+smart.yml, exporter.yml.  Recording rules are named ``level:metric:operations``
 (https://prometheus.io/docs/practices/rules/): ``instance_device:gpuio_disk_reads_completed:rate1m`` is
 the per-second rate over RATE_WINDOW of gpuio_disk_reads_completed_total, one series per node and
 device.  Rules in a group run in order at one timestamp, so a rule may use the ones above it.
@@ -10,7 +11,10 @@ device.  Rules in a group run in order at one timestamp, so a rule may use the o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from exporter import thresholds
 
 from . import config as c
 
@@ -23,6 +27,7 @@ ON_NODE = f"on ({c.NODE_LABEL})"
 TO_LIMIT = f"{ON_DEVICE} group_left ()"
 
 # Recording-rule names, used by the alerts below and by the dashboards.
+B = c.BASELINE_WINDOW
 READS = f"instance_device:gpuio_disk_reads_completed:rate{W}"
 WRITES = f"instance_device:gpuio_disk_writes_completed:rate{W}"
 READ_BYTES = f"instance_device:gpuio_disk_read_bytes:rate{W}"
@@ -32,22 +37,43 @@ WRITE_AWAIT = f"instance_device:gpuio_disk_write_await_seconds:rate{W}"
 QUEUE = f"instance_device:gpuio_disk_io_time_weighted_seconds:rate{W}"  # aqu-sz
 UTIL = f"instance_device:gpuio_disk_io_time_seconds:rate{W}"  # %util / 100
 AWAIT = f"instance_device:gpuio_disk_await_seconds:max_rate{W}"
-AWAIT_BASELINE = f"instance_device:gpuio_disk_await_seconds:median{c.BASELINE_WINDOW}"
-QUEUE_BASELINE = f"instance_device:gpuio_disk_io_time_weighted_seconds:median{c.BASELINE_WINDOW}"
+DISK_CLASS = "instance_device:gpuio_disk_class:info"
 AWAIT_LIMIT = "instance_device:gpuio_disk_await_limit_seconds:class"
 QUEUE_LIMIT = "instance_device:gpuio_disk_queue_limit:class"
 SATURATED = f"instance_device:gpuio_disk_saturated_await_seconds:max_rate{W}"
+# The calm evaluations (device not saturated), their medians over BASELINE_WINDOW (while there is
+# enough calm evidence), and the baselines the storm alert compares with (the last median, held).
+CALM_AWAIT = f"instance_device:gpuio_disk_calm_await_seconds:max_rate{W}"
+CALM_QUEUE = f"instance_device:gpuio_disk_calm_io_time_weighted_seconds:rate{W}"
+AWAIT_LEARNED = f"instance_device:gpuio_disk_calm_await_seconds:median{B}"
+QUEUE_LEARNED = f"instance_device:gpuio_disk_calm_io_time_weighted_seconds:median{B}"
+AWAIT_BASELINE = f"instance_device:gpuio_disk_calm_await_seconds:median{B}_held{c.BASELINE_HOLD}"
+QUEUE_BASELINE = f"instance_device:gpuio_disk_calm_io_time_weighted_seconds:median{B}_held{c.BASELINE_HOLD}"
+STORM = f"instance_device:gpuio_disk_storm_await_seconds:max_rate{W}"
 GPU_BUSY = f"instance_gpu:gpuio_gpu_busy_seconds:rate{W}"
+GPU_STALE = f"instance:gpuio_gpu_data_stale:max{W}"
+NVML_SUCCESS = 'gpuio_scrape_collector_success{collector="nvml",' + c.SELECTOR + "}"
+NVML_SUCCESS_NOW = (f'{{{{ with printf "gpuio_scrape_collector_success{{collector=\'nvml\',{c.NODE_LABEL}=\'%s\'}}" '
+                    f'$labels.{c.NODE_LABEL} | query }}}}{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}none'
+                    f"{{{{ end }}}}")
 ENGINE_GPU_BUSY = f"instance_engine_gpu:gpuio_gpu_busy_seconds:rate{W}"
 ENGINE_DISK_SATURATED = f"instance_engine:gpuio_disk_saturated_await_seconds:max_rate{W}"
-ENGINE_IN_FLIGHT = f"instance_engine:gpuio_engine_inferences_in_flight:avg_over_time{W}"
-ENGINE_POOL_WAIT = f"instance_engine:gpuio_engine_pool_wait_seconds:mean_rate{W}"
-ENGINE_LATENCY = f"instance_engine_quantile:gpuio_engine_inference_seconds:histogram_quantile_rate{W}"
-# quantile_over_time keeps the quantile="0.99" label: it compares one to one with the p99 above.
-ENGINE_LATENCY_BASELINE = f"instance_engine_quantile:gpuio_engine_inference_seconds:median{c.BASELINE_WINDOW}"
+ENGINE_MOUNT_SLOW = f"instance_engine:gpuio_mount_slow:max_rate{W}"
+ENGINE_IN_FLIGHT = f"instance_engine_gpu:gpuio_engine_inferences_in_flight:avg_over_time{W}"
+ENGINE_POOL_WAIT = f"instance_engine_gpu:gpuio_engine_pool_wait_seconds:mean_rate{W}"
+ENGINE_LATENCY = f"instance_engine_gpu_quantile:gpuio_engine_inference_seconds:histogram_quantile_rate{W}"
+# The p99 of the evaluations in which the engine's storage was not saturated, its median, held.
+ENGINE_LATENCY_CALM = f"instance_engine_gpu:gpuio_engine_inference_calm_p99_seconds:histogram_quantile_rate{W}"
+ENGINE_LATENCY_LEARNED = f"instance_engine_gpu:gpuio_engine_inference_calm_p99_seconds:median{B}"
+ENGINE_LATENCY_BASELINE = f"instance_engine_gpu:gpuio_engine_inference_calm_p99_seconds:median{B}_held{c.BASELINE_HOLD}"
+WORK_WAITING = f"instance_engine_gpu:gpuio_engine_work_waiting:rate{W}"
+STARVED = f"instance_engine_gpu:gpuio_engine_starved_gpu_busy:rate{W}"
 ENGINE_LOAD = f"instance_engine:gpuio_engine_load_seconds:mean{c.ENGINE_LOAD_WINDOW}"
 ENGINE_LOAD_READ = f"instance_engine:gpuio_engine_load_read_seconds:mean{c.ENGINE_LOAD_WINDOW}"
 ENGINE_LOAD_THROUGHPUT = f"instance_engine:gpuio_engine_load_read_bytes_per_second:rate{c.ENGINE_LOAD_WINDOW}"
+NFS_READ_RTT = f"instance_mountpoint:gpuio_mountstats_nfs_read_rtt_seconds:mean_rate{W}"
+NFS_READ_BYTES = f"instance_mountpoint:gpuio_mountstats_nfs_read_bytes:rate{W}"
+MOUNT_SLOW = f"instance_mountpoint:gpuio_mount_slow:max_rate{W}"
 IO_SOME = f"instance:gpuio_pressure_io_waiting_seconds:rate{W}"
 IO_FULL = f"instance:gpuio_pressure_io_stalled_seconds:rate{W}"
 
@@ -120,19 +146,12 @@ def disk_recording_rules() -> list[Rule]:
                       "  or\n"
                       f"  {direction(WRITE_AWAIT, WRITES, guard, 'write')}\n"
                       ")"),
-        # The device's own normal: medians over BASELINE_WINDOW.  No await baseline exists for a device
-        # that had a judged await in less than BASELINE_MIN_COVERAGE of the window's evaluations (QUEUE
-        # has a sample at every evaluation, so its count is the number of evaluations at any interval);
-        # the alerts then fall back to the class limits.
-        record(AWAIT_BASELINE, f"quantile_over_time(0.5, {AWAIT}[{c.BASELINE_WINDOW}])\n"
-                               f"and\n"
-                               f"count_over_time({AWAIT}[{c.BASELINE_WINDOW}])\n"
-                               f"  >= {c.BASELINE_MIN_COVERAGE:g} * count_over_time({QUEUE}[{c.BASELINE_WINDOW}])"),
-        record(QUEUE_BASELINE, f"quantile_over_time(0.5, {QUEUE}[{c.BASELINE_WINDOW}])"),
-        # Class limits (exporter/thresholds.py) as series, one per device: solid state where sysfs says
-        # rotational=0, rotational otherwise (an unknown device gets the lenient limits).
-        record(AWAIT_LIMIT, class_limit(c.SOLID_STATE.await_seconds, c.ROTATIONAL.await_seconds)),
-        record(QUEUE_LIMIT, class_limit(c.SOLID_STATE.queue_size, c.ROTATIONAL.queue_size)),
+        # Each device's class (exporter/thresholds.py disk_class) and its limits, one series per device:
+        # NVMe and network block devices by name, then solid state where sysfs says rotational=0, and
+        # rotational otherwise (an unknown device gets the lenient limits).  `or` keeps the first match.
+        record(DISK_CLASS, class_expr(lambda name: f'label_replace({{}}, "class", "{name}", "", "")')),
+        record(AWAIT_LIMIT, class_expr(lambda name: f"{c.DISK_CLASSES[name].await_seconds:g} * {{}}")),
+        record(QUEUE_LIMIT, class_expr(lambda name: f"{c.DISK_CLASSES[name].queue_size:g} * {{}}")),
         # Saturated, as `gpuio top` flags it (thresholds.disk_flags): slow for its class, and a deep
         # queue or IO pressure.  The value is the await; devices that are not saturated have no series.
         record(SATURATED, f"({AWAIT} >= {TO_LIMIT} {AWAIT_LIMIT})\n"
@@ -142,7 +161,27 @@ def disk_recording_rules() -> list[Rule]:
                           f"({AWAIT} >= {TO_LIMIT} {AWAIT_LIMIT})\n"
                           f"and {ON_NODE}\n"
                           f"(\n{indent(io_pressure_high(no_psi_counts=False))}\n)"),
+        # The device's own normal, from calm evaluations only: a storm never feeds its baseline.
+        record(CALM_AWAIT, f"{AWAIT} unless {ON_DEVICE} {SATURATED}"),
+        record(CALM_QUEUE, f"{QUEUE} unless {ON_DEVICE} {SATURATED}"),
+        # No median for a device with calm evidence in less than BASELINE_MIN_COVERAGE of the window's
+        # evaluations (QUEUE has a sample at every evaluation, so its count is the number of
+        # evaluations at any interval): the alerts then fall back to the class limits.
+        record(AWAIT_LEARNED, learned(CALM_AWAIT)),
+        record(QUEUE_LEARNED, learned(CALM_QUEUE)),
+        # Held through a storm: the last calm median, for up to BASELINE_HOLD.
+        record(AWAIT_BASELINE, f"last_over_time({AWAIT_LEARNED}[{c.BASELINE_HOLD}])"),
+        record(QUEUE_BASELINE, f"last_over_time({QUEUE_LEARNED}[{c.BASELINE_HOLD}])"),
+        # The storm (DiskIOStorm's condition before its `for`; value: the await).
+        record(STORM, storm_expr()),
     ]
+
+
+def learned(calm: str) -> str:
+    return (f"quantile_over_time(0.5, {calm}[{B}])\n"
+            f"and\n"
+            f"count_over_time({calm}[{B}])\n"
+            f"  >= {c.BASELINE_MIN_COVERAGE:g} * count_over_time({QUEUE}[{B}])")
 
 
 def direction(await_rule: str, ops_rule: str, guard: str, name: str) -> str:
@@ -150,62 +189,131 @@ def direction(await_rule: str, ops_rule: str, guard: str, name: str) -> str:
     return f'label_replace({await_rule} and ({ops_rule} >= {guard}), "direction", "{name}", "", "")'
 
 
-def class_limit(solid_state: float, rotational: float) -> str:
+def class_expr(shape: Callable[[str], str]) -> str:
+    """One term per device class, ``shape(class)`` applied to that class's devices, joined by ``or``."""
     by = f"max by (job, {c.NODE_LABEL}, device)"
-    solid = c.selector('rotational="0"')
-    return (f"{solid_state:g} * {by} (gpuio_disk_info{solid})\n"
-            f"or\n"
-            f"{rotational:g} * {by} (gpuio_disk_info{c.selector()})")
+    selectors = [(name, c.selector(f'device=~"{pattern}"')) for name, pattern in c.DEVICE_NAME_CLASSES]
+    selectors += [(thresholds.SOLID_STATE, c.selector('rotational="0"')), (thresholds.ROTATIONAL, c.selector())]
+    return "\nor\n".join(shape(name).format(f"{by} (gpuio_disk_info{sel})") for name, sel in selectors)
 
 
-def disk_io_storm() -> Rule:
+def storm_expr() -> str:
     k = f"{c.STORM_BASELINE_FACTOR:g}"
-    expr = "\n".join([
+    return "\n".join([
         f"({AWAIT} >= {TO_LIMIT} {AWAIT_LIMIT})",
         f"and {ON_DEVICE}",
         f"({QUEUE} >= {TO_LIMIT} {QUEUE_LIMIT})",
+        "# far above its calm normal, or it has none (idle until now, or never calm)",
         f"and {ON_DEVICE}",
         "(",
         f"  {AWAIT} >= {k} * {AWAIT_BASELINE}",
         "  or",
-        f"  ({AWAIT} unless {AWAIT_BASELINE})",
+        f"  ({AWAIT} unless {ON_DEVICE} {AWAIT_BASELINE})",
         ")",
         f"and {ON_DEVICE}",
-        f"({QUEUE} >= {k} * {QUEUE_BASELINE})",
+        "(",
+        f"  {QUEUE} >= {k} * {QUEUE_BASELINE}",
+        "  or",
+        f"  ({QUEUE} unless {ON_DEVICE} {QUEUE_BASELINE})",
+        ")",
         f"and {ON_NODE}",
         f"(\n{indent(io_pressure_high(no_psi_counts=True))}\n)",
     ])
+
+
+def disk_victims() -> str:
+    """Per disk: who the storm hurts.  Engine loads in progress from it, engines on it starving their
+    GPUs, or engines on it queueing work while all of the node's tasks stall on IO (PSI full)."""
+    sel = c.selector()
+    on_disk = f'label_replace(gpuio_engine_physical_device_info{sel}, "device", "$1", "physical_device", "(.+)")'
+    return "\n".join([
+        f"gpuio_disk_engine_loads_in_progress{sel} > 0",
+        f"or {ON_DEVICE}",
+        f'count by (job, {c.NODE_LABEL}, device) ({STARVED}{{device!=""}})',
+        f"or {ON_DEVICE}",
+        "(",
+        f"  count by (job, {c.NODE_LABEL}, device) ({on_disk} and on ({c.NODE_LABEL}, engine) {WORK_WAITING})",
+        f"  and {ON_NODE} ({IO_FULL} >= {c.STORM_PAGE_IO_FULL:g})",
+        ")",
+    ])
+
+
+def engines_on(info: str, label: str, value_label: str) -> str:
+    """An alert template listing the engines whose files are on the alert's disk or mount."""
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ range printf "count by (engine) ({info}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}})" '
+            f"{node} $labels.{value_label} | query | sortByLabel \"engine\" }}}}{{{{ .Labels.engine }}}} "
+            f"{{{{ else }}}}none {{{{ end }}}}")
+
+
+def gpus_on(info: str, label: str, value_label: str) -> str:
+    """An alert template listing the GPUs of the engines whose files are on the alert's disk or mount: by
+    NVML index and UUID where the node's GPU data joins, else by the UUID the engines' processes report."""
+    node = f"$labels.{c.NODE_LABEL}"
+    on_storage = f"on ({c.NODE_LABEL}, engine, path) {info}{{{c.NODE_LABEL}='%s',{label}='%s'}}"
+    by_nvml = f"count by (gpu, uuid) ({ENGINE_GPU_BUSY}{{{c.NODE_LABEL}='%s'}} and {on_storage})"
+    by_writer = f"count by (gpu_uuid) (gpuio_engine_info{{{c.NODE_LABEL}='%s',gpu_uuid!=''}} and {on_storage})"
+    args = f"{node} {node} $labels.{value_label}"
+    return (f'{{{{ range printf "{by_nvml}" {args} | query | sortByLabel "gpu" }}}}'
+            f"GPU {{{{ .Labels.gpu }}}} ({{{{ .Labels.uuid }}}}) {{{{ else }}}}"
+            f'{{{{ range printf "{by_writer}" {args} | query | sortByLabel "gpu_uuid" }}}}'
+            f"{{{{ .Labels.gpu_uuid }}}} {{{{ else }}}}none known {{{{ end }}}}{{{{ end }}}}")
+
+
+def starved_count(label: str) -> str:
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ with printf "count({STARVED}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}})" {node} $labels.{label} '
+            f'| query }}}}{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}0{{{{ end }}}}')
+
+
+def starved_on(label: str) -> str:
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ range printf "{STARVED}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}}" {node} $labels.{label} '
+            f'| query | sortByLabel "gpu" }}}}{{{{ .Labels.engine }}}} on GPU {{{{ .Labels.gpu }}}} (busy '
+            f"{{{{ .Value | humanizePercentage }}}}) {{{{ else }}}}none {{{{ end }}}}")
+
+
+def disk_alerts() -> list[Rule]:
     node = f"$labels.{c.NODE_LABEL}"
     two_decimals = 'printf "%.2f"'
-    baseline = device_figure(AWAIT_BASELINE, "humanizeDuration", "none, it was idle")
+    baseline = device_figure(AWAIT_BASELINE, "humanizeDuration", "none: no calm evidence")
     loads = (f"sum(increase(gpuio_engine_load_read_seconds_count{{{c.NODE_LABEL}='%s'}}"
              f"[{c.STORM_ENGINE_LOADS_WINDOW}]) and on ({c.NODE_LABEL}, engine) "
              f"gpuio_engine_physical_device_info{{{c.NODE_LABEL}='%s',physical_device='%s'}})")
     engine_loads = (f'{{{{ with printf "{loads}" {node} {node} $labels.device | query }}}}'
                     f'{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}0{{{{ end }}}}')
-    return {
-        "alert": "DiskIOStorm",
-        "expr": expr,
-        "for": c.STORM_FOR,
-        "labels": {"severity": c.WARNING},
-        "annotations": {
-            "summary": f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}}: requests wait "
-                       f"{{{{ $value | humanizeDuration }}}}, far above its normal.",
-            "description": (
-                f"Requests on {{{{ $labels.device }}}} at {{{{ {node} }}}} wait {{{{ $value | humanizeDuration }}}} "
-                f"(its {c.BASELINE_WINDOW} median: {baseline}) "
-                f"with {device_figure(QUEUE, two_decimals)} requests queued "
-                f"(median {device_figure(QUEUE_BASELINE, two_decimals)}); "
-                f"tasks on the node waited on IO {node_figure(IO_SOME, 'humanizePercentage', 'n/a (no PSI)')} "
-                f"of the time. Engine loads from this disk that finished in the last "
-                f"{c.STORM_ENGINE_LOADS_WINDOW}: {engine_loads}. Engine loads and data reads from this disk are "
-                f"slowed; a GPU fed from it may be starved."
-            ),
-            "runbook_url": runbook("DiskIOStorm"),
-            "dashboard_url": c.dashboard_url(c.DISK_IO_UID, instance=f"{{{{ {node} }}}}",
-                                             device="{{ $labels.device }}"),
-        },
-    }
+    disk_class = label_of(DISK_CLASS, "class", (c.NODE_LABEL, "device"), "?")
+    figures = (f"Requests on {{{{ $labels.device }}}} ({disk_class}) at {{{{ {node} }}}} wait "
+               f"{{{{ $value | humanizeDuration }}}} (its calm median: {baseline}) "
+               f"with {device_figure(QUEUE, two_decimals)} requests queued "
+               f"(calm median {device_figure(QUEUE_BASELINE, two_decimals, 'none')}); "
+               f"tasks on the node waited on IO {node_figure(IO_SOME, 'humanizePercentage', 'n/a (no PSI)')} "
+               f"of the time (all of them at once: {node_figure(IO_FULL, 'humanizePercentage', 'n/a')}).")
+    loads_waiting = device_figure("gpuio_disk_engine_loads_in_progress", COUNT, "0")
+    oldest = device_figure("gpuio_disk_engine_load_oldest_in_progress_seconds", "humanizeDuration", "-")
+    info = "gpuio_engine_physical_device_info"
+    board = c.dashboard_url(c.DISK_IO_UID, instance=f"{{{{ {node} }}}}", device="{{ $labels.device }}")
+    return [
+        alert(
+            "DiskIOStorm", STORM, c.STORM_FOR, c.WARNING,
+            f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}}: requests wait "
+            f"{{{{ $value | humanizeDuration }}}}, far above its normal.",
+            f"{figures} Engine loads from this disk that finished in the last {c.STORM_ENGINE_LOADS_WINDOW}: "
+            f"{engine_loads}. This ticket is the storm itself; it pages (the same alert, severity critical) "
+            f"while engine loads wait on the disk or engines on it starve their GPUs.",
+            board),
+        alert(
+            "DiskIOStorm", f"{STORM}\nand {ON_DEVICE}\n(\n{indent(disk_victims())}\n)", c.STORM_PAGE_FOR,
+            c.CRITICAL,
+            f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}} hurts serving: {loads_waiting} engine "
+            f"load(s) waiting, {starved_count('device')} engine(s) starving their GPU.",
+            f"{figures} Engine loads waiting on this disk: {loads_waiting} (oldest in progress for {oldest}). "
+            f"Starved engines: {starved_on('device')}. Engines with files on {{{{ $labels.device }}}}: "
+            f"{engines_on(info, 'physical_device', 'device')}on GPUs: "
+            f"{gpus_on(info, 'physical_device', 'device')}. Loads that finished in the last "
+            f"{c.STORM_ENGINE_LOADS_WINDOW}: {engine_loads}.",
+            board),
+    ]
 
 
 def exporter_alerts() -> list[Rule]:
@@ -382,7 +490,23 @@ def engines_board(**variables: str) -> str:
 
 
 def gpu_recording_rules() -> list[Rule]:
-    return [record(GPU_BUSY, rate("gpuio_gpu_busy_seconds_total"))]
+    sel = c.selector()
+    stale = "\n".join([
+        f"max by (job, {c.NODE_LABEL}) (max_over_time(gpuio_gpu_snapshot_age_seconds{sel}[{W}]))",
+        f"  > {c.GPU_STALE_AFTER_SECONDS}",
+        "or",
+        f"max by (job, {c.NODE_LABEL}) (",
+        f"  1 - min_over_time({NVML_SUCCESS}[{W}]) > 0",
+        ")",
+    ])
+    return [
+        record(GPU_BUSY, rate("gpuio_gpu_busy_seconds_total")),
+        # Nodes whose GPU readings are not to be trusted: the NVML snapshot was older than
+        # GPU_STALE_AFTER_SECONDS, or the nvml collector failed, at some scrape within RATE_WINDOW
+        # (a frozen busy counter reads as an idle GPU).  No starvation alert judges their GPUs.
+        # Value: the age, or the share of failed scrapes.
+        record(GPU_STALE, stale),
+    ]
 
 
 def gpu_alerts() -> list[Rule]:
@@ -453,13 +577,20 @@ def gpu_alerts() -> list[Rule]:
               f"{GPU_NAME} at {NODE}: {{{{ $labels.reason }}}}.",
               f"Memory of {GPU_NAME} at {NODE}: {{{{ $labels.reason }}}} (now {{{{ $value | printf \"%.4g\" }}}}). "
               f"Work on it may have been killed or computed on bad memory; drain it and reset it.", this_gpu),
-        alert("GpuioGPUDataStale", f"gpuio_gpu_snapshot_age_seconds{sel} > {c.GPU_STALE_AFTER_SECONDS}",
-              c.GPU_STALE_FOR, c.WARNING,
-              f"GPU data of gpuio at {NODE} is stale.",
-              f"The NVML snapshot gpuio-exporter serves at {NODE} is {{{{ $value | humanizeDuration }}}} old: "
-              f"NVML calls are slow or hanging. GPU alerts for this node see old values.", gpu_board()),
-        node_gpu_starved(),
     ]
+
+
+def gpu_data_stale() -> Rule:
+    return (
+alert("GpuioGPUDataStale", GPU_STALE, c.GPU_STALE_FOR, c.WARNING,
+              f"GPU data of gpuio at {NODE} is stale or failing.",
+              f"The NVML snapshot gpuio-exporter serves at {NODE} is "
+              f"{node_figure('gpuio_gpu_snapshot_age_seconds', 'humanizeDuration', '?')} old (stale after "
+              f"{c.GPU_STALE_AFTER_SECONDS}s), or its nvml collector failed (success now: "
+              f"{NVML_SUCCESS_NOW}"
+              f"): NVML calls are slow, hanging or failing, and a frozen busy counter reads as an idle GPU. No "
+              f"starvation alert judges this node's GPUs until the data is fresh again.", gpu_board())
+    )
 
 
 def node_gpu_starved() -> Rule:
@@ -472,6 +603,8 @@ def node_gpu_starved() -> Rule:
         "# GPUs whose engines report are judged by GPUStarvedByDiskIO instead",
         f"unless on ({c.NODE_LABEL}, uuid)",
         f'  label_replace(gpuio_engine_info{WITH_GPU}, "uuid", "$1", "gpu_uuid", "(.+)")',
+        "# a frozen or failing NVML reading is no evidence of an idle GPU",
+        f"unless on ({c.NODE_LABEL}) {GPU_STALE}",
     ])
     disks = (f'{{{{ range printf "{SATURATED}{{{c.NODE_LABEL}=\'%s\'}}" $labels.{c.NODE_LABEL} | query }}}}'
              f"{{{{ .Labels.device }}}} (await {{{{ .Value | humanizeDuration }}}}) {{{{ end }}}}")
@@ -484,12 +617,9 @@ def node_gpu_starved() -> Rule:
         starvation_board(gpu="{{ $labels.gpu }}"))
 
 
-def engine_recording_rules() -> list[Rule]:
+def engine_waiting_rules() -> list[Rule]:
     sel = c.selector()
-    lw = c.ENGINE_LOAD_WINDOW
-
-    def increase(metric: str) -> str:
-        return f"increase({metric}{sel}[{lw}])"
+    per_gpu = f"job, {c.NODE_LABEL}, engine, gpu_uuid"
 
     busy = "\n".join([
         f"max by (job, {c.NODE_LABEL}, engine, path, gpu, uuid) (",
@@ -507,23 +637,78 @@ def engine_recording_rules() -> list[Rule]:
         "  )",
         ")",
     ])
+    mount = "\n".join([
+        f"topk by (job, {c.NODE_LABEL}, engine, path) (1,",
+        f"  max by (job, {c.NODE_LABEL}, engine, path, mountpoint) (",
+        f"    gpuio_engine_mount_info{sel}",
+        f"    * on ({c.NODE_LABEL}, mountpoint) group_left ()",
+        f"    {MOUNT_SLOW}",
+        "  )",
+        ")",
+    ])
+    storage_slow = f"({ENGINE_DISK_SATURATED} or {ENGINE_MOUNT_SLOW})"
     rules = [
         # Each engine file's GPU and its busy ratio (one series per engine, path and GPU).
         record(ENGINE_GPU_BUSY, busy),
         # The worst saturated disk under each engine file, named in `device`; none while no disk is.
         record(ENGINE_DISK_SATURATED, disk),
+        # The slow network or FUSE mount under each engine file, named in `mountpoint`.
+        record(ENGINE_MOUNT_SLOW, mount),
+        # Per engine and GPU (the writer's GPU, gpu_uuid): one replica's queue is not another's.
         record(ENGINE_IN_FLIGHT, f"avg_over_time(gpuio_engine_inferences_in_flight{sel}[{W}])"),
         record(ENGINE_POOL_WAIT, f"{rate('gpuio_engine_pool_wait_seconds_sum')}\n/\n"
                                  f"({rate('gpuio_engine_pool_wait_seconds_count')} > 0)"),
     ]
     for q in (0.5, 0.95, 0.99):
-        rule = record(ENGINE_LATENCY, f"histogram_quantile({q:g}, sum by (job, {c.NODE_LABEL}, engine, le) "
+        rule = record(ENGINE_LATENCY, f"histogram_quantile({q:g}, sum by ({per_gpu}, le) "
                                       f"({rate('gpuio_engine_inference_seconds_bucket')}))")
         rule["labels"] = {"quantile": f"{q:g}"}
         rules.append(rule)
+    p99 = f'max without (quantile) ({ENGINE_LATENCY}{{quantile="0.99"}})'
     rules += [
-        record(ENGINE_LATENCY_BASELINE, f'quantile_over_time(0.5, {ENGINE_LATENCY}{{quantile="0.99"}}'
-                                        f"[{c.BASELINE_WINDOW}])"),
+        # The engine's normal p99, from evaluations in which its storage was not slow (held like the
+        # disk baselines): a storm never becomes the latency it is compared with.
+        record(ENGINE_LATENCY_CALM, f"{p99}\nunless on ({c.NODE_LABEL}, engine)\n{storage_slow}"),
+        record(ENGINE_LATENCY_LEARNED, learned_from(ENGINE_LATENCY_CALM, p99)),
+        record(ENGINE_LATENCY_BASELINE, f"last_over_time({ENGINE_LATENCY_LEARNED}[{c.BASELINE_HOLD}])"),
+        # Work queueing for an engine on one GPU, one series per reason.  Never "a request is in
+        # flight": a spare replica serving a request now and then is idle, not starved.
+        record(WORK_WAITING, "\nor\n".join([
+            reason(f"{ENGINE_POOL_WAIT} >= {c.ENGINE_POOL_WAIT_SECONDS:g}", "pool wait"),
+            reason(f"{ENGINE_IN_FLIGHT}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid)\n"
+                   f"(gpuio_engine_pool_contexts{sel} > 0)", "in flight >= contexts"),
+            reason(f"{p99}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid) "
+                   f"({c.ENGINE_LATENCY_FACTOR:g} * {ENGINE_LATENCY_BASELINE})",
+                   f"p99 latency >= {c.ENGINE_LATENCY_FACTOR:g}x its normal"),
+            reason(f"gpuio_engine_loads_in_progress{sel} > 0", "loading"),
+        ])),
+        # Starved: the engine's GPU mostly idle, work waiting for the engine on that GPU, its storage
+        # saturated (a disk, named in `device`) or slow (a network mount, named in `mountpoint`), and
+        # the node's GPU data fresh.  Value: the GPU's busy ratio.  GPUStarvedByDiskIO is this for `for`.
+        record(STARVED, "\n".join([
+            "(",
+            f"  ({ENGINE_GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
+            f"  + on ({c.NODE_LABEL}, engine, path) group_left (device) (0 * {ENGINE_DISK_SATURATED})",
+            "  or",
+            f"  ({ENGINE_GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
+            f"  + on ({c.NODE_LABEL}, engine, path) group_left (mountpoint) (0 * {ENGINE_MOUNT_SLOW})",
+            ")",
+            f"and on ({c.NODE_LABEL}, engine, uuid)",
+            f'  label_replace({WORK_WAITING}, "uuid", "$1", "gpu_uuid", "(.+)")',
+            f"unless on ({c.NODE_LABEL}) {GPU_STALE}",
+        ])),
+    ]
+    return rules
+
+
+def engine_load_rules() -> list[Rule]:
+    sel = c.selector()
+    lw = c.ENGINE_LOAD_WINDOW
+
+    def increase(metric: str) -> str:
+        return f"increase({metric}{sel}[{lw}])"
+
+    return [
         # Cold starts that finished in the window: mean seconds per load (read + deserialize), the
         # read (disk) part, and the read throughput.
         record(ENGINE_LOAD, f"({increase('gpuio_engine_load_read_seconds_sum')}\n"
@@ -534,28 +719,55 @@ def engine_recording_rules() -> list[Rule]:
         record(ENGINE_LOAD_THROUGHPUT, f"{increase('gpuio_engine_load_read_bytes_total')}\n"
                                        f"/\n({increase('gpuio_engine_load_read_seconds_sum')} > 0)"),
     ]
-    return rules
+
+
+def learned_from(calm: str, every: str) -> str:
+    """The median of ``calm`` over BASELINE_WINDOW where it covers enough of ``every``'s evaluations."""
+    return (f"quantile_over_time(0.5, {calm}[{B}])\n"
+            f"and\n"
+            f"count_over_time({calm}[{B}])\n"
+            f"  >= {c.BASELINE_MIN_COVERAGE:g} * count_over_time(({every})[{B}:])")
+
+
+def engine_gpu_figure(metric: str, fmt: str, missing: str) -> str:
+    """An alert template: ``metric`` of the alert's engine on the alert's GPU (labels engine, uuid)."""
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ with printf "{metric}{{{c.NODE_LABEL}=\'%s\',engine=\'%s\',gpu_uuid=\'%s\'}}" {node} '
+            f"$labels.engine $labels.uuid | query }}}}{{{{ . | first | value | {fmt} }}}}{{{{ else }}}}{missing}"
+            f"{{{{ end }}}}")
+
+
+def starved_alert() -> Rule:
+    node = f"$labels.{c.NODE_LABEL}"
+    device_labels = (c.NODE_LABEL, "device")
+    reasons = (f'{{{{ range printf "{WORK_WAITING}{{{c.NODE_LABEL}=\'%s\',engine=\'%s\',gpu_uuid=\'%s\'}}" '
+               f'{node} $labels.engine $labels.uuid | query | sortByLabel "reason" }}}}{{{{ .Labels.reason }}}}; '
+               f"{{{{ end }}}}")
+    mount = (c.NODE_LABEL, "mountpoint")
+    oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "none")
+    storage = ("{{ if $labels.device }}the disk under {{ $labels.path }}, {{ $labels.device }}, is saturated: "
+               f"await {figure(AWAIT, device_labels, 'humanizeDuration', '?')}, "
+               f"{figure(QUEUE, device_labels, ONE_DECIMAL, '?')} requests queued"
+               "{{ else }}the network mount under {{ $labels.path }}, {{ $labels.mountpoint }}, is slow: "
+               f"NFS READ round trip {figure(NFS_READ_RTT, mount, 'humanizeDuration', 'n/a')}, "
+               f"oldest engine load in progress {oldest}"
+               f"{{{{ end }}}}; IO pressure on the node {node_figure(IO_SOME, 'humanizePercentage', 'n/a (no PSI)')}")
+    return alert(
+        "GPUStarvedByDiskIO", STARVED, c.STARVED_FOR, c.CRITICAL,
+        f"Engine {{{{ $labels.engine }}}} on GPU {{{{ $labels.gpu }}}} at {NODE} is starved by "
+        f"{{{{ $labels.device }}}}{{{{ $labels.mountpoint }}}}.",
+        f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {NODE} is busy only "
+        f"{{{{ $value | humanizePercentage }}}} while work queues for engine {{{{ $labels.engine }}}} on it "
+        f"({reasons}in flight: {engine_gpu_figure(ENGINE_IN_FLIGHT, ONE_DECIMAL, '0')}, contexts: "
+        f"{engine_gpu_figure('gpuio_engine_pool_contexts', COUNT, 'n/a')}, pool wait: "
+        f"{engine_gpu_figure(ENGINE_POOL_WAIT, 'humanizeDuration', 'none')}, loads in progress: "
+        f"{engine_gpu_figure('gpuio_engine_loads_in_progress', COUNT, '0')}), and {storage}.",
+        starvation_board(gpu="{{ $labels.gpu }}", engine="{{ $labels.engine }}"))
 
 
 def engine_alerts() -> list[Rule]:
     sel = c.selector()
     engine_labels = (c.NODE_LABEL, "engine")
-    waiting = "\n".join([
-        f"  {ENGINE_IN_FLIGHT} > 0",
-        "  or",
-        f"  {ENGINE_POOL_WAIT} >= {c.ENGINE_POOL_WAIT_SECONDS:g}",
-        "  or",
-        f'  {ENGINE_LATENCY}{{quantile="0.99"}}',
-        f"    >= {c.ENGINE_LATENCY_FACTOR:g} * {ENGINE_LATENCY_BASELINE}",
-    ])
-    starved = "\n".join([
-        f"({ENGINE_GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
-        f"+ on ({c.NODE_LABEL}, engine, path) group_left (device)",
-        f"  (0 * {ENGINE_DISK_SATURATED})",
-        f"and on ({c.NODE_LABEL}, engine)",
-        f"(\n{waiting}\n)",
-    ])
-    device_labels = (c.NODE_LABEL, "device")
     w = c.SPOOL_ERRORS_WINDOW
     spool = "\n".join([
         f"gpuio_engine_spool_errors_total{sel} - gpuio_engine_spool_errors_total{sel} offset {w} > 0",
@@ -563,25 +775,20 @@ def engine_alerts() -> list[Rule]:
         "# a reason seen for the first time: its series starts at 1",
         f"(gpuio_engine_spool_errors_total{sel} unless gpuio_engine_spool_errors_total{sel} offset {w})",
     ])
+    cold = "\n".join([
+        f"{ENGINE_LOAD} > {c.ENGINE_LOAD_SLOW_SECONDS:g}",
+        "or",
+        "# a load still in progress for longer than that (the loads of a cold-start storm, while it lasts)",
+        f"max by (job, {c.NODE_LABEL}, engine) (gpuio_engine_load_oldest_in_progress_seconds{sel})",
+        f"  > {c.ENGINE_LOAD_SLOW_SECONDS:g}",
+    ])
     return [
         alert(
-            "GPUStarvedByDiskIO", starved, c.STARVED_FOR, c.CRITICAL,
-            f"Engine {{{{ $labels.engine }}}} on GPU {{{{ $labels.gpu }}}} at {NODE} is starved by "
-            f"{{{{ $labels.device }}}}.",
-            f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {NODE} is busy only "
-            f"{{{{ $value | humanizePercentage }}}} while work waits for engine {{{{ $labels.engine }}}} "
-            f"(in flight: {figure(ENGINE_IN_FLIGHT, engine_labels, ONE_DECIMAL, '0')}, pool wait: "
-            f"{figure(ENGINE_POOL_WAIT, engine_labels, 'humanizeDuration', 'none')}), and the disk under "
-            f"{{{{ $labels.path }}}}, {{{{ $labels.device }}}}, is saturated: await "
-            f"{figure(AWAIT, device_labels, 'humanizeDuration', '?')}, "
-            f"{figure(QUEUE, device_labels, ONE_DECIMAL, '?')} requests queued.",
-            starvation_board(gpu="{{ $labels.gpu }}", engine="{{ $labels.engine }}")),
-        alert(
-            "EngineColdStartSlow", f"{ENGINE_LOAD} > {c.ENGINE_LOAD_SLOW_SECONDS:g}", None, c.WARNING,
+            "EngineColdStartSlow", cold, None, c.WARNING,
             f"Engine {{{{ $labels.engine }}}} at {NODE} takes {{{{ $value | humanizeDuration }}}} to load.",
-            f"Loads of engine {{{{ $labels.engine }}}} at {NODE} that finished in the last "
-            f"{c.ENGINE_LOAD_WINDOW} took {{{{ $value | humanizeDuration }}}} each on average (over "
-            f"{c.ENGINE_LOAD_SLOW_SECONDS:g}s); reading the file took "
+            f"Loads of engine {{{{ $labels.engine }}}} at {NODE} take {{{{ $value | humanizeDuration }}}} "
+            f"(the mean of those that finished in the last {c.ENGINE_LOAD_WINDOW}, or the oldest still in "
+            f"progress; over {c.ENGINE_LOAD_SLOW_SECONDS:g}s); reading the file took "
             f"{figure(ENGINE_LOAD_READ, engine_labels, 'humanizeDuration', '?')} of it, at "
             f"{figure(ENGINE_LOAD_THROUGHPUT, engine_labels, 'humanize1024', '?')}B/s. The rest is "
             f"deserialization. Until loads finish, the GPU behind them waits.",
@@ -595,19 +802,96 @@ def engine_alerts() -> list[Rule]:
     ]
 
 
+def mount_recording_rules() -> list[Rule]:
+    sel = c.selector()
+    read = c.selector('operation="READ"')
+    rtt = "\n".join([
+        f"max by (job, {c.NODE_LABEL}, mountpoint) (",
+        f"  rate(gpuio_mountstats_nfs_operations_response_time_seconds_total{read}[{W}])",
+        "  /",
+        f"  (rate(gpuio_mountstats_nfs_operations_requests_total{read}[{W}]) >= {c.AWAIT_MIN_IOPS:g})",
+        ")",
+    ])
+    slow = "\n".join([
+        "(",
+        f"  {NFS_READ_RTT} >= {c.NFS_READ_RTT_SLOW_SECONDS:g}",
+        "  or",
+        f"  max by (job, {c.NODE_LABEL}, mountpoint) (gpuio_mount_engine_load_oldest_in_progress_seconds{sel})",
+        f"    >= {c.ENGINE_LOAD_SLOW_SECONDS:g}",
+        ")",
+        "# network and FUSE mounts only",
+        f"and on ({c.NODE_LABEL}, mountpoint) gpuio_mount_info{sel}",
+        f"and {ON_NODE}",
+        f"(\n{indent(io_pressure_high(no_psi_counts=True))}\n)",
+    ])
+    return [
+        # Mean round trip of an NFS READ per mount (node_exporter's mountstats semantics): requests
+        # under AWAIT_MIN_IOPS a second give no series.
+        record(NFS_READ_RTT, rtt),
+        record(NFS_READ_BYTES, f"sum by (job, {c.NODE_LABEL}, mountpoint) "
+                               f"(rate(gpuio_mountstats_nfs_read_bytes_total{sel}[{W}]))"),
+        # A slow network mount: READs with a slow round trip, or an engine load on it crawling for longer
+        # than ENGINE_LOAD_SLOW_SECONDS, while the node stalls on IO.  Value: the RTT or the load's age.
+        record(MOUNT_SLOW, slow),
+    ]
+
+
+def mount_alerts() -> list[Rule]:
+    node = f"$labels.{c.NODE_LABEL}"
+    mount = (c.NODE_LABEL, "mountpoint")
+    info = "gpuio_engine_mount_info"
+    sel = c.selector()
+    loads_waiting = figure("gpuio_mount_engine_loads_in_progress", mount, COUNT, "0")
+    oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "-")
+    fstype = label_of("gpuio_mount_info", "fstype", mount, "?")
+    source = label_of("gpuio_mount_info", "source", mount, "?")
+    figures = (f"The {fstype} mount {{{{ $labels.mountpoint }}}} ({source}) at {{{{ {node} }}}} is slow: NFS READ "
+               f"round trip {figure(NFS_READ_RTT, mount, 'humanizeDuration', 'n/a (not NFS, or idle)')}, reading "
+               f"{figure(NFS_READ_BYTES, mount, 'humanize1024', 'n/a')}B/s; the oldest engine load in progress on "
+               f"it started {oldest} ago; tasks on the node waited on IO "
+               f"{node_figure(IO_SOME, 'humanizePercentage', 'n/a (no PSI)')} of the time.")
+    victims = "\n".join([
+        f"gpuio_mount_engine_loads_in_progress{sel} > 0",
+        f"or on ({c.NODE_LABEL}, mountpoint)",
+        f'count by (job, {c.NODE_LABEL}, mountpoint) ({STARVED}{{mountpoint!=""}})',
+    ])
+    board = starvation_board()
+    return [
+        alert("MountIOStorm", MOUNT_SLOW, c.STORM_FOR, c.WARNING,
+              f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow.",
+              f"{figures} This ticket is the slow mount itself; it pages (the same alert, severity critical) "
+              f"while engine loads wait on it or engines on it starve their GPUs.", board),
+        alert("MountIOStorm", f"{MOUNT_SLOW}\nand on ({c.NODE_LABEL}, mountpoint)\n(\n{indent(victims)}\n)",
+              c.STORM_PAGE_FOR, c.CRITICAL,
+              f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow and hurts serving: "
+              f"{loads_waiting} engine load(s) waiting, {starved_count('mountpoint')} engine(s) starving their GPU.",
+              f"{figures} Engine loads waiting on it: {loads_waiting}. Starved engines: "
+              f"{starved_on('mountpoint')}. Engines with files on it: {engines_on(info, 'mountpoint', 'mountpoint')}"
+              f"on GPUs: {gpus_on(info, 'mountpoint', 'mountpoint')}.", board),
+    ]
+
+
 def rule_files() -> dict[str, dict[str, Any]]:
-    """rules/<name>.yml -> its content."""
+    """rules/<name>.yml -> its content.
+
+    starvation.yml is ONE group on purpose: the storm and starvation alerts chain recording rules of
+    several sources (disk -> mount -> engine on its GPU -> storm victims), and only rules of one group
+    run in a fixed order at one timestamp.  Split over groups, each link could see the previous
+    evaluation of the one before (Prometheus runs groups independently): first firing would wobble by
+    an evaluation per link, and promtool's tests with it.
+    """
     return {
-        "disk": {"groups": [
-            {"name": "gpuio.disk.rules", "rules": disk_recording_rules()},
-            {"name": "gpuio.disk.alerts", "rules": [disk_io_storm()]},
+        "starvation": {"groups": [
+            {"name": "gpuio.starvation", "rules": [
+                *disk_recording_rules(), *gpu_recording_rules(), *mount_recording_rules(), *engine_waiting_rules(),
+                *disk_alerts(), *mount_alerts(), starved_alert(), node_gpu_starved(), gpu_data_stale(),
+            ]},
         ]},
         "gpu": {"groups": [
-            {"name": "gpuio.gpu.rules", "rules": gpu_recording_rules()},
             {"name": "gpuio.gpu.alerts", "rules": gpu_alerts()},
         ]},
         "engines": {"groups": [
-            {"name": "gpuio.engines.rules", "rules": engine_recording_rules()},
+            {"name": "gpuio.engines.rules", "rules": engine_load_rules()},
             {"name": "gpuio.engines.alerts", "rules": engine_alerts()},
         ]},
         "smart": {"groups": [

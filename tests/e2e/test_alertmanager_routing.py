@@ -44,13 +44,30 @@ ALERTS = {
     # gpu-d: the node itself is down (another job's alert, same instance): its GPU's starvation is held back
     "d-down": {"alertname": "NodeDown", "instance": "gpu-d", "severity": "critical"},
     "d-node-starved": {"alertname": "NodeGPUStarvedByIO", "instance": "gpu-d", "gpu": "0", "severity": "warning"},
+    # gpu-e: NVML froze (stale GPU data): its starvation alerts are held back, the stale ticket is sent
+    "e-stale": {"alertname": "GpuioGPUDataStale", "instance": "gpu-e", "severity": "warning"},
+    "e-starved": {"alertname": "GPUStarvedByDiskIO", "instance": "gpu-e", "gpu": "0", "severity": "critical"},
+    "e-node-starved": {"alertname": "NodeGPUStarvedByIO", "instance": "gpu-e", "gpu": "1", "severity": "warning"},
+    # gpu-f: a storm that hurts serving pages; the ticket of the same disk is held back, the ticket of
+    # another disk (no victim there) is not
+    "f-storm-page": {"alertname": "DiskIOStorm", "instance": "gpu-f", "device": "nvme0n1", "severity": "critical"},
+    "f-storm-ticket": {"alertname": "DiskIOStorm", "instance": "gpu-f", "device": "nvme0n1", "severity": "warning"},
+    "f-other-ticket": {"alertname": "DiskIOStorm", "instance": "gpu-f", "device": "nvme1n1", "severity": "warning"},
+    # gpu-g: engines on NFS: the mount's storm page
+    "g-mount-page": {"alertname": "MountIOStorm", "instance": "gpu-g", "mountpoint": "/mnt/models",
+                     "severity": "critical"},
+    "g-mount-ticket": {"alertname": "MountIOStorm", "instance": "gpu-g", "mountpoint": "/mnt/models",
+                       "severity": "warning"},
 }
-INHIBITED = {"b-storm", "b-starved", "c-starved-1", "c-node-starved-1", "d-node-starved"}
+INHIBITED = {"b-storm", "b-starved", "c-starved-1", "c-node-starved-1", "d-node-starved", "e-starved",
+             "e-node-starved", "f-storm-ticket", "g-mount-ticket"}
 # receiver -> {(instance, alertname): the alerts of that notification group}
 EXPECTED = {
     "page": {("gpu-a", "GPUStarvedByDiskIO"): {"a-starved"}, ("gpu-c", "GPULost"): {"c-lost"},
-             ("gpu-c", "GPUStarvedByDiskIO"): {"c-starved-2"}, ("gpu-d", "NodeDown"): {"d-down"}},
-    "ticket": {("gpu-a", "DiskIOStorm"): {"a-storm-0", "a-storm-1"}, ("gpu-b", "GpuioExporterDown"): {"b-down"}},
+             ("gpu-c", "GPUStarvedByDiskIO"): {"c-starved-2"}, ("gpu-d", "NodeDown"): {"d-down"},
+             ("gpu-f", "DiskIOStorm"): {"f-storm-page"}, ("gpu-g", "MountIOStorm"): {"g-mount-page"}},
+    "ticket": {("gpu-a", "DiskIOStorm"): {"a-storm-0", "a-storm-1"}, ("gpu-b", "GpuioExporterDown"): {"b-down"},
+               ("gpu-e", "GpuioGPUDataStale"): {"e-stale"}, ("gpu-f", "DiskIOStorm"): {"f-other-ticket"}},
 }
 
 

@@ -54,7 +54,7 @@ DASHBOARDS = sorted(glob.glob(os.path.join(REPO, "dashboards", "*.json")))
 SCRAPES = 6  # samples per series before querying: a 4 s $__rate_interval then always holds 4 or more
 RATE_INTERVAL = "4s"
 # Rightly empty on a healthy node: no disk saturated, no NVMe critical warning bit set, no alert firing.
-MAY_BE_EMPTY = {"Saturated disks", "NVMe critical warnings", "Firing alerts"}
+MAY_BE_EMPTY = {"Saturated disks", "NVMe critical warnings", "Firing alerts", "Work waiting"}
 GPUIO_NAME = re.compile(r"(?<![:\w])gpuio_[a-z_]+")
 RECORDED_NAME = re.compile(r"\b[a-z_]+:gpuio_[a-z0-9_]+:[a-z0-9_]+")
 SMART_HOST = os.path.join(LISTINGS, "linux_multiple_devices")  # nvme0, nvme1, bus/0 (sat+megaraid,60)
@@ -245,7 +245,7 @@ def test_rules_are_healthy_and_run(prometheus) -> None:
         assert result["status"] == "success", (rule.get("record") or rule.get("alert"), result)
     # The per-device iostat rules and the class limits exist for every device of this machine.
     for name in ("instance_device:gpuio_disk_reads_completed:rate1m", "instance_device:gpuio_disk_queue_limit:class",
-                 "instance_device:gpuio_disk_io_time_weighted_seconds:median1h"):
+                 "instance_device:gpuio_disk_calm_io_time_weighted_seconds:median1h_held6h"):
         assert api.query(name)["data"]["result"], name
 
 

@@ -97,8 +97,8 @@ def test_every_metric_used_is_documented() -> None:
     """Panels use only families docs/metrics.md lists, and recording rules that deploy/prometheus defines."""
     with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
         documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
-    recorded = {rule["record"] for rule in r.disk_recording_rules() + r.gpu_recording_rules()
-                + r.engine_recording_rules()}
+    recorded = {rule["record"] for content in r.rule_files().values() for group in content["groups"]
+                for rule in group["rules"] if "record" in rule}
     for board in BOARDS.values():
         text = " ".join(exprs(board) + [annotation["expr"] for annotation in board["annotations"]["list"]])
         raw = {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"(?<![:\w])gpuio_[a-z_]+", text)}

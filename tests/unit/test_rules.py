@@ -90,30 +90,49 @@ def test_alert_has_severity_summary_description_runbook_and_dashboard(alert: dic
 
 
 def test_every_alert_has_a_firing_test_and_a_quiet_test() -> None:
-    """For each alert, deploy/prometheus/tests has a case where it fires and one where it must not."""
-    fires: set[str] = set()
-    quiet: set[str] = set()
+    """For each alert and severity, deploy/prometheus/tests has a case where it fires and one where it must
+    not: an alert_rule_test, or (the scenario suite) a check of the ALERTS series a node has firing."""
+    fires: set[tuple[str, str]] = set()
+    quiet: set[tuple[str, str]] = set()
+    every = {(alert["alert"], alert["labels"]["severity"]) for alert in r.alerts()}
     for path in TEST_FILES:
         with open(path) as handle:
             for case in yaml.safe_load(handle)["tests"]:
                 for check in case.get("alert_rule_test", []):
-                    (fires if check.get("exp_alerts") else quiet).add(check["alertname"])
-    names = {alert["alert"] for alert in r.alerts()}
-    assert names - fires == set(), "alerts never shown firing"
-    assert names - quiet == set(), "alerts never shown quiet (a look-alike or a spike shorter than `for`)"
+                    shown = {(check["alertname"], alert["exp_labels"]["severity"]) for alert in check["exp_alerts"]}
+                    fires |= shown
+                    quiet |= {key for key in every if key[0] == check["alertname"]} - shown
+                for check in case.get("promql_expr_test", []):
+                    if not check["expr"].startswith("ALERTS{"):
+                        continue
+                    shown = {(dict(re.findall(r'(\w+)="([^"]*)"', sample["labels"]))["alertname"],
+                              dict(re.findall(r'(\w+)="([^"]*)"', sample["labels"]))["severity"])
+                             for sample in check["exp_samples"]}
+                    fires |= shown
+                    asked = dict(re.findall(r'(\w+)="([^"]*)"', check["expr"]))
+                    quiet |= {key for key in every if asked.get("alertname", key[0]) == key[0]
+                              and asked.get("severity", key[1]) == key[1]} - shown
+    assert every - fires == set(), "alerts never shown firing"
+    assert every - quiet == set(), "alerts never shown quiet (a look-alike or a spike shorter than `for`)"
 
 
-def test_alert_names_are_unique() -> None:
-    names = [alert["alert"] for alert in r.alerts()]
-    assert len(names) == len(set(names))
+def test_alert_names_are_unique_per_severity() -> None:
+    """One name may come in two severities (a storm: ticket without a victim, page with one), never twice
+    in the same severity."""
+    keys = [(alert["alert"], alert["labels"]["severity"]) for alert in r.alerts()]
+    assert len(keys) == len(set(keys))
 
 
 def test_runbook_index_lists_every_alert_with_its_severity() -> None:
     pages = {os.path.basename(path)[:-3] for path in glob.glob(os.path.join(REPO, "docs", "runbooks", "*.md"))}
     assert pages - {"README"} == {alert["alert"] for alert in r.alerts()}
     with open(os.path.join(REPO, "docs", "runbooks", "README.md")) as handle:
-        index = dict(re.findall(r"^\| (\w+) \| (\w+) \| \[", handle.read(), re.MULTILINE))
-    assert index == {alert["alert"]: alert["labels"]["severity"] for alert in r.alerts()}
+        index = {name: set(severities.split(", "))
+                 for name, severities in re.findall(r"^\| (\w+) \| ([\w, ]+) \| \[", handle.read(), re.MULTILINE)}
+    severities: dict[str, set[str]] = {}
+    for alert in r.alerts():
+        severities.setdefault(alert["alert"], set()).add(alert["labels"]["severity"])
+    assert index == severities
 
 
 def test_every_metric_used_is_documented() -> None:
@@ -132,16 +151,19 @@ def test_every_metric_used_is_documented() -> None:
 def test_saturated_rule_agrees_with_gpuio_top(tmp_path) -> None:
     """The SATURATED recording rule flags exactly the devices exporter/thresholds.disk_flags flags.
 
-    One node per case: every combination of class, request rate (under and over the IOPS guard),
-    await and queue size (under, between and over the class limits) and IO pressure (none, low,
-    some high, full high), as steady counters; promtool evaluates the rule, Python the function.
+    One node per case: every combination of class (SATA SSD, HDD, NVMe, network block device), request
+    rate (under and over the IOPS guard), await and queue size (under, between and over the class
+    limits) and IO pressure (none, low, some high, full high), as steady counters; promtool evaluates
+    the rule, Python the function.
     """
-    cases = list(itertools.product(("0", "1"), (2.0, 50.0), (0.005, 0.02, 0.08), (2.0, 10.0, 40.0),
+    # (device name, rotational): SATA SSD, HDD, NVMe and a Ceph RBD volume (classes by name first)
+    devices = (("sda", "0"), ("sdb", "1"), ("nvme0n1", "0"), ("rbd0", "0"))
+    cases = list(itertools.product(devices, (2.0, 50.0), (0.003, 0.007, 0.02, 0.08, 0.15), (2.0, 10.0, 20.0, 40.0),
                                    (None, (0.1, 0.01), (0.5, 0.0), (0.1, 0.2))))
     series, expected = [], []
-    for index, (rotational, iops, wait, queue, psi) in enumerate(cases):
+    for index, ((name, rotational), iops, wait, queue, psi) in enumerate(cases):
         node = f'job="gpuio",instance="case-{index}"'
-        device = f'{node},device="d"'
+        device = f'{node},device="{name}"'
         series += [
             {"series": f'gpuio_disk_info{{{device},rotational="{rotational}"}}', "values": "1x8"},
             {"series": f"gpuio_disk_reads_completed_total{{{device}}}", "values": f"0+{iops * 15:g}x8"},
@@ -154,11 +176,12 @@ def test_saturated_rule_agrees_with_gpuio_top(tmp_path) -> None:
                 {"series": f"gpuio_pressure_io_stalled_seconds_total{{{node}}}", "values": f"0+{psi[1] * 15:g}x8"},
             ]
         pressure = psi is not None and thresholds.io_pressure_high(*psi)
-        if thresholds.SATURATED in thresholds.disk_flags(rotational, iops, None, wait, None, queue, pressure):
+        if thresholds.SATURATED in thresholds.disk_flags(rotational, iops, None, wait, None, queue, pressure,
+                                                         device=name):
             expected.append({"labels": f'{{instance="case-{index}"}}', "value": 1})
     assert 0 < len(expected) < len(cases)
     test = {
-        "rule_files": [os.path.join(RULES_DIR, "disk.yml")],
+        "rule_files": [os.path.join(RULES_DIR, "starvation.yml")],
         "evaluation_interval": "15s",
         "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": [
             {"expr": f"count by (instance) ({r.SATURATED})", "eval_time": "2m", "exp_samples": expected}]}],
@@ -189,9 +212,22 @@ RUNBOOK_FIGURES = {
     "DiskIOStorm": [ms(c.SOLID_STATE.await_seconds), ms(c.ROTATIONAL.await_seconds),
                     f"solid state {c.SOLID_STATE.queue_size:g}, rotational {c.ROTATIONAL.queue_size:g}",
                     f"{c.STORM_BASELINE_FACTOR:g}x", pct(c.IO_PRESSURE_SOME), pct(c.IO_PRESSURE_FULL),
-                    f"{c.AWAIT_MIN_IOPS:g} requests/s", f"for {c.STORM_FOR.removesuffix('m')} minutes"],
+                    f"{c.AWAIT_MIN_IOPS:g} requests/s", f"for {c.STORM_FOR.removesuffix('m')} minutes",
+                    f"NVMe {ms(c.NVME.await_seconds)}", f"network block devices {ms(c.NETWORK.await_seconds)}",
+                    f"NVMe {c.NVME.queue_size:g}", f"network block devices {c.NETWORK.queue_size:g}",
+                    f"for {c.STORM_PAGE_FOR.removesuffix('m')} minutes", pct(c.STORM_PAGE_IO_FULL),
+                    f"held for {c.BASELINE_HOLD.removesuffix('h')} hours"],
     "GPUStarvedByDiskIO": [pct(c.GPU_BUSY_LOW), ms(c.ENGINE_POOL_WAIT_SECONDS), f"{c.ENGINE_LATENCY_FACTOR:g}x",
-                           ms(c.SOLID_STATE.await_seconds), ms(c.ROTATIONAL.await_seconds)],
+                           ms(c.SOLID_STATE.await_seconds), ms(c.ROTATIONAL.await_seconds),
+                           f"NVMe {ms(c.NVME.await_seconds)}", f"network block devices {ms(c.NETWORK.await_seconds)}",
+                           ms(c.NFS_READ_RTT_SLOW_SECONDS), f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s",
+                           f"older than {c.GPU_STALE_AFTER_SECONDS} s"],
+    "MountIOStorm": [ms(c.NFS_READ_RTT_SLOW_SECONDS), f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s", pct(c.IO_PRESSURE_SOME),
+                     pct(c.IO_PRESSURE_FULL), f"{c.AWAIT_MIN_IOPS:g} READs/s",
+                     f"for {c.STORM_PAGE_FOR.removesuffix('m')} minutes",
+                     f"for {c.STORM_FOR.removesuffix('m')} minutes"],
+    "GpuioGPUDataStale": [f"older than {c.GPU_STALE_AFTER_SECONDS} s",
+                          f"For {c.GPU_STALE_FOR.removesuffix('m')} minutes"],
     "NodeGPUStarvedByIO": [pct(c.GPU_BUSY_LOW)],
     "EngineColdStartSlow": [f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s", f"{c.ENGINE_LOAD_WINDOW.removesuffix('m')} minutes"],
     "GPUThrottled": [pct(c.GPU_THROTTLE_RATIO), *c.GPU_THROTTLE_REASONS],

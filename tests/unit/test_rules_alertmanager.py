@@ -46,6 +46,11 @@ def test_amtool_check_config() -> None:
 @pytest.mark.parametrize(("labels", "receiver"), [
     (("severity=critical", "alertname=GPUStarvedByDiskIO", "instance=gpu-a"), "page"),
     (("severity=warning", "alertname=DiskIOStorm", "instance=gpu-a", "device=nvme0n1"), "ticket"),
+    # the storm that hurts serving (loads waiting, engines starved) pages; the same storm without a victim
+    # above is a ticket
+    (("severity=critical", "alertname=DiskIOStorm", "instance=gpu-a", "device=nvme0n1"), "page"),
+    (("severity=critical", "alertname=MountIOStorm", "instance=gpu-a", "mountpoint=/mnt/models"), "page"),
+    (("severity=warning", "alertname=GpuioGPUDataStale", "instance=gpu-a"), "ticket"),
     (("severity=info", "alertname=Anything"), "null"),
     (("alertname=SomeoneElsesAlert",), "ticket"),  # no severity: a ticket, never silence
 ])
@@ -68,6 +73,22 @@ def test_groups_by_node_and_alert() -> None:
     assert config["route"]["group_by"] == [c.NODE_LABEL, "alertname"]
     for child in config["route"]["routes"]:
         assert "group_by" not in child, "a child route would regroup"
+
+
+def test_storms_come_in_both_severities() -> None:
+    """A storm with a victim pages, the same storm without one opens a ticket: both rules exist."""
+    severities = {(alert["alert"], alert["labels"]["severity"]) for alert in r.alerts()}
+    for name in ("DiskIOStorm", "MountIOStorm"):
+        assert {(name, c.CRITICAL), (name, c.WARNING)} <= severities
+
+
+def test_stale_gpu_data_holds_back_starvation() -> None:
+    with open(CONFIG) as handle:
+        config = yaml.safe_load(handle)
+    stale = [rule for rule in config["inhibit_rules"] if rule["source_matchers"] == ['alertname="GpuioGPUDataStale"']]
+    assert len(stale) == 1 and stale[0]["equal"] == [c.NODE_LABEL]
+    held = set(re.fullmatch(r'alertname=~"([^"]+)"', stale[0]["target_matchers"][0]).group(1).split("|"))
+    assert held == {"GPUStarvedByDiskIO", "NodeGPUStarvedByIO"}
 
 
 def test_inhibit_rules_name_known_alerts_and_match_on_the_node() -> None:
