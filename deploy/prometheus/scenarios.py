@@ -620,13 +620,13 @@ SCENARIOS = [cold_start_storm, long_storm, rolling_deploy, rolling_deploy_satura
 
 
 # --- promtool tests --------------------------------------------------------------------------------
-def alerts_series(scenario: Scenario, fires: Iterable[Fire]) -> list[dict[str, str]]:
-    out = []
+def alerts_series(scenario: Scenario, fires: Iterable[Fire]) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
     for fire in fires:
         labels = {"alertname": fire.alertname, "alertstate": "firing", "instance": scenario.instance, "job": "gpuio",
                   "severity": fire.severity, **fire.labels}
         out.append({"labels": selector("ALERTS", **labels), "value": 1})
-    return sorted(out, key=lambda sample: sample["labels"])
+    return sorted(out, key=lambda sample: str(sample["labels"]))
 
 
 def firing_at(scenario: Scenario, t: int) -> list[Fire]:
@@ -707,7 +707,7 @@ def probe(scenario: Scenario, directory: str) -> dict[int, list[dict[str, str]]]
     return seen
 
 
-def annotations(scenario: Scenario, fire: Fire, t: int, directory: str) -> str:
+def rendered_annotations(scenario: Scenario, fire: Fire, t: int, directory: str) -> str:
     """The summary and description of ``fire`` at ``t``, as promtool renders them."""
     test = {"rule_files": [os.path.join(HERE, "rules", os.path.basename(f)) for f in RULE_FILES],
             "evaluation_interval": f"{STEP}s",
@@ -783,8 +783,8 @@ def table() -> tuple[list[str], bool]:
                     latency += f", firing throughout to {duration(page.end - MIN - scenario.storm_start)}: " \
                                f"{'yes' if steady else 'NO'}"
                     ok &= steady
-                missing = [name for f in pages for name in f.names
-                           if at is not None and name not in annotations(scenario, f, first(seen, f) or at, directory)]
+                missing = [name for f in pages for name in f.names if at is not None
+                           and name not in rendered_annotations(scenario, f, first(seen, f) or at, directory)]
                 named = "all" if not missing else "missing " + ", ".join(missing)
                 ok &= not missing
             ok &= got == scenario.expected
