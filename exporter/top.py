@@ -168,7 +168,7 @@ class LocalSource:
     """This machine, through the exporter's own collectors (its flags decide which, and where)."""
 
     def __init__(self, config: Any, clock: Callable[[], float] = time.monotonic) -> None:
-        from .cli import build_scraper
+        from .assemble import build_scraper
 
         # process_* would describe this gpuio top process, not the node.
         self.scraper = build_scraper(dataclasses.replace(config, disable_exporter_metrics=True))
@@ -965,8 +965,9 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
          sleep: Callable[[float], None] = time.sleep, out: IO[str] | None = None) -> int:
     """``gpuio top``; ``clock`` and ``sleep`` are for tests that rewrite a procfs between two samples."""
     from . import collectors  # noqa: F401  (importing registers the collectors, and so their flags)
-    from .config import ConfigError, parse_args, parse_seconds
+    from .config import parse_args
     from .logsetup import setup
+    from .options import ConfigError, parse_seconds
 
     out = out or sys.stdout
     parser = _parser()

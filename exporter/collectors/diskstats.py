@@ -21,10 +21,10 @@ import time
 from typing import Any
 
 from ..blockdev import BlockDevices
-from ..collect import Collector, Context, MalformedSource, Option, register
-from ..config import parse_regex
+from ..collect import Collector, Context, MalformedSource, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce
+from ..options import ConfigError, Option, parse_regex
 
 log = logging.getLogger("gpuio.collector.diskstats")
 
@@ -148,8 +148,6 @@ class DiskstatsCollector(Collector):
         super().__init__(context, options)
         include, exclude = options.get("device-include"), options.get("device-exclude")
         if include is not None and exclude is not None:
-            from ..config import ConfigError
-
             raise ConfigError(
                 "--collector.diskstats.device-include and --collector.diskstats.device-exclude are mutually "
                 "exclusive; accepted: at most one of them"

@@ -40,12 +40,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..blockdev import BlockDevices, PathDevices
-from ..collect import Collector, Context, Option, parse_count, parse_seconds, register
+from ..collect import Collector, Context, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..instrument import spool as fmt
 from ..instrument.load import engine_name
 from ..logsetup import LogOnce
 from ..mounts import MountCache
+from ..options import Option, parse_count, parse_seconds
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..sampler import PeriodicSampler
 

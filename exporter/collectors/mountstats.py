@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import mounts
-from ..collect import Collector, Context, Option, parse_count, register
+from ..collect import Collector, Context, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..options import Option, parse_count
 
 log = logging.getLogger("gpuio.collector.mountstats")
 

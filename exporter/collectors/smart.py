@@ -50,10 +50,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..collect import Collector, Context, Option, StaleData, parse_count, parse_seconds, register
-from ..config import ConfigError, parse_choice, parse_regex
+from ..collect import Collector, Context, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
+from ..options import ConfigError, Option, parse_choice, parse_count, parse_regex, parse_seconds
 from ..sampler import PeriodicSampler
 
 log = logging.getLogger("gpuio.collector.smart")

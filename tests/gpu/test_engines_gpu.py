@@ -16,7 +16,6 @@ Runs under pytest (marker ``gpu``) or as a plain script that prints what it foun
 
 from __future__ import annotations
 
-import importlib
 import io
 import os
 import shutil
@@ -25,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,18 +38,6 @@ MODEL_WIDTH = 4096  # one 4096 x 4096 float32 layer: a 64 MiB model file, enough
 BATCH = 32
 THREADS = 4
 REQUESTS = 50
-
-
-def engines_module() -> Any:
-    """The engines collector, even where exporter.collectors' other collectors cannot import (their
-    dependencies, e.g. the web stack's, are not on the GPU machine): then only ours is loaded."""
-    try:
-        return importlib.import_module("exporter.collectors.engines")
-    except ImportError:
-        package = types.ModuleType("exporter.collectors")
-        package.__path__ = [os.path.join(REPO, "exporter", "collectors")]
-        sys.modules["exporter.collectors"] = package
-        return importlib.import_module("exporter.collectors.engines")
 
 
 def nvidia_smi_uuids() -> list[str]:
@@ -132,7 +118,8 @@ def run(work: str) -> dict[str, Any]:
         thread.join()
     serving = time.perf_counter() - started
 
-    engines = engines_module()
+    from exporter.collectors import engines
+
     options = {option.name: option.parse(option.default) if option.default is not None else None
                for option in engines.EnginesCollector.options}
     options["spool-dir"] = spool

@@ -7,7 +7,7 @@ import pytest
 
 from exporter.collect import Context, Scraper
 from exporter.collectors.diskstats import DiskstatsCollector
-from exporter.config import parse_regex
+from exporter.options import parse_regex
 from exporter.exposition import render
 from tests.conftest import parse_samples
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from exporter.cli import build_scraper
+from exporter.assemble import build_scraper
 from exporter.config import parse_args
 from exporter.exposition import render
 from tests.conftest import KERNELS, REPO, root
