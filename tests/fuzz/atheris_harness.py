@@ -37,12 +37,11 @@ import tempfile
 import atheris
 
 with atheris.instrument_imports():
-    from exporter import collectors, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
+    from exporter import collectors, spool_reader, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
     from exporter.collect import Context, MalformedSource
     from exporter.collectors import diskstats, pressure, smart
     from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
     from exporter.exposition import render
-    from exporter.instrument import spool
 
 ROOT = tempfile.mkdtemp(prefix="gpuio-atheris-")
 os.makedirs(os.path.join(ROOT, "pressure"))
@@ -136,8 +135,8 @@ def fuzz_spool(data: bytes) -> None:
         mutated[offset : offset + len(chunk)] = chunk
     mutated = mutated[: provider.ConsumeIntInRange(0, len(mutated))]
     try:
-        parsed = spool.parse(bytes(mutated))
-    except spool.BadFile:
+        parsed = spool_reader.parse(bytes(mutated))
+    except spool_reader.BadFile:
         return
     for values in parsed.engines.values():
         assert all(value == value and abs(value) != float("inf") for value in values), values

@@ -26,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
+from exporter import spool_reader
 from exporter.collect import Context
 from exporter.collectors.engines import EnginesCollector
 from exporter.exposition import render
@@ -66,7 +67,7 @@ def _seed() -> bytes:
 
 SEED = _seed()
 USED = struct.unpack_from("<Q", SEED, spool.USED_OFFSET)[0]
-PRISTINE = spool.parse(SEED)
+PRISTINE = spool_reader.parse(SEED)
 EDGE_U64 = st.sampled_from([0, 1, 7, 8, 255, 256, USED - 8, USED, USED + 8, len(SEED), 2**31, 2**32 - 1, 2**63,
                             2**64 - 1])
 EDGE_DOUBLE = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 0.0, 1e308, 5e-324]) | st.floats()
@@ -103,8 +104,8 @@ def mutate(data: bytes, mutations: list[tuple]) -> bytes:
 @given(st.lists(MUTATION, min_size=1, max_size=5))
 def test_parse_raises_only_bad_file(mutations: list[tuple]) -> None:
     try:
-        parsed = spool.parse(mutate(SEED, mutations))
-    except spool.BadFile as exc:
+        parsed = spool_reader.parse(mutate(SEED, mutations))
+    except spool_reader.BadFile as exc:
         assert exc.reason in ("empty", "truncated", "garbage", "version")
         return
     for values in parsed.engines.values():

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter import instrument
+from exporter import instrument, spool_reader
 from exporter.instrument import gpu, metrics
 from exporter.instrument import spool as fmt
 from tests.conftest import REPO
@@ -84,7 +84,7 @@ def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) 
     m = loaded.metrics
     assert m.load_read_seconds.count() == 1 and m.load_deserialize_seconds.count() == 1
     assert m.load_read_bytes.value() == 3 << 20
-    (info,) = fmt.SpoolReader(spool_dir).read().infos["detector"]
+    (info,) = spool_reader.SpoolReader(spool_dir).read().infos["detector"]
     assert (info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.size) == (
         str(model_file), 2, "GPU-x", "generic", 3 << 20)
     assert info.ino == model_file.stat().st_ino
@@ -227,7 +227,7 @@ def test_layer_times_keep_the_top_k_and_sum_the_rest(spool_dir) -> None:
     for _ in range(4):
         m.add_layer_times(profile)
     m.add_layer_times({"never-seen-before": 0.5})
-    layers = fmt.SpoolReader(spool_dir).read().layers
+    layers = spool_reader.SpoolReader(spool_dir).read().layers
     assert set(layers) == {("layered", "conv1"), ("layered", "conv2"), ("layered", "(other)")}
     assert layers[("layered", "conv1")][0] == pytest.approx(0.012)
     assert layers[("layered", "(other)")][0] == pytest.approx(4 * 0.0003 + 0.5)
@@ -263,11 +263,11 @@ def test_no_spool_directory_means_metrics_stay_in_the_process(tmp_path) -> None:
 # --- loads in progress, work waiting per GPU ---------------------------------------------------------
 
 
-def _spool_totals(directory: str, remove_dead: bool = False) -> fmt.Totals:
-    return fmt.SpoolReader(directory, remove_dead=remove_dead).read()
+def _spool_totals(directory: str, remove_dead: bool = False) -> spool_reader.Totals:
+    return spool_reader.SpoolReader(directory, remove_dead=remove_dead).read()
 
 
-def _loads(totals: fmt.Totals, engine: str) -> list[list[float]]:
+def _loads(totals: spool_reader.Totals, engine: str) -> list[list[float]]:
     return [values for (name, _, _), values in totals.loads.items() if name == engine]
 
 
@@ -284,7 +284,7 @@ def test_a_load_is_in_progress_from_its_start_until_the_loader_returns(spool_dir
     before = time.time()
     instrument.load(str(plan), loader, gpu_uuid="GPU-aaaa", device=0)
     during = seen["during"]
-    assert isinstance(during, fmt.Totals)
+    assert isinstance(during, spool_reader.Totals)
     ((engine, uuid, dev), (count, read_bytes, oldest)), = during.loads.items()
     assert (engine, uuid, dev) == ("detector", "GPU-aaaa", (os.major(st.st_dev), os.minor(st.st_dev)))
     assert count == 1 and read_bytes == 3 << 20 and before <= oldest <= time.time()
@@ -345,7 +345,7 @@ def test_a_bad_load_record_is_refused_and_counted() -> None:
     with spool.lock:
         offset = spool.add_record(fmt.KIND_LOAD, "engine-without-gpu-and-device", 24)
     assert offset is not None
-    parsed = fmt.parse(bytes(spool._map[: spool.used]))
+    parsed = spool_reader.parse(bytes(spool._map[: spool.used]))
     assert parsed.bad_record and parsed.loads == {}
 
 
@@ -393,8 +393,8 @@ def test_two_processes_of_one_engine_on_two_gpus_give_two_in_flight_series(tmp_p
     try:
         assert spare.stdout is not None and spare.stdout.readline().strip() == "ready"
         totals = _spool_totals(str(tmp_path))
-        in_flight = fmt.PER_GPU_LAYOUT.gauges["in_flight"]
-        idle = fmt.PER_GPU_LAYOUT.gauges["pool_idle"]
+        in_flight = spool_reader.PER_GPU_LAYOUT.gauges["in_flight"]
+        idle = spool_reader.PER_GPU_LAYOUT.gauges["pool_idle"]
         assert {key: values[in_flight] for key, values in totals.per_gpu.items()} == {
             ("shared", "GPU-0000"): 1.0, ("shared", "GPU-1111"): 0.0}
         assert totals.per_gpu[("shared", "GPU-1111")][idle] == 2.0
@@ -409,7 +409,7 @@ def test_a_process_that_died_mid_load_has_no_load_in_progress(tmp_path) -> None:
     plan = tmp_path / "shared.engine"
     plan.write_bytes(b"\0" * 4096)
     process = _held(str(tmp_path), str(plan), "GPU-0000", loading=True)
-    reader = fmt.SpoolReader(str(tmp_path))
+    reader = spool_reader.SpoolReader(str(tmp_path))
     try:
         assert [values[0] for values in reader.read().loads.values()] == [1.0]
     finally:
@@ -432,8 +432,9 @@ def test_counts_of_a_dead_writer_stay_under_the_gpu_nvml_gave_it(tmp_path) -> No
         print("ready", flush=True); sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     listed = {"pid": 0}
-    reader = fmt.SpoolReader(str(tmp_path), gpu_of=lambda pid, ticks: "GPU-nvml" if pid == listed["pid"] else None)
-    first, total = fmt.PER_GPU_LAYOUT.histograms["inference_seconds"][:2]
+    reader = spool_reader.SpoolReader(str(tmp_path),
+                                      gpu_of=lambda pid, ticks: "GPU-nvml" if pid == listed["pid"] else None)
+    first, total = spool_reader.PER_GPU_LAYOUT.histograms["inference_seconds"][:2]
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         listed["pid"] = writer.pid

@@ -114,3 +114,30 @@ def test_no_module_below_the_entry_points_imports_them() -> None:
     upward = {(low, high) for low, targets in edges.items() if low not in TOP
               for high in targets if high in TOP}
     assert upward == set()
+
+
+def test_the_instrumentation_library_imports_only_itself() -> None:
+    """Inference processes import the library: it ships no exporter code (no reader, no collector)."""
+    edges = graph()
+    library = [name for name in edges if name.startswith("exporter.instrument")]
+    assert "exporter.instrument.spool" in library
+    outside = {(name, target) for name in library for target in edges[name]
+               if not target.startswith("exporter.instrument")}
+    assert outside == set()
+
+
+def test_the_spool_reader_never_calls_up_into_a_collector() -> None:
+    """The engines' GPU lookup flows one way: the collector hands the reader a function."""
+    assert {target for target in graph()["exporter.spool_reader"]
+            if not target.startswith("exporter.instrument")} == set()
+
+
+def test_the_library_ships_the_spool_writer_but_not_its_reader() -> None:
+    defined: set[str] = set()
+    for name, path in modules().items():
+        if name.startswith("exporter.instrument"):
+            with open(path, encoding="utf-8") as file:
+                defined |= {node.name for node in ast.parse(file.read()).body
+                            if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    assert "SpoolFile" in defined
+    assert defined & {"SpoolReader", "Totals", "FileState", "parse", "parse_header", "WriterGpus"} == set()

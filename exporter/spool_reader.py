@@ -1,0 +1,830 @@
+"""The exporter's side of the spool: read every writer's file, fold the exited ones, merge the rest.
+
+The file format and the writer live in the instrumentation library (:mod:`exporter.instrument.spool`),
+which inference processes import; this module is what only the exporter (and ``gpuio engines``)
+runs: parsing a file no one trusts, the bounded directory read, folding the totals of exited
+processes, and merging everything per engine, per engine and GPU, and per load in progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import math
+import operator
+import os
+import stat
+import struct
+import threading
+import time
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from .instrument.spool import (
+    DEFAULT_FILE_BYTES,
+    ENGINE_LAYOUT,
+    GAUGES,
+    HEADER,
+    HEADER_SIZE,
+    INFO_STRUCT,
+    KIND_ENGINE,
+    KIND_ERROR,
+    KIND_INFO,
+    KIND_LAYER,
+    KIND_LOAD,
+    KINDS,
+    LOAD_SLOTS,
+    MAGIC,
+    MAX_KEY_BYTES,
+    MAX_RECORD_BYTES,
+    PREFIX,
+    RECORD_HEAD,
+    SUFFIX,
+    USED_OFFSET,
+    VERSION,
+    Layout,
+    pad8,
+    process_start_ticks,
+)
+
+# What the reader keeps per engine *and GPU* (the rest is per engine): the series that say whether work
+# waits on one GPU.  A compact vector of these ENGINE slots, in this order; PER_GPU_LAYOUT indexes it.
+PER_GPU_HISTOGRAMS = ("inference_seconds", "pool_wait_seconds")
+
+
+def _per_gpu_layout() -> tuple[tuple[int, ...], Layout]:
+    slots: list[int] = []
+    histograms: dict[str, tuple[int, int, tuple[float, ...]]] = {}
+    for name in PER_GPU_HISTOGRAMS:
+        first, sum_index, bounds = ENGINE_LAYOUT.histograms[name]
+        histograms[name] = (len(slots), len(slots) + sum_index - first, bounds)
+        slots.extend(range(first, sum_index + 1))
+    monotonic = len(slots)
+    gauges = {name: monotonic + offset for offset, name in enumerate(GAUGES)}
+    slots.extend(ENGINE_LAYOUT.gauges[name] for name in GAUGES)
+    return tuple(slots), Layout(histograms, {}, gauges, len(slots), monotonic)
+
+
+PER_GPU_SLOTS, PER_GPU_LAYOUT = _per_gpu_layout()
+_per_gpu_values = operator.itemgetter(*PER_GPU_SLOTS)
+# The histogram bucket slots of an ENGINE record: whole counts (OpenMetrics refuses anything else).
+BUCKET_SLOTS = tuple(index for first, sum_index, _ in ENGINE_LAYOUT.histograms.values()
+                     for index in range(first, sum_index))
+MAX_VALUE = 2.0**53
+
+
+def histogram_count_and_sum(values: typing.Sequence[float], name: str) -> tuple[float, float]:
+    """An ENGINE vector's histogram ``name``: how many observations, and their sum."""
+    first, sum_index, _ = ENGINE_LAYOUT.histograms[name]
+    return sum(values[first:sum_index]), values[sum_index]
+
+
+def counter(values: typing.Sequence[float], name: str) -> float:
+    """An ENGINE vector's counter ``name``."""
+    return values[ENGINE_LAYOUT.counters[name]]
+
+
+class WriterGpus:
+    """The GPU NVML lists a spool writer on, for a writer that recorded none: pid -> GPU, one way.
+
+    ``gpu_of_pid`` is what the nvml collector last saw (pid -> GPU UUID).  A pid counts only when this
+    exporter's procfs shows that very process (same start time): a writer in another pid namespace
+    (a pod without hostPID) has a pid that means another process here, or none, and NVML reports
+    host pids.
+    """
+
+    def __init__(self, gpu_of_pid: Callable[[int], str | None], procfs: str = "/proc") -> None:
+        self.gpu_of_pid = gpu_of_pid
+        self.procfs = procfs
+        self._same_process: dict[tuple[int, int], bool] = {}  # (pid, start ticks) -> our /proc shows it
+
+    def __call__(self, pid: int, start_ticks: int) -> str | None:
+        uuid = self.gpu_of_pid(pid)
+        if uuid is None or start_ticks <= 0:
+            return None
+        key = (pid, start_ticks)
+        same = self._same_process.get(key)
+        if same is None:
+            if len(self._same_process) > 4096:
+                self._same_process.clear()
+            same = self._same_process[key] = process_start_ticks(pid, self.procfs) == start_ticks
+        return uuid if same else None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    path: str
+    cuda_device: int
+    gpu_uuid: str
+    runtime: str
+    dev: tuple[int, int]
+    ino: int
+    size: int
+    mtime_ns: int
+    load_time: float
+
+
+LoadKey = tuple[str, str, tuple[int, int]]  # engine, GPU uuid ("" unknown), st_dev of the file
+
+
+@dataclass
+class Parsed:
+    """The content of one spool file."""
+
+    pid: int
+    start_ticks: int
+    instance: int
+    dropped: int
+    engines: dict[str, list[float]] = field(default_factory=dict)
+    errors: dict[tuple[str, str], float] = field(default_factory=dict)
+    layers: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    infos: dict[str, EngineInfo] = field(default_factory=dict)
+    loads: dict[LoadKey, list[float]] = field(default_factory=dict)  # LOAD records, LOAD_SLOTS each
+    bad_record: bool = False
+
+
+class BadFile(ValueError):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def parse_header(data: bytes) -> tuple[int, int, int, int, int]:
+    """``(used, pid, start_ticks, instance, dropped)``, or BadFile with a spool-errors reason."""
+    if not data:
+        raise BadFile("empty", "zero-byte file")
+    if len(data) < HEADER.size:
+        raise BadFile("truncated", f"{len(data)} bytes, shorter than the header")
+    magic, version, header_size, size, used, pid, _, ticks, _, instance, dropped, _ = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise BadFile("garbage", "not a gpuio spool file (bad magic)")
+    if version != VERSION:
+        raise BadFile("version", f"spool format version {version}, this exporter reads {VERSION}")
+    if header_size != HEADER_SIZE or not HEADER_SIZE <= used <= size or size % 8:
+        raise BadFile("garbage", f"inconsistent header (header {header_size}, used {used}, size {size})")
+    if used > len(data):
+        raise BadFile("truncated", f"header says {used} bytes are in use, the file has {len(data)}")
+    return used, pid, ticks, instance, dropped
+
+
+def parse(data: bytes) -> Parsed:
+    """Parse a whole spool file (``data`` at least up to its ``used`` offset).
+
+    Records are checked one by one; at the first one that makes no sense parsing stops, keeps what
+    came before and sets ``bad_record`` (a file is never trusted past garbage).
+    """
+    used, pid, ticks, instance, dropped = parse_header(data)
+    parsed = Parsed(pid, ticks, instance, dropped)
+    view = memoryview(data)
+    offset = HEADER_SIZE
+    while offset < used:
+        if offset + RECORD_HEAD.size > used:
+            parsed.bad_record = True
+            break
+        size, kind, key_len = RECORD_HEAD.unpack_from(data, offset)
+        payload = offset + RECORD_HEAD.size + pad8(key_len)
+        if (size % 8 or size < RECORD_HEAD.size or size > MAX_RECORD_BYTES or offset + size > used
+                or kind not in KINDS or key_len > MAX_KEY_BYTES or payload > offset + size):
+            parsed.bad_record = True
+            break
+        try:
+            key = bytes(view[offset + RECORD_HEAD.size : offset + RECORD_HEAD.size + key_len]).decode("utf-8")
+            _parse_record(parsed, kind, key, view[payload : offset + size])
+        except (ValueError, struct.error):
+            parsed.bad_record = True
+            break
+        offset += size
+    return parsed
+
+
+def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> None:
+    if kind == KIND_INFO:
+        cuda, major, minor, ino, size, mtime_ns, load_time, n_path, n_uuid, n_runtime = INFO_STRUCT.unpack_from(payload)
+        start = INFO_STRUCT.size
+        if start + n_path + n_uuid + n_runtime > len(payload):
+            raise ValueError("INFO strings overrun the record")
+        text = bytes(payload[start : start + n_path + n_uuid + n_runtime])
+        parsed.infos[key] = EngineInfo(
+            text[:n_path].decode("utf-8", "replace"), cuda, text[n_path : n_path + n_uuid].decode("utf-8", "replace"),
+            text[n_path + n_uuid :].decode("utf-8", "replace"), (major, minor), ino, size, mtime_ns, load_time)
+        return
+    values = typing.cast("list[float]", payload.cast("d").tolist())  # typeshed says list[int]
+    # What the library never writes, and what would break the exposition or the merged totals: NaN or
+    # infinity, a negative value (a counter that went down reads as a reset), one past 2**53 (where
+    # doubles stop counting by ones; a sum of such values over many files could overflow).
+    if values and (not math.isfinite(sum(values)) or min(values) < 0 or max(values) > MAX_VALUE):
+        raise ValueError("value out of range in a record")
+    if kind == KIND_ENGINE:
+        if len(values) < ENGINE_LAYOUT.size or not key:
+            raise ValueError("short ENGINE record")
+        if not all(map(float.is_integer, (values[index] for index in BUCKET_SLOTS))):
+            raise ValueError("a histogram bucket that is not a whole count")
+        parsed.engines[key] = values[: ENGINE_LAYOUT.size]
+        return
+    if kind == KIND_LOAD:
+        _parse_load(parsed, key, values)
+        return
+    engine, _, label = key.partition("\0")
+    if not engine or not label:
+        raise ValueError("record key without engine and label")
+    if kind == KIND_ERROR and values:
+        parsed.errors[(engine, label)] = values[0]
+    elif kind == KIND_LAYER and len(values) >= 2:
+        parsed.layers[(engine, label)] = values[:2]
+    else:
+        raise ValueError("short record")
+
+
+def _parse_load(parsed: Parsed, key: str, values: list[float]) -> None:
+    engine, uuid, dev = key.split("\0") if key.count("\0") == 2 else ("", "", "")
+    major, colon, minor = dev.partition(":")
+    whole = (major + minor).isascii() and major.isdigit() and minor.isdigit()
+    if not engine or not colon or not whole or len(values) < len(LOAD_SLOTS):
+        raise ValueError("bad LOAD record")
+    parsed.loads[(engine, uuid, (int(major), int(minor)))] = values[: len(LOAD_SLOTS)]
+
+
+def _max_into(previous: list[float], current: list[float], monotonic: int) -> list[float]:
+    """``current`` with each of its first ``monotonic`` slots raised to at least its previous value.
+
+    A counter slot cannot really go down (the writer only adds), but a read racing a store on a CPU
+    or kernel copy routine that does not move 8 bytes at once could see a torn double; clamping keeps
+    such a read from ever looking like a counter reset.  The check runs at C speed; the fix-up loop
+    only when something did go down.
+    """
+    if any(map(operator.lt, current[:monotonic], previous[:monotonic])):
+        for index in range(monotonic):
+            if current[index] < previous[index]:
+                current[index] = previous[index]
+    return current
+
+
+@dataclass
+class FileState:
+    """What the reader remembers of one live writer's file."""
+
+    name: str
+    ino: int
+    parsed: Parsed | None = None
+    bad_reported: bool = False
+    digest: bytes = b""  # of the bytes ``parsed`` came from: unchanged bytes are not parsed again
+    used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
+    uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
+
+
+@dataclass
+class Totals:
+    """Everything merged: live files plus the folded totals of exited processes."""
+
+    engines: dict[str, list[float]] = field(default_factory=dict)
+    errors: dict[tuple[str, str], float] = field(default_factory=dict)
+    layers: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    # live processes only; one entry per distinct (path, GPU, runtime, file identity), the latest load
+    infos: dict[str, list[EngineInfo]] = field(default_factory=dict)
+    processes: dict[str, int] = field(default_factory=dict)  # engine -> live processes reporting it
+    # (engine, GPU uuid) -> PER_GPU_LAYOUT vector: live processes merged per GPU, plus folded totals
+    per_gpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    # loads in progress of live processes: (engine, GPU uuid, st_dev) -> LOAD_SLOTS (counts and bytes
+    # summed, the oldest start time the smallest)
+    loads: dict[LoadKey, list[float]] = field(default_factory=dict)
+    last_load: dict[str, float] = field(default_factory=dict)
+    live_files: int = 0
+    dropped_by_writers: int = 0
+    # (engine, path) -> owners (uids) of the live files whose INFO names that path: the exporter opens an
+    # engine file only where one of them could have read it (collectors/engines.py)
+    info_uids: dict[tuple[str, str], set[int]] = field(default_factory=dict)
+    deferred_files: int = 0  # files left for a later scrape: this one's read budget was spent
+
+
+# What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
+# be, how much of it is "used", how many files it makes and how often it changes them.
+MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (deferred)
+SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
+SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
+RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
+# A real process's file holds a few engines: a few KiB.  Files above this may take only half of
+# RETAINED_BYTES, so a few big files cannot keep the small ones out.
+SMALL_FILE_BYTES = 64 << 10
+
+
+@dataclass
+class ReadBudget:
+    """What is left of one read()'s work: bytes read, bytes parsed."""
+
+    read: int
+    parse: int
+
+    def spent(self) -> bool:
+        return self.read <= 0 or self.parse <= 0
+
+
+class SpoolReader:
+    """Merges a spool directory; keeps the folded totals of exited processes for as long as it runs.
+
+    ``read()`` costs one directory listing plus, per live file, open + pread + flock probe + close;
+    a file whose bytes did not change since the last read is not parsed again.  A dead file costs
+    that once: it is folded, then deleted (or tombstoned) and never opened again.
+
+    Bounded whatever the writers do: a file is read up to ``max_file_bytes`` at most (a bigger one is
+    refused, ``oversized``); one read() reads at most SCRAPE_READ_BYTES and parses at most
+    SCRAPE_PARSE_BYTES (files past that keep their last values and are read at a later call, live
+    files first, in turn); the parsed content kept for live files comes from at most RETAINED_BYTES
+    of them; a bad file is counted once for as long as it stays (remembered by name and inode).
+    """
+
+    def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
+                 gpu_of: Callable[[int, int], str | None] | None = None,
+                 max_file_bytes: int = DEFAULT_FILE_BYTES) -> None:
+        self.directory = directory
+        # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
+        self.gpu_of = gpu_of
+        # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
+        self.remove_dead = remove_dead
+        self.max_folded_engines = max_folded_engines
+        self.max_file_bytes = max_file_bytes
+        self.scrape_read_bytes = SCRAPE_READ_BYTES
+        self.scrape_parse_bytes = SCRAPE_PARSE_BYTES
+        self.retained_bytes = RETAINED_BYTES
+        # Engines whose folded totals are never forgotten (the exporter's exported engines).
+        self.protected: set[str] = set()
+        self.errors: dict[str, int] = {}
+        self.folded_processes = 0
+        self.forgotten_engines = 0
+        self.deferred_files = 0  # at the last read()
+        self._live: dict[str, FileState] = {}
+        self._tombstones: set[str] = set()
+        # name -> inode of files counted as bad; pruned to the names still listed, never cleared
+        # wholesale (that re-counted every bad file), so it is as big as the bad files present.
+        self._bad: dict[str, int] = {}
+        self._listed: dict[str, int] = {}  # name -> inode, from the last listing (readdir's d_ino: no stat)
+        self._cursor = ""  # where the last read() ran out of budget: the next one starts after it
+        self._budget = ReadBudget(0, 0)
+        self._deferred_now = 0
+        self._unlisted = 0
+        self._retained = {False: 0, True: 0}
+        self._folded = Totals()
+        self._folded_touched: dict[str, float] = {}
+        self._folded_per_gpu: dict[tuple[str, str], list[float]] = {}
+        self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
+        self._per_gpu_pruned_at = 0
+        self._lock = threading.Lock()  # a scrape and a tool may read at the same time
+
+    # --- the directory -------------------------------------------------------------------------
+
+    def read(self) -> Totals:
+        with self._lock:
+            names = self._list()
+            if names is None:
+                return self._with_owners(self._merge())
+            for name in list(self._live):
+                if name not in names:
+                    self._vanished(name)
+            self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
+            self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
+            self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
+            for state in self._live.values():
+                self._retained[state.used > SMALL_FILE_BYTES] += state.used
+            self._deferred_now = deferred = 0
+            for name in self._visit_order(names):
+                if name in self._tombstones or self._bad.get(name, -1) == self._listed.get(name):
+                    continue  # folded already, or known bad and not replaced: not even opened
+                if self._budget.spent():
+                    deferred += 1
+                    continue
+                self._cursor = name
+                self._visit(name)
+            if not deferred:
+                self._cursor = ""
+            self.deferred_files = deferred + self._deferred_now + self._unlisted
+            self._tombstones &= names  # forget tombstones of files someone else removed
+            self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
+            return self._with_owners(self._merge())
+
+    def _visit_order(self, names: set[str]) -> list[str]:
+        """Live files first (their values go stale when skipped), then the rest; each group in name
+        order, starting after the file where the last read() ran out of budget, so all get their turn."""
+        def turn(group: list[str]) -> list[str]:
+            group.sort()
+            after = [name for name in group if name > self._cursor]
+            return after + group[: len(group) - len(after)]
+        return turn([n for n in names if n in self._live]) + turn([n for n in names if n not in self._live])
+
+    def _with_owners(self, totals: Totals) -> Totals:
+        """Which writers (file owners) report each engine path: the exporter opens an engine file only
+        where one of them could have read it."""
+        for state in self._live.values():
+            if state.parsed is not None:
+                for engine, info in state.parsed.infos.items():
+                    totals.info_uids.setdefault((engine, info.path), set()).add(state.uid)
+        totals.deferred_files = self.deferred_files
+        return totals
+
+    def _list(self) -> set[str] | None:
+        self._unlisted = 0
+        try:
+            with os.scandir(self.directory) as entries:
+                names: set[str] = set()
+                listed: dict[str, int] = {}
+                for entry in entries:
+                    if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                        if len(names) >= MAX_LISTED_FILES:
+                            self._unlisted += 1
+                            continue
+                        names.add(entry.name)
+                        listed[entry.name] = entry.inode()
+                    elif entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".tmp"):
+                        self._sweep_temporary(entry.name)
+                self._listed = listed
+                return names
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self._count("io")
+            return None
+
+    def _sweep_temporary(self, name: str) -> None:
+        """A writer that died between creating its file and renaming it leaves a dot-file: remove it."""
+        path = os.path.join(self.directory, name)
+        with self._opened(path) as fd:
+            if (fd is not None and self.remove_dead and time.time() - os.fstat(fd).st_mtime > 60
+                    and self._writer_gone(fd)):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+    @contextlib.contextmanager
+    def _opened(self, path: str) -> Iterator[int | None]:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            yield None
+            return
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _writer_gone(fd: int) -> bool:
+        """Probe the writer's lock: granted means no process holds it, so the writer has exited."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise
+        return True
+
+    def _visit(self, name: str) -> None:
+        path = os.path.join(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            if name in self._live:
+                self._vanished(name)
+            return
+        except OSError:
+            self._count_bad(name, (0, 0, 0), "io")
+            return
+        try:
+            self._visit_open(name, path, fd)
+        finally:
+            os.close(fd)  # also drops the lock the probe may have taken
+
+    def _visit_open(self, name: str, path: str, fd: int) -> None:
+        st = os.fstat(fd)
+        state = self._live.get(name)
+        if state is not None and state.ino != st.st_ino:  # replaced under the same name: treat as new
+            self._vanished(name)
+            state = None
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if not stat.S_ISREG(st.st_mode):
+            self._count_bad(name, identity, "garbage")
+            return
+        try:
+            gone = self._writer_gone(fd)
+        except OSError:
+            gone = False
+        # Sparse or not, a file is never read past what a writer makes.
+        data = "oversized" if st.st_size > self.max_file_bytes else self._read_bounded(fd, state.used if state else 0)
+        if isinstance(data, str):
+            if state is None or state.parsed is None:
+                self._count_bad(name, identity, data)
+            else:  # understood before, not now: its last good content stands, and is folded at the end
+                self._count_damaged(state, data)
+                if gone:
+                    self._fold_dead(name, path, state)
+            return
+        if state is None:
+            state = FileState(name, st.st_ino, uid=st.st_uid)
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        if not self._affordable(state, data, digest, gone):
+            if state.parsed is not None:
+                self._live[name] = state  # keeps its last values; parsed again when there is room
+            return
+        parsed = self._parse(state, data, digest, name, identity)
+        if parsed is None:
+            # Never understood: not ours to fold or delete (a foreign version's file, garbage); it stays,
+            # counted once.  Understood before and broken now (truncated by someone): its last good
+            # content is what we fold once the writer is gone.
+            if state.parsed is not None:
+                if gone:
+                    self._fold_dead(name, path, state)
+                else:
+                    self._live[name] = state
+            return
+        if gone:
+            self._fold_dead(name, path, state)
+        else:
+            self._live[name] = state
+
+    def _affordable(self, state: FileState, data: bytes, digest: bytes, gone: bool) -> bool:
+        """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
+        live files (not for a dead writer's file: it is folded and let go at once); charges the parse
+        budget.  A file that does not fit waits (``deferred_files``)."""
+        if state.parsed is not None and digest == state.digest:
+            return True
+        big = len(data) > SMALL_FILE_BYTES
+        retained = self._retained[big] - (state.used if (state.used > SMALL_FILE_BYTES) == big else 0)
+        allowance = self.retained_bytes // 2 if big else self.retained_bytes - self._retained[True]
+        if len(data) > self._budget.parse or (not gone and retained + len(data) > allowance):
+            self._deferred_now += 1
+            return False
+        self._budget.parse -= len(data)
+        self._retained[big] += len(data)  # an over-estimate until the next read() sums them again
+        return True
+
+    def _read_bounded(self, fd: int, hint: int) -> bytes | str:
+        """The file up to its ``used`` offset, or the spool-errors reason why not.
+
+        One pread of the last size seen (at least a page); a second only when the file grew.  ``used``
+        past ``max_file_bytes`` is refused before anything past the header is read.
+        """
+        try:
+            data = os.pread(fd, max(hint, 4096), 0)
+            if len(data) >= USED_OFFSET + 8 and data[:8] == MAGIC:  # else parse() says what it is
+                used, size = (struct.unpack_from("<Q", data, offset)[0] for offset in (USED_OFFSET, 16))
+                if used > self.max_file_bytes or size > self.max_file_bytes:
+                    return "oversized"
+                if len(data) < used:
+                    data += os.pread(fd, used - len(data), len(data))
+                if HEADER_SIZE <= used <= len(data):
+                    data = data[:used]
+        except OSError:
+            return "io"
+        self._budget.read -= max(len(data), 4096)
+        return data
+
+    def _parse(self, state: FileState, data: bytes, digest: bytes, name: str,
+               identity: tuple[int, int, int]) -> Parsed | None:
+        if digest == state.digest and state.parsed is not None:
+            return state.parsed
+        try:
+            parsed = parse(data)
+        except BadFile as exc:
+            if state.parsed is None:
+                self._count_bad(name, identity, exc.reason)
+            else:  # was fine, now is not (truncated by someone): keep the last good
+                self._count_damaged(state, exc.reason)
+            return None
+        if parsed.bad_record and not state.bad_reported:
+            state.bad_reported = True
+            self._count("record")
+        if state.parsed is not None:
+            _clamp(state.parsed, parsed)
+        state.digest, state.used = digest, len(data)
+        state.parsed = parsed
+        return parsed
+
+    # --- folding -----------------------------------------------------------------------------
+
+    def _fold_dead(self, name: str, path: str, state: FileState) -> None:
+        """The writer is gone: fold its final totals, then remove the file (or tombstone it)."""
+        self._live.pop(name, None)
+        if state.parsed is not None:
+            self._fold(state.parsed)
+        self.folded_processes += 1
+        if not self.remove_dead:
+            self._tombstones.add(name)
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            # The directory does not let the exporter delete (a sticky 1777 directory owned by someone
+            # else): the file stays, and an exporter restart folds it again.  Said once per file.
+            self._tombstones.add(name)
+            self._count("not_deleted")
+
+    def _vanished(self, name: str) -> None:
+        """A live file disappeared without us folding it (another reader, a wiped emptyDir):
+        fold what we last saw, so no counter goes backwards."""
+        state = self._live.pop(name)
+        self._count("vanished")
+        if state.parsed is not None:
+            self._fold(state.parsed)
+        self.folded_processes += 1
+
+    def _fold(self, parsed: Parsed) -> None:
+        folded = self._folded
+        now = time.monotonic()
+        for engine, values in parsed.engines.items():
+            total = folded.engines.get(engine)
+            kept = list(values)
+            for index in ENGINE_LAYOUT.gauges.values():
+                kept[index] = 0.0  # a dead process has nothing in flight and no pool
+            folded.engines[engine] = kept if total is None else list(map(operator.add, total, kept))
+            self._folded_touched[engine] = now
+        for key, count in parsed.errors.items():
+            folded.errors[key] = folded.errors.get(key, 0.0) + count
+        for key, pair in parsed.layers.items():
+            old = folded.layers.get(key, [0.0, 0.0])
+            folded.layers[key] = [old[0] + pair[0], old[1] + pair[1]]
+        for engine, info in parsed.infos.items():
+            if info.load_time > 0:  # 0: loading, never finished a load
+                folded.last_load[engine] = max(folded.last_load.get(engine, 0.0), info.load_time)
+        folded.dropped_by_writers += parsed.dropped
+        self._fold_per_gpu(parsed)
+
+    def _bound_folded(self) -> None:
+        """Folded totals are kept while the exporter runs, up to a cap, so endless distinct names cannot
+        grow memory forever.  Past it an engine is forgotten whole (counted), never in part, and never
+        one whose counters someone sees: not a ``protected`` (exported) engine, not one a live file
+        still reports (its counters would drop to the live part: a reset).  Junk goes first: engines
+        with no observation at all, then those with the fewest, then those folded longest ago."""
+        excess = len(self._folded.engines) - self.max_folded_engines
+        if excess <= 0:
+            return
+        live = {engine for state in self._live.values() if state.parsed for engine in state.parsed.engines}
+        candidates = [engine for engine in self._folded_touched if engine not in self.protected and engine not in live]
+        candidates.sort(key=lambda engine: (observations(self._folded.engines.get(engine)),
+                                            self._folded_touched[engine]))
+        for engine in candidates[:excess]:
+            self._folded_touched.pop(engine)
+            self._folded.engines.pop(engine, None)
+            self._folded.last_load.pop(engine, None)
+            for table in (self._folded.errors, self._folded.layers):
+                for key in [k for k in table if k[0] == engine]:
+                    del table[key]
+            self.forgotten_engines += 1
+
+    # --- errors ------------------------------------------------------------------------------
+
+    def _count(self, reason: str) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+
+    def _count_damaged(self, state: FileState, reason: str) -> None:
+        """A file understood before and not now: counted once, whatever happens to it after."""
+        if not state.bad_reported:
+            state.bad_reported = True
+            self._count("truncated" if reason in ("empty", "truncated") else reason)
+
+    def _count_bad(self, name: str, identity: tuple[int, int, int], reason: str) -> None:
+        """Count a bad file once for as long as it stays under that name and inode (read() skips it
+        unopened from then on; a file put in its place is a new file)."""
+        if self._bad.get(name) == identity[0]:
+            return
+        self._bad[name] = identity[0]
+        self._count(reason)
+
+    # --- merging -----------------------------------------------------------------------------
+
+    def _merge(self) -> Totals:
+        folded = self._folded
+        totals = Totals(
+            engines={engine: list(values) for engine, values in folded.engines.items()},
+            errors=dict(folded.errors),
+            layers={key: list(pair) for key, pair in folded.layers.items()},
+            last_load=dict(folded.last_load),
+            dropped_by_writers=folded.dropped_by_writers,
+        )
+        distinct: dict[tuple[str, str, int, str, str, tuple[int, int], int], EngineInfo] = {}
+        for state in self._live.values():
+            parsed = state.parsed
+            if parsed is None:
+                continue
+            totals.live_files += 1
+            totals.dropped_by_writers += parsed.dropped
+            for engine, values in parsed.engines.items():
+                total = totals.engines.get(engine)
+                totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
+                totals.processes[engine] = totals.processes.get(engine, 0) + 1
+            for key, count in parsed.errors.items():
+                totals.errors[key] = totals.errors.get(key, 0.0) + count
+            for key, pair in parsed.layers.items():
+                old = totals.layers.get(key)
+                totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
+            for engine, info in parsed.infos.items():
+                found = self.gpu_of(parsed.pid, parsed.start_ticks) if not info.gpu_uuid and self.gpu_of else None
+                if found:
+                    info = dataclasses.replace(info, gpu_uuid=found)
+                identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
+                seen = distinct.get(identity)
+                if seen is None or seen.load_time < info.load_time:
+                    distinct[identity] = info
+                if info.load_time > 0:  # 0: loading, never finished a load
+                    totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
+        for identity, info in distinct.items():
+            totals.infos.setdefault(identity[0], []).append(info)
+        self._merge_per_gpu_and_loads(totals)
+        return totals
+
+    # --- per engine and GPU; loads in progress ----------------------------------------------------
+
+    def _gpu_of_writer(self, parsed: Parsed, recorded: str) -> str:
+        """The GPU a live writer works on for ``engine``: what it recorded, else what NVML lists it on."""
+        if recorded or self.gpu_of is None:
+            return recorded
+        return self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+
+    def _merge_per_gpu_and_loads(self, totals: Totals) -> None:
+        """Per (engine, GPU): the live writers' per-GPU slots plus the folded ones; and the loads in
+        progress of live writers (a dead writer's loads are over, whatever its file says)."""
+        # Grouped first, summed once per (engine, GPU) at C speed: a scrape of 1,000 writers pays one
+        # tuple per writer and engine here, not one list addition.
+        groups: dict[tuple[str, str], list[typing.Sequence[float]]] = {
+            key: [values] for key, values in self._folded_per_gpu.items()}
+        seen: dict[tuple[int, str], str] = {}  # only GPUs NVML gave: a recorded one is in the file itself
+        for state in self._live.values():
+            parsed = state.parsed
+            if parsed is None:
+                continue
+            infos = parsed.infos
+            for engine, values in parsed.engines.items():
+                info = infos.get(engine)
+                uuid = info.gpu_uuid if info is not None else ""
+                if not uuid and self.gpu_of is not None:
+                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+                group = groups.get((engine, uuid))
+                if group is None:
+                    groups[(engine, uuid)] = [_per_gpu_values(values)]
+                else:
+                    group.append(_per_gpu_values(values))
+            if parsed.loads:
+                for (engine, uuid, dev), values in parsed.loads.items():
+                    _merge_load(totals.loads, (engine, self._gpu_of_writer(parsed, uuid), dev), values)
+        self._gpu_seen = seen
+        totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
+                          for key, group in groups.items()}
+
+    def _fold_per_gpu(self, parsed: Parsed) -> None:
+        """An exited writer's per-GPU counts stay under the GPU it had while alive (gauges zeroed).
+        Bounded: past max_folded_engines * 4 keys, new GPUs of an engine fold into its "" series, and
+        engines forgotten by the engine cap are forgotten here too."""
+        folded = self._folded_per_gpu
+        for engine, values in parsed.engines.items():
+            info = parsed.infos.get(engine)
+            uuid = (info.gpu_uuid if info else "") or self._gpu_seen.get((parsed.instance, engine), "")
+            if (engine, uuid) not in folded and len(folded) >= self.max_folded_engines * 4:
+                uuid = ""
+            kept = list(_per_gpu_values(values))
+            for index in PER_GPU_LAYOUT.gauges.values():
+                kept[index] = 0.0
+            _add_into(folded, (engine, uuid), kept)
+        if self._per_gpu_pruned_at != self.forgotten_engines:
+            self._per_gpu_pruned_at = self.forgotten_engines
+            for key in [key for key in folded if key[0] not in self._folded.engines]:
+                del folded[key]
+
+
+def _add_into(table: dict[tuple[str, str], list[float]], key: tuple[str, str], values: typing.Sequence[float]) -> None:
+    total = table.get(key)
+    table[key] = list(values) if total is None else list(map(operator.add, total, values))
+
+
+def _merge_load(table: dict[LoadKey, list[float]], key: LoadKey, values: list[float]) -> None:
+    """Loads of several writers: counts and bytes add up, the oldest start is the earliest (a slot
+    read while its writer was between stores may say loads with no start yet: 0, ignored)."""
+    in_progress, read_bytes, oldest = values
+    merged = table.get(key)
+    if merged is None:
+        table[key] = [in_progress, read_bytes, oldest if in_progress > 0 else 0.0]
+        return
+    merged[0] += in_progress
+    merged[1] += read_bytes
+    if in_progress > 0 and oldest > 0 and (merged[2] <= 0 or oldest < merged[2]):
+        merged[2] = oldest
+
+
+def observations(values: list[float] | None) -> float:
+    """How much an engine's totals say: histogram observations plus bytes loaded (0: nothing)."""
+    if values is None:
+        return 0.0
+    return sum(values[index] for index in BUCKET_SLOTS) + values[ENGINE_LAYOUT.counters["load_read_bytes"]]
+
+
+def _clamp(previous: Parsed, current: Parsed) -> None:
+    for engine, values in current.engines.items():
+        before = previous.engines.get(engine)
+        if before is not None:
+            _max_into(before, values, ENGINE_LAYOUT.monotonic_prefix)
+    for key, count in current.errors.items():
+        current.errors[key] = max(count, previous.errors.get(key, 0.0))
+    for key, pair in current.layers.items():
+        before_pair = previous.layers.get(key)
+        if before_pair is not None:
+            _max_into(before_pair, pair, 2)
