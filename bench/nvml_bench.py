@@ -28,6 +28,9 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumentation library, from this checkout
+sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
 from tests.gpu.gpu_checks import COMPARISONS, nvml_module  # noqa: E402  (after the path is set)
 

@@ -115,7 +115,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def engines_main(argv: Sequence[str]) -> int:
-    from .instrument.spool import DEFAULT_DIR
+    from gpuio.spool import DEFAULT_DIR
 
     parser = argparse.ArgumentParser(prog="gpuio engines", description="The engines on this node.")
     parser.add_argument("--spool-dir", default=os.environ.get("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR", DEFAULT_DIR),

@@ -1,6 +1,6 @@
 """The exporter's side of the spool: read every writer's file, fold the exited ones, merge the rest.
 
-The file format and the writer live in the instrumentation library (:mod:`exporter.instrument.spool`),
+The file format and the writer live in the instrumentation library (:mod:`gpuio.spool`),
 which inference processes import; this module is what only the exporter (and ``gpuio engines``)
 runs: parsing a file no one trusts, the bounded directory read, folding the totals of exited
 processes, and merging everything per engine, per engine and GPU, and per load in progress.
@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .instrument.spool import (
+from gpuio.spool import (
     DEFAULT_FILE_BYTES,
     ENGINE_LAYOUT,
     GAUGES,

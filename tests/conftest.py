@@ -16,6 +16,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The instrumentation library's project folder: its package, gpuio, imports from a checkout without
+# installing it, here and in every process the tests start (exporters, instrumented workers).
+LIBRARY = os.path.join(REPO, "exporter", "instrument")
+if LIBRARY not in sys.path:
+    sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 ROOTS = os.path.join(REPO, "tests", "fixtures", "roots")
 KERNELS = ("linux-4.14", "linux-5.4", "linux-6.8")
 

@@ -40,12 +40,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpuio import spool as fmt
+from gpuio.load import engine_name
+
 from .. import spool_reader as rd
 from ..blockdev import BlockDevices, PathDevices
 from ..collect import Collector, Context, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
-from ..instrument import spool as fmt
-from ..instrument.load import engine_name
 from ..logsetup import LogOnce
 from ..mounts import MountCache
 from ..options import Option, parse_count, parse_seconds

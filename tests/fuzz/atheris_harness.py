@@ -108,11 +108,11 @@ def fuzz_args(data: bytes) -> None:
 
 def pristine_spool() -> bytes:
     """A spool file as the library writes it: an engine with loads, inferences, errors and layers."""
-    from exporter import instrument
+    import gpuio
 
     directory = tempfile.mkdtemp(prefix="gpuio-atheris-spool-")
-    instrument.configure(directory)
-    metrics = instrument.engine("resnet50")
+    gpuio.configure(directory)
+    metrics = gpuio.engine("resnet50")
     metrics.observe_inference(0.004, batch_size=8, gpu_seconds=0.003)
     metrics.record_load(0.05, 1 << 20, 0.2, path="/models/resnet50.plan", cuda_device=0, gpu_uuid="GPU-a")
     metrics.layer_select_after = 1

@@ -1,4 +1,4 @@
-"""Fuzz the spool reader (exporter/instrument/spool.py) and the engines collector on corrupt files.
+"""Fuzz the spool reader (exporter/spool_reader.py) and the engines collector on corrupt files.
 
 The seed is a real spool file: a subprocess loads an "engine" through the instrumentation library,
 runs inferences, records an error and layer timings, and exits (so the file is a dead writer's).
@@ -30,15 +30,15 @@ from exporter import spool_reader
 from exporter.collect import Context
 from exporter.collectors.engines import EnginesCollector
 from exporter.exposition import render
-from exporter.instrument import spool
+from gpuio import spool
 from tests.conftest import REPO, parse_samples
 
 WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({spool!r})
-    loaded = instrument.load({engine!r}, lambda data: len(data), name='det"ector\\n')
+    import gpuio
+    gpuio.configure({spool!r})
+    loaded = gpuio.load({engine!r}, lambda data: len(data), name='det"ector\\n')
     for batch in (1, 4, 8):
         with loaded.metrics.infer(batch_size=batch):
             pass

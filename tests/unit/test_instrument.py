@@ -13,23 +13,24 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter import instrument, spool_reader
-from exporter.instrument import gpu, metrics
-from exporter.instrument import spool as fmt
+import gpuio
+from exporter import spool_reader
+from gpuio import gpu, metrics
+from gpuio import spool as fmt
 from tests.conftest import REPO
 
 
 @pytest.fixture
 def spool_dir(tmp_path) -> Iterator[str]:
     metrics._reset_for_tests()
-    instrument.configure(str(tmp_path))
+    gpuio.configure(str(tmp_path))
     yield str(tmp_path)
     metrics._reset_for_tests()
-    instrument.configure(None)
+    gpuio.configure(None)
 
 
 def test_importing_the_library_pulls_in_no_server_and_no_gpu_library() -> None:
-    code = ("import sys; import exporter.instrument; "
+    code = ("import sys; import gpuio; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('fastapi', 'starlette', 'uvicorn', 'prometheus_client', 'tensorrt', 'tensorrt_lean_bindings', "
             "'torch', 'pycuda', 'pynvml', 'yaml', 'bcrypt') or m in ('exporter.server', 'exporter.config', "
@@ -44,9 +45,9 @@ def test_the_hot_path_makes_no_syscall(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
-        from exporter import instrument
-        instrument.configure({str(tmp_path)!r})
-        m = instrument.engine("hot")
+        import gpuio
+        gpuio.configure({str(tmp_path)!r})
+        m = gpuio.engine("hot")
         m.inference_seconds.observe(0.1); m.error("e")  # records created (and pages touched) before
         with m.infer(batch_size=2):
             pass
@@ -76,7 +77,7 @@ def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) 
         time.sleep(0.05)
         return {"bytes": len(data)}
 
-    loaded = instrument.load(str(model_file), loader, device=2, gpu_uuid="GPU-x")
+    loaded = gpuio.load(str(model_file), loader, device=2, gpu_uuid="GPU-x")
     assert loaded.model == {"bytes": 3 << 20}
     assert loaded.metrics.name == "detector"
     assert loaded.bytes_read == 3 << 20
@@ -92,42 +93,42 @@ def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) 
 
 def test_load_failures_count_by_reason(spool_dir, tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
-        instrument.load(str(tmp_path / "missing.onnx"), bytes)
+        gpuio.load(str(tmp_path / "missing.onnx"), bytes)
     (tmp_path / "bad.onnx").write_bytes(b"xx")
 
     def refuse(data: bytearray) -> None:
         raise ValueError("not a model")
 
     with pytest.raises(ValueError):
-        instrument.load(str(tmp_path / "bad.onnx"), refuse, name="missing")
-    assert instrument.engine("missing").errors() == {"load_read_failed": 1, "load_deserialize_failed": 1}
-    assert instrument.engine("missing").load_read_seconds.count() == 0
+        gpuio.load(str(tmp_path / "bad.onnx"), refuse, name="missing")
+    assert gpuio.engine("missing").errors() == {"load_read_failed": 1, "load_deserialize_failed": 1}
+    assert gpuio.engine("missing").load_read_seconds.count() == 0
 
 
 def test_load_timer_around_a_loader_the_caller_owns(spool_dir, tmp_path) -> None:
     path = tmp_path / "owned.plan"
     path.write_bytes(b"e" * 4096)
-    with instrument.LoadTimer("owned", str(path), runtime="tensorrt") as timer:
+    with gpuio.LoadTimer("owned", str(path), runtime="tensorrt") as timer:
         data = timer.read()
         with timer.deserializing():
             time.sleep(0.02)
     assert len(data) == 4096
-    m = instrument.engine("owned")
+    m = gpuio.engine("owned")
     assert m.load_read_bytes.value() == 4096 and m.load_deserialize_seconds.total() >= 0.02
-    with pytest.raises(RuntimeError), instrument.LoadTimer("owned", str(path)):
+    with pytest.raises(RuntimeError), gpuio.LoadTimer("owned", str(path)):
         raise RuntimeError("deserialize failed")
     assert m.errors() == {"load_failed": 1} and m.load_read_seconds.count() == 1
 
 
 def test_inference_latency_in_flight_batch_and_errors(spool_dir) -> None:
-    m = instrument.engine("resnet50")
+    m = gpuio.engine("resnet50")
     with m.infer(batch_size=8) as call:
         assert m.in_flight.value() == 1
         time.sleep(0.01)
     assert m.in_flight.value() == 0
     assert call.latency is not None and call.latency >= 0.01
     assert m.inference_seconds.count() == 1 and m.batch_size.count() == 1
-    for exc in (TimeoutError(), instrument.EnqueueError("x"), RuntimeError("CUDA out of memory"), KeyError("k")):
+    for exc in (TimeoutError(), gpuio.EnqueueError("x"), RuntimeError("CUDA out of memory"), KeyError("k")):
         with pytest.raises(type(exc)), m.infer():
             raise exc
     assert m.errors() == {"timeout": 1, "enqueue_failed": 1, "out_of_memory": 1, "KeyError": 1}
@@ -136,7 +137,7 @@ def test_inference_latency_in_flight_batch_and_errors(spool_dir) -> None:
 
 
 def test_error_reasons_are_capped(spool_dir) -> None:
-    m = instrument.engine("noisy")
+    m = gpuio.engine("noisy")
     for index in range(40):
         m.error(f"reason{index}")
     errors = m.errors()
@@ -160,7 +161,7 @@ def test_gpu_timer_is_read_after_the_inference(spool_dir) -> None:
             return 0.004
 
     timer = Timer()
-    m = instrument.engine("timed")
+    m = gpuio.engine("timed")
     with m.infer(gpu_timer=timer) as call:
         call.enqueued()  # right after the enqueue, before synchronising
     assert timer.calls == ["start", "stop", "seconds"]
@@ -178,7 +179,7 @@ def test_pool_warms_every_context_before_serving(spool_dir) -> None:
         time.sleep(0.02 if context["runs"] == 0 else 0.001)  # the first run is the slow one
         context["runs"] += 1
 
-    pool = instrument.EnginePool("pooled", create, size=3, warmup=warmup, warmup_iterations=3)
+    pool = gpuio.EnginePool("pooled", create, size=3, warmup=warmup, warmup_iterations=3)
     m = pool.metrics
     assert [c["runs"] for c in made] == [3, 3, 3]
     assert m.pool_contexts.value() == 3 and m.pool_idle.value() == 3
@@ -196,7 +197,7 @@ def test_pool_warms_every_context_before_serving(spool_dir) -> None:
 
 
 def test_pool_without_warmup_counts_each_contexts_first_call(spool_dir) -> None:
-    pool = instrument.EnginePool("cold", lambda: object(), size=2)
+    pool = gpuio.EnginePool("cold", lambda: object(), size=2)
     for _ in range(4):
         pool.run(lambda context: None)
     assert pool.metrics.first_inference_seconds.count() == 2
@@ -204,7 +205,7 @@ def test_pool_without_warmup_counts_each_contexts_first_call(spool_dir) -> None:
 
 
 def test_pool_wait_and_timeout(spool_dir) -> None:
-    pool = instrument.EnginePool("busy", lambda: object(), size=1)
+    pool = gpuio.EnginePool("busy", lambda: object(), size=1)
     lease = pool.acquire()
     released = threading.Timer(0.1, lease.release)
     released.start()
@@ -213,14 +214,14 @@ def test_pool_wait_and_timeout(spool_dir) -> None:
         waited = time.perf_counter() - start
     assert waited >= 0.09
     assert pool.metrics.pool_wait_seconds.total() >= 0.09
-    with pool.acquire(), pytest.raises(instrument.PoolTimeout):
+    with pool.acquire(), pytest.raises(gpuio.PoolTimeout):
         pool.acquire(timeout=0.05)
     assert pool.metrics.errors() == {"pool_timeout": 1}
     assert pool.metrics.pool_wait_seconds.count() == 4
 
 
 def test_layer_times_keep_the_top_k_and_sum_the_rest(spool_dir) -> None:
-    m = instrument.engine("layered")
+    m = gpuio.engine("layered")
     m.layer_top_k = 2
     m.layer_select_after = 2
     profile = {"conv1": 0.003, "conv2": 0.002, "relu": 0.0001, "pool": 0.0002}
@@ -249,15 +250,15 @@ def test_gpu_helpers_without_any_gpu_library() -> None:
 
 def test_no_spool_directory_means_metrics_stay_in_the_process(tmp_path) -> None:
     metrics._reset_for_tests()
-    instrument.configure(str(tmp_path / "absent"))
+    gpuio.configure(str(tmp_path / "absent"))
     try:
-        m = instrument.engine("nowhere")
+        m = gpuio.engine("nowhere")
         m.inference_seconds.observe(0.1)  # works, goes nowhere
         assert m.inference_seconds.count() == 1
-        assert instrument.describe()["spool"] is None
+        assert gpuio.describe()["spool"] is None
     finally:
         metrics._reset_for_tests()
-        instrument.configure(None)
+        gpuio.configure(None)
 
 
 # --- loads in progress, work waiting per GPU ---------------------------------------------------------
@@ -282,7 +283,7 @@ def test_a_load_is_in_progress_from_its_start_until_the_loader_returns(spool_dir
         return "model"
 
     before = time.time()
-    instrument.load(str(plan), loader, gpu_uuid="GPU-aaaa", device=0)
+    gpuio.load(str(plan), loader, gpu_uuid="GPU-aaaa", device=0)
     during = seen["during"]
     assert isinstance(during, spool_reader.Totals)
     ((engine, uuid, dev), (count, read_bytes, oldest)), = during.loads.items()
@@ -305,15 +306,15 @@ def test_a_failed_load_is_no_longer_in_progress(spool_dir, tmp_path) -> None:
         raise ValueError("corrupt")
 
     with pytest.raises(ValueError):
-        instrument.load(str(plan), loader)
+        gpuio.load(str(plan), loader)
     assert _loads(_spool_totals(spool_dir), "broken") == [[0.0, 0.0, 0.0]]
-    assert instrument.engine("broken").loads_in_progress() == 0
+    assert gpuio.engine("broken").loads_in_progress() == 0
 
 
 def test_load_timer_reports_bytes_as_the_caller_reads(spool_dir, tmp_path) -> None:
     plan = tmp_path / "llm.plan"
     plan.write_bytes(b"\0" * 8192)
-    with instrument.LoadTimer("llm", str(plan), gpu_uuid="GPU-bbbb") as timer:
+    with gpuio.LoadTimer("llm", str(plan), gpu_uuid="GPU-bbbb") as timer:
         timer.add_bytes(1000)
         assert _loads(_spool_totals(spool_dir), "llm")[0][:2] == [1.0, 1000.0]
         with timer.reading(500):
@@ -326,7 +327,7 @@ def test_load_timer_reports_bytes_as_the_caller_reads(spool_dir, tmp_path) -> No
 def test_concurrent_loads_count_and_the_oldest_start_is_kept(spool_dir, tmp_path) -> None:
     plan = tmp_path / "multi.engine"
     plan.write_bytes(b"\0" * 4096)
-    m = instrument.engine("multi")
+    m = gpuio.engine("multi")
     first = m.loading(str(plan), 0, "GPU-c")
     time.sleep(0.01)
     second = m.loading(str(plan), 0, "GPU-c")
@@ -352,16 +353,16 @@ def test_a_bad_load_record_is_refused_and_counted() -> None:
 HELD = textwrap.dedent("""
     import os, sys, threading
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({spool!r})
+    import gpuio
+    gpuio.configure({spool!r})
     release = threading.Event()
-    m = instrument.engine("shared")
+    m = gpuio.engine("shared")
     if {loading!r}:
         def loader(data):
             print("loading", flush=True)
             release.wait()
             return "model"
-        instrument.load({path!r}, loader, gpu_uuid={uuid!r})
+        gpuio.load({path!r}, loader, gpu_uuid={uuid!r})
     else:
         m.set_info({path!r}, 0, {uuid!r})
         with m.infer():
@@ -384,9 +385,9 @@ def test_two_processes_of_one_engine_on_two_gpus_give_two_in_flight_series(tmp_p
     busy = _held(str(tmp_path), str(plan), "GPU-0000", loading=False)
     spare = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys; sys.path.insert(0, {REPO!r})
-        from exporter import instrument
-        instrument.configure({str(tmp_path)!r})
-        m = instrument.engine("shared"); m.set_info({str(plan)!r}, 1, "GPU-1111")
+        import gpuio
+        gpuio.configure({str(tmp_path)!r})
+        m = gpuio.engine("shared"); m.set_info({str(plan)!r}, 1, "GPU-1111")
         m.pool_contexts.inc(2); m.pool_idle.inc(2)
         print("ready", flush=True); sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -424,9 +425,9 @@ def test_counts_of_a_dead_writer_stay_under_the_gpu_nvml_gave_it(tmp_path) -> No
     (NVML no longer lists it) its histogram counts stay under that GPU: no counter moves or resets."""
     writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys; sys.path.insert(0, {REPO!r})
-        from exporter import instrument
-        instrument.configure({str(tmp_path)!r})
-        m = instrument.engine("anon")
+        import gpuio
+        gpuio.configure({str(tmp_path)!r})
+        m = gpuio.engine("anon")
         for _ in range(7):
             m.inference_seconds.observe(0.01)
         print("ready", flush=True); sys.stdin.readline()

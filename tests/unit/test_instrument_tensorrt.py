@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 
-from exporter import instrument, spool_reader
-from exporter.instrument import metrics
-from exporter.instrument import tensorrt as adapter
+import gpuio
+from exporter import spool_reader
+from gpuio import metrics
+from gpuio import tensorrt as adapter
 
 try:
     trt: Any = importlib.import_module("tensorrt_lean_bindings")
@@ -136,10 +137,10 @@ class FakeStream:
 @pytest.fixture
 def spool_dir(tmp_path) -> Iterator[str]:
     metrics._reset_for_tests()
-    instrument.configure(str(tmp_path))
+    gpuio.configure(str(tmp_path))
     yield str(tmp_path)
     metrics._reset_for_tests()
-    instrument.configure(None)
+    gpuio.configure(None)
 
 
 @pytest.fixture
@@ -165,8 +166,8 @@ def test_a_plan_the_runtime_rejects_is_an_error(spool_dir, tmp_path) -> None:
     bad.write_bytes(b"not a plan")
     with pytest.raises(RuntimeError, match="could not deserialize"):
         adapter.load_engine(str(bad), FakeRuntime())
-    assert instrument.engine("broken").errors() == {"load_deserialize_failed": 1}
-    assert instrument.engine("broken").load_deserialize_seconds.count() == 0
+    assert gpuio.engine("broken").errors() == {"load_deserialize_failed": 1}
+    assert gpuio.engine("broken").load_deserialize_seconds.count() == 0
 
 
 class StreamReaderBase:
@@ -209,7 +210,7 @@ def test_runner_binds_enqueues_synchronises_and_times(spool_dir, plan) -> None:
     m = runner.metrics
     assert m.inference_seconds.count() == 1 and m.batch_size.total() == 16 and m.in_flight.value() == 0
     runner.context.fail_next = True
-    with pytest.raises(instrument.EnqueueError):
+    with pytest.raises(gpuio.EnqueueError):
         runner.execute(stream)
     with pytest.raises(ValueError, match="refused the address"):
         runner.execute(stream, addresses={"logits": 0x3000})
@@ -219,7 +220,7 @@ def test_runner_binds_enqueues_synchronises_and_times(spool_dir, plan) -> None:
 
 def test_layer_profiles_are_sampled_one_in_n(spool_dir, plan) -> None:
     engine = adapter.load_engine(plan, FakeRuntime()).model
-    m = instrument.engine("resnet50")
+    m = gpuio.engine("resnet50")
     profiler = adapter.layer_profiler(m, every=3, top_k=2, trt=trt)
     if trt is not None:
         assert isinstance(profiler, trt.IProfiler)  # what TensorRT's C++ side will call back into
@@ -285,7 +286,7 @@ class NoneRefusingContext(FakeContext):
 
 def test_a_profiler_that_cannot_be_detached_reports_the_sampled_inference(spool_dir, plan) -> None:
     engine = adapter.load_engine(plan, FakeRuntime()).model
-    m = instrument.engine("resnet50")
+    m = gpuio.engine("resnet50")
     m.layer_select_after = 1
     context = NoneRefusingContext(engine)
     runner = adapter.TensorRTRunner(engine, m, context=context,

@@ -10,7 +10,9 @@ import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGE = "exporter"
+# (source root, package): the exporter, and gpuio, the instrumentation library in its own project folder.
+PACKAGES = ((REPO, "exporter"), (os.path.join(REPO, "exporter", "instrument"), "gpuio"))
+LIBRARY_FOLDER = os.path.join(REPO, "exporter", "instrument")
 
 # The entry points and the web stack: a collector, the library or a parser never imports these.
 TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.server", "exporter.config",
@@ -18,16 +20,19 @@ TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.serve
 
 
 def modules() -> dict[str, str]:
-    """Every module of the package, name -> path."""
+    """Every module of both packages, name -> path."""
     found = {}
-    for folder, _, files in os.walk(os.path.join(REPO, PACKAGE)):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                parts = os.path.relpath(path, REPO)[:-3].split(os.sep)
-                if parts[-1] == "__init__":
-                    parts.pop()
-                found[".".join(parts)] = path
+    for root, package in PACKAGES:
+        for folder, folders, files in os.walk(os.path.join(root, package)):
+            if folder == os.path.join(REPO, "exporter"):
+                folders.remove("instrument")  # the library's project folder: walked as gpuio
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    parts = os.path.relpath(path, root)[:-3].split(os.sep)
+                    if parts[-1] == "__init__":
+                        parts.pop()
+                    found[".".join(parts)] = path
     return found
 
 
@@ -119,23 +124,21 @@ def test_no_module_below_the_entry_points_imports_them() -> None:
 def test_the_instrumentation_library_imports_only_itself() -> None:
     """Inference processes import the library: it ships no exporter code (no reader, no collector)."""
     edges = graph()
-    library = [name for name in edges if name.startswith("exporter.instrument")]
-    assert "exporter.instrument.spool" in library
-    outside = {(name, target) for name in library for target in edges[name]
-               if not target.startswith("exporter.instrument")}
+    library = [name for name in edges if name.split(".")[0] == "gpuio"]
+    assert "gpuio.spool" in library
+    outside = {(name, target) for name in library for target in edges[name] if target.split(".")[0] != "gpuio"}
     assert outside == set()
 
 
 def test_the_spool_reader_never_calls_up_into_a_collector() -> None:
     """The engines' GPU lookup flows one way: the collector hands the reader a function."""
-    assert {target for target in graph()["exporter.spool_reader"]
-            if not target.startswith("exporter.instrument")} == set()
+    assert {target for target in graph()["exporter.spool_reader"] if target.split(".")[0] != "gpuio"} == set()
 
 
 def test_the_library_ships_the_spool_writer_but_not_its_reader() -> None:
     defined: set[str] = set()
     for name, path in modules().items():
-        if name.startswith("exporter.instrument"):
+        if name.split(".")[0] == "gpuio":
             with open(path, encoding="utf-8") as file:
                 defined |= {node.name for node in ast.parse(file.read()).body
                             if isinstance(node, (ast.ClassDef, ast.FunctionDef))}

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from exporter import spool_reader
-from exporter.instrument import spool as fmt
-from exporter.instrument.metrics import EngineMetrics
+from gpuio import spool as fmt
+from gpuio.metrics import EngineMetrics
 from tests.conftest import REPO
 
 LAYOUT = fmt.ENGINE_LAYOUT
@@ -293,9 +293,9 @@ def test_a_writer_that_died_before_renaming_leaves_a_temporary_that_is_swept(tmp
 HAMMER = textwrap.dedent("""
     import sys, os
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({directory!r})
-    metrics = instrument.engine("hammer")
+    import gpuio
+    gpuio.configure({directory!r})
+    metrics = gpuio.engine("hammer")
     metrics.inference_seconds.observe(0.25)
     print(os.getpid(), flush=True)
     sys.stdout.close()
@@ -400,14 +400,14 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
     code = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
-        from exporter import instrument
-        instrument.configure({str(tmp_path)!r})
-        metrics = instrument.engine("forky")
+        import gpuio
+        gpuio.configure({str(tmp_path)!r})
+        metrics = gpuio.engine("forky")
         metrics.inference_seconds.observe(0.01)
         metrics.error("boom")
         pid = os.fork()
         if pid == 0:
-            child = instrument.engine("forky")
+            child = gpuio.engine("forky")
             child.inference_seconds.observe(0.01)
             child.inference_seconds.observe(0.01)
             child.error("boom")
@@ -417,7 +417,7 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
         _, status = os.waitpid(pid, 0)
         assert status == 0, "the child's checks failed"
         assert metrics.inference_seconds.count() == 1
-        print(instrument.describe()["spool"])
+        print(gpuio.describe()["spool"])
     """)
     parent_file = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     reader = spool_reader.SpoolReader(str(tmp_path))

@@ -16,12 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter import instrument, spool_reader
+import gpuio
+from exporter import spool_reader
 from exporter.collect import Context
 from exporter.collectors import engines
-from exporter.instrument import metrics
-from exporter.instrument import spool as fmt
-from exporter.instrument.metrics import EngineMetrics
+from gpuio import metrics
+from gpuio import spool as fmt
+from gpuio.metrics import EngineMetrics
 from tests.conftest import parse_samples
 
 LAYOUT = fmt.ENGINE_LAYOUT
@@ -73,10 +74,10 @@ def spool_dir(tmp_path) -> Iterator[str]:
     directory = tmp_path / "spool"
     directory.mkdir()
     metrics._reset_for_tests()
-    instrument.configure(str(directory))
+    gpuio.configure(str(directory))
     yield str(directory)
     metrics._reset_for_tests()
-    instrument.configure(None)
+    gpuio.configure(None)
 
 
 # --- 1. a spool file cannot take the exporter's memory --------------------------------------------
@@ -157,7 +158,7 @@ def test_a_real_engine_started_after_thousands_of_junk_names_is_exported(spool_d
         junk.append(file)
     target = collector(spool_dir)
     target.collect()
-    real = instrument.engine("resnet50")
+    real = gpuio.engine("resnet50")
     for _ in range(3):
         real.inference_seconds.observe(0.01)  # it serves between scrapes
         samples = parse_samples(_render(target))

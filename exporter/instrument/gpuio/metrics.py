@@ -158,7 +158,7 @@ class Gauge(_Slot):
 
 
 class GpuTimer(Protocol):
-    """GPU time of one inference from CUDA events (see :mod:`exporter.instrument.gpu`)."""
+    """GPU time of one inference from CUDA events (see :mod:`gpuio.gpu`)."""
 
     def start(self) -> None: ...
 
