@@ -48,8 +48,9 @@ from gpuio.spool import (
     VERSION,
     Layout,
     pad8,
-    process_start_ticks,
 )
+
+from . import procstat
 
 # What the reader keeps per engine *and GPU* (the rest is per engine): the series that say whether work
 # waits on one GPU.  A compact vector of these ENGINE slots, in this order; PER_GPU_LAYOUT indexes it.
@@ -111,7 +112,7 @@ class WriterGpus:
         if same is None:
             if len(self._same_process) > 4096:
                 self._same_process.clear()
-            same = self._same_process[key] = process_start_ticks(pid, self.procfs) == start_ticks
+            same = self._same_process[key] = procstat.start_ticks(pid, self.procfs) == start_ticks
         return uuid if same else None
 
 

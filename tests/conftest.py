@@ -121,3 +121,17 @@ def exporter() -> Iterator[callable]:
     for process in started:
         if process.process and process.process.poll() is None:
             process.stop()
+
+
+@pytest.fixture
+def spool_dir(tmp_path) -> Iterator[str]:
+    """A spool directory that this process's gpuio writes into, closed and unset after the test."""
+    import gpuio
+
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    gpuio.close()
+    gpuio.configure(str(directory))
+    yield str(directory)
+    gpuio.close()
+    gpuio.configure(None)

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ..blockdev import BlockDevices
-from ..collect import Collector, Context, MalformedSource, register
+from ..collect import BadLine, Collector, Context, MalformedSource, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce
 from ..options import ConfigError, Option, parse_regex
@@ -71,14 +71,6 @@ PHYSICAL_DESC = Desc(
     "gpuio_disk_physical_device_info", INFO,
     "The whole disks at the bottom of a device's stack (a plain disk names itself), for joins from any device.",
 )
-
-
-class BadLine(ValueError):
-    """A line that is no diskstats line; ``reason`` labels gpuio_scrape_collector_dropped_lines_total."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 def parse_line(line: str) -> tuple[int, int, str, list[int]]:

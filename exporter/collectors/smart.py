@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import procstat
 from ..collect import Collector, Context, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
@@ -260,9 +261,9 @@ def process_table(procfs: str = "/proc") -> dict[int, ProcessRow]:
         if not name.isdigit():
             continue
         try:
-            with open(f"{procfs}/{name}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ...
-            table[int(name)] = ProcessRow(int(fields[1]), fields[0].decode(), int(fields[3]))
+            stat = procstat.stat_fields(name, procfs)
+            table[int(name)] = ProcessRow(int(stat[procstat.PPID]), stat[procstat.STATE].decode(),
+                                          int(stat[procstat.SESSION]))
         except (OSError, IndexError, ValueError):
             continue
     return table

@@ -127,13 +127,12 @@ def test_engine_columns_from_a_real_spool(tmp_path) -> None:
     """
     pytest.importorskip("exporter.collectors.engines")  # registers the collector, and so its flags
     import gpuio
-    from gpuio import metrics
 
     spool = tmp_path / "spool"
     spool.mkdir()
     plan = tmp_path / "resnet50.engine"
     plan.write_bytes(os.urandom(1 << 20))
-    metrics._reset_for_tests()
+    gpuio.close()
     gpuio.configure(str(spool))
     try:
         engine = gpuio.load(str(plan), bytes, gpu_uuid="GPU-5a1e").metrics
@@ -152,7 +151,7 @@ def test_engine_columns_from_a_real_spool(tmp_path) -> None:
                 f"--collector.engines.spool-dir={spool}", "--collector.engines.residency-interval=100ms"]
         assert top.main(argv, clock=lambda: next(times), sleep=sleep, out=out) == 0
     finally:
-        metrics._reset_for_tests()
+        gpuio.close()
         gpuio.configure(None)
     (row,) = json.loads(out.getvalue())["engines"]
     assert row["engine"] == "resnet50" and row["gpu"] == "GPU-5a1e"  # no such GPU here: its uuid is shown
@@ -170,19 +169,18 @@ def test_once_prints_a_hostile_engine_name_escaped(tmp_path) -> None:
     with terminal escapes and rich markup is printed as visible escapes and literal brackets."""
     pytest.importorskip("exporter.collectors.engines")
     import gpuio
-    from gpuio import metrics
     from tests.unit.test_engines_cli import HOSTILE_NAME
 
     spool = tmp_path / "spool"
     spool.mkdir()
-    metrics._reset_for_tests()
+    gpuio.close()
     gpuio.configure(str(spool))
     try:
         gpuio.engine(HOSTILE_NAME).observe_inference(0.01)
         result = run("--once", "--interval=100ms", "--collector.disable-defaults", "--collector.engines",
                      f"--collector.engines.spool-dir={spool}", env={"COLUMNS": "200"})
     finally:
-        metrics._reset_for_tests()
+        gpuio.close()
         gpuio.configure(None)
     assert result.returncode == 0, result.stderr
     for raw in ("\x1b", "\x07", "\x9b", "\x7f", "\u202e"):

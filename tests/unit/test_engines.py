@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -21,17 +20,6 @@ from gpuio import spool as fmt
 from tests.conftest import REPO, parse_samples
 
 PROMTOOL = shutil.which("promtool")
-
-
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    directory = tmp_path / "spool"
-    directory.mkdir()
-    metrics._reset_for_tests()
-    gpuio.configure(str(directory))
-    yield str(directory)
-    metrics._reset_for_tests()
-    gpuio.configure(None)
 
 
 def collector(spool: str, **options: object) -> engines.EnginesCollector:
@@ -132,7 +120,7 @@ def test_counters_survive_the_process_exiting(spool_dir, tmp_path) -> None:
     target = collector(spool_dir)
     engine = frozenset({("engine", "resnet50")})
     before = parse_samples(scrape(target))
-    metrics._reset_for_tests()  # the process's spool file is closed: as if it exited
+    gpuio.close()  # the process's spool file is closed: as if it exited
     after = parse_samples(scrape(target))
     on_gpu = frozenset({("engine", "resnet50"), ("gpu_uuid", "GPU-5a1e")})
     assert after[("gpuio_engine_inference_seconds_count", on_gpu)] == before[

@@ -6,26 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-
-import pytest
 
 import gpuio
 from exporter.engines_cli import engines_main, warm_main
 from gpuio import metrics
 from gpuio import spool as fmt
 from tests.conftest import REPO
-
-
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    directory = tmp_path / "spool"
-    directory.mkdir()
-    metrics._reset_for_tests()
-    gpuio.configure(str(directory))
-    yield str(directory)
-    metrics._reset_for_tests()
-    gpuio.configure(None)
 
 
 def evicted(path: str) -> str:

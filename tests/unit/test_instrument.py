@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -18,15 +17,6 @@ from exporter import spool_reader
 from gpuio import gpu, metrics
 from gpuio import spool as fmt
 from tests.conftest import REPO
-
-
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    metrics._reset_for_tests()
-    gpuio.configure(str(tmp_path))
-    yield str(tmp_path)
-    metrics._reset_for_tests()
-    gpuio.configure(None)
 
 
 def test_importing_the_library_pulls_in_no_server_and_no_gpu_library() -> None:
@@ -249,7 +239,7 @@ def test_gpu_helpers_without_any_gpu_library() -> None:
 
 
 def test_no_spool_directory_means_metrics_stay_in_the_process(tmp_path) -> None:
-    metrics._reset_for_tests()
+    gpuio.close()
     gpuio.configure(str(tmp_path / "absent"))
     try:
         m = gpuio.engine("nowhere")
@@ -257,7 +247,7 @@ def test_no_spool_directory_means_metrics_stay_in_the_process(tmp_path) -> None:
         assert m.inference_seconds.count() == 1
         assert gpuio.describe()["spool"] is None
     finally:
-        metrics._reset_for_tests()
+        gpuio.close()
         gpuio.configure(None)
 
 

@@ -18,14 +18,12 @@ import importlib
 import os
 import time
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import gpuio
 from exporter import spool_reader
-from gpuio import metrics
 from gpuio import tensorrt as adapter
 
 try:
@@ -132,15 +130,6 @@ class FakeStream:
 
     def synchronize(self) -> None:
         self.synchronized += 1
-
-
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    metrics._reset_for_tests()
-    gpuio.configure(str(tmp_path))
-    yield str(tmp_path)
-    metrics._reset_for_tests()
-    gpuio.configure(None)
 
 
 @pytest.fixture

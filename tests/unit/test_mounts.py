@@ -15,7 +15,6 @@ from exporter import mounts
 from exporter.collect import Context
 from exporter.collectors import engines
 from exporter.exposition import render
-from gpuio import metrics
 from tests.conftest import REPO, parse_samples
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "mounts")
@@ -103,7 +102,7 @@ def test_every_engine_file_names_its_mount_as_findmnt_sees_it(tmp_path) -> None:
     loaded, globbed = models / "loaded.engine", models / "globbed.plan"
     loaded.write_bytes(b"\0" * 4096)
     globbed.write_bytes(b"\0" * 4096)
-    metrics._reset_for_tests()
+    gpuio.close()
     gpuio.configure(str(spool))
     try:
         gpuio.load(str(loaded), bytes)
@@ -115,7 +114,7 @@ def test_every_engine_file_names_its_mount_as_findmnt_sees_it(tmp_path) -> None:
         target.scanner.sample_now()
         samples = parse_samples(render(target.collect()))
     finally:
-        metrics._reset_for_tests()
+        gpuio.close()
         gpuio.configure(None)
     found = {dict(labels)["path"]: dict(labels) for (name, labels) in samples if name == "gpuio_engine_mount_info"}
     for path in (str(loaded), str(globbed)):

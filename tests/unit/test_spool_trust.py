@@ -12,15 +12,11 @@ from __future__ import annotations
 import os
 import struct
 import tracemalloc
-from collections.abc import Iterator
-
-import pytest
 
 import gpuio
 from exporter import spool_reader
 from exporter.collect import Context
 from exporter.collectors import engines
-from gpuio import metrics
 from gpuio import spool as fmt
 from gpuio.metrics import EngineMetrics
 from tests.conftest import parse_samples
@@ -67,17 +63,6 @@ def collector(spool: str, **options: object) -> engines.EnginesCollector:
     settings["spool-dir"] = spool
     settings.update({key.replace("_", "-"): value for key, value in options.items()})
     return engines.EnginesCollector(Context(), settings)
-
-
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    directory = tmp_path / "spool"
-    directory.mkdir()
-    metrics._reset_for_tests()
-    gpuio.configure(str(directory))
-    yield str(directory)
-    metrics._reset_for_tests()
-    gpuio.configure(None)
 
 
 # --- 1. a spool file cannot take the exporter's memory --------------------------------------------

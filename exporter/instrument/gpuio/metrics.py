@@ -573,8 +573,9 @@ def _after_fork_in_child() -> None:
         _replace_spool(after_fork=True)
 
 
-def _reset_for_tests() -> None:
-    """Forget this process's spool and engines (tests only)."""
+def close() -> None:
+    """Close this process's spool file and forget its engines, as if the process had exited: the file
+    stays for the exporter to fold, and the next metric opens a new one with counts from zero."""
     global _spool
     with _state_lock:
         if _spool is not None:
