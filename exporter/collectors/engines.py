@@ -116,41 +116,23 @@ def _parse_directory_name(value: str) -> str:
     return value  # may not exist yet: processes and the exporter start in any order
 
 
-def _histogram_desc(name: str, text: str) -> Desc:
-    return Desc(f"gpuio_engine_{name}", HISTOGRAM, text)
+def _declared(slot: str) -> Desc:
+    """The family of an ENGINE-record series, as the library declares it (gpuio.spool.ENGINE_SERIES)."""
+    series = fmt.SERIES[slot]
+    return Desc(series.name, series.type, series.help)
 
 
-HISTOGRAM_DESCS = {
-    "load_read_seconds": _histogram_desc(
-        "load_read_seconds", "Time to read engine files from disk or page cache, per load (the disk's part)."),
-    "load_deserialize_seconds": _histogram_desc(
-        "load_deserialize_seconds", "Time to deserialize engines once read (TensorRT deserialize_cuda_engine "
-        "or the model loader), per load."),
-    "inference_seconds": _histogram_desc(
-        "inference_seconds", "End-to-end latency of completed inferences (enqueue to stream synchronised)."),
-    "inference_gpu_seconds": _histogram_desc(
-        "inference_gpu_seconds", "GPU time of inferences from CUDA events, where the process measures it."),
-    "batch_size": _histogram_desc("inference_batch_size", "Batch size of inferences, where known."),
-    "pool_wait_seconds": _histogram_desc(
-        "pool_wait_seconds", "Time requests waited for a free execution context in the engine pool."),
-    "warmup_seconds": _histogram_desc(
-        "warmup_seconds", "Warm-up time of each execution context before it served (all warm-up iterations)."),
-    "first_inference_seconds": _histogram_desc(
-        "first_inference_seconds", "Latency of each execution context's first inference (cold), to compare "
-        "with the steady inference latency."),
-}
-LOAD_BYTES = Desc("gpuio_engine_load_read_bytes_total", COUNTER, "Bytes read from engine files by loads.")
+HISTOGRAM_DESCS = {series.slot: _declared(series.slot) for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM}
+LOAD_BYTES = _declared("load_read_bytes")
 ERRORS = Desc("gpuio_engine_errors_total", COUNTER,
               "Failed loads and inferences by reason (enqueue_failed, timeout, pool_timeout, out_of_memory, "
               "load_read_failed, load_deserialize_failed, an exception name, other).")
 LAYER_SECONDS = Desc("gpuio_engine_layer_seconds_total", COUNTER,
                      "Time spent in each layer during profiled inferences (top layers; the rest is '(other)').")
-PROFILED = Desc("gpuio_engine_layer_profiled_inferences_total", COUNTER,
-                "Inferences profiled per layer (sampled 1 in N); divide layer seconds by this for a mean.")
-IN_FLIGHT = Desc("gpuio_engine_inferences_in_flight", GAUGE, "Inferences running now, per engine and GPU.")
-POOL_CONTEXTS = Desc("gpuio_engine_pool_contexts", GAUGE, "Execution contexts in engine pools, per engine and GPU.")
-POOL_IDLE = Desc("gpuio_engine_pool_idle_contexts", GAUGE,
-                 "Execution contexts free in engine pools, per engine and GPU.")
+PROFILED = _declared("layer_profiled_inferences")
+IN_FLIGHT = _declared("in_flight")
+POOL_CONTEXTS = _declared("pool_contexts")
+POOL_IDLE = _declared("pool_idle")
 LOADS = Desc("gpuio_engine_loads_in_progress", GAUGE,
              "Loads (read and deserialize) of the engine started and not finished by live processes, per GPU.")
 LOAD_PROGRESS_BYTES = Desc("gpuio_engine_load_in_progress_read_bytes", GAUGE,

@@ -105,19 +105,58 @@ LATENCY_BOUNDS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 
 LOAD_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 BATCH_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 
-# The ENGINE record, in order.  Gauges are the only slots that may go down; everything else only grows.
-HISTOGRAMS: tuple[tuple[str, tuple[float, ...]], ...] = (
-    ("load_read_seconds", LOAD_BOUNDS),
-    ("load_deserialize_seconds", LOAD_BOUNDS),
-    ("inference_seconds", LATENCY_BOUNDS),
-    ("inference_gpu_seconds", LATENCY_BOUNDS),
-    ("batch_size", BATCH_BOUNDS),
-    ("pool_wait_seconds", LATENCY_BOUNDS),
-    ("warmup_seconds", LOAD_BOUNDS),
-    ("first_inference_seconds", LATENCY_BOUNDS),
+
+@dataclass(frozen=True)
+class Series:
+    """One series of the ENGINE record, declared once: the slot(s) the library writes (``slot`` is also
+    the attribute of :class:`gpuio.metrics.EngineMetrics`) and the family the exporter serves from them.
+    The record's layout, the library's attributes and the exporter's descriptions all follow from these."""
+
+    slot: str
+    type: str  # "histogram", "counter" or "gauge" (the exposition's type names)
+    name: str  # the family's full name as the exporter serves it
+    help: str
+    bounds: tuple[float, ...] = ()  # histograms: upper bounds of the buckets (part of the format)
+
+
+HISTOGRAM, COUNTER, GAUGE = "histogram", "counter", "gauge"
+
+# The ENGINE record: histograms, then counters, then gauges, each group in this order (the layout
+# follows the order, so a new series goes at the end of its group and VERSION moves).  Gauges are the
+# only slots that may go down; everything else only grows.
+ENGINE_SERIES: tuple[Series, ...] = (
+    Series("load_read_seconds", HISTOGRAM, "gpuio_engine_load_read_seconds",
+           "Time to read engine files from disk or page cache, per load (the disk's part).", LOAD_BOUNDS),
+    Series("load_deserialize_seconds", HISTOGRAM, "gpuio_engine_load_deserialize_seconds",
+           "Time to deserialize engines once read (TensorRT deserialize_cuda_engine or the model loader), per load.",
+           LOAD_BOUNDS),
+    Series("inference_seconds", HISTOGRAM, "gpuio_engine_inference_seconds",
+           "End-to-end latency of completed inferences (enqueue to stream synchronised).", LATENCY_BOUNDS),
+    Series("inference_gpu_seconds", HISTOGRAM, "gpuio_engine_inference_gpu_seconds",
+           "GPU time of inferences from CUDA events, where the process measures it.", LATENCY_BOUNDS),
+    Series("batch_size", HISTOGRAM, "gpuio_engine_inference_batch_size",
+           "Batch size of inferences, where known.", BATCH_BOUNDS),
+    Series("pool_wait_seconds", HISTOGRAM, "gpuio_engine_pool_wait_seconds",
+           "Time requests waited for a free execution context in the engine pool.", LATENCY_BOUNDS),
+    Series("warmup_seconds", HISTOGRAM, "gpuio_engine_warmup_seconds",
+           "Warm-up time of each execution context before it served (all warm-up iterations).", LOAD_BOUNDS),
+    Series("first_inference_seconds", HISTOGRAM, "gpuio_engine_first_inference_seconds",
+           "Latency of each execution context's first inference (cold), to compare with the steady inference "
+           "latency.", LATENCY_BOUNDS),
+    Series("load_read_bytes", COUNTER, "gpuio_engine_load_read_bytes_total",
+           "Bytes read from engine files by loads."),
+    Series("layer_profiled_inferences", COUNTER, "gpuio_engine_layer_profiled_inferences_total",
+           "Inferences profiled per layer (sampled 1 in N); divide layer seconds by this for a mean."),
+    Series("in_flight", GAUGE, "gpuio_engine_inferences_in_flight", "Inferences running now, per engine and GPU."),
+    Series("pool_contexts", GAUGE, "gpuio_engine_pool_contexts",
+           "Execution contexts in engine pools, per engine and GPU."),
+    Series("pool_idle", GAUGE, "gpuio_engine_pool_idle_contexts",
+           "Execution contexts free in engine pools, per engine and GPU."),
 )
-COUNTERS = ("load_read_bytes", "layer_profiled_inferences")
-GAUGES = ("in_flight", "pool_contexts", "pool_idle")
+SERIES = {series.slot: series for series in ENGINE_SERIES}
+HISTOGRAMS = tuple((s.slot, s.bounds) for s in ENGINE_SERIES if s.type == HISTOGRAM)
+COUNTERS = tuple(s.slot for s in ENGINE_SERIES if s.type == COUNTER)
+GAUGES = tuple(s.slot for s in ENGINE_SERIES if s.type == GAUGE)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""The ENGINE record's series are declared once (gpuio.spool.ENGINE_SERIES); everything else follows."""
+
+from __future__ import annotations
+
+import os
+import typing
+
+import pytest
+
+from exporter.collectors import engines
+from gpuio import metrics
+from gpuio import spool as fmt
+from tests.conftest import REPO
+
+KINDS = {"histogram": "Histogram", "counter": "Counter", "gauge": "Gauge"}
+
+
+def test_the_record_layout_follows_the_declarations() -> None:
+    layout = fmt.ENGINE_LAYOUT
+    declared = [series.slot for series in fmt.ENGINE_SERIES]
+    assert list(layout.histograms) + list(layout.counters) + list(layout.gauges) == declared
+    for series in fmt.ENGINE_SERIES:
+        if series.type == "histogram":
+            assert layout.histograms[series.slot][2] == series.bounds
+
+
+def test_each_declared_series_is_an_attribute_of_the_library_of_its_kind(spool_dir: str) -> None:
+    hints = typing.get_type_hints(metrics.EngineMetrics)
+    assert {name: hint.__name__ for name, hint in hints.items()} == {
+        series.slot: KINDS[series.type] for series in fmt.ENGINE_SERIES}
+    bound = metrics.engine("declared")
+    for series in fmt.ENGINE_SERIES:
+        assert type(getattr(bound, series.slot)).__name__ == KINDS[series.type]
+
+
+@pytest.mark.parametrize("series", fmt.ENGINE_SERIES, ids=lambda series: series.slot)
+def test_the_exporter_serves_the_declared_family(series: fmt.Series) -> None:
+    served = {desc.name: desc for desc in (*engines.HISTOGRAM_DESCS.values(), engines.LOAD_BYTES, engines.PROFILED,
+                                           engines.IN_FLIGHT, engines.POOL_CONTEXTS, engines.POOL_IDLE)}
+    desc = served[series.name]
+    assert (desc.kind, desc.help) == (series.type, series.help)
+    assert series.name.startswith("gpuio_engine_")
+    assert series.name.endswith("_total") == (series.type == "counter")
+
+
+def test_each_declared_family_is_documented() -> None:
+    with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as file:
+        text = file.read()
+    assert [series.name for series in fmt.ENGINE_SERIES if f"`{series.name}`" not in text] == []
