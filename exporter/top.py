@@ -45,7 +45,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gpuio.spool import SERIES
+
+from . import collect
 from . import thresholds as th
+from .collectors import diskstats, engines, smart
 from .terminal import printable, safe_text
 
 # --- The metric names top reads: the ONE place to change when a collector names things otherwise. ---
@@ -58,10 +62,10 @@ DISK_READ_TIME = "gpuio_disk_read_time_seconds_total"
 DISK_WRITE_TIME = "gpuio_disk_write_time_seconds_total"
 DISK_IO_TIME = "gpuio_disk_io_time_seconds_total"
 DISK_IO_TIME_WEIGHTED = "gpuio_disk_io_time_weighted_seconds_total"
-DISK_INFO = "gpuio_disk_info"  # label rotational: "1", "0" or ""
-DISK_PHYSICAL = "gpuio_disk_physical_device_info"  # labels device, physical_device
+DISK_INFO = diskstats.INFO_DESC.name  # label rotational: "1", "0" or ""
+DISK_PHYSICAL = diskstats.PHYSICAL_DESC.name  # labels device, physical_device
 # Disk health (smart collector): 1 passed, 0 failed, labelled device.
-SMART_HEALTH = "gpuio_smart_health_passed"
+SMART_HEALTH = smart.HEALTH.name
 # IO pressure (pressure collector), counters of seconds.
 PSI_IO_SOME = "gpuio_pressure_io_waiting_seconds_total"
 PSI_IO_FULL = "gpuio_pressure_io_stalled_seconds_total"
@@ -88,16 +92,16 @@ GPU_THROTTLE_REASON_LABEL = "reason"
 GPU_THROTTLE_IGNORED = ("gpu_idle", "applications_clocks_setting", "display_clock_setting")
 # Engines (engines collector), every series labelled engine.
 ENGINE_LABEL = "engine"
-ENGINE_INFO = "gpuio_engine_info"  # labels engine, path, device, gpu_uuid (one series per file and GPU)
+ENGINE_INFO = engines.ENGINE_INFO.name  # labels engine, path, device, gpu_uuid (one series per file and GPU)
 ENGINE_INFO_DEVICE_LABEL = "device"
 ENGINE_INFO_GPU_LABEL = "gpu_uuid"
-ENGINE_LATENCY = "gpuio_engine_inference_seconds"  # histogram (_bucket, _sum, _count)
-ENGINE_IN_FLIGHT = "gpuio_engine_inferences_in_flight"
-ENGINE_POOL_WAIT = "gpuio_engine_pool_wait_seconds"  # histogram
-ENGINE_RESIDENCY = "gpuio_engine_file_cached_ratio"  # per file (engine, path): the least cached is shown
-ENGINE_PHYSICAL = "gpuio_engine_physical_device_info"  # labels engine, path, physical_device
+ENGINE_LATENCY = SERIES["inference_seconds"].name  # histogram (_bucket, _sum, _count)
+ENGINE_IN_FLIGHT = SERIES["in_flight"].name
+ENGINE_POOL_WAIT = SERIES["pool_wait_seconds"].name  # histogram
+ENGINE_RESIDENCY = engines.FILE_RATIO.name  # per file (engine, path): the least cached is shown
+ENGINE_PHYSICAL = engines.PHYSICAL_INFO.name  # labels engine, path, physical_device
 # The exporter itself.
-COLLECTOR_SUCCESS = "gpuio_scrape_collector_success"
+COLLECTOR_SUCCESS = collect.SUCCESS.name
 # ---------------------------------------------------------------------------------------------------
 
 log = logging.getLogger("gpuio.top")
