@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from gpuio.spool import (
     DEFAULT_FILE_BYTES,
     ENGINE_LAYOUT,
+    ENGINE_SERIES,
     GAUGES,
     HEADER,
     HEADER_SIZE,
@@ -54,7 +55,7 @@ from . import procstat
 
 # What the reader keeps per engine *and GPU* (the rest is per engine): the series that say whether work
 # waits on one GPU.  A compact vector of these ENGINE slots, in this order; PER_GPU_LAYOUT indexes it.
-PER_GPU_HISTOGRAMS = ("inference_seconds", "pool_wait_seconds")
+PER_GPU_HISTOGRAMS = tuple(series.slot for series in ENGINE_SERIES if series.per_gpu and series.type == "histogram")
 
 
 def _per_gpu_layout() -> tuple[tuple[int, ...], Layout]:

@@ -7,10 +7,13 @@ import typing
 
 import pytest
 
+from exporter.collect import Context
 from exporter.collectors import engines
+from exporter.exposition import render
+from exporter.spool_reader import PER_GPU_HISTOGRAMS
 from gpuio import metrics
 from gpuio import spool as fmt
-from tests.conftest import REPO
+from tests.conftest import REPO, parse_samples
 
 KINDS = {"histogram": "Histogram", "counter": "Counter", "gauge": "Gauge"}
 
@@ -43,7 +46,29 @@ def test_the_exporter_serves_the_declared_family(series: fmt.Series) -> None:
     assert series.name.endswith("_total") == (series.type == "counter")
 
 
-def test_each_declared_family_is_documented() -> None:
+def documented_row(series: fmt.Series) -> str:
+    """The docs/metrics.md row the declaration makes: name, type, labels, help."""
+    return f"| `{series.name}` | {series.type} | {', '.join(series.labels)} | {series.help} |"
+
+
+def test_docs_rows_follow_the_declarations() -> None:
+    """Name, type, labels and help in docs/metrics.md are the declared ones, word for word."""
     with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as file:
-        text = file.read()
-    assert [series.name for series in fmt.ENGINE_SERIES if f"`{series.name}`" not in text] == []
+        rows = set(file.read().splitlines())
+    assert [documented_row(series) for series in fmt.ENGINE_SERIES if documented_row(series) not in rows] == []
+
+
+def test_the_exporter_serves_the_declared_labels(spool_dir: str) -> None:
+    assert PER_GPU_HISTOGRAMS == ("inference_seconds", "pool_wait_seconds")
+    bound = metrics.engine("labelled")
+    for series in fmt.ENGINE_SERIES:
+        if series.type == "histogram":
+            getattr(bound, series.slot).observe(1.0)
+    options = {option.name: option.parse(option.default) if option.default is not None else None
+               for option in engines.EnginesCollector.options}
+    options["spool-dir"] = spool_dir
+    samples = parse_samples(render(engines.EnginesCollector(Context(), options).collect()))
+    for series in fmt.ENGINE_SERIES:
+        suffix = "_count" if series.type == "histogram" else ""
+        found = [set(dict(labels)) for name, labels in samples if name == series.name + suffix]
+        assert found and all(labels == set(series.labels) for labels in found), series.slot

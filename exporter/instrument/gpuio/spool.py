@@ -117,6 +117,13 @@ class Series:
     name: str  # the family's full name as the exporter serves it
     help: str
     bounds: tuple[float, ...] = ()  # histograms: upper bounds of the buckets (part of the format)
+    # The exporter serves it per engine and GPU (label gpu_uuid), else per engine: the series that say
+    # whether work waits on one GPU.  Gauges are always per GPU.
+    per_gpu: bool = False
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return ("engine", "gpu_uuid") if self.per_gpu or self.type == GAUGE else ("engine",)
 
 
 HISTOGRAM, COUNTER, GAUGE = "histogram", "counter", "gauge"
@@ -131,13 +138,14 @@ ENGINE_SERIES: tuple[Series, ...] = (
            "Time to deserialize engines once read (TensorRT deserialize_cuda_engine or the model loader), per load.",
            LOAD_BOUNDS),
     Series("inference_seconds", HISTOGRAM, "gpuio_engine_inference_seconds",
-           "End-to-end latency of completed inferences (enqueue to stream synchronised).", LATENCY_BOUNDS),
+           "End-to-end latency of completed inferences (enqueue to stream synchronised).", LATENCY_BOUNDS,
+           per_gpu=True),
     Series("inference_gpu_seconds", HISTOGRAM, "gpuio_engine_inference_gpu_seconds",
            "GPU time of inferences from CUDA events, where the process measures it.", LATENCY_BOUNDS),
     Series("batch_size", HISTOGRAM, "gpuio_engine_inference_batch_size",
            "Batch size of inferences, where known.", BATCH_BOUNDS),
     Series("pool_wait_seconds", HISTOGRAM, "gpuio_engine_pool_wait_seconds",
-           "Time requests waited for a free execution context in the engine pool.", LATENCY_BOUNDS),
+           "Time requests waited for a free execution context in the engine pool.", LATENCY_BOUNDS, per_gpu=True),
     Series("warmup_seconds", HISTOGRAM, "gpuio_engine_warmup_seconds",
            "Warm-up time of each execution context before it served (all warm-up iterations).", LOAD_BOUNDS),
     Series("first_inference_seconds", HISTOGRAM, "gpuio_engine_first_inference_seconds",
