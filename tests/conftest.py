@@ -76,6 +76,12 @@ def free_port() -> int:
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
+def documented_families() -> set[str]:
+    """The families docs/metrics.md lists (the first column of its tables)."""
+    with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as handle:
+        return set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+
+
 def parse_samples(text: str) -> Samples:
     """Every sample of a text exposition, keyed by (name, labels)."""
     samples: Samples = {}

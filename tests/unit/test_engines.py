@@ -17,7 +17,7 @@ from exporter.collectors import engines  # noqa: F401  (registers the collector)
 from exporter.exposition import render
 from gpuio import metrics
 from gpuio import spool as fmt
-from tests.conftest import REPO, parse_samples
+from tests.conftest import documented_families, parse_samples
 
 PROMTOOL = shutil.which("promtool")
 
@@ -219,8 +219,7 @@ def test_every_engine_family_is_documented(spool_dir, tmp_path) -> None:
     target.collect()
     target.scanner.sample_now()
     names = set(re.findall(r"^# TYPE (\S+) ", scrape(target), re.MULTILINE))
-    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
-        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    documented = documented_families()
     assert len(names) >= 28
     assert names - documented == set()
 
