@@ -49,43 +49,44 @@ from gpuio.spool import SERIES
 
 from . import collect
 from . import thresholds as th
-from .collectors import diskstats, engines, smart
+from .collectors import diskstats, engines, nvml, pressure, smart
 from .terminal import printable, safe_text
 
-# --- The metric names top reads: the ONE place to change when a collector names things otherwise. ---
+# --- The families top reads, from their declarations in the collectors (never a copied literal). ---
 # Disks (diskstats collector; node_exporter's node_disk_* semantics).
-DISK_READS = "gpuio_disk_reads_completed_total"
-DISK_WRITES = "gpuio_disk_writes_completed_total"
-DISK_READ_BYTES = "gpuio_disk_read_bytes_total"
-DISK_WRITTEN_BYTES = "gpuio_disk_written_bytes_total"
-DISK_READ_TIME = "gpuio_disk_read_time_seconds_total"
-DISK_WRITE_TIME = "gpuio_disk_write_time_seconds_total"
-DISK_IO_TIME = "gpuio_disk_io_time_seconds_total"
-DISK_IO_TIME_WEIGHTED = "gpuio_disk_io_time_weighted_seconds_total"
+_DISK = {desc.name.removeprefix("gpuio_disk_"): desc.name for desc in diskstats.DESCS}
+DISK_READS = _DISK["reads_completed_total"]
+DISK_WRITES = _DISK["writes_completed_total"]
+DISK_READ_BYTES = _DISK["read_bytes_total"]
+DISK_WRITTEN_BYTES = _DISK["written_bytes_total"]
+DISK_READ_TIME = _DISK["read_time_seconds_total"]
+DISK_WRITE_TIME = _DISK["write_time_seconds_total"]
+DISK_IO_TIME = _DISK["io_time_seconds_total"]
+DISK_IO_TIME_WEIGHTED = _DISK["io_time_weighted_seconds_total"]
 DISK_INFO = diskstats.INFO_DESC.name  # label rotational: "1", "0" or ""
 DISK_PHYSICAL = diskstats.PHYSICAL_DESC.name  # labels device, physical_device
 # Disk health (smart collector): 1 passed, 0 failed, labelled device.
 SMART_HEALTH = smart.HEALTH.name
 # IO pressure (pressure collector), counters of seconds.
-PSI_IO_SOME = "gpuio_pressure_io_waiting_seconds_total"
-PSI_IO_FULL = "gpuio_pressure_io_stalled_seconds_total"
-PSI_MEMORY_SOME = "gpuio_pressure_memory_waiting_seconds_total"
-PSI_MEMORY_FULL = "gpuio_pressure_memory_stalled_seconds_total"
-PSI_CPU_SOME = "gpuio_pressure_cpu_waiting_seconds_total"
+PSI_IO_SOME = pressure.DESCS[("io", "some")].name
+PSI_IO_FULL = pressure.DESCS[("io", "full")].name
+PSI_MEMORY_SOME = pressure.DESCS[("memory", "some")].name
+PSI_MEMORY_FULL = pressure.DESCS[("memory", "full")].name
+PSI_CPU_SOME = pressure.DESCS[("cpu", "some")].name
 # GPUs (nvml collector), every series labelled gpu (index) and uuid.
 GPU_LABEL = "gpu"
 GPU_UUID_LABEL = "uuid"
-GPU_INFO = "gpuio_gpu_info"  # labels gpu, uuid, name, ...
-GPU_UP = "gpuio_gpu_up"
-GPU_BUSY = "gpuio_gpu_busy_seconds_total"
-GPU_MEMORY_USED = "gpuio_gpu_memory_used_bytes"
-GPU_MEMORY_TOTAL = "gpuio_gpu_memory_total_bytes"
-GPU_TEMPERATURE = "gpuio_gpu_temperature_celsius"
-GPU_POWER = "gpuio_gpu_power_watts"  # NVML's 1 s average (the energy counter is read only every 10 s)
+GPU_INFO = nvml.INFO_DESC.name  # labels gpu, uuid, name, ...
+GPU_UP = nvml.UP.name
+GPU_BUSY = nvml.BUSY.name
+GPU_MEMORY_USED = nvml.MEMORY_USED.name
+GPU_MEMORY_TOTAL = nvml.MEMORY_TOTAL.name
+GPU_TEMPERATURE = nvml.TEMPERATURE.name
+GPU_POWER = nvml.POWER.name  # NVML's 1 s average (the energy counter is read only every 10 s)
 # Age of the NVML sweep a scrape serves: GPU counters advance once per sweep, so their rates are taken
 # over the sweeps' own interval (scrape time minus age), not the scrapes'.
-GPU_AGE = "gpuio_gpu_snapshot_age_seconds"
-GPU_THROTTLE = "gpuio_gpu_clocks_event_reason_active"  # one 0/1 series per reason
+GPU_AGE = nvml.AGE.name
+GPU_THROTTLE = nvml.REASON.name  # one 0/1 series per reason
 GPU_THROTTLE_REASON_LABEL = "reason"
 # Clock-event reasons that are no slowdown (an idle GPU, clocks an operator or a display set): not listed.
 # Of those listed, only thresholds.GPU_THROTTLE_REASONS flag a row (sw_power_cap is listed, not flagged).
