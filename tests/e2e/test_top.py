@@ -148,7 +148,8 @@ def test_engine_columns_from_a_real_spool(tmp_path) -> None:
 
         out = io.StringIO()
         argv = ["--json", "--collector.disable-defaults", "--collector.engines",
-                f"--collector.engines.spool-dir={spool}", "--collector.engines.residency-interval=100ms"]
+                f"--collector.engines.spool-dir={spool}", "--collector.engines.residency-interval=100ms",
+                f"--collector.engines.path-include={tmp_path}"]  # where the exporter may open engine files
         assert top.main(argv, clock=lambda: next(times), sleep=sleep, out=out) == 0
     finally:
         gpuio.close()
