@@ -328,7 +328,9 @@ def test_engines_and_nvml_as_nobody_and_smart_only_with_its_two_capabilities(loo
         samples = parse_samples(text)
         engine_key = frozenset({("engine", "model")})
         assert samples[("gpuio_engine_load_read_bytes_total", engine_key)] == 1 << 20  # the writer's load
-        assert samples[("gpuio_engine_inference_seconds_count", engine_key)] == 1
+        # Served per engine and GPU; the writer named none and NVML lists no GPU here.
+        per_gpu = frozenset({("engine", "model"), ("gpu_uuid", "")})
+        assert samples[("gpuio_engine_inference_seconds_count", per_gpu)] == 1
         assert "gpuio_gpu_up{" not in text  # no GPU on this machine: nvml succeeds with none
         assert _smart_state(text, loop_device.removeprefix("/dev/")) == "permission_denied"
         assert output.count("smartctl has no permission to open disks") == 1
