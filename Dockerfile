@@ -25,7 +25,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY exporter/ exporter/
 # A regular install (not editable): the environment holds copies and byte-code, nothing points at /src.
-RUN /opt/gpuio/bin/pip install . \
+# gpuio, the instrumentation library the exporter reads the spool format from, is its own distribution.
+RUN /opt/gpuio/bin/pip install ./exporter/instrument . \
  && /opt/gpuio/bin/pip uninstall --yes pip
 
 # --- runtime: the base image, smartctl, the environment, an unprivileged user ------------------------

@@ -16,10 +16,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: gpu-wheels run stack test unit lint bench golden rules dashboards system-deps debs venv run-venv clean fuzz load soak
 
-$(VENV)/.installed: pyproject.toml
+# gpuio (the instrumentation library, exporter/instrument/) is on no index: it is installed from here too.
+$(VENV)/.installed: pyproject.toml exporter/instrument/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	$(VENV)/bin/pip install --quiet -e ./exporter/instrument -e '.[dev]'
 	touch $@
 
 # The runtime venv, fast.  What costs pip time is not installing but choosing: for every requirement it
@@ -33,7 +34,7 @@ $(VENV)/.installed: pyproject.toml
 # console scripts are the ones pip would write.
 WHEELHOUSE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpuio/wheels
 PIP_QUIET := --quiet --disable-pip-version-check
-$(RUN_VENV)/.installed: requirements-run.txt pyproject.toml
+$(RUN_VENV)/.installed: requirements-run.txt pyproject.toml exporter/instrument/pyproject.toml
 	rm -rf $(RUN_VENV)
 	$(PYTHON) -m venv --without-pip $(RUN_VENV)
 	@pip="$(PYTHON) -m pip --python $(RUN_VENV)/bin/python"; \
@@ -44,7 +45,7 @@ $(RUN_VENV)/.installed: requirements-run.txt pyproject.toml
 	set -x; $$install 2>/dev/null || { \
 	  $$pip download $(PIP_QUIET) --no-deps --dest $(WHEELHOUSE) -r requirements-run.txt && $$install; } && \
 	$$pip check --disable-pip-version-check >/dev/null
-	$(RUN_VENV)/bin/python -c 'import sys, sysconfig; open(sysconfig.get_path("purelib") + "/gpuio-source.pth", "w").write(sys.argv[1] + "\n")' "$(CURDIR)"
+	$(RUN_VENV)/bin/python -c 'import sys, sysconfig; open(sysconfig.get_path("purelib") + "/gpuio-source.pth", "w").write("\n".join(sys.argv[1:]) + "\n")' "$(CURDIR)" "$(CURDIR)/exporter/instrument"
 	@for script in gpuio-exporter:exporter_main gpuio:tools_main; do \
 	  printf '#!%s\nimport sys\nfrom exporter.cli import %s\nsys.exit(%s())\n' \
 	    "$(CURDIR)/$(RUN_VENV)/bin/python" "$${script#*:}" "$${script#*:}" > $(RUN_VENV)/bin/$${script%%:*}; \

@@ -59,7 +59,8 @@ class Exporter:
         command = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{self.port}",
                    f"--path.procfs={fixture}/proc", f"--path.sysfs={fixture}/sys", "--collector.disable-defaults",
                    "--collector.diskstats", "--collector.pressure", *args]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, repo]))}
+        library = os.path.join(repo, "exporter", "instrument")  # gpuio, imported by the engines collector
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, repo, library]))}
         self.log = tempfile.TemporaryFile()  # noqa: SIM115  (held until stop)
         self.process = subprocess.Popen(
             command, cwd=repo, env=env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -329,7 +330,8 @@ def fifo(repo: str, _: argparse.Namespace) -> str:
     try:
         result = subprocess.run([sys.executable, "-m", "exporter", f"--web.config.file={directory / 'web.yml'}"],
                                 cwd=repo, capture_output=True, text=True, timeout=10,
-                                env={**os.environ, "PYTHONPATH": repo})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    (repo, os.path.join(repo, "exporter", "instrument")))})
         outcome = f"exit {result.returncode}"
     except subprocess.TimeoutExpired:
         outcome = "still starting, killed"

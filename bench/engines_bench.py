@@ -37,6 +37,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumentation library, from this checkout
+sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
 ENGINES = 10
 BATCH = 1000
@@ -50,17 +53,17 @@ OBSERVE = r"""
 import json, os, random, sys, time
 sys.path.insert(0, REPO)
 mode = sys.argv[1]
-from exporter.instrument.spool import LATENCY_BOUNDS
+from gpuio.spool import LATENCY_BOUNDS
 random.seed(1)
 values = [random.choice(LATENCY_BOUNDS) * random.uniform(0.5, 1.0) for _ in range(BATCH)]
 if mode == "gpuio":
-    from exporter import instrument
-    instrument.configure(sys.argv[2])
-    observe = instrument.engine("resnet50").inference_seconds.observe
+    import gpuio
+    gpuio.configure(sys.argv[2])
+    observe = gpuio.engine("resnet50").inference_seconds.observe
 elif mode == "gpuio-infer":
-    from exporter import instrument
-    instrument.configure(sys.argv[2])
-    metrics = instrument.engine("resnet50")
+    import gpuio
+    gpuio.configure(sys.argv[2])
+    metrics = gpuio.engine("resnet50")
     def observe(value, infer=metrics.infer):
         with infer():
             pass
@@ -117,8 +120,8 @@ def report_observe(results: dict[str, list[float]]) -> None:
 
 def writer_helper(directory: str, count: int) -> None:
     """Holds ``count`` spool writers (one engine each); on "tick" observes into every one."""
-    from exporter.instrument import spool as fmt
-    from exporter.instrument.metrics import EngineMetrics
+    from gpuio import spool as fmt
+    from gpuio.metrics import EngineMetrics
 
     writers = []
     for index in range(count):
@@ -160,7 +163,7 @@ import os, sys
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
 sys.path.insert(0, REPO)
 from prometheus_client import Counter, Gauge, Histogram, values
-from exporter.instrument.spool import BATCH_BOUNDS, LATENCY_BOUNDS, LOAD_BOUNDS
+from gpuio.spool import BATCH_BOUNDS, LATENCY_BOUNDS, LOAD_BOUNDS
 HISTOGRAMS = {"inference_seconds": LATENCY_BOUNDS, "inference_gpu_seconds": LATENCY_BOUNDS,
               "pool_wait_seconds": LATENCY_BOUNDS, "first_inference_seconds": LATENCY_BOUNDS,
               "load_read_seconds": LOAD_BOUNDS, "load_deserialize_seconds": LOAD_BOUNDS,

@@ -28,13 +28,15 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumentation library, from this checkout
+sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
-from tests.gpu.gpu_checks import COMPARISONS, nvml_module  # noqa: E402  (after the path is set)
-
-NVML = nvml_module()
-from exporter.collect import Context  # noqa: E402
+from exporter.collect import Context  # noqa: E402  (after the path is set)
+from exporter.collectors import nvml as NVML  # noqa: E402
 from exporter.exposition import render  # noqa: E402
 from exporter.nvml_device import GPU_UTILIZATION_SAMPLES, NVMLError, PyNvml  # noqa: E402
+from tests.gpu.gpu_checks import COMPARISONS  # noqa: E402
 
 
 def cost(function: Callable[[], Any], repeat: int) -> tuple[float, float]:

@@ -34,6 +34,10 @@ from collections.abc import Awaitable, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+# gpuio, the instrumentation library, from this checkout
+LIBRARY = os.path.join(os.path.dirname(HERE), "exporter", "instrument")
+sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
 import exporter.collectors.smart  # noqa: E402,F401  (registers the collector)
 from exporter.collect import Context, Scraper  # noqa: E402

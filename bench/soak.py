@@ -19,7 +19,7 @@ warm-up to the end under 1 MiB; no file-descriptor growth (the end at most the w
 for a file a scrape in flight may hold open while sampled); no thread growth.
 
 Inference processes come and go too: an engine churn thread keeps starting real instrumented
-processes (``exporter.instrument``: a load, a warmed pool, inferences) on a few engine names, each
+processes (``gpuio``: a load, a warmed pool, inferences) on a few engine names, each
 living about a second; one in four is SIGKILLed rather than left to exit.  The exporter's engines
 collector reads their spool files, folds the totals of the dead ones and deletes their files; the
 scrapers check that the engines collector succeeds and that its load counter never goes down.
@@ -59,10 +59,10 @@ ENGINE_NAMES = 4
 INFERENCE = """
 import os, random, signal, sys, time
 sys.path.insert(0, {repo!r})
-from exporter import instrument
-instrument.configure({spool!r})
-loaded = instrument.load({engine!r}, lambda data: len(data), name=sys.argv[1])
-pool = instrument.EnginePool(loaded.metrics, create=object, size=2, warmup=lambda context: None)
+import gpuio
+gpuio.configure({spool!r})
+loaded = gpuio.load({engine!r}, lambda data: len(data), name=sys.argv[1])
+pool = gpuio.EnginePool(loaded.metrics, create=object, size=2, warmup=lambda context: None)
 deadline = time.monotonic() + random.uniform(0.5, 1.5)
 while time.monotonic() < deadline:
     pool.run(lambda context: time.sleep(0.001), batch_size=random.choice((1, 4, 8)))

@@ -42,9 +42,12 @@ from collections.abc import Callable, Iterator
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumentation library, from this checkout
+sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
-from exporter.instrument import spool as fmt  # noqa: E402
-from exporter.instrument.metrics import EngineMetrics  # noqa: E402
+from gpuio import spool as fmt  # noqa: E402
+from gpuio.metrics import EngineMetrics  # noqa: E402
 from tests.conftest import free_port, parse_samples, root  # noqa: E402
 
 PROC, SYS = root("linux-6.8")

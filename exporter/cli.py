@@ -8,32 +8,19 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from . import __version__, collectors  # noqa: F401  (importing registers the collectors)
-from .collect import REGISTRY, Collector, Context, Scraper
-from .config import Config, ConfigError, parse_args
-from .exposition import Family, label_string, render
+from . import __version__
+from .assemble import build_scraper
+from .collect import Scraper
+from .config import Config, parse_args
+from .exposition import Family, render
 from .logsetup import fields, setup
-from .process import ProcessMetrics
+from .options import ConfigError
 
 if TYPE_CHECKING:
     from .connections import ConnectionTable
     from .webconfig import BasicAuth, WebConfigWatcher
 
 log = logging.getLogger("gpuio")
-
-
-def build_scraper(config: Config) -> Scraper:
-    """Instantiate the enabled collectors; a collector may reject its options with ConfigError."""
-    context = Context(procfs=config.procfs, sysfs=config.sysfs, rootfs=config.rootfs)
-    enabled: list[Collector] = [
-        REGISTRY[name](context, config.collector_options[name])
-        for name in sorted(REGISTRY)
-        if config.enabled[name]
-    ]
-    from .server import build_labels
-
-    exporter_metrics = None if config.disable_exporter_metrics else ProcessMetrics().families
-    return Scraper(enabled, config.collector_timeout, label_string(build_labels()), exporter_metrics)
 
 
 def _configure(argv: Sequence[str] | None, prog: str) -> tuple[Config, Scraper]:

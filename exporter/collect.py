@@ -22,7 +22,6 @@ import collections
 import contextlib
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +31,7 @@ from typing import Any, ClassVar
 
 from .exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from .logsetup import fields
+from .options import Option
 
 log = logging.getLogger("gpuio.collect")
 
@@ -40,45 +40,6 @@ log = logging.getLogger("gpuio.collect")
 CHEAP_SECONDS = 0.001
 # A collector not started after this long waits behind a slow or hung one: another worker takes it.
 STALL_SECONDS = 0.05
-
-
-@dataclass(frozen=True)
-class Option:
-    """A collector option, exposed as ``--collector.<collector>.<name>`` and ``GPUIO_COLLECTOR_...``."""
-
-    name: str
-    default: str | None  # as typed on the command line; None: unset
-    parse: Callable[[str], Any]
-    accepted: str
-    help: str
-    flag: str | None = None  # another flag name where the ecosystem has one (smartctl_exporter's smartctl.path)
-
-    def flag_name(self, collector: str) -> str:
-        return self.flag or f"collector.{collector}.{self.name}"
-
-
-def parse_seconds(value: str) -> float:
-    """A duration: plain seconds ("2.5") or Prometheus style ("500ms", "2s", "5m", "1h")."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", value.strip())
-    if not match:
-        raise ValueError("not a duration")
-    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[match[2] or "s"]
-    seconds = float(match[1]) * scale
-    if seconds <= 0:
-        raise ValueError("must be above zero")
-    return seconds
-
-
-def parse_count(minimum: int = 1) -> Callable[[str], int]:
-    """A parser of whole numbers (ASCII digits: int() refuses '²', which isdigit() accepts) >= ``minimum``."""
-
-    def parse(value: str) -> int:
-        text = value.strip()
-        if not (text.isascii() and text.isdigit()) or int(text) < minimum:
-            raise ValueError(f"not a whole number of at least {minimum}")
-        return int(text)
-
-    return parse
 
 
 class GpuProcesses:
@@ -132,6 +93,15 @@ class MalformedSource(Exception):  # noqa: N818  (it is an outcome, as StaleData
     def __init__(self, detail: str, families: list[Family] | None = None) -> None:
         super().__init__(detail)
         self.families = families or []
+
+
+class BadLine(ValueError):
+    """A source line a collector cannot use.  ``reason`` is one of the collector's own constants, never
+    text from the line: it labels gpuio_scrape_collector_dropped_lines_total where the collector counts it."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class DroppedLines:

@@ -12,18 +12,17 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import __version__, webconfig
-from .collect import REGISTRY, Option, parse_count, parse_seconds
+from . import __version__
+from .collect import REGISTRY
 from .logsetup import LEVELS
-from .webconfig import WebConfig
+from .options import ConfigError, Option, parse_bool, parse_choice, parse_count, parse_seconds
+
+if TYPE_CHECKING:
+    from .webconfig import WebConfig
 
 DEFAULT_PORT = 9817  # see README "Port": not used by node_exporter, dcgm-exporter, smartctl_exporter & co.
-
-
-class ConfigError(ValueError):
-    """A flag or environment value that cannot be used; the message is meant for the operator."""
 
 
 def env_name(flag: str) -> str:
@@ -55,34 +54,17 @@ def parse_directory(value: str) -> str:
     return value
 
 
-def parse_choice(choices: Sequence[str]) -> Callable[[str], str]:
-    def parse(value: str) -> str:
-        if value not in choices:
-            raise ValueError("unknown choice")
-        return value
-
-    return parse
-
-
-def parse_bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("not a boolean")
-
-
 def parse_web_config_file(value: str) -> WebConfig | None:
-    """The exporter-toolkit web configuration (TLS, basic auth); "" is none: plain HTTP, no auth."""
-    return webconfig.load(value) if value else None
+    """The exporter-toolkit web configuration (TLS, basic auth); "" is none: plain HTTP, no auth.
 
+    The web stack (bcrypt, YAML) loads only when a file is given: `gpuio scrape` and `gpuio top` run
+    the collectors without it.
+    """
+    if not value:
+        return None
+    from . import webconfig
 
-def parse_regex(value: str) -> re.Pattern[str]:
-    try:
-        return re.compile(value)
-    except (re.error, OverflowError, RecursionError) as exc:  # "a{4300000000}" is an OverflowError (found by fuzzing)
-        raise ValueError(f"bad regular expression: {exc}") from None
+    return webconfig.load(value)
 
 
 @dataclass(frozen=True)

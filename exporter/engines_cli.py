@@ -46,15 +46,14 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
     """One row per engine file (or per engine with no file known): what ``gpuio engines`` prints."""
     from .collect import Context
     from .collectors.engines import EnginesCollector
-    from .instrument.spool import ENGINE_LAYOUT
+    from .spool_reader import counter, histogram_count_and_sum
 
     options = {"spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
                "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None}
     collector = EnginesCollector(Context(procfs, sysfs, rootfs), options, read_only=True)
     collector.collect()  # learns the files processes report
-    scan = collector.scanner.sample_now().value
-    totals = collector.reader.read()
-    files = dict(scan.files) if scan is not None else {}
+    files = collector.engine_files_now()
+    totals = collector.spool_totals()
     rows = []
     engines = sorted(set(totals.engines) | {engine for engine, _ in files})
     for engine in engines:
@@ -65,7 +64,7 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
             view = files.get((engine, path))
             info = next((i for i in infos if i.path == path), None)
             dev = info.dev if info is not None else view.dev if view is not None else None
-            device, disks = collector._device(dev) if dev else ("", [])
+            device, disks = collector.device_of(dev) if dev else ("", [])
             row: dict[str, Any] = {
                 "engine": engine, "path": path, "processes": totals.processes.get(engine, 0),
                 "size_bytes": view.size if view else (info.size if info else None),
@@ -78,17 +77,14 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
                 "last_load_timestamp": totals.last_load.get(engine),
             }
             if values is not None:
-                first, total, _ = ENGINE_LAYOUT.histograms["load_read_seconds"]
-                loads = sum(values[first:total])
-                read_seconds = values[total]
-                first, total, _ = ENGINE_LAYOUT.histograms["inference_seconds"]
-                inferences = sum(values[first:total])
+                loads, read_seconds = histogram_count_and_sum(values, "load_read_seconds")
+                inferences, inference_seconds = histogram_count_and_sum(values, "inference_seconds")
                 row.update({
                     "loads": loads,
-                    "read_mib_per_second": (values[ENGINE_LAYOUT.counters["load_read_bytes"]] / 2**20 / read_seconds)
+                    "read_mib_per_second": counter(values, "load_read_bytes") / 2**20 / read_seconds
                     if read_seconds > 0 else None,
                     "inferences": inferences,
-                    "mean_latency_seconds": values[total] / inferences if inferences else None,
+                    "mean_latency_seconds": inference_seconds / inferences if inferences else None,
                 })
             rows.append(row)
     return rows
@@ -119,7 +115,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def engines_main(argv: Sequence[str]) -> int:
-    from .instrument.spool import DEFAULT_DIR
+    from gpuio.spool import DEFAULT_DIR
 
     parser = argparse.ArgumentParser(prog="gpuio engines", description="The engines on this node.")
     parser.add_argument("--spool-dir", default=os.environ.get("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR", DEFAULT_DIR),

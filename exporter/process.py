@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import resource
 
+from . import procstat
 from .exposition import COUNTER, GAUGE, Desc, Family
+from .procstat import START_TIME, stat_fields
 
 CPU = Desc("process_cpu_seconds_total", COUNTER, "Total user and system CPU time spent in seconds.")
 RSS = Desc("process_resident_memory_bytes", GAUGE, "Resident memory size in bytes.")
@@ -32,24 +34,17 @@ def _boot_time() -> float:
 
 class ProcessMetrics:
     def __init__(self) -> None:
-        self._start = _boot_time() + int(self._stat()[19]) / _TICKS
+        self._start = _boot_time() + int(stat_fields()[START_TIME]) / _TICKS
         self._max_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
-    @staticmethod
-    def _stat() -> list[str]:
-        with open("/proc/self/stat", "rb") as handle:
-            raw = handle.read().decode()
-        # Fields after the command name, which is in parentheses and may itself hold spaces.
-        return raw[raw.rindex(")") + 2 :].split()
-
     def families(self) -> list[Family]:
-        stat = self._stat()
+        stat = stat_fields()
         return [
-            Family(CPU, [CPU.sample("", (int(stat[11]) + int(stat[12])) / _TICKS)]),
-            Family(RSS, [RSS.sample("", int(stat[21]) * _PAGE)]),
-            Family(VSIZE, [VSIZE.sample("", int(stat[20]))]),
+            Family(CPU, [CPU.sample("", (int(stat[procstat.UTIME]) + int(stat[procstat.STIME])) / _TICKS)]),
+            Family(RSS, [RSS.sample("", int(stat[procstat.RSS]) * _PAGE)]),
+            Family(VSIZE, [VSIZE.sample("", int(stat[procstat.VSIZE]))]),
             Family(START, [START.sample("", self._start)]),
             Family(OPEN_FDS, [OPEN_FDS.sample("", len(os.listdir("/proc/self/fd")))]),
             Family(MAX_FDS, [MAX_FDS.sample("", self._max_fds)]),
-            Family(THREADS, [THREADS.sample("", int(stat[17]))]),
+            Family(THREADS, [THREADS.sample("", int(stat[procstat.THREADS]))]),
         ]

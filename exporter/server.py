@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import html
 import logging
-import platform
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -265,10 +264,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 " + status + b"\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
             self.transport.close()
-
-
-def build_labels() -> dict[str, str]:
-    return {"version": __version__, "python_version": platform.python_version()}
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -45,59 +45,64 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gpuio.spool import SERIES
+
+from . import collect
 from . import thresholds as th
+from .collectors import diskstats, engines, nvml, pressure, smart
 from .terminal import printable, safe_text
 
-# --- The metric names top reads: the ONE place to change when a collector names things otherwise. ---
+# --- The families top reads, from their declarations in the collectors (never a copied literal). ---
 # Disks (diskstats collector; node_exporter's node_disk_* semantics).
-DISK_READS = "gpuio_disk_reads_completed_total"
-DISK_WRITES = "gpuio_disk_writes_completed_total"
-DISK_READ_BYTES = "gpuio_disk_read_bytes_total"
-DISK_WRITTEN_BYTES = "gpuio_disk_written_bytes_total"
-DISK_READ_TIME = "gpuio_disk_read_time_seconds_total"
-DISK_WRITE_TIME = "gpuio_disk_write_time_seconds_total"
-DISK_IO_TIME = "gpuio_disk_io_time_seconds_total"
-DISK_IO_TIME_WEIGHTED = "gpuio_disk_io_time_weighted_seconds_total"
-DISK_INFO = "gpuio_disk_info"  # label rotational: "1", "0" or ""
-DISK_PHYSICAL = "gpuio_disk_physical_device_info"  # labels device, physical_device
+_DISK = {desc.name.removeprefix("gpuio_disk_"): desc.name for desc in diskstats.DESCS}
+DISK_READS = _DISK["reads_completed_total"]
+DISK_WRITES = _DISK["writes_completed_total"]
+DISK_READ_BYTES = _DISK["read_bytes_total"]
+DISK_WRITTEN_BYTES = _DISK["written_bytes_total"]
+DISK_READ_TIME = _DISK["read_time_seconds_total"]
+DISK_WRITE_TIME = _DISK["write_time_seconds_total"]
+DISK_IO_TIME = _DISK["io_time_seconds_total"]
+DISK_IO_TIME_WEIGHTED = _DISK["io_time_weighted_seconds_total"]
+DISK_INFO = diskstats.INFO_DESC.name  # label rotational: "1", "0" or ""
+DISK_PHYSICAL = diskstats.PHYSICAL_DESC.name  # labels device, physical_device
 # Disk health (smart collector): 1 passed, 0 failed, labelled device.
-SMART_HEALTH = "gpuio_smart_health_passed"
+SMART_HEALTH = smart.HEALTH.name
 # IO pressure (pressure collector), counters of seconds.
-PSI_IO_SOME = "gpuio_pressure_io_waiting_seconds_total"
-PSI_IO_FULL = "gpuio_pressure_io_stalled_seconds_total"
-PSI_MEMORY_SOME = "gpuio_pressure_memory_waiting_seconds_total"
-PSI_MEMORY_FULL = "gpuio_pressure_memory_stalled_seconds_total"
-PSI_CPU_SOME = "gpuio_pressure_cpu_waiting_seconds_total"
+PSI_IO_SOME = pressure.DESCS[("io", "some")].name
+PSI_IO_FULL = pressure.DESCS[("io", "full")].name
+PSI_MEMORY_SOME = pressure.DESCS[("memory", "some")].name
+PSI_MEMORY_FULL = pressure.DESCS[("memory", "full")].name
+PSI_CPU_SOME = pressure.DESCS[("cpu", "some")].name
 # GPUs (nvml collector), every series labelled gpu (index) and uuid.
 GPU_LABEL = "gpu"
 GPU_UUID_LABEL = "uuid"
-GPU_INFO = "gpuio_gpu_info"  # labels gpu, uuid, name, ...
-GPU_UP = "gpuio_gpu_up"
-GPU_BUSY = "gpuio_gpu_busy_seconds_total"
-GPU_MEMORY_USED = "gpuio_gpu_memory_used_bytes"
-GPU_MEMORY_TOTAL = "gpuio_gpu_memory_total_bytes"
-GPU_TEMPERATURE = "gpuio_gpu_temperature_celsius"
-GPU_POWER = "gpuio_gpu_power_watts"  # NVML's 1 s average (the energy counter is read only every 10 s)
+GPU_INFO = nvml.INFO_DESC.name  # labels gpu, uuid, name, ...
+GPU_UP = nvml.UP.name
+GPU_BUSY = nvml.BUSY.name
+GPU_MEMORY_USED = nvml.MEMORY_USED.name
+GPU_MEMORY_TOTAL = nvml.MEMORY_TOTAL.name
+GPU_TEMPERATURE = nvml.TEMPERATURE.name
+GPU_POWER = nvml.POWER.name  # NVML's 1 s average (the energy counter is read only every 10 s)
 # Age of the NVML sweep a scrape serves: GPU counters advance once per sweep, so their rates are taken
 # over the sweeps' own interval (scrape time minus age), not the scrapes'.
-GPU_AGE = "gpuio_gpu_snapshot_age_seconds"
-GPU_THROTTLE = "gpuio_gpu_clocks_event_reason_active"  # one 0/1 series per reason
+GPU_AGE = nvml.AGE.name
+GPU_THROTTLE = nvml.REASON.name  # one 0/1 series per reason
 GPU_THROTTLE_REASON_LABEL = "reason"
 # Clock-event reasons that are no slowdown (an idle GPU, clocks an operator or a display set): not listed.
 # Of those listed, only thresholds.GPU_THROTTLE_REASONS flag a row (sw_power_cap is listed, not flagged).
 GPU_THROTTLE_IGNORED = ("gpu_idle", "applications_clocks_setting", "display_clock_setting")
 # Engines (engines collector), every series labelled engine.
 ENGINE_LABEL = "engine"
-ENGINE_INFO = "gpuio_engine_info"  # labels engine, path, device, gpu_uuid (one series per file and GPU)
+ENGINE_INFO = engines.ENGINE_INFO.name  # labels engine, path, device, gpu_uuid (one series per file and GPU)
 ENGINE_INFO_DEVICE_LABEL = "device"
 ENGINE_INFO_GPU_LABEL = "gpu_uuid"
-ENGINE_LATENCY = "gpuio_engine_inference_seconds"  # histogram (_bucket, _sum, _count)
-ENGINE_IN_FLIGHT = "gpuio_engine_inferences_in_flight"
-ENGINE_POOL_WAIT = "gpuio_engine_pool_wait_seconds"  # histogram
-ENGINE_RESIDENCY = "gpuio_engine_file_cached_ratio"  # per file (engine, path): the least cached is shown
-ENGINE_PHYSICAL = "gpuio_engine_physical_device_info"  # labels engine, path, physical_device
+ENGINE_LATENCY = SERIES["inference_seconds"].name  # histogram (_bucket, _sum, _count)
+ENGINE_IN_FLIGHT = SERIES["in_flight"].name
+ENGINE_POOL_WAIT = SERIES["pool_wait_seconds"].name  # histogram
+ENGINE_RESIDENCY = engines.FILE_RATIO.name  # per file (engine, path): the least cached is shown
+ENGINE_PHYSICAL = engines.PHYSICAL_INFO.name  # labels engine, path, physical_device
 # The exporter itself.
-COLLECTOR_SUCCESS = "gpuio_scrape_collector_success"
+COLLECTOR_SUCCESS = collect.SUCCESS.name
 # ---------------------------------------------------------------------------------------------------
 
 log = logging.getLogger("gpuio.top")
@@ -168,7 +173,7 @@ class LocalSource:
     """This machine, through the exporter's own collectors (its flags decide which, and where)."""
 
     def __init__(self, config: Any, clock: Callable[[], float] = time.monotonic) -> None:
-        from .cli import build_scraper
+        from .assemble import build_scraper
 
         # process_* would describe this gpuio top process, not the node.
         self.scraper = build_scraper(dataclasses.replace(config, disable_exporter_metrics=True))
@@ -966,8 +971,9 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
          sleep: Callable[[float], None] = time.sleep, out: IO[str] | None = None) -> int:
     """``gpuio top``; ``clock`` and ``sleep`` are for tests that rewrite a procfs between two samples."""
     from . import collectors  # noqa: F401  (importing registers the collectors, and so their flags)
-    from .config import ConfigError, parse_args, parse_seconds
+    from .config import parse_args
     from .logsetup import setup
+    from .options import ConfigError, parse_seconds
 
     out = out or sys.stdout
     parser = _parser()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,8 +17,45 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The instrumentation library's project folder: its package, gpuio, imports from a checkout without
+# installing it, here and in every process the tests start (exporters, instrumented workers).
+LIBRARY = os.path.join(REPO, "exporter", "instrument")
+if LIBRARY not in sys.path:
+    sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 ROOTS = os.path.join(REPO, "tests", "fixtures", "roots")
 KERNELS = ("linux-4.14", "linux-5.4", "linux-6.8")
+
+
+# In CI (CI or GPUIO_REQUIRE_PEERS set) every peer tool and dev package is installed, so a test skipped
+# there for want of one is a failure: only a GPU or TensorRT may be missing.
+MAY_BE_MISSING = re.compile(r"GPU|NVIDIA|CUDA|TensorRT|tensorrt|torch", re.IGNORECASE)
+
+
+def _peers_required() -> bool:
+    return bool(os.environ.get("CI") or os.environ.get("GPUIO_REQUIRE_PEERS"))
+
+
+def _fail_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if not (report.skipped and _peers_required()):
+        return
+    reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+    if MAY_BE_MISSING.search(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"skipped where every peer must be installed (CI): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    _fail_skip(outcome.get_result())  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _fail_skip(outcome.get_result())  # type: ignore[attr-defined]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,6 +74,12 @@ def free_port() -> int:
 
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def documented_families() -> set[str]:
+    """The families docs/metrics.md lists (the first column of its tables)."""
+    with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as handle:
+        return set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
 
 
 def parse_samples(text: str) -> Samples:
@@ -115,3 +159,17 @@ def exporter() -> Iterator[callable]:
     for process in started:
         if process.process and process.process.poll() is None:
             process.stop()
+
+
+@pytest.fixture
+def spool_dir(tmp_path) -> Iterator[str]:
+    """A spool directory that this process's gpuio writes into, closed and unset after the test."""
+    import gpuio
+
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    gpuio.close()
+    gpuio.configure(str(directory))
+    yield str(directory)
+    gpuio.close()
+    gpuio.configure(None)

@@ -21,10 +21,10 @@ import time
 from typing import Any
 
 from ..blockdev import BlockDevices
-from ..collect import Collector, Context, MalformedSource, Option, register
-from ..config import parse_regex
+from ..collect import BadLine, Collector, Context, MalformedSource, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce
+from ..options import ConfigError, Option, parse_regex
 
 log = logging.getLogger("gpuio.collector.diskstats")
 
@@ -71,14 +71,6 @@ PHYSICAL_DESC = Desc(
     "gpuio_disk_physical_device_info", INFO,
     "The whole disks at the bottom of a device's stack (a plain disk names itself), for joins from any device.",
 )
-
-
-class BadLine(ValueError):
-    """A line that is no diskstats line; ``reason`` labels gpuio_scrape_collector_dropped_lines_total."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 def parse_line(line: str) -> tuple[int, int, str, list[int]]:
@@ -148,8 +140,6 @@ class DiskstatsCollector(Collector):
         super().__init__(context, options)
         include, exclude = options.get("device-include"), options.get("device-exclude")
         if include is not None and exclude is not None:
-            from ..config import ConfigError
-
             raise ConfigError(
                 "--collector.diskstats.device-include and --collector.diskstats.device-exclude are mutually "
                 "exclusive; accepted: at most one of them"

@@ -4,14 +4,15 @@ Two sources (docs/engines.md):
 
 * the spool directory (``--collector.engines.spool-dir``): per-engine load, inference, pool and layer
   series merged over every live process, plus the folded totals of processes that exited
-  (:class:`exporter.instrument.spool.SpoolReader`); read on the scrape path (file reads only);
+  (:class:`exporter.spool_reader.SpoolReader`); read on the scrape path (file reads only);
 * engine files, named by the processes (their load path) and by ``--collector.engines.path`` globs:
   size, mtime, the block device under them (st_dev -> /sys/dev/block, mountinfo for overlayfs and
   btrfs) and their page-cache residency.  Residency scans of big files run in a background
   :class:`PeriodicSampler`, never on the scrape path; the scrape renders the last scan.
 
 ``gpuio_engine_info{engine, path, device, cuda_device, gpu_uuid, runtime}`` joins an engine to its
-disk and its GPU (as the process recorded it, else as NVML lists the process: ``gpu_of_process``);
+disk and its GPU (as the process recorded it, else as NVML lists the process:
+:class:`exporter.spool_reader.WriterGpus`);
 ``gpuio_engine_physical_device_info`` names the whole disks under the device, the same way
 ``gpuio_disk_physical_device_info`` does, so rules can go engine -> disk -> diskstats.
 
@@ -39,15 +40,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpuio import spool as fmt
+from gpuio.load import engine_name
+
+from .. import spool_reader as rd
 from ..blockdev import BlockDevices, PathDevices
-from ..collect import Collector, Context, Option, parse_count, parse_seconds, register
+from ..collect import Collector, Context, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
-from ..instrument import spool as fmt
-from ..instrument.load import engine_name
 from ..logsetup import LogOnce
 from ..mounts import MountCache
+from ..options import Option, parse_count, parse_seconds
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..sampler import PeriodicSampler
+from ..spool_reader import WriterGpus
 
 log = logging.getLogger("gpuio.collector.engines")
 
@@ -111,41 +116,23 @@ def _parse_directory_name(value: str) -> str:
     return value  # may not exist yet: processes and the exporter start in any order
 
 
-def _histogram_desc(name: str, text: str) -> Desc:
-    return Desc(f"gpuio_engine_{name}", HISTOGRAM, text)
+def _declared(slot: str) -> Desc:
+    """The family of an ENGINE-record series, as the library declares it (gpuio.spool.ENGINE_SERIES)."""
+    series = fmt.SERIES[slot]
+    return Desc(series.name, series.type, series.help)
 
 
-HISTOGRAM_DESCS = {
-    "load_read_seconds": _histogram_desc(
-        "load_read_seconds", "Time to read engine files from disk or page cache, per load (the disk's part)."),
-    "load_deserialize_seconds": _histogram_desc(
-        "load_deserialize_seconds", "Time to deserialize engines once read (TensorRT deserialize_cuda_engine "
-        "or the model loader), per load."),
-    "inference_seconds": _histogram_desc(
-        "inference_seconds", "End-to-end latency of completed inferences (enqueue to stream synchronised)."),
-    "inference_gpu_seconds": _histogram_desc(
-        "inference_gpu_seconds", "GPU time of inferences from CUDA events, where the process measures it."),
-    "batch_size": _histogram_desc("inference_batch_size", "Batch size of inferences, where known."),
-    "pool_wait_seconds": _histogram_desc(
-        "pool_wait_seconds", "Time requests waited for a free execution context in the engine pool."),
-    "warmup_seconds": _histogram_desc(
-        "warmup_seconds", "Warm-up time of each execution context before it served (all warm-up iterations)."),
-    "first_inference_seconds": _histogram_desc(
-        "first_inference_seconds", "Latency of each execution context's first inference (cold), to compare "
-        "with the steady inference latency."),
-}
-LOAD_BYTES = Desc("gpuio_engine_load_read_bytes_total", COUNTER, "Bytes read from engine files by loads.")
+HISTOGRAM_DESCS = {series.slot: _declared(series.slot) for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM}
+LOAD_BYTES = _declared("load_read_bytes")
 ERRORS = Desc("gpuio_engine_errors_total", COUNTER,
               "Failed loads and inferences by reason (enqueue_failed, timeout, pool_timeout, out_of_memory, "
               "load_read_failed, load_deserialize_failed, an exception name, other).")
 LAYER_SECONDS = Desc("gpuio_engine_layer_seconds_total", COUNTER,
                      "Time spent in each layer during profiled inferences (top layers; the rest is '(other)').")
-PROFILED = Desc("gpuio_engine_layer_profiled_inferences_total", COUNTER,
-                "Inferences profiled per layer (sampled 1 in N); divide layer seconds by this for a mean.")
-IN_FLIGHT = Desc("gpuio_engine_inferences_in_flight", GAUGE, "Inferences running now, per engine and GPU.")
-POOL_CONTEXTS = Desc("gpuio_engine_pool_contexts", GAUGE, "Execution contexts in engine pools, per engine and GPU.")
-POOL_IDLE = Desc("gpuio_engine_pool_idle_contexts", GAUGE,
-                 "Execution contexts free in engine pools, per engine and GPU.")
+PROFILED = _declared("layer_profiled_inferences")
+IN_FLIGHT = _declared("in_flight")
+POOL_CONTEXTS = _declared("pool_contexts")
+POOL_IDLE = _declared("pool_idle")
 LOADS = Desc("gpuio_engine_loads_in_progress", GAUGE,
              "Loads (read and deserialize) of the engine started and not finished by live processes, per GPU.")
 LOAD_PROGRESS_BYTES = Desc("gpuio_engine_load_in_progress_read_bytes", GAUGE,
@@ -258,14 +245,14 @@ class EnginesCollector(Collector):
         self.globs: tuple[str, ...] = options.get("path") or ()
         self.max_engines: int = options.get("max-engines") or 200
         self.max_files: int = options.get("max-files") or 1000
-        self.reader = fmt.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
-                                      remove_dead=not read_only, gpu_of=self.gpu_of_process,
+        self.reader = rd.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
+                                      remove_dead=not read_only,
+                                      gpu_of=WriterGpus(context.gpu_processes.get, context.procfs),
                                       max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES)
         include = options.get("path-include")
         if include is None:
             include = _parse_directories(DEFAULT_PATH_INCLUDE)
         self.path_include: tuple[str, ...] = tuple(include) + tuple(_glob_directory(g) for g in self.globs)
-        self._same_process: dict[tuple[int, int], bool] = {}  # (pid, start ticks) -> our /proc shows it
         self.scanner: PeriodicSampler[ScanResult] = PeriodicSampler(
             "engine-files", options.get("residency-interval") or 30.0, self.scan_files, log)
         self._targets: dict[tuple[str, str], Target] = {}
@@ -286,13 +273,25 @@ class EnginesCollector(Collector):
     def stop(self) -> None:
         self.scanner.stop()
 
+    # --- for gpuio engines: the same reads, on demand -------------------------------------------
+
+    def spool_totals(self) -> rd.Totals:
+        """The spool merged now (a read_only collector leaves exited writers' files in place)."""
+        return self.reader.read()
+
+    def engine_files_now(self) -> dict[tuple[str, str], FileView]:
+        """Every engine file known now, (engine, path) -> its size, residency and device: a scan run
+        on this thread, not the background one's last."""
+        scan = self.scanner.sample_now().value
+        return dict(scan.files) if scan is not None else {}
+
     # --- the scrape ----------------------------------------------------------------------------
 
     def collect(self) -> list[Family]:
         has_spool = os.path.isdir(self.spool_dir)
         if not has_spool and not self.globs:
             return []  # no such source here
-        totals = self.reader.read() if has_spool else fmt.Totals()
+        totals = self.reader.read() if has_spool else rd.Totals()
         engines = self._select(totals)
         families = self._engine_families(totals, engines)
         pairs = self._engine_gpus(totals, engines)
@@ -305,7 +304,7 @@ class EnginesCollector(Collector):
         families += self._spool_families(totals)
         return families
 
-    def _select(self, totals: fmt.Totals) -> list[str]:
+    def _select(self, totals: rd.Totals) -> list[str]:
         """At most max-engines engines, ranked so that junk cannot push out real ones (module note).
 
         The reader is told which engines are shown: their folded totals are never forgotten."""
@@ -321,7 +320,7 @@ class EnginesCollector(Collector):
         self.reader.protected = self._exported
         return sorted(names)
 
-    def _note_activity(self, totals: fmt.Totals, now: float) -> None:
+    def _note_activity(self, totals: rd.Totals, now: float) -> None:
         """When each engine's counters last moved, as this exporter saw them (not as a writer says)."""
         prefix = fmt.ENGINE_LAYOUT.monotonic_prefix
         activity: dict[str, tuple[float, float]] = {}
@@ -334,13 +333,13 @@ class EnginesCollector(Collector):
                 activity[name] = (signature, now if signature != before[0] else before[1])
         self._activity = activity
 
-    def _rank(self, totals: fmt.Totals, name: str, now: float) -> tuple[bool, bool, bool, bool, float, str]:
+    def _rank(self, totals: rd.Totals, name: str, now: float) -> tuple[bool, bool, bool, bool, float, str]:
         """Sort key, best first: moved recently, has live writers, has observations, shown before,
         moved most recently; then the name (a stable order among equals)."""
         moved = self._activity[name][1]
         values = totals.engines[name]
         return (now - moved > ACTIVE_SECONDS, totals.processes.get(name, 0) == 0,
-                fmt.observations(values) == 0, name not in self._exported, -moved, name)
+                rd.observations(values) == 0, name not in self._exported, -moved, name)
 
     def _drop(self, kind: str, key: Any) -> None:
         self._left_out[kind].add(key)
@@ -353,9 +352,9 @@ class EnginesCollector(Collector):
             labels = self._labels[engine] = label_string({"engine": engine})
         return labels
 
-    def _engine_families(self, totals: fmt.Totals, engines: list[str]) -> list[Family]:
+    def _engine_families(self, totals: rd.Totals, engines: list[str]) -> list[Family]:
         layout = fmt.ENGINE_LAYOUT
-        histogram_names = [name for name in HISTOGRAM_DESCS if name not in fmt.PER_GPU_HISTOGRAMS]
+        histogram_names = [name for name in HISTOGRAM_DESCS if name not in rd.PER_GPU_HISTOGRAMS]
         columns: list[list[str]] = [[] for _ in histogram_names]
         load_bytes, profiled, processes, last_load = [], [], [], []
         rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
@@ -406,7 +405,7 @@ class EnginesCollector(Collector):
 
     # --- per engine and GPU; loads in progress -------------------------------------------------------
 
-    def _engine_gpus(self, totals: fmt.Totals, engines: list[str]) -> list[tuple[str, str]]:
+    def _engine_gpus(self, totals: rd.Totals, engines: list[str]) -> list[tuple[str, str]]:
         """The (engine, GPU) pairs to serve: every GPU a process of the engine recorded or is loading on,
         at most MAX_GPUS_PER_ENGINE per engine (GPU uuids come from writers: untrusted)."""
         wanted = set(engines)
@@ -422,10 +421,10 @@ class EnginesCollector(Collector):
             pairs.extend((engine, uuid) for uuid in uuids[:MAX_GPUS_PER_ENGINE])
         return pairs
 
-    def _per_gpu_families(self, totals: fmt.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
+    def _per_gpu_families(self, totals: rd.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
         """Work waiting, judged per engine *and* GPU: a spare replica on another GPU has its own series."""
-        layout = fmt.PER_GPU_LAYOUT
-        histograms: dict[str, list[str]] = {name: [] for name in fmt.PER_GPU_HISTOGRAMS}
+        layout = rd.PER_GPU_LAYOUT
+        histograms: dict[str, list[str]] = {name: [] for name in rd.PER_GPU_HISTOGRAMS}
         gauges: dict[Desc, list[str]] = {IN_FLIGHT: [], POOL_CONTEXTS: [], POOL_IDLE: []}
         slots = {IN_FLIGHT: layout.gauges["in_flight"], POOL_CONTEXTS: layout.gauges["pool_contexts"],
                  POOL_IDLE: layout.gauges["pool_idle"]}
@@ -443,7 +442,7 @@ class EnginesCollector(Collector):
         return ([Family(HISTOGRAM_DESCS[name], lines) for name, lines in histograms.items()]
                 + [Family(desc, lines) for desc, lines in gauges.items()])
 
-    def _load_families(self, totals: fmt.Totals, engines: list[str], pairs: list[tuple[str, str]]) -> list[Family]:
+    def _load_families(self, totals: rd.Totals, engines: list[str], pairs: list[tuple[str, str]]) -> list[Family]:
         """Loads in progress per engine and GPU, per physical disk and per mount point; and each engine
         file's mount.  Every engine GPU, disk and mount point of an engine file is served, at 0 when
         nothing loads there, so that ``max by`` and joins find it."""
@@ -452,7 +451,7 @@ class EnginesCollector(Collector):
         per_mount: dict[str, list[float]] = {}
         mount_info: dict[str, None] = {}
         for engine, path, dev in self._engine_files(totals, engines):
-            for disk in self._device(dev)[1]:
+            for disk in self.device_of(dev)[1]:
                 per_disk.setdefault(disk, [0.0, 0.0])
             mount = self._mounts.of_file(dev, path)
             if mount is not None:
@@ -471,7 +470,7 @@ class EnginesCollector(Collector):
             load_path = next((item.path for item in totals.infos.get(engine, []) if item.dev == dev), None)
             if load_path is None or dev == (0, 0):
                 continue
-            for disk in self._device(dev)[1]:
+            for disk in self.device_of(dev)[1]:
                 _add_load(per_disk.setdefault(disk, [0.0, 0.0]), count, age)
             mount = self._mounts.of_file(dev, load_path)
             if mount is not None:
@@ -488,7 +487,7 @@ class EnginesCollector(Collector):
         families.append(Family(ENGINE_MOUNT, list(mount_info)))
         return families
 
-    def _engine_files(self, totals: fmt.Totals, engines: list[str]) -> list[tuple[str, str, tuple[int, int]]]:
+    def _engine_files(self, totals: rd.Totals, engines: list[str]) -> list[tuple[str, str, tuple[int, int]]]:
         """(engine, path, st_dev) of every engine file: those live processes load or loaded, and those
         only the globs name (from the last background scan)."""
         files = [(engine, item.path, item.dev) for engine in engines for item in totals.infos.get(engine, [])
@@ -501,25 +500,7 @@ class EnginesCollector(Collector):
 
     # --- engine -> file -> disk, GPU -------------------------------------------------------------
 
-    def gpu_of_process(self, pid: int, start_ticks: int) -> str | None:
-        """The GPU NVML lists the spool writer ``pid`` on, for a writer that recorded none.
-
-        Only when this exporter's procfs shows that very process (same start time): a writer in
-        another pid namespace (a pod without hostPID) has a pid that means another process here, or
-        none, and NVML reports host pids.
-        """
-        uuid = self.context.gpu_processes.get(pid)
-        if uuid is None or start_ticks <= 0:
-            return None
-        key = (pid, start_ticks)
-        same = self._same_process.get(key)
-        if same is None:
-            if len(self._same_process) > 4096:
-                self._same_process.clear()
-            same = self._same_process[key] = fmt.process_start_ticks(pid, self.context.procfs) == start_ticks
-        return uuid if same else None
-
-    def _infos(self, totals: fmt.Totals, engine: str) -> list[fmt.EngineInfo]:
+    def _infos(self, totals: rd.Totals, engine: str) -> list[rd.EngineInfo]:
         """At most MAX_INFOS of an engine's info records: those whose file the last scan found as the
         writer reported it first, then the latest loads.  Many writers naming many paths for one
         engine cannot multiply its series."""
@@ -529,7 +510,7 @@ class EnginesCollector(Collector):
         scan = self.scanner.snapshot().value
         files = scan.files if scan is not None else {}
 
-        def verified(item: fmt.EngineInfo) -> bool:
+        def verified(item: rd.EngineInfo) -> bool:
             view = files.get((engine, item.path))
             return view is not None and view.size is not None
 
@@ -538,13 +519,13 @@ class EnginesCollector(Collector):
             self._drop("info", (engine, item.path, item.gpu_uuid, item.runtime))
         return ranked[:MAX_INFOS]
 
-    def _info_families(self, totals: fmt.Totals, engines: list[str]) -> list[Family]:
+    def _info_families(self, totals: rd.Totals, engines: list[str]) -> list[Family]:
         info, physical = [], []
         seen: set[str] = set()
         targets: dict[tuple[str, str], Target] = {}
         for engine in engines:
             for item in self._infos(totals, engine):
-                device, disks = self._device(item.dev)
+                device, disks = self.device_of(item.dev)
                 labels = {"engine": engine, "path": item.path, "device": device,
                           "cuda_device": "" if item.cuda_device < 0 else str(item.cuda_device),
                           "gpu_uuid": item.gpu_uuid, "runtime": item.runtime}
@@ -567,14 +548,14 @@ class EnginesCollector(Collector):
         for view in scan.files.values() if scan is not None else ():
             if not view.from_glob or view.dev is None:
                 continue
-            device, disks = self._device(view.dev)
+            device, disks = self.device_of(view.dev)
             info.append(ENGINE_INFO.sample(label_string({"engine": view.engine, "path": view.path, "device": device,
                                                          "cuda_device": "", "gpu_uuid": "", "runtime": ""}), 1))
             physical.extend(PHYSICAL_INFO.sample(label_string({"engine": view.engine, "path": view.path,
                                                                "physical_device": disk}), 1) for disk in disks)
         return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical)]
 
-    def _device(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
+    def device_of(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
         """The block device behind st_dev MAJ:MIN and the whole disks under it (sysfs reads, cached)."""
         if dev == (0, 0):
             return "", []
@@ -672,7 +653,7 @@ class EnginesCollector(Collector):
 
     # --- the spool itself ----------------------------------------------------------------------
 
-    def _spool_families(self, totals: fmt.Totals) -> list[Family]:
+    def _spool_families(self, totals: rd.Totals) -> list[Family]:
         reader = self.reader
         errors = [SPOOL_ERRORS.sample(label_string({"reason": reason}), count)
                   for reason, count in sorted(reader.errors.items())]

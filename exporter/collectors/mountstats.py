@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import mounts
-from ..collect import Collector, Context, Option, parse_count, register
+from ..collect import BadLine, Collector, Context, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..options import Option, parse_count
 
 log = logging.getLogger("gpuio.collector.mountstats")
 
@@ -155,13 +156,9 @@ DROPPED = Desc("gpuio_mountstats_dropped_series_total", COUNTER,
                "mount_info).")
 
 
-class BadLine(ValueError):
-    pass
-
-
 def _numbers(fields: list[str]) -> list[int]:
     if not all(text.isascii() and text.isdigit() for text in fields):
-        raise BadLine("not a list of whole numbers")
+        raise BadLine("malformed", "not a list of whole numbers")
     return [int(text) for text in fields]
 
 
@@ -191,7 +188,7 @@ def parse_device_line(fields: list[str]) -> NfsMount | None:
     """``device EXPORT mounted on MOUNTPOINT with fstype TYPE [statvers=V]``: the mount when it carries
     NFS statistics, None for any other mount; BadLine when the line is not of that shape."""
     if len(fields) < 8 or fields[2:4] != ["mounted", "on"] or fields[5:7] != ["with", "fstype"]:
-        raise BadLine("device line of an unknown shape")
+        raise BadLine("malformed", "device line of an unknown shape")
     if len(fields) == 8 or fields[7] not in NFS_TYPES:
         return None
     statvers = fields[8].removeprefix("statvers=")
@@ -203,11 +200,11 @@ def parse_transport(fields: list[str], statvers: str) -> tuple[str, list[int]]:
     protocol, numbers = fields[0], _numbers(fields[1:])
     if protocol == "rdma" and statvers == "1.1":
         if len(numbers) < RDMA_MIN_FIELDS:
-            raise BadLine("short rdma transport line")
+            raise BadLine("malformed", "short rdma transport line")
         return protocol, numbers[:13]
     expected = TRANSPORT_FIELDS.get(statvers, {}).get(protocol)
     if expected is None or len(numbers) != expected:
-        raise BadLine(f"transport line of an unknown shape ({protocol}, statvers {statvers})")
+        raise BadLine("malformed", f"transport line of an unknown shape ({protocol}, statvers {statvers})")
     if protocol == "udp":
         numbers = numbers[:2] + [0, 0, 0] + numbers[2:]
     return protocol, numbers + [0] * (13 - len(numbers))
@@ -228,18 +225,18 @@ def _parse_stat_line(mount: NfsMount, fields: list[str]) -> bool:
         mount.events = _numbers(fields[1:]) if len(fields) == EVENTS_FIELDS + 1 else _bad("events line")
     elif key == "xprt:":
         if len(fields) < 3:
-            raise BadLine("short transport line")
+            raise BadLine("malformed", "short transport line")
         mount.transports.append(parse_transport(fields[1:], mount.statvers))
     return False  # caps:, sec:, nfsv4:, impl_id:, RPC iostats... are not exported
 
 
 def _bad(what: str) -> Any:
-    raise BadLine(f"bad {what}")
+    raise BadLine("malformed", f"bad {what}")
 
 
 def parse_operation(fields: list[str]) -> tuple[str, list[int]]:
     if len(fields) < OP_MIN_FIELDS + 1 or not fields[0].endswith(":"):
-        raise BadLine("operation line of an unknown shape")
+        raise BadLine("malformed", "operation line of an unknown shape")
     numbers = _numbers(fields[1:])
     return fields[0][:-1], numbers + [0] * (9 - len(numbers))
 

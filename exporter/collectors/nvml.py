@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .. import nvml_device as nv
-from ..collect import Collector, Context, Option, StaleData, parse_count, parse_seconds, register
+from ..collect import Collector, Context, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..nvml_device import Nvml, NVMLError, error_code, error_name
+from ..options import Option, parse_count, parse_seconds
 from ..sampler import PeriodicSampler, Snapshot
 
 log = logging.getLogger("gpuio.collector.nvml")

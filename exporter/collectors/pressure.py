@@ -17,7 +17,7 @@ import errno
 import logging
 import os
 
-from ..collect import Collector, MalformedSource, register
+from ..collect import BadLine, Collector, MalformedSource, register
 from ..exposition import COUNTER, Desc, Family
 from ..logsetup import LogOnce
 
@@ -39,14 +39,6 @@ DESCS: dict[tuple[str, str], Desc] = {
                           "Total time in seconds no process could make progress due to IRQ/softirq work."),
 }
 RESOURCES = ("cpu", "io", "memory", "irq")
-
-
-class BadLine(ValueError):
-    """A line that is no PSI line; ``reason`` labels gpuio_scrape_collector_dropped_lines_total."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 def parse_total(line: str) -> tuple[str, int]:

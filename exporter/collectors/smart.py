@@ -50,10 +50,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..collect import Collector, Context, Option, StaleData, parse_count, parse_seconds, register
-from ..config import ConfigError, parse_choice, parse_regex
+from .. import procstat
+from ..collect import Collector, Context, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
+from ..options import ConfigError, Option, parse_choice, parse_count, parse_regex, parse_seconds
 from ..sampler import PeriodicSampler
 
 log = logging.getLogger("gpuio.collector.smart")
@@ -260,9 +261,9 @@ def process_table(procfs: str = "/proc") -> dict[int, ProcessRow]:
         if not name.isdigit():
             continue
         try:
-            with open(f"{procfs}/{name}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()  # state ppid pgrp session ...
-            table[int(name)] = ProcessRow(int(fields[1]), fields[0].decode(), int(fields[3]))
+            stat = procstat.stat_fields(name, procfs)
+            table[int(name)] = ProcessRow(int(stat[procstat.PPID]), stat[procstat.STATE].decode(),
+                                          int(stat[procstat.SESSION]))
         except (OSError, IndexError, ValueError):
             continue
     return table

@@ -5,7 +5,7 @@ with ``losetup --direct-io=on`` so every read of the loop device goes to the dis
 formatted ext4 and mounted.  A 64 MiB "engine" is written there, synced, and evicted from the page
 cache (POSIX_FADV_DONTNEED; cachestat confirms 0 %).
 
-A real inference process (a subprocess importing exporter.instrument) loads it through the generic
+A real inference process (a subprocess importing gpuio) loads it through the generic
 loader path, warms a pool and serves a few inferences; the real exporter (HTTP) serves the engines
 collector and diskstats for the loop device.  The test checks that the load's bytes are the file's,
 that the loop device really read at least that much during the load (the disk did the work), that
@@ -71,9 +71,10 @@ def loop_mount() -> Iterator[tuple[str, str]]:
 INFERENCE = textwrap.dedent("""
     import hashlib, json, os, sys, time
     sys.path.insert(0, {repo!r})
-    from exporter import instrument, pagecache
+    import gpuio
+    from exporter import pagecache
 
-    instrument.configure({spool!r})
+    gpuio.configure({spool!r})
 
     def device_read_bytes():
         # What this thread made the block layer read (the kernel's per-task IO accounting): page-cache
@@ -85,14 +86,14 @@ INFERENCE = textwrap.dedent("""
         # The part of the file the page cache lacks, right before the load: what it may have to read.
         uncached = os.stat({engine!r}).st_size - pagecache.residency({engine!r}).cached_bytes
         before = device_read_bytes()
-        loaded = instrument.load({engine!r}, lambda data: hashlib.sha256(data).hexdigest())
+        loaded = gpuio.load({engine!r}, lambda data: hashlib.sha256(data).hexdigest())
         print(json.dumps({{"read_seconds": loaded.read_seconds, "bytes": loaded.bytes_read,
                            "deserialize_seconds": loaded.deserialize_seconds,
                            "uncached_bytes": uncached, "device_bytes": device_read_bytes() - before}}), flush=True)
         return loaded
 
     loaded = load()
-    pool = instrument.EnginePool(loaded.metrics, create=object, size=2, warmup=lambda c: time.sleep(0.01))
+    pool = gpuio.EnginePool(loaded.metrics, create=object, size=2, warmup=lambda c: time.sleep(0.01))
     for _ in range(20):
         pool.run(lambda context: time.sleep(0.002), batch_size=4)
     print("ready", flush=True)
@@ -221,9 +222,9 @@ def run_scenario(exporter: ExporterProcess, loop: str, engine_path: str, spool: 
 LOADING = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({spool!r})
-    with instrument.LoadTimer("detector", {engine!r}, gpu_uuid="GPU-e2e0") as timer:
+    import gpuio
+    gpuio.configure({spool!r})
+    with gpuio.LoadTimer("detector", {engine!r}, gpu_uuid="GPU-e2e0") as timer:
         with open({engine!r}, "rb", buffering=0) as handle:
             half = handle.read({half})
             timer.add_bytes(len(half))
@@ -302,11 +303,11 @@ def test_a_load_in_progress_is_seen_while_it_happens(loop_mount, tmp_path) -> No
 SERVING = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({spool!r})
-    metrics = instrument.engine("ranker")
+    import gpuio
+    gpuio.configure({spool!r})
+    metrics = gpuio.engine("ranker")
     metrics.set_info({engine!r}, {device}, {uuid!r})
-    pool = instrument.EnginePool(metrics, create=object, size=2)
+    pool = gpuio.EnginePool(metrics, create=object, size=2)
     if {busy}:
         with pool.acquire(), metrics.infer():
             print("ready", flush=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, parse_samples, root
+from tests.conftest import LIBRARY, REPO, free_port, parse_samples, root
 
 PROC, SYS = root("linux-6.8")
 FIXTURE = (f"--path.procfs={PROC}", f"--path.sysfs={SYS}")
@@ -38,7 +38,7 @@ def _skip_unless_importable_as(uid: int) -> None:
     the way that other users cannot enter, as a clone under a 0700 home would be."""
     result = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable,
                              "-c", "import exporter.cli, fastapi"], cwd=REPO, capture_output=True, text=True,
-                            env={"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent"})
+                            env={"PATH": os.environ.get("PATH", ""), "HOME": "/nonexistent", "PYTHONPATH": LIBRARY})
     if result.returncode != 0 and ("Permission denied" in result.stderr or "PermissionError" in result.stderr):
         pytest.skip(f"uid {uid} cannot read this checkout or its Python: {result.stderr.strip()[-200:]}")
     assert result.returncode == 0, result.stderr
@@ -74,7 +74,8 @@ def test_runs_as_nobody_without_capabilities_and_reads_disks_and_pressure(tmp_pa
                sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
                "--collector.disable-defaults", "--collector.diskstats", "--collector.pressure",
                "--collector.diskstats.device-include=^(loop|[svx]?d[a-z]|nvme\\d+n\\d+|dm-)\\d*$"]
-    environment = {"PATH": os.environ.get("PATH", ""), "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/nonexistent"}
+    environment = {"PATH": os.environ.get("PATH", ""), "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/nonexistent",
+                   "PYTHONPATH": LIBRARY}
     process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     backing = tmp_path / "backing.img"
@@ -222,9 +223,9 @@ SPOOL_GROUP, WRITER_UID = 4242, 4243  # a group both sides share, as docs/reliab
 WRITER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from exporter import instrument
-instrument.configure({spool!r})
-loaded = instrument.load({engine!r}, lambda data: len(data))
+import gpuio
+gpuio.configure({spool!r})
+loaded = gpuio.load({engine!r}, lambda data: len(data))
 with loaded.metrics.infer(batch_size=2):
     time.sleep(0.001)
 print("ready", flush=True)
@@ -234,7 +235,8 @@ sys.stdin.read()  # hold the spool file (and its flock) until the test closes st
 
 def _serve_as(prefix: list[str], port: int, *args: str) -> subprocess.Popen[str]:
     command = [*prefix, sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}", *args]
-    environment = {"PATH": os.environ.get("PATH", ""), "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/nonexistent"}
+    environment = {"PATH": os.environ.get("PATH", ""), "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/nonexistent",
+                   "PYTHONPATH": LIBRARY}
     return subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -326,9 +328,9 @@ def test_engines_and_nvml_as_nobody_and_smart_only_with_its_two_capabilities(loo
         samples = parse_samples(text)
         engine_key = frozenset({("engine", "model")})
         assert samples[("gpuio_engine_load_read_bytes_total", engine_key)] == 1 << 20  # the writer's load
-        # Inference series are per engine and GPU; this writer named no GPU and NVML lists none here.
-        gpu_key = frozenset({("engine", "model"), ("gpu_uuid", "")})
-        assert samples[("gpuio_engine_inference_seconds_count", gpu_key)] == 1
+        # Served per engine and GPU; the writer named none and NVML lists no GPU here.
+        per_gpu = frozenset({("engine", "model"), ("gpu_uuid", "")})
+        assert samples[("gpuio_engine_inference_seconds_count", per_gpu)] == 1
         assert "gpuio_gpu_up{" not in text  # no GPU on this machine: nvml succeeds with none
         assert _smart_state(text, loop_device.removeprefix("/dev/")) == "permission_denied"
         assert output.count("smartctl has no permission to open disks") == 1

@@ -64,18 +64,18 @@ SMART_HOST = os.path.join(LISTINGS, "linux_multiple_devices")  # nvme0, nvme1, b
 INFERENCE = """
 import hashlib, sys, time
 sys.path.insert(0, sys.argv[1])
-from exporter import instrument
-instrument.configure(sys.argv[2])
+import gpuio
+gpuio.configure(sys.argv[2])
 deserialize = lambda data: hashlib.sha256(data).hexdigest()
-metrics = instrument.load(sys.argv[3], deserialize).metrics
-pool = instrument.EnginePool(metrics, create=object, size=2, warmup=lambda context: time.sleep(0.005))
+metrics = gpuio.load(sys.argv[3], deserialize).metrics
+pool = gpuio.EnginePool(metrics, create=object, size=2, warmup=lambda context: time.sleep(0.005))
 layers = {"conv1": 0.002, "conv2": 0.001, "fc": 0.0005}
 while True:
     deadline = time.monotonic() + 1
     while time.monotonic() < deadline:
         pool.run(lambda context: time.sleep(0.002), batch_size=4)
         metrics.add_layer_times(layers)
-    instrument.load(sys.argv[3], deserialize)  # a reload every second: loads in every window
+    gpuio.load(sys.argv[3], deserialize)  # a reload every second: loads in every window
 """
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import REPO, free_port, parse_samples
+from tests.conftest import LIBRARY, REPO, free_port, parse_samples
 from tests.fixtures.smartctl.fake import LISTINGS, FakeSmartctl
 from tests.fixtures.smartctl.harness import make_sysfs, state, value
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.e2e
 def smart_env() -> Iterator[dict[str, str]]:
     """Environment for an exporter started by hand (some tests run it as ``nobody``): the repo on
     PYTHONPATH, so the package imports whoever runs it."""
-    yield {**os.environ, "PYTHONPATH": REPO}
+    yield {**os.environ, "PYTHONPATH": os.pathsep.join((REPO, LIBRARY))}
 
 
 HOST = os.path.join(LISTINGS, "linux_multiple_devices")  # nvme0, nvme1, bus/0 (sat+megaraid,60)

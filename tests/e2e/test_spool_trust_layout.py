@@ -31,9 +31,9 @@ SYSTEMD = os.path.join(REPO, "deploy", "systemd")
 WRITER = """
 import sys
 sys.path.insert(0, {repo!r})
-from exporter import instrument
-instrument.configure({spool!r})
-metrics = instrument.engine("resnet50")
+import gpuio
+gpuio.configure({spool!r})
+metrics = gpuio.engine("resnet50")
 metrics.load_read_bytes.inc(1000)
 metrics.inference_seconds.observe(0.01)
 print("ready", flush=True)

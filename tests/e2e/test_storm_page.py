@@ -8,7 +8,7 @@ What runs, all real and on loopback:
   test_iostat_agreement.py), formatted ext4 and mounted; the loop device gets mq-deadline with 1,024
   requests (an NVMe-sized queue; restored afterwards), so that a deep queue really builds up;
 * engine files on that filesystem, and inference processes that import the instrumentation library
-  (exporter.instrument) and cold-load them, again and again (pods crash-looping through a rollout),
+  (gpuio) and cold-load them, again and again (pods crash-looping through a rollout),
   each naming its GPU (``gpu_uuid``: there is no GPU here, so the processes say which one they would use);
 * gpuio-exporter (diskstats, pressure and the engines collector reading the processes' spool);
 * Debian's ``prometheus`` with deploy/prometheus/prometheus.yml, changed only where the test must:
@@ -127,13 +127,13 @@ STORM = ["--rw=randread", "--bs=1M", "--thread",
 LOADER = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({spool!r})
+    import gpuio
+    gpuio.configure({spool!r})
     while True:
         fd = os.open({path!r}, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-        loaded = instrument.load({path!r}, len, name={name!r}, gpu_uuid={uuid!r})
+        loaded = gpuio.load({path!r}, len, name={name!r}, gpu_uuid={uuid!r})
         print(f"loaded {{loaded.bytes_read}} bytes in {{loaded.read_seconds:.1f}} s", flush=True)
 """)
 

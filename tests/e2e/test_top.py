@@ -126,17 +126,16 @@ def test_engine_columns_from_a_real_spool(tmp_path) -> None:
     same work, so the figures are the same).
     """
     pytest.importorskip("exporter.collectors.engines")  # registers the collector, and so its flags
-    from exporter import instrument
-    from exporter.instrument import metrics
+    import gpuio
 
     spool = tmp_path / "spool"
     spool.mkdir()
     plan = tmp_path / "resnet50.engine"
     plan.write_bytes(os.urandom(1 << 20))
-    metrics._reset_for_tests()
-    instrument.configure(str(spool))
+    gpuio.close()
+    gpuio.configure(str(spool))
     try:
-        engine = instrument.load(str(plan), bytes, gpu_uuid="GPU-5a1e").metrics
+        engine = gpuio.load(str(plan), bytes, gpu_uuid="GPU-5a1e").metrics
         times = itertools.count(100.0, 2.0)
 
         def sleep(seconds: float) -> None:  # the interval's work
@@ -150,12 +149,11 @@ def test_engine_columns_from_a_real_spool(tmp_path) -> None:
         out = io.StringIO()
         argv = ["--json", "--collector.disable-defaults", "--collector.engines",
                 f"--collector.engines.spool-dir={spool}", "--collector.engines.residency-interval=100ms",
-                # the engine file lies under tmp_path: the exporter opens writer-named files only inside these
-                f"--collector.engines.path-include={tmp_path}"]
+                f"--collector.engines.path-include={tmp_path}"]  # where the exporter may open engine files
         assert top.main(argv, clock=lambda: next(times), sleep=sleep, out=out) == 0
     finally:
-        metrics._reset_for_tests()
-        instrument.configure(None)
+        gpuio.close()
+        gpuio.configure(None)
     (row,) = json.loads(out.getvalue())["engines"]
     assert row["engine"] == "resnet50" and row["gpu"] == "GPU-5a1e"  # no such GPU here: its uuid is shown
     assert row["device"]  # the block device under tmp_path, as the collector resolved it
@@ -171,21 +169,20 @@ def test_once_prints_a_hostile_engine_name_escaped(tmp_path) -> None:
     """`gpuio top --once` as a process of its own, reading a spool this process writes: an engine name
     with terminal escapes and rich markup is printed as visible escapes and literal brackets."""
     pytest.importorskip("exporter.collectors.engines")
-    from exporter import instrument
-    from exporter.instrument import metrics
+    import gpuio
     from tests.unit.test_engines_cli import HOSTILE_NAME
 
     spool = tmp_path / "spool"
     spool.mkdir()
-    metrics._reset_for_tests()
-    instrument.configure(str(spool))
+    gpuio.close()
+    gpuio.configure(str(spool))
     try:
-        instrument.engine(HOSTILE_NAME).observe_inference(0.01)
+        gpuio.engine(HOSTILE_NAME).observe_inference(0.01)
         result = run("--once", "--interval=100ms", "--collector.disable-defaults", "--collector.engines",
                      f"--collector.engines.spool-dir={spool}", env={"COLUMNS": "200"})
     finally:
-        metrics._reset_for_tests()
-        instrument.configure(None)
+        gpuio.close()
+        gpuio.configure(None)
     assert result.returncode == 0, result.stderr
     for raw in ("\x1b", "\x07", "\x9b", "\x7f", "\u202e"):
         assert raw not in result.stdout, f"{raw!r} reached the terminal"

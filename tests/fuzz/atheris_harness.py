@@ -37,12 +37,11 @@ import tempfile
 import atheris
 
 with atheris.instrument_imports():
-    from exporter import collectors, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
+    from exporter import collectors, spool_reader, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
     from exporter.collect import Context, MalformedSource
     from exporter.collectors import diskstats, pressure, smart
     from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
     from exporter.exposition import render
-    from exporter.instrument import spool
 
 ROOT = tempfile.mkdtemp(prefix="gpuio-atheris-")
 os.makedirs(os.path.join(ROOT, "pressure"))
@@ -109,11 +108,11 @@ def fuzz_args(data: bytes) -> None:
 
 def pristine_spool() -> bytes:
     """A spool file as the library writes it: an engine with loads, inferences, errors and layers."""
-    from exporter import instrument
+    import gpuio
 
     directory = tempfile.mkdtemp(prefix="gpuio-atheris-spool-")
-    instrument.configure(directory)
-    metrics = instrument.engine("resnet50")
+    gpuio.configure(directory)
+    metrics = gpuio.engine("resnet50")
     metrics.observe_inference(0.004, batch_size=8, gpu_seconds=0.003)
     metrics.record_load(0.05, 1 << 20, 0.2, path="/models/resnet50.plan", cuda_device=0, gpu_uuid="GPU-a")
     metrics.layer_select_after = 1
@@ -136,8 +135,8 @@ def fuzz_spool(data: bytes) -> None:
         mutated[offset : offset + len(chunk)] = chunk
     mutated = mutated[: provider.ConsumeIntInRange(0, len(mutated))]
     try:
-        parsed = spool.parse(bytes(mutated))
-    except spool.BadFile:
+        parsed = spool_reader.parse(bytes(mutated))
+    except spool_reader.BadFile:
         return
     for values in parsed.engines.values():
         assert all(value == value and abs(value) != float("inf") for value in values), values

@@ -1,4 +1,4 @@
-"""Fuzz the spool reader (exporter/instrument/spool.py) and the engines collector on corrupt files.
+"""Fuzz the spool reader (exporter/spool_reader.py) and the engines collector on corrupt files.
 
 The seed is a real spool file: a subprocess loads an "engine" through the instrumentation library,
 runs inferences, records an error and layer timings, and exits (so the file is a dead writer's).
@@ -26,18 +26,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
+from exporter import spool_reader
 from exporter.collect import Context
 from exporter.collectors.engines import EnginesCollector
 from exporter.exposition import render
-from exporter.instrument import spool
+from gpuio import spool
 from tests.conftest import REPO, parse_samples
 
 WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({spool!r})
-    loaded = instrument.load({engine!r}, lambda data: len(data), name='det"ector\\n')
+    import gpuio
+    gpuio.configure({spool!r})
+    loaded = gpuio.load({engine!r}, lambda data: len(data), name='det"ector\\n')
     for batch in (1, 4, 8):
         with loaded.metrics.infer(batch_size=batch):
             pass
@@ -66,7 +67,7 @@ def _seed() -> bytes:
 
 SEED = _seed()
 USED = struct.unpack_from("<Q", SEED, spool.USED_OFFSET)[0]
-PRISTINE = spool.parse(SEED)
+PRISTINE = spool_reader.parse(SEED)
 EDGE_U64 = st.sampled_from([0, 1, 7, 8, 255, 256, USED - 8, USED, USED + 8, len(SEED), 2**31, 2**32 - 1, 2**63,
                             2**64 - 1])
 EDGE_DOUBLE = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 0.0, 1e308, 5e-324]) | st.floats()
@@ -103,8 +104,8 @@ def mutate(data: bytes, mutations: list[tuple]) -> bytes:
 @given(st.lists(MUTATION, min_size=1, max_size=5))
 def test_parse_raises_only_bad_file(mutations: list[tuple]) -> None:
     try:
-        parsed = spool.parse(mutate(SEED, mutations))
-    except spool.BadFile as exc:
+        parsed = spool_reader.parse(mutate(SEED, mutations))
+    except spool_reader.BadFile as exc:
         assert exc.reason in ("empty", "truncated", "garbage", "version")
         return
     for values in parsed.engines.values():

@@ -23,6 +23,9 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumentation library, from this checkout
+sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -114,13 +117,13 @@ def main() -> int:
 SILENT_WRITER = """
 import os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
-from exporter import instrument
-instrument.configure(sys.argv[2])
+import gpuio
+gpuio.configure(sys.argv[2])
 held = torch.ones(1 << 20, device="cuda")  # a CUDA context: NVML lists this process
 path = os.path.join(sys.argv[2], "..", "silent-model.bin")
 with open(path, "wb") as handle:
     handle.write(os.urandom(1 << 20))
-instrument.load(path, bytes, name="silent")
+gpuio.load(path, bytes, name="silent")
 print("loaded", flush=True)
 time.sleep(60)
 """

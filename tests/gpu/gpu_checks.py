@@ -24,7 +24,6 @@ Tolerances, stated once:
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -33,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,26 +40,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumentation library, from this checkout
+sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def nvml_module() -> types.ModuleType:
-    """exporter.collectors.nvml, imported without the package's other collectors when they cannot load.
-
-    exporter/collectors/__init__.py imports every collector, and diskstats imports exporter.config, which
-    needs the web stack (bcrypt, PyYAML) that the GPU machine does not have.  The nvml module needs only
-    exporter.collect, .exposition, .sampler, .logsetup and .nvml_device.
-    """
-    try:
-        return importlib.import_module("exporter.collectors.nvml")
-    except ImportError:
-        package = types.ModuleType("exporter.collectors")
-        package.__path__ = [os.path.join(REPO, "exporter", "collectors")]
-        sys.modules["exporter.collectors"] = package
-        return importlib.import_module("exporter.collectors.nvml")
 
 
 def unavailable() -> str | None:
@@ -83,12 +68,13 @@ def unavailable() -> str | None:
 def collector(**options: float) -> Any:
     """The collector on the real NVML; by default every sweep reads everything (the slow fields too)."""
     from exporter.collect import Context
+    from exporter.collectors.nvml import NvmlCollector
     from exporter.nvml_device import PyNvml
 
     settings = {"interval": 1.0, "slow-interval": 1e-9, "hang-timeout": 10.0, "reinit-interval": 30.0,
                 "max-processes": 64}
     settings.update({key.replace("_", "-"): value for key, value in options.items()})
-    return nvml_module().NvmlCollector(Context(), settings, nvml=PyNvml())
+    return NvmlCollector(Context(), settings, nvml=PyNvml())
 
 
 def read(instance: Any, sweep: bool = True) -> Samples:

@@ -3,7 +3,7 @@ the pool on the GPU, and the engines collector (in-process, no web server) showi
 
 No TensorRT engine can run on the GPU machines here (docs/engines.md), so a TorchScript model stands
 in for an engine: a file on disk, read (timed, the disk's part) and deserialized onto the GPU (timed)
-by ``instrument.load``; an EnginePool of 2 contexts (each a CUDA stream and its CUDA-event timer),
+by ``gpuio.load``; an EnginePool of 2 contexts (each a CUDA stream and its CUDA-event timer),
 warmed before serving; 4 threads sending 50 requests each, so requests wait for a context.  Then
 the engines collector reads the spool and must show: load histograms and bytes, inference latency
 and GPU-time histograms, pool size, waits, warm-up and first-inference histograms, and in
@@ -16,7 +16,6 @@ Runs under pytest (marker ``gpu``) or as a plain script that prints what it foun
 
 from __future__ import annotations
 
-import importlib
 import io
 import os
 import shutil
@@ -25,11 +24,13 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumentation library, from this checkout
+sys.path.insert(0, LIBRARY)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
 try:
     import pytest
@@ -40,18 +41,6 @@ MODEL_WIDTH = 4096  # one 4096 x 4096 float32 layer: a 64 MiB model file, enough
 BATCH = 32
 THREADS = 4
 REQUESTS = 50
-
-
-def engines_module() -> Any:
-    """The engines collector, even where exporter.collectors' other collectors cannot import (their
-    dependencies, e.g. the web stack's, are not on the GPU machine): then only ours is loaded."""
-    try:
-        return importlib.import_module("exporter.collectors.engines")
-    except ImportError:
-        package = types.ModuleType("exporter.collectors")
-        package.__path__ = [os.path.join(REPO, "exporter", "collectors")]
-        sys.modules["exporter.collectors"] = package
-        return importlib.import_module("exporter.collectors.engines")
 
 
 def nvidia_smi_uuids() -> list[str]:
@@ -75,16 +64,16 @@ def samples_of(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]
 def run(work: str) -> dict[str, Any]:
     import torch
 
-    from exporter import instrument
+    import gpuio
     from exporter.collect import Context
     from exporter.exposition import render
-    from exporter.instrument.gpu import TorchEventTimer
+    from gpuio.gpu import TorchEventTimer
 
     assert torch.cuda.is_available(), "no CUDA device"
     device = torch.device("cuda:0")
     spool = os.path.join(work, "spool")
     os.makedirs(spool, exist_ok=True)
-    instrument.configure(spool)
+    gpuio.configure(spool)
 
     # The "engine": a TorchScript model in a file, evicted from the page cache so the load reads the disk.
     model = torch.nn.Sequential(torch.nn.Linear(MODEL_WIDTH, MODEL_WIDTH), torch.nn.ReLU(),
@@ -96,7 +85,7 @@ def run(work: str) -> dict[str, Any]:
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
 
-    loaded = instrument.load(path, lambda data: torch.jit.load(io.BytesIO(data), map_location=device), device=device)
+    loaded = gpuio.load(path, lambda data: torch.jit.load(io.BytesIO(data), map_location=device), device=device)
     metrics = loaded.metrics
 
     class Replica:
@@ -113,7 +102,7 @@ def run(work: str) -> dict[str, Any]:
         infer(replica, torch.randn(BATCH, MODEL_WIDTH, device=device))
         replica.stream.synchronize()
 
-    pool = instrument.EnginePool(metrics, Replica, size=2, warmup=warm, warmup_iterations=3)
+    pool = gpuio.EnginePool(metrics, Replica, size=2, warmup=warm, warmup_iterations=3)
     inputs = torch.randn(BATCH, MODEL_WIDTH, device=device)
     torch.cuda.synchronize()
 
@@ -132,7 +121,8 @@ def run(work: str) -> dict[str, Any]:
         thread.join()
     serving = time.perf_counter() - started
 
-    engines = engines_module()
+    from exporter.collectors import engines
+
     options = {option.name: option.parse(option.default) if option.default is not None else None
                for option in engines.EnginesCollector.options}
     options["spool-dir"] = spool

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from exporter import collectors  # noqa: F401  (registers the collectors, which creates their flags)
-from exporter.cli import build_scraper
+from exporter.assemble import build_scraper
 from exporter.collect import REGISTRY
 from exporter.config import ConfigError, env_name, parse_args, parse_listen_address, parse_seconds
 from tests.conftest import REPO

@@ -7,8 +7,8 @@ import pytest
 
 from exporter.collect import Context, Scraper
 from exporter.collectors.diskstats import DiskstatsCollector
-from exporter.config import parse_regex
 from exporter.exposition import render
+from exporter.options import parse_regex
 from tests.conftest import parse_samples
 
 LINE_14 = "   8       0 sda 100 2 800 30 50 5 4000 70 1 90 100"

@@ -6,32 +6,20 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter import instrument
+import gpuio
 from exporter.blockdev import PathDevices
 from exporter.collect import REGISTRY, Context
 from exporter.collectors import engines  # noqa: F401  (registers the collector)
 from exporter.exposition import render
-from exporter.instrument import metrics
-from exporter.instrument import spool as fmt
-from tests.conftest import REPO, parse_samples
+from gpuio import metrics
+from gpuio import spool as fmt
+from tests.conftest import documented_families, parse_samples
 
 PROMTOOL = shutil.which("promtool")
-
-
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    directory = tmp_path / "spool"
-    directory.mkdir()
-    metrics._reset_for_tests()
-    instrument.configure(str(directory))
-    yield str(directory)
-    metrics._reset_for_tests()
-    instrument.configure(None)
 
 
 def collector(spool: str, **options: object) -> engines.EnginesCollector:
@@ -46,11 +34,11 @@ def scrape(target: engines.EnginesCollector, openmetrics: bool = False) -> str:
     return render(target.collect(), openmetrics=openmetrics)
 
 
-def busy_engine(tmp_path, name: str = "resnet50") -> instrument.EngineMetrics:
+def busy_engine(tmp_path, name: str = "resnet50") -> gpuio.EngineMetrics:
     plan = tmp_path / f"{name}.engine"
     plan.write_bytes(os.urandom(1 << 20))
-    loaded = instrument.load(str(plan), bytes, device=1, gpu_uuid="GPU-5a1e")
-    pool = instrument.EnginePool(loaded.metrics, object, size=2, warmup=lambda context: None)
+    loaded = gpuio.load(str(plan), bytes, device=1, gpu_uuid="GPU-5a1e")
+    pool = gpuio.EnginePool(loaded.metrics, object, size=2, warmup=lambda context: None)
     for _ in range(10):
         pool.run(lambda context: None, batch_size=8)
     loaded.metrics.error("timeout")
@@ -132,7 +120,7 @@ def test_counters_survive_the_process_exiting(spool_dir, tmp_path) -> None:
     target = collector(spool_dir)
     engine = frozenset({("engine", "resnet50")})
     before = parse_samples(scrape(target))
-    metrics._reset_for_tests()  # the process's spool file is closed: as if it exited
+    gpuio.close()  # the process's spool file is closed: as if it exited
     after = parse_samples(scrape(target))
     on_gpu = frozenset({("engine", "resnet50"), ("gpu_uuid", "GPU-5a1e")})
     assert after[("gpuio_engine_inference_seconds_count", on_gpu)] == before[
@@ -146,10 +134,10 @@ def test_counters_survive_the_process_exiting(spool_dir, tmp_path) -> None:
 
 def test_engine_cap_keeps_the_exported_ones_and_counts_the_rest(spool_dir) -> None:
     for name in ("b", "c"):
-        instrument.engine(name).inference_seconds.observe(0.1)
+        gpuio.engine(name).inference_seconds.observe(0.1)
     target = collector(spool_dir, max_engines=2)
     scrape(target)
-    instrument.engine("a").inference_seconds.observe(0.1)  # sorts first, but b and c were there before
+    gpuio.engine("a").inference_seconds.observe(0.1)  # sorts first, but b and c were there before
     for _ in range(2):
         samples = parse_samples(scrape(target))
     exported = {dict(labels)["engine"] for name, labels in samples if name == "gpuio_engine_processes"}
@@ -159,7 +147,7 @@ def test_engine_cap_keeps_the_exported_ones_and_counts_the_rest(spool_dir) -> No
 
 def test_layer_cap_in_the_exporter(spool_dir) -> None:
     file = metrics.spool_file()
-    instrument.engine("deep")
+    gpuio.engine("deep")
     with file.lock:
         for index in range(engines.MAX_LAYERS + 6):
             offset = file.add_record(fmt.KIND_LAYER, f"deep\0layer{index:03d}", 16)
@@ -224,15 +212,14 @@ def test_a_file_the_exporter_sees_differently_is_not_measured(spool_dir, tmp_pat
 
 def test_every_engine_family_is_documented(spool_dir, tmp_path) -> None:
     busy_engine(tmp_path)
-    instrument.engine("resnet50").add_layer_times({"conv": 0.001})
+    gpuio.engine("resnet50").add_layer_times({"conv": 0.001})
     (tmp_path / "spool" / "gpuio-1-1-bad.spool").write_bytes(b"")
     target = collector(spool_dir, path=(str(tmp_path / "*.engine"),), max_engines=1)
-    instrument.engine("zz").inference_seconds.observe(0.1)  # over the cap: the dropped counter appears
+    gpuio.engine("zz").inference_seconds.observe(0.1)  # over the cap: the dropped counter appears
     target.collect()
     target.scanner.sample_now()
     names = set(re.findall(r"^# TYPE (\S+) ", scrape(target), re.MULTILINE))
-    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
-        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    documented = documented_families()
     assert len(names) >= 28
     assert names - documented == set()
 
@@ -263,7 +250,7 @@ def test_the_gpu_of_a_writer_that_did_not_say_comes_from_the_nvml_process_list(s
     NVML lists it on, but only when the exporter's procfs shows that very process (same start time)."""
     plan = tmp_path / "bert.engine"
     plan.write_bytes(os.urandom(1 << 16))
-    instrument.load(str(plan), bytes)  # this test process is the writer; it records no GPU
+    gpuio.load(str(plan), bytes)  # this test process is the writer; it records no GPU
 
     def info_uuid(target: engines.EnginesCollector) -> str:
         samples = parse_samples(scrape(target))

@@ -6,26 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
-import pytest
-
-from exporter import instrument
+import gpuio
 from exporter.engines_cli import engines_main, warm_main
-from exporter.instrument import metrics
-from exporter.instrument import spool as fmt
+from gpuio import metrics
+from gpuio import spool as fmt
 from tests.conftest import REPO
-
-
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    directory = tmp_path / "spool"
-    directory.mkdir()
-    metrics._reset_for_tests()
-    instrument.configure(str(directory))
-    yield str(directory)
-    metrics._reset_for_tests()
-    instrument.configure(None)
 
 
 def evicted(path: str) -> str:
@@ -39,7 +25,7 @@ def evicted(path: str) -> str:
 def test_engines_lists_spool_and_glob_engines_without_touching_dead_files(spool_dir, tmp_path, capsys) -> None:
     plan = tmp_path / "yolo.engine"
     plan.write_bytes(os.urandom(2 << 20))
-    loaded = instrument.load(str(plan), bytes, device=0, gpu_uuid="GPU-77")
+    loaded = gpuio.load(str(plan), bytes, device=0, gpu_uuid="GPU-77")
     with loaded.metrics.infer():
         pass
     dead = fmt.SpoolFile(spool_dir)
@@ -85,7 +71,7 @@ HOSTILE_NAME = "evil\x1b[2J\x1b]0;pwned\x07\x9b1m\x7f[bold red]x[/]\u202egnp.exe
 
 def test_engines_prints_a_hostile_engine_name_escaped(spool_dir) -> None:
     """The real `gpuio engines` command, in a process of its own, on a spool this process writes."""
-    instrument.engine(HOSTILE_NAME).observe_inference(0.01)
+    gpuio.engine(HOSTILE_NAME).observe_inference(0.01)
     result = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--spool-dir", spool_dir],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 from exporter import collectors  # noqa: F401  (importing registers the collectors)
-from exporter.cli import build_scraper
+from exporter.assemble import build_scraper
 from exporter.config import parse_args
 from exporter.exposition import render
 from tests.conftest import KERNELS, REPO, root

@@ -9,27 +9,18 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from exporter import instrument
-from exporter.instrument import gpu, metrics
-from exporter.instrument import spool as fmt
+import gpuio
+from exporter import spool_reader
+from gpuio import gpu, metrics
+from gpuio import spool as fmt
 from tests.conftest import REPO
 
 
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    metrics._reset_for_tests()
-    instrument.configure(str(tmp_path))
-    yield str(tmp_path)
-    metrics._reset_for_tests()
-    instrument.configure(None)
-
-
 def test_importing_the_library_pulls_in_no_server_and_no_gpu_library() -> None:
-    code = ("import sys; import exporter.instrument; "
+    code = ("import sys; import gpuio; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('fastapi', 'starlette', 'uvicorn', 'prometheus_client', 'tensorrt', 'tensorrt_lean_bindings', "
             "'torch', 'pycuda', 'pynvml', 'yaml', 'bcrypt') or m in ('exporter.server', 'exporter.config', "
@@ -44,9 +35,9 @@ def test_the_hot_path_makes_no_syscall(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
-        from exporter import instrument
-        instrument.configure({str(tmp_path)!r})
-        m = instrument.engine("hot")
+        import gpuio
+        gpuio.configure({str(tmp_path)!r})
+        m = gpuio.engine("hot")
         m.inference_seconds.observe(0.1); m.error("e")  # records created (and pages touched) before
         with m.infer(batch_size=2):
             pass
@@ -76,7 +67,7 @@ def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) 
         time.sleep(0.05)
         return {"bytes": len(data)}
 
-    loaded = instrument.load(str(model_file), loader, device=2, gpu_uuid="GPU-x")
+    loaded = gpuio.load(str(model_file), loader, device=2, gpu_uuid="GPU-x")
     assert loaded.model == {"bytes": 3 << 20}
     assert loaded.metrics.name == "detector"
     assert loaded.bytes_read == 3 << 20
@@ -84,7 +75,7 @@ def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) 
     m = loaded.metrics
     assert m.load_read_seconds.count() == 1 and m.load_deserialize_seconds.count() == 1
     assert m.load_read_bytes.value() == 3 << 20
-    (info,) = fmt.SpoolReader(spool_dir).read().infos["detector"]
+    (info,) = spool_reader.SpoolReader(spool_dir).read().infos["detector"]
     assert (info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.size) == (
         str(model_file), 2, "GPU-x", "generic", 3 << 20)
     assert info.ino == model_file.stat().st_ino
@@ -92,42 +83,42 @@ def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) 
 
 def test_load_failures_count_by_reason(spool_dir, tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
-        instrument.load(str(tmp_path / "missing.onnx"), bytes)
+        gpuio.load(str(tmp_path / "missing.onnx"), bytes)
     (tmp_path / "bad.onnx").write_bytes(b"xx")
 
     def refuse(data: bytearray) -> None:
         raise ValueError("not a model")
 
     with pytest.raises(ValueError):
-        instrument.load(str(tmp_path / "bad.onnx"), refuse, name="missing")
-    assert instrument.engine("missing").errors() == {"load_read_failed": 1, "load_deserialize_failed": 1}
-    assert instrument.engine("missing").load_read_seconds.count() == 0
+        gpuio.load(str(tmp_path / "bad.onnx"), refuse, name="missing")
+    assert gpuio.engine("missing").errors() == {"load_read_failed": 1, "load_deserialize_failed": 1}
+    assert gpuio.engine("missing").load_read_seconds.count() == 0
 
 
 def test_load_timer_around_a_loader_the_caller_owns(spool_dir, tmp_path) -> None:
     path = tmp_path / "owned.plan"
     path.write_bytes(b"e" * 4096)
-    with instrument.LoadTimer("owned", str(path), runtime="tensorrt") as timer:
+    with gpuio.LoadTimer("owned", str(path), runtime="tensorrt") as timer:
         data = timer.read()
         with timer.deserializing():
             time.sleep(0.02)
     assert len(data) == 4096
-    m = instrument.engine("owned")
+    m = gpuio.engine("owned")
     assert m.load_read_bytes.value() == 4096 and m.load_deserialize_seconds.total() >= 0.02
-    with pytest.raises(RuntimeError), instrument.LoadTimer("owned", str(path)):
+    with pytest.raises(RuntimeError), gpuio.LoadTimer("owned", str(path)):
         raise RuntimeError("deserialize failed")
     assert m.errors() == {"load_failed": 1} and m.load_read_seconds.count() == 1
 
 
 def test_inference_latency_in_flight_batch_and_errors(spool_dir) -> None:
-    m = instrument.engine("resnet50")
+    m = gpuio.engine("resnet50")
     with m.infer(batch_size=8) as call:
         assert m.in_flight.value() == 1
         time.sleep(0.01)
     assert m.in_flight.value() == 0
     assert call.latency is not None and call.latency >= 0.01
     assert m.inference_seconds.count() == 1 and m.batch_size.count() == 1
-    for exc in (TimeoutError(), instrument.EnqueueError("x"), RuntimeError("CUDA out of memory"), KeyError("k")):
+    for exc in (TimeoutError(), gpuio.EnqueueError("x"), RuntimeError("CUDA out of memory"), KeyError("k")):
         with pytest.raises(type(exc)), m.infer():
             raise exc
     assert m.errors() == {"timeout": 1, "enqueue_failed": 1, "out_of_memory": 1, "KeyError": 1}
@@ -136,7 +127,7 @@ def test_inference_latency_in_flight_batch_and_errors(spool_dir) -> None:
 
 
 def test_error_reasons_are_capped(spool_dir) -> None:
-    m = instrument.engine("noisy")
+    m = gpuio.engine("noisy")
     for index in range(40):
         m.error(f"reason{index}")
     errors = m.errors()
@@ -160,7 +151,7 @@ def test_gpu_timer_is_read_after_the_inference(spool_dir) -> None:
             return 0.004
 
     timer = Timer()
-    m = instrument.engine("timed")
+    m = gpuio.engine("timed")
     with m.infer(gpu_timer=timer) as call:
         call.enqueued()  # right after the enqueue, before synchronising
     assert timer.calls == ["start", "stop", "seconds"]
@@ -178,7 +169,7 @@ def test_pool_warms_every_context_before_serving(spool_dir) -> None:
         time.sleep(0.02 if context["runs"] == 0 else 0.001)  # the first run is the slow one
         context["runs"] += 1
 
-    pool = instrument.EnginePool("pooled", create, size=3, warmup=warmup, warmup_iterations=3)
+    pool = gpuio.EnginePool("pooled", create, size=3, warmup=warmup, warmup_iterations=3)
     m = pool.metrics
     assert [c["runs"] for c in made] == [3, 3, 3]
     assert m.pool_contexts.value() == 3 and m.pool_idle.value() == 3
@@ -196,7 +187,7 @@ def test_pool_warms_every_context_before_serving(spool_dir) -> None:
 
 
 def test_pool_without_warmup_counts_each_contexts_first_call(spool_dir) -> None:
-    pool = instrument.EnginePool("cold", lambda: object(), size=2)
+    pool = gpuio.EnginePool("cold", lambda: object(), size=2)
     for _ in range(4):
         pool.run(lambda context: None)
     assert pool.metrics.first_inference_seconds.count() == 2
@@ -204,7 +195,7 @@ def test_pool_without_warmup_counts_each_contexts_first_call(spool_dir) -> None:
 
 
 def test_pool_wait_and_timeout(spool_dir) -> None:
-    pool = instrument.EnginePool("busy", lambda: object(), size=1)
+    pool = gpuio.EnginePool("busy", lambda: object(), size=1)
     lease = pool.acquire()
     released = threading.Timer(0.1, lease.release)
     released.start()
@@ -213,21 +204,21 @@ def test_pool_wait_and_timeout(spool_dir) -> None:
         waited = time.perf_counter() - start
     assert waited >= 0.09
     assert pool.metrics.pool_wait_seconds.total() >= 0.09
-    with pool.acquire(), pytest.raises(instrument.PoolTimeout):
+    with pool.acquire(), pytest.raises(gpuio.PoolTimeout):
         pool.acquire(timeout=0.05)
     assert pool.metrics.errors() == {"pool_timeout": 1}
     assert pool.metrics.pool_wait_seconds.count() == 4
 
 
 def test_layer_times_keep_the_top_k_and_sum_the_rest(spool_dir) -> None:
-    m = instrument.engine("layered")
+    m = gpuio.engine("layered")
     m.layer_top_k = 2
     m.layer_select_after = 2
     profile = {"conv1": 0.003, "conv2": 0.002, "relu": 0.0001, "pool": 0.0002}
     for _ in range(4):
         m.add_layer_times(profile)
     m.add_layer_times({"never-seen-before": 0.5})
-    layers = fmt.SpoolReader(spool_dir).read().layers
+    layers = spool_reader.SpoolReader(spool_dir).read().layers
     assert set(layers) == {("layered", "conv1"), ("layered", "conv2"), ("layered", "(other)")}
     assert layers[("layered", "conv1")][0] == pytest.approx(0.012)
     assert layers[("layered", "(other)")][0] == pytest.approx(4 * 0.0003 + 0.5)
@@ -248,26 +239,26 @@ def test_gpu_helpers_without_any_gpu_library() -> None:
 
 
 def test_no_spool_directory_means_metrics_stay_in_the_process(tmp_path) -> None:
-    metrics._reset_for_tests()
-    instrument.configure(str(tmp_path / "absent"))
+    gpuio.close()
+    gpuio.configure(str(tmp_path / "absent"))
     try:
-        m = instrument.engine("nowhere")
+        m = gpuio.engine("nowhere")
         m.inference_seconds.observe(0.1)  # works, goes nowhere
         assert m.inference_seconds.count() == 1
-        assert instrument.describe()["spool"] is None
+        assert gpuio.describe()["spool"] is None
     finally:
-        metrics._reset_for_tests()
-        instrument.configure(None)
+        gpuio.close()
+        gpuio.configure(None)
 
 
 # --- loads in progress, work waiting per GPU ---------------------------------------------------------
 
 
-def _spool_totals(directory: str, remove_dead: bool = False) -> fmt.Totals:
-    return fmt.SpoolReader(directory, remove_dead=remove_dead).read()
+def _spool_totals(directory: str, remove_dead: bool = False) -> spool_reader.Totals:
+    return spool_reader.SpoolReader(directory, remove_dead=remove_dead).read()
 
 
-def _loads(totals: fmt.Totals, engine: str) -> list[list[float]]:
+def _loads(totals: spool_reader.Totals, engine: str) -> list[list[float]]:
     return [values for (name, _, _), values in totals.loads.items() if name == engine]
 
 
@@ -282,9 +273,9 @@ def test_a_load_is_in_progress_from_its_start_until_the_loader_returns(spool_dir
         return "model"
 
     before = time.time()
-    instrument.load(str(plan), loader, gpu_uuid="GPU-aaaa", device=0)
+    gpuio.load(str(plan), loader, gpu_uuid="GPU-aaaa", device=0)
     during = seen["during"]
-    assert isinstance(during, fmt.Totals)
+    assert isinstance(during, spool_reader.Totals)
     ((engine, uuid, dev), (count, read_bytes, oldest)), = during.loads.items()
     assert (engine, uuid, dev) == ("detector", "GPU-aaaa", (os.major(st.st_dev), os.minor(st.st_dev)))
     assert count == 1 and read_bytes == 3 << 20 and before <= oldest <= time.time()
@@ -305,15 +296,15 @@ def test_a_failed_load_is_no_longer_in_progress(spool_dir, tmp_path) -> None:
         raise ValueError("corrupt")
 
     with pytest.raises(ValueError):
-        instrument.load(str(plan), loader)
+        gpuio.load(str(plan), loader)
     assert _loads(_spool_totals(spool_dir), "broken") == [[0.0, 0.0, 0.0]]
-    assert instrument.engine("broken").loads_in_progress() == 0
+    assert gpuio.engine("broken").loads_in_progress() == 0
 
 
 def test_load_timer_reports_bytes_as_the_caller_reads(spool_dir, tmp_path) -> None:
     plan = tmp_path / "llm.plan"
     plan.write_bytes(b"\0" * 8192)
-    with instrument.LoadTimer("llm", str(plan), gpu_uuid="GPU-bbbb") as timer:
+    with gpuio.LoadTimer("llm", str(plan), gpu_uuid="GPU-bbbb") as timer:
         timer.add_bytes(1000)
         assert _loads(_spool_totals(spool_dir), "llm")[0][:2] == [1.0, 1000.0]
         with timer.reading(500):
@@ -326,7 +317,7 @@ def test_load_timer_reports_bytes_as_the_caller_reads(spool_dir, tmp_path) -> No
 def test_concurrent_loads_count_and_the_oldest_start_is_kept(spool_dir, tmp_path) -> None:
     plan = tmp_path / "multi.engine"
     plan.write_bytes(b"\0" * 4096)
-    m = instrument.engine("multi")
+    m = gpuio.engine("multi")
     first = m.loading(str(plan), 0, "GPU-c")
     time.sleep(0.01)
     second = m.loading(str(plan), 0, "GPU-c")
@@ -345,23 +336,23 @@ def test_a_bad_load_record_is_refused_and_counted() -> None:
     with spool.lock:
         offset = spool.add_record(fmt.KIND_LOAD, "engine-without-gpu-and-device", 24)
     assert offset is not None
-    parsed = fmt.parse(bytes(spool._map[: spool.used]))
+    parsed = spool_reader.parse(bytes(spool._map[: spool.used]))
     assert parsed.bad_record and parsed.loads == {}
 
 
 HELD = textwrap.dedent("""
     import os, sys, threading
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({spool!r})
+    import gpuio
+    gpuio.configure({spool!r})
     release = threading.Event()
-    m = instrument.engine("shared")
+    m = gpuio.engine("shared")
     if {loading!r}:
         def loader(data):
             print("loading", flush=True)
             release.wait()
             return "model"
-        instrument.load({path!r}, loader, gpu_uuid={uuid!r})
+        gpuio.load({path!r}, loader, gpu_uuid={uuid!r})
     else:
         m.set_info({path!r}, 0, {uuid!r})
         with m.infer():
@@ -384,17 +375,17 @@ def test_two_processes_of_one_engine_on_two_gpus_give_two_in_flight_series(tmp_p
     busy = _held(str(tmp_path), str(plan), "GPU-0000", loading=False)
     spare = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys; sys.path.insert(0, {REPO!r})
-        from exporter import instrument
-        instrument.configure({str(tmp_path)!r})
-        m = instrument.engine("shared"); m.set_info({str(plan)!r}, 1, "GPU-1111")
+        import gpuio
+        gpuio.configure({str(tmp_path)!r})
+        m = gpuio.engine("shared"); m.set_info({str(plan)!r}, 1, "GPU-1111")
         m.pool_contexts.inc(2); m.pool_idle.inc(2)
         print("ready", flush=True); sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert spare.stdout is not None and spare.stdout.readline().strip() == "ready"
         totals = _spool_totals(str(tmp_path))
-        in_flight = fmt.PER_GPU_LAYOUT.gauges["in_flight"]
-        idle = fmt.PER_GPU_LAYOUT.gauges["pool_idle"]
+        in_flight = spool_reader.PER_GPU_LAYOUT.gauges["in_flight"]
+        idle = spool_reader.PER_GPU_LAYOUT.gauges["pool_idle"]
         assert {key: values[in_flight] for key, values in totals.per_gpu.items()} == {
             ("shared", "GPU-0000"): 1.0, ("shared", "GPU-1111"): 0.0}
         assert totals.per_gpu[("shared", "GPU-1111")][idle] == 2.0
@@ -409,7 +400,7 @@ def test_a_process_that_died_mid_load_has_no_load_in_progress(tmp_path) -> None:
     plan = tmp_path / "shared.engine"
     plan.write_bytes(b"\0" * 4096)
     process = _held(str(tmp_path), str(plan), "GPU-0000", loading=True)
-    reader = fmt.SpoolReader(str(tmp_path))
+    reader = spool_reader.SpoolReader(str(tmp_path))
     try:
         assert [values[0] for values in reader.read().loads.values()] == [1.0]
     finally:
@@ -424,16 +415,17 @@ def test_counts_of_a_dead_writer_stay_under_the_gpu_nvml_gave_it(tmp_path) -> No
     (NVML no longer lists it) its histogram counts stay under that GPU: no counter moves or resets."""
     writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys; sys.path.insert(0, {REPO!r})
-        from exporter import instrument
-        instrument.configure({str(tmp_path)!r})
-        m = instrument.engine("anon")
+        import gpuio
+        gpuio.configure({str(tmp_path)!r})
+        m = gpuio.engine("anon")
         for _ in range(7):
             m.inference_seconds.observe(0.01)
         print("ready", flush=True); sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     listed = {"pid": 0}
-    reader = fmt.SpoolReader(str(tmp_path), gpu_of=lambda pid, ticks: "GPU-nvml" if pid == listed["pid"] else None)
-    first, total = fmt.PER_GPU_LAYOUT.histograms["inference_seconds"][:2]
+    reader = spool_reader.SpoolReader(str(tmp_path),
+                                      gpu_of=lambda pid, ticks: "GPU-nvml" if pid == listed["pid"] else None)
+    first, total = spool_reader.PER_GPU_LAYOUT.histograms["inference_seconds"][:2]
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         listed["pid"] = writer.pid

@@ -18,15 +18,13 @@ import importlib
 import os
 import time
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from exporter import instrument
-from exporter.instrument import metrics
-from exporter.instrument import spool as fmt
-from exporter.instrument import tensorrt as adapter
+import gpuio
+from exporter import spool_reader
+from gpuio import tensorrt as adapter
 
 try:
     trt: Any = importlib.import_module("tensorrt_lean_bindings")
@@ -135,15 +133,6 @@ class FakeStream:
 
 
 @pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    metrics._reset_for_tests()
-    instrument.configure(str(tmp_path))
-    yield str(tmp_path)
-    metrics._reset_for_tests()
-    instrument.configure(None)
-
-
-@pytest.fixture
 def plan(tmp_path) -> str:
     path = tmp_path / "resnet50.engine"
     path.write_bytes(MAGIC + os.urandom(2 << 20))
@@ -157,7 +146,7 @@ def test_load_engine_times_read_and_deserialize(spool_dir, plan) -> None:
     assert loaded.deserialize_seconds >= 0.03
     m = loaded.metrics
     assert m.name == "resnet50" and m.load_read_bytes.value() == loaded.bytes_read
-    (info,) = fmt.SpoolReader(spool_dir).read().infos["resnet50"]
+    (info,) = spool_reader.SpoolReader(spool_dir).read().infos["resnet50"]
     assert (info.runtime, info.cuda_device, info.gpu_uuid) == ("tensorrt", 0, "GPU-abc")
 
 
@@ -166,8 +155,8 @@ def test_a_plan_the_runtime_rejects_is_an_error(spool_dir, tmp_path) -> None:
     bad.write_bytes(b"not a plan")
     with pytest.raises(RuntimeError, match="could not deserialize"):
         adapter.load_engine(str(bad), FakeRuntime())
-    assert instrument.engine("broken").errors() == {"load_deserialize_failed": 1}
-    assert instrument.engine("broken").load_deserialize_seconds.count() == 0
+    assert gpuio.engine("broken").errors() == {"load_deserialize_failed": 1}
+    assert gpuio.engine("broken").load_deserialize_seconds.count() == 0
 
 
 class StreamReaderBase:
@@ -210,7 +199,7 @@ def test_runner_binds_enqueues_synchronises_and_times(spool_dir, plan) -> None:
     m = runner.metrics
     assert m.inference_seconds.count() == 1 and m.batch_size.total() == 16 and m.in_flight.value() == 0
     runner.context.fail_next = True
-    with pytest.raises(instrument.EnqueueError):
+    with pytest.raises(gpuio.EnqueueError):
         runner.execute(stream)
     with pytest.raises(ValueError, match="refused the address"):
         runner.execute(stream, addresses={"logits": 0x3000})
@@ -220,7 +209,7 @@ def test_runner_binds_enqueues_synchronises_and_times(spool_dir, plan) -> None:
 
 def test_layer_profiles_are_sampled_one_in_n(spool_dir, plan) -> None:
     engine = adapter.load_engine(plan, FakeRuntime()).model
-    m = instrument.engine("resnet50")
+    m = gpuio.engine("resnet50")
     profiler = adapter.layer_profiler(m, every=3, top_k=2, trt=trt)
     if trt is not None:
         assert isinstance(profiler, trt.IProfiler)  # what TensorRT's C++ side will call back into
@@ -232,7 +221,7 @@ def test_layer_profiles_are_sampled_one_in_n(spool_dir, plan) -> None:
         runner.execute(stream)
         assert runner.context.profiler is None  # attached only for the sampled inference
     assert m.layer_profiled_inferences.value() == 3
-    layers = fmt.SpoolReader(spool_dir).read().layers
+    layers = spool_reader.SpoolReader(spool_dir).read().layers
     # top 2 by time are fc (0.4 ms) and relu (0.3 ms); conv1 + conv2 go to (other)
     assert layers[("resnet50", "fc")][0] == pytest.approx(3 * 0.0004)
     assert layers[("resnet50", "relu")][0] == pytest.approx(3 * 0.0003)
@@ -286,7 +275,7 @@ class NoneRefusingContext(FakeContext):
 
 def test_a_profiler_that_cannot_be_detached_reports_the_sampled_inference(spool_dir, plan) -> None:
     engine = adapter.load_engine(plan, FakeRuntime()).model
-    m = instrument.engine("resnet50")
+    m = gpuio.engine("resnet50")
     m.layer_select_after = 1
     context = NoneRefusingContext(engine)
     runner = adapter.TensorRTRunner(engine, m, context=context,
@@ -295,7 +284,7 @@ def test_a_profiler_that_cannot_be_detached_reports_the_sampled_inference(spool_
         runner.execute(FakeStream())
     assert context.enqueue_emits_profile is False and context.profiler is not None  # stayed attached
     assert m.layer_profiled_inferences.value() == 3
-    layers = fmt.SpoolReader(spool_dir).read().layers
+    layers = spool_reader.SpoolReader(spool_dir).read().layers
     # fc reports 0.4 ms x the enqueue's number: the sum over the three sampled enqueues, no other
     expected = sum(0.0004 * n for n in profiled_enqueues(9, 3))
     assert layers[("resnet50", "fc")][0] == pytest.approx(expected)

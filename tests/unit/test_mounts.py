@@ -10,11 +10,11 @@ import subprocess
 
 import pytest
 
-from exporter import instrument, mounts
+import gpuio
+from exporter import mounts
 from exporter.collect import Context
 from exporter.collectors import engines
 from exporter.exposition import render
-from exporter.instrument import metrics
 from tests.conftest import REPO, parse_samples
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "mounts")
@@ -102,10 +102,10 @@ def test_every_engine_file_names_its_mount_as_findmnt_sees_it(tmp_path) -> None:
     loaded, globbed = models / "loaded.engine", models / "globbed.plan"
     loaded.write_bytes(b"\0" * 4096)
     globbed.write_bytes(b"\0" * 4096)
-    metrics._reset_for_tests()
-    instrument.configure(str(spool))
+    gpuio.close()
+    gpuio.configure(str(spool))
     try:
-        instrument.load(str(loaded), bytes)
+        gpuio.load(str(loaded), bytes)
         settings = {option.name: option.parse(option.default) if option.default is not None else None
                     for option in engines.EnginesCollector.options}
         settings.update({"spool-dir": str(spool), "path": (str(models / "*.plan"),)})
@@ -114,8 +114,8 @@ def test_every_engine_file_names_its_mount_as_findmnt_sees_it(tmp_path) -> None:
         target.scanner.sample_now()
         samples = parse_samples(render(target.collect()))
     finally:
-        metrics._reset_for_tests()
-        instrument.configure(None)
+        gpuio.close()
+        gpuio.configure(None)
     found = {dict(labels)["path"]: dict(labels) for (name, labels) in samples if name == "gpuio_engine_mount_info"}
     for path in (str(loaded), str(globbed)):
         target_fs = subprocess.run(["findmnt", "-n", "-o", "TARGET,FSTYPE", "-T", path], capture_output=True,

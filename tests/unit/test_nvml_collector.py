@@ -22,7 +22,7 @@ from exporter.collect import Context, Scraper
 from exporter.collectors.nvml import DESCS, NvmlCollector
 from exporter.exposition import render
 from exporter.nvml_device import ProcessInfo
-from tests.conftest import REPO, Samples, parse_samples
+from tests.conftest import REPO, Samples, documented_families, parse_samples
 from tests.unit.test_nvml_fake import FakeGpu, FakeMig, FakeNvml, h100s
 
 GIB = 1024**3
@@ -387,8 +387,7 @@ def everything() -> str:
 
 def test_every_family_is_documented() -> None:
     names = set(re.findall(r"^# TYPE (\S+) ", everything(), re.MULTILINE))
-    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
-        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    documented = documented_families()
     assert len(names) == len(DESCS)
     assert names - documented == set()
 

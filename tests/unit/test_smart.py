@@ -25,7 +25,7 @@ from exporter.collectors.smart import (
     raw_number,
 )
 from exporter.config import ConfigError, parse_args
-from tests.conftest import REPO
+from tests.conftest import documented_families
 from tests.fixtures.smartctl.fake import DERIVED, LISTINGS, SINGLE, FakeSmartctl
 from tests.fixtures.smartctl.harness import collector, info, make_sysfs, state, sweep, value
 
@@ -358,6 +358,5 @@ def test_defaults_and_environment_twins() -> None:
 
 
 def test_every_family_is_documented() -> None:
-    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
-        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+    documented = documented_families()
     assert {desc.name for desc in DESCS} - documented == set()

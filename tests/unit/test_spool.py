@@ -17,8 +17,9 @@ import time
 
 import pytest
 
-from exporter.instrument import spool as fmt
-from exporter.instrument.metrics import EngineMetrics
+from exporter import spool_reader
+from gpuio import spool as fmt
+from gpuio.metrics import EngineMetrics
 from tests.conftest import REPO
 
 LAYOUT = fmt.ENGINE_LAYOUT
@@ -55,7 +56,7 @@ def test_round_trip_of_every_series(tmp_path) -> None:
     metrics.error("timeout")
     metrics.error("timeout")
     metrics.set_info("/etc/hostname", 1, "GPU-1234", "tensorrt")
-    reader = fmt.SpoolReader(str(tmp_path))
+    reader = spool_reader.SpoolReader(str(tmp_path))
     totals = reader.read()
     values = totals.engines["resnet50"]
     assert count(values, "inference_seconds") == 4
@@ -79,7 +80,7 @@ def test_histogram_bucket_edges_are_inclusive(tmp_path) -> None:
     metrics.inference_seconds.observe(0.001)  # exactly a bound: le="0.001"
     metrics.inference_seconds.observe(1e9)  # past the last bound: +Inf
     metrics.inference_seconds.observe(float("nan"))  # ignored
-    values = fmt.SpoolReader(str(tmp_path)).read().engines["resnet50"]
+    values = spool_reader.SpoolReader(str(tmp_path)).read().engines["resnet50"]
     first, _, bounds = LAYOUT.histograms["inference_seconds"]
     assert values[first + bounds.index(0.001)] == 1
     assert values[first + len(bounds)] == 1
@@ -88,7 +89,7 @@ def test_histogram_bucket_edges_are_inclusive(tmp_path) -> None:
 
 
 def test_merges_processes_and_folds_exited_ones_without_going_backwards(tmp_path) -> None:
-    reader = fmt.SpoolReader(str(tmp_path))
+    reader = spool_reader.SpoolReader(str(tmp_path))
     first, a = writer(str(tmp_path))
     second, b = writer(str(tmp_path))
     a.inference_seconds.observe(0.01)
@@ -132,7 +133,7 @@ def valid_bytes(directory: str) -> bytes:
     with open(file.path, "rb") as handle:
         data = handle.read(file.used)
     file.close()
-    fmt.SpoolReader(directory).read()  # fold and remove the donor
+    spool_reader.SpoolReader(directory).read()  # fold and remove the donor
     return data
 
 
@@ -157,7 +158,7 @@ def test_damaged_and_foreign_files_are_skipped_counted_once_and_left_alone(tmp_p
         write_file(directory, name, data)
     live, metrics = writer(directory)
     metrics.inference_seconds.observe(0.5)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     for _ in range(3):  # the same bad files are not counted again
         totals = reader.read()
     assert reader.errors == {"empty": 1, "truncated": 2, "version": 1, "garbage": 1, "record": 1}
@@ -179,7 +180,7 @@ def test_bad_record_after_good_ones_keeps_the_good_ones(tmp_path) -> None:
     with open(file.path, "r+b") as handle:  # scribble over the second record's header
         handle.seek(fmt.HEADER_SIZE + fmt.RECORD_HEAD.size + 8 + LAYOUT.size * 8)
         handle.write(b"\xff" * 8)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     totals = reader.read()
     reader.read()
     assert count(totals.engines["resnet50"], "inference_seconds") == 1
@@ -192,7 +193,7 @@ def test_a_live_file_truncated_under_the_reader_keeps_its_last_good_totals(tmp_p
     directory = str(tmp_path)
     file, metrics = writer(directory)
     metrics.inference_seconds.observe(0.01)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     assert count(reader.read().engines["resnet50"], "inference_seconds") == 1
     assert file.path is not None
     os.truncate(file.path, 0)
@@ -208,7 +209,7 @@ def test_a_live_file_removed_by_someone_else_is_folded_from_what_was_seen(tmp_pa
     directory = str(tmp_path)
     file, metrics = writer(directory)
     metrics.inference_seconds.observe(0.01)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     reader.read()
     assert file.path is not None
     os.unlink(file.path)
@@ -220,7 +221,7 @@ def test_a_live_file_removed_by_someone_else_is_folded_from_what_was_seen(tmp_pa
 def test_symlinks_are_not_followed(tmp_path) -> None:
     directory = str(tmp_path)
     os.symlink("/etc/passwd", os.path.join(directory, "gpuio-1-1-link.spool"))
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     reader.read()
     assert reader.errors == {"io": 1}
 
@@ -231,7 +232,7 @@ def test_a_full_file_drops_new_series_and_says_so(tmp_path) -> None:
     for index in range(15):
         metrics.error(f"reason{index}-" + "x" * 190)
     metrics.inference_seconds.observe(0.01)  # existing series keep working
-    totals = fmt.SpoolReader(directory).read()
+    totals = spool_reader.SpoolReader(directory).read()
     assert totals.dropped_by_writers > 0
     assert count(totals.engines["resnet50"], "inference_seconds") == 1
     assert 0 < len([key for key in totals.errors if key[0] == "resnet50"]) < 15
@@ -245,7 +246,7 @@ def test_a_thousand_dead_processes_are_folded_once_then_cost_nothing(tmp_path, m
         metrics.inference_seconds.observe(0.01)
         metrics.load_read_bytes.inc(100)
         file.close()
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     totals = reader.read()
     assert reader.folded_processes == 1000
     assert sum(count(values, "inference_seconds") for values in totals.engines.values()) == 1000
@@ -269,7 +270,7 @@ def test_dead_files_that_cannot_be_deleted_are_tombstoned(tmp_path, monkeypatch)
         raise PermissionError(1, "Operation not permitted", path)
 
     monkeypatch.setattr(os, "unlink", refuse)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     assert count(reader.read().engines["resnet50"], "inference_seconds") == 5
     opened: list[str] = []
     real_open = os.open
@@ -283,7 +284,7 @@ def test_a_writer_that_died_before_renaming_leaves_a_temporary_that_is_swept(tmp
     stale = write_file(directory, ".gpuio-1-1-0000000000000001.spool.tmp", b"")
     fresh = write_file(directory, ".gpuio-2-1-0000000000000002.spool.tmp", b"")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    fmt.SpoolReader(directory).read()
+    spool_reader.SpoolReader(directory).read()
     assert not os.path.exists(stale) and os.path.exists(fresh)
 
 
@@ -292,9 +293,9 @@ def test_a_writer_that_died_before_renaming_leaves_a_temporary_that_is_swept(tmp
 HAMMER = textwrap.dedent("""
     import sys, os
     sys.path.insert(0, {repo!r})
-    from exporter import instrument
-    instrument.configure({directory!r})
-    metrics = instrument.engine("hammer")
+    import gpuio
+    gpuio.configure({directory!r})
+    metrics = gpuio.engine("hammer")
     metrics.inference_seconds.observe(0.25)
     print(os.getpid(), flush=True)
     sys.stdout.close()
@@ -319,7 +320,7 @@ def start_hammer(directory: str) -> subprocess.Popen[str]:
 def test_a_process_killed_mid_write_is_folded_consistently(tmp_path) -> None:
     directory = str(tmp_path)
     process = start_hammer(directory)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     seen = []
     for _ in range(5):
         time.sleep(0.05)
@@ -351,7 +352,7 @@ def test_real_pid_reuse_cannot_mix_two_processes(tmp_path) -> None:
     if os.geteuid() != 0:
         pytest.skip("setting the next pid needs root")
     directory = str(tmp_path)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     first = start_hammer(directory)
     reader.read()
     first.send_signal(signal.SIGKILL)
@@ -388,7 +389,7 @@ def test_two_live_files_claiming_the_same_pid_are_two_processes(tmp_path) -> Non
     assert first.pid == second.pid
     a.inference_seconds.observe(0.01)
     b.inference_seconds.observe(0.01)
-    totals = fmt.SpoolReader(directory).read()
+    totals = spool_reader.SpoolReader(directory).read()
     assert totals.processes["resnet50"] == 2
     assert count(totals.engines["resnet50"], "inference_seconds") == 2
     first.close()
@@ -399,14 +400,14 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
     code = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
-        from exporter import instrument
-        instrument.configure({str(tmp_path)!r})
-        metrics = instrument.engine("forky")
+        import gpuio
+        gpuio.configure({str(tmp_path)!r})
+        metrics = gpuio.engine("forky")
         metrics.inference_seconds.observe(0.01)
         metrics.error("boom")
         pid = os.fork()
         if pid == 0:
-            child = instrument.engine("forky")
+            child = gpuio.engine("forky")
             child.inference_seconds.observe(0.01)
             child.inference_seconds.observe(0.01)
             child.error("boom")
@@ -416,10 +417,10 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
         _, status = os.waitpid(pid, 0)
         assert status == 0, "the child's checks failed"
         assert metrics.inference_seconds.count() == 1
-        print(instrument.describe()["spool"])
+        print(gpuio.describe()["spool"])
     """)
     parent_file = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    reader = fmt.SpoolReader(str(tmp_path))
+    reader = spool_reader.SpoolReader(str(tmp_path))
     totals = reader.read()
     assert count(totals.engines["forky"], "inference_seconds") == 3
     assert totals.errors[("forky", "boom")] == 2

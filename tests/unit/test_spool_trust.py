@@ -12,16 +12,13 @@ from __future__ import annotations
 import os
 import struct
 import tracemalloc
-from collections.abc import Iterator
 
-import pytest
-
-from exporter import instrument
+import gpuio
+from exporter import spool_reader
 from exporter.collect import Context
 from exporter.collectors import engines
-from exporter.instrument import metrics
-from exporter.instrument import spool as fmt
-from exporter.instrument.metrics import EngineMetrics
+from gpuio import spool as fmt
+from gpuio.metrics import EngineMetrics
 from tests.conftest import parse_samples
 
 LAYOUT = fmt.ENGINE_LAYOUT
@@ -68,17 +65,6 @@ def collector(spool: str, **options: object) -> engines.EnginesCollector:
     return engines.EnginesCollector(Context(), settings)
 
 
-@pytest.fixture
-def spool_dir(tmp_path) -> Iterator[str]:
-    directory = tmp_path / "spool"
-    directory.mkdir()
-    metrics._reset_for_tests()
-    instrument.configure(str(directory))
-    yield str(directory)
-    metrics._reset_for_tests()
-    instrument.configure(None)
-
-
 # --- 1. a spool file cannot take the exporter's memory --------------------------------------------
 
 
@@ -91,7 +77,7 @@ def test_sparse_files_claiming_huge_sizes_are_refused_unread(tmp_path) -> None:
     hostile = [live_writer(directory, size=256 * MiB) for _ in range(3)]
     for file in hostile:
         claim_used(file, 256 * MiB)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     peaks = []
     for _ in range(3):
         totals, peak = traced(reader.read)
@@ -107,7 +93,7 @@ def test_a_used_offset_past_the_file_cap_is_refused_even_in_a_small_file(tmp_pat
     """The header's ``used`` is the writer's word too: 200 MiB claimed in a file that is 1 MiB."""
     file = live_writer(str(tmp_path))
     claim_used(file, 200 * MiB)
-    reader = fmt.SpoolReader(str(tmp_path))
+    reader = spool_reader.SpoolReader(str(tmp_path))
     _, peak = traced(reader.read)
     assert peak < 4 * MiB and reader.errors == {"oversized": 1}
     file.close()
@@ -124,7 +110,7 @@ def test_full_files_are_read_within_a_budget_and_kept_within_a_budget(tmp_path) 
     for index, file in enumerate(hostile):
         fill_with_engines(file, f"junk{index:02d}")
     real = live_writer(directory, "zz-real")  # sorts last: reached only after the junk
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     tracemalloc.start()
     try:
         peaks = []
@@ -157,7 +143,7 @@ def test_a_real_engine_started_after_thousands_of_junk_names_is_exported(spool_d
         junk.append(file)
     target = collector(spool_dir)
     target.collect()
-    real = instrument.engine("resnet50")
+    real = gpuio.engine("resnet50")
     for _ in range(3):
         real.inference_seconds.observe(0.01)  # it serves between scrapes
         samples = parse_samples(_render(target))
@@ -225,7 +211,7 @@ def test_garbage_files_are_counted_once_however_many(tmp_path) -> None:
     for index in range(10_500):
         with open(os.path.join(directory, f"gpuio-{index}-1-garbage.spool"), "wb") as handle:
             handle.write(b"not a spool file at all" * 20)
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     counts = []
     for _ in range(6):  # the first reads take the files in turn, within each read's budget
         reader.read()
@@ -244,7 +230,7 @@ def test_a_live_file_that_turns_oversized_keeps_its_last_values_and_is_folded_wh
     its last good totals stand, it is counted once, and folded (then removed) when the writer exits."""
     directory = str(tmp_path)
     file = live_writer(directory, "resnet50")
-    reader = fmt.SpoolReader(directory)
+    reader = spool_reader.SpoolReader(directory)
     assert reader.read().processes == {"resnet50": 1}
     claim_used(file, 200 * MiB)
     for _ in range(2):

@@ -25,8 +25,8 @@ from exporter import pagecache
 from exporter.collect import Context
 from exporter.collectors import engines
 from exporter.exposition import render
-from exporter.instrument import spool as fmt
-from exporter.instrument.metrics import EngineMetrics
+from gpuio import spool as fmt
+from gpuio.metrics import EngineMetrics
 from tests.conftest import parse_samples
 
 IN_OPEN = 0x20

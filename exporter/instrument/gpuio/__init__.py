@@ -1,6 +1,6 @@
 """gpuio's instrumentation library, imported by inference processes (no web server, no exporter inside).
 
-    from exporter import instrument as gpuio
+    import gpuio
 
     loaded = gpuio.load("/models/detector.pt", lambda data: torch.load(io.BytesIO(data)), device=0)
     pool = gpuio.EnginePool(loaded.metrics, create=lambda: replica(loaded.model), size=4, warmup=warm)
@@ -24,6 +24,7 @@ from .metrics import (
     EnqueueError,
     Inference,
     PoolTimeout,
+    close,
     configure,
     describe,
     engine,
@@ -40,6 +41,7 @@ __all__ = [
     "LoadTimer",
     "Loaded",
     "PoolTimeout",
+    "close",
     "configure",
     "describe",
     "engine",

@@ -11,6 +11,7 @@ read), so the exporter shows a load in progress, and a slow one's age, while it 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -78,9 +79,21 @@ def load(path: str, loader: Callable[[bytearray], T], name: str | None = None, d
     ``device`` (an ordinal, "cuda:1" or a torch.device) and ``gpu_uuid`` say which GPU the model
     lives on; the UUID is looked up from torch or pycuda when the process has them loaded.
     """
-    metrics = engine(name or engine_name(path))
-    cuda_device, uuid = gpu.resolve(device, gpu_uuid)
-    with metrics.loading(path, cuda_device, uuid, runtime) as progress:
+    def nothing() -> Exception:
+        return ValueError(f"loader returned nothing for {path}")
+
+    loaded = read_and_deserialize(engine(name or engine_name(path)), path, loader, nothing, device, gpu_uuid, runtime)
+    return dataclasses.replace(loaded, path=os.path.abspath(path))
+
+
+def read_and_deserialize(metrics: EngineMetrics, path: str, deserialize: Callable[[bytearray], T | None],
+                         nothing: Callable[[], Exception], device: Any, gpu_uuid: str | None,
+                         runtime: str) -> Loaded[T]:
+    """The load every loader shares: read ``path`` whole (timed; bytes shown as they arrive), hand them
+    to ``deserialize`` (timed) and record both.  A read that fails counts ``load_read_failed``; a
+    deserialize that raises, or returns None (how a TensorRT runtime says it failed; then ``nothing()``
+    is raised), counts ``load_deserialize_failed``."""
+    with metrics.loading(path, *gpu.resolve(device, gpu_uuid), runtime) as progress:
         try:
             data, read_seconds = read_file(path, progress=progress.add)
         except OSError:
@@ -88,16 +101,17 @@ def load(path: str, loader: Callable[[bytearray], T], name: str | None = None, d
             raise
         start = time.perf_counter()
         try:
-            model = loader(data)
-            if model is None:
-                raise ValueError(f"loader returned nothing for {path}")
+            model = deserialize(data)
         except Exception:
             metrics.error("load_deserialize_failed")
             raise
         deserialize_seconds = time.perf_counter() - start
-    cuda_device, uuid = gpu.resolve(device, gpu_uuid)  # again: the loader may have initialised CUDA
+    if model is None:
+        metrics.error("load_deserialize_failed")
+        raise nothing()
+    cuda_device, uuid = gpu.resolve(device, gpu_uuid)  # again: the deserializer may have initialised CUDA
     metrics.record_load(read_seconds, len(data), deserialize_seconds, path, cuda_device, uuid, runtime)
-    return Loaded(model, metrics, os.path.abspath(path), len(data), read_seconds, deserialize_seconds)
+    return Loaded(model, metrics, path, len(data), read_seconds, deserialize_seconds)
 
 
 class LoadTimer:

@@ -1,54 +1,9 @@
-"""The spool: how inference processes hand their engine metrics to the node's gpuio-exporter.
+"""The exporter's side of the spool: read every writer's file, fold the exited ones, merge the rest.
 
-Each process writes its own file in a shared directory (``GPUIO_SPOOL_DIR`` for the library,
-``--collector.engines.spool-dir`` for the exporter; a hostPath or emptyDir in Kubernetes).  The
-exporter reads every file, folds the totals of processes that exited, and merges all of it into
-per-engine series.  The design and its reasons are in docs/engines.md; in short:
-
-Layout (version 1, little-endian, every value 8-byte aligned)::
-
-    header (256 bytes)
-      0  8s  magic b"GPUIOSPL"          40  u64  process start time, clock ticks since boot
-      8  u32 version (1)                48  f64  creation time, seconds since the epoch
-     12  u32 header size (256)          56  u64  instance id (random; also in the file name)
-     16  u64 file size                  64  u64  series dropped because the file was full
-     24  u64 used: end of the last      72  64s  process name (argv[0] basename)
-             committed record
-     32  u32 pid   36 u32 reserved
-    records, appended after the header, never moved or freed:
-      0  u32 record size (multiple of 8)   4 u16 kind   6 u16 key length
-      8  key (utf-8, zero-padded to 8 bytes), then the payload:
-         ENGINE: ENGINE_LAYOUT.size doubles (histogram buckets, sums, counters, gauges)
-         ERROR:  1 double (count); key "engine\\0reason"
-         LAYER:  2 doubles (seconds, samples); key "engine\\0layer"
-         INFO:   INFO_STRUCT, then path, gpu uuid and runtime as utf-8 (the last INFO of an engine wins;
-                 written when a load starts, with the load time of the last finished load or 0,
-                 and again when it finishes)
-         LOAD:   LOAD_SLOTS doubles (loads in progress, their bytes read so far, the start time of
-                 the oldest, seconds since the epoch); key "engine\0gpu uuid\0MAJ:MIN" of the file
-
-Hot path: an observation is one bisect and two stores of doubles into the process's MAP_SHARED
-mapping, under a per-process ``threading.Lock`` (Python threads; there is never a cross-process lock
-because nobody else writes the file).  No syscall: the kernel sees the stores only as dirty pages.
-
-Publication: a record is written in full and only then is ``used`` advanced past it, so a reader
-that honours ``used`` never sees half a record.  Histogram counts are stored per bucket (not
-cumulative) and a histogram's count is the sum of its buckets, so an observation is two stores.
-
-Liveness: the writer holds ``flock(LOCK_EX)`` on its file for its whole life; the kernel drops the
-lock when the process ends, however it ends (SIGKILL included).  The reader probes with
-``LOCK_EX|LOCK_NB``: refused means a live writer, granted means the writer is gone for good.  This
-works across pid namespaces (every pod has its own pid 1), which a pid check in /proc cannot do; the
-pid and start time in the header identify the process for people, not for liveness.  File names are
-``gpuio-<pid>-<starttime>-<instance>.spool``, created under a dot-name and renamed into place after
-the header is written and the lock taken, so a reader never sees an unlocked, half-made file.
-
-Who deletes: a process never deletes its own file (the exporter may not have read its last
-increments yet).  The exporter deletes a file only after it has proved the writer dead (it holds the
-writer's lock itself) and folded the file's final totals into its memory; nothing can write the file
-again, so nothing is lost.  Deleting needs write permission on the directory only; where it is
-refused (a sticky directory owned by someone else) the file is remembered as folded (a tombstone)
-and skipped by name.  The exporter never writes into any spool file.
+The file format and the writer live in the instrumentation library (:mod:`gpuio.spool`),
+which inference processes import; this module is what only the exporter (and ``gpuio engines``)
+runs: parsing a file no one trusts, the bounded directory read, folding the totals of exited
+processes, and merging everything per engine, per engine and GPU, and per load in progress.
 """
 
 from __future__ import annotations
@@ -58,105 +13,49 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
-import logging
 import math
-import mmap
 import operator
 import os
-import secrets
 import stat
 import struct
-import sys
 import threading
 import time
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-log = logging.getLogger("gpuio.spool")
-
-MAGIC = b"GPUIOSPL"
-VERSION = 1
-HEADER = struct.Struct("<8sIIQQIIQdQQ64s")
-HEADER_SIZE = 256
-RECORD_HEAD = struct.Struct("<IHH")
-SUFFIX = ".spool"
-PREFIX = "gpuio-"
-DEFAULT_DIR = "/run/gpuio/spool"
-DEFAULT_FILE_BYTES = 1 << 20  # sparse: pages are allocated as records are added
-MAX_KEY_BYTES = 400
-MAX_RECORD_BYTES = 1 << 16
-
-# offsets into the header (see the module docstring)
-USED_OFFSET = 24
-DROPPED_OFFSET = 64
-
-KIND_ENGINE = 1
-KIND_ERROR = 2
-KIND_LAYER = 3
-KIND_INFO = 4
-KIND_LOAD = 5
-KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO, KIND_LOAD)
-# The LOAD record's doubles: gauges of one process's loads of one engine, GPU and file system.
-LOAD_SLOTS = ("in_progress", "read_bytes", "oldest_start")
-
-# cuda device (i32, -1 unknown), st_dev major, minor (u32), st_ino, size (u64), mtime ns (i64),
-# load time (f64, seconds since the epoch), then the lengths of path, gpu uuid, runtime (u16 each).
-INFO_STRUCT = struct.Struct("<iIIQQqdHHH")
-MAX_PATH_BYTES = 4096
-MAX_SHORT_BYTES = 128
-
-# Bucket bounds are part of the format: every process of one version shares them, so merging is
-# plain addition.  They are wide on purpose (a 50 us CNN and a 30 s LLM prefill both resolve).
-LATENCY_BOUNDS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                  0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-LOAD_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
-BATCH_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
-
-# The ENGINE record, in order.  Gauges are the only slots that may go down; everything else only grows.
-HISTOGRAMS: tuple[tuple[str, tuple[float, ...]], ...] = (
-    ("load_read_seconds", LOAD_BOUNDS),
-    ("load_deserialize_seconds", LOAD_BOUNDS),
-    ("inference_seconds", LATENCY_BOUNDS),
-    ("inference_gpu_seconds", LATENCY_BOUNDS),
-    ("batch_size", BATCH_BOUNDS),
-    ("pool_wait_seconds", LATENCY_BOUNDS),
-    ("warmup_seconds", LOAD_BOUNDS),
-    ("first_inference_seconds", LATENCY_BOUNDS),
+from gpuio.spool import (
+    DEFAULT_FILE_BYTES,
+    ENGINE_LAYOUT,
+    ENGINE_SERIES,
+    GAUGES,
+    HEADER,
+    HEADER_SIZE,
+    INFO_STRUCT,
+    KIND_ENGINE,
+    KIND_ERROR,
+    KIND_INFO,
+    KIND_LAYER,
+    KIND_LOAD,
+    KINDS,
+    LOAD_SLOTS,
+    MAGIC,
+    MAX_KEY_BYTES,
+    MAX_RECORD_BYTES,
+    PREFIX,
+    RECORD_HEAD,
+    SUFFIX,
+    USED_OFFSET,
+    VERSION,
+    Layout,
+    pad8,
 )
-COUNTERS = ("load_read_bytes", "layer_profiled_inferences")
-GAUGES = ("in_flight", "pool_contexts", "pool_idle")
 
+from . import procstat
 
-@dataclass(frozen=True)
-class Layout:
-    """Where each series of the ENGINE record lives, as indexes into its doubles."""
-
-    histograms: dict[str, tuple[int, int, tuple[float, ...]]]  # name -> (first bucket, sum index, bounds)
-    counters: dict[str, int]
-    gauges: dict[str, int]
-    size: int
-    monotonic_prefix: int  # slots [0, monotonic_prefix) only grow (buckets, sums, counters); gauges follow
-
-
-def _layout() -> Layout:
-    index = 0
-    histograms: dict[str, tuple[int, int, tuple[float, ...]]] = {}
-    for name, bounds in HISTOGRAMS:
-        histograms[name] = (index, index + len(bounds) + 1, bounds)
-        index += len(bounds) + 2
-    counters = {name: index + offset for offset, name in enumerate(COUNTERS)}
-    index += len(COUNTERS)
-    gauges = {name: index + offset for offset, name in enumerate(GAUGES)}
-    monotonic_prefix = index
-    index += len(GAUGES)
-    return Layout(histograms, counters, gauges, index, monotonic_prefix)
-
-
-ENGINE_LAYOUT = _layout()
 # What the reader keeps per engine *and GPU* (the rest is per engine): the series that say whether work
 # waits on one GPU.  A compact vector of these ENGINE slots, in this order; PER_GPU_LAYOUT indexes it.
-PER_GPU_HISTOGRAMS = ("inference_seconds", "pool_wait_seconds")
+PER_GPU_HISTOGRAMS = tuple(series.slot for series in ENGINE_SERIES if series.per_gpu and series.type == "histogram")
 
 
 def _per_gpu_layout() -> tuple[tuple[int, ...], Layout]:
@@ -180,151 +79,42 @@ BUCKET_SLOTS = tuple(index for first, sum_index, _ in ENGINE_LAYOUT.histograms.v
 MAX_VALUE = 2.0**53
 
 
-def _pad8(length: int) -> int:
-    return (length + 7) & ~7
+def histogram_count_and_sum(values: typing.Sequence[float], name: str) -> tuple[float, float]:
+    """An ENGINE vector's histogram ``name``: how many observations, and their sum."""
+    first, sum_index, _ = ENGINE_LAYOUT.histograms[name]
+    return sum(values[first:sum_index]), values[sum_index]
 
 
-def process_start_ticks(pid: int | str = "self", procfs: str = "/proc") -> int:
-    """Field 22 of /proc/<pid>/stat: when the process started, in clock ticks since boot (0 if unknown)."""
-    try:
-        with open(f"{procfs}/{pid}/stat", "rb") as handle:
-            text = handle.read()
-        return int(text[text.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
+def counter(values: typing.Sequence[float], name: str) -> float:
+    """An ENGINE vector's counter ``name``."""
+    return values[ENGINE_LAYOUT.counters[name]]
 
 
-# --------------------------------------------------------------------------------------------------
-# Writer (the inference process)
-# --------------------------------------------------------------------------------------------------
+class WriterGpus:
+    """The GPU NVML lists a spool writer on, for a writer that recorded none: pid -> GPU, one way.
 
-
-class SpoolFile:
-    """One process's spool file, mapped shared; or, when the directory cannot be used, anonymous memory.
-
-    Never raises out of its constructor for a bad directory: instrumentation must not take an
-    inference service down.  ``path`` is None when the metrics go nowhere (logged once).
+    ``gpu_of_pid`` is what the nvml collector last saw (pid -> GPU UUID).  A pid counts only when this
+    exporter's procfs shows that very process (same start time): a writer in another pid namespace
+    (a pod without hostPID) has a pid that means another process here, or none, and NVML reports
+    host pids.
     """
 
-    def __init__(self, directory: str | None, size: int = DEFAULT_FILE_BYTES) -> None:
-        self.size = max(size, HEADER_SIZE + 4096) & ~7
-        self.lock = threading.Lock()  # serialises value updates and record appends within this process
-        self.path: str | None = None
-        self._fd: int | None = None
-        self.instance = secrets.randbits(63)
-        self.pid = os.getpid()
-        self.start_ticks = process_start_ticks()
-        self._map = self._open(directory)
-        self.values = memoryview(self._map).cast("d")
-        self.used = HEADER_SIZE
+    def __init__(self, gpu_of_pid: Callable[[int], str | None], procfs: str = "/proc") -> None:
+        self.gpu_of_pid = gpu_of_pid
+        self.procfs = procfs
+        self._same_process: dict[tuple[int, int], bool] = {}  # (pid, start ticks) -> our /proc shows it
 
-    def _open(self, directory: str | None) -> mmap.mmap:
-        if directory:
-            try:
-                return self._create(directory)
-            except OSError as exc:
-                log.warning("gpuio spool unusable, engine metrics will not reach the exporter: %s (%s)",
-                            directory, exc.strerror or exc)
-        anonymous = mmap.mmap(-1, self.size)
-        self._write_header(anonymous)
-        return anonymous
-
-    def _create(self, directory: str) -> mmap.mmap:
-        name = f"{PREFIX}{self.pid}-{self.start_ticks}-{self.instance:016x}{SUFFIX}"
-        temporary = os.path.join(directory, f".{name}.tmp")
-        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        lock_fd = None
-        try:
-            # The lock lives on a descriptor of its own: mmap keeps a duplicate of the mapping's
-            # descriptor, and a lock on that one could only be dropped by unmapping.
-            lock_fd = os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process ends
-            os.ftruncate(fd, self.size)
-            mapped = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._write_header(mapped)
-            os.rename(temporary, os.path.join(directory, name))
-        except BaseException:
-            if lock_fd is not None:
-                os.close(lock_fd)
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-        finally:
-            os.close(fd)
-        self._fd = lock_fd
-        self.path = os.path.join(directory, name)
-        return mapped
-
-    def _write_header(self, target: mmap.mmap) -> None:
-        comm = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python").encode()[:64]
-        HEADER.pack_into(target, 0, MAGIC, VERSION, HEADER_SIZE, self.size, HEADER_SIZE, self.pid, 0,
-                         self.start_ticks, time.time(), self.instance, 0, comm)
-
-    def add_record(self, kind: int, key: str, payload_bytes: int, payload: bytes = b"") -> int | None:
-        """Append a record and return the byte offset of its (zeroed) payload, or None when full.
-
-        Caller holds ``self.lock``.  The record is complete before ``used`` moves past it.
-        """
-        raw = key.encode("utf-8")[:MAX_KEY_BYTES]
-        size = RECORD_HEAD.size + _pad8(len(raw)) + _pad8(payload_bytes)
-        if self.used + size > self.size:
-            dropped = struct.unpack_from("<Q", self._map, DROPPED_OFFSET)[0] + 1
-            struct.pack_into("<Q", self._map, DROPPED_OFFSET, dropped)
+    def __call__(self, pid: int, start_ticks: int) -> str | None:
+        uuid = self.gpu_of_pid(pid)
+        if uuid is None or start_ticks <= 0:
             return None
-        offset = self.used
-        RECORD_HEAD.pack_into(self._map, offset, size, kind, len(raw))
-        self._map[offset + RECORD_HEAD.size : offset + RECORD_HEAD.size + len(raw)] = raw
-        payload_offset = offset + RECORD_HEAD.size + _pad8(len(raw))
-        if payload:
-            self._map[payload_offset : payload_offset + len(payload)] = payload
-        self.used = offset + size
-        struct.pack_into("<Q", self._map, USED_OFFSET, self.used)  # publish
-        return payload_offset
-
-    def close(self) -> None:
-        """Unmap and drop the lock; the file stays for the exporter to fold."""
-        with contextlib.suppress(BufferError, ValueError):
-            self.values.release()
-            self._map.close()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def release_lock(self) -> None:
-        """Give the file up (the exporter will fold it) but keep the mapping valid for stray handles."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def abandon_after_fork(self) -> None:
-        """In a forked child: forget the parent's file without touching the parent's lock or data.
-
-        The child's copy of the lock descriptor shares the parent's open file description, so
-        closing it leaves the parent's lock in place (and a child that lives on does not keep a
-        dead parent's file looking alive); the mapping is simply dropped.
-        """
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
-        with contextlib.suppress(BufferError, ValueError):
-            self.values.release()
-            self._map.close()
-
-
-def pack_info(cuda_device: int, dev: tuple[int, int], ino: int, size: int, mtime_ns: int, load_time: float,
-              path: str, gpu_uuid: str, runtime: str) -> bytes:
-    raw_path = path.encode("utf-8", "replace")[:MAX_PATH_BYTES]
-    raw_uuid = gpu_uuid.encode("utf-8", "replace")[:MAX_SHORT_BYTES]
-    raw_runtime = runtime.encode("utf-8", "replace")[:MAX_SHORT_BYTES]
-    head = INFO_STRUCT.pack(cuda_device, dev[0], dev[1], ino, size, mtime_ns, load_time,
-                            len(raw_path), len(raw_uuid), len(raw_runtime))
-    return head + raw_path + raw_uuid + raw_runtime
-
-
-# --------------------------------------------------------------------------------------------------
-# Reader (the exporter)
-# --------------------------------------------------------------------------------------------------
+        key = (pid, start_ticks)
+        same = self._same_process.get(key)
+        if same is None:
+            if len(self._same_process) > 4096:
+                self._same_process.clear()
+            same = self._same_process[key] = procstat.start_ticks(pid, self.procfs) == start_ticks
+        return uuid if same else None
 
 
 @dataclass(frozen=True)
@@ -341,11 +131,6 @@ class EngineInfo:
 
 
 LoadKey = tuple[str, str, tuple[int, int]]  # engine, GPU uuid ("" unknown), st_dev of the file
-
-
-def load_key(engine: str, gpu_uuid: str, dev: tuple[int, int]) -> str:
-    """The key of a LOAD record."""
-    return f"{engine}\0{gpu_uuid}\0{dev[0]}:{dev[1]}"
 
 
 @dataclass
@@ -403,7 +188,7 @@ def parse(data: bytes) -> Parsed:
             parsed.bad_record = True
             break
         size, kind, key_len = RECORD_HEAD.unpack_from(data, offset)
-        payload = offset + RECORD_HEAD.size + _pad8(key_len)
+        payload = offset + RECORD_HEAD.size + pad8(key_len)
         if (size % 8 or size < RECORD_HEAD.size or size > MAX_RECORD_BYTES or offset + size > used
                 or kind not in KINDS or key_len > MAX_KEY_BYTES or payload > offset + size):
             parsed.bad_record = True

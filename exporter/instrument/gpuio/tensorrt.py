@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from . import gpu
-from .load import Loaded, engine_name, read_file
+from .load import Loaded, engine_name, read_and_deserialize
 from .metrics import EngineMetrics, EnqueueError, GpuTimer, Inference, engine
 from .pool import EnginePool
 
@@ -171,21 +171,10 @@ def load_engine(path: str, runtime: Any = None, name: str | None = None, device:
         if module is None:
             raise RuntimeError("streaming loads need the TensorRT module")
         return _load_streaming(module, runtime, path, metrics, device, gpu_uuid)
-    with metrics.loading(path, *gpu.resolve(device, gpu_uuid), "tensorrt") as progress:
-        try:
-            data, read_seconds = read_file(path, progress=progress.add)
-        except OSError:
-            metrics.error("load_read_failed")
-            raise
-        start = time.perf_counter()
-        cuda_engine = runtime.deserialize_cuda_engine(data)
-        deserialize_seconds = time.perf_counter() - start
-    if cuda_engine is None:
-        metrics.error("load_deserialize_failed")
-        raise RuntimeError(f"TensorRT could not deserialize {path} (see the TensorRT log above)")
-    cuda_device, uuid = gpu.resolve(device, gpu_uuid)
-    metrics.record_load(read_seconds, len(data), deserialize_seconds, path, cuda_device, uuid, "tensorrt")
-    return Loaded(cuda_engine, metrics, path, len(data), read_seconds, deserialize_seconds)
+    def nothing() -> Exception:
+        return RuntimeError(f"TensorRT could not deserialize {path} (see the TensorRT log above)")
+
+    return read_and_deserialize(metrics, path, runtime.deserialize_cuda_engine, nothing, device, gpu_uuid, "tensorrt")
 
 
 def _load_streaming(module: ModuleType, runtime: Any, path: str, metrics: EngineMetrics, device: Any,

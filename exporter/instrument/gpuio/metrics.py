@@ -158,7 +158,7 @@ class Gauge(_Slot):
 
 
 class GpuTimer(Protocol):
-    """GPU time of one inference from CUDA events (see :mod:`exporter.instrument.gpu`)."""
+    """GPU time of one inference from CUDA events (see :mod:`gpuio.gpu`)."""
 
     def start(self) -> None: ...
 
@@ -219,7 +219,25 @@ class Inference:
 
 
 class EngineMetrics:
-    """The metrics of one engine in this process.  Get it from :func:`engine`, not by constructing it."""
+    """The metrics of one engine in this process.  Get it from :func:`engine`, not by constructing it.
+
+    Its series are the spool's declarations (``gpuio.spool.ENGINE_SERIES``), bound by ``_bind``; the
+    annotations below only name them for type checkers (tests/unit/test_layering.py keeps them equal).
+    """
+
+    load_read_seconds: Histogram
+    load_deserialize_seconds: Histogram
+    inference_seconds: Histogram
+    inference_gpu_seconds: Histogram
+    batch_size: Histogram
+    pool_wait_seconds: Histogram
+    warmup_seconds: Histogram
+    first_inference_seconds: Histogram
+    load_read_bytes: Counter
+    layer_profiled_inferences: Counter
+    in_flight: Gauge
+    pool_contexts: Gauge
+    pool_idle: Gauge
 
     def __init__(self, name: str, file: fmt.SpoolFile) -> None:
         self.name = name
@@ -249,21 +267,13 @@ class EngineMetrics:
             scratch = fmt.SpoolFile(None, fmt.HEADER_SIZE + layout.size * 8 + 4096)
             file, offset = scratch, fmt.HEADER_SIZE
         base = offset // 8
-        histograms = {name: Histogram(file, base + first, bounds)
-                      for name, (first, _, bounds) in layout.histograms.items()}
-        self.load_read_seconds = histograms["load_read_seconds"]
-        self.load_deserialize_seconds = histograms["load_deserialize_seconds"]
-        self.inference_seconds = histograms["inference_seconds"]
-        self.inference_gpu_seconds = histograms["inference_gpu_seconds"]
-        self.batch_size = histograms["batch_size"]
-        self.pool_wait_seconds = histograms["pool_wait_seconds"]
-        self.warmup_seconds = histograms["warmup_seconds"]
-        self.first_inference_seconds = histograms["first_inference_seconds"]
-        self.load_read_bytes = Counter(file, base + layout.counters["load_read_bytes"])
-        self.layer_profiled_inferences = Counter(file, base + layout.counters["layer_profiled_inferences"])
-        self.in_flight = Gauge(file, base + layout.gauges["in_flight"])
-        self.pool_contexts = Gauge(file, base + layout.gauges["pool_contexts"])
-        self.pool_idle = Gauge(file, base + layout.gauges["pool_idle"])
+        # One attribute per declared series (fmt.ENGINE_SERIES), named by its slot, at its place in the record.
+        for name, (first, _, bounds) in layout.histograms.items():
+            setattr(self, name, Histogram(file, base + first, bounds))
+        for name, index in layout.counters.items():
+            setattr(self, name, Counter(file, base + index))
+        for name, index in layout.gauges.items():
+            setattr(self, name, Gauge(file, base + index))
         # Labelled records the engine had (a fork's parent file, or none yet) are made again here.
         errors, layers = list(self._errors), list(self._layers)
         self._errors, self._layers = {}, {}
@@ -573,8 +583,9 @@ def _after_fork_in_child() -> None:
         _replace_spool(after_fork=True)
 
 
-def _reset_for_tests() -> None:
-    """Forget this process's spool and engines (tests only)."""
+def close() -> None:
+    """Close this process's spool file and forget its engines, as if the process had exited: the file
+    stays for the exporter to fold, and the next metric opens a new one with counts from zero."""
     global _spool
     with _state_lock:
         if _spool is not None:

@@ -1,0 +1,29 @@
+"""/proc/<pid>/stat, read once for the whole exporter: its own process metrics, smartctl's process
+table and the start time that identifies a spool writer.
+
+The command name (field 2) is in parentheses and may itself hold spaces and parentheses, so the
+fields are split after its last ")".  (gpuio, the instrumentation library, has its own few lines
+for its own start time: it imports nothing of the exporter.)
+"""
+
+from __future__ import annotations
+
+# Indexes into stat_fields(), i.e. field number (proc(5), from 1) minus 3.
+STATE, PPID, SESSION = 0, 1, 3
+UTIME, STIME, THREADS, START_TIME, VSIZE, RSS = 11, 12, 17, 19, 20, 21
+
+
+def stat_fields(pid: int | str = "self", procfs: str = "/proc") -> list[bytes]:
+    """The fields of /proc/<pid>/stat after the command name: the state first.  OSError if the
+    process is gone or unreadable; ValueError if the file is not of that shape."""
+    with open(f"{procfs}/{pid}/stat", "rb") as handle:
+        text = handle.read()
+    return text[text.rindex(b")") + 2 :].split()
+
+
+def start_ticks(pid: int | str = "self", procfs: str = "/proc") -> int:
+    """When the process started, in clock ticks since boot; 0 if unknown."""
+    try:
+        return int(stat_fields(pid, procfs)[START_TIME])
+    except (OSError, ValueError, IndexError):
+        return 0

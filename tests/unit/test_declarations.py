@@ -1,0 +1,74 @@
+"""The ENGINE record's series are declared once (gpuio.spool.ENGINE_SERIES); everything else follows."""
+
+from __future__ import annotations
+
+import os
+import typing
+
+import pytest
+
+from exporter.collect import Context
+from exporter.collectors import engines
+from exporter.exposition import render
+from exporter.spool_reader import PER_GPU_HISTOGRAMS
+from gpuio import metrics
+from gpuio import spool as fmt
+from tests.conftest import REPO, parse_samples
+
+KINDS = {"histogram": "Histogram", "counter": "Counter", "gauge": "Gauge"}
+
+
+def test_the_record_layout_follows_the_declarations() -> None:
+    layout = fmt.ENGINE_LAYOUT
+    declared = [series.slot for series in fmt.ENGINE_SERIES]
+    assert list(layout.histograms) + list(layout.counters) + list(layout.gauges) == declared
+    for series in fmt.ENGINE_SERIES:
+        if series.type == "histogram":
+            assert layout.histograms[series.slot][2] == series.bounds
+
+
+def test_each_declared_series_is_an_attribute_of_the_library_of_its_kind(spool_dir: str) -> None:
+    hints = typing.get_type_hints(metrics.EngineMetrics)
+    assert {name: hint.__name__ for name, hint in hints.items()} == {
+        series.slot: KINDS[series.type] for series in fmt.ENGINE_SERIES}
+    bound = metrics.engine("declared")
+    for series in fmt.ENGINE_SERIES:
+        assert type(getattr(bound, series.slot)).__name__ == KINDS[series.type]
+
+
+@pytest.mark.parametrize("series", fmt.ENGINE_SERIES, ids=lambda series: series.slot)
+def test_the_exporter_serves_the_declared_family(series: fmt.Series) -> None:
+    served = {desc.name: desc for desc in (*engines.HISTOGRAM_DESCS.values(), engines.LOAD_BYTES, engines.PROFILED,
+                                           engines.IN_FLIGHT, engines.POOL_CONTEXTS, engines.POOL_IDLE)}
+    desc = served[series.name]
+    assert (desc.kind, desc.help) == (series.type, series.help)
+    assert series.name.startswith("gpuio_engine_")
+    assert series.name.endswith("_total") == (series.type == "counter")
+
+
+def documented_row(series: fmt.Series) -> str:
+    """The docs/metrics.md row the declaration makes: name, type, labels, help."""
+    return f"| `{series.name}` | {series.type} | {', '.join(series.labels)} | {series.help} |"
+
+
+def test_docs_rows_follow_the_declarations() -> None:
+    """Name, type, labels and help in docs/metrics.md are the declared ones, word for word."""
+    with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as file:
+        rows = set(file.read().splitlines())
+    assert [documented_row(series) for series in fmt.ENGINE_SERIES if documented_row(series) not in rows] == []
+
+
+def test_the_exporter_serves_the_declared_labels(spool_dir: str) -> None:
+    assert PER_GPU_HISTOGRAMS == ("inference_seconds", "pool_wait_seconds")
+    bound = metrics.engine("labelled")
+    for series in fmt.ENGINE_SERIES:
+        if series.type == "histogram":
+            getattr(bound, series.slot).observe(1.0)
+    options = {option.name: option.parse(option.default) if option.default is not None else None
+               for option in engines.EnginesCollector.options}
+    options["spool-dir"] = spool_dir
+    samples = parse_samples(render(engines.EnginesCollector(Context(), options).collect()))
+    for series in fmt.ENGINE_SERIES:
+        suffix = "_count" if series.type == "histogram" else ""
+        found = [set(dict(labels)) for name, labels in samples if name == series.name + suffix]
+        assert found and all(labels == set(series.labels) for labels in found), series.slot

@@ -1,0 +1,146 @@
+"""The package reads top-down: no import circle, and nothing low imports the layers above it.
+
+Read from the source with ast (every import statement, at module level or inside a function, except
+the ones under ``if TYPE_CHECKING:``, which never run), so the check sees a lazy import too.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# (source root, package): the exporter, and gpuio, the instrumentation library in its own project folder.
+PACKAGES = ((REPO, "exporter"), (os.path.join(REPO, "exporter", "instrument"), "gpuio"))
+LIBRARY_FOLDER = os.path.join(REPO, "exporter", "instrument")
+
+# The entry points and the web stack: a collector, the library or a parser never imports these.
+TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.server", "exporter.config",
+       "exporter.webconfig", "exporter.connections", "exporter.top", "exporter.engines_cli"}
+
+
+def modules() -> dict[str, str]:
+    """Every module of both packages, name -> path."""
+    found = {}
+    for root, package in PACKAGES:
+        for folder, folders, files in os.walk(os.path.join(root, package)):
+            if folder == os.path.join(REPO, "exporter"):
+                folders.remove("instrument")  # the library's project folder: walked as gpuio
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    parts = os.path.relpath(path, root)[:-3].split(os.sep)
+                    if parts[-1] == "__init__":
+                        parts.pop()
+                    found[".".join(parts)] = path
+    return found
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            if not _type_checking_only(child):
+                stack.append(child)
+    return found
+
+
+def imports_of(name: str, path: str, known: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports (a submodule named in ``from x import y`` counts as y)."""
+    is_package = path.endswith("__init__.py")
+    with open(path, encoding="utf-8") as file:
+        tree = ast.parse(file.read(), path)
+    targets: set[str] = set()
+    for node in _import_nodes(tree):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+            continue
+        if node.level:
+            base = name.split(".") if is_package else name.split(".")[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        for alias in node.names:
+            submodule = f"{source}.{alias.name}"
+            targets.add(submodule if submodule in known else source)
+    return {target for target in targets if target in known and target != name}
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(name, path, set(found)) for name, path in found.items()}
+
+
+def cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as the list of modules around it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges[node]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    edges = graph()
+    assert "exporter.collectors.diskstats" in edges and edges["exporter.cli"]  # the walk found the package
+    assert cycle(edges) is None, " -> ".join(cycle(edges) or [])
+
+
+def test_the_checker_finds_a_circle() -> None:
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_below_the_entry_points_imports_them() -> None:
+    edges = graph()
+    upward = {(low, high) for low, targets in edges.items() if low not in TOP
+              for high in targets if high in TOP}
+    assert upward == set()
+
+
+def test_the_instrumentation_library_imports_only_itself() -> None:
+    """Inference processes import the library: it ships no exporter code (no reader, no collector)."""
+    edges = graph()
+    library = [name for name in edges if name.split(".")[0] == "gpuio"]
+    assert "gpuio.spool" in library
+    outside = {(name, target) for name in library for target in edges[name] if target.split(".")[0] != "gpuio"}
+    assert outside == set()
+
+
+def test_the_spool_reader_never_calls_up_into_a_collector() -> None:
+    """The engines' GPU lookup flows one way: the collector hands the reader a function."""
+    assert {target for target in graph()["exporter.spool_reader"] if target.startswith("exporter.collect")} == set()
+
+
+def test_the_library_ships_the_spool_writer_but_not_its_reader() -> None:
+    defined: set[str] = set()
+    for name, path in modules().items():
+        if name.split(".")[0] == "gpuio":
+            with open(path, encoding="utf-8") as file:
+                defined |= {node.name for node in ast.parse(file.read()).body
+                            if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    assert "SpoolFile" in defined
+    assert defined & {"SpoolReader", "Totals", "FileState", "parse", "parse_header", "WriterGpus"} == set()
