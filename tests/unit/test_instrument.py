@@ -13,7 +13,7 @@ import time
 import pytest
 
 import gpuio
-from exporter import spool_reader
+from exporter import pagecache, spool_reader
 from gpuio import gpu, metrics
 from gpuio import spool as fmt
 from tests.conftest import REPO
@@ -79,6 +79,24 @@ def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) 
     assert (info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.size) == (
         str(model_file), 2, "GPU-x", "generic", 3 << 20)
     assert info.ino == model_file.stat().st_ino
+
+
+def test_a_model_behind_symbolic_links_is_recorded_by_its_real_path_which_the_exporter_opens(
+        spool_dir, tmp_path) -> None:
+    # A Hugging Face cache: snapshots/<revision>/model.onnx -> ../../blobs/<sha>.
+    blob = tmp_path / "hub" / "blobs" / "5f1e0c"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(os.urandom(1 << 20))
+    snapshot = tmp_path / "hub" / "snapshots" / "main"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.onnx").symlink_to(os.path.join("..", "..", "blobs", "5f1e0c"))
+    gpuio.load(str(snapshot / "model.onnx"), bytes, name="hf-model")
+    (info,) = spool_reader.SpoolReader(spool_dir).read().infos["hf-model"]
+    assert info.path == str(blob.resolve())
+    claim = pagecache.Claim(info.path, info.dev, info.ino, frozenset({os.getuid()}))
+    fd, st = pagecache.open_claimed("/", claim, (str(tmp_path),))  # refused ("symlink") for the link's path
+    os.close(fd)
+    assert st.st_ino == blob.stat().st_ino
 
 
 def test_load_failures_count_by_reason(spool_dir, tmp_path) -> None:

@@ -344,8 +344,12 @@ class EngineMetrics:
 
     def _write_info(self, path: str, cuda_device: int | None, gpu_uuid: str | None, runtime: str,
                     load_time: float) -> tuple[int, int]:
-        """Append an INFO record unless it would repeat the last one; the file's st_dev ((0, 0): unknown)."""
-        absolute = os.path.abspath(path)
+        """Append an INFO record unless it would repeat the last one; the file's st_dev ((0, 0): unknown).
+
+        The path is recorded with its symbolic links resolved (a Hugging Face cache links
+        snapshots/<rev>/model.onnx to blobs/<sha>): the exporter opens a file a writer names only along
+        a path without links, so that no writer can point it elsewhere."""
+        absolute = os.path.realpath(path)
         try:
             st = os.stat(absolute)
             dev, ino, size, mtime_ns = (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns
