@@ -146,6 +146,7 @@ class Parsed:
     layers: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     infos: dict[str, EngineInfo] = field(default_factory=dict)
     loads: dict[LoadKey, list[float]] = field(default_factory=dict)  # LOAD records, LOAD_SLOTS each
+    unknown_records: int = 0  # well-framed records of kinds this reader does not know (a newer library)
     bad_record: bool = False
 
 
@@ -190,9 +191,15 @@ def parse(data: bytes) -> Parsed:
         size, kind, key_len = RECORD_HEAD.unpack_from(data, offset)
         payload = offset + RECORD_HEAD.size + pad8(key_len)
         if (size % 8 or size < RECORD_HEAD.size or size > MAX_RECORD_BYTES or offset + size > used
-                or kind not in KINDS or key_len > MAX_KEY_BYTES or payload > offset + size):
+                or kind == 0 or key_len > MAX_KEY_BYTES or payload > offset + size):
             parsed.bad_record = True
             break
+        if kind not in KINDS:
+            # A kind of a newer library, well framed: skipped, so that a library upgraded before the
+            # exporter costs only what the exporter cannot show yet, not the records after it.
+            parsed.unknown_records += 1
+            offset += size
+            continue
         try:
             key = bytes(view[offset + RECORD_HEAD.size : offset + RECORD_HEAD.size + key_len]).decode("utf-8")
             _parse_record(parsed, kind, key, view[payload : offset + size])

@@ -425,3 +425,18 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
     assert count(totals.engines["forky"], "inference_seconds") == 3
     assert totals.errors[("forky", "boom")] == 2
     assert reader.folded_processes == 2 and parent_file.strip()
+
+
+def test_a_record_of_a_kind_from_a_newer_library_is_skipped_and_the_rest_is_read(tmp_path) -> None:
+    file, metrics = writer(str(tmp_path), "resnet50")
+    with file.lock:
+        file.add_record(200, "from-the-future", 24, b"\x01" * 24)  # a kind this reader does not know
+    later = EngineMetrics("yolo", file)  # an ENGINE record written after it
+    later.load_read_bytes.inc(4096)
+    assert file.path is not None
+    with open(file.path, "rb") as handle:
+        parsed = spool_reader.parse(handle.read())
+    assert not parsed.bad_record and parsed.unknown_records == 1
+    assert set(parsed.engines) == {"resnet50", "yolo"}
+    assert parsed.engines["yolo"][LAYOUT.counters["load_read_bytes"]] == 4096
+    file.close()
