@@ -98,6 +98,7 @@ ENGINE_INFO_DEVICE_LABEL = "device"
 ENGINE_INFO_GPU_LABEL = "gpu_uuid"
 ENGINE_LATENCY = SERIES["inference_seconds"].name  # histogram (_bucket, _sum, _count)
 ENGINE_IN_FLIGHT = SERIES["in_flight"].name
+ENGINE_POOL_CONTEXTS = SERIES["pool_contexts"].name  # execution contexts: in flight at or above them queues
 ENGINE_POOL_WAIT = SERIES["pool_wait_seconds"].name  # histogram
 ENGINE_RESIDENCY = engines.FILE_RATIO.name  # per file (engine, path): the least cached is shown
 ENGINE_PHYSICAL = engines.PHYSICAL_INFO.name  # labels engine, path, physical_device
@@ -491,6 +492,7 @@ def _engines(before: Snapshot, after: Snapshot, gpus: list[GpuRow], saturated: s
             info[engine] = labels
     latency = _bucket_increase(before, after, ENGINE_LATENCY)
     in_flight = after.values(ENGINE_IN_FLIGHT, ENGINE_LABEL)
+    contexts = after.values(ENGINE_POOL_CONTEXTS, ENGINE_LABEL)
     residency = after.values(ENGINE_RESIDENCY, ENGINE_LABEL, min)
     wait_sum, wait_count = ((before.values(ENGINE_POOL_WAIT + suffix, ENGINE_LABEL),
                              after.values(ENGINE_POOL_WAIT + suffix, ENGINE_LABEL)) for suffix in ("_sum", "_count"))
@@ -515,7 +517,8 @@ def _engines(before: Snapshot, after: Snapshot, gpus: list[GpuRow], saturated: s
         )
         disks = engine_disks.get(engine, set()) | ({device} | physical.get(device, set()) if device else set())
         disk_saturated = bool(disks & saturated)
-        if th.engine_starved(gpu.busy if gpu else None, disk_saturated, row.in_flight, row.pool_wait_seconds):
+        if th.engine_starved(gpu.busy if gpu else None, disk_saturated, row.in_flight, row.pool_wait_seconds,
+                             contexts.get(engine)):
             row.flags.append(th.STARVED)
         rows.append(row)
     return rows

@@ -185,7 +185,7 @@ def test_numbers_fit_six_characters(value: float | None, text: str) -> None:
 
 
 def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float, wait_count: int,
-               gpu_age: float = 0.5) -> str:
+               gpu_age: float = 0.5, contexts: int = 8) -> str:
     """GPU and engine series under the names top reads (its constants), with values chosen per sample.
 
     Synthetic on purpose: no GPU and no TensorRT engine can exist on this machine (the nvml and
@@ -213,6 +213,7 @@ def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float,
         *(f'{top.ENGINE_LATENCY}_bucket{{{engine},le="{le}"}} {count}'
           for le, count in zip(("0.01", "0.02", "0.05", "+Inf"), engine_counts, strict=True)),
         f"{top.ENGINE_IN_FLIGHT}{{{engine}}} 3",
+        f"{top.ENGINE_POOL_CONTEXTS}{{{engine}}} {contexts}",
         f"{top.ENGINE_POOL_WAIT}_sum{{{engine}}} {wait_sum}",
         f"{top.ENGINE_POOL_WAIT}_count{{{engine}}} {wait_count}",
         f'{top.ENGINE_RESIDENCY}{{{engine},path="/models/resnet.plan"}} 0.25',
@@ -228,6 +229,16 @@ def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float,
         f'{top.SMART_HEALTH}{{device="sda"}} 1',
     ]
     return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(("contexts", "starved"), [(3, True), (4, False)])
+def test_in_flight_at_the_pool_contexts_is_queueing_a_request_in_flight_is_not(contexts: int, starved: bool) -> None:
+    # No pool wait at all (10 acquires, 0 s): only a pool whose every context is busy says work queues.
+    before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, contexts=contexts)))
+    after = top.Snapshot(2.0, top.parse_exposition(exposition(10.4, (10, 60, 90, 100), 1.0, 20, contexts=contexts)))
+    (engine,) = top.compute(before, after).engines
+    assert engine.pool_wait_seconds == 0 and engine.in_flight == 3
+    assert engine.flags == (["starved?"] if starved else [])
 
 
 def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
