@@ -3,7 +3,8 @@
 The telemetry path is answered by a small ASGI function in front of FastAPI.  Why: FastAPI's routing,
 dependency and response machinery cost about as much per request as node_exporter's whole scrape
 (docs/performance.md), and /metrics is the one endpoint hit every few seconds for months.  Everything
-else — the landing page, /healthz, OpenAPI — is plain FastAPI.
+else — the landing page and /healthz — is plain FastAPI, with its /docs, /redoc and /openapi.json
+switched off: the exporter serves only what the README lists (and /docs would load scripts from a CDN).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = N
         finally:
             scraper.stop()
 
-    api = FastAPI(title="gpuio-exporter", version=__version__, lifespan=lifespan)
+    api = FastAPI(title="gpuio-exporter", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.get("/", response_class=HTMLResponse)
     def index() -> str:

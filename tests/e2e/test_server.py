@@ -70,6 +70,15 @@ def test_methods_health_and_landing_page(exporter) -> None:
         assert error.code == 405
 
 
+def test_only_the_documented_endpoints_are_served(exporter) -> None:
+    """FastAPI's interactive docs (scripts from a public CDN) and schema are not part of the exporter."""
+    server = exporter(*FIXTURE)
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        assert server.get(path)[0] == 404, path
+    for path in ("/", "/healthz", "/metrics"):
+        assert server.get(path)[0] == 200, path
+
+
 def test_telemetry_path_from_environment_twin(exporter) -> None:
     server = exporter(*FIXTURE, env={"GPUIO_WEB_TELEMETRY_PATH": "/gpuio"})
     assert "gpuio_disk_reads_completed_total" in server.scrape("/gpuio")
