@@ -169,10 +169,11 @@ def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = N
 
     # Basic auth and headers wrap everything, the fast path too; without a web config nothing is added.
     # With one, the guard stays even if it has no users or headers yet: a reloaded file may add them.
+    # /healthz alone is open: it says only "ok", and probes (Kubernetes, Docker) carry no credentials.
     if web is None and config.web_config is not None:
         web = WebConfigWatcher(config.web_config)
     if web is not None:
-        return guard(app, web, auth)
+        return guard(app, web, auth, open_paths=frozenset({"/healthz"}))  # never the telemetry path (config)
     return app
 
 
