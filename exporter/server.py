@@ -118,11 +118,12 @@ def landing_page(config: Config, scraper: Scraper) -> str:
     for name, enabled in sorted(config.enabled.items()):
         state = scraper.states.get(name)
         duration = "" if state is None or state.last_duration is None else f"{state.last_duration * 1000:.2f} ms"
-        status = "off" if not enabled else "not scraped yet" if state is None or state.last_success is None else (
-            "ok" if state.last_success else "failing")
-        error = "" if state is None or not state.last_error else state.last_error
+        # ok, absent (no such source here: no failure), failing or stale, as gpuio_scrape_collector_state
+        status = "off" if not enabled else "not scraped yet" if state is None or state.last_state is None else (
+            state.last_state)
+        why = "" if state is None or not state.last_error else state.last_error  # the failure, or why absent
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{'on' if enabled else 'off'}</td><td>{status}</td>"
-                    f"<td>{duration}</td><td>{html.escape(error)}</td></tr>")
+                    f"<td>{duration}</td><td>{html.escape(why)}</td></tr>")
     path = html.escape(config.telemetry_path)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>gpuio-exporter</title>
@@ -131,7 +132,9 @@ def landing_page(config: Config, scraper: Scraper) -> str:
 <p>Is this GPU idle because its engine or its data cannot come off the disk fast enough?</p>
 <p><a href="{path}">Metrics</a> &middot; <a href="/healthz">Health</a></p>
 <h2>Collectors</h2>
-<table><tr><th>collector</th><th>enabled</th><th>last scrape</th><th>duration</th><th>last error</th></tr>
+<p>ok: read this scrape; absent: no such source on this host (not a failure); failing: the source
+failed; stale: it failed and its last good data is served.</p>
+<table><tr><th>collector</th><th>enabled</th><th>last scrape</th><th>duration</th><th>why</th></tr>
 {''.join(rows)}
 </table></body></html>
 """

@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import time
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -77,6 +78,50 @@ def test_only_the_documented_endpoints_are_served(exporter) -> None:
         assert server.get(path)[0] == 404, path
     for path in ("/", "/healthz", "/metrics"):
         assert server.get(path)[0] == 200, path
+
+
+def collector_states(samples: dict) -> dict[str, str]:
+    """collector -> the state whose gpuio_scrape_collector_state series is 1 (exactly one must be)."""
+    states: dict[str, list[str]] = {}
+    for (name, labels), value in samples.items():
+        if name == "gpuio_scrape_collector_state":
+            label = dict(labels)
+            states.setdefault(label["collector"], [])
+            if value == 1:
+                states[label["collector"]].append(label["state"])
+    assert all(len(current) == 1 for current in states.values()), states
+    return {collector: current[0] for collector, current in states.items()}
+
+
+def test_absent_sources_are_told_apart_from_ok_ones(exporter, tmp_path) -> None:
+    """A host without a spool directory, GPU, smartctl, PSI or mount table: every collector succeeds
+    (no such hardware is no failure), but its state says absent, the landing page says why, and the
+    log says it once per source."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    shutil.copy(os.path.join(PROC, "diskstats"), proc / "diskstats")
+    server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}",
+                      f"--collector.engines.spool-dir={tmp_path / 'no-spool'}",
+                      "--smartctl.path=no-such-smartctl", "--collector.smart.interval=50ms",
+                      "--collector.nvml.interval=50ms", env={"LD_LIBRARY_PATH": str(tmp_path)})
+    time.sleep(0.5)  # the smart and nvml samplers' first sweeps
+    for _ in range(3):
+        samples = parse_samples(server.scrape())
+    assert set(success(samples).values()) == {1}
+    states = collector_states(samples)
+    absent = {"engines", "pressure", "smart", "mountstats"}
+    if not shutil.which("nvidia-smi"):
+        absent.add("nvml")
+    assert {name for name, state in states.items() if state == "absent"} == absent, states
+    assert states["diskstats"] == "ok"
+    page = server.get("/")[2].decode()
+    assert "<td>engines</td><td>on</td><td>absent</td>" in page
+    assert f"spool directory {tmp_path / 'no-spool'} does not exist" in page
+    assert "<td>diskstats</td><td>on</td><td>ok</td>" in page
+    log = server.stop()
+    for name in absent:
+        assert len(re.findall(rf"source absent.*collector={name}\b", log)) == 1, (name, log)
+    assert "instrumented processes cannot report" in log
 
 
 def test_telemetry_path_from_environment_twin(exporter) -> None:
