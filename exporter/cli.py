@@ -31,6 +31,8 @@ def _configure(argv: Sequence[str] | None, prog: str) -> tuple[Config, Scraper]:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     setup(config.log_level, config.log_format)
+    for warning in config.warnings:
+        log.warning(warning)
     return config, scraper
 
 

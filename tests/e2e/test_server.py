@@ -124,6 +124,28 @@ def test_absent_sources_are_told_apart_from_ok_ones(exporter, tmp_path) -> None:
     assert "instrumented processes cannot report" in log
 
 
+def test_the_real_binary_help_is_node_exporter_style() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    result = subprocess.run([sys.executable, "-m", "exporter", "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=30, env={**os.environ, "COLUMNS": "120"})
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0] == "usage: gpuio-exporter [flags]" and lines[1] == ""
+    assert any(line.strip().startswith('--web.listen-address=":9817"') for line in lines)
+    assert "VALUE" not in result.stdout and "default )" not in result.stdout
+
+
+def test_a_misspelt_environment_variable_is_logged_at_start_up(exporter) -> None:
+    server = exporter(*FIXTURE, env={"GPUIO_WEB_TELEMETRY_PAHT": "/gpuio"})
+    assert server.get("/metrics")[0] == 200  # the misspelt twin is not read: the default path serves
+    log = server.stop()
+    assert "GPUIO_WEB_TELEMETRY_PAHT is not read by gpuio-exporter; did you mean GPUIO_WEB_TELEMETRY_PATH?" in log
+
+
 def test_telemetry_path_from_environment_twin(exporter) -> None:
     server = exporter(*FIXTURE, env={"GPUIO_WEB_TELEMETRY_PATH": "/gpuio"})
     assert "gpuio_disk_reads_completed_total" in server.scrape("/gpuio")
