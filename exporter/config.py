@@ -76,13 +76,15 @@ class Flag:
     accepted: str
     help: str
     boolean: bool = False
+    repeatable: bool = False  # given more than once: every value is used (a list), as node_exporter's listen address
 
 
 DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
 
 GLOBAL_FLAGS: tuple[Flag, ...] = (
     Flag("web.listen-address", f":{DEFAULT_PORT}", parse_listen_address,
-         "[host]:port, e.g. :9817, 127.0.0.1:9817, [::1]:9817", "Address on which to expose metrics."),
+         "[host]:port, e.g. :9817, 127.0.0.1:9817, [::1]:9817",
+         "Address on which to expose metrics; repeat the flag to listen on several.", repeatable=True),
     Flag("web.telemetry-path", "/metrics", parse_telemetry_path,
          "an absolute path such as /metrics", "Path under which to expose metrics."),
     Flag("web.config.file", "", parse_web_config_file,
@@ -107,8 +109,9 @@ GLOBAL_FLAGS: tuple[Flag, ...] = (
 
 @dataclass
 class Config:
-    listen_host: str = ""
+    listen_host: str = ""  # the first of listen_addresses
     listen_port: int = DEFAULT_PORT
+    listen_addresses: list[tuple[str, int]] = field(default_factory=lambda: [("", DEFAULT_PORT)])
     telemetry_path: str = "/metrics"
     web_config: WebConfig | None = None
     max_requests: int = 40
@@ -192,7 +195,8 @@ def _add_flag(parser: argparse.ArgumentParser, flag: Flag) -> None:
         parser.add_argument(f"--no-{flag.name}", dest=flag.name, action="store_const", const="false",
                             help=argparse.SUPPRESS)
     else:
-        parser.add_argument(f"--{flag.name}", dest=flag.name, default=None, metavar=_shown_value(flag), help=text)
+        parser.add_argument(f"--{flag.name}", dest=flag.name, default=None, metavar=_shown_value(flag), help=text,
+                            action="append" if flag.repeatable else "store")
 
 
 def _shown_value(flag: Flag) -> str:
@@ -221,7 +225,14 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     return warnings
 
 
-def _resolve(flag: Flag, given: str | None, environ: Mapping[str, str]) -> Any:
+def _resolve(flag: Flag, given: Any, environ: Mapping[str, str]) -> Any:
+    """The flag's parsed value; for a repeatable flag, the list of every value given (or the one default)."""
+    if not flag.repeatable:
+        return _resolve_one(flag, given, environ)
+    return [_resolve_one(flag, value, environ) for value in (given or [None])]
+
+
+def _resolve_one(flag: Flag, given: str | None, environ: Mapping[str, str]) -> Any:
     source = f"--{flag.name}"
     raw = given
     if isinstance(raw, list):  # argparse (3.11) turns "--flag=--" into [] (found by fuzzing): the value was "--"
@@ -261,11 +272,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     environ = os.environ if environ is None else environ
     given = vars(_build_parser(prog).parse_args(argv))
     values = {flag.name: _resolve(flag, given.get(flag.name), environ) for flag in _all_value_flags()}
-    host, port = values["web.listen-address"]
+    addresses = list(dict.fromkeys(values["web.listen-address"]))  # the same address twice: bound once
+    host, port = addresses[0]
     disable_defaults = values["collector.disable-defaults"]
     config = Config(
         listen_host=host,
         listen_port=port,
+        listen_addresses=addresses,
         telemetry_path=values["web.telemetry-path"],
         web_config=values["web.config.file"],
         max_requests=values["web.max-requests"],

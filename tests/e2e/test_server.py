@@ -146,6 +146,19 @@ def test_a_misspelt_environment_variable_is_logged_at_start_up(exporter) -> None
     assert "GPUIO_WEB_TELEMETRY_PAHT is not read by gpuio-exporter; did you mean GPUIO_WEB_TELEMETRY_PATH?" in log
 
 
+def test_a_repeated_listen_address_listens_on_each(exporter) -> None:
+    import urllib.request
+
+    from tests.conftest import free_port
+
+    second = free_port()
+    server = exporter(*FIXTURE, f"--web.listen-address=127.0.0.1:{second}")  # the fixture gives the first
+    assert server.get("/healthz")[0] == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{second}/metrics", timeout=10) as response:
+        assert b"gpuio_disk_reads_completed_total" in response.read()
+    assert f"127.0.0.1:{server.port},127.0.0.1:{second}" in server.stop()
+
+
 def test_telemetry_path_from_environment_twin(exporter) -> None:
     server = exporter(*FIXTURE, env={"GPUIO_WEB_TELEMETRY_PATH": "/gpuio"})
     assert "gpuio_disk_reads_completed_total" in server.scrape("/gpuio")

@@ -29,6 +29,15 @@ def test_command_line_beats_environment_beats_default() -> None:
     assert config.log_level == "debug"
 
 
+def test_repeated_listen_address_keeps_every_address() -> None:
+    config = parse_args(["--web.listen-address=127.0.0.1:9001", "--web.listen-address=[::1]:9002",
+                         "--web.listen-address=127.0.0.1:9001"], environ={})
+    assert config.listen_addresses == [("127.0.0.1", 9001), ("::1", 9002)]
+    assert parse_args([], environ={"GPUIO_WEB_LISTEN_ADDRESS": ":9003"}).listen_addresses == [("", 9003)]
+    with pytest.raises(ConfigError, match="port 99999"):
+        parse_args(["--web.listen-address=:9001", "--web.listen-address=:99999"], environ={})
+
+
 def test_collector_switches_and_their_environment_twins() -> None:
     assert parse_args(["--no-collector.pressure"], environ={}).enabled["pressure"] is False
     assert parse_args([], environ={"GPUIO_COLLECTOR_PRESSURE": "false"}).enabled["pressure"] is False
