@@ -31,6 +31,8 @@ def _configure(argv: Sequence[str] | None, prog: str) -> tuple[Config, Scraper]:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     setup(config.log_level, config.log_format)
+    for warning in config.warnings:
+        log.warning(warning)
     return config, scraper
 
 
@@ -44,13 +46,17 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
     old_limit, new_limit, how = connections.raise_fd_limit()
     config, scraper = _configure(argv, "gpuio-exporter")
     log.debug("open file limit", extra=fields(soft_before=old_limit, soft=new_limit, result=how))
-    try:
-        sock = bind(config.listen_host, config.listen_port)
-    except OSError as exc:
-        address = f"{config.listen_host}:{config.listen_port}"
-        print(f"gpuio-exporter: error: cannot listen on --web.listen-address {address!r}: {exc.strerror}",
-              file=sys.stderr)
-        raise SystemExit(2) from None
+    sockets = []
+    for host, port in config.listen_addresses:  # --web.listen-address given several times: each of them
+        try:
+            sockets.append(bind(host, port))
+        except OSError as exc:
+            for sock in sockets:
+                sock.close()
+            address = f"{host}:{port}"
+            print(f"gpuio-exporter: error: cannot listen on --web.listen-address {address!r}: {exc.strerror}",
+                  file=sys.stderr)
+            raise SystemExit(2) from None
     web = config.web_config
     watcher = webconfig.WebConfigWatcher(web) if web else None
     auth = webconfig.BasicAuth(web.users) if web else None
@@ -59,7 +65,7 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
     if scraper.exporter_metrics is not None:
         scraper.exporter_metrics = _with_server_metrics(scraper.exporter_metrics, table, accept_errors, watcher, auth)
     log.info("starting gpuio-exporter", extra=fields(
-        version=__version__, address=f"{config.listen_host}:{config.listen_port}",
+        version=__version__, address=",".join(f"{host}:{port}" for host, port in config.listen_addresses),
         collectors=",".join(scraper.names), max_connections=table.limit,
         **(web.describe() if web else {"tls": "off"})))
     # TLS: our own SSLContext, built and checked while the web config was read, given per connection by
@@ -73,7 +79,7 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
         lifespan="on", access_log=False, log_config=None, server_header=False, date_header=False,
         timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
     ), table, (lambda: watcher.current().ssl_context) if watcher else (lambda: None), accept_errors)
-    asyncio.run(server.serve(sockets=[sock]))
+    asyncio.run(server.serve(sockets=sockets))
 
 
 def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionTable, accept_errors: dict[str, int],

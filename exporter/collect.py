@@ -83,6 +83,21 @@ class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)
         self.families = families
 
 
+class Absent(Exception):  # noqa: N818  (it is an outcome, not an error)
+    """Raised by a collector whose source does not exist on this host: no spool directory, no NVIDIA
+    driver or GPU, no smartctl or no disk, no /proc/pressure, no mount table.
+
+    No such hardware is no failure: ``gpuio_scrape_collector_success`` stays 1, but
+    ``gpuio_scrape_collector_state`` says ``absent`` instead of ``ok``, the landing page shows
+    ``reason``, and one log line says what is absent and why.  ``families`` are still served.
+    """
+
+    def __init__(self, reason: str, families: list[Family] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.families = families or []
+
+
 class MalformedSource(Exception):  # noqa: N818  (it is an outcome, as StaleData is)
     """Raised by a collector when a source it read held nothing it could parse (every line malformed).
 
@@ -135,7 +150,8 @@ class Collector:
         self.dropped_lines = DroppedLines()
 
     def collect(self) -> list[Family]:
-        """Return this scrape's families.  Raise on failure; return [] when there is no such source here."""
+        """Return this scrape's families.  Raise on failure; raise :class:`Absent` when there is no such
+        source here (the collector still succeeds)."""
         raise NotImplementedError
 
     def start(self) -> None:
@@ -238,7 +254,16 @@ def register(cls: type[Collector]) -> type[Collector]:
     return cls
 
 
-SUCCESS = Desc("gpuio_scrape_collector_success", GAUGE, "Whether a collector succeeded (1) or failed (0).")
+SUCCESS = Desc("gpuio_scrape_collector_success", GAUGE,
+               "Whether a collector succeeded (1) or failed (0); a source absent here is a success.")
+# The states of gpuio_scrape_collector_state, one series each, 1 for the current one (a state set).
+OK, ABSENT, FAILING, STALE = "ok", "absent", "failing", "stale"
+STATES = (OK, ABSENT, FAILING, STALE)
+STATE = Desc(
+    "gpuio_scrape_collector_state", GAUGE,
+    "1 for a collector's state in this scrape, 0 for the others: ok; absent (no such source on this "
+    "host, still a success); failing; stale (the source failed, its last good data is served).",
+)
 DURATION = Desc(
     "gpuio_scrape_collector_duration_seconds", GAUGE, "How long a collector took in this scrape."
 )
@@ -263,6 +288,8 @@ class CollectorState:
     last_duration: float | None = None
     last_error: str | None = None
     last_success: bool | None = None
+    last_state: str | None = None  # one of STATES once scraped
+    absent_logged: str | None = None  # the absence reason last logged, so each is logged once
     failures: dict[str, int] = field(default_factory=dict)
 
 
@@ -273,6 +300,16 @@ class Outcome:
     duration: float = 0.0
     error: str | None = None
     reason: str = "error"  # the failures counter's label: "error" (raised), "timeout" or "malformed"
+    absent: str | None = None  # why the source does not exist here (then success is True)
+
+    @property
+    def state(self) -> str:
+        if self.success:
+            return OK if self.absent is None else ABSENT
+        return STALE if self.error is not None and self.error.startswith(STALE_PREFIX) else FAILING
+
+
+STALE_PREFIX = "stale data: "
 
 
 class Scraper:
@@ -372,10 +409,12 @@ class Scraper:
         try:
             families = state.collector.collect()
             return Outcome(families, True, time.perf_counter() - start)
+        except Absent as absent:
+            return Outcome(absent.families, True, time.perf_counter() - start, absent=absent.reason)
         except MalformedSource as bad:
             return Outcome(bad.families, False, time.perf_counter() - start, f"malformed input: {bad}", "malformed")
         except StaleData as stale:
-            return Outcome(stale.families, False, time.perf_counter() - start, f"stale data: {stale}")
+            return Outcome(stale.families, False, time.perf_counter() - start, f"{STALE_PREFIX}{stale}")
         except Exception as exc:  # isolation: one collector's failure is never the scrape's
             return Outcome([], False, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
         finally:
@@ -385,6 +424,7 @@ class Scraper:
     def _assemble(self, selected: list[CollectorState], outcomes: dict[str, Outcome]) -> list[Family]:
         families: list[Family] = []
         success: list[str] = []
+        states: list[str] = []
         duration: list[str] = []
         for state in selected:
             outcome = outcomes.get(state.collector.name)
@@ -395,6 +435,8 @@ class Scraper:
             self._record(state, outcome)
             families.extend(outcome.families)
             success.append(SUCCESS.sample(state.labels, 1 if outcome.success else 0))
+            states.extend(STATE.sample(label_string({"collector": state.collector.name, "state": name}),
+                                       1 if name == outcome.state else 0) for name in STATES)
             duration.append(DURATION.sample(state.labels, outcome.duration))
         failures = [
             FAILURES.sample(label_string({"collector": s.collector.name, "reason": reason}), count)
@@ -402,6 +444,7 @@ class Scraper:
             for reason, count in s.failures.items()
         ]
         families.append(SUCCESS.family(success))
+        families.append(STATE.family(states))
         families.append(DURATION.family(duration))
         families.append(FAILURES.family(failures))
         families.append(DROPPED_LINES.family([
@@ -418,7 +461,13 @@ class Scraper:
     def _record(state: CollectorState, outcome: Outcome) -> None:
         state.last_duration = outcome.duration
         state.last_success = outcome.success
-        state.last_error = outcome.error
+        state.last_error = outcome.error if outcome.absent is None else outcome.absent
+        state.last_state = outcome.state
+        if outcome.state == OK:
+            state.absent_logged = None  # a source that comes and goes again is logged again
+        if outcome.absent is not None and outcome.absent != state.absent_logged:
+            state.absent_logged = outcome.absent  # once per reason: a CPU node is no problem to repeat
+            log.info("source absent", extra=fields(collector=state.collector.name, reason=outcome.absent))
         if outcome.error is not None:
             state.failures[outcome.reason] = state.failures.get(outcome.reason, 0) + 1
             log.error(

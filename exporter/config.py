@@ -8,11 +8,12 @@ would be accepted.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from .collect import REGISTRY
@@ -75,13 +76,15 @@ class Flag:
     accepted: str
     help: str
     boolean: bool = False
+    repeatable: bool = False  # given more than once: every value is used (a list), as node_exporter's listen address
 
 
 DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
 
 GLOBAL_FLAGS: tuple[Flag, ...] = (
     Flag("web.listen-address", f":{DEFAULT_PORT}", parse_listen_address,
-         "[host]:port, e.g. :9817, 127.0.0.1:9817, [::1]:9817", "Address on which to expose metrics."),
+         "[host]:port, e.g. :9817, 127.0.0.1:9817, [::1]:9817",
+         "Address on which to expose metrics; repeat the flag to listen on several.", repeatable=True),
     Flag("web.telemetry-path", "/metrics", parse_telemetry_path,
          "an absolute path such as /metrics", "Path under which to expose metrics."),
     Flag("web.config.file", "", parse_web_config_file,
@@ -106,8 +109,9 @@ GLOBAL_FLAGS: tuple[Flag, ...] = (
 
 @dataclass
 class Config:
-    listen_host: str = ""
+    listen_host: str = ""  # the first of listen_addresses
     listen_port: int = DEFAULT_PORT
+    listen_addresses: list[tuple[str, int]] = field(default_factory=lambda: [("", DEFAULT_PORT)])
     telemetry_path: str = "/metrics"
     web_config: WebConfig | None = None
     max_requests: int = 40
@@ -120,16 +124,46 @@ class Config:
     collector_timeout: float = 2.0
     enabled: dict[str, bool] = field(default_factory=dict)
     collector_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # logged once logging is set up (misspelt GPUIO_*)
 
 
 def _option_flag(collector: str, option: Option) -> Flag:
     return Flag(option.flag_name(collector), option.default, option.parse, option.accepted, option.help)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """node_exporter's (kingpin's) way of writing a flag: ``--web.listen-address=":9817"``, the default
+    where a VALUE placeholder would be, so --help says what the exporter does without the flag."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return ", ".join(action.option_strings)
+        return f"{action.option_strings[0]}={action.metavar}"
+
+
+class _FlagParser(argparse.ArgumentParser):
+    """A wrong flag is one line with the closest right one, not the whole usage (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(_explain(message, [o for a in self._actions for o in a.option_strings]))
+
+
+def _explain(message: str, known: list[str]) -> str:
+    unknown = re.match(r"unrecognized arguments: (\S+)", message)
+    if unknown is None:
+        return f"{message} (--help lists the flags)"
+    name = unknown[1].split("=", 1)[0][:200]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else " (--help lists the flags)"
+    return f"unknown flag {name!r}{hint}"
+
+
 def _build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _FlagParser(
         prog=prog,
+        usage="%(prog)s [flags]",
         allow_abbrev=False,
+        formatter_class=_HelpFormatter,
         description="Prometheus exporter for GPU nodes serving TensorRT engines: disks, IO pressure, GPUs, engines.",
         epilog="Every flag has an environment twin: --web.listen-address is GPUIO_WEB_LISTEN_ADDRESS.",
     )
@@ -153,22 +187,52 @@ def _all_value_flags() -> list[Flag]:
 
 
 def _add_flag(parser: argparse.ArgumentParser, flag: Flag) -> None:
-    # An option whose help states its default itself (a long regex) is not given "default None" too.
-    if flag.default is None:
-        default = "" if "(default" in flag.help else "; unset by default"
-    else:
-        default = f"; default {flag.default}"
-    text = f"{flag.help} (env {env_name(flag.name)}{default})"
+    choices = getattr(flag.parse, "choices", None)
+    text = flag.help + (f" One of: {', '.join(choices)}." if choices else "") + f" (env {env_name(flag.name)})"
     if flag.boolean:
         parser.add_argument(f"--{flag.name}", dest=flag.name, action="store_const", const="true", default=None,
                             help=text)
         parser.add_argument(f"--no-{flag.name}", dest=flag.name, action="store_const", const="false",
                             help=argparse.SUPPRESS)
     else:
-        parser.add_argument(f"--{flag.name}", dest=flag.name, default=None, metavar="VALUE", help=text)
+        parser.add_argument(f"--{flag.name}", dest=flag.name, default=None, metavar=_shown_value(flag), help=text,
+                            action="append" if flag.repeatable else "store")
 
 
-def _resolve(flag: Flag, given: str | None, environ: Mapping[str, str]) -> Any:
+def _shown_value(flag: Flag) -> str:
+    """The default as typed (quoted), or for a flag unset by default a placeholder named after it."""
+    if flag.default:
+        return '"' + flag.default.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return re.split(r"[.\-]", flag.name)[-1].upper()
+
+
+# GPUIO_* variables that are no flag's twin but are read on purpose: the instrumentation library's spool
+# directory (often set for the whole node), the image's HEALTHCHECK address, and what smartctl children carry.
+OTHER_ENVIRONMENT = frozenset({"GPUIO_SPOOL_DIR", "GPUIO_HEALTHCHECK_URL", "GPUIO_SMARTCTL_OWNER"})
+MAX_ENVIRONMENT_WARNINGS = 20
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """A warning per GPUIO_* variable that no flag reads, naming the closest one that does: a misspelt
+    twin is otherwise silently ignored and its default used."""
+    known = {env_name(flag.name) for flag in _all_value_flags()}
+    known |= {env_name(f"collector.{name}") for name in REGISTRY} | OTHER_ENVIRONMENT
+    warnings = []
+    for key in sorted(k for k in environ if k.startswith("GPUIO_") and k not in known)[:MAX_ENVIRONMENT_WARNINGS]:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "it is no flag's twin (--help lists them)"
+        warnings.append(f"environment variable {key[:200]} is not read by gpuio-exporter; {hint}")
+    return warnings
+
+
+def _resolve(flag: Flag, given: Any, environ: Mapping[str, str]) -> Any:
+    """The flag's parsed value; for a repeatable flag, the list of every value given (or the one default)."""
+    if not flag.repeatable:
+        return _resolve_one(flag, given, environ)
+    return [_resolve_one(flag, value, environ) for value in (given or [None])]
+
+
+def _resolve_one(flag: Flag, given: str | None, environ: Mapping[str, str]) -> Any:
     source = f"--{flag.name}"
     raw = given
     if isinstance(raw, list):  # argparse (3.11) turns "--flag=--" into [] (found by fuzzing): the value was "--"
@@ -208,11 +272,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     environ = os.environ if environ is None else environ
     given = vars(_build_parser(prog).parse_args(argv))
     values = {flag.name: _resolve(flag, given.get(flag.name), environ) for flag in _all_value_flags()}
-    host, port = values["web.listen-address"]
+    addresses = list(dict.fromkeys(values["web.listen-address"]))  # the same address twice: bound once
+    host, port = addresses[0]
     disable_defaults = values["collector.disable-defaults"]
     config = Config(
         listen_host=host,
         listen_port=port,
+        listen_addresses=addresses,
         telemetry_path=values["web.telemetry-path"],
         web_config=values["web.config.file"],
         max_requests=values["web.max-requests"],
@@ -223,6 +289,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         log_level=values["log.level"],
         log_format=values["log.format"],
         collector_timeout=values["collector.timeout"],
+        warnings=unknown_environment(environ),
     )
     for name, cls in REGISTRY.items():
         default = cls.default_enabled and not disable_defaults

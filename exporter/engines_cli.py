@@ -133,6 +133,11 @@ def engines_main(argv: Sequence[str]) -> int:
     globs = [part.strip() for value in args.path for part in value.split(",") if part.strip()]
     if not globs and env_globs():
         globs = env_globs()
+    if not globs and not os.path.isdir(args.spool_dir):  # a typo would otherwise read as "no engines"
+        print(f"gpuio engines: error: spool directory {printable(args.spool_dir)} does not exist "
+              "(--spool-dir, GPUIO_COLLECTOR_ENGINES_SPOOL_DIR); no instrumented process can report there",
+              file=sys.stderr)
+        return 2
     include = [part.strip() for part in args.path_include.split(",") if part.strip()]
     rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs, include or None)
     if args.json:
@@ -177,11 +182,18 @@ def warm_file(path: str, chunk: int = WARM_CHUNK) -> dict[str, Any]:
     return result
 
 
+def _jobs(value: str) -> int:
+    """--jobs: a whole number of at least 1 (0 or less read nothing, and silently became 1)."""
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
+    return int(value)
+
+
 def warm_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="gpuio warm",
                                      description="Read engine files into the page cache and print the throughput.")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or globs")
-    parser.add_argument("--jobs", type=int, default=1, help="files read at once (default 1: one after another)")
+    parser.add_argument("--jobs", type=_jobs, default=1, help="files read at once (default 1: one after another)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(list(argv))
     paths: list[str] = []
@@ -201,7 +213,7 @@ def warm_main(argv: Sequence[str]) -> int:
         except OSError as exc:
             return {"path": path, "error": exc.strerror or str(exc)}
 
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for result in pool.map(one, paths):
             results.append(result)
             failed += "error" in result

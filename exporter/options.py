@@ -63,6 +63,7 @@ def parse_choice(choices: Sequence[str]) -> Callable[[str], str]:
             raise ValueError("unknown choice")
         return value
 
+    parse.choices = tuple(choices)  # type: ignore[attr-defined]  # --help lists them
     return parse
 
 

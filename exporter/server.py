@@ -3,7 +3,8 @@
 The telemetry path is answered by a small ASGI function in front of FastAPI.  Why: FastAPI's routing,
 dependency and response machinery cost about as much per request as node_exporter's whole scrape
 (docs/performance.md), and /metrics is the one endpoint hit every few seconds for months.  Everything
-else — the landing page, /healthz, OpenAPI — is plain FastAPI.
+else — the landing page and /healthz — is plain FastAPI, with its /docs, /redoc and /openapi.json
+switched off: the exporter serves only what the README lists (and /docs would load scripts from a CDN).
 """
 
 from __future__ import annotations
@@ -117,11 +118,12 @@ def landing_page(config: Config, scraper: Scraper) -> str:
     for name, enabled in sorted(config.enabled.items()):
         state = scraper.states.get(name)
         duration = "" if state is None or state.last_duration is None else f"{state.last_duration * 1000:.2f} ms"
-        status = "off" if not enabled else "not scraped yet" if state is None or state.last_success is None else (
-            "ok" if state.last_success else "failing")
-        error = "" if state is None or not state.last_error else state.last_error
+        # ok, absent (no such source here: no failure), failing or stale, as gpuio_scrape_collector_state
+        status = "off" if not enabled else "not scraped yet" if state is None or state.last_state is None else (
+            state.last_state)
+        why = "" if state is None or not state.last_error else state.last_error  # the failure, or why absent
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{'on' if enabled else 'off'}</td><td>{status}</td>"
-                    f"<td>{duration}</td><td>{html.escape(error)}</td></tr>")
+                    f"<td>{duration}</td><td>{html.escape(why)}</td></tr>")
     path = html.escape(config.telemetry_path)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>gpuio-exporter</title>
@@ -130,7 +132,9 @@ def landing_page(config: Config, scraper: Scraper) -> str:
 <p>Is this GPU idle because its engine or its data cannot come off the disk fast enough?</p>
 <p><a href="{path}">Metrics</a> &middot; <a href="/healthz">Health</a></p>
 <h2>Collectors</h2>
-<table><tr><th>collector</th><th>enabled</th><th>last scrape</th><th>duration</th><th>last error</th></tr>
+<p>ok: read this scrape; absent: no such source on this host (not a failure); failing: the source
+failed; stale: it failed and its last good data is served.</p>
+<table><tr><th>collector</th><th>enabled</th><th>last scrape</th><th>duration</th><th>why</th></tr>
 {''.join(rows)}
 </table></body></html>
 """
@@ -146,7 +150,8 @@ def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = N
         finally:
             scraper.stop()
 
-    api = FastAPI(title="gpuio-exporter", version=__version__, lifespan=lifespan)
+    api = FastAPI(title="gpuio-exporter", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.get("/", response_class=HTMLResponse)
     def index() -> str:
@@ -167,10 +172,11 @@ def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = N
 
     # Basic auth and headers wrap everything, the fast path too; without a web config nothing is added.
     # With one, the guard stays even if it has no users or headers yet: a reloaded file may add them.
+    # /healthz alone is open: it says only "ok", and probes (Kubernetes, Docker) carry no credentials.
     if web is None and config.web_config is not None:
         web = WebConfigWatcher(config.web_config)
     if web is not None:
-        return guard(app, web, auth)
+        return guard(app, web, auth, open_paths=frozenset({"/healthz"}))  # never the telemetry path (config)
     return app
 
 

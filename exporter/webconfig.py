@@ -742,10 +742,13 @@ async def _answer(send: Send, status: int, body: bytes, *extra: tuple[bytes, byt
     await send({"type": "http.response.body", "body": body})
 
 
-def guard(app: ASGIApp, watcher: WebConfigWatcher, auth: BasicAuth | None = None) -> ASGIApp:
+def guard(app: ASGIApp, watcher: WebConfigWatcher, auth: BasicAuth | None = None,
+          open_paths: frozenset[str] = frozenset()) -> ASGIApp:
     """Wrap the whole app (the fast /metrics path included): basic auth on every path, configured headers.
 
     Both come from the configuration in use for each request, so a reloaded file applies at once.
+    ``open_paths`` are answered without credentials (configured headers still apply): the health check,
+    which says only "ok" and which Kubernetes probes and Docker's HEALTHCHECK call without credentials.
     """
     auth = auth or BasicAuth(watcher.config.users)
 
@@ -755,7 +758,7 @@ def guard(app: ASGIApp, watcher: WebConfigWatcher, auth: BasicAuth | None = None
             return
         web = watcher.current()
         reply = send if not web.headers else _with_headers(send, web.headers)
-        if web.users:
+        if web.users and scope["path"] not in open_paths:
             auth.use(web.users)
             client = scope.get("client")
             kept: list[Message] = []

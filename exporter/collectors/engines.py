@@ -45,7 +45,7 @@ from gpuio.load import engine_name
 
 from .. import spool_reader as rd
 from ..blockdev import BlockDevices, PathDevices
-from ..collect import Collector, Context, register
+from ..collect import Absent, Collector, Context, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
 from ..mounts import MountCache
@@ -290,7 +290,8 @@ class EnginesCollector(Collector):
     def collect(self) -> list[Family]:
         has_spool = os.path.isdir(self.spool_dir)
         if not has_spool and not self.globs:
-            return []  # no such source here
+            raise Absent(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
+                         "report (and no --collector.engines.path is set)")
         totals = self.reader.read() if has_spool else rd.Totals()
         engines = self._select(totals)
         families = self._engine_families(totals, engines)

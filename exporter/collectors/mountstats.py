@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import mounts
-from ..collect import BadLine, Collector, Context, register
+from ..collect import Absent, BadLine, Collector, Context, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..options import Option, parse_count
 
@@ -306,7 +306,7 @@ class MountstatsCollector(Collector):
         table = self._watch.table()
         text, source = self._read_mountstats(table) if _may_have_nfs(table) else (None, "")
         if not table.source and text is None:
-            return []  # no mount table here at all (a procfs without it): no such source
+            raise Absent(f"no mount table under {self.context.procfs} (no mountinfo or mountstats readable)")
         if table is not self._counted:  # the table is read again only when it changed
             self.malformed += table.malformed
             self._counted = table

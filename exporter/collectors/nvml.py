@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .. import nvml_device as nv
-from ..collect import Collector, Context, StaleData, register
+from ..collect import Absent, Collector, Context, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..nvml_device import Nvml, NVMLError, error_code, error_name
@@ -379,7 +379,7 @@ class NvmlCollector(Collector):
         self._sweep_started: float | None = None
         self._current_call = ""
         self._once = LogOnce(log)
-        self._absent_logged: set[str] = set()
+        self._absent: str | None = None  # why there are no GPUs here (no driver, none found); None: some
         self._stopped = False
         self.sampler: PeriodicSampler[list[Family]] = PeriodicSampler("nvml", self._interval, self.sweep, log)
 
@@ -406,6 +406,8 @@ class NvmlCollector(Collector):
             raise NvmlHung(hung, served)
         if snapshot.error is not None:
             raise StaleData(f"the last NVML sweep failed: {snapshot.error}", served)
+        if self._absent is not None:
+            raise Absent(self._absent, served)  # a CPU node: no failure, logged once by the scraper
         return served
 
     @staticmethod
@@ -476,6 +478,7 @@ class NvmlCollector(Collector):
             self._retry_at = now + self._reinit_interval
             return
         self._session = session
+        self._absent = "NVML found no GPU" if session.count == 0 and not self._gpus else None
         self._next_slow = now
         self._start_listener(session)
         log.info("NVML session open", extra=fields(gpus=session.count, driver=session.driver_version))
@@ -484,9 +487,7 @@ class NvmlCollector(Collector):
         if self._gpus:  # the driver went away under GPUs we had: they stay listed, up 0
             self._once.warning("NVML unavailable: GPUs reported down", error_name(exc))
         elif error_code(exc) in (nv.ERROR_LIBRARY_NOT_FOUND, nv.ERROR_DRIVER_NOT_LOADED):
-            if error_name(exc) not in self._absent_logged:  # an info line, once: a CPU node is no problem
-                self._absent_logged.add(error_name(exc))
-                log.info("NVML not available: no GPUs here", extra=fields(reason=error_name(exc)))
+            self._absent = f"NVML not available: no GPUs here ({error_name(exc)}: no NVIDIA driver or library)"
         else:
             self._once.warning("nvmlInit failed", error_name(exc))
 

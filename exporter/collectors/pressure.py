@@ -17,7 +17,7 @@ import errno
 import logging
 import os
 
-from ..collect import BadLine, Collector, MalformedSource, register
+from ..collect import Absent, BadLine, Collector, MalformedSource, register
 from ..exposition import COUNTER, Desc, Family
 from ..logsetup import LogOnce
 
@@ -71,19 +71,24 @@ class PressureCollector(Collector):
 
     def collect(self) -> list[Family]:
         if not os.path.isdir(self._directory):
-            return []  # no PSI in this kernel
+            raise Absent(f"{self._directory} does not exist: a kernel without PSI (CONFIG_PSI, or psi=0)")
         families: list[Family] = []
         unreadable: list[str] = []
+        read_any = False
         for resource in RESOURCES:
             text = self._read(resource)
             if text is None:
                 continue
+            read_any = True
             found, good = self._parse(resource, text)
             families.extend(found)
             if not good:
                 unreadable.append(f"pressure/{resource}")
         if unreadable:  # the other files' values are still served
             raise MalformedSource(f"no valid PSI line in {', '.join(unreadable)}", families)
+        if not families and not read_any:
+            raise Absent(f"no file under {self._directory} can be read: PSI is off (psi=0 on the kernel "
+                         "command line)")
         return families
 
     def _parse(self, resource: str, text: str) -> tuple[list[Family], int]:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import procstat
-from ..collect import Collector, Context, StaleData, register
+from ..collect import Absent, Collector, Context, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..options import ConfigError, Option, parse_choice, parse_count, parse_regex, parse_seconds
@@ -911,6 +911,7 @@ class SmartCollector(Collector):
         self._processes = Processes()
         self._once = LogOnce(log)
         self._denied_logged = False
+        self._absent: str | None = None  # why the last sweep had nothing to poll (no smartctl, no disk)
         self._strays_killed = 0
         self.sampler: PeriodicSampler[list[Family]] = PeriodicSampler(
             "smart", options.get("interval") or 300.0, self.sweep, log)
@@ -934,7 +935,10 @@ class SmartCollector(Collector):
             if snapshot.error is not None:
                 raise StaleData(f"no SMART data yet: {snapshot.error}", [strays])
             return []  # the first sweep is still running
-        return [*snapshot.value, strays] if snapshot.value else []  # []: no smartctl, no SMART series
+        served = [*snapshot.value, strays] if snapshot.value else []  # []: no smartctl, no SMART series
+        if self._absent is not None:
+            raise Absent(self._absent, served)  # no failure; the scraper logs it once
+        return served
 
     # -- one sweep, on the sampler's thread --
 
@@ -942,11 +946,13 @@ class SmartCollector(Collector):
         """Poll every disk and render the families that scrapes serve until the next sweep."""
         path = shutil.which(self._smartctl)
         if path is None:
-            self._once.warning("smartctl not found: no SMART data", self._smartctl)
+            self._absent = f"smartctl not found ({self._smartctl} is not on PATH): no SMART data"
             self._records.clear()
             return []
         try:
             targets, dropped = self._select(self._discover(path))
+            self._absent = None if targets or dropped else ("no disk to poll: smartctl --scan-open found none "
+                                                                 "(or the device filters left none)")
             # A disk is the same disk while smartctl addresses it the same way, whatever its labels now.
             before = {(target.path, target.kind): record for target, record in self._records.items()}
             self._records = {target: before.get((target.path, target.kind)) or Record() for target in targets}

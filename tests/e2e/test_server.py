@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import time
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -68,6 +69,94 @@ def test_methods_health_and_landing_page(exporter) -> None:
         raise AssertionError("POST accepted")
     except urllib.error.HTTPError as error:
         assert error.code == 405
+
+
+def test_only_the_documented_endpoints_are_served(exporter) -> None:
+    """FastAPI's interactive docs (scripts from a public CDN) and schema are not part of the exporter."""
+    server = exporter(*FIXTURE)
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        assert server.get(path)[0] == 404, path
+    for path in ("/", "/healthz", "/metrics"):
+        assert server.get(path)[0] == 200, path
+
+
+def collector_states(samples: dict) -> dict[str, str]:
+    """collector -> the state whose gpuio_scrape_collector_state series is 1 (exactly one must be)."""
+    states: dict[str, list[str]] = {}
+    for (name, labels), value in samples.items():
+        if name == "gpuio_scrape_collector_state":
+            label = dict(labels)
+            states.setdefault(label["collector"], [])
+            if value == 1:
+                states[label["collector"]].append(label["state"])
+    assert all(len(current) == 1 for current in states.values()), states
+    return {collector: current[0] for collector, current in states.items()}
+
+
+def test_absent_sources_are_told_apart_from_ok_ones(exporter, tmp_path) -> None:
+    """A host without a spool directory, GPU, smartctl, PSI or mount table: every collector succeeds
+    (no such hardware is no failure), but its state says absent, the landing page says why, and the
+    log says it once per source."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    shutil.copy(os.path.join(PROC, "diskstats"), proc / "diskstats")
+    server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}",
+                      f"--collector.engines.spool-dir={tmp_path / 'no-spool'}",
+                      "--smartctl.path=no-such-smartctl", "--collector.smart.interval=50ms",
+                      "--collector.nvml.interval=50ms", env={"LD_LIBRARY_PATH": str(tmp_path)})
+    time.sleep(0.5)  # the smart and nvml samplers' first sweeps
+    for _ in range(3):
+        samples = parse_samples(server.scrape())
+    assert set(success(samples).values()) == {1}
+    states = collector_states(samples)
+    absent = {"engines", "pressure", "smart", "mountstats"}
+    if not shutil.which("nvidia-smi"):
+        absent.add("nvml")
+    assert {name for name, state in states.items() if state == "absent"} == absent, states
+    assert states["diskstats"] == "ok"
+    page = server.get("/")[2].decode()
+    assert "<td>engines</td><td>on</td><td>absent</td>" in page
+    assert f"spool directory {tmp_path / 'no-spool'} does not exist" in page
+    assert "<td>diskstats</td><td>on</td><td>ok</td>" in page
+    log = server.stop()
+    for name in absent:
+        assert len(re.findall(rf"source absent.*collector={name}\b", log)) == 1, (name, log)
+    assert "instrumented processes cannot report" in log
+
+
+def test_the_real_binary_help_is_node_exporter_style() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    result = subprocess.run([sys.executable, "-m", "exporter", "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=30, env={**os.environ, "COLUMNS": "120"})
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0] == "usage: gpuio-exporter [flags]" and lines[1] == ""
+    assert any(line.strip().startswith('--web.listen-address=":9817"') for line in lines)
+    assert "VALUE" not in result.stdout and "default )" not in result.stdout
+
+
+def test_a_misspelt_environment_variable_is_logged_at_start_up(exporter) -> None:
+    server = exporter(*FIXTURE, env={"GPUIO_WEB_TELEMETRY_PAHT": "/gpuio"})
+    assert server.get("/metrics")[0] == 200  # the misspelt twin is not read: the default path serves
+    log = server.stop()
+    assert "GPUIO_WEB_TELEMETRY_PAHT is not read by gpuio-exporter; did you mean GPUIO_WEB_TELEMETRY_PATH?" in log
+
+
+def test_a_repeated_listen_address_listens_on_each(exporter) -> None:
+    import urllib.request
+
+    from tests.conftest import free_port
+
+    second = free_port()
+    server = exporter(*FIXTURE, f"--web.listen-address=127.0.0.1:{second}")  # the fixture gives the first
+    assert server.get("/healthz")[0] == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{second}/metrics", timeout=10) as response:
+        assert b"gpuio_disk_reads_completed_total" in response.read()
+    assert f"127.0.0.1:{server.port},127.0.0.1:{second}" in server.stop()
 
 
 def test_telemetry_path_from_environment_twin(exporter) -> None:

@@ -382,20 +382,33 @@ def test_basic_auth_guards_every_path_and_adds_configured_headers(tmp_path: Path
     server = start(config, tmp_path)
     wrong = (None, basic("prometheus", "wrong"), basic("nobody", PASSWORD), basic("prometheus", ""),
              "Bearer abc", "Basic !!!notbase64", basic("prometheus", PASSWORD).lower())
-    for path in ("/metrics", "/metrics?collect[]=pressure", "/", "/healthz", "/docs", "/openapi.json", "/nope"):
+    for path in ("/metrics", "/metrics?collect[]=pressure", "/", "/docs", "/nope"):
         for auth in wrong:
             status, headers, body = server.get(path, auth=auth)
             assert status == 401, (path, auth, status)
             assert headers["www-authenticate"].startswith("Basic realm=")
             assert headers["x-frame-options"] == "deny" and body == b"Unauthorized\n"
         status, headers, body = server.get(path, auth=basic("prometheus", PASSWORD))
-        assert status == (404 if path == "/nope" else 200), path
+        assert status == (404 if path in ("/nope", "/docs") else 200), path
         assert headers["x-frame-options"] == "deny" and headers["x-content-type-options"] == "nosniff"
     status, _, body = server.get(auth=basic("prometheus", PASSWORD), method="HEAD")
     assert (status, body) == (200, b"")
+    # The health check is open (probes carry no credentials) and says nothing but "ok".
+    for auth in (None, basic("prometheus", "wrong"), basic("prometheus", PASSWORD)):
+        status, headers, body = server.get("/healthz", auth=auth)
+        assert (status, body) == (200, b"ok\n"), auth
+        assert headers["x-frame-options"] == "deny"
     assert server.get(auth=basic("prometheus", PASSWORD), method="POST")[0] == 405
     samples = parse_samples(server.get(auth=basic("other", PASSWORD))[2].decode())
     assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "diskstats")}))] == 1
+
+
+def test_healthz_open_metrics_closed_with_auth_on(tmp_path: Path) -> None:
+    """The shipped Kubernetes probes and Docker HEALTHCHECK call /healthz without credentials."""
+    server = start(f"basic_auth_users:\n  prometheus: '{HASH}'\n", tmp_path)
+    assert server.get("/healthz")[:3:2] == (200, b"ok\n")
+    assert server.get("/metrics")[0] == 401
+    assert server.get("/")[0] == 401
 
 
 def test_bcrypt_is_paid_once_per_credential() -> None:

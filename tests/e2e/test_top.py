@@ -106,7 +106,8 @@ def test_url_as_a_process(exporter) -> None:
     (["--json", "--interval=soon"], 2, "invalid value 'soon' for --interval: not a duration; accepted: "),
     (["--json", "--sort=speed"], 2, "invalid value 'speed' for --sort; accepted: %util, aqu-sz, busy%, "),
     (["--json", "--path.procfs=/nonexistent"], 2, "invalid value '/nonexistent' for --path.procfs"),
-    (["--json", "--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
+    (["--json", "--no-such-flag"], 2, "unknown flag '--no-such-flag' (--help lists the flags)"),
+    (["--json", "--path.procf=/proc"], 2, "unknown flag '--path.procf'; did you mean --path.procfs?"),
     ([], 2, "the live view needs a terminal; use --once or --json for scripts"),  # pytest's stdin is no tty
 ])
 def test_errors_name_the_flag_and_exit_codes(argv: list[str], code: int, message: str, capsys) -> None:

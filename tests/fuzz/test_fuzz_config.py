@@ -1,7 +1,7 @@
 """Fuzz the configuration loader: flags, GPUIO_* environment twins and --web.config.file.
 
 Oracle: parse_args (and building the enabled collectors from its result) returns a Config or raises
-ConfigError; argparse may stop with SystemExit(2) (unknown flag, missing value) and with
+ConfigError (an unknown flag or a missing value too: one line, never the usage block); it stops with
 SystemExit(0) only for --help/--version.  The web configuration loader raises only WebConfigError,
 whatever the file holds.
 """

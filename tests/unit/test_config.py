@@ -29,6 +29,15 @@ def test_command_line_beats_environment_beats_default() -> None:
     assert config.log_level == "debug"
 
 
+def test_repeated_listen_address_keeps_every_address() -> None:
+    config = parse_args(["--web.listen-address=127.0.0.1:9001", "--web.listen-address=[::1]:9002",
+                         "--web.listen-address=127.0.0.1:9001"], environ={})
+    assert config.listen_addresses == [("127.0.0.1", 9001), ("::1", 9002)]
+    assert parse_args([], environ={"GPUIO_WEB_LISTEN_ADDRESS": ":9003"}).listen_addresses == [("", 9003)]
+    with pytest.raises(ConfigError, match="port 99999"):
+        parse_args(["--web.listen-address=:9001", "--web.listen-address=:99999"], environ={})
+
+
 def test_collector_switches_and_their_environment_twins() -> None:
     assert parse_args(["--no-collector.pressure"], environ={}).enabled["pressure"] is False
     assert parse_args([], environ={"GPUIO_COLLECTOR_PRESSURE": "false"}).enabled["pressure"] is False
@@ -85,7 +94,8 @@ def test_unknown_flag_is_refused() -> None:
     result = subprocess.run([sys.executable, "-m", "exporter", "--web.listen-adress=:1"], cwd=REPO,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
-    assert "unrecognized arguments: --web.listen-adress=:1" in result.stderr
+    assert result.stderr == ("gpuio-exporter: error: unknown flag '--web.listen-adress'; "
+                             "did you mean --web.listen-address?\n")  # one line, not the usage block
 
 
 def test_port_in_use_is_a_clear_error() -> None:
@@ -99,3 +109,48 @@ def test_port_in_use_is_a_clear_error() -> None:
                                 cwd=REPO, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "cannot listen on --web.listen-address" in result.stderr and "in use" in result.stderr
+
+
+def help_text(capsys) -> str:
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--help"], environ={})
+    assert stopped.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_shows_defaults_choices_and_a_one_line_usage(capsys) -> None:
+    text = help_text(capsys)
+    assert text.startswith("usage: gpuio-exporter [flags]\n\n")
+    assert '--web.listen-address=":9817"' in text and '--collector.timeout="2s"' in text
+    assert "VALUE" not in text and "default )" not in text and "default None" not in text
+    flat = " ".join(text.split())
+    assert "--log.level=\"info\" Only log at this level or above. One of: debug, info, warn, error." in flat
+    assert "One of: logfmt, json." in flat
+    assert "One of: never, sleep, standby, idle." in flat
+    assert "--web.config.file=FILE" in text  # unset by default: a placeholder, no empty default
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--web.listen-adress=:9000"], r"^unknown flag '--web\.listen-adress'; did you mean --web\.listen-address\?$"),
+    (["--collector.diskstat"], r"did you mean --collector\.diskstats\?$"),
+    (["--zzzz"], r"^unknown flag '--zzzz' \(--help lists the flags\)$"),
+    (["--web.listen-address"], r"expected one argument \(--help lists the flags\)$"),
+])
+def test_a_wrong_flag_is_one_line_with_the_closest_right_one(argv, expected, capsys) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        parse_args(argv, environ={})
+    assert capsys.readouterr() == ("", "")  # no usage block printed
+
+
+def test_a_misspelt_environment_twin_is_warned_about_with_the_closest_right_one() -> None:
+    config = parse_args([], environ={"GPUIO_WEB_LISTEN_ADRESS": ":9000", "GPUIO_LOG_LEVEL": "debug",
+                                     "GPUIO_SPOOL_DIR": "/run/gpuio/spool", "GPUIO_COLLECTOR_PRESURE": "false",
+                                     "HOME": "/root"})
+    assert config.warnings == [
+        "environment variable GPUIO_COLLECTOR_PRESURE is not read by gpuio-exporter; "
+        "did you mean GPUIO_COLLECTOR_PRESSURE?",
+        "environment variable GPUIO_WEB_LISTEN_ADRESS is not read by gpuio-exporter; "
+        "did you mean GPUIO_WEB_LISTEN_ADDRESS?",
+    ]
+    assert (config.listen_port, config.enabled["pressure"]) == (9817, True)  # what the warning is about
+    assert parse_args([], environ={"GPUIO_WEB_LISTEN_ADDRESS": ":9000"}).warnings == []

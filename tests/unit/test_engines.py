@@ -12,7 +12,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 
 import gpuio
 from exporter.blockdev import PathDevices
-from exporter.collect import REGISTRY, Context
+from exporter.collect import REGISTRY, Absent, Context
 from exporter.collectors import engines  # noqa: F401  (registers the collector)
 from exporter.exposition import render
 from gpuio import metrics
@@ -69,7 +69,8 @@ def test_flags_through_the_exporters_config(tmp_path) -> None:
 
 
 def test_no_spool_and_no_paths_is_no_source(tmp_path) -> None:
-    assert collector(str(tmp_path / "absent")).collect() == []
+    with pytest.raises(Absent, match="spool directory .*absent does not exist"):
+        collector(str(tmp_path / "absent")).collect()
 
 
 def test_per_engine_series_parse_in_both_formats(spool_dir, tmp_path) -> None:

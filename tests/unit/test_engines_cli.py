@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import gpuio
 from exporter.engines_cli import engines_main, warm_main
 from gpuio import metrics
@@ -79,3 +81,17 @@ def test_engines_prints_a_hostile_engine_name_escaped(spool_dir) -> None:
     for raw in ("\x1b", "\x07", "\x9b", "\x7f", "\u202e"):
         assert raw not in out, f"{raw!r} reached the terminal"
     assert r"evil\x1b[2J\x1b]0;pwned\x07\x9b1m\x7f[bold red]x[/]\u202egnp.exe" in out
+
+
+def test_a_spool_dir_that_does_not_exist_is_an_error_not_no_engines(tmp_path, capsys) -> None:
+    assert engines_main(["--spool-dir", str(tmp_path / "typo")]) == 2
+    assert f"spool directory {tmp_path / 'typo'} does not exist" in capsys.readouterr().err
+    assert engines_main(["--spool-dir", str(tmp_path)]) == 0  # an empty spool: no engines, no error
+
+
+def test_warm_refuses_jobs_below_one(tmp_path) -> None:
+    (tmp_path / "a.engine").write_bytes(b"x" * 4096)
+    for jobs in ("0", "-1", "two"):
+        with pytest.raises(SystemExit) as refused:
+            warm_main([str(tmp_path / "a.engine"), "--jobs", jobs])
+        assert refused.value.code == 2

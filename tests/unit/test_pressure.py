@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from exporter.collect import Context, Scraper
+from exporter.collect import Absent, Context, Scraper
 from exporter.collectors.pressure import PressureCollector
 from exporter.exposition import render
 from tests.conftest import parse_samples
@@ -44,7 +44,8 @@ def test_old_kernel_cpu_without_full_line(tmp_path) -> None:
 
 
 def test_no_psi_is_no_data_not_failure(tmp_path) -> None:
-    assert collector(tmp_path, None).collect() == []
+    with pytest.raises(Absent, match="pressure does not exist"):
+        collector(tmp_path, None).collect()
 
 
 def test_psi_disabled_eopnotsupp_is_no_data(tmp_path, monkeypatch) -> None:
@@ -58,7 +59,8 @@ def test_psi_disabled_eopnotsupp_is_no_data(tmp_path, monkeypatch) -> None:
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", psi_off)
-    assert c.collect() == []
+    with pytest.raises(Absent, match="psi=0"):
+        c.collect()
 
 
 def scrape(c: PressureCollector) -> dict:
