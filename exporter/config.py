@@ -207,8 +207,10 @@ def _shown_value(flag: Flag) -> str:
 
 
 # GPUIO_* variables that are no flag's twin but are read on purpose: the instrumentation library's spool
-# directory (often set for the whole node), the image's HEALTHCHECK address, and what smartctl children carry.
-OTHER_ENVIRONMENT = frozenset({"GPUIO_SPOOL_DIR", "GPUIO_HEALTHCHECK_URL", "GPUIO_SMARTCTL_OWNER"})
+# directory (often set for the whole node), the image's HEALTHCHECK address, what smartctl children carry,
+# and the test suite's switch that makes a missing peer tool fail (set in CI for every process it starts).
+OTHER_ENVIRONMENT = frozenset({"GPUIO_SPOOL_DIR", "GPUIO_HEALTHCHECK_URL", "GPUIO_SMARTCTL_OWNER",
+                               "GPUIO_REQUIRE_PEERS"})
 MAX_ENVIRONMENT_WARNINGS = 20
 
 
