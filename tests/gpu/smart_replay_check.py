@@ -23,6 +23,10 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+# The instrumentation library (gpuio, which the exporter's spool reader imports) from this checkout, here
+# and in the exporter this check starts.
+LIBRARY = os.path.join(REPO, "exporter", "instrument")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
 from tests.fixtures.smartctl.fake import LISTINGS, FakeSmartctl  # noqa: E402
 
