@@ -12,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,6 +160,19 @@ def exporter() -> Iterator[callable]:
     for process in started:
         if process.process and process.process.poll() is None:
             process.stop()
+
+
+def engines_collector(spool: str, **options: object) -> Any:
+    """The engines collector with its default options, ``spool`` as its spool directory and ``options``
+    on top (``path_include=`` for ``path-include``)."""
+    from exporter.collect import Context
+    from exporter.collectors import engines
+
+    settings = {option.name: option.parse(option.default) if option.default is not None else None
+                for option in engines.EnginesCollector.options}
+    settings["spool-dir"] = spool
+    settings.update({key.replace("_", "-"): value for key, value in options.items()})
+    return engines.EnginesCollector(Context(), settings)
 
 
 @pytest.fixture

@@ -7,13 +7,12 @@ import typing
 
 import pytest
 
-from exporter.collect import Context
 from exporter.collectors import engines
 from exporter.exposition import render
 from exporter.spool_reader import PER_GPU_HISTOGRAMS
 from gpuio import metrics
 from gpuio import spool as fmt
-from tests.conftest import REPO, parse_samples
+from tests.conftest import REPO, engines_collector, parse_samples
 
 KINDS = {"histogram": "Histogram", "counter": "Counter", "gauge": "Gauge"}
 
@@ -64,10 +63,7 @@ def test_the_exporter_serves_the_declared_labels(spool_dir: str) -> None:
     for series in fmt.ENGINE_SERIES:
         if series.type == "histogram":
             getattr(bound, series.slot).observe(1.0)
-    options = {option.name: option.parse(option.default) if option.default is not None else None
-               for option in engines.EnginesCollector.options}
-    options["spool-dir"] = spool_dir
-    samples = parse_samples(render(engines.EnginesCollector(Context(), options).collect()))
+    samples = parse_samples(render(engines_collector(spool_dir).collect()))
     for series in fmt.ENGINE_SERIES:
         suffix = "_count" if series.type == "histogram" else ""
         found = [set(dict(labels)) for name, labels in samples if name == series.name + suffix]

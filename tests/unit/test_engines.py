@@ -17,17 +17,13 @@ from exporter.collectors import engines  # noqa: F401  (registers the collector)
 from exporter.exposition import render
 from gpuio import metrics
 from gpuio import spool as fmt
-from tests.conftest import documented_families, parse_samples
+from tests.conftest import documented_families, engines_collector, parse_samples
 
 PROMTOOL = shutil.which("promtool")
 
 
 def collector(spool: str, **options: object) -> engines.EnginesCollector:
-    settings = {option.name: option.parse(option.default) if option.default is not None else None
-                for option in engines.EnginesCollector.options}
-    settings["spool-dir"] = spool
-    settings.update({key.replace("_", "-"): value for key, value in options.items()})
-    return engines.EnginesCollector(Context(), settings)
+    return engines_collector(spool, **options)
 
 
 def scrape(target: engines.EnginesCollector, openmetrics: bool = False) -> str:

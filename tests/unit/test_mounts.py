@@ -12,10 +12,8 @@ import pytest
 
 import gpuio
 from exporter import mounts
-from exporter.collect import Context
-from exporter.collectors import engines
 from exporter.exposition import render
-from tests.conftest import REPO, parse_samples
+from tests.conftest import REPO, engines_collector, parse_samples
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "mounts")
 
@@ -106,10 +104,7 @@ def test_every_engine_file_names_its_mount_as_findmnt_sees_it(tmp_path) -> None:
     gpuio.configure(str(spool))
     try:
         gpuio.load(str(loaded), bytes)
-        settings = {option.name: option.parse(option.default) if option.default is not None else None
-                    for option in engines.EnginesCollector.options}
-        settings.update({"spool-dir": str(spool), "path": (str(models / "*.plan"),)})
-        target = engines.EnginesCollector(Context(), settings)
+        target = engines_collector(str(spool), path=(str(models / "*.plan"),))
         target.collect()
         target.scanner.sample_now()
         samples = parse_samples(render(target.collect()))

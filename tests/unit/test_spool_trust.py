@@ -15,11 +15,10 @@ import tracemalloc
 
 import gpuio
 from exporter import spool_reader
-from exporter.collect import Context
 from exporter.collectors import engines
 from gpuio import spool as fmt
 from gpuio.metrics import EngineMetrics
-from tests.conftest import parse_samples
+from tests.conftest import engines_collector, parse_samples
 
 LAYOUT = fmt.ENGINE_LAYOUT
 MiB = 1 << 20
@@ -58,11 +57,7 @@ def traced(function, *args):  # type: ignore[no-untyped-def]
 
 
 def collector(spool: str, **options: object) -> engines.EnginesCollector:
-    settings = {option.name: option.parse(option.default) if option.default is not None else None
-                for option in engines.EnginesCollector.options}
-    settings["spool-dir"] = spool
-    settings.update({key.replace("_", "-"): value for key, value in options.items()})
-    return engines.EnginesCollector(Context(), settings)
+    return engines_collector(spool, **options)
 
 
 # --- 1. a spool file cannot take the exporter's memory --------------------------------------------

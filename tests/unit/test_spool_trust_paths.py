@@ -22,12 +22,11 @@ from pathlib import Path
 import pytest
 
 from exporter import pagecache
-from exporter.collect import Context
 from exporter.collectors import engines
 from exporter.exposition import render
 from gpuio import spool as fmt
 from gpuio.metrics import EngineMetrics
-from tests.conftest import parse_samples
+from tests.conftest import engines_collector, parse_samples
 
 IN_OPEN = 0x20
 WRITER_UID = 4243  # an unprivileged inference process
@@ -119,10 +118,7 @@ def hostile(tmp_path: Path, models: Path) -> Iterator[tuple[engines.EnginesColle
         target = "/etc/shadow" if engine in ("escape", "link") else path
         claim(file, engine, path, os.stat(target), ino=0 if engine == "noino" else None)
     os.chown(file.path, WRITER_UID, WRITER_UID)  # the writer is an unprivileged user
-    settings = {option.name: option.parse(option.default) if option.default is not None else None
-                for option in engines.EnginesCollector.options}
-    settings.update({"spool-dir": str(spool), "path-include": (str(models),)})
-    yield engines.EnginesCollector(Context(), settings), paths, file
+    yield engines_collector(str(spool), path_include=(str(models),)), paths, file
     file.close()
 
 
