@@ -9,9 +9,10 @@ can walk from the device under a filesystem (dm-1) down to the physical disks th
 from __future__ import annotations
 
 import os
-import re
 import stat
 from dataclasses import dataclass, field
+
+from . import mounts
 
 
 def read_attribute(path: str) -> str | None:
@@ -127,32 +128,15 @@ class Mount:
     super_options: str
 
 
-def _unescape_mountinfo(field_text: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes (\\040 ...)."""
-    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match[1], 8)), field_text)
-
-
 def read_mountinfo(path: str) -> list[Mount]:
-    """The mounts of a /proc/<pid>/mountinfo file (proc(5)); [] when it cannot be read."""
+    """The mounts of a /proc/<pid>/mountinfo file (proc(5)), read and parsed as :mod:`exporter.mounts`
+    does (bounded, malformed lines skipped); [] when it cannot be read."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            lines = handle.read().splitlines()
+        text = mounts.read_bounded(path)
     except OSError:
         return []
-    mounts = []
-    for line in lines:
-        before, separator, after = line.partition(" - ")
-        fields_before, fields_after = before.split(), after.split()
-        if not separator or len(fields_before) < 5 or len(fields_after) < 2:
-            continue
-        major, _, minor = fields_before[2].partition(":")
-        if not (major.isdigit() and minor.isdigit()):
-            continue
-        mounts.append(Mount(int(major), int(minor), _unescape_mountinfo(fields_before[3]),
-                            _unescape_mountinfo(fields_before[4]), fields_after[0],
-                            _unescape_mountinfo(fields_after[1]),
-                            fields_after[2] if len(fields_after) > 2 else ""))
-    return mounts
+    return [Mount(*mount.dev, mount.root, mount.mountpoint, mount.fstype, mount.source, mount.super_options)
+            for mount in mounts.parse(text).mounts]
 
 
 def device_by_number(sysfs: str, major: int, minor: int) -> str | None:
@@ -188,12 +172,12 @@ class PathDevices:
         return self.of_dev(os.major(st.st_dev), os.minor(st.st_dev))
 
     def of_dev(self, major: int, minor: int, depth: int = 0) -> FileDevice:
-        mounts = [m for m in self.mounts if (m.major, m.minor) == (major, minor)]
-        fstype = mounts[0].fstype if mounts else ""
+        holding = [m for m in self.mounts if (m.major, m.minor) == (major, minor)]
+        fstype = holding[0].fstype if holding else ""
         name = device_by_number(self.sysfs, major, minor)
         if name is not None:
             return FileDevice(name, fstype, major, minor)
-        for mount in mounts:
+        for mount in holding:
             found = self._through_mount(mount, depth)
             if found:
                 return FileDevice(found, fstype, major, minor)
