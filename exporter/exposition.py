@@ -51,11 +51,17 @@ def format_value(value: float | int) -> str:
 
 
 class Desc:
-    """One metric family's fixed part: name, type, help and both pre-rendered headers."""
+    """One metric family's fixed part: name, type, help and both pre-rendered headers.
 
-    __slots__ = ("name", "kind", "help", "text_header", "om_header")
+    ``labels`` names the family's label keys (``le`` of histograms excluded) and ``unit`` its base
+    unit (``seconds``, ``bytes``, ``ratio``, ... or empty): they are what the catalogue and the
+    generated reference (docs/metrics.md) say about the family, not used when rendering.
+    """
 
-    def __init__(self, name: str, kind: str, help_text: str) -> None:
+    __slots__ = ("name", "kind", "help", "labels", "unit", "text_header", "om_header")
+
+    def __init__(self, name: str, kind: str, help_text: str, labels: Sequence[str] = (),
+                 unit: str = "") -> None:
         if kind == COUNTER and not name.endswith("_total"):
             raise ValueError(f"counter {name} must end in _total")
         if kind == INFO and not name.endswith("_info"):
@@ -63,6 +69,8 @@ class Desc:
         self.name = name
         self.kind = kind
         self.help = help_text
+        self.labels = tuple(labels)
+        self.unit = unit
         escaped = escape_help(help_text)
         text_type = GAUGE if kind == INFO else kind
         self.text_header = f"# HELP {name} {escaped}\n# TYPE {name} {text_type}\n"
