@@ -139,6 +139,19 @@ class DroppedLines:
             return [(source, reason, count) for (source, reason), count in self._counts.items()]
 
 
+class Pending(Exception):  # noqa: N818  (it is an outcome, not an error)
+    """Raised by a collector whose first background sample (NVML sweep, SMART sweep, page-cache scan)
+    has not finished since the exporter started: nothing to serve *yet*, which is neither "nothing
+    here" (:class:`Absent`) nor a failure.  ``gpuio_scrape_collector_state`` says ``pending``,
+    success stays 1, ``families`` (what it has already) are still served.
+    """
+
+    def __init__(self, reason: str, families: list[Family] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.families = families or []
+
+
 class Collector:
     name: ClassVar[str]
     default_enabled: ClassVar[bool] = True
@@ -257,12 +270,13 @@ def register(cls: type[Collector]) -> type[Collector]:
 SUCCESS = Desc("gpuio_scrape_collector_success", GAUGE,
                "Whether a collector succeeded (1) or failed (0); a source absent here is a success.")
 # The states of gpuio_scrape_collector_state, one series each, 1 for the current one (a state set).
-OK, ABSENT, FAILING, STALE = "ok", "absent", "failing", "stale"
-STATES = (OK, ABSENT, FAILING, STALE)
+OK, PENDING, ABSENT, FAILING, STALE = "ok", "pending", "absent", "failing", "stale"
+STATES = (OK, PENDING, ABSENT, FAILING, STALE)
 STATE = Desc(
     "gpuio_scrape_collector_state", GAUGE,
-    "1 for a collector's state in this scrape, 0 for the others: ok; absent (no such source on this "
-    "host, still a success); failing; stale (the source failed, its last good data is served).",
+    "1 for a collector's state in this scrape, 0 for the others: ok; pending (its first background "
+    "sample since start-up is still running, still a success); absent (no such source on this host, still "
+    "a success); failing; stale (the source failed, its last good data is served).",
 )
 DURATION = Desc(
     "gpuio_scrape_collector_duration_seconds", GAUGE, "How long a collector took in this scrape."
@@ -301,11 +315,12 @@ class Outcome:
     error: str | None = None
     reason: str = "error"  # the failures counter's label: "error" (raised), "timeout" or "malformed"
     absent: str | None = None  # why the source does not exist here (then success is True)
+    pending: str | None = None  # what the collector still waits for since start-up (then success is True)
 
     @property
     def state(self) -> str:
         if self.success:
-            return OK if self.absent is None else ABSENT
+            return PENDING if self.pending is not None else OK if self.absent is None else ABSENT
         return STALE if self.error is not None and self.error.startswith(STALE_PREFIX) else FAILING
 
 
@@ -360,6 +375,16 @@ class Scraper:
             self._watch(batch)
         return self._assemble(selected, dict(batch.outcomes))
 
+    def scrape_settled(self, timeout: float) -> list[Family]:
+        """One scrape once no collector is pending (its first background sample done), or at ``timeout``
+        seconds: for ``gpuio scrape``, which starts the collectors and prints one scrape."""
+        give_up = time.monotonic() + timeout
+        while True:
+            families = self.scrape_sync()
+            if time.monotonic() >= give_up or all(s.last_state != PENDING for s in self.states.values()):
+                return families
+            time.sleep(0.1)
+
     def scrape_sync(self, names: list[str] | None = None) -> list[Family]:
         """The same as :meth:`scrape` for callers without an event loop (``gpuio top``, tests)."""
         selected = [self.states[n] for n in (names or self.states)]
@@ -411,6 +436,8 @@ class Scraper:
             return Outcome(families, True, time.perf_counter() - start)
         except Absent as absent:
             return Outcome(absent.families, True, time.perf_counter() - start, absent=absent.reason)
+        except Pending as pending:
+            return Outcome(pending.families, True, time.perf_counter() - start, pending=pending.reason)
         except MalformedSource as bad:
             return Outcome(bad.families, False, time.perf_counter() - start, f"malformed input: {bad}", "malformed")
         except StaleData as stale:
@@ -461,7 +488,7 @@ class Scraper:
     def _record(state: CollectorState, outcome: Outcome) -> None:
         state.last_duration = outcome.duration
         state.last_success = outcome.success
-        state.last_error = outcome.error if outcome.absent is None else outcome.absent
+        state.last_error = outcome.pending or outcome.absent or outcome.error  # what the landing page says why
         state.last_state = outcome.state
         if outcome.state == OK:
             state.absent_logged = None  # a source that comes and goes again is logged again

@@ -997,7 +997,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
         source = UrlSource(args.url, clock)
     else:
         try:
-            config = parse_args(rest, prog="gpuio top")
+            config = parse_args(rest, prog="gpuio top", server=False)
             source = LocalSource(config, clock)
         except ConfigError as exc:
             print(f"gpuio top: error: {printable(exc)}", file=sys.stderr)

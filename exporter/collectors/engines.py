@@ -45,7 +45,7 @@ from gpuio.load import engine_name
 
 from .. import spool_reader as rd
 from ..blockdev import BlockDevices, PathDevices
-from ..collect import Absent, Collector, Context, register
+from ..collect import Absent, Collector, Context, Pending, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
 from ..mounts import MountCache
@@ -303,6 +303,8 @@ class EnginesCollector(Collector):
         for left_out in self._left_out.values():
             left_out.commit()
         families += self._spool_families(totals)
+        if self.scanner.first_pending():
+            raise Pending("the first scan of engine files (size, residency, device) is still running", families)
         return families
 
     def _select(self, totals: rd.Totals) -> list[str]:

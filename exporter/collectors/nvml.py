@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .. import nvml_device as nv
-from ..collect import Absent, Collector, Context, StaleData, register
+from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..nvml_device import Nvml, NVMLError, error_code, error_name
@@ -408,6 +408,8 @@ class NvmlCollector(Collector):
             raise StaleData(f"the last NVML sweep failed: {snapshot.error}", served)
         if self._absent is not None:
             raise Absent(self._absent, served)  # a CPU node: no failure, logged once by the scraper
+        if self.sampler.first_pending():
+            raise Pending("the first NVML sweep since start-up is still running", served)
         return served
 
     @staticmethod

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import procstat
-from ..collect import Absent, Collector, Context, StaleData, register
+from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..options import ConfigError, Option, parse_choice, parse_count, parse_regex, parse_seconds
@@ -934,7 +934,10 @@ class SmartCollector(Collector):
         if snapshot.value is None:
             if snapshot.error is not None:
                 raise StaleData(f"no SMART data yet: {snapshot.error}", [strays])
-            return []  # the first sweep is still running
+            if self.sampler.first_pending():
+                raise Pending("the first SMART sweep since start-up (smartctl on every disk) is still running",
+                              [strays])
+            return []
         served = [*snapshot.value, strays] if snapshot.value else []  # []: no smartctl, no SMART series
         if self._absent is not None:
             raise Absent(self._absent, served)  # no failure; the scraper logs it once
