@@ -56,6 +56,7 @@ from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..options import ConfigError, Option, parse_choice, parse_count, parse_regex, parse_seconds
 from ..sampler import PeriodicSampler
+from ..sorting import natural_key
 
 log = logging.getLogger("gpuio.collector.smart")
 
@@ -594,10 +595,6 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _natural(name: str) -> tuple[Any, ...]:
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
-
-
 def nvme_namespaces(sysfs: str, controller: str) -> list[str]:
     """Block devices of an NVMe controller: nvme0 -> nvme0n1, nvme0n2...
 
@@ -609,7 +606,7 @@ def nvme_namespaces(sysfs: str, controller: str) -> list[str]:
         match = NVME_NAMESPACE.fullmatch(entry)
         if match:
             heads.add(f"nvme{match['subsystem']}n{match['namespace']}")
-    return sorted(heads, key=_natural)
+    return sorted(heads, key=natural_key)
 
 
 def device_labels(path: str, kind: str | None, sysfs: str) -> tuple[str, ...]:

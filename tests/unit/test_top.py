@@ -390,6 +390,28 @@ def test_every_metric_top_reads_is_declared() -> None:
     assert len(read) > 25 and read - catalogued() == set()
 
 
+def test_every_label_top_reads_is_declared_on_the_family_it_reads_it_from() -> None:
+    from exporter.catalogue import by_name
+
+    reads = {
+        top.GPU_LABEL: (top.GPU_INFO, top.GPU_UP, top.GPU_BUSY, top.GPU_MEMORY_USED, top.GPU_MEMORY_TOTAL,
+                        top.GPU_TEMPERATURE, top.GPU_POWER, top.GPU_THROTTLE),
+        top.GPU_UUID_LABEL: (top.GPU_INFO, top.GPU_UP, top.GPU_BUSY, top.GPU_THROTTLE),
+        top.GPU_THROTTLE_REASON_LABEL: (top.GPU_THROTTLE,),
+        top.ENGINE_LABEL: (top.ENGINE_INFO, top.ENGINE_LATENCY, top.ENGINE_IN_FLIGHT, top.ENGINE_POOL_CONTEXTS,
+                           top.ENGINE_POOL_WAIT, top.ENGINE_RESIDENCY, top.ENGINE_PHYSICAL),
+        top.ENGINE_INFO_DEVICE_LABEL: (top.ENGINE_INFO,),
+        top.ENGINE_INFO_GPU_LABEL: (top.ENGINE_INFO, top.ENGINE_LATENCY, top.ENGINE_IN_FLIGHT),
+        "name": (top.GPU_INFO,),
+        "rotational": (top.DISK_INFO,),
+        "physical_device": (top.DISK_PHYSICAL, top.ENGINE_PHYSICAL),
+        "device": (top.DISK_READS, top.DISK_INFO, top.DISK_PHYSICAL, top.SMART_HEALTH),
+    }
+    missing = {(label, family) for label, families in reads.items() for family in families
+               if label not in by_name(family).labels}
+    assert missing == set()
+
+
 def test_printable_escapes_what_a_terminal_would_act_on_and_keeps_the_rest() -> None:
     from exporter.terminal import printable, safe_text
 
