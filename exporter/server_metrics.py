@@ -25,7 +25,7 @@ AUTH_RESULTS = ("bcrypt", "abandoned", "shed")  # of credentials not answered fr
 
 CONNECTIONS = Desc("gpuio_exporter_http_connections", GAUGE,
                    "Open HTTP connections by state: waiting for a request head (or TLS handshake), idle "
-                   "between keep-alive requests, busy answering a request.", ("state",),
+                   "between keep-alive requests, busy answering a request.", labels=("state",),
                    values={"state": (WAITING, IDLE, BUSY)},
                    doc="Open HTTP connections: waiting for a request head (or a TLS handshake), idle between "
                        "keep-alive requests, busy answering one.")
@@ -35,17 +35,17 @@ CONNECTIONS_LIMIT = Desc("gpuio_exporter_http_connections_limit", GAUGE,
                              "connection beyond it evicts the longest idle one.")
 EVICTED = Desc("gpuio_exporter_http_connections_evicted_total", COUNTER,
                "Connections closed to make room for new ones, by the state they were in (idle, waiting).",
-               ("state",), values={"state": (IDLE, WAITING)},
+               labels=("state",), values={"state": (IDLE, WAITING)},
                doc="Connections closed to make room for new ones, by the state they were in; a busy one never is.")
 ACCEPT_ERRORS = Desc("gpuio_exporter_accept_errors_total", COUNTER,
                      "Failed accept() calls by reason (emfile: out of file descriptors; enfile, enobufs, enomem, "
-                     "other); each is followed by a back-off.", ("reason",),
+                     "other); each is followed by a back-off.", labels=("reason",),
                      values={"reason": ACCEPT_ERROR_REASONS},
                      doc="Failed accept() calls (emfile: out of file descriptors); each is followed by a back-off "
                          "of 5 ms doubling to 1 s.")
 RELOADS = Desc("gpuio_exporter_web_config_reloads_total", COUNTER,
                "Times a changed --web.config.file (or a certificate, key or CA file it names) was read again, "
-               "by result; a failure keeps the last good configuration.", ("result",),
+               "by result; a failure keeps the last good configuration.", labels=("result",),
                values={"result": RELOAD_RESULTS},
                doc="Times a changed `--web.config.file` (or a certificate, key or CA file it names) was read "
                    "again; a failure keeps the last good one. Only with `--web.config.file`.")
@@ -55,7 +55,7 @@ LAST_RELOAD = Desc("gpuio_exporter_web_config_last_reload_successful", GAUGE,
                        "load. Only with `--web.config.file`.")
 AUTH_CHECKS = Desc("gpuio_exporter_basic_auth_checks_total", COUNTER,
                    "Basic-auth credentials not answered from the cache, by what happened: bcrypt (checked), "
-                   "abandoned (the client left before its turn), shed (queue full: 429).", ("result",),
+                   "abandoned (the client left before its turn), shed (queue full: 429).", labels=("result",),
                    values={"result": AUTH_RESULTS},
                    doc="Credentials not answered from the cache: checked with bcrypt, skipped because the client "
                        "left first, or refused with 429 (queue full). Only with basic auth users.")
