@@ -88,12 +88,13 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
 
 def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionTable, accept_errors: dict[str, int],
                          watcher: WebConfigWatcher | None, auth: BasicAuth | None) -> Callable[[], list[Family]]:
-    from . import connections, webconfig
+    from .server_metrics import connection_families, web_config_families
 
     def families() -> list[Family]:
-        result = process() + connections.families(table, accept_errors)
+        result = process() + connection_families(table, accept_errors)
         if watcher is not None:
-            result += webconfig.families(watcher, auth)
+            auth_checks = auth.counts if auth is not None and watcher.config.users else None
+            result += web_config_families(watcher.reloads, watcher.last_reload_successful, auth_checks)
         return result
 
     return families

@@ -268,27 +268,47 @@ def register(cls: type[Collector]) -> type[Collector]:
 
 
 SUCCESS = Desc("gpuio_scrape_collector_success", GAUGE,
-               "Whether a collector succeeded (1) or failed (0); a source absent here is a success.")
+               "Whether a collector succeeded (1) or failed (0); a source absent here is a success.",
+               labels=("collector",),
+               doc="Whether a collector succeeded (1) or failed (0). A source that does not exist on this host is a "
+                   "success: see the state below.")
 # The states of gpuio_scrape_collector_state, one series each, 1 for the current one (a state set).
 OK, PENDING, ABSENT, FAILING, STALE = "ok", "pending", "absent", "failing", "stale"
 STATES = (OK, PENDING, ABSENT, FAILING, STALE)
-STATE = Desc(
-    "gpuio_scrape_collector_state", GAUGE,
-    "1 for a collector's state in this scrape, 0 for the others: ok; pending (its first background "
-    "sample since start-up is still running, still a success); absent (no such source on this host, still "
-    "a success); failing; stale (the source failed, its last good data is served).",
-)
-DURATION = Desc(
-    "gpuio_scrape_collector_duration_seconds", GAUGE, "How long a collector took in this scrape."
-)
-BUILD_INFO = Desc("gpuio_exporter_build_info", INFO, "Version of gpuio-exporter and the Python running it.")
-FAILURES = Desc(
-    "gpuio_scrape_collector_failures_total", COUNTER, "Scrapes in which a collector failed, by reason."
-)
-DROPPED_LINES = Desc(
-    "gpuio_scrape_collector_dropped_lines_total", COUNTER,
-    "Lines of a source that a collector could not parse and skipped, by source and reason.",
-)
+STATE = Desc("gpuio_scrape_collector_state", GAUGE,
+             "1 for a collector's state in this scrape, 0 for the others: ok; pending (its first background "
+             "sample since start-up is still running, still a success); absent (no such source on this host, still "
+             "a success); failing; stale (the source failed, its last good data is served).",
+             labels=("collector", "state"), values={"state": STATES},
+             doc="A state set: 1 for the collector's state in this scrape, 0 for the other four. `pending`: the "
+                 "collector's first background sample since start-up (an NVML sweep, a SMART sweep, the engine "
+                 "files' scan) is still running, so it has nothing or only part to serve yet (success stays 1); "
+                 "`gpuio scrape` waits up to 30 s for it. `absent`: no such "
+                 "source here, which is no failure (success stays 1): engines without a spool directory (and no "
+                 "`--collector.engines.path`), nvml without an NVIDIA driver or GPU, smart without smartctl or "
+                 "without a disk to poll, pressure without `/proc/pressure` (or with `psi=0`), mountstats without a "
+                 "mount table. The landing page shows why, and the exporter logs one `source absent` line per "
+                 "source. `failing`: the source failed (success 0); `stale`: it failed and its last good data is "
+                 "still served (nvml, smart). Tell a CPU node from a broken GPU node with "
+                 "`gpuio_scrape_collector_state{collector=\"nvml\",state=\"absent\"} == 1`.")
+DURATION = Desc("gpuio_scrape_collector_duration_seconds", GAUGE,
+                "How long a collector took in this scrape.", labels=("collector",), unit="seconds")
+BUILD_INFO = Desc("gpuio_exporter_build_info", INFO,
+                  "Version of gpuio-exporter and the Python running it.", labels=("version", "python_version"))
+FAILURES = Desc("gpuio_scrape_collector_failures_total", COUNTER,
+                "Scrapes in which a collector failed, by reason.", labels=("collector", "reason"),
+                values={"reason": ("error", "timeout", "malformed")},
+                doc="Scrapes in which a collector failed, by reason. `malformed`: a source held no line the "
+                    "collector could read (every line of `/proc/diskstats` bad, or a `/proc/pressure` file with no "
+                    "PSI line); the other sources' series are still served.")
+DROPPED_LINES = Desc("gpuio_scrape_collector_dropped_lines_total", COUNTER,
+                     "Lines of a source that a collector could not parse and skipped, by source and reason.",
+                     labels=("collector", "source", "reason"),
+                     doc="Lines of a source that a collector could not parse and skipped, by source and reason "
+                         "(counted on every scrape that reads them). diskstats: source `diskstats`, reason "
+                         "`too_few_fields`, `non_numeric`, `negative`, `repeated` (a second line for a device); "
+                         "pressure: source `pressure/<resource>`, reason `unknown_kind`, `non_numeric`, `no_total`, "
+                         "`repeated`. Each distinct bad line is also logged once.")
 
 
 @dataclass

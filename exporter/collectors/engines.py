@@ -116,69 +116,92 @@ def _parse_directory_name(value: str) -> str:
     return value  # may not exist yet: processes and the exporter start in any order
 
 
+ENGINE = ("engine",)
+ENGINE_GPU = ("engine", "gpu_uuid")  # what waits on one GPU is told apart from a spare replica's
+ENGINE_FILE = ("engine", "path")
+
+
 def _declared(slot: str) -> Desc:
     """The family of an ENGINE-record series, as the library declares it (gpuio.spool.ENGINE_SERIES)."""
     series = fmt.SERIES[slot]
-    return Desc(series.name, series.type, series.help)
+    return Desc(series.name, series.type, series.help, labels=series.labels, unit=series.unit)
 
 
 HISTOGRAM_DESCS = {series.slot: _declared(series.slot) for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM}
 LOAD_BYTES = _declared("load_read_bytes")
 ERRORS = Desc("gpuio_engine_errors_total", COUNTER,
               "Failed loads and inferences by reason (enqueue_failed, timeout, pool_timeout, out_of_memory, "
-              "load_read_failed, load_deserialize_failed, an exception name, other).")
+              "load_read_failed, load_deserialize_failed, an exception name, other).", labels=(*ENGINE, "reason"))
 LAYER_SECONDS = Desc("gpuio_engine_layer_seconds_total", COUNTER,
-                     "Time spent in each layer during profiled inferences (top layers; the rest is '(other)').")
+                     "Time spent in each layer during profiled inferences (top layers; the rest is '(other)').",
+                     labels=(*ENGINE, "layer"), unit="seconds")
 PROFILED = _declared("layer_profiled_inferences")
 IN_FLIGHT = _declared("in_flight")
 POOL_CONTEXTS = _declared("pool_contexts")
 POOL_IDLE = _declared("pool_idle")
 LOADS = Desc("gpuio_engine_loads_in_progress", GAUGE,
-             "Loads (read and deserialize) of the engine started and not finished by live processes, per GPU.")
+             "Loads (read and deserialize) of the engine started and not finished by live processes, per GPU.",
+             labels=ENGINE_GPU)
 LOAD_PROGRESS_BYTES = Desc("gpuio_engine_load_in_progress_read_bytes", GAUGE,
-                           "Bytes read so far by the engine's loads in progress, per GPU.")
+                           "Bytes read so far by the engine's loads in progress, per GPU.", labels=ENGINE_GPU,
+                           unit="bytes")
 LOAD_OLDEST = Desc("gpuio_engine_load_oldest_in_progress_seconds", GAUGE,
-                   "Age of the engine's oldest load in progress on the GPU; 0 when none is in progress.")
+                   "Age of the engine's oldest load in progress on the GPU; 0 when none is in progress.",
+                   labels=ENGINE_GPU, unit="seconds")
 DISK_LOADS = Desc("gpuio_disk_engine_loads_in_progress", GAUGE,
-                  "Engine loads in progress from files on the disk (a whole disk under the files' device stack; "
-                  "0 for every disk holding an engine file).")
+                  "Engine loads in progress from files on the disk (a whole disk under the files' device stack; 0 "
+                  "for every disk holding an engine file).", labels=("device",))
 DISK_LOAD_OLDEST = Desc("gpuio_disk_engine_load_oldest_in_progress_seconds", GAUGE,
-                        "Age of the oldest engine load in progress from files on the disk; 0 when none is.")
+                        "Age of the oldest engine load in progress from files on the disk; 0 when none is.",
+                        labels=("device",), unit="seconds")
 MOUNT_LOADS = Desc("gpuio_mount_engine_loads_in_progress", GAUGE,
-                   "Engine loads in progress from files under the mount point (local or network; 0 for every "
-                   "mount point holding an engine file).")
+                   "Engine loads in progress from files under the mount point (local or network; 0 for every mount "
+                   "point holding an engine file).", labels=("mountpoint",))
 MOUNT_LOAD_OLDEST = Desc("gpuio_mount_engine_load_oldest_in_progress_seconds", GAUGE,
-                         "Age of the oldest engine load in progress from files under the mount point; 0 when none is.")
+                         "Age of the oldest engine load in progress from files under the mount point; 0 when none is.",
+                         labels=("mountpoint",), unit="seconds")
 ENGINE_MOUNT = Desc("gpuio_engine_mount_info", INFO,
-                    "The mount holding an engine file as the host sees it (filesystem type and source; network "
-                    "and FUSE mounts too): joins engines with gpuio_mount_info and gpuio_mountstats_*.")
+                    "The mount holding an engine file as the host sees it (filesystem type and source; network and "
+                    "FUSE mounts too): joins engines with gpuio_mount_info and gpuio_mountstats_*.",
+                    labels=(*ENGINE, "path", "mountpoint", "fstype", "source"))
 MAX_GPUS_PER_ENGINE = 16
-PROCESSES = Desc("gpuio_engine_processes", GAUGE, "Live processes reporting the engine through the spool.")
-LAST_LOAD = Desc("gpuio_engine_last_load_timestamp_seconds", GAUGE, "When the engine was last loaded.")
+PROCESSES = Desc("gpuio_engine_processes", GAUGE, "Live processes reporting the engine through the spool.",
+                 labels=ENGINE)
+LAST_LOAD = Desc("gpuio_engine_last_load_timestamp_seconds", GAUGE,
+                 "When the engine was last loaded.", labels=ENGINE, unit="seconds")
 ENGINE_INFO = Desc("gpuio_engine_info", INFO,
-                   "An engine file as loaded, or being loaded, by a live process: its block device and its GPU "
-                   "(for joins).")
+                   "An engine file as loaded, or being loaded, by a live process: its block device and its GPU (for "
+                   "joins).", labels=(*ENGINE, "path", "device", "cuda_device", "gpu_uuid", "runtime"))
 PHYSICAL_INFO = Desc("gpuio_engine_physical_device_info", INFO,
-                     "The whole disks at the bottom of an engine file's device stack.")
-FILE_SIZE = Desc("gpuio_engine_file_size_bytes", GAUGE, "Size of an engine file.")
-FILE_MTIME = Desc("gpuio_engine_file_modified_timestamp_seconds", GAUGE, "Last modification time of an engine file.")
+                     "The whole disks at the bottom of an engine file's device stack.",
+                     labels=(*ENGINE, "path", "physical_device"))
+FILE_SIZE = Desc("gpuio_engine_file_size_bytes", GAUGE, "Size of an engine file.", labels=ENGINE_FILE, unit="bytes")
+FILE_MTIME = Desc("gpuio_engine_file_modified_timestamp_seconds", GAUGE,
+                  "Last modification time of an engine file.", labels=ENGINE_FILE, unit="seconds")
 FILE_CACHED = Desc("gpuio_engine_file_cached_bytes", GAUGE,
-                   "Bytes of an engine file in the page cache at the last residency scan.")
+                   "Bytes of an engine file in the page cache at the last residency scan.", labels=ENGINE_FILE,
+                   unit="bytes")
 FILE_RATIO = Desc("gpuio_engine_file_cached_ratio", GAUGE,
-                  "Fraction (0-1) of an engine file in the page cache at the last residency scan.")
+                  "Fraction (0-1) of an engine file in the page cache at the last residency scan.", labels=ENGINE_FILE,
+                  unit="ratio")
 RESIDENCY_UNAVAILABLE = Desc("gpuio_engine_file_residency_unavailable", GAUGE,
-                             "Engine files whose residency could not be measured truthfully at the last scan, "
-                             "by reason (permission: the kernel refuses or fakes it without write access).")
+                             "Engine files whose residency could not be measured truthfully at the last scan, by "
+                             "reason (permission: the kernel refuses or fakes it without write access).",
+                             labels=("reason",),
+                             values={"reason": ("permission", "not_visible", "io", "not_regular", "unsupported",
+                                                "outside_paths", "unverified", "symlink", "writer_permission")})
 SCAN_DURATION = Desc("gpuio_engine_residency_scan_duration_seconds", GAUGE,
-                     "How long the last background scan of engine files took.")
+                     "How long the last background scan of engine files took.", unit="seconds")
 SCAN_TIME = Desc("gpuio_engine_residency_scan_timestamp_seconds", GAUGE,
-                 "When the last background scan of engine files finished.")
+                 "When the last background scan of engine files finished.", unit="seconds")
 SPOOL_PROCESSES = Desc("gpuio_engine_spool_processes", GAUGE, "Live processes with a spool file.")
 SPOOL_FOLDED = Desc("gpuio_engine_spool_folded_processes_total", COUNTER,
                     "Spool files of exited processes whose totals were folded in.")
 SPOOL_ERRORS = Desc("gpuio_engine_spool_errors_total", COUNTER,
                     "Spool files skipped or damaged, by reason (empty, truncated, version, garbage, record, io, "
-                    "vanished, oversized, not_deleted), counted once per file.")
+                    "vanished, oversized, not_deleted), counted once per file.", labels=("reason",),
+                    values={"reason": ("empty", "truncated", "version", "garbage", "record", "io", "vanished",
+                                       "oversized", "not_deleted")})
 SPOOL_DEFERRED = Desc("gpuio_engine_spool_deferred_files", GAUGE,
                       "Spool files not read at this scrape because its read budget was spent (read at a later "
                       "scrape; live files keep their last values).")
@@ -186,7 +209,11 @@ WRITER_DROPS = Desc("gpuio_engine_spool_writer_dropped_series_total", COUNTER,
                     "Series processes could not record because their spool file was full.")
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
-               "(counted each time one is left out that was not left out at the scrape before).")
+               "(counted each time one is left out that was not left out at the scrape before).", labels=("kind",),
+               values={"kind": ("engine", "layer", "error", "info", "file", "folded_engine", "engine_gpu")},
+               doc="Engines, engine x GPU pairs, layers, error reasons, info series and files left out by the "
+                   "exporter's caps, by kind (counted each time one is left out that was not left out at the scrape "
+                   "before).")
 
 
 @dataclass(frozen=True)

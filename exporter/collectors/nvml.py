@@ -37,7 +37,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -59,64 +59,124 @@ GPM_REBASE = 600.0  # seconds a GPM baseline serves before the next one (see Gpm
 MAX_XID_CODES = 64
 
 DESCS: list[Desc] = []
+GPU = ("gpu", "uuid")  # every per-GPU series: NVML's index and the GPU's UUID
 
 
-def _desc(name: str, kind: str, help_text: str) -> Desc:
-    desc = Desc(name, kind, help_text)
+def _desc(name: str, kind: str, help_text: str, labels: Sequence[str] = (), unit: str = "", *,
+          values: Mapping[str, Sequence[str]] | None = None, doc: str = "", slow: bool = False) -> Desc:
+    """A family of this collector; ``slow``: read every --collector.nvml.slow-interval (marked in the reference)."""
+    if slow:
+        doc = (doc or help_text).removesuffix(".") + " (*slow*)."
+    desc = Desc(name, kind, help_text, labels=labels, unit=unit, values=values, doc=doc)
     DESCS.append(desc)  # the order families are served in
     return desc
 
 
 COUNT = _desc("gpuio_gpu_devices", GAUGE, "Number of GPUs NVML enumerates.")
-AGE = _desc("gpuio_gpu_snapshot_age_seconds", GAUGE, "Age of the NVML snapshot this scrape serves.")
-UP = _desc("gpuio_gpu_up", GAUGE, "Whether the GPU answers NVML (0: lost, reset required, or gone from the bus).")
-INFO_DESC = _desc("gpuio_gpu_info", INFO, "Identity of a GPU.")
+AGE = _desc("gpuio_gpu_snapshot_age_seconds", GAUGE, "Age of the NVML snapshot this scrape serves.", unit="seconds")
+UP = _desc("gpuio_gpu_up", GAUGE, "Whether the GPU answers NVML (0: lost, reset required, or gone from the bus).",
+           labels=GPU)
+INFO_DESC = _desc("gpuio_gpu_info", INFO, "Identity of a GPU.",
+                  labels=(*GPU, "name", "pci_bus_id", "serial", "minor_number", "driver_version", "cuda_version"))
 BUSY = _desc("gpuio_gpu_busy_seconds_total", COUNTER,
-             "Seconds in which a kernel was running, integrated from NVML's utilisation samples.")
+             "Seconds in which a kernel was running, integrated from NVML's utilisation samples.", labels=GPU,
+             unit="seconds",
+             doc="Seconds in which a kernel was running, integrated from NVML's utilisation samples. `rate()` is the "
+                 "busy fraction at any scrape interval.")
 UTILIZATION = _desc("gpuio_gpu_utilization_ratio", GAUGE,
-                    "Fraction of NVML's last sample period in which a kernel ran (aliases; prefer busy seconds).")
+                    "Fraction of NVML's last sample period in which a kernel ran (aliases; prefer busy seconds).",
+                    labels=GPU, unit="ratio")
 MEMORY_UTILIZATION = _desc("gpuio_gpu_memory_utilization_ratio", GAUGE,
-                           "Fraction of NVML's last sample period in which device memory was read or written.")
-MEMORY_TOTAL = _desc("gpuio_gpu_memory_total_bytes", GAUGE, "Device memory installed.")
-MEMORY_RESERVED = _desc("gpuio_gpu_memory_reserved_bytes", GAUGE, "Device memory reserved by driver and firmware.")
-MEMORY_USED = _desc("gpuio_gpu_memory_used_bytes", GAUGE, "Device memory allocated.")
-MEMORY_FREE = _desc("gpuio_gpu_memory_free_bytes", GAUGE, "Device memory free.")
-TEMPERATURE = _desc("gpuio_gpu_temperature_celsius", GAUGE, "GPU die temperature.")
-MEMORY_TEMPERATURE = _desc("gpuio_gpu_memory_temperature_celsius", GAUGE, "Memory (HBM) temperature.")
-POWER = _desc("gpuio_gpu_power_watts", GAUGE, "Power draw (averaged over 1 s on Ampere and newer).")
-POWER_LIMIT = _desc("gpuio_gpu_power_limit_watts", GAUGE, "Power limit the driver enforces.")
-ENERGY = _desc("gpuio_gpu_energy_joules_total", COUNTER, "Energy consumed since the driver loaded.")
-SM_CLOCK = _desc("gpuio_gpu_sm_clock_hertz", GAUGE, "SM clock.")
-SM_CLOCK_MAX = _desc("gpuio_gpu_sm_clock_max_hertz", GAUGE, "Highest SM clock.")
-MEMORY_CLOCK = _desc("gpuio_gpu_memory_clock_hertz", GAUGE, "Memory clock.")
-MEMORY_CLOCK_MAX = _desc("gpuio_gpu_memory_clock_max_hertz", GAUGE, "Highest memory clock.")
-LINK_GEN = _desc("gpuio_gpu_pcie_link_generation", GAUGE, "PCIe link generation now.")
-LINK_GEN_MAX = _desc("gpuio_gpu_pcie_link_generation_max", GAUGE, "Highest PCIe generation of this GPU and slot.")
-LINK_WIDTH = _desc("gpuio_gpu_pcie_link_width", GAUGE, "PCIe lanes now.")
-LINK_WIDTH_MAX = _desc("gpuio_gpu_pcie_link_width_max", GAUGE, "Most PCIe lanes of this GPU and slot.")
-PCIE_TX = _desc("gpuio_gpu_pcie_transmit_bytes_total", COUNTER, "PCIe bytes sent by the GPU (GPM, Hopper+).")
-PCIE_RX = _desc("gpuio_gpu_pcie_receive_bytes_total", COUNTER, "PCIe bytes received by the GPU (GPM, Hopper+).")
-REPLAYS = _desc("gpuio_gpu_pcie_replays_total", COUNTER, "PCIe replays (link-level retransmissions).")
-REASON = _desc("gpuio_gpu_clocks_event_reason_active", GAUGE, "Whether a clock event reason holds clocks down now.")
-VIOLATION = _desc("gpuio_gpu_clocks_event_seconds_total", COUNTER, "Time a clock event reason held clocks down.")
-ECC = _desc("gpuio_gpu_ecc_errors_total", COUNTER, "ECC errors since the driver loaded.")
-ECC_AGGREGATE = _desc("gpuio_gpu_ecc_aggregate_errors_total", COUNTER, "ECC errors over the GPU's lifetime.")
-REMAPPED = _desc("gpuio_gpu_remapped_rows", GAUGE, "Memory rows remapped, by the kind of error that caused it.")
-REMAP_PENDING = _desc("gpuio_gpu_remapped_rows_pending", GAUGE, "Whether a row remap waits for a GPU reset.")
-REMAP_FAILURE = _desc("gpuio_gpu_remapped_rows_failure", GAUGE, "Whether a row remap has failed.")
-XID = _desc("gpuio_gpu_xid_errors_total", COUNTER, "Xid events seen since the exporter started, by Xid code.")
-XID_LAST = _desc("gpuio_gpu_xid_last_timestamp_seconds", GAUGE, "When an Xid code was last seen.")
-PROCESSES = _desc("gpuio_gpu_processes", GAUGE, "Compute processes on the GPU (all, before the cap).")
+                           "Fraction of NVML's last sample period in which device memory was read or written.",
+                           labels=GPU, unit="ratio")
+MEMORY_TOTAL = _desc("gpuio_gpu_memory_total_bytes", GAUGE, "Device memory installed.", labels=GPU, unit="bytes")
+MEMORY_RESERVED = _desc("gpuio_gpu_memory_reserved_bytes", GAUGE,
+                        "Device memory reserved by driver and firmware.", labels=GPU, unit="bytes",
+                        doc="Device memory reserved by driver and firmware (absent before "
+                            "nvmlDeviceGetMemoryInfo_v2).")
+MEMORY_USED = _desc("gpuio_gpu_memory_used_bytes", GAUGE,
+                    "Device memory allocated.", labels=GPU, unit="bytes",
+                    doc="Device memory allocated (includes the reserved memory on drivers without v2).")
+MEMORY_FREE = _desc("gpuio_gpu_memory_free_bytes", GAUGE, "Device memory free.", labels=GPU, unit="bytes")
+TEMPERATURE = _desc("gpuio_gpu_temperature_celsius", GAUGE, "GPU die temperature.", labels=GPU, unit="celsius")
+MEMORY_TEMPERATURE = _desc("gpuio_gpu_memory_temperature_celsius", GAUGE,
+                           "Memory (HBM) temperature.", labels=GPU, unit="celsius")
+POWER = _desc("gpuio_gpu_power_watts", GAUGE, "Power draw (averaged over 1 s on Ampere and newer).", labels=GPU,
+              unit="watts")
+POWER_LIMIT = _desc("gpuio_gpu_power_limit_watts", GAUGE, "Power limit the driver enforces.", labels=GPU, unit="watts")
+ENERGY = _desc("gpuio_gpu_energy_joules_total", COUNTER,
+               "Energy consumed since the driver loaded.", labels=GPU, unit="joules", slow=True)
+SM_CLOCK = _desc("gpuio_gpu_sm_clock_hertz", GAUGE, "SM clock.", labels=GPU, unit="hertz")
+SM_CLOCK_MAX = _desc("gpuio_gpu_sm_clock_max_hertz", GAUGE, "Highest SM clock.", labels=GPU, unit="hertz")
+MEMORY_CLOCK = _desc("gpuio_gpu_memory_clock_hertz", GAUGE, "Memory clock.", labels=GPU, unit="hertz")
+MEMORY_CLOCK_MAX = _desc("gpuio_gpu_memory_clock_max_hertz", GAUGE, "Highest memory clock.", labels=GPU, unit="hertz")
+LINK_GEN = _desc("gpuio_gpu_pcie_link_generation", GAUGE, "PCIe link generation now.", labels=GPU)
+LINK_GEN_MAX = _desc("gpuio_gpu_pcie_link_generation_max", GAUGE,
+                     "Highest PCIe generation of this GPU and slot.", labels=GPU,
+                     doc="Highest PCIe generation of this GPU and slot: below it, the link is degraded (or "
+                         "idle-downshifted).")
+LINK_WIDTH = _desc("gpuio_gpu_pcie_link_width", GAUGE, "PCIe lanes now.", labels=GPU)
+LINK_WIDTH_MAX = _desc("gpuio_gpu_pcie_link_width_max", GAUGE,
+                       "Most PCIe lanes of this GPU and slot.", labels=GPU,
+                       doc="Most PCIe lanes of this GPU and slot: below it, the link is degraded.")
+PCIE_TX = _desc("gpuio_gpu_pcie_transmit_bytes_total", COUNTER,
+                "PCIe bytes sent by the GPU (GPM, Hopper+).", labels=GPU, unit="bytes",
+                doc="PCIe bytes sent by the GPU, TLP overhead included (GPM: Hopper and newer only).")
+PCIE_RX = _desc("gpuio_gpu_pcie_receive_bytes_total", COUNTER,
+                "PCIe bytes received by the GPU (GPM, Hopper+).", labels=GPU, unit="bytes",
+                doc="PCIe bytes received by the GPU, TLP overhead included (GPM: Hopper and newer only).")
+REPLAYS = _desc("gpuio_gpu_pcie_replays_total", COUNTER,
+                "PCIe replays (link-level retransmissions).", labels=GPU, slow=True)
+REASON = _desc("gpuio_gpu_clocks_event_reason_active", GAUGE,
+               "Whether a clock event reason holds clocks down now.", labels=(*GPU, "reason"),
+               doc="Whether a clock event reason holds clocks down now; reasons as nvidia-smi's "
+                   "`clocks_event_reasons.*`.")
+VIOLATION = _desc("gpuio_gpu_clocks_event_seconds_total", COUNTER,
+                  "Time a clock event reason held clocks down.", labels=(*GPU, "reason"), unit="seconds",
+                  values={"reason": ("sw_power_cap", "sync_boost", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                                     "hw_power_brake_slowdown")}, slow=True)
+ECC = _desc("gpuio_gpu_ecc_errors_total", COUNTER,
+            "ECC errors since the driver loaded.", labels=(*GPU, "error"),
+            values={"error": ("corrected", "uncorrected")}, slow=True)
+ECC_AGGREGATE = _desc("gpuio_gpu_ecc_aggregate_errors_total", COUNTER,
+                      "ECC errors over the GPU's lifetime.", labels=(*GPU, "error"),
+                      values={"error": ("corrected", "uncorrected")}, slow=True)
+REMAPPED = _desc("gpuio_gpu_remapped_rows", GAUGE,
+                 "Memory rows remapped, by the kind of error that caused it.", labels=(*GPU, "cause"),
+                 values={"cause": ("correctable", "uncorrectable")}, slow=True)
+REMAP_PENDING = _desc("gpuio_gpu_remapped_rows_pending", GAUGE,
+                      "Whether a row remap waits for a GPU reset.", labels=GPU, slow=True)
+REMAP_FAILURE = _desc("gpuio_gpu_remapped_rows_failure", GAUGE, "Whether a row remap has failed.", labels=GPU,
+                      slow=True)
+XID = _desc("gpuio_gpu_xid_errors_total", COUNTER,
+            "Xid events seen since the exporter started, by Xid code.", labels=(*GPU, "xid"),
+            doc="Xid events seen since the exporter started, by Xid code (at most 64 codes per GPU, then `other`).")
+XID_LAST = _desc("gpuio_gpu_xid_last_timestamp_seconds", GAUGE,
+                 "When an Xid code was last seen.", labels=(*GPU, "xid"), unit="seconds",
+                 doc="When an Xid code was last seen. `time() - x < 600` alerts on a new Xid, even its first.")
+PROCESSES = _desc("gpuio_gpu_processes", GAUGE,
+                  "Compute processes on the GPU (all, before the cap).", labels=GPU, slow=True)
 PROCESS_MEMORY = _desc("gpuio_gpu_process_memory_used_bytes", GAUGE,
-                       "Device memory of a compute process (NaN where NVML cannot say).")
-DROPPED = _desc("gpuio_gpu_processes_dropped_total", COUNTER, "Processes left out of the list by the cap.")
-MIG_ENABLED = _desc("gpuio_gpu_mig_enabled", GAUGE, "Whether MIG mode is on.")
-MIG_INFO = _desc("gpuio_gpu_mig_device_info", INFO, "A MIG device (compute instance) of a GPU.")
-MIG_MEMORY_TOTAL = _desc("gpuio_gpu_mig_device_memory_total_bytes", GAUGE, "Memory of a MIG device.")
-MIG_MEMORY_USED = _desc("gpuio_gpu_mig_device_memory_used_bytes", GAUGE, "Memory of a MIG device in use.")
-MIG_MEMORY_FREE = _desc("gpuio_gpu_mig_device_memory_free_bytes", GAUGE, "Memory of a MIG device free.")
+                       "Device memory of a compute process (NaN where NVML cannot say).",
+                       labels=(*GPU, "pid", "process_name"), unit="bytes",
+                       doc="Device memory of a compute process, largest first up to `--collector.nvml.max-processes` "
+                           "(NaN where NVML cannot say).", slow=True)
+DROPPED = _desc("gpuio_gpu_processes_dropped_total", COUNTER,
+                "Processes left out of the list by the cap.", labels=GPU,
+                doc="Processes left out of the list by the cap, each counted once.", slow=True)
+MIG_ENABLED = _desc("gpuio_gpu_mig_enabled", GAUGE, "Whether MIG mode is on.", labels=GPU, slow=True)
+MIG_INFO = _desc("gpuio_gpu_mig_device_info", INFO, "A MIG device (compute instance) of a GPU.",
+                 labels=(*GPU, "mig_uuid", "gpu_instance", "compute_instance", "name"), slow=True)
+MIG_MEMORY_TOTAL = _desc("gpuio_gpu_mig_device_memory_total_bytes", GAUGE,
+                         "Memory of a MIG device.", labels=(*GPU, "mig_uuid"), unit="bytes", slow=True)
+MIG_MEMORY_USED = _desc("gpuio_gpu_mig_device_memory_used_bytes", GAUGE,
+                        "Memory of a MIG device in use.", labels=(*GPU, "mig_uuid"), unit="bytes", slow=True)
+MIG_MEMORY_FREE = _desc("gpuio_gpu_mig_device_memory_free_bytes", GAUGE,
+                        "Memory of a MIG device free.", labels=(*GPU, "mig_uuid"), unit="bytes", slow=True)
 NVML_ERRORS = _desc("gpuio_gpu_nvml_errors_total", COUNTER,
-                    "NVML calls that failed other than unsupported or lost, by call and error.")
+                    "NVML calls that failed other than unsupported or lost, by call and error.",
+                    labels=(*GPU, "call", "error"),
+                    doc="NVML calls that failed other than unsupported or lost, by call and error (e.g. `Timeout`).")
 
 # nvmlClocksEventReason* bits, named as nvidia-smi's clocks_event_reasons.* fields.
 EVENT_REASONS = ((0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"),

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from exporter import thresholds as th
 from exporter import top
-from tests.conftest import REPO, root
+from tests.conftest import catalogued, root
 
 PROC, SYS = root("linux-6.8")
 
@@ -382,14 +382,34 @@ def test_url_source_accepts_host_port_and_reports_unreachable() -> None:
         top.UrlSource("127.0.0.1:1", timeout=1).sample()
 
 
-def test_every_metric_top_reads_is_documented() -> None:
-    """The names block of exporter/top.py against docs/metrics.md (which the collectors' tests keep true):
+def test_every_metric_top_reads_is_declared() -> None:
+    """The names block of exporter/top.py against the catalogue (docs/metrics.md is generated from it):
     a collector that renames a family fails here, not silently as an empty column."""
-    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
-        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
     read = {value for name, value in vars(top).items()
             if name.isupper() and isinstance(value, str) and value.startswith("gpuio_")}
-    assert len(read) > 25 and read - documented == set()
+    assert len(read) > 25 and read - catalogued() == set()
+
+
+def test_every_label_top_reads_is_declared_on_the_family_it_reads_it_from() -> None:
+    from exporter.catalogue import by_name
+
+    reads = {
+        top.GPU_LABEL: (top.GPU_INFO, top.GPU_UP, top.GPU_BUSY, top.GPU_MEMORY_USED, top.GPU_MEMORY_TOTAL,
+                        top.GPU_TEMPERATURE, top.GPU_POWER, top.GPU_THROTTLE),
+        top.GPU_UUID_LABEL: (top.GPU_INFO, top.GPU_UP, top.GPU_BUSY, top.GPU_THROTTLE),
+        top.GPU_THROTTLE_REASON_LABEL: (top.GPU_THROTTLE,),
+        top.ENGINE_LABEL: (top.ENGINE_INFO, top.ENGINE_LATENCY, top.ENGINE_IN_FLIGHT, top.ENGINE_POOL_CONTEXTS,
+                           top.ENGINE_POOL_WAIT, top.ENGINE_RESIDENCY, top.ENGINE_PHYSICAL),
+        top.ENGINE_INFO_DEVICE_LABEL: (top.ENGINE_INFO,),
+        top.ENGINE_INFO_GPU_LABEL: (top.ENGINE_INFO, top.ENGINE_LATENCY, top.ENGINE_IN_FLIGHT),
+        "name": (top.GPU_INFO,),
+        "rotational": (top.DISK_INFO,),
+        "physical_device": (top.DISK_PHYSICAL, top.ENGINE_PHYSICAL),
+        "device": (top.DISK_READS, top.DISK_INFO, top.DISK_PHYSICAL, top.SMART_HEALTH),
+    }
+    missing = {(label, family) for label, families in reads.items() for family in families
+               if label not in by_name(family).labels}
+    assert missing == set()
 
 
 def test_printable_escapes_what_a_terminal_would_act_on_and_keeps_the_rest() -> None:

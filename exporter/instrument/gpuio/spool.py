@@ -120,9 +120,11 @@ class Series:
     # The exporter serves it per engine and GPU (label gpu_uuid), else per engine: the series that say
     # whether work waits on one GPU.  Gauges are always per GPU.
     per_gpu: bool = False
+    unit: str = ""  # the base unit the name ends in (seconds, bytes), "" for a count
 
     @property
     def labels(self) -> tuple[str, ...]:
+        """The family's label names (histograms' ``le`` aside)."""
         return ("engine", "gpu_uuid") if self.per_gpu or self.type == GAUGE else ("engine",)
 
 
@@ -133,26 +135,29 @@ HISTOGRAM, COUNTER, GAUGE = "histogram", "counter", "gauge"
 # only slots that may go down; everything else only grows.
 ENGINE_SERIES: tuple[Series, ...] = (
     Series("load_read_seconds", HISTOGRAM, "gpuio_engine_load_read_seconds",
-           "Time to read engine files from disk or page cache, per load (the disk's part).", LOAD_BOUNDS),
+           "Time to read engine files from disk or page cache, per load (the disk's part).", LOAD_BOUNDS,
+           unit="seconds"),
     Series("load_deserialize_seconds", HISTOGRAM, "gpuio_engine_load_deserialize_seconds",
            "Time to deserialize engines once read (TensorRT deserialize_cuda_engine or the model loader), per load.",
-           LOAD_BOUNDS),
+           LOAD_BOUNDS, unit="seconds"),
     Series("inference_seconds", HISTOGRAM, "gpuio_engine_inference_seconds",
            "End-to-end latency of completed inferences (enqueue to stream synchronised).", LATENCY_BOUNDS,
-           per_gpu=True),
+           per_gpu=True, unit="seconds"),
     Series("inference_gpu_seconds", HISTOGRAM, "gpuio_engine_inference_gpu_seconds",
-           "GPU time of inferences from CUDA events, where the process measures it.", LATENCY_BOUNDS),
+           "GPU time of inferences from CUDA events, where the process measures it.", LATENCY_BOUNDS, unit="seconds"),
     Series("batch_size", HISTOGRAM, "gpuio_engine_inference_batch_size",
            "Batch size of inferences, where known.", BATCH_BOUNDS),
     Series("pool_wait_seconds", HISTOGRAM, "gpuio_engine_pool_wait_seconds",
-           "Time requests waited for a free execution context in the engine pool.", LATENCY_BOUNDS, per_gpu=True),
+           "Time requests waited for a free execution context in the engine pool.", LATENCY_BOUNDS, per_gpu=True,
+           unit="seconds"),
     Series("warmup_seconds", HISTOGRAM, "gpuio_engine_warmup_seconds",
-           "Warm-up time of each execution context before it served (all warm-up iterations).", LOAD_BOUNDS),
+           "Warm-up time of each execution context before it served (all warm-up iterations).", LOAD_BOUNDS,
+           unit="seconds"),
     Series("first_inference_seconds", HISTOGRAM, "gpuio_engine_first_inference_seconds",
            "Latency of each execution context's first inference (cold), to compare with the steady inference "
-           "latency.", LATENCY_BOUNDS),
+           "latency.", LATENCY_BOUNDS, unit="seconds"),
     Series("load_read_bytes", COUNTER, "gpuio_engine_load_read_bytes_total",
-           "Bytes read from engine files by loads."),
+           "Bytes read from engine files by loads.", unit="bytes"),
     Series("layer_profiled_inferences", COUNTER, "gpuio_engine_layer_profiled_inferences_total",
            "Inferences profiled per layer (sampled 1 in N); divide layer seconds by this for a mean."),
     Series("in_flight", GAUGE, "gpuio_engine_inferences_in_flight", "Inferences running now, per engine and GPU."),
