@@ -77,6 +77,8 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
                                 if i.path == path and (i.cuda_device >= 0 or i.gpu_uuid)}),
                 "last_load_timestamp": totals.last_load.get(engine),
             }
+            row.update(_last_load(totals.waterfalls.get(engine)))
+            row["predicted_cold_start_seconds"] = collector.predicted_cold_start(totals, engine)
             if values is not None:
                 loads, read_seconds = histogram_count_and_sum(values, "load_read_seconds")
                 inferences, inference_seconds = histogram_count_and_sum(values, "inference_seconds")
@@ -91,9 +93,35 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
     return rows
 
 
+def _last_load(values: list[float] | None) -> dict[str, Any]:
+    """The waterfall of the engine's latest load, as a row's fields (empty before any)."""
+    from gpuio import spool as fmt
+
+    slot = fmt.WATERFALL
+    if values is None or values[slot["last_start"]] <= 0:
+        return {}
+    klass = int(values[slot["last_class"]])
+    read = values[slot["last_read"]]
+    return {
+        "last_load_class": fmt.LOAD_CLASSES[klass - 1] if 1 <= klass <= len(fmt.LOAD_CLASSES) else None,
+        "last_load_seconds": values[slot["last_wall"]],
+        "last_load_phases": {name: values[slot[f"last_{name}"]] for name in fmt.PHASES if values[slot[f"last_{name}"]]},
+        "last_load_device_bytes": values[slot["last_device_bytes"]],
+        "last_load_cache_bytes": values[slot["last_cache_bytes"]],
+        "last_load_read_bytes_per_second": values[slot["last_bytes"]] / read if read > 0 else None,
+    }
+
+
+def _waterfall(row: dict[str, Any]) -> str:
+    short = {"open": "open", "read": "read", "deserialize": "deser", "context": "ctx", "warmup": "warm",
+             "first_inference": "first"}
+    phases = row.get("last_load_phases") or {}
+    return " ".join(f"{short[name]} {seconds * 1000:.0f}ms" for name, seconds in phases.items()) or "-"
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     header = ("ENGINE", "PROCS", "SIZE MiB", "CACHED", "DEVICE", "DISKS", "GPU", "LOADS", "LAST LOAD", "READ MiB/s",
-              "INFERENCES", "MEAN ms", "PATH")
+              "LAST LOAD WATERFALL", "CLASS", "FROM DISK MiB", "COLD START s", "INFERENCES", "MEAN ms", "PATH")
     lines = [header]
     for row in rows:
         cached = row["cached_ratio"]
@@ -104,6 +132,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
             row["device"] or "-", ",".join(row["disks"]) or "-", " ".join(row["gpus"]) or "-",
             f"{row.get('loads', 0):.0f}", _age(row["last_load_timestamp"]),
             f"{row['read_mib_per_second']:.0f}" if row.get("read_mib_per_second") else "-",
+            _waterfall(row), row.get("last_load_class") or "-",
+            _mib(row["last_load_device_bytes"]) if row.get("last_load_class") else "-",
+            "-" if row.get("predicted_cold_start_seconds") is None else f"{row['predicted_cold_start_seconds']:.2f}",
             f"{row.get('inferences', 0):.0f}",
             f"{row['mean_latency_seconds'] * 1000:.2f}" if row.get("mean_latency_seconds") else "-",
             row["path"] or "-",

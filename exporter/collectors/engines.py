@@ -163,9 +163,12 @@ PHYSICAL_INFO = Desc("gpuio_engine_physical_device_info", INFO,
 FILE_SIZE = Desc("gpuio_engine_file_size_bytes", GAUGE, "Size of an engine file.")
 FILE_MTIME = Desc("gpuio_engine_file_modified_timestamp_seconds", GAUGE, "Last modification time of an engine file.")
 FILE_CACHED = Desc("gpuio_engine_file_cached_bytes", GAUGE,
-                   "Bytes of an engine file in the page cache at the last residency scan.")
+                   "Bytes of an engine file in the page cache at the last residency scan (or, where the exporter "
+                   "may not measure it, at the end of the loading process's latest load: see "
+                   "gpuio_engine_file_cached_measured_timestamp_seconds).")
 FILE_RATIO = Desc("gpuio_engine_file_cached_ratio", GAUGE,
-                  "Fraction (0-1) of an engine file in the page cache at the last residency scan.")
+                  "Fraction (0-1) of an engine file in the page cache at the last residency scan (or as the loading "
+                  "process measured it: see gpuio_engine_file_cached_measured_timestamp_seconds).")
 RESIDENCY_UNAVAILABLE = Desc("gpuio_engine_file_residency_unavailable", GAUGE,
                              "Engine files whose residency could not be measured truthfully at the last scan, "
                              "by reason (permission: the kernel refuses or fakes it without write access).")

@@ -62,7 +62,8 @@ def show(label: str, loaded: gpuio.Loaded) -> gpuio.waterfall.Waterfall:  # type
     print(f"{label}: class={w.load_class} file={w.file_bytes} device_bytes={w.device_bytes} "
           f"cache_bytes={w.cache_bytes} major_faults={w.major_faults} wall={w.wall_seconds * 1000:.1f}ms "
           f"[{phases}] read {throughput / 2**20:.0f} MiB/s cached_at_start="
-          f"{w.cached_start.cached_bytes if w.cached_start else None} ({w.cached_start.method if w.cached_start else '-'})",
+          f"{w.cached_start.cached_bytes if w.cached_start else None} "
+          f"({w.cached_start.method if w.cached_start else '-'})",
           flush=True)
     total = sum(w.phases.values())
     check(abs(total - w.wall_seconds) <= max(0.02 * w.wall_seconds, 0.005),
@@ -90,7 +91,8 @@ def main() -> int:
     how = evict(path)
     cold = show(f"load 1 after eviction by {how}", gpuio.load(path, loader, name="waterfall", device=0))
     check(cold.load_class == "cold", "load 1 is cold")
-    check(abs(cold.device_bytes - size) <= 0.1 * size, f"load 1 device bytes {cold.device_bytes} about the file size {size}")
+    check(abs(cold.device_bytes - size) <= 0.1 * size,
+          f"load 1 device bytes {cold.device_bytes} about the file size {size}")
     warm = show("load 2", gpuio.load(path, loader, name="waterfall", device=0))
     check(warm.load_class == "warm", "load 2 is warm")
     check(warm.device_bytes <= 0.01 * size, f"load 2 device bytes {warm.device_bytes} near zero")
