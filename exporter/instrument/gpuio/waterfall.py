@@ -34,7 +34,7 @@ from . import spool as fmt
 
 SYS_CACHESTAT = 451  # the same number on x86_64 and aarch64 (the generic syscall table)
 PROBE_STRIDE = 1 << 20
-MAX_PROBES = 4096
+MAX_PROBES = 256  # each miss reads one page: bounded IOs on a slow (network) disk
 PAGE = mmap.PAGESIZE
 # Classification: the share of the file the load had to fetch from the device (module note).
 COLD_AT_LEAST = 0.8
