@@ -111,10 +111,12 @@ def read_and_deserialize(metrics: EngineMetrics, path: str, deserialize: Callabl
             begin = time.perf_counter()
             with open(path, "rb", buffering=0) as handle:
                 size = os.fstat(handle.fileno()).st_size
-                timer.waterfall.cached_start = wf.residency_of_fd(handle.fileno(), size)
+                with timer.reading():  # a probe that misses reads a page of the file
+                    timer.waterfall.cached_start = wf.residency_of_fd(handle.fileno(), size)
                 timer.phase("open", time.perf_counter() - begin)
                 begin = time.perf_counter()
-                data, read_seconds = read_open(handle, size, progress=progress.add)
+                with timer.reading():
+                    data, read_seconds = read_open(handle, size, progress=progress.add)
                 # The waterfall's read includes allocating the buffer (it is part of the load's wall
                 # time); read_seconds, the disk's part, does not.
                 timer.phase("read", time.perf_counter() - begin)
@@ -227,7 +229,11 @@ class LoadTimer:
             size = os.fstat(handle.fileno()).st_size
             self._phase("open", time.perf_counter() - begin)
             begin = time.perf_counter()
-            data, seconds = read_open(handle, size, progress=self._report)
+            if self._waterfall is not None:
+                with self._waterfall.reading():
+                    data, seconds = read_open(handle, size, progress=self._report)
+            else:
+                data, seconds = read_open(handle, size, progress=self._report)
             self._phase("read", time.perf_counter() - begin)
         self.read_seconds += seconds
         self.bytes_read += len(data)

@@ -195,7 +195,8 @@ def _load_streaming(module: ModuleType, runtime: Any, path: str, metrics: Engine
         with metrics.loading(path, *gpu.resolve(device, gpu_uuid), "tensorrt") as progress:
             reader.progress = progress.add
             start = time.perf_counter()
-            cuda_engine = runtime.deserialize_cuda_engine(reader)
+            with timer.reading():  # the runtime calls the reader on this thread, inside deserialize
+                cuda_engine = runtime.deserialize_cuda_engine(reader)
             total = time.perf_counter() - start
     finally:
         reader.close()

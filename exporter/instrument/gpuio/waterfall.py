@@ -2,7 +2,7 @@
 
 Everything here is measured by the loading thread on itself, so it needs no privilege:
 
-* **device vs page-cache bytes**: ``/proc/thread-self/io`` before and after the load.  ``read_bytes``
+* **device vs page-cache bytes**: ``/proc/thread-self/io`` around the file's reads (see WaterfallTimer).  ``read_bytes``
   counts what this thread made the block layer fetch (its reads, their readahead, and the page faults
   of an mmap'ing loader); ``rchar`` counts what read(2) calls returned, wherever it came from.  Bytes
   from the page cache are the difference.  Network filesystems (NFS, FUSE) fetch without the block
@@ -22,12 +22,14 @@ Everything here is measured by the loading thread on itself, so it needs no priv
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import spool as fmt
@@ -193,15 +195,31 @@ class Waterfall:
 
 
 class WaterfallTimer:
-    """Measures one load on the calling thread: ``begin()``, ``phase(name, seconds)``, ``end()``."""
+    """Measures one load on the calling thread: ``phase(name, seconds)`` as they happen, the file's
+    reads inside ``with timer.reading():``, then ``end()``.
+
+    Bytes by source come from the thread's counters around the reads only (where the loader marks
+    them), so that a deserializer that loads libraries (CUDA's lazily loaded modules come off the same
+    disk after a cache drop) does not count as the engine file's bytes; without a marked read (a
+    caller's own loop on this thread, an mmap'ing loader) they come from the whole load.  Major faults
+    always cover the whole load."""
 
     def __init__(self) -> None:
         self.waterfall = Waterfall()
         self._start = time.perf_counter()
         self._before = ThreadCounters.now()
+        self._reads: list[tuple[ThreadCounters, ThreadCounters]] = []
 
     def phase(self, name: str, seconds: float) -> None:
         self.waterfall.phases[name] = self.waterfall.phases.get(name, 0.0) + max(0.0, seconds)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        before = ThreadCounters.now()
+        try:
+            yield
+        finally:
+            self._reads.append((before, ThreadCounters.now()))
 
     def end(self, bytes_read: int, file_bytes: int) -> Waterfall:
         after = ThreadCounters.now()
@@ -209,8 +227,9 @@ class WaterfallTimer:
         w.wall_seconds = time.perf_counter() - self._start
         w.bytes_read = bytes_read
         w.file_bytes = file_bytes
-        w.device_bytes = _delta(after.read_bytes, self._before.read_bytes)
-        w.cache_bytes = max(0, _delta(after.rchar, self._before.rchar) - w.device_bytes)
+        windows = self._reads or [(self._before, after)]
+        w.device_bytes = sum(_delta(end.read_bytes, begin.read_bytes) for begin, end in windows)
+        w.cache_bytes = max(0, sum(_delta(end.rchar, begin.rchar) for begin, end in windows) - w.device_bytes)
         w.major_faults = _delta(after.major_faults, self._before.major_faults)
         w.load_class = classify(file_bytes, w.device_bytes, w.cached_start.cached_bytes if w.cached_start else None)
         return w
