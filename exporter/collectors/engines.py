@@ -48,7 +48,7 @@ from ..blockdev import BlockDevices, Mount, PathDevices
 from ..collect import Absent, Collector, Context, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
-from ..mounts import MountCache, MountPoint
+from ..mounts import MountCache
 from ..options import Option, parse_count, parse_seconds
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..sampler import PeriodicSampler
@@ -305,6 +305,7 @@ class EnginesCollector(Collector):
         self._labels: dict[str, str] = {}
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
         self._devices: dict[tuple[int, int], tuple[float, str, list[str]]] = {}
+        self._writer_devices: dict[tuple[str, str, str], tuple[float, str, list[str]]] = {}
         self._bad = LogOnce(log)
         self._mounts = MountCache(context.procfs)
 
@@ -496,7 +497,7 @@ class EnginesCollector(Collector):
         for engine, path, dev in self._engine_files(totals, engines):
             for disk in self.device_of(dev)[1]:
                 per_disk.setdefault(disk, [0.0, 0.0])
-            mount = self._mounts.of_file(dev, path) or _as_mount(dev, totals.mounts.get((engine, dev)))
+            mount = self._mounts.of_file(dev, path)
             if mount is not None:
                 per_mount.setdefault(mount.mountpoint, [0.0, 0.0])
                 mount_info[ENGINE_MOUNT.sample(label_string({"engine": engine, "path": path, "mountpoint":
@@ -601,6 +602,21 @@ class EnginesCollector(Collector):
         return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical)]
 
     def device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
+        """:meth:`_device_from_writer`, cached like :meth:`device_of` (a stat and sysfs reads)."""
+        if mount is None:
+            return "", []
+        key = (mount.fstype, mount.source, mount.layer)
+        now = time.monotonic()
+        cached = self._writer_devices.get(key)
+        if cached is not None and now - cached[0] < DEVICE_CACHE_SECONDS:
+            return cached[1], cached[2]
+        device, disks = self._device_from_writer(mount)
+        if len(self._writer_devices) > 10_000:
+            self._writer_devices.clear()
+        self._writer_devices[key] = (now, device, disks)
+        return device, disks
+
+    def _device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
         """The block device under a file as its writer's own mountinfo names it, where the exporter's
         view has none (a file inside a container image: overlayfs, whose layer directory is a path of
         the host's filesystem; a PVC's /dev source).  The writer's word is used only to stat a layer
@@ -848,13 +864,6 @@ class EnginesCollector(Collector):
             Family(WRITER_DROPS, [WRITER_DROPS.sample("", totals.dropped_by_writers)]),
             Family(DROPPED, dropped),
         ]
-
-
-def _as_mount(dev: tuple[int, int], mount: rd.WriterMount | None) -> MountPoint | None:
-    """A writer's mount record as a mount of the exporter's table (for gpuio_engine_mount_info)."""
-    if mount is None or not mount.mountpoint.startswith("/"):
-        return None
-    return MountPoint(dev, "/", mount.mountpoint, mount.fstype, mount.source, "")
 
 
 def histogram_quantile(q: float, values: list[float], name: str) -> float | None:

@@ -118,8 +118,9 @@ def _run_on_a_terminal(arguments: list[str]) -> str:
     import pty
 
     leader, follower = pty.openpty()
+    environment = {**os.environ, "TERM": "xterm", "COLUMNS": "120"}
     process = subprocess.Popen([sys.executable, "-c", GPUIO, *arguments], stdout=follower, stderr=follower,
-                               stdin=subprocess.DEVNULL, cwd=REPO, env={**os.environ, "TERM": "xterm", "COLUMNS": "120"})
+                               stdin=subprocess.DEVNULL, cwd=REPO, env=environment)
     os.close(follower)
     chunks = []
     while True:

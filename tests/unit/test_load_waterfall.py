@@ -6,6 +6,7 @@ Real files on this machine's disk (/var/tmp is ext4 on a virtio disk), evicted w
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 
 import pytest
@@ -151,3 +152,91 @@ def test_writer_records_its_mount_in_the_spool(model_file: str, spool: str) -> N
     st = os.stat(model_file)
     mount = totals.mounts[("mounted", (os.major(st.st_dev), os.minor(st.st_dev)))]
     assert mount.fstype == "ext4" and mount.mountpoint == "/"
+
+
+HOST_MOUNTINFO = """\
+22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+31 22 259:6 / /var/lib/kubelet/pods/0b7e/volumes/kubernetes.io~csi/pvc-41/mount ro,relatime - ext4 /dev/nvme2n1 ro
+32 22 8:17 / /srv/models rw,relatime - xfs /dev/sdb1 rw,attr2,inode64
+33 22 0:88 /exports/models /var/lib/kubelet/pods/0b7e/volumes/kubernetes.io~nfs/models ro,relatime - nfs4 \
+10.0.4.20:/exports/models ro,vers=4.1,addr=10.0.4.20
+"""
+
+
+def _fixture_sysfs(root: str) -> str:
+    """A sysfs with the block devices of the four cases (the overlay's layer lives on this machine's
+    real disk, whose MAJ:MIN is linked to vda)."""
+    layer_dev = os.stat(root).st_dev
+    links = {"259:6": "nvme2n1", "8:17": "sdb/sdb1", f"{os.major(layer_dev)}:{os.minor(layer_dev)}": "vda"}
+    for number, name in links.items():
+        os.makedirs(os.path.join(root, "sys", "block", name), exist_ok=True)
+        os.makedirs(os.path.join(root, "sys", "dev", "block"), exist_ok=True)
+        os.symlink(f"../../block/{name}", os.path.join(root, "sys", "dev", "block", number))
+    with open(os.path.join(root, "sys", "block", "sdb", "sdb1", "partition"), "w") as handle:
+        handle.write("1\n")
+    return os.path.join(root, "sys")
+
+
+def test_the_join_engine_to_disk_for_image_pvc_hostpath_and_nfs(spool: str) -> None:
+    """Four engines, one per kind of storage, each with the st_dev and mount line its writer records
+    (tests/fixtures/mounts/writer): the image file's disk comes from the writer's overlay layer, the PVC's
+    and the hostPath's from their st_dev, the NFS file's mount from the host's mount table."""
+    from exporter.collect import Context
+    from exporter.collectors.engines import EnginesCollector
+
+    root = tempfile.mkdtemp(dir="/var/tmp")
+    sysfs = _fixture_sysfs(root)
+    os.makedirs(os.path.join(root, "proc", "1"))
+    with open(os.path.join(root, "proc", "1", "mountinfo"), "w") as handle:
+        handle.write(HOST_MOUNTINFO)
+    layer = "/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots/5344/fs"
+    os.makedirs(os.path.join(root, "rootfs", layer.lstrip("/")))
+    cases = {  # engine: (fixture, st_dev, path)
+        "image": ("containerd-overlay.mountinfo", (0, 347), "/opt/model/resnet.engine"),
+        "pvc": ("csi-block-pvc.mountinfo", (259, 6), "/models/llm.plan"),
+        "nfs": ("nfs.mountinfo", (0, 88), "/models/a.onnx"),
+        "hostpath": ("hostpath.mountinfo", (8, 17), "/models/b.pt"),
+    }
+    for engine, (fixture, dev, path) in cases.items():
+        metrics = gpuio.engine(engine)
+        metrics._append_info(fmt.pack_info(0, dev, 7, 1 << 20, 0, 1.0, path, "GPU-1", "generic"))
+        own = wf.mount_of(dev, path, os.path.join(FIXTURES, fixture))
+        assert own is not None
+        if engine == "image":  # the layer as the exporter sees the host: under its --path.rootfs
+            own = wf.OwnMount(own.mountpoint, own.fstype, own.source, layer)
+        metrics.record_mount(dev, own.mountpoint, own.fstype, own.source, own.layer)
+        metrics.load_read_bytes.inc(1)
+    settings = {option.name: option.parse(option.default) if option.default is not None else None
+                for option in EnginesCollector.options}
+    settings["spool-dir"] = spool
+    collector = EnginesCollector(Context(os.path.join(root, "proc"), sysfs, os.path.join(root, "rootfs")), settings)
+    text = "".join(line for family in collector.collect() for line in family.samples)
+    devices = {engine: line.split('device="')[1].split('"')[0] for engine in cases
+               for line in text.splitlines() if line.startswith(f'gpuio_engine_info{{engine="{engine}"')}
+    assert devices == {"image": "vda", "pvc": "nvme2n1", "hostpath": "sdb1", "nfs": ""}
+    assert ('gpuio_engine_mount_info{engine="nfs",path="/models/a.onnx",mountpoint='
+            '"/var/lib/kubelet/pods/0b7e/volumes/kubernetes.io~nfs/models",fstype="nfs4",'
+            'source="10.0.4.20:/exports/models"} 1') in text
+    assert 'gpuio_engine_physical_device_info{engine="hostpath",path="/models/b.pt",physical_device="sdb"} 1' in text
+
+
+SLOTS = len(fmt.WATERFALL_SLOTS)
+
+
+@pytest.mark.parametrize(("kind", "key", "payload"), [
+    (fmt.KIND_MOUNT, "e\x001:2", fmt.MOUNT_STRUCT.pack(4000, 0, 0, 0) + b"/x"),  # strings past the record
+    (fmt.KIND_MOUNT, "e\x00one:2", fmt.pack_mount("/", "ext4", "/dev/vda", "")),  # not MAJ:MIN
+    (fmt.KIND_MOUNT, "e", fmt.pack_mount("/", "ext4", "/dev/vda", "")),  # no device in the key
+    (fmt.KIND_WATERFALL, "e", b"\0" * 8 * 3),  # short
+    (fmt.KIND_WATERFALL, "e", struct.pack(f"<{SLOTS}d", *([float("nan")] * SLOTS))),  # NaN
+    (fmt.KIND_WATERFALL, "e", struct.pack(f"<{SLOTS}d", *([-1.0] * SLOTS))),  # negative
+])
+def test_hostile_waterfall_and_mount_records_stop_the_parse_there(kind: int, key: str, payload: bytes) -> None:
+    """A writer is untrusted: a record that makes no sense ends the parse (kept: what came before)."""
+    file = fmt.SpoolFile(None)
+    with file.lock:
+        file.add_record(fmt.KIND_ERROR, "good\x00reason", 8, struct.pack("<d", 1.0))
+        file.add_record(kind, key, len(payload), payload)
+    parsed = rd.parse(bytes(file._map))
+    assert parsed.bad_record and parsed.errors == {("good", "reason"): 1.0}
+    assert not parsed.waterfalls and not parsed.mounts
