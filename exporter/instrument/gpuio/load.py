@@ -111,8 +111,7 @@ def read_and_deserialize(metrics: EngineMetrics, path: str, deserialize: Callabl
             begin = time.perf_counter()
             with open(path, "rb", buffering=0) as handle:
                 size = os.fstat(handle.fileno()).st_size
-                with timer.reading():  # a probe that misses reads a page of the file
-                    timer.waterfall.cached_start = wf.residency_of_fd(handle.fileno(), size)
+                timer.waterfall.cached_start = wf.residency_of_fd(handle.fileno(), size)
                 timer.phase("open", time.perf_counter() - begin)
                 begin = time.perf_counter()
                 with timer.reading():
@@ -149,9 +148,10 @@ def finish_waterfall(metrics: EngineMetrics, path: str | None, waterfall: wf.Wat
         try:
             st = os.stat(real)
             dev = (os.major(st.st_dev), os.minor(st.st_dev))
-            mount = wf.mount_of(dev, real)
-            if mount is not None:
-                metrics.record_mount(dev, mount.mountpoint, mount.fstype, mount.source, mount.layer)
+            if not metrics.has_mount(dev):  # a file system's mount does not change under its st_dev
+                mount = wf.mount_of(dev, real)
+                if mount is not None:
+                    metrics.record_mount(dev, mount.mountpoint, mount.fstype, mount.source, mount.layer)
         except OSError:
             pass
     metrics.record_waterfall(waterfall)

@@ -429,6 +429,10 @@ class EngineMetrics:
             values[last] = values[0]
             target[index + last] = values[0]
 
+    def has_mount(self, dev: tuple[int, int]) -> bool:
+        """Whether this process recorded the mount of st_dev ``dev`` for the engine."""
+        return f"{self.name}\0{dev[0]}:{dev[1]}" in self._mounts
+
     def record_mount(self, dev: tuple[int, int], mountpoint: str, fstype: str, source: str, layer: str) -> None:
         """The writer's mountinfo line of an engine file's st_dev (once per device and content)."""
         key = f"{self.name}\0{dev[0]}:{dev[1]}"
