@@ -240,3 +240,22 @@ def test_hostile_waterfall_and_mount_records_stop_the_parse_there(kind: int, key
     parsed = rd.parse(bytes(file._map))
     assert parsed.bad_record and parsed.errors == {("good", "reason"): 1.0}
     assert not parsed.waterfalls and not parsed.mounts
+
+
+def test_load_timer_with_the_callers_own_read(model_file: str, spool: str) -> None:
+    """LoadTimer around code the caller owns: its read (on this thread) is what the bytes count."""
+    size = os.path.getsize(model_file)
+    _evict(model_file)
+    with gpuio.LoadTimer("timed", model_file) as timer:
+        with timer.reading(size), open(model_file, "rb") as handle:
+            data = handle.read()
+        with timer.deserializing():
+            bytes(data)
+        with timer.phase("context"):
+            pass
+    w = timer.waterfall
+    assert w is not None and w.load_class == "cold" and w.device_bytes >= 0.9 * size
+    assert set(w.phases) == {"read", "deserialize", "context"}
+    with pytest.raises(ValueError, match="unknown phase"), gpuio.LoadTimer("timed", model_file) as timer, \
+            timer.phase("nap"):
+        pass

@@ -245,8 +245,10 @@ class LoadTimer:
 
     @contextmanager
     def reading(self, nbytes: int = 0) -> Iterator[None]:
+        """The caller's own read of the file (on this thread: its device and page-cache bytes count)."""
         start = time.perf_counter()
-        yield
+        with self._waterfall.reading() if self._waterfall is not None else contextlib.nullcontext():
+            yield
         seconds = time.perf_counter() - start
         self.read_seconds += seconds
         self._phase("read", seconds)
