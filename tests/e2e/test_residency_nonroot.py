@@ -85,6 +85,8 @@ def loaded() -> Iterator[tuple[str, str, dict[str, object]]]:
     finally:
         with contextlib.suppress(OSError):
             writer.communicate(input="", timeout=10)
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(spool, ignore_errors=True)
 
 
 def _scrape_exporter(caps: list[str], model: str, spool: str) -> str:

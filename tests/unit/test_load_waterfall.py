@@ -6,8 +6,10 @@ Real files on this machine's disk (/var/tmp is ext4 on a virtio disk), evicted w
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,16 +32,17 @@ def _evict(path: str) -> None:
 
 
 @pytest.fixture
-def model_file() -> str:
-    directory = tempfile.mkdtemp(dir="/var/tmp")
+def model_file() -> Iterator[str]:
+    directory = tempfile.mkdtemp(dir="/var/tmp")  # a real disk (pytest's tmp_path may be tmpfs elsewhere)
     path = os.path.join(directory, "waterfall.bin")
     with open(path, "wb") as handle:
         handle.write(os.urandom(8 << 20))
-    return path
+    yield path
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
-def spool(tmp_path: object) -> str:
+def spool() -> Iterator[str]:
     directory = tempfile.mkdtemp()
     gpuio.configure(spool_dir=directory)
     yield directory
@@ -136,6 +139,8 @@ def test_overlay_layer_resolves_to_the_disk_under_it(spool: str) -> None:
     """A file in a container image: the exporter cannot see it, the writer's overlay layer directory (a
     host path) leads to the block device (here a real directory on this machine's disk)."""
     layer = tempfile.mkdtemp(dir="/var/tmp")
+    os.rmdir(layer)  # only its st_dev matters: the directory itself may go
+    layer = os.path.dirname(layer)
     st = os.stat(layer)
     expected = rd.WriterMount("/", "overlay", "overlay", layer)
     collector = engines_collector(spool)
@@ -177,7 +182,7 @@ def _fixture_sysfs(root: str) -> str:
     return os.path.join(root, "sys")
 
 
-def test_the_join_engine_to_disk_for_image_pvc_hostpath_and_nfs(spool: str) -> None:
+def test_the_join_engine_to_disk_for_image_pvc_hostpath_and_nfs(spool: str, request: pytest.FixtureRequest) -> None:
     """Four engines, one per kind of storage, each with the st_dev and mount line its writer records
     (tests/fixtures/mounts/writer): the image file's disk comes from the writer's overlay layer, the PVC's
     and the hostPath's from their st_dev, the NFS file's mount from the host's mount table."""
@@ -185,6 +190,7 @@ def test_the_join_engine_to_disk_for_image_pvc_hostpath_and_nfs(spool: str) -> N
     from exporter.collectors.engines import EnginesCollector
 
     root = tempfile.mkdtemp(dir="/var/tmp")
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
     sysfs = _fixture_sysfs(root)
     os.makedirs(os.path.join(root, "proc", "1"))
     with open(os.path.join(root, "proc", "1", "mountinfo"), "w") as handle:
