@@ -37,16 +37,22 @@ from gpuio.spool import (
     KIND_INFO,
     KIND_LAYER,
     KIND_LOAD,
+    KIND_MOUNT,
+    KIND_WATERFALL,
     KINDS,
     LOAD_SLOTS,
     MAGIC,
     MAX_KEY_BYTES,
     MAX_RECORD_BYTES,
+    MOUNT_STRUCT,
     PREFIX,
     RECORD_HEAD,
     SUFFIX,
     USED_OFFSET,
     VERSION,
+    WATERFALL,
+    WATERFALL_COUNTERS,
+    WATERFALL_SLOTS,
     Layout,
     pad8,
 )
@@ -131,6 +137,20 @@ class EngineInfo:
 
 
 LoadKey = tuple[str, str, tuple[int, int]]  # engine, GPU uuid ("" unknown), st_dev of the file
+MountKey = tuple[str, tuple[int, int]]  # engine, st_dev of its file
+
+
+@dataclass(frozen=True)
+class WriterMount:
+    """A writer's own mountinfo line for its engine file's st_dev (its word: untrusted)."""
+
+    mountpoint: str
+    fstype: str
+    source: str
+    layer: str  # overlayfs: a layer directory, a path of the host's filesystem
+
+
+MAX_MOUNTS_PER_ENGINE = 4
 
 
 @dataclass
@@ -146,6 +166,8 @@ class Parsed:
     layers: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     infos: dict[str, EngineInfo] = field(default_factory=dict)
     loads: dict[LoadKey, list[float]] = field(default_factory=dict)  # LOAD records, LOAD_SLOTS each
+    waterfalls: dict[str, list[float]] = field(default_factory=dict)  # WATERFALL records by engine
+    mounts: dict[MountKey, WriterMount] = field(default_factory=dict)
     unknown_records: int = 0  # well-framed records of kinds this reader does not know (a newer library)
     bad_record: bool = False
 
@@ -210,7 +232,25 @@ def parse(data: bytes) -> Parsed:
     return parsed
 
 
+def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
+    engine, _, dev = key.partition("\0")
+    major, colon, minor = dev.partition(":")
+    if not engine or not colon or not (major + minor).isascii() or not major.isdigit() or not minor.isdigit():
+        raise ValueError("bad MOUNT key")
+    lengths = MOUNT_STRUCT.unpack_from(payload)
+    if MOUNT_STRUCT.size + sum(lengths) > len(payload):
+        raise ValueError("MOUNT strings overrun the record")
+    text, start, parts = bytes(payload), MOUNT_STRUCT.size, []
+    for length in lengths:
+        parts.append(text[start : start + length].decode("utf-8", "replace"))
+        start += length
+    parsed.mounts[(engine, (int(major), int(minor)))] = WriterMount(*parts)
+
+
 def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> None:
+    if kind == KIND_MOUNT:
+        _parse_mount(parsed, key, payload)
+        return
     if kind == KIND_INFO:
         cuda, major, minor, ino, size, mtime_ns, load_time, n_path, n_uuid, n_runtime = INFO_STRUCT.unpack_from(payload)
         start = INFO_STRUCT.size
@@ -236,6 +276,14 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
         return
     if kind == KIND_LOAD:
         _parse_load(parsed, key, values)
+        return
+    if kind == KIND_WATERFALL:
+        if len(values) < len(WATERFALL_SLOTS) or not key:
+            raise ValueError("short WATERFALL record")
+        values = values[: len(WATERFALL_SLOTS)]
+        if values[0] != values[-1]:  # copied mid-update: no last load from this copy (_clamp keeps the last good)
+            values[len(WATERFALL_COUNTERS) : -1] = [0.0] * (len(values) - 1 - len(WATERFALL_COUNTERS))
+        parsed.waterfalls[key] = values
         return
     engine, _, label = key.partition("\0")
     if not engine or not label:
@@ -301,6 +349,10 @@ class Totals:
     # summed, the oldest start time the smallest)
     loads: dict[LoadKey, list[float]] = field(default_factory=dict)
     last_load: dict[str, float] = field(default_factory=dict)
+    # engine -> WATERFALL vector: counters summed over live and exited writers, the last-load slots of
+    # the latest load among them
+    waterfalls: dict[str, list[float]] = field(default_factory=dict)
+    mounts: dict[MountKey, WriterMount] = field(default_factory=dict)  # live writers', per engine capped
     live_files: int = 0
     dropped_by_writers: int = 0
     # (engine, path) -> owners (uids) of the live files whose INFO names that path: the exporter opens an
@@ -656,6 +708,8 @@ class SpoolReader:
         for engine, info in parsed.infos.items():
             if info.load_time > 0:  # 0: loading, never finished a load
                 folded.last_load[engine] = max(folded.last_load.get(engine, 0.0), info.load_time)
+        for engine, values in parsed.waterfalls.items():
+            _merge_waterfall(folded.waterfalls, engine, values)
         folded.dropped_by_writers += parsed.dropped
         self._fold_per_gpu(parsed)
 
@@ -676,6 +730,7 @@ class SpoolReader:
             self._folded_touched.pop(engine)
             self._folded.engines.pop(engine, None)
             self._folded.last_load.pop(engine, None)
+            self._folded.waterfalls.pop(engine, None)
             for table in (self._folded.errors, self._folded.layers):
                 for key in [k for k in table if k[0] == engine]:
                     del table[key]
@@ -709,9 +764,11 @@ class SpoolReader:
             errors=dict(folded.errors),
             layers={key: list(pair) for key, pair in folded.layers.items()},
             last_load=dict(folded.last_load),
+            waterfalls={engine: list(values) for engine, values in folded.waterfalls.items()},
             dropped_by_writers=folded.dropped_by_writers,
         )
         distinct: dict[tuple[str, str, int, str, str, tuple[int, int], int], EngineInfo] = {}
+        mounts_of: dict[str, set[tuple[int, int]]] = {}
         for state in self._live.values():
             parsed = state.parsed
             if parsed is None:
@@ -727,6 +784,12 @@ class SpoolReader:
             for key, pair in parsed.layers.items():
                 old = totals.layers.get(key)
                 totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
+            for engine, values in parsed.waterfalls.items():
+                _merge_waterfall(totals.waterfalls, engine, values)
+            for (engine, dev), mount in parsed.mounts.items():
+                if (engine, dev) in totals.mounts or len(mounts_of.setdefault(engine, set())) < MAX_MOUNTS_PER_ENGINE:
+                    mounts_of.setdefault(engine, set()).add(dev)
+                    totals.mounts[(engine, dev)] = mount
             for engine, info in parsed.infos.items():
                 found = self.gpu_of(parsed.pid, parsed.start_ticks) if not info.gpu_uuid and self.gpu_of else None
                 if found:
@@ -819,6 +882,23 @@ def _merge_load(table: dict[LoadKey, list[float]], key: LoadKey, values: list[fl
         merged[2] = oldest
 
 
+WATERFALL_LAST_FROM = len(WATERFALL_COUNTERS)  # the last-load slots start here (seq_end is the last slot)
+
+
+def _merge_waterfall(table: dict[str, list[float]], engine: str, values: list[float]) -> None:
+    """Counters add up; the last-load slots are those of the latest load (its start time)."""
+    merged = table.get(engine)
+    if merged is None:
+        table[engine] = list(values)
+        return
+    start = WATERFALL["last_start"]
+    newer = values[start] > merged[start]
+    for index in range(WATERFALL_LAST_FROM):
+        merged[index] += values[index]
+    if newer:
+        merged[WATERFALL_LAST_FROM:] = values[WATERFALL_LAST_FROM:]
+
+
 def observations(values: list[float] | None) -> float:
     """How much an engine's totals say: histogram observations plus bytes loaded (0: nothing)."""
     if values is None:
@@ -837,3 +917,9 @@ def _clamp(previous: Parsed, current: Parsed) -> None:
         before_pair = previous.layers.get(key)
         if before_pair is not None:
             _max_into(before_pair, pair, 2)
+    for engine, values in current.waterfalls.items():
+        before = previous.waterfalls.get(engine)
+        if values[0] != values[-1] and before is not None:  # copied mid-update (parse): keep the last good
+            values[:] = before
+        elif before is not None:
+            _max_into(before, values, WATERFALL_LAST_FROM)

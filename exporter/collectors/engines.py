@@ -44,7 +44,7 @@ from gpuio import spool as fmt
 from gpuio.load import engine_name
 
 from .. import spool_reader as rd
-from ..blockdev import BlockDevices, PathDevices
+from ..blockdev import BlockDevices, Mount, PathDevices
 from ..collect import Absent, Collector, Context, Pending, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
@@ -179,10 +179,12 @@ FILE_SIZE = Desc("gpuio_engine_file_size_bytes", GAUGE, "Size of an engine file.
 FILE_MTIME = Desc("gpuio_engine_file_modified_timestamp_seconds", GAUGE,
                   "Last modification time of an engine file.", labels=ENGINE_FILE, unit="seconds")
 FILE_CACHED = Desc("gpuio_engine_file_cached_bytes", GAUGE,
-                   "Bytes of an engine file in the page cache at the last residency scan.", labels=ENGINE_FILE,
-                   unit="bytes")
+                   "Bytes of an engine file in the page cache at the last residency scan (or, where the exporter "
+                   "may not measure it, at the end of the loading process's latest load: see "
+                   "gpuio_engine_file_cached_measured_timestamp_seconds).", labels=ENGINE_FILE, unit="bytes")
 FILE_RATIO = Desc("gpuio_engine_file_cached_ratio", GAUGE,
-                  "Fraction (0-1) of an engine file in the page cache at the last residency scan.", labels=ENGINE_FILE,
+                  "Fraction (0-1) of an engine file in the page cache at the last residency scan (or as the loading "
+                  "process measured it: see gpuio_engine_file_cached_measured_timestamp_seconds).", labels=ENGINE_FILE,
                   unit="ratio")
 RESIDENCY_UNAVAILABLE = Desc("gpuio_engine_file_residency_unavailable", GAUGE,
                              "Engine files whose residency could not be measured truthfully at the last scan, by "
@@ -207,6 +209,44 @@ SPOOL_DEFERRED = Desc("gpuio_engine_spool_deferred_files", GAUGE,
                       "scrape; live files keep their last values).")
 WRITER_DROPS = Desc("gpuio_engine_spool_writer_dropped_series_total", COUNTER,
                     "Series processes could not record because their spool file was full.")
+# The waterfall of loads (gpuio.waterfall in the library; WATERFALL records of the spool).
+LOADS_BY_CLASS = Desc("gpuio_engine_loads_total", COUNTER,
+                      "Finished loads by class: cold (at least 80 % of the file fetched from the device, or not "
+                      "cached when the load started), warm (at most 10 %), partial (between).",
+                      labels=("engine", "class"))
+PHASE_SECONDS = Desc("gpuio_engine_load_phase_seconds_total", COUNTER,
+                     "Seconds spent in each phase of loads: open, read, deserialize, context (execution-context "
+                     "creation), warmup, first_inference.", labels=("engine", "phase"), unit="seconds")
+SOURCE_BYTES = Desc("gpuio_engine_load_source_read_bytes_total", COUNTER,
+                    "Bytes loads read, by where they came from: device (the loading thread's read_bytes) or "
+                    "page_cache (the rest of what its reads returned).", labels=("engine", "source"), unit="bytes")
+MAJOR_FAULTS = Desc("gpuio_engine_load_major_faults_total", COUNTER,
+                    "Major page faults taken by the loading thread during loads (loaders that mmap the file).",
+                    labels=("engine",))
+LAST_PHASE = Desc("gpuio_engine_last_load_phase_seconds", GAUGE,
+                  "The engine's latest load, phase by phase (its waterfall).", labels=("engine", "phase"),
+                  unit="seconds")
+LAST_DURATION = Desc("gpuio_engine_last_load_duration_seconds", GAUGE,
+                     "Wall time of the engine's latest load, from opening the file to the model deserialized.",
+                     labels=("engine",), unit="seconds")
+LAST_BYTES = Desc("gpuio_engine_last_load_read_bytes", GAUGE,
+                  "Bytes the engine's latest load read, by source (device, page_cache).", labels=("engine", "source"),
+                  unit="bytes")
+LAST_CLASS = Desc("gpuio_engine_last_load_class_info", INFO,
+                  "The class (cold, warm, partial) of the engine's latest load.", labels=("engine", "class"))
+LAST_START_CACHED = Desc("gpuio_engine_last_load_start_cached_ratio", GAUGE,
+                         "Fraction (0-1) of the engine file in the page cache when its latest load started, as the "
+                         "loading process measured it (cachestat on its own descriptor, else sampled).",
+                         labels=("engine",), unit="ratio")
+PREDICTED = Desc("gpuio_engine_predicted_cold_start_seconds", GAUGE,
+                 "Predicted load time of the engine now: its file's bytes not in the page cache over the read "
+                 "throughput of its past cold loads (else of cold loads from the same device), plus the median "
+                 "deserialize time.  Absent until a cold load from that device was seen.",
+                 labels=("engine",), unit="seconds")
+CACHED_SOURCE = Desc("gpuio_engine_file_cached_measured_timestamp_seconds", GAUGE,
+                     "When gpuio_engine_file_cached_bytes of the file was measured, and by whom (source: scan, the "
+                     "exporter's background scan; loader, the loading process at the end of its latest load).",
+                     labels=("engine", "path", "source"), unit="seconds")
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
                "(counted each time one is left out that was not left out at the scrape before).", labels=("kind",),
@@ -291,6 +331,7 @@ class EnginesCollector(Collector):
         self._labels: dict[str, str] = {}
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
         self._devices: dict[tuple[int, int], tuple[float, str, list[str]]] = {}
+        self._writer_devices: dict[tuple[str, str, str], tuple[float, str, list[str]]] = {}
         self._bad = LogOnce(log)
         self._mounts = MountCache(context.procfs)
 
@@ -326,7 +367,8 @@ class EnginesCollector(Collector):
         families += self._per_gpu_families(totals, pairs)
         families += self._info_families(totals, engines)
         families += self._load_families(totals, engines, pairs)
-        families += self._file_families()
+        families += self._file_families(totals)
+        families += self._waterfall_families(totals, engines)
         for left_out in self._left_out.values():
             left_out.commit()
         families += self._spool_families(totals)
@@ -556,6 +598,8 @@ class EnginesCollector(Collector):
         for engine in engines:
             for item in self._infos(totals, engine):
                 device, disks = self.device_of(item.dev)
+                if not device:
+                    device, disks = self.device_from_writer(totals.mounts.get((engine, item.dev)))
                 labels = {"engine": engine, "path": item.path, "device": device,
                           "cuda_device": "" if item.cuda_device < 0 else str(item.cuda_device),
                           "gpu_uuid": item.gpu_uuid, "runtime": item.runtime}
@@ -584,6 +628,43 @@ class EnginesCollector(Collector):
             physical.extend(PHYSICAL_INFO.sample(label_string({"engine": view.engine, "path": view.path,
                                                                "physical_device": disk}), 1) for disk in disks)
         return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical)]
+
+    def device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
+        """:meth:`_device_from_writer`, cached like :meth:`device_of` (a stat and sysfs reads)."""
+        if mount is None:
+            return "", []
+        key = (mount.fstype, mount.source, mount.layer)
+        now = time.monotonic()
+        cached = self._writer_devices.get(key)
+        if cached is not None and now - cached[0] < DEVICE_CACHE_SECONDS:
+            return cached[1], cached[2]
+        device, disks = self._device_from_writer(mount)
+        if len(self._writer_devices) > 10_000:
+            self._writer_devices.clear()
+        self._writer_devices[key] = (now, device, disks)
+        return device, disks
+
+    def _device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
+        """The block device under a file as its writer's own mountinfo names it, where the exporter's
+        view has none (a file inside a container image: overlayfs, whose layer directory is a path of
+        the host's filesystem; a PVC's /dev source).  The writer's word is used only to stat a layer
+        directory (never opened) or to name a /dev node, and only what sysfs knows is shown."""
+        if mount is None:
+            return "", []
+        layer = mount.layer
+        if mount.fstype == "overlay":
+            if not os.path.isabs(layer) or any(part in (".", "..") for part in layer.split("/")):
+                return "", []
+            options = f"upperdir={layer}"
+        elif mount.source.startswith("/dev/") and ".." not in mount.source.split("/"):
+            options = ""
+        else:
+            return "", []
+        resolver = PathDevices(self.context.sysfs, os.devnull, self.context.rootfs)
+        found = resolver._through_mount(Mount(0, 0, "/", mount.mountpoint, mount.fstype, mount.source, options), 0)
+        if not found:
+            return "", []
+        return found, BlockDevices(self.context.sysfs).physical(found)
 
     def device_of(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
         """The block device behind st_dev MAJ:MIN and the whole disks under it (sysfs reads, cached)."""
@@ -655,12 +736,12 @@ class EnginesCollector(Collector):
         return FileView(target.engine, target.path, from_glob, dev, measured.size, st.st_mtime,
                         measured.cached_bytes, None)
 
-    def _file_families(self) -> list[Family]:
+    def _file_families(self, totals: rd.Totals) -> list[Family]:
         snapshot = self.scanner.snapshot()
         result = snapshot.value
         if result is None:
             return []
-        size, mtime, cached, ratio = [], [], [], []
+        size, mtime, cached, ratio, measured = [], [], [], [], []
         unavailable: dict[str, int] = {}
         for view in result.files.values():
             labels = label_string({"engine": view.engine, "path": view.path})
@@ -668,18 +749,128 @@ class EnginesCollector(Collector):
                 size.append(FILE_SIZE.sample(labels, view.size))
             if view.mtime is not None:
                 mtime.append(FILE_MTIME.sample(labels, view.mtime))
-            if view.cached_bytes is not None and view.size is not None:
-                cached.append(FILE_CACHED.sample(labels, view.cached_bytes))
-                ratio.append(FILE_RATIO.sample(labels, 1.0 if view.size == 0 else view.cached_bytes / view.size))
+            figure = self.cached_figure(totals, view, result.finished)
+            if figure is not None:
+                file_bytes, cached_bytes, source, when = figure
+                cached.append(FILE_CACHED.sample(labels, cached_bytes))
+                ratio.append(FILE_RATIO.sample(labels, 1.0 if file_bytes == 0 else cached_bytes / file_bytes))
+                measured.append(CACHED_SOURCE.sample(label_string({"engine": view.engine, "path": view.path,
+                                                                   "source": source}), when))
             if view.unavailable is not None:
                 unavailable[view.unavailable] = unavailable.get(view.unavailable, 0) + 1
         return [
             Family(FILE_SIZE, size), Family(FILE_MTIME, mtime), Family(FILE_CACHED, cached), Family(FILE_RATIO, ratio),
+            Family(CACHED_SOURCE, measured),
             Family(RESIDENCY_UNAVAILABLE, [RESIDENCY_UNAVAILABLE.sample(label_string({"reason": reason}), count)
                                            for reason, count in sorted(unavailable.items())]),
             Family(SCAN_DURATION, [SCAN_DURATION.sample("", result.duration)]),
             Family(SCAN_TIME, [SCAN_TIME.sample("", result.finished)]),
         ]
+
+    @staticmethod
+    def cached_figure(totals: rd.Totals, view: FileView, scanned: float) -> tuple[int, int, str, float] | None:
+        """(file bytes, cached bytes, source, when measured) of an engine file: the exporter's scan where
+        it could measure, else what the loading process measured at the end of the engine's latest load
+        of that very file (an exporter without CAP_FOWNER cannot measure a file it may not write)."""
+        if view.cached_bytes is not None and view.size is not None:
+            return view.size, view.cached_bytes, "scan", scanned
+        values = totals.waterfalls.get(view.engine)
+        slot = fmt.WATERFALL
+        if values is None or values[slot["residency_method"]] <= 0 or values[slot["file_bytes"]] <= 0:
+            return None
+        infos = totals.infos.get(view.engine, [])
+        latest = max(infos, key=lambda item: item.load_time, default=None)
+        if latest is None or latest.path != view.path:
+            return None
+        file_bytes = int(values[slot["file_bytes"]])
+        cached = min(file_bytes, int(values[slot["cached_end_bytes"]]))
+        return file_bytes, cached, "loader", values[slot["residency_time"]]
+
+    # --- the waterfall of loads -----------------------------------------------------------------
+
+    def _waterfall_families(self, totals: rd.Totals, engines: list[str]) -> list[Family]:
+        slot = fmt.WATERFALL
+        lines: dict[Desc, list[str]] = {desc: [] for desc in (LOADS_BY_CLASS, PHASE_SECONDS, SOURCE_BYTES, MAJOR_FAULTS,
+                                                              LAST_PHASE, LAST_DURATION, LAST_BYTES, LAST_CLASS,
+                                                              LAST_START_CACHED, PREDICTED)}
+        for engine in engines:
+            values = totals.waterfalls.get(engine)
+            if values is None:
+                continue
+            labels = self._label(engine)
+            for name in fmt.LOAD_CLASSES:
+                lines[LOADS_BY_CLASS].append(LOADS_BY_CLASS.sample(
+                    label_string({"engine": engine, "class": name}), values[slot[f"loads_{name}"]]))
+            for name in fmt.PHASES:
+                phase = label_string({"engine": engine, "phase": name})
+                lines[PHASE_SECONDS].append(PHASE_SECONDS.sample(phase, values[slot[f"phase_{name}"]]))
+                if values[slot["last_start"]] > 0:
+                    lines[LAST_PHASE].append(LAST_PHASE.sample(phase, values[slot[f"last_{name}"]]))
+            for source, total, last in (("device", "device_bytes", "last_device_bytes"),
+                                        ("page_cache", "cache_bytes", "last_cache_bytes")):
+                source_labels = label_string({"engine": engine, "source": source})
+                lines[SOURCE_BYTES].append(SOURCE_BYTES.sample(source_labels, values[slot[total]]))
+                if values[slot["last_start"]] > 0:
+                    lines[LAST_BYTES].append(LAST_BYTES.sample(source_labels, values[slot[last]]))
+            lines[MAJOR_FAULTS].append(MAJOR_FAULTS.sample(labels, values[slot["major_faults"]]))
+            if values[slot["last_start"]] > 0:
+                lines[LAST_DURATION].append(LAST_DURATION.sample(labels, values[slot["last_wall"]]))
+                klass = int(values[slot["last_class"]])
+                if 1 <= klass <= len(fmt.LOAD_CLASSES):
+                    lines[LAST_CLASS].append(LAST_CLASS.sample(
+                        label_string({"engine": engine, "class": fmt.LOAD_CLASSES[klass - 1]}), 1))
+                if values[slot["residency_method"]] > 0 and values[slot["file_bytes"]] > 0:
+                    lines[LAST_START_CACHED].append(LAST_START_CACHED.sample(
+                        labels, min(1.0, values[slot["cached_start_bytes"]] / values[slot["file_bytes"]])))
+            predicted = self.predicted_cold_start(totals, engine)
+            if predicted is not None:
+                lines[PREDICTED].append(PREDICTED.sample(labels, predicted))
+        return [Family(desc, samples) for desc, samples in lines.items()]
+
+    def predicted_cold_start(self, totals: rd.Totals, engine: str) -> float | None:
+        """Bytes of the engine's file not cached now / cold-read throughput + median deserialize seconds
+        (docs/engines.md, "Predicted cold start"); None where a part is unknown."""
+        missing = self._bytes_not_cached(totals, engine)
+        throughput = self._cold_throughput(totals, engine)
+        values = totals.engines.get(engine)
+        if missing is None or throughput is None or values is None:
+            return None
+        deserialize = histogram_quantile(0.5, values, "load_deserialize_seconds")
+        return missing / throughput + (deserialize or 0.0)
+
+    def _bytes_not_cached(self, totals: rd.Totals, engine: str) -> int | None:
+        scan = self.scanner.snapshot()
+        views = [view for (name, _), view in (scan.value.files.items() if scan.value is not None else ())
+                 if name == engine]
+        figures = [figure for view in views
+                   if (figure := self.cached_figure(totals, view, scan.value.finished if scan.value else 0.0))]
+        if figures:
+            return max(file_bytes - cached for file_bytes, cached, _, _ in figures)
+        values = totals.waterfalls.get(engine)  # no file view at all: the loader's own figure
+        slot = fmt.WATERFALL
+        if values is not None and values[slot["residency_method"]] > 0 and values[slot["file_bytes"]] > 0:
+            return int(max(0.0, values[slot["file_bytes"]] - values[slot["cached_end_bytes"]]))
+        return None
+
+    @staticmethod
+    def _cold_throughput(totals: rd.Totals, engine: str) -> float | None:
+        """Bytes per second of the engine's cold loads; else of every engine's cold loads from the same
+        st_dev (its file's filesystem)."""
+        slot = fmt.WATERFALL
+
+        def rate(names: list[str]) -> float | None:
+            known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
+            moved = sum(values[slot["cold_device_bytes"]] for values in known)
+            seconds = sum(values[slot["cold_read_seconds"]] for values in known)
+            return moved / seconds if moved > 0 and seconds > 0 else None
+
+        own = rate([engine])
+        if own is not None:
+            return own
+        devices = {info.dev for info in totals.infos.get(engine, []) if info.dev != (0, 0)}
+        if not devices:
+            return None
+        return rate([name for name, infos in totals.infos.items() if any(info.dev in devices for info in infos)])
 
     # --- the spool itself ----------------------------------------------------------------------
 
@@ -701,6 +892,25 @@ class EnginesCollector(Collector):
             Family(WRITER_DROPS, [WRITER_DROPS.sample("", totals.dropped_by_writers)]),
             Family(DROPPED, dropped),
         ]
+
+
+def histogram_quantile(q: float, values: list[float], name: str) -> float | None:
+    """Prometheus's histogram_quantile over an ENGINE vector's histogram ``name`` (linear within the
+    bucket; the lowest bucket starts at 0); None with no observation."""
+    first, total_index, bounds = fmt.ENGINE_LAYOUT.histograms[name]
+    counts = values[first:total_index]
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, seen, lower = q * total, 0.0, 0.0
+    for bound, count in zip((*bounds, math.inf), counts, strict=True):
+        if count > 0 and seen + count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - seen) / count
+        seen += count
+        lower = bound
+    return lower
 
 
 def _add_load(totals: list[float], count: float, age: float, read_bytes: float | None = None) -> None:

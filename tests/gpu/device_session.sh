@@ -32,6 +32,7 @@ step python3 tests/gpu/test_engines_gpu.py
 step python3 bench/nvml_bench.py
 step python3 tests/gpu/exporter_http_check.py
 step python3 tests/gpu/smart_replay_check.py
+step python3 tests/gpu/load_waterfall_check.py
 if [ -f .whl/prometheus.xz ]; then
   mkdir -p /tmp/gpuio-bin && xz -dc .whl/prometheus.xz > /tmp/gpuio-bin/prometheus && chmod +x /tmp/gpuio-bin/prometheus
   echo "$(date +%s)" | python3 tests/gpu/gpu_worker.py duty 1 0.5 90 > "$OUT/worker.log" 2>&1 &

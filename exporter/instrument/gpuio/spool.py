@@ -26,6 +26,10 @@ Layout (version 1, little-endian, every value 8-byte aligned)::
                  and again when it finishes)
          LOAD:   LOAD_SLOTS doubles (loads in progress, their bytes read so far, the start time of
                  the oldest, seconds since the epoch); key "engine\0gpu uuid\0MAJ:MIN" of the file
+         WATERFALL: WATERFALL_SLOTS doubles, key "engine": the engine's loads phase by phase and where
+                 their bytes came from (counters), and its last load (see WATERFALL_SLOTS)
+         MOUNT:  MOUNT_STRUCT, then mount point, fstype, source and layer directory as utf-8; key
+                 "engine\0MAJ:MIN": the writer's own mountinfo line of the engine file's st_dev
 
 Hot path: an observation is one bisect and two stores of doubles into the process's MAP_SHARED
 mapping, under a per-process ``threading.Lock`` (Python threads; there is never a cross-process lock
@@ -88,9 +92,32 @@ KIND_ERROR = 2
 KIND_LAYER = 3
 KIND_INFO = 4
 KIND_LOAD = 5
-KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO, KIND_LOAD)
+KIND_WATERFALL = 6
+KIND_MOUNT = 7
+# An exporter skips (and counts) the kinds it does not know: a library newer than the exporter adds
+# kinds, never changes one.
+KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO, KIND_LOAD, KIND_WATERFALL, KIND_MOUNT)
 # The LOAD record's doubles: gauges of one process's loads of one engine, GPU and file system.
 LOAD_SLOTS = ("in_progress", "read_bytes", "oldest_start")
+
+# The phases of a load, in the order they happen (docs/engines.md, "The waterfall of a load").
+PHASES = ("open", "read", "deserialize", "context", "warmup", "first_inference")
+# How a load got its bytes: cold (mostly from the device), warm (page cache), partial (between).
+LOAD_CLASSES = ("cold", "warm", "partial")
+# How the writer measured its file's page-cache residency: 0 not measured, else RESIDENCY_METHODS[n - 1].
+RESIDENCY_METHODS = ("cachestat", "mincore", "probe")
+# The WATERFALL record's doubles.  ``seq`` first and ``seq_end`` last: the writer moves ``seq`` up,
+# stores everything, then copies it to ``seq_end``, so a reader's copy whose two differ was taken mid-update.
+# Then counters (only grow), then the last load's figures (gauges).
+WATERFALL_COUNTERS = ("seq", *(f"loads_{name}" for name in LOAD_CLASSES), *(f"phase_{name}" for name in PHASES),
+                      "device_bytes", "cache_bytes", "major_faults", "cold_device_bytes", "cold_read_seconds")
+WATERFALL_LAST = ("last_start", "last_wall", *(f"last_{name}" for name in PHASES), "last_bytes",
+                  "last_device_bytes", "last_cache_bytes", "last_major_faults", "last_class", "file_bytes",
+                  "cached_start_bytes", "cached_end_bytes", "residency_method", "residency_time")
+WATERFALL_SLOTS = (*WATERFALL_COUNTERS, *WATERFALL_LAST, "seq_end")
+WATERFALL = {name: index for index, name in enumerate(WATERFALL_SLOTS)}
+# MOUNT: lengths of mount point, fstype, source, layer directory (u16 each)
+MOUNT_STRUCT = struct.Struct("<HHHH")
 
 # cuda device (i32, -1 unknown), st_dev major, minor (u32), st_ino, size (u64), mtime ns (i64),
 # load time (f64, seconds since the epoch), then the lengths of path, gpu uuid, runtime (u16 each).
@@ -343,3 +370,10 @@ def pack_info(cuda_device: int, dev: tuple[int, int], ino: int, size: int, mtime
 def load_key(engine: str, gpu_uuid: str, dev: tuple[int, int]) -> str:
     """The key of a LOAD record: ``engine\0gpu uuid\0MAJ:MIN``."""
     return f"{engine}\0{gpu_uuid}\0{dev[0]}:{dev[1]}"
+
+
+def pack_mount(mountpoint: str, fstype: str, source: str, layer: str) -> bytes:
+    """A MOUNT record's payload (each string cut to MAX_PATH_BYTES or MAX_SHORT_BYTES)."""
+    raw = [mountpoint.encode("utf-8", "replace")[:MAX_PATH_BYTES], fstype.encode("utf-8", "replace")[:MAX_SHORT_BYTES],
+           source.encode("utf-8", "replace")[:MAX_PATH_BYTES], layer.encode("utf-8", "replace")[:MAX_PATH_BYTES]]
+    return MOUNT_STRUCT.pack(*(len(part) for part in raw)) + b"".join(raw)
