@@ -334,6 +334,9 @@ class EnginesCollector(Collector):
             raise Absent(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
                          "report (and no --collector.engines.path is set)")
         totals = self.reader.read() if has_spool else rd.Totals()
+        if totals.pods:  # the pods of writers, for the nvml collector's process series
+            self.context.pods.update_writer_pods((pod.pod_uid, pod.namespace, pod.pod)
+                                                 for found in totals.pods.values() for pod in found)
         engines = self._select(totals)
         families = self._engine_families(totals, engines)
         pairs = self._engine_gpus(totals, engines)

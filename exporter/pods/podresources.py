@@ -172,6 +172,7 @@ class PodResourcesPoller:
         self._backoff = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.on_answer: Callable[[Answer], None] | None = None  # told each new answer (on the poller's thread)
 
     @property
     def state(self) -> PollerState:
@@ -219,6 +220,8 @@ class PodResourcesPoller:
         self._backoff = 0.0
         answer = Answer(tuple(found), len(decoded.pods), left_out + decoded.truncated, time.time())
         self._state = PollerState(answer, None, None, dict(self._failures), previous.polls + 1)
+        if self.on_answer is not None:
+            self.on_answer(answer)
         return self._state
 
     def _absent(self) -> str | None:

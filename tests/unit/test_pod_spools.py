@@ -66,9 +66,9 @@ def test_exporter_finds_a_pods_emptydir_spool(tmp_path, pod_env) -> None:
     found = collector.pod_spools.sample_now().value
     assert found.directories == {spool: UID_A}
     text = scrape(collector)
-    assert 'gpuio_engine_inference_seconds_count{engine="detector",gpu_uuid="%s"} 1' % GPU in text
-    assert ('gpuio_engine_pod_info{engine="detector",gpu_uuid="%s",namespace="serving",pod="detector-7d9f-x2x9q",'
-            'container="server",pod_uid="%s"} 1' % (GPU, UID_A)) in text
+    assert f'gpuio_engine_inference_seconds_count{{engine="detector",gpu_uuid="{GPU}"}} 1' in text
+    assert (f'gpuio_engine_pod_info{{engine="detector",gpu_uuid="{GPU}",namespace="serving",pod="detector-7d9f-x2x9q",'
+            f'container="server",pod_uid="{UID_A}"}} 1') in text
     assert "gpuio_engine_pod_spool_directories 1" in text
 
 
@@ -108,19 +108,19 @@ def test_a_deleted_pod_folds_and_its_files_are_never_deleted(tmp_path, pod_env) 
     spool = pod_spool(pods, UID_A)
     write_engine(spool, "detector", __file__)
     collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods)
-    collector.pod_spools.sample_now().value
+    collector.pod_spools.sample_now()
     assert "gpuio_engine_inference_seconds_count{" in scrape(collector)
     gpuio.close()  # the process exits: its lock goes, the exporter folds its file ...
     text = scrape(collector)
-    assert 'gpuio_engine_inference_seconds_count{engine="detector",gpu_uuid="%s"} 1' % GPU in text
+    assert f'gpuio_engine_inference_seconds_count{{engine="detector",gpu_uuid="{GPU}"}} 1' in text
     assert len(os.listdir(spool)) == 1  # ... and leaves it in the pod's volume (mounted read-only)
     assert "not_deleted" not in text
     for name in os.listdir(spool):
         os.unlink(os.path.join(spool, name))
     os.removedirs(spool)  # the pod is deleted, its volume with it
-    collector.pod_spools.sample_now().value
+    collector.pod_spools.sample_now()
     text = scrape(collector)
-    assert 'gpuio_engine_inference_seconds_count{engine="detector",gpu_uuid="%s"} 1' % GPU in text  # no reset
+    assert f'gpuio_engine_inference_seconds_count{{engine="detector",gpu_uuid="{GPU}"}} 1' in text  # no reset
 
 
 def test_pods_scanned_are_capped(tmp_path, pod_env) -> None:
@@ -148,5 +148,5 @@ def test_a_hostpath_writer_records_its_pod_from_the_downward_api(spool_dir, pod_
     """The writer on a hostPath spool: no path says its pod, so what it recorded is served (its claim)."""
     write_engine(spool_dir, "ranker", __file__)
     text = scrape(engines_collector(spool_dir, kubelet_pods_dir=str(tmp_path / "none")))
-    assert ('gpuio_engine_pod_info{engine="ranker",gpu_uuid="%s",namespace="serving",pod="detector-7d9f-x2x9q",'
-            'container="server",pod_uid="11111111-2222-3333-4444-555555555555"} 1' % GPU) in text
+    assert (f'gpuio_engine_pod_info{{engine="ranker",gpu_uuid="{GPU}",namespace="serving",pod="detector-7d9f-x2x9q",'
+            'container="server",pod_uid="11111111-2222-3333-4444-555555555555"} 1') in text
