@@ -52,6 +52,11 @@ def write_engine(spool: str, engine: str, model: str) -> None:
     loaded.metrics.inference_seconds.observe(0.004)
 
 
+def read(path: str) -> bytes:
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
 def scrape(collector) -> str:
     return render(collector.collect())
 
@@ -150,3 +155,39 @@ def test_a_hostpath_writer_records_its_pod_from_the_downward_api(spool_dir, pod_
     text = scrape(engines_collector(spool_dir, kubelet_pods_dir=str(tmp_path / "none")))
     assert (f'gpuio_engine_pod_info{{engine="ranker",gpu_uuid="{GPU}",namespace="serving",pod="detector-7d9f-x2x9q",'
             'container="server",pod_uid="11111111-2222-3333-4444-555555555555"} 1') in text
+
+
+def test_a_pod_record_that_lies_about_its_lengths_is_a_bad_record(tmp_path, monkeypatch) -> None:
+    """A writer is untrusted: POD strings that overrun their record stop the parse there (counted once),
+    what came before stands, nothing raises; invalid UTF-8 is replaced, not fatal."""
+    from exporter import spool_reader
+
+    for name in fmt.POD_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    file = fmt.SpoolFile(str(tmp_path))
+    assert file.path is not None
+    payload = fmt.POD_STRUCT.pack(3, 60000, 0, 0) + b"abc"
+    file.add_record(fmt.KIND_POD, "pod", len(payload), payload)
+    parsed = spool_reader.parse(read(file.path))
+    assert parsed.bad_record and parsed.pod is None
+    file.close()
+    other = fmt.SpoolFile(str(tmp_path))
+    junk = fmt.POD_STRUCT.pack(2, 2, 0, 0) + b"\xff\xfe\xc3("
+    other.add_record(fmt.KIND_POD, "pod", len(junk), junk)
+    assert other.path is not None
+    parsed = spool_reader.parse(read(other.path))
+    assert not parsed.bad_record and parsed.pod is not None and parsed.pod.namespace == "\ufffd\ufffd"
+    other.close()
+
+
+def test_no_pod_record_without_a_pod_name_or_uid(tmp_path, monkeypatch) -> None:
+    """CONTAINER_NAME alone is common outside Kubernetes (this very machine sets it): no POD record."""
+    from exporter import spool_reader
+
+    for name in fmt.POD_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CONTAINER_NAME", "some-sandbox")
+    file = fmt.SpoolFile(str(tmp_path))
+    assert file.path is not None
+    assert spool_reader.parse(read(file.path)).pod is None
+    file.close()
