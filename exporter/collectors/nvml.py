@@ -251,6 +251,7 @@ class Gpu:
     dropped_pids: set[int] = field(default_factory=set)
     names: dict[int, str] = field(default_factory=dict)
     pods: dict[int, cgroup.PodRef | None] = field(default_factory=dict)  # pid -> its pod (cgroup), kept processes
+    mig_uuids: set[str] = field(default_factory=set)  # its MIG devices at the last slow read
     pids: set[int] = field(default_factory=set)  # every compute process at the last slow read, cap or not
     label_cache: dict[tuple[tuple[str, str], ...], str] = field(default_factory=dict)
 
@@ -452,6 +453,8 @@ class NvmlCollector(Collector):
                     if slow:
                         self.context.gpu_processes.update(
                             {pid: gpu.uuid for gpu in session.gpus if gpu.up for pid in gpu.pids})
+                        self.context.pods.set_mig_parents(
+                            {mig: gpu.uuid for gpu in session.gpus if gpu.up for mig in gpu.mig_uuids})
                 return self._render()
             finally:
                 self._sweep_started = None
@@ -819,6 +822,7 @@ class NvmlCollector(Collector):
     def _read_mig(self, gpu: Gpu) -> list[Reading]:
         """MIG mode; with it on, each MIG device's identity and memory (NVML has no MIG utilisation)."""
         assert self._nvml is not None
+        gpu.mig_uuids = set()
         mode = self._call(gpu, "mig_mode", self._nvml.device_mig_mode, gpu.handle)
         if mode is None:
             return []
@@ -844,6 +848,7 @@ class NvmlCollector(Collector):
         mig_uuid = self._call(gpu, "mig_uuid", nvml.device_uuid, handle)
         if mig_uuid is None:
             return []
+        gpu.mig_uuids.add(mig_uuid)
         gpu_instance = self._call(gpu, "mig_gpu_instance_id", nvml.device_gpu_instance_id, handle)
         compute_instance = self._call(gpu, "mig_compute_instance_id", nvml.device_compute_instance_id, handle)
         info = gpu.label((("mig_uuid", mig_uuid),

@@ -67,6 +67,12 @@ class PodsCollector(Collector):
     def _share(self, answer: podresources.Answer) -> None:
         self.context.pods.update_owners(answer.owners)
 
+    def _labels(self, o: podresources.DeviceOwner) -> str:
+        """A MIG device's series names its GPU too (NVML's parent UUID), so GPU series join it on uuid."""
+        return label_string({"uuid": o.gpu_uuid or self.context.pods.parent_of(o.mig_uuid), "mig_uuid": o.mig_uuid,
+                             "resource": o.resource, "device": o.device, "namespace": o.namespace, "pod": o.pod,
+                             "container": o.container})
+
     def collect(self) -> list[Family]:
         state = self.poller.state
         families = [FAILURES.family([FAILURES.sample(label_string({"reason": reason}), count)
@@ -74,9 +80,7 @@ class PodsCollector(Collector):
         answer = state.answer
         if answer is not None:
             families += [
-                GPU_POD.family([GPU_POD.sample(label_string({
-                    "uuid": o.gpu_uuid, "mig_uuid": o.mig_uuid, "resource": o.resource, "device": o.device,
-                    "namespace": o.namespace, "pod": o.pod, "container": o.container}), 1) for o in answer.owners]),
+                GPU_POD.family([GPU_POD.sample(self._labels(o), 1) for o in answer.owners]),
                 PODS.family([PODS.sample("", answer.pods)]),
                 LEFT_OUT.family([LEFT_OUT.sample("", answer.left_out)]),
                 LAST_SUCCESS.family([LAST_SUCCESS.sample("", answer.taken_at)]),

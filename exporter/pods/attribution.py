@@ -7,8 +7,9 @@
 
 So a process in pod UID U on GPU G is named: by a writer of pod U, where one reports (the names are
 what that pod's own process says); else by the one pod that holds G, when exactly one does (with
-time-slicing several pods share G and none is chosen).  The container is the one of that pod
-holding G, when it is one.  A process in no pod (host processes) gets no labels at all.
+time-slicing several pods share G and none is chosen; a MIG device counts as part of its GPU, since
+NVML lists its processes on the GPU).  The container is the one of that pod holding G, when it is
+one.  A process in no pod (host processes) gets no labels at all.
 Limitation: a process that uses a GPU none of its containers was given (``NVIDIA_VISIBLE_DEVICES=all``
 in a pod that asked for no GPU) is named after the pod the kubelet gave the GPU to.
 
@@ -29,6 +30,24 @@ class PodAttribution:
     def __init__(self) -> None:
         self._owners: dict[str, tuple[DeviceOwner, ...]] = {}  # GPU or MIG UUID -> holders
         self._names: dict[str, tuple[str, str]] = {}  # pod UID -> (namespace, pod), from spool writers
+        self._mig_parents: dict[str, str] = {}  # MIG device UUID -> its GPU's UUID (the nvml collector)
+        self._by_gpu: dict[str, tuple[DeviceOwner, ...]] = {}  # GPU UUID -> holders of it or of its MIG devices
+
+    def set_mig_parents(self, parents: dict[str, str]) -> None:
+        """Which GPU each MIG device is part of (NVML lists a MIG process on its parent GPU)."""
+        if parents != self._mig_parents:
+            self._mig_parents = dict(parents)
+            self._index()
+
+    def parent_of(self, mig_uuid: str) -> str:
+        return self._mig_parents.get(mig_uuid, "")
+
+    def _index(self) -> None:
+        by_gpu: dict[str, list[DeviceOwner]] = {}
+        for uuid, holders in self._owners.items():
+            gpu = self._mig_parents.get(uuid, uuid)
+            by_gpu.setdefault(gpu, []).extend(o for o in holders if o.gpu_uuid == gpu or o.mig_uuid == uuid)
+        self._by_gpu = {gpu: tuple(dict.fromkeys(found)) for gpu, found in by_gpu.items()}
 
     def update_owners(self, owners: Iterable[DeviceOwner]) -> None:
         table: dict[str, list[DeviceOwner]] = {}
@@ -36,6 +55,7 @@ class PodAttribution:
             for uuid in {owner.gpu_uuid, owner.mig_uuid} - {""}:
                 table.setdefault(uuid, []).append(owner)
         self._owners = {uuid: tuple(found) for uuid, found in table.items()}
+        self._index()
 
     def update_writer_pods(self, pods: Iterable[tuple[str, str, str]]) -> None:
         """(pod UID, namespace, pod) of spool writers; UIDs that several writers name differently are
@@ -51,13 +71,10 @@ class PodAttribution:
             del names[uid]
         self._names = names
 
-    def owners(self, uuid: str) -> tuple[DeviceOwner, ...]:
-        return self._owners.get(uuid, ())
-
     def of_process(self, pod_uid: str, gpu_uuid: str) -> tuple[str, str, str] | None:
         """(namespace, pod, container) of a process in pod ``pod_uid`` on GPU ``gpu_uuid``; None when its
         pod cannot be named."""
-        holders = self._owners.get(gpu_uuid, ())
+        holders = self._by_gpu.get(gpu_uuid, ())
         named = self._names.get(pod_uid)
         if named is None:
             pods = {(o.namespace, o.pod) for o in holders}

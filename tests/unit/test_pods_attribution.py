@@ -133,3 +133,30 @@ def test_a_socket_the_exporter_may_not_use_is_a_failure_not_an_absence(tmp_path)
     _, status = os.waitpid(pid, 0)
     listener.close()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_mig_device_is_named_after_its_gpu(tmp_path, generated, kubelet) -> None:  # noqa: F811
+    """The device plugin hands out MIG UUIDs; NVML lists MIG processes on the parent GPU: the nvml
+    collector tells which GPU each MIG device is part of, so both the process and the info series join."""
+    from tests.unit.test_nvml_fake import FakeGpu, FakeMig
+
+    pb2, _ = generated
+    server, socket_path = kubelet
+    mig = "MIG-5d6e7f80-9a1b-5c2d-8e3f-4a5b6c7d8e9f"
+    gpu = FakeGpu("GPU-00000007-aaaa-bbbb-cccc-dddddddddddd", mig_mode=(1, 1), mig=[FakeMig(mig, 1, 0)])
+    gpu.processes, gpu.process_names = [ProcessInfo(101, 1 << 30)], {101: "triton"}
+    server.answer = pb2.ListPodResourcesResponse(pod_resources=[pb2.PodResources(
+        name="notebook", namespace="research", containers=[pb2.ContainerResources(
+            name="lab", devices=[pb2.ContainerDevices(resource_name="nvidia.com/mig-1g.10gb", device_ids=[mig])])])])
+    context = Context(procfs=procfs_with(tmp_path, {101: "v2-systemd-containerd-burstable"}))
+    pods = PodsCollector(context, {"pod-resources-socket": socket_path, "pod-resources-interval": 60.0,
+                                   "pod-resources-timeout": 2.0})
+    pods.poller.poll()
+    nvml = make(FakeNvml([gpu]))
+    nvml.context = context
+    nvml.sampler.sample_now()  # learns the MIG device's parent
+    nvml.sampler.sample_now()
+    samples = parse_samples(render([*nvml.collect(), *pods.collect()]))
+    assert value(samples, "gpuio_gpu_process_memory_used_bytes", pid="101", namespace="research", pod="notebook",
+                 container="lab") == 1 << 30
+    assert value(samples, "gpuio_gpu_pod_info", uuid=gpu.uuid, mig_uuid=mig, pod="notebook") == 1
