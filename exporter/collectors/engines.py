@@ -196,6 +196,9 @@ POD_SPOOLS = Desc("gpuio_engine_pod_spool_directories", GAUGE,
 POD_SPOOLS_SKIPPED = Desc("gpuio_engine_pod_spool_pods_skipped", GAUGE,
                           "Pods not looked at by the last scan of the kubelet's pods directory (past "
                           "--collector.engines.max-pod-spools).")
+POD_SPOOLS_FAILED = Desc("gpuio_engine_pod_spool_scan_failed", GAUGE,
+                         "1 when the last scan could not read the kubelet's pods directory (the exporter needs "
+                         "to traverse its root:root 0750 directories: group root), 0 when it could.")
 MAX_PODS_PER_ENGINE = 64
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
@@ -307,6 +310,9 @@ class EnginesCollector(Collector):
     def find_pod_spools(self) -> kubelet.Discovery:
         """Scan the kubelet's pods directory and hand what it holds to the spool reader (background)."""
         found = kubelet.find_spools(self.pods_dir, self.pod_volume, self.max_pod_spools)
+        if found.error:
+            self._bad.warning("cannot read the kubelet's pods directory: inference pods' emptyDir spools are "
+                              "not found (docs/deploy.md, Pods)", found.error, path=self.pods_dir)
         if found.directories != self.reader.pod_directories:
             log.info("pod spool directories", extra={"found": len(found.directories), "pods": found.pods})
         self.reader.set_pod_directories(found.directories)
@@ -552,7 +558,8 @@ class EnginesCollector(Collector):
         scan = self.pod_spools.snapshot().value
         if scan is not None and scan.exists:  # off Kubernetes: not a word
             families += [Family(POD_SPOOLS, [POD_SPOOLS.sample("", len(scan.directories))]),
-                         Family(POD_SPOOLS_SKIPPED, [POD_SPOOLS_SKIPPED.sample("", scan.left_out)])]
+                         Family(POD_SPOOLS_SKIPPED, [POD_SPOOLS_SKIPPED.sample("", scan.left_out)]),
+                         Family(POD_SPOOLS_FAILED, [POD_SPOOLS_FAILED.sample("", 1 if scan.error else 0)])]
         return families
 
     def _engine_files(self, totals: rd.Totals, engines: list[str]) -> list[tuple[str, str, tuple[int, int]]]:

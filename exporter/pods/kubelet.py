@@ -38,6 +38,7 @@ class Discovery:
     pods: int  # pod directories looked at
     left_out: int  # pods past max_pods, not looked at
     exists: bool  # whether the pods directory exists (off the cluster it does not)
+    error: str = ""  # why it could not be read ("" when it was): permission, io
 
 
 def parse_volume_name(value: str) -> str:
@@ -62,8 +63,10 @@ def find_spools(pods_dir: str, volume: str = DEFAULT_VOLUME, max_pods: int = DEF
                           if POD_UID.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False))
     except FileNotFoundError:
         return Discovery({}, 0, 0, False)
+    except PermissionError:
+        return Discovery({}, 0, 0, True, "permission")
     except OSError:
-        return Discovery({}, 0, 0, True)
+        return Discovery({}, 0, 0, True, "io")
     found: dict[str, str] = {}
     for uid in uids[:max_pods]:
         volumes = os.path.join(pods_dir, uid, "volumes")
