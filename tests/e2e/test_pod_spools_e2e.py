@@ -22,8 +22,9 @@ import pytest
 
 from tests.conftest import LIBRARY, REPO, free_port, parse_samples
 from tests.e2e.test_privilege import NOBODY, WRITER_UID, _serve_as, _skip_unless_importable_as, _stop, _wait_scrape
+from tests.unit.test_pods import generated, kubelet  # noqa: F401  (fixtures)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.root]
+pytestmark = pytest.mark.e2e
 
 POD_UID = "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4e5"
 WRITER = """
@@ -50,6 +51,7 @@ def kubelet_tree(work: Path) -> tuple[Path, Path]:
     return pods, spool
 
 
+@pytest.mark.root
 def test_an_emptydir_spool_is_found_by_a_nobody_exporter_in_group_root() -> None:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to play the kubelet, the pod's user and the exporter's")
@@ -112,3 +114,38 @@ def test_an_emptydir_spool_is_found_by_a_nobody_exporter_in_group_root() -> None
         writer.wait(timeout=10)
         subprocess.run(["umount", str(mounted)], check=False)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_real_exporter_polls_the_kubelet_in_the_background_never_in_a_scrape(generated, kubelet) -> None:  # noqa: F811
+    """The real exporter process against a gRPC server generated from the kubelet's proto: the GPU's pod
+    is served; then the kubelet hangs (each call 3 s, past the 1 s timeout) and scrapes still answer at
+    once, with the last answer and the failures counted (dcgm-exporter's #599 was a lookup per scrape)."""
+    import time
+
+    from tests.conftest import ExporterProcess
+
+    server, socket_path = kubelet
+    exporter = ExporterProcess(["--collector.disable-defaults", "--collector.pods",
+                                f"--collector.pods.pod-resources-socket={socket_path}",
+                                "--collector.pods.pod-resources-interval=200ms",
+                                "--collector.pods.pod-resources-timeout=1s"]).start()
+    try:
+        deadline = time.monotonic() + 20
+        while "gpuio_gpu_pod_info{" not in (text := exporter.scrape()):
+            assert time.monotonic() < deadline, text[-2000:]
+            time.sleep(0.1)
+        assert 'pod="detector-7d9f",container="server"' in text
+        server.delay = 3.0
+        durations = []
+        while 'gpuio_kubelet_pod_resources_failures_total{reason="deadline_exceeded"}' not in text:
+            assert time.monotonic() < deadline + 20, text[-2000:]
+            started = time.perf_counter()
+            text = exporter.scrape()
+            durations.append(time.perf_counter() - started)
+            time.sleep(0.2)
+        assert 'gpuio_scrape_collector_state{collector="pods",state="stale"} 1' in text
+        assert "gpuio_gpu_pod_info{" in text  # the last answer, still served
+        print(f"scrapes while the kubelet hung: {len(durations)}, slowest {max(durations) * 1000:.1f} ms")
+    finally:
+        server.delay = 0
+        exporter.stop()
