@@ -191,3 +191,23 @@ def test_no_pod_record_without_a_pod_name_or_uid(tmp_path, monkeypatch) -> None:
     assert file.path is not None
     assert spool_reader.parse(read(file.path)).pod is None
     file.close()
+
+
+def test_an_engine_on_more_gpus_than_the_cap_is_counted_not_a_crash(tmp_path) -> None:
+    """An engine reported on more GPUs than MAX_GPUS_PER_ENGINE (writers name GPUs: untrusted) has the
+    rest counted as kind="engine_gpu"; the counter's kind had no slot, so the collector raised KeyError."""
+    from exporter.collectors import engines
+    from gpuio.metrics import EngineMetrics
+
+    files = []
+    for index in range(engines.MAX_GPUS_PER_ENGINE + 1):
+        file = fmt.SpoolFile(str(tmp_path))
+        metrics = EngineMetrics("wide", file)
+        metrics._append_info(fmt.pack_info(0, (0, 0), 0, 0, 0, 1.0, "/models/wide.engine",
+                                           f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd", "generic"))
+        metrics.inference_seconds.observe(0.001)
+        files.append(file)
+    text = scrape(engines_collector(str(tmp_path), kubelet_pods_dir=str(tmp_path / "none")))
+    assert 'gpuio_engine_dropped_series_total{kind="engine_gpu"} 1' in text
+    for file in files:
+        file.close()
