@@ -85,8 +85,11 @@ class PodsCollector(Collector):
                 LEFT_OUT.family([LEFT_OUT.sample("", answer.left_out)]),
                 LAST_SUCCESS.family([LAST_SUCCESS.sample("", answer.taken_at)]),
             ]
-        if state.absent is not None:
-            raise Absent(state.absent, families)
+        absent = state.absent
+        if absent is None and state.polls == 0 and state.answer is None and state.error is None:
+            absent = self.poller.why_absent()  # not polled yet (a one-shot `gpuio scrape`): a stat, no call
+        if absent is not None:
+            raise Absent(absent, families)
         if state.error is not None:
             if answer is None:
                 raise RuntimeError(f"pod-resources: {state.error}")

@@ -196,7 +196,7 @@ class PodResourcesPoller:
     def poll(self) -> PollerState:
         """One call of List (on the calling thread: the poller's, or a test's)."""
         previous = self._state
-        absent = self._absent()
+        absent = self.why_absent()
         if absent is not None:
             self._backoff = 0.0
             self._state = PollerState(None, absent, None, dict(self._failures), previous.polls)
@@ -224,7 +224,7 @@ class PodResourcesPoller:
             self.on_answer(answer)
         return self._state
 
-    def _absent(self) -> str | None:
+    def why_absent(self) -> str | None:
         """Why there is no kubelet socket to call (None when there is one).  A socket we may not reach
         (a root-only directory) is a failure, not an absence: the operator mounted it for a reason."""
         try:

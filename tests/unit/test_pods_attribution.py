@@ -160,3 +160,10 @@ def test_a_mig_device_is_named_after_its_gpu(tmp_path, generated, kubelet) -> No
     assert value(samples, "gpuio_gpu_process_memory_used_bytes", pid="101", namespace="research", pod="notebook",
                  container="lab") == 1 << 30
     assert value(samples, "gpuio_gpu_pod_info", uuid=gpu.uuid, mig_uuid=mig, pod="notebook") == 1
+
+
+def test_before_the_first_poll_a_missing_socket_is_already_absent(tmp_path) -> None:
+    """`gpuio scrape` runs the collectors once without starting their threads: no socket is absent there too."""
+    collector = PodsCollector(Context(), {"pod-resources-socket": str(tmp_path / "kubelet.sock")})
+    samples = parse_samples(render(Scraper([collector], 2.0, "").scrape_sync()))
+    assert value(samples, "gpuio_scrape_collector_state", collector="pods", state="absent") == 1
