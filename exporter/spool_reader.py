@@ -345,6 +345,9 @@ class Totals:
 # What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
 # be, how much of it is "used", how many files it makes and how often it changes them.
 MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (deferred)
+# Names taken from one pod's own spool volume per read: a pod that fills its volume with files cannot
+# take the listing from the other pods (a real pod has a few processes, one file each).
+MAX_POD_DIRECTORY_FILES = 1024
 SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
 SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
 RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
@@ -451,7 +454,11 @@ class SpoolReader:
             if not deferred:
                 self._cursor = ""
             self.deferred_files = deferred + self._deferred_now + self._unlisted
-            self._tombstones &= names  # forget tombstones of files someone else removed
+            # Forget tombstones of files someone else removed.  A pod directory's are kept while the pod
+            # is: its files are never deleted, and one left out of a capped listing must not be folded
+            # twice when it is listed again.
+            self._tombstones = {name for name in self._tombstones if name in names or (
+                os.path.isabs(name) and os.path.dirname(name) in self.pod_directories)}
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._with_owners(self._merge())
 
@@ -480,28 +487,32 @@ class SpoolReader:
         self._unlisted = 0
         names: set[str] = set()
         listed: dict[str, int] = {}
-        found = self._list_one(self.directory, "", names, listed)
+        found = self._list_one(self.directory, "", names, listed, MAX_LISTED_FILES)
         if not found and not self.pod_directories and not any(map(os.path.isabs, self._live)):
             return None  # nothing to list; a pod directory gone last has its files vanish below
         if not found:  # the main directory's files keep their last values, as they did alone
             self._carry(self.directory, names, listed)
         for directory in sorted(self.pod_directories):
-            if self._list_one(directory, directory, names, listed) is None:
+            if self._list_one(directory, directory, names, listed, MAX_POD_DIRECTORY_FILES) is None:
                 self._carry(directory, names, listed)  # unreadable now: not proof that the pod is gone
         self._listed = listed
         return names
 
-    def _list_one(self, directory: str, prefix: str, names: set[str], listed: dict[str, int]) -> bool | None:
-        """Add one directory's spool files to ``names`` (keyed by ``prefix``/name); False when it does
-        not exist (any file of it listed before has vanished), None when it could not be read."""
+    def _list_one(self, directory: str, prefix: str, names: set[str], listed: dict[str, int],
+                  limit: int) -> bool | None:
+        """Add at most ``limit`` of one directory's spool files to ``names`` (keyed by ``prefix``/name);
+        False when it does not exist (any file of it listed before has vanished), None when it could
+        not be read."""
+        taken = 0
         try:
             with os.scandir(directory) as entries:
                 for entry in entries:
                     key = os.path.join(prefix, entry.name) if prefix else entry.name
                     if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                        if len(names) >= MAX_LISTED_FILES:
+                        if len(names) >= MAX_LISTED_FILES or taken >= limit:
                             self._unlisted += 1
                             continue
+                        taken += 1
                         names.add(key)
                         listed[key] = entry.inode()
                     elif entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".tmp"):

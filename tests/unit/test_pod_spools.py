@@ -211,3 +211,30 @@ def test_an_engine_on_more_gpus_than_the_cap_is_counted_not_a_crash(tmp_path) ->
     assert 'gpuio_engine_dropped_series_total{kind="engine_gpu"} 1' in text
     for file in files:
         file.close()
+
+
+def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_path, monkeypatch) -> None:
+    """Each pod directory gives at most MAX_POD_DIRECTORY_FILES names a read (the rest of that pod's files
+    wait, counted as deferred), so a pod listed first cannot take the whole listing from the others."""
+    from exporter import spool_reader
+    from gpuio.metrics import EngineMetrics
+
+    monkeypatch.setattr(spool_reader, "MAX_LISTED_FILES", 10)
+    monkeypatch.setattr(spool_reader, "MAX_POD_DIRECTORY_FILES", 5)
+    pods = str(tmp_path / "pods")
+    crowded, quiet = pod_spool(pods, UID_B), pod_spool(pods, UID_A)  # UID_B's directory is listed first
+    files = []
+    for _ in range(12):
+        file = fmt.SpoolFile(crowded)
+        EngineMetrics("crowd", file).inference_seconds.observe(0.001)
+        files.append(file)
+    victim = fmt.SpoolFile(quiet)
+    EngineMetrics("victim", victim).inference_seconds.observe(0.001)
+    collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods)
+    collector.pod_spools.sample_now()
+    text = scrape(collector)
+    assert 'gpuio_engine_inference_seconds_count{engine="victim",gpu_uuid=""} 1' in text
+    assert 'gpuio_engine_inference_seconds_count{engine="crowd",gpu_uuid=""} 5' in text
+    assert "gpuio_engine_spool_deferred_files 7" in text
+    for file in [*files, victim]:
+        file.close()
