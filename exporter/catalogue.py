@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from . import collect, process, server_metrics
-from .collectors import diskstats, engines, mountstats, nvml, pressure, smart
+from .collectors import diskstats, engines, mountstats, nvml, pods, pressure, smart
 from .exposition import INFO, Desc
 
 
@@ -95,6 +95,12 @@ Read from NVML by a background thread every `--collector.nvml.interval` (1 s); t
 GPU's UUID.  A series NVML does not support on a GPU or driver is absent, not zero.  A GPU that is
 lost or gone from the bus keeps only `gpuio_gpu_up` 0, `gpuio_gpu_info` and its Xid series.
 docs/gpu.md says what each value is, how it is read and what it costs.
+"""),
+    Section("Pods (`pods` collector)", (pods,), """\
+Which namespace, pod and container holds each GPU, MIG device or time-slicing replica, from the
+kubelet's pod-resources API (`List`, polled in the background; opt-in, docs/deploy.md "Pods"). GPU
+series join it on `uuid`: `* on (uuid) group_left (namespace, pod, container) gpuio_gpu_pod_info`.
+Off Kubernetes, or without the socket, the collector is `absent` and serves nothing.
 """),
     Section("Mounts (`mountstats` collector)", (mountstats,), """\
 Network and FUSE mounts (nfs, nfs4, cifs, smb3, ceph, glusterfs, lustre, 9p, virtiofs, `fuse.*`...)

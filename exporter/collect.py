@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 from .exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from .logsetup import fields
 from .options import Option
+from .pods.attribution import PodAttribution
 
 log = logging.getLogger("gpuio.collect")
 
@@ -69,6 +70,9 @@ class Context:
     sysfs: str = "/sys"
     rootfs: str = "/"
     gpu_processes: GpuProcesses = field(default_factory=GpuProcesses, compare=False)
+    # Who holds each GPU (the pods collector) and which pod each spool writer is in (engines): the nvml
+    # collector names GPU processes' pods from it.
+    pods: PodAttribution = field(default_factory=PodAttribution, compare=False)
 
 
 class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)

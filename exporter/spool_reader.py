@@ -38,6 +38,7 @@ from gpuio.spool import (
     KIND_LAYER,
     KIND_LOAD,
     KIND_MOUNT,
+    KIND_POD,
     KIND_WATERFALL,
     KINDS,
     LOAD_SLOTS,
@@ -45,6 +46,7 @@ from gpuio.spool import (
     MAX_KEY_BYTES,
     MAX_RECORD_BYTES,
     MOUNT_STRUCT,
+    POD_STRUCT,
     PREFIX,
     RECORD_HEAD,
     SUFFIX,
@@ -153,6 +155,18 @@ class WriterMount:
 MAX_MOUNTS_PER_ENGINE = 4
 
 
+@dataclass(frozen=True)
+class PodIdentity:
+    """The pod a spool writer runs in.  ``pod_uid`` is the kubelet's where the exporter found the file in
+    that pod's volume (the path says it); otherwise, like the names, what the writer recorded (its
+    Downward API environment and cgroup): a claim, shown as such."""
+
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    pod_uid: str = ""
+
+
 @dataclass
 class Parsed:
     """The content of one spool file."""
@@ -168,6 +182,7 @@ class Parsed:
     loads: dict[LoadKey, list[float]] = field(default_factory=dict)  # LOAD records, LOAD_SLOTS each
     waterfalls: dict[str, list[float]] = field(default_factory=dict)  # WATERFALL records by engine
     mounts: dict[MountKey, WriterMount] = field(default_factory=dict)
+    pod: PodIdentity | None = None  # the POD record, where the writer made one
     unknown_records: int = 0  # well-framed records of kinds this reader does not know (a newer library)
     bad_record: bool = False
 
@@ -247,9 +262,24 @@ def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
     parsed.mounts[(engine, (int(major), int(minor)))] = WriterMount(*parts)
 
 
+def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
+    lengths = POD_STRUCT.unpack_from(payload)
+    if POD_STRUCT.size + sum(lengths) > len(payload):
+        raise ValueError("POD strings overrun the record")
+    text, offset = bytes(payload[POD_STRUCT.size :]), 0
+    values = []
+    for length in lengths:
+        values.append(text[offset : offset + length].decode("utf-8", "replace"))
+        offset += length
+    parsed.pod = PodIdentity(*values)
+
+
 def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> None:
     if kind == KIND_MOUNT:
         _parse_mount(parsed, key, payload)
+        return
+    if kind == KIND_POD:
+        _parse_pod(parsed, payload)
         return
     if kind == KIND_INFO:
         cuda, major, minor, ino, size, mtime_ns, load_time, n_path, n_uuid, n_runtime = INFO_STRUCT.unpack_from(payload)
@@ -331,6 +361,7 @@ class FileState:
     digest: bytes = b""  # of the bytes ``parsed`` came from: unchanged bytes are not parsed again
     used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
     uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
+    pod_uid: str = ""  # the pod whose volume holds the file (a discovered pod spool directory), else ""
 
 
 @dataclass
@@ -359,11 +390,16 @@ class Totals:
     # engine file only where one of them could have read it (collectors/engines.py)
     info_uids: dict[tuple[str, str], set[int]] = field(default_factory=dict)
     deferred_files: int = 0  # files left for a later scrape: this one's read budget was spent
+    # (engine, GPU uuid) -> the pods of the live writers reporting it (PodIdentity of each file)
+    pods: dict[tuple[str, str], set[PodIdentity]] = field(default_factory=dict)
 
 
 # What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
 # be, how much of it is "used", how many files it makes and how often it changes them.
 MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (deferred)
+# Names taken from one pod's own spool volume per read: a pod that fills its volume with files cannot
+# take the listing from the other pods (a real pod has a few processes, one file each).
+MAX_POD_DIRECTORY_FILES = 1024
 SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
 SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
 RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
@@ -433,6 +469,15 @@ class SpoolReader:
         self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
         self._per_gpu_pruned_at = 0
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
+        # Spool directories found in pods' volumes (exporter.pods.kubelet): directory -> pod UID.  Their
+        # files are keyed by absolute path (the main directory's by name), read with the same budgets,
+        # and never deleted (the volume is the pod's, mounted read-only): folded, then tombstoned.
+        self.pod_directories: dict[str, str] = {}
+
+    def set_pod_directories(self, directories: dict[str, str]) -> None:
+        """Replace the discovered directories (directory -> pod UID); files of one no longer listed
+        are folded at the next read, as files that vanished."""
+        self.pod_directories = dict(directories)
 
     # --- the directory -------------------------------------------------------------------------
 
@@ -461,7 +506,11 @@ class SpoolReader:
             if not deferred:
                 self._cursor = ""
             self.deferred_files = deferred + self._deferred_now + self._unlisted
-            self._tombstones &= names  # forget tombstones of files someone else removed
+            # Forget tombstones of files someone else removed.  A pod directory's are kept while the pod
+            # is: its files are never deleted, and one left out of a capped listing must not be folded
+            # twice when it is listed again.
+            self._tombstones = {name for name in self._tombstones if name in names or (
+                os.path.isabs(name) and os.path.dirname(name) in self.pod_directories)}
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._with_owners(self._merge())
 
@@ -485,27 +534,57 @@ class SpoolReader:
         return totals
 
     def _list(self) -> set[str] | None:
+        """Every spool file of the main directory (by name) and of the pod directories (by absolute
+        path); None when the main directory is missing or unreadable and no pod directory is known."""
         self._unlisted = 0
+        names: set[str] = set()
+        listed: dict[str, int] = {}
+        found = self._list_one(self.directory, "", names, listed, MAX_LISTED_FILES)
+        if not found and not self.pod_directories and not any(map(os.path.isabs, self._live)):
+            return None  # nothing to list; a pod directory gone last has its files vanish below
+        if not found:  # the main directory's files keep their last values, as they did alone
+            self._carry(self.directory, names, listed)
+        for directory in sorted(self.pod_directories):
+            if self._list_one(directory, directory, names, listed, MAX_POD_DIRECTORY_FILES) is None:
+                self._carry(directory, names, listed)  # unreadable now: not proof that the pod is gone
+        self._listed = listed
+        return names
+
+    def _list_one(self, directory: str, prefix: str, names: set[str], listed: dict[str, int],
+                  limit: int) -> bool | None:
+        """Add at most ``limit`` of one directory's spool files to ``names`` (keyed by ``prefix``/name);
+        False when it does not exist (any file of it listed before has vanished), None when it could
+        not be read."""
+        taken = 0
         try:
-            with os.scandir(self.directory) as entries:
-                names: set[str] = set()
-                listed: dict[str, int] = {}
+            with os.scandir(directory) as entries:
                 for entry in entries:
+                    key = os.path.join(prefix, entry.name) if prefix else entry.name
                     if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                        if len(names) >= MAX_LISTED_FILES:
+                        if len(names) >= MAX_LISTED_FILES or taken >= limit:
                             self._unlisted += 1
                             continue
-                        names.add(entry.name)
-                        listed[entry.name] = entry.inode()
+                        taken += 1
+                        names.add(key)
+                        listed[key] = entry.inode()
                     elif entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".tmp"):
-                        self._sweep_temporary(entry.name)
-                self._listed = listed
-                return names
+                        self._sweep_temporary(key)
+            return True
         except FileNotFoundError:
-            return None
+            return False
         except OSError:
             self._count("io")
             return None
+
+    def _carry(self, directory: str, names: set[str], listed: dict[str, int]) -> None:
+        """Keep the live files of a directory that could not be listed, as last seen."""
+        for key in self._live:
+            if self._directory_of(key) == directory:
+                names.add(key)
+                listed[key] = self._listed.get(key, 0)
+
+    def _directory_of(self, key: str) -> str:
+        return os.path.dirname(key) if os.path.isabs(key) else self.directory
 
     def _sweep_temporary(self, name: str) -> None:
         """A writer that died between creating its file and renaming it leaves a dot-file: remove it."""
@@ -580,7 +659,8 @@ class SpoolReader:
                     self._fold_dead(name, path, state)
             return
         if state is None:
-            state = FileState(name, st.st_ino, uid=st.st_uid)
+            state = FileState(name, st.st_ino, uid=st.st_uid,
+                              pod_uid=self.pod_directories.get(self._directory_of(name), ""))
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if not self._affordable(state, data, digest, gone):
             if state.parsed is not None:
@@ -668,7 +748,7 @@ class SpoolReader:
         if state.parsed is not None:
             self._fold(state.parsed)
         self.folded_processes += 1
-        if not self.remove_dead:
+        if not self.remove_dead or os.path.isabs(name):  # a tool, or a pod's own volume: left in place
             self._tombstones.add(name)
             return
         try:
@@ -790,10 +870,16 @@ class SpoolReader:
                 if (engine, dev) in totals.mounts or len(mounts_of.setdefault(engine, set())) < MAX_MOUNTS_PER_ENGINE:
                     mounts_of.setdefault(engine, set()).add(dev)
                     totals.mounts[(engine, dev)] = mount
+            pod = _pod_of(state, parsed)
+            if pod is not None:
+                for engine in parsed.engines.keys() - parsed.infos.keys():
+                    totals.pods.setdefault((engine, ""), set()).add(pod)
             for engine, info in parsed.infos.items():
                 found = self.gpu_of(parsed.pid, parsed.start_ticks) if not info.gpu_uuid and self.gpu_of else None
                 if found:
                     info = dataclasses.replace(info, gpu_uuid=found)
+                if pod is not None:
+                    totals.pods.setdefault((engine, info.gpu_uuid), set()).add(pod)
                 identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
                 seen = distinct.get(identity)
                 if seen is None or seen.load_time < info.load_time:
@@ -861,6 +947,15 @@ class SpoolReader:
             self._per_gpu_pruned_at = self.forgotten_engines
             for key in [key for key in folded if key[0] not in self._folded.engines]:
                 del folded[key]
+
+
+def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:
+    """The pod of a live file: the writer's record, with the UID of the pod volume it was found in
+    (the kubelet's, which a writer cannot choose) in place of the one it recorded."""
+    pod = parsed.pod
+    if state.pod_uid:
+        return dataclasses.replace(pod or PodIdentity(), pod_uid=state.pod_uid)
+    return pod if pod is not None and any(dataclasses.astuple(pod)) else None
 
 
 def _add_into(table: dict[tuple[str, str], list[float]], key: tuple[str, str], values: typing.Sequence[float]) -> None:

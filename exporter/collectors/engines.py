@@ -51,6 +51,7 @@ from ..logsetup import LogOnce
 from ..mounts import MountCache
 from ..options import Option, parse_count, parse_seconds
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
+from ..pods import kubelet
 from ..sampler import PeriodicSampler
 from ..spool_reader import WriterGpus
 
@@ -247,6 +248,21 @@ CACHED_SOURCE = Desc("gpuio_engine_file_cached_measured_timestamp_seconds", GAUG
                      "When gpuio_engine_file_cached_bytes of the file was measured, and by whom (source: scan, the "
                      "exporter's background scan; loader, the loading process at the end of its latest load).",
                      labels=("engine", "path", "source"), unit="seconds")
+ENGINE_POD = Desc("gpuio_engine_pod_info", INFO,
+                  "The pods whose live processes report the engine on the GPU: namespace, pod and container as "
+                  "the process recorded them (Downward API), pod_uid the kubelet's where its spool is in the "
+                  "pod's volume (join on engine and gpu_uuid).",
+                  labels=("engine", "gpu_uuid", "namespace", "pod", "container", "pod_uid"))
+POD_SPOOLS = Desc("gpuio_engine_pod_spool_directories", GAUGE,
+                  "Spool directories found in pods' emptyDir volumes through the kubelet's pods directory at "
+                  "the last scan.")
+POD_SPOOLS_SKIPPED = Desc("gpuio_engine_pod_spool_pods_skipped", GAUGE,
+                          "Pods not looked at by the last scan of the kubelet's pods directory (past "
+                          "--collector.engines.max-pod-spools).")
+POD_SPOOLS_FAILED = Desc("gpuio_engine_pod_spool_scan_failed", GAUGE,
+                         "1 when the last scan could not read the kubelet's pods directory (the exporter needs "
+                         "to traverse its root:root 0750 directories: group root), 0 when it could.")
+MAX_PODS_PER_ENGINE = 64
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
                "(counted each time one is left out that was not left out at the scrape before).", labels=("kind",),
@@ -304,6 +320,16 @@ class EnginesCollector(Collector):
         Option("max-file-bytes", str(fmt.DEFAULT_FILE_BYTES), parse_count(fmt.HEADER_SIZE + 4096),
                "a whole number of bytes, at least 4352",
                "Spool files bigger than this are refused unread (the library makes 1 MiB files)."),
+        Option("kubelet-pods-dir", kubelet.DEFAULT_PODS_DIR, _parse_directory_name, "an absolute directory path",
+               "The kubelet's pods directory, where spool directories in pods' emptyDir volumes are found "
+               "(absent off Kubernetes: nothing is looked for)."),
+        Option("pod-spool-volume", kubelet.DEFAULT_VOLUME, kubelet.parse_volume_name,
+               "a volume name (lower-case letters, digits and '-')",
+               "Name of the emptyDir volume in which inference pods keep their spool (docs/engines.md)."),
+        Option("max-pod-spools", str(kubelet.DEFAULT_MAX_PODS), parse_count(1), "a whole number above zero",
+               "At most this many pods are looked at for a spool volume."),
+        Option("pod-spool-interval", "15s", parse_seconds, DURATION_ACCEPTED,
+               "How often the kubelet's pods directory is scanned for spool volumes (in the background)."),
     )
 
     def __init__(self, context: Context, options: dict[str, Any], read_only: bool = False) -> None:
@@ -326,7 +352,8 @@ class EnginesCollector(Collector):
         self._targets_lock = threading.Lock()
         self._exported: set[str] = set()
         self._activity: dict[str, tuple[float, float]] = {}  # engine -> (sum of its counters, when it moved)
-        self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer")}
+        self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer",
+                                                                            "engine_gpu", "pod")}
         self._files_left_out = LeftOut()  # the background scan's own (another thread)
         self._labels: dict[str, str] = {}
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
@@ -334,12 +361,30 @@ class EnginesCollector(Collector):
         self._writer_devices: dict[tuple[str, str, str], tuple[float, str, list[str]]] = {}
         self._bad = LogOnce(log)
         self._mounts = MountCache(context.procfs)
+        self.pods_dir: str = options.get("kubelet-pods-dir") or kubelet.DEFAULT_PODS_DIR
+        self.pod_volume: str = options.get("pod-spool-volume") or kubelet.DEFAULT_VOLUME
+        self.max_pod_spools: int = options.get("max-pod-spools") or kubelet.DEFAULT_MAX_PODS
+        self.pod_spools: PeriodicSampler[kubelet.Discovery] = PeriodicSampler(
+            "pod-spools", options.get("pod-spool-interval") or 15.0, self.find_pod_spools, log)
 
     def start(self) -> None:
         self.scanner.start()
+        self.pod_spools.start()
 
     def stop(self) -> None:
         self.scanner.stop()
+        self.pod_spools.stop()
+
+    def find_pod_spools(self) -> kubelet.Discovery:
+        """Scan the kubelet's pods directory and hand what it holds to the spool reader (background)."""
+        found = kubelet.find_spools(self.pods_dir, self.pod_volume, self.max_pod_spools)
+        if found.error:
+            self._bad.warning("cannot read the kubelet's pods directory: inference pods' emptyDir spools are "
+                              "not found (docs/deploy.md, Pods)", found.error, path=self.pods_dir)
+        if found.directories != self.reader.pod_directories:
+            log.info("pod spool directories", extra={"found": len(found.directories), "pods": found.pods})
+        self.reader.set_pod_directories(found.directories)
+        return found
 
     # --- for gpuio engines: the same reads, on demand -------------------------------------------
 
@@ -356,11 +401,16 @@ class EnginesCollector(Collector):
     # --- the scrape ----------------------------------------------------------------------------
 
     def collect(self) -> list[Family]:
-        has_spool = os.path.isdir(self.spool_dir)
+        pods = self.pod_spools.snapshot().value
+        # On a kubelet's node the pods' volumes are a source even while no pod has a spool volume.
+        has_spool = os.path.isdir(self.spool_dir) or (pods is not None and pods.exists)
         if not has_spool and not self.globs:
             raise Absent(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
                          "report (and no --collector.engines.path is set)")
         totals = self.reader.read() if has_spool else rd.Totals()
+        if totals.pods:  # the pods of writers, for the nvml collector's process series
+            self.context.pods.update_writer_pods((pod.pod_uid, pod.namespace, pod.pod)
+                                                 for found in totals.pods.values() for pod in found)
         engines = self._select(totals)
         families = self._engine_families(totals, engines)
         pairs = self._engine_gpus(totals, engines)
@@ -369,6 +419,7 @@ class EnginesCollector(Collector):
         families += self._load_families(totals, engines, pairs)
         families += self._file_families(totals)
         families += self._waterfall_families(totals, engines)
+        families += self._pod_families(totals, pairs)
         for left_out in self._left_out.values():
             left_out.commit()
         families += self._spool_families(totals)
@@ -557,6 +608,29 @@ class EnginesCollector(Collector):
             families.append(Family(desc, [desc.sample(label_string({label: key}), values[index])
                                           for key, values in sorted(table.items())]))
         families.append(Family(ENGINE_MOUNT, list(mount_info)))
+        return families
+
+    def _pod_families(self, totals: rd.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
+        """Which pods report each served (engine, GPU), at most MAX_PODS_PER_ENGINE per engine; and what
+        the last scan of the kubelet's pods directory found."""
+        lines: list[str] = []
+        per_engine: dict[str, int] = {}
+        for engine, uuid in pairs:
+            for pod in sorted(totals.pods.get((engine, uuid), ()), key=lambda p: (p.namespace, p.pod, p.container,
+                                                                                   p.pod_uid)):
+                if per_engine.get(engine, 0) >= MAX_PODS_PER_ENGINE:
+                    self._drop("pod", (engine, uuid, pod))
+                    continue
+                per_engine[engine] = per_engine.get(engine, 0) + 1
+                lines.append(ENGINE_POD.sample(label_string({
+                    "engine": engine, "gpu_uuid": uuid, "namespace": pod.namespace, "pod": pod.pod,
+                    "container": pod.container, "pod_uid": pod.pod_uid}), 1))
+        families = [Family(ENGINE_POD, lines)]
+        scan = self.pod_spools.snapshot().value
+        if scan is not None and scan.exists:  # off Kubernetes: not a word
+            families += [Family(POD_SPOOLS, [POD_SPOOLS.sample("", len(scan.directories))]),
+                         Family(POD_SPOOLS_SKIPPED, [POD_SPOOLS_SKIPPED.sample("", scan.left_out)]),
+                         Family(POD_SPOOLS_FAILED, [POD_SPOOLS_FAILED.sample("", 1 if scan.error else 0)])]
         return families
 
     def _engine_files(self, totals: rd.Totals, engines: list[str]) -> list[tuple[str, str, tuple[int, int]]]:

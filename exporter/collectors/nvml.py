@@ -47,6 +47,7 @@ from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..nvml_device import Nvml, NVMLError, error_code, error_name
 from ..options import Option, parse_count, parse_seconds
+from ..pods import cgroup
 from ..sampler import PeriodicSampler, Snapshot
 
 log = logging.getLogger("gpuio.collector.nvml")
@@ -309,6 +310,8 @@ class Gpu:
     dropped: int = 0
     dropped_pids: set[int] = field(default_factory=set)
     names: dict[int, str] = field(default_factory=dict)
+    pods: dict[int, cgroup.PodRef | None] = field(default_factory=dict)  # pid -> its pod (cgroup), kept processes
+    mig_uuids: set[str] = field(default_factory=set)  # its MIG devices at the last slow read
     pids: set[int] = field(default_factory=set)  # every compute process at the last slow read, cap or not
     label_cache: dict[tuple[tuple[str, str], ...], str] = field(default_factory=dict)
 
@@ -512,6 +515,8 @@ class NvmlCollector(Collector):
                     if slow:
                         self.context.gpu_processes.update(
                             {pid: gpu.uuid for gpu in session.gpus if gpu.up for pid in gpu.pids})
+                        self.context.pods.set_mig_parents(
+                            {mig: gpu.uuid for gpu in session.gpus if gpu.up for mig in gpu.mig_uuids})
                 return self._render()
             finally:
                 self._sweep_started = None
@@ -849,12 +854,25 @@ class NvmlCollector(Collector):
         gpu.dropped += len(dropped_pids - gpu.dropped_pids)  # each process counted once, when first left out
         gpu.dropped_pids = dropped_pids
         gpu.names = {p.pid: gpu.names.get(p.pid) or self._process_name(p.pid) for p in kept}
+        gpu.pods = {p.pid: gpu.pods[p.pid] if p.pid in gpu.pods else cgroup.of_pid(p.pid, self.context.procfs)
+                    for p in kept}
         readings: list[Reading] = [(PROCESSES, gpu.labels, len(processes)), (DROPPED, gpu.labels, gpu.dropped)]
         for process in kept:
-            labels = gpu.label((("pid", str(process.pid)), ("process_name", gpu.names[process.pid])))
+            labels = gpu.label((("pid", str(process.pid)), ("process_name", gpu.names[process.pid]),
+                                *self._pod_labels(gpu, gpu.pods[process.pid])))
             used = math.nan if process.used_memory is None else process.used_memory
             readings.append((PROCESS_MEMORY, labels, used))
         return readings
+
+    def _pod_labels(self, gpu: Gpu, ref: cgroup.PodRef | None) -> tuple[tuple[str, str], ...]:
+        """namespace, pod and container of a process in a pod (exporter.pods.attribution); nothing for a
+        process in no pod or whose pod cannot be named, so off Kubernetes the series are as they were."""
+        if ref is None:
+            return ()
+        named = self.context.pods.of_process(ref.pod_uid, gpu.uuid)
+        if named is None:
+            return ()
+        return (("namespace", named[0]), ("pod", named[1]), ("container", named[2]))
 
     def _process_name(self, pid: int) -> str:
         assert self._nvml is not None
@@ -866,6 +884,7 @@ class NvmlCollector(Collector):
     def _read_mig(self, gpu: Gpu) -> list[Reading]:
         """MIG mode; with it on, each MIG device's identity and memory (NVML has no MIG utilisation)."""
         assert self._nvml is not None
+        gpu.mig_uuids = set()
         mode = self._call(gpu, "mig_mode", self._nvml.device_mig_mode, gpu.handle)
         if mode is None:
             return []
@@ -891,6 +910,7 @@ class NvmlCollector(Collector):
         mig_uuid = self._call(gpu, "mig_uuid", nvml.device_uuid, handle)
         if mig_uuid is None:
             return []
+        gpu.mig_uuids.add(mig_uuid)
         gpu_instance = self._call(gpu, "mig_gpu_instance_id", nvml.device_gpu_instance_id, handle)
         compute_instance = self._call(gpu, "mig_compute_instance_id", nvml.device_compute_instance_id, handle)
         info = gpu.label((("mig_uuid", mig_uuid),

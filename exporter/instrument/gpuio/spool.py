@@ -30,6 +30,8 @@ Layout (version 1, little-endian, every value 8-byte aligned)::
                  their bytes came from (counters), and its last load (see WATERFALL_SLOTS)
          MOUNT:  MOUNT_STRUCT, then mount point, fstype, source and layer directory as utf-8; key
                  "engine\0MAJ:MIN": the writer's own mountinfo line of the engine file's st_dev
+         POD:    the process's pod, once, when the file is made: POD_STRUCT (four lengths), then
+                 namespace, pod, container and pod UID as utf-8; key "pod" (pod_identity())
 
 Hot path: an observation is one bisect and two stores of doubles into the process's MAP_SHARED
 mapping, under a per-process ``threading.Lock`` (Python threads; there is never a cross-process lock
@@ -62,11 +64,13 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import struct
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 log = logging.getLogger("gpuio.spool")
@@ -94,9 +98,10 @@ KIND_INFO = 4
 KIND_LOAD = 5
 KIND_WATERFALL = 6
 KIND_MOUNT = 7
+KIND_POD = 16
 # An exporter skips (and counts) the kinds it does not know: a library newer than the exporter adds
 # kinds, never changes one.
-KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO, KIND_LOAD, KIND_WATERFALL, KIND_MOUNT)
+KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO, KIND_LOAD, KIND_WATERFALL, KIND_MOUNT, KIND_POD)
 # The LOAD record's doubles: gauges of one process's loads of one engine, GPU and file system.
 LOAD_SLOTS = ("in_progress", "read_bytes", "oldest_start")
 
@@ -124,6 +129,11 @@ MOUNT_STRUCT = struct.Struct("<HHHH")
 INFO_STRUCT = struct.Struct("<iIIQQqdHHH")
 MAX_PATH_BYTES = 4096
 MAX_SHORT_BYTES = 128
+# POD: lengths (u16 each) of namespace, pod name, container name and pod UID, the strings follow.
+POD_STRUCT = struct.Struct("<HHHH")
+MAX_POD_NAME_BYTES = 253  # a DNS subdomain (pod names); namespaces and containers are 63-byte labels
+# The Downward API variables the library reads (docs/engines.md has the pod spec snippet).
+POD_ENVIRONMENT = ("POD_NAMESPACE", "POD_NAME", "CONTAINER_NAME", "POD_UID")
 
 # Bucket bounds are part of the format: every process of one version shares them, so merging is
 # plain addition.  They are wide on purpose (a 50 us CNN and a 30 s LLM prefill both resolve).
@@ -262,6 +272,9 @@ class SpoolFile:
         self._map = self._open(directory)
         self.values = memoryview(self._map).cast("d")
         self.used = HEADER_SIZE
+        identity = pod_identity()
+        if identity[1] or identity[3]:  # a pod name or UID; CONTAINER_NAME alone is too common to mean a pod
+            self.add_record(KIND_POD, "pod", len(pack_pod(*identity)), pack_pod(*identity))
 
     def _open(self, directory: str | None) -> mmap.mmap:
         if directory:
@@ -365,6 +378,41 @@ def pack_info(cuda_device: int, dev: tuple[int, int], ino: int, size: int, mtime
     head = INFO_STRUCT.pack(cuda_device, dev[0], dev[1], ino, size, mtime_ns, load_time,
                             len(raw_path), len(raw_uuid), len(raw_runtime))
     return head + raw_path + raw_uuid + raw_runtime
+
+
+_POD_CGROUP = re.compile(r"(?:^|-)pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
+                         r"(?:\.slice)?$")
+
+
+def _own_pod_uid() -> str:
+    """This process's pod UID from its own cgroup path, where its cgroup namespace shows the path (cgroup
+    v1, or v2 with a host cgroup namespace); "" otherwise (a private namespace shows only "/")."""
+    try:
+        with open("/proc/self/cgroup", "rb") as handle:
+            text = handle.read(16384).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        for segment in line.rpartition(":")[2].split("/"):
+            found = _POD_CGROUP.search(segment)
+            if found:
+                return found[1].replace("_", "-")
+    return ""
+
+
+def pod_identity(environ: Mapping[str, str] | None = None) -> tuple[str, str, str, str]:
+    """``(namespace, pod, container, pod UID)`` of this process, from the Downward API environment
+    (POD_ENVIRONMENT) and, for the UID, the process's own cgroup; "" for what is not known."""
+    env = os.environ if environ is None else environ
+    namespace, pod, container, uid = (env.get(name, "") for name in POD_ENVIRONMENT)
+    return namespace, pod, container, uid or _own_pod_uid()
+
+
+def pack_pod(namespace: str, pod: str, container: str, pod_uid: str) -> bytes:
+    raw = [text.encode("utf-8", "replace")[:limit] for text, limit in
+           ((namespace, MAX_POD_NAME_BYTES), (pod, MAX_POD_NAME_BYTES), (container, MAX_POD_NAME_BYTES),
+            (pod_uid, MAX_SHORT_BYTES))]
+    return POD_STRUCT.pack(*map(len, raw)) + b"".join(raw)
 
 
 def load_key(engine: str, gpu_uuid: str, dev: tuple[int, int]) -> str:
