@@ -57,9 +57,19 @@ def call_groups(nvml: Any, handle: Any) -> list[tuple[str, str, Callable[[], Any
         with contextlib.suppress(NVMLError):  # NotFound: no sample in the last second
             nvml.device_samples(handle, GPU_UTILIZATION_SAMPLES, recent - 1_000_000)  # about one second's worth
 
-    def gpm_cycle() -> None:
-        nvml.gpm_sample_get(handle, gpm[1])
-        nvml.gpm_metrics_get(gpm[0], gpm[1], [20, 21])
+    fast = [m.metric for m in NVML.GPM_METRICS if m.fast]
+    every = [m.metric for m in NVML.GPM_METRICS] + [m.metric for m in NVML.NVLINK_TOTALS]
+
+    def gpm_cycle(metrics: list[int]) -> Callable[[], None]:
+        def cycle() -> None:
+            nvml.gpm_sample_get(handle, gpm[1])
+            nvml.gpm_metrics_get(gpm[0], gpm[1], metrics)
+
+        return cycle
+
+    def process_utilization() -> None:
+        with contextlib.suppress(NVMLError):  # NotFound: no process ran in the last second
+            nvml.device_process_utilization(handle, int(time.time() * 1e6) - 1_000_000)
 
     def processes() -> None:
         for process in nvml.device_compute_running_processes(handle):
@@ -81,7 +91,9 @@ def call_groups(nvml: Any, handle: Any) -> list[tuple[str, str, Callable[[], Any
                   nvml.device_curr_pcie_link_width(handle))),
         ("1 s", "memory temperature (field 82)", lambda: nvml.device_field_values(handle, [82])),
         ("1 s", "clock event reasons", lambda: nvml.device_current_clocks_event_reasons(handle)),
-        ("1 s", "GPM sample + PCIe metrics", gpm_cycle),
+        ("1 s", f"GPM sample + {len(fast)} metrics (SM, occupancy, tensor, DRAM, PCIe)", gpm_cycle(fast)),
+        ("1 s", "per-process utilisation (nvmlDeviceGetProcessUtilization)", process_utilization),
+        ("10 s", f"GPM sample + {len(every)} metrics (the slow set: pipes, media, NVLink)", gpm_cycle(every)),
         ("10 s", "total energy", lambda: nvml.device_total_energy_consumption(handle)),
         ("10 s", "violation counters (5 fields)", lambda: nvml.device_field_values(handle, [74, 76, 269, 270, 271])),
         ("10 s", "PCIe replay counter", lambda: nvml.device_pcie_replay_counter(handle)),
