@@ -166,12 +166,25 @@ def engine_gpu_from_nvml(url: str, spool: str) -> list[str]:
             if info and info[0].get("gpu_uuid"):
                 print(f"engine 'silent' (no GPU recorded by its process {writer.pid}): gpu_uuid "
                       f"{info[0]['gpu_uuid']} from NVML's process list; GPUs {sorted(gpus)}")
-                return [] if info[0]["gpu_uuid"] in gpus else ["engine's gpu_uuid is no GPU of gpuio_gpu_info"]
+                failures = [] if info[0]["gpu_uuid"] in gpus else ["engine's gpu_uuid is no GPU of gpuio_gpu_info"]
+                return failures + process_join(samples, writer.pid)
             time.sleep(0.5)
         return ["engine 'silent' got no gpu_uuid from NVML's process list in 30 s"]
     finally:
         writer.kill()
         writer.wait()
+
+
+def process_join(samples: list, pid: int) -> list[str]:
+    """The engine's writer by pid (gpuio_engine_process_info) and its own GPU busy series, joined on pid."""
+    engines = [labels.get("engine") for name, labels in samples
+               if name == "gpuio_engine_process_info" and labels.get("pid") == str(pid)]
+    busy = [labels for name, labels in samples
+            if name == "gpuio_gpu_process_sm_busy_seconds_total" and labels.get("pid") == str(pid)]
+    print(f"pid {pid}: gpuio_engine_process_info engines {engines}; per-process SM busy series {busy}")
+    if engines != ["silent"] or not busy:
+        return [f"engine 'silent' not joined to its process's GPU series: {engines}, {busy}"]
+    return []
 
 
 if __name__ == "__main__":

@@ -183,8 +183,11 @@ def main() -> int:
         print("SKIPPED: GPU 0 has no GPM")
         return 2
     print(f"GPU 0: {nvml.device_name(handle)}, driver {nvml.system_driver_version()}")
-    print(*cost_table(nvml, handle), sep="\n")
     failures: list[str] = []
+    try:
+        print(*cost_table(nvml, handle), sep="\n")
+    except Exception as exc:  # the figures below still count
+        failures.append(f"cost table: {exc!r}")
     options = {"interval": 1.0, "slow-interval": 1e-9, "hang-timeout": 30.0, "reinit-interval": 30.0,
                "max-processes": 64}
     collector = NVML.NvmlCollector(Context(), options, nvml=PyNvml())
@@ -223,7 +226,10 @@ def main() -> int:
     for name, ok in expect:
         if not ok(measured):
             failures.append(name)
-    failures += two_processes(collector, nvml, handle)
+    try:
+        failures += two_processes(collector, nvml, handle)
+    except Exception as exc:
+        failures.append(f"two processes: {exc!r}")
     collector.stop()
     for failure in failures:
         print("FAIL", failure)
@@ -245,7 +251,11 @@ def two_processes(collector: Any, nvml: PyNvml, handle: Any) -> list[str]:
     for _ in range(5):
         time.sleep(1.0)
         samples(collector)
-    slow.feed(_utilisation(nvml, handle, slow.last_seen_us or 0))
+    raw = _utilisation(nvml, handle, slow.last_seen_us or 0)
+    print("\nraw nvmlDeviceGetProcessUtilization after 5 s: "
+          + "; ".join(f"pid {u.pid} ts {u.timestamp_us} sm {u.sm} mem {u.memory}" for u in raw)
+          + f" (last seen {slow.last_seen_us}, now {int(time.time() * 1e6)})")
+    slow.feed(raw)
     after, t1 = samples(collector), time.monotonic()
     finish(first)
     finish(second)
