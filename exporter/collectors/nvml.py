@@ -184,29 +184,28 @@ MAX_PROCESS_PERIOD_US = 20_000_000  # NVML keeps about this much per-process uti
 class GpmMetric:
     """One GPM metric served as a counter: NVML's average over a window x the window's length (see Gpm).
 
-    ``fast`` metrics are computed every interval, the others every slow interval: from a long-lived
-    baseline a counter is right whenever it is computed, so the cadence only sets how fresh it is, and
-    the cost of nvmlGpmMetricsGet grows with the number of metrics asked for.
+    Every metric is computed every interval: on an H100 one nvmlGpmSampleGet + nvmlGpmMetricsGet costs
+    0.22 ms of CPU for 6 metrics and 0.24 ms for 32 (bench/nvml_bench.py), so a smaller set or a slower
+    cadence for some would save nothing worth the staleness.
     """
 
     metric: int  # NVML_GPM_METRIC_*
     desc: Desc
     labels: tuple[tuple[str, str], ...] = ()
     scale: float = PERCENT
-    fast: bool = False
 
 
-def _pipe(metric: int, pipe: str, desc: Desc = PIPE_ACTIVE, fast: bool = False) -> GpmMetric:
-    return GpmMetric(metric, desc, (("pipe", pipe),), fast=fast)
+def _pipe(metric: int, pipe: str, desc: Desc = PIPE_ACTIVE) -> GpmMetric:
+    return GpmMetric(metric, desc, (("pipe", pipe),))
 
 
 GPM_METRICS = (
-    GpmMetric(nv.GPM_METRIC_SM_UTIL, SM_ACTIVE, fast=True),
-    GpmMetric(nv.GPM_METRIC_SM_OCCUPANCY, SM_OCCUPANCY, fast=True),
-    _pipe(nv.GPM_METRIC_ANY_TENSOR_UTIL, "tensor", fast=True),
-    GpmMetric(nv.GPM_METRIC_DRAM_BW_UTIL, DRAM_ACTIVE, fast=True),
-    GpmMetric(nv.GPM_METRIC_PCIE_TX_PER_SEC, PCIE_TX, scale=MIB_PER_SECOND, fast=True),
-    GpmMetric(nv.GPM_METRIC_PCIE_RX_PER_SEC, PCIE_RX, scale=MIB_PER_SECOND, fast=True),
+    GpmMetric(nv.GPM_METRIC_SM_UTIL, SM_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_SM_OCCUPANCY, SM_OCCUPANCY),
+    _pipe(nv.GPM_METRIC_ANY_TENSOR_UTIL, "tensor"),
+    GpmMetric(nv.GPM_METRIC_DRAM_BW_UTIL, DRAM_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_PCIE_TX_PER_SEC, PCIE_TX, scale=MIB_PER_SECOND),
+    GpmMetric(nv.GPM_METRIC_PCIE_RX_PER_SEC, PCIE_RX, scale=MIB_PER_SECOND),
     _pipe(nv.GPM_METRIC_HMMA_TENSOR_UTIL, "tensor_hmma"),
     _pipe(nv.GPM_METRIC_IMMA_TENSOR_UTIL, "tensor_imma"),
     _pipe(nv.GPM_METRIC_DFMA_TENSOR_UTIL, "tensor_dfma"),
@@ -822,7 +821,7 @@ class NvmlCollector(Collector):
     # -- reading one GPU --
 
     def _read(self, gpu: Gpu, slow: bool) -> None:
-        fast = self._read_fast(gpu, slow)
+        fast = self._read_fast(gpu)
         slow_readings = self._read_slow(gpu) if slow else None
         if not gpu.up:
             return
@@ -830,15 +829,14 @@ class NvmlCollector(Collector):
         if slow_readings is not None:
             gpu.slow = slow_readings
 
-    def _read_fast(self, gpu: Gpu, slow: bool) -> list[Reading]:
+    def _read_fast(self, gpu: Gpu) -> list[Reading]:
         readings = self._read_busy(gpu)
         readings += self._read_rates(gpu)
         readings += self._read_memory(gpu, gpu.handle, gpu.labels, MEMORY_DESCS, "")
         readings += self._scalars(gpu, FAST)
         readings += self._read_memory_temperature(gpu)
         readings += self._read_reasons(gpu)
-        readings += self._read_gpm(gpu, slow)
-        readings += self._read_process_busy(gpu)
+        readings += self._read_gpm(gpu)
         return readings
 
     def _read_slow(self, gpu: Gpu) -> list[Reading]:
@@ -846,6 +844,7 @@ class NvmlCollector(Collector):
         readings += self._read_violations(gpu)
         readings += self._read_remapped_rows(gpu)
         readings += self._read_processes(gpu)
+        readings += self._read_process_busy(gpu)  # after the list: the processes it names get series
         readings += self._read_mig(gpu)
         return readings
 
@@ -900,33 +899,32 @@ class NvmlCollector(Collector):
         return [(REASON, gpu.label((("reason", name),)), 1 if mask & bit else 0)
                 for bit, name in EVENT_REASONS if gpu.reasons_supported & bit]
 
-    def _read_gpm(self, gpu: Gpu, slow: bool) -> list[Reading]:
-        """The GPU's GPM counters: the fast metrics every sweep, the others on slow sweeps (see Gpm)."""
+    def _read_gpm(self, gpu: Gpu) -> list[Reading]:
+        """The GPU's GPM counters (see Gpm)."""
         nvml, gpm = self._nvml, gpu.gpm
         if gpm is None or nvml is None:
             return []
-        self._advance_gpm(gpu, gpm, gpu.gpm_totals, gpu.gpm_metrics, slow, "", nvml.gpm_sample_get, gpu.handle)
+        self._advance_gpm(gpu, gpm, gpu.gpm_totals, gpu.gpm_metrics, "", nvml.gpm_sample_get, gpu.handle)
         if gpm.since is None or "gpm_metrics_get" in gpu.unsupported:
             return []
         return [(m.desc, gpu.label(m.labels), gpu.gpm_totals[m.metric])
                 for m in gpu.gpm_metrics if m.metric in gpu.gpm_totals]
 
     def _advance_gpm(self, gpu: Gpu, gpm: Gpm, totals: dict[int, float], metrics: tuple[GpmMetric, ...],
-                     slow: bool, prefix: str, sample_get: Callable[..., Any], *where: Any) -> None:
-        """One GPM step: take a sample into the baseline (first time) or the scratch buffer, then the
-        metrics due as totals since the baseline; move the baseline when it is old and every metric
-        was just computed.  ``prefix`` ("mig_") keeps a GPU instance's refusals apart from the GPU's."""
+                     prefix: str, sample_get: Callable[..., Any], *where: Any) -> None:
+        """One GPM step: take a sample into the baseline (first time) or the scratch buffer, then each
+        metric as its total since the baseline; move the baseline when it is old.  ``prefix`` ("mig_")
+        keeps a GPU instance's refusals apart from the GPU's."""
         assert self._nvml is not None
         now = time.monotonic()
         sample_call = prefix + "gpm_sample_get"
         if gpm.since is None:
             if self._call(gpu, sample_call, sample_get, *where, gpm.baseline) is not None:
                 for metric in metrics:  # served from the baseline on: rate() misses nothing of the first step
-                    if metric.fast or slow:
-                        totals.setdefault(metric.metric, 0.0)
+                    totals.setdefault(metric.metric, 0.0)
                 gpm.since, gpm.carry = now, dict(totals)
             return
-        due = [m for m in metrics if (slow or m.fast) and f"{prefix}gpm_metric_{m.metric}" not in gpu.unsupported]
+        due = [m for m in metrics if f"{prefix}gpm_metric_{m.metric}" not in gpu.unsupported]
         if not due or self._call(gpu, sample_call, sample_get, *where, gpm.scratch) is None:
             return
         rates = self._call(gpu, "gpm_metrics_get", self._nvml.gpm_metrics_get, gpm.baseline, gpm.scratch,
@@ -940,12 +938,15 @@ class NvmlCollector(Collector):
             elif rate is not None:
                 total = gpm.carry.get(metric.metric, 0.0) + max(rate, 0.0) * metric.scale * (now - gpm.since)
                 totals[metric.metric] = max(totals.get(metric.metric, 0.0), total)
-        if slow and now - gpm.since >= GPM_REBASE:
+        if now - gpm.since >= GPM_REBASE:
             gpm.baseline, gpm.scratch, gpm.since = gpm.scratch, gpm.baseline, now
             gpm.carry = dict(totals)
 
     def _read_process_busy(self, gpu: Gpu) -> list[Reading]:
-        """Busy seconds of each listed process (nvmlDeviceGetProcessUtilization, see ProcessBusy)."""
+        """Busy seconds of each listed process (nvmlDeviceGetProcessUtilization, see ProcessBusy).
+
+        Every slow interval: the call costs ~2.7 ms of CPU on an H100 whatever it returns (as much as
+        the rest of a sweep), and it answers for the whole period since the previous call."""
         assert self._nvml is not None
         if not gpu.up or "process_utilization" in gpu.unsupported:
             return []
@@ -1065,7 +1066,7 @@ class NvmlCollector(Collector):
             if gpm is None:
                 continue
             totals = gpu.mig_gpm_totals.setdefault(instance, {})
-            self._advance_gpm(gpu, gpm, totals, MIG_GPM_METRICS, True, "mig_", nvml.gpm_mig_sample_get,
+            self._advance_gpm(gpu, gpm, totals, MIG_GPM_METRICS, "mig_", nvml.gpm_mig_sample_get,
                               gpu.handle, instance)
             if gpm.since is not None:
                 extra = (("gpu_instance", str(instance)),)
