@@ -65,10 +65,11 @@ IO_PRESSURE_FULL = 0.10
 # GPU busy ratio (busy seconds per second) under which a GPU counts as mostly idle ("GPU busy
 # under 30 %").
 GPU_BUSY_LOW = 0.30
-# Where GPM measures SM activity (Hopper and newer), "mostly idle" is judged on it instead: the share of
-# SMs with a warp resident, under 10 %.  NVML's busy reads 100 % while a single thread block spins, or
-# while an engine's weights cross PCIe with no SM running (measured on an H100: SM activity 0.8 % and
-# 0 %); real work keeps far more SMs busy (a bf16 matmul 97 %, an elementwise add 99 %).
+# Where GPM measures SM activity (Hopper and newer), a GPU is also mostly idle when under 10 % of its SMs
+# work (the share of SMs with a warp resident), whatever NVML's busy says: busy reads 100 % while a
+# single thread block spins, or while an engine's weights cross PCIe with no SM running (measured on an
+# H100: SM activity 0.8 % and 0 %); real work keeps far more SMs busy (a bf16 matmul 97 %, an
+# elementwise add 99 %).  SM activity never exceeds busy, so it only adds idle GPUs, never hides one.
 GPU_SM_ACTIVE_LOW = 0.10
 # Clock-event reasons that mean trouble (GPUThrottled).  sw_power_cap is left out: a fully loaded GPU
 # sits at its power limit by design.  gpu_idle, sync_boost and the clock settings are not faults either.
@@ -119,11 +120,11 @@ def disk_flags(rotational: str | None, reads_per_second: float | None, writes_pe
 
 
 def gpu_idle(busy: float | None, sm_active: float | None = None) -> bool:
-    """Mostly idle: SM activity under GPU_SM_ACTIVE_LOW where GPM measures it, else NVML busy under
-    GPU_BUSY_LOW (a GPU busy 100 % with no SM working is idle for its engines)."""
-    if sm_active is not None:
-        return sm_active < GPU_SM_ACTIVE_LOW
-    return busy is not None and busy < GPU_BUSY_LOW
+    """Mostly idle: NVML busy under GPU_BUSY_LOW, or (where GPM measures it) SM activity under
+    GPU_SM_ACTIVE_LOW: a GPU busy 100 % with no SM working is idle for its engines."""
+    if busy is not None and busy < GPU_BUSY_LOW:
+        return True
+    return sm_active is not None and sm_active < GPU_SM_ACTIVE_LOW
 
 
 def gpu_starved(busy: float | None, any_disk_saturated: bool, sm_active: float | None = None) -> bool:
