@@ -15,6 +15,13 @@ The peers are dcgm-exporter and nvidia_gpu_exporter; this module answers their u
   Instead GPM (Hopper and newer) gives the average rate since a baseline sample, times the baseline's
   age (:class:`Gpm` says why not since the previous sample).  GPUs without GPM have no PCIe byte series
   rather than wrong ones.
+- **Activity is GPM too** (Hopper and newer): SM activity, occupancy, tensor and FP pipes, DRAM
+  bandwidth, NVLink bytes, NVDEC/NVJPG/NVOFA, per GPU and per MIG GPU instance, as counters from the
+  same baseline (``rate()`` of ``gpuio_gpu_sm_active_seconds_total`` is the share of SMs working).
+  NVML's busy reads 100 % while one thread block spins or weights cross PCIe with no SM running; these
+  do not.  A GPU without GPM has none of these families and ``gpuio_gpu_gpm_supported 0``.
+- **Per-process busy seconds** integrate nvmlDeviceGetProcessUtilization (every slow interval) for the
+  processes listed; the engines collector names each engine's writer pids, the join to them.
 - **Units are base units** (bytes, hertz, celsius, watts, joules, seconds, ratios), converted here.
 - **Failures stay small.**  A call NVML does not support on this GPU or driver (NotSupported,
   FunctionNotFound, ...) leaves its series out; an old driver gets the older function where there is

@@ -573,3 +573,38 @@ def test_per_process_busy_seconds_integrate_each_process_share_for_the_listed_pr
     assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == pytest.approx(1.5, rel=0.02)
     assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(1.0, rel=0.02)
     assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(monkeypatch) -> None:
+    """The baseline moves every GPM_REBASE seconds and a re-initialised session starts a new one: the
+    counters carry on from their totals (kept by UUID), never going back, never counting twice."""
+    from exporter.collectors import nvml as module
+
+    monkeypatch.setattr(module, "GPM_REBASE", 0.05)
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.gpm_refresh = 0.01
+    collector = make(fake, reinit_interval=0.01)
+    sweep(collector)
+    done = 0.0
+    for round_ in range(3):
+        time.sleep(0.02)
+        gpu.gpm_counters.add({2: 100 * 1.0, 21: 1024.0})  # 1 SM-active second and 1 GiB each round
+        done += 1.0
+        time.sleep(0.08)  # past GPM's refresh and past GPM_REBASE: the baseline moves at this sweep
+        samples = sweep(collector)
+        assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done, rel=0.2), round_
+    before = value(samples, "gpuio_gpu_pcie_receive_bytes_total")
+    assert before == pytest.approx(3 * GIB, rel=0.2)
+    gpu.lost = True  # a lost GPU: a new NVML session after reinit-interval, new GPM buffers
+    sweep(collector)
+    gpu.lost = False
+    time.sleep(0.02)
+    sweep(collector)  # the new session's baseline
+    time.sleep(0.02)
+    gpu.gpm_counters.add({2: 100 * 1.0})
+    time.sleep(0.05)
+    samples = sweep(collector)
+    assert fake.calls["init"] == 2
+    assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done + 1.0, rel=0.2)
+    assert value(samples, "gpuio_gpu_pcie_receive_bytes_total") >= before
