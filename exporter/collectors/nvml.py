@@ -371,8 +371,7 @@ class Gpm:
     read as 0 to 3.6 GiB over windows of 0.04-0.54 s.  Multiplying the average by our own interval
     would be off by up to 10 % each second.  Measured from a baseline ``age`` seconds old, the error
     is 0.1 s / age of the average (0.1 % after 100 s): the counter is ``carry`` + average since the
-    baseline x age.  The baseline moves every GPM_REBASE seconds (at a sweep that computed every
-    metric), its totals kept in ``carry``.  An exported total never decreases (a wobble of that error
+    baseline x age.  The baseline moves every GPM_REBASE seconds, its totals kept in ``carry``.  An exported total never decreases (a wobble of that error
     must not look like a counter reset).  One Gpm per GPU, and one per MIG GPU instance.
     """
 
