@@ -28,6 +28,7 @@ fi
 step() { echo "== $*"; "$@" 2>&1 | tee -a "$OUT/device.log" || status=1; }
 nvidia-smi --query-gpu=name,driver_version,pci.bus_id --format=csv,noheader | tee "$OUT/device.log"
 step python3 tests/gpu/run_gpu_checks.py
+step python3 tests/gpu/gpm_check.py
 step python3 tests/gpu/test_engines_gpu.py
 step python3 bench/nvml_bench.py
 step python3 tests/gpu/exporter_http_check.py
