@@ -13,9 +13,9 @@ OUT=${OUT:-/tmp/gpuio-device}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD:$PWD/exporter/instrument
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD:$PWD/exporter/instrument
 fi
 status=0
 # Every module the exporter and its smart collector import, from .whl/ or from this python3.
