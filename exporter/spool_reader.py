@@ -9,6 +9,7 @@ processes, and merging everything per engine, per engine and GPU, and per load i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -16,6 +17,8 @@ import hashlib
 import math
 import operator
 import os
+import random
+import resource
 import stat
 import struct
 import threading
@@ -29,6 +32,7 @@ from gpuio.spool import (
     ENGINE_LAYOUT,
     ENGINE_SERIES,
     GAUGES,
+    GENERATION_OFFSET,
     HEADER,
     HEADER_SIZE,
     INFO_STRUCT,
@@ -283,6 +287,11 @@ class FileState:
     digest: bytes = b""  # of the bytes ``parsed`` came from: unchanged bytes are not parsed again
     used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
     uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
+    # Kept open between reads (up to a cap) so that an unchanged file costs a lock probe and a header read.
+    fd: int | None = None
+    header: bytes = b""  # the header ``parsed`` came with: the same header again means nothing changed
+    recheck_at: float = 0.0  # when to read the whole file even so (monotonic seconds)
+    needs_gpu: bool = False  # ``parsed`` has series without a GPU: the merge asks ``gpu_of`` for this writer
 
 
 @dataclass
@@ -318,6 +327,34 @@ RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader 
 # A real process's file holds a few engines: a few KiB.  Files above this may take only half of
 # RETAINED_BYTES, so a few big files cannot keep the small ones out.
 SMALL_FILE_BYTES = 64 << 10
+# Live files whose descriptors stay open between reads (also at most a quarter of RLIMIT_NOFILE); the
+# others are opened on every read, as a new file is.
+MAX_KEPT_FILES = 4096
+# A file whose header says nothing changed is still read whole this often (give or take a quarter, so
+# that files first seen together do not all come due on one scrape): a writer's word is trusted for
+# its own series only, and never for longer than this.
+RECHECK_SECONDS = 60.0
+_GENERATION = struct.Struct("<d")
+
+
+def _libc_flock() -> Callable[[int, int], int] | None:
+    """libc's flock, called directly: a refused probe then costs a return value, where fcntl.flock
+    raises an OSError (about half of what a scrape of unchanged files spends per file)."""
+    try:
+        flock = ctypes.CDLL(None, use_errno=True).flock
+    except (OSError, AttributeError):
+        return None
+    flock.argtypes, flock.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return typing.cast("Callable[[int, int], int]", flock)
+
+
+_FLOCK = _libc_flock()
+_PROBE = fcntl.LOCK_EX | fcntl.LOCK_NB
+
+
+def _kept_files_cap() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_KEPT_FILES if soft == resource.RLIM_INFINITY else max(0, min(MAX_KEPT_FILES, soft // 4))
 
 
 @dataclass
@@ -334,8 +371,11 @@ class ReadBudget:
 class SpoolReader:
     """Merges a spool directory; keeps the folded totals of exited processes for as long as it runs.
 
-    ``read()`` costs one directory listing plus, per live file, open + pread + flock probe + close;
-    a file whose bytes did not change since the last read is not parsed again.  A dead file costs
+    ``read()`` costs one directory listing plus, per live file, a flock probe and a pread of its
+    header on a descriptor kept open: a writer moves the header's generation up after every change,
+    so the same header means the same content (and the last merge stands when no file changed).  A
+    changed file, a new one, one whose writer does not count generations and, once a minute, every
+    file are read whole (open + pread + flock probe); bytes that did not change are not parsed again.  A dead file costs
     that once: it is folded, then deleted (or tombstoned) and never opened again.
 
     Bounded whatever the writers do: a file is read up to ``max_file_bytes`` at most (a bigger one is
@@ -358,6 +398,7 @@ class SpoolReader:
         self.scrape_read_bytes = SCRAPE_READ_BYTES
         self.scrape_parse_bytes = SCRAPE_PARSE_BYTES
         self.retained_bytes = RETAINED_BYTES
+        self.recheck_seconds = RECHECK_SECONDS
         # Engines whose folded totals are never forgotten (the exporter's exported engines).
         self.protected: set[str] = set()
         self.errors: dict[str, int] = {}
@@ -381,11 +422,34 @@ class SpoolReader:
         self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
         self._per_gpu_pruned_at = 0
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
+        self._kept_cap = _kept_files_cap()
+        self._kept = 0  # descriptors held open by live FileStates
+        self._now = 0.0  # time.monotonic() at the start of this read
+        # Moves whenever what _merge() reads changes (a live file parsed anew, added, folded, forgotten):
+        # the same version and the same GPU answers give the same merge, which is then reused.
+        self._version = 0
+        self._merged: tuple[tuple[object, ...], Totals] | None = None
+
+    def close(self) -> None:
+        """Close the descriptors kept open (the reader stays usable: it opens them again)."""
+        with self._lock:
+            for state in self._live.values():
+                self._close_kept(state)
+
+    def __del__(self) -> None:
+        for state in getattr(self, "_live", {}).values():
+            if state.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(state.fd)
+                state.fd = None
 
     # --- the directory -------------------------------------------------------------------------
 
     def read(self) -> Totals:
+        """Everything merged now.  The Totals may be the one an earlier read returned (nothing changed
+        since): callers read it and never modify it."""
         with self._lock:
+            self._now = time.monotonic()
             names = self._list()
             if names is None:
                 return self._with_owners(self._merge())
@@ -411,7 +475,20 @@ class SpoolReader:
             self.deferred_files = deferred + self._deferred_now + self._unlisted
             self._tombstones &= names  # forget tombstones of files someone else removed
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
-            return self._with_owners(self._merge())
+            return self._merged_totals()
+
+    def _merged_totals(self) -> Totals:
+        """The merge, reused while no file changed and NVML places the writers that recorded no GPU
+        where it did (the only input of the merge that is not in the files)."""
+        gpus: tuple[str | None, ...] = ()
+        if self.gpu_of is not None:
+            gpu_of = self.gpu_of
+            gpus = tuple(gpu_of(state.parsed.pid, state.parsed.start_ticks) for state in self._live.values()
+                         if state.needs_gpu and state.parsed is not None)
+        key = (self._version, gpus)
+        if self._merged is None or self._merged[0] != key:
+            self._merged = (key, self._with_owners(self._merge()))
+        return dataclasses.replace(self._merged[1], deferred_files=self.deferred_files)
 
     def _visit_order(self, names: set[str]) -> list[str]:
         """Live files first (their values go stale when skipped), then the rest; each group in name
@@ -479,6 +556,13 @@ class SpoolReader:
     @staticmethod
     def _writer_gone(fd: int) -> bool:
         """Probe the writer's lock: granted means no process holds it, so the writer has exited."""
+        if _FLOCK is not None:
+            if _FLOCK(fd, _PROBE) == 0:
+                return True
+            error = ctypes.get_errno()
+            if error in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise OSError(error, os.strerror(error))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -488,20 +572,76 @@ class SpoolReader:
         return True
 
     def _visit(self, name: str) -> None:
+        state = self._live.get(name)
+        if state is not None and state.fd is not None and self._unchanged(name, state, state.fd):
+            return
+        fd = None if state is None else self._take_kept(state)
+        if fd is not None and state is not None and state.ino != self._listed.get(name):
+            os.close(fd)  # replaced under the same name: the path opens the new file
+            fd = None
         path = os.path.join(self.directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            if name in self._live:
-                self._vanished(name)
-            return
-        except OSError:
-            self._count_bad(name, (0, 0, 0), "io")
-            return
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except FileNotFoundError:
+                if name in self._live:
+                    self._vanished(name)
+                return
+            except OSError:
+                self._count_bad(name, (0, 0, 0), "io")
+                return
         try:
             self._visit_open(name, path, fd)
         finally:
-            os.close(fd)  # also drops the lock the probe may have taken
+            live = self._live.get(name)
+            if live is not None and live.fd is None and self._kept < self._kept_cap:
+                self._keep(live, fd)  # the state of this very file (_visit_open made it from this fd)
+            else:
+                os.close(fd)  # also drops the lock the probe may have taken
+
+    # --- descriptors kept open; files that did not change ---------------------------------------------
+
+    def _take_kept(self, state: FileState) -> int | None:
+        fd, state.fd = state.fd, None
+        if fd is not None:
+            self._kept -= 1
+        return fd
+
+    def _keep(self, state: FileState, fd: int) -> None:
+        state.fd = fd
+        self._kept += 1
+
+    def _close_kept(self, state: FileState) -> None:
+        fd = self._take_kept(state)
+        if fd is not None:
+            os.close(fd)
+
+    def _unchanged(self, name: str, state: FileState, fd: int) -> bool:
+        """Whether a live file is as it was at its last full read: same inode under its name, writer
+        alive, the same header (used bytes, drops, a counted generation), not yet due for a full read.
+        The scrape of a thousand unchanged files is a thousand of these: two syscalls, little else."""
+        if not state.header or self._now >= state.recheck_at or state.ino != self._listed.get(name):
+            return False
+        if _FLOCK is None or _FLOCK(fd, _PROBE) == 0:
+            return False  # gone, or no cheap probe: the full read decides (a lock we got is ours until fd closes)
+        try:
+            header = os.pread(fd, HEADER_SIZE, 0)
+        except OSError:
+            return False
+        self._budget.read -= HEADER_SIZE
+        return header == state.header
+
+    def _remember_header(self, state: FileState, data: bytes) -> None:
+        """The header of the content ``state.parsed`` stands for (read in the same pread, before it).
+        A writer that does not count generations (0) leaves none: its file is read whole every time."""
+        counted = len(data) >= HEADER_SIZE and _GENERATION.unpack_from(data, GENERATION_OFFSET)[0] != 0
+        state.header = data[:HEADER_SIZE] if counted else b""
+        state.recheck_at = self._now + self.recheck_seconds * random.uniform(0.75, 1.25)
+
+    def _make_live(self, name: str, state: FileState) -> None:
+        if self._live.get(name) is not state:
+            self._live[name] = state
+            self._version += 1
 
     def _visit_open(self, name: str, path: str, fd: int) -> None:
         st = os.fstat(fd)
@@ -532,7 +672,7 @@ class SpoolReader:
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if not self._affordable(state, data, digest, gone):
             if state.parsed is not None:
-                self._live[name] = state  # keeps its last values; parsed again when there is room
+                self._make_live(name, state)  # keeps its last values; parsed again when there is room
             return
         parsed = self._parse(state, data, digest, name, identity)
         if parsed is None:
@@ -543,12 +683,13 @@ class SpoolReader:
                 if gone:
                     self._fold_dead(name, path, state)
                 else:
-                    self._live[name] = state
+                    self._make_live(name, state)
             return
+        self._remember_header(state, data)
         if gone:
             self._fold_dead(name, path, state)
         else:
-            self._live[name] = state
+            self._make_live(name, state)
 
     def _affordable(self, state: FileState, data: bytes, digest: bytes, gone: bool) -> bool:
         """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
@@ -606,6 +747,10 @@ class SpoolReader:
             _clamp(state.parsed, parsed)
         state.digest, state.used = digest, len(data)
         state.parsed = parsed
+        state.needs_gpu = (any(not info.gpu_uuid for info in parsed.infos.values())
+                           or any(engine not in parsed.infos for engine in parsed.engines)
+                           or any(not uuid for _, uuid, _ in parsed.loads))
+        self._version += 1
         return parsed
 
     # --- folding -----------------------------------------------------------------------------
@@ -613,6 +758,8 @@ class SpoolReader:
     def _fold_dead(self, name: str, path: str, state: FileState) -> None:
         """The writer is gone: fold its final totals, then remove the file (or tombstone it)."""
         self._live.pop(name, None)
+        self._close_kept(state)
+        self._version += 1
         if state.parsed is not None:
             self._fold(state.parsed)
         self.folded_processes += 1
@@ -633,6 +780,8 @@ class SpoolReader:
         """A live file disappeared without us folding it (another reader, a wiped emptyDir):
         fold what we last saw, so no counter goes backwards."""
         state = self._live.pop(name)
+        self._close_kept(state)
+        self._version += 1
         self._count("vanished")
         if state.parsed is not None:
             self._fold(state.parsed)
@@ -680,6 +829,7 @@ class SpoolReader:
                 for key in [k for k in table if k[0] == engine]:
                     del table[key]
             self.forgotten_engines += 1
+            self._version += 1
 
     # --- errors ------------------------------------------------------------------------------
 
