@@ -27,7 +27,10 @@ import time
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VENV_BIN = os.path.join(os.path.dirname(HERE), ".venv", "bin")
+REPO = os.path.dirname(HERE)
+# The exporter of this checkout (and its instrumentation library), run by this Python.
+EXPORTER_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    filter(None, (REPO, os.path.join(REPO, "exporter", "instrument"), os.environ.get("PYTHONPATH"))))}
 NODE_EXPORTER = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
 PROMETHEUS_ACCEPT = (
     "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
@@ -98,7 +101,8 @@ class Exporter:
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        env=EXPORTER_ENV, cwd=REPO)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -130,7 +134,7 @@ class Exporter:
 
 def gpuio(fixture: Fixture) -> Exporter:
     port = free_port()
-    return Exporter("gpuio-exporter", [os.path.join(VENV_BIN, "gpuio-exporter"),
+    return Exporter("gpuio-exporter", [sys.executable, "-m", "exporter",
                                        f"--web.listen-address=127.0.0.1:{port}", f"--path.procfs={fixture.proc}",
                                        f"--path.sysfs={fixture.sys}", "--log.level=error"], port)
 

@@ -364,9 +364,6 @@ class ReadBudget:
     read: int
     parse: int
 
-    def spent(self) -> bool:
-        return self.read <= 0 or self.parse <= 0
-
 
 class SpoolReader:
     """Merges a spool directory; keeps the folded totals of exited processes for as long as it runs.
@@ -462,16 +459,21 @@ class SpoolReader:
             for state in self._live.values():
                 self._retained[state.used > SMALL_FILE_BYTES] += state.used
             self._deferred_now = deferred = 0
+            # The loop a thousand idle writers cost: names bound once, an unchanged live file settled
+            # here (a lock probe and a header read), everything else visited in full.
+            live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
+            unchanged, visited = self._unchanged, ""
             for name in self._visit_order(names):
-                if name in self._tombstones or self._bad.get(name, -1) == self._listed.get(name):
+                if name in tombstones or bad.get(name, -1) == listed.get(name):
                     continue  # folded already, or known bad and not replaced: not even opened
-                if self._budget.spent():
+                if budget.read <= 0 or budget.parse <= 0:
                     deferred += 1
                     continue
-                self._cursor = name
-                self._visit(name)
-            if not deferred:
-                self._cursor = ""
+                visited = name
+                known = live.get(name)
+                if known is None or known.fd is None or not unchanged(name, known, known.fd):
+                    self._visit(name)
+            self._cursor = visited if deferred else ""
             self.deferred_files = deferred + self._deferred_now + self._unlisted
             self._tombstones &= names  # forget tombstones of files someone else removed
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
@@ -573,8 +575,6 @@ class SpoolReader:
 
     def _visit(self, name: str) -> None:
         state = self._live.get(name)
-        if state is not None and state.fd is not None and self._unchanged(name, state, state.fd):
-            return
         fd = None if state is None else self._take_kept(state)
         if fd is not None and state is not None and state.ino != self._listed.get(name):
             os.close(fd)  # replaced under the same name: the path opens the new file
