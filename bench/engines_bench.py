@@ -3,8 +3,10 @@
 1. observe() cost, per call: gpuio's Histogram.observe (a bisect and two stores into the process's
    mapped spool file) against prometheus_client's Histogram.observe in its default single-process
    mode (child cached) and in its multiprocess mode (PROMETHEUS_MULTIPROC_DIR).  Each runs in a
-   fresh subprocess (the multiprocess mode is chosen at import); 400 batches of 1,000 calls over a
-   fixed list of latencies spread across the buckets; per-call p50 and p99 over batches.
+   fresh subprocess (the multiprocess mode is chosen at import): 4 rounds, the modes interleaved
+   round by round so that a burst of other work on the machine hits all of them alike, each round
+   100 batches of 1,000 calls over a fixed list of latencies spread across the buckets; per-call
+   p50 and p99 over all batches.
 2. Scrape time with 10, 100 and 1,000 live processes and with 1,000 dead ones, one engine per
    process (10 distinct engine names), every series the library writes (8 histograms, counters,
    gauges, an error reason, an info record).  gpuio: the engines collector's collect() + render,
@@ -46,7 +48,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get
 
 ENGINES = 10
 BATCH = 1000
-BATCHES = 400
+BATCHES = 100  # per round
+ROUNDS = 4
 
 # --------------------------------------------------------------------------------------------------
 # 1. observe()
@@ -88,21 +91,24 @@ print(json.dumps(per_call))
 
 
 def observe_costs() -> dict[str, list[float]]:
-    results = {}
+    modes = ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer")
+    results: dict[str, list[float]] = {mode: [] for mode in modes}
     script = OBSERVE.replace("REPO", repr(REPO)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
-    for mode in ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer"):
-        directory = tempfile.mkdtemp(prefix="gpuio-bench-observe-")
-        try:
-            output = subprocess.run([sys.executable, "-c", script, mode, directory], check=True,
-                                    capture_output=True, text=True).stdout
-        finally:
-            shutil.rmtree(directory)
-        results[mode] = json.loads(output)
+    for _ in range(ROUNDS):
+        for mode in modes:
+            directory = tempfile.mkdtemp(prefix="gpuio-bench-observe-")
+            try:
+                output = subprocess.run([sys.executable, "-c", script, mode, directory], check=True,
+                                        capture_output=True, text=True).stdout
+            finally:
+                shutil.rmtree(directory)
+            results[mode] += json.loads(output)
     return results
 
 
 def report_observe(results: dict[str, list[float]]) -> None:
-    print("observe() per call (ns), 400 batches of 1,000 calls, each mode in a fresh process")
+    print(f"observe() per call (ns), {ROUNDS} rounds of {BATCHES} batches of {BATCH:,} calls, modes interleaved, "
+          "each in a fresh process")
     print(f"  {'':34s} {'p50':>7s} {'p99':>7s}  {'p50 / gpuio':>11s}")
     base = statistics.median(results["gpuio"])
     names = {"gpuio": "gpuio Histogram.observe", "prometheus": "prometheus_client (single process)",
