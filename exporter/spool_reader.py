@@ -289,6 +289,9 @@ class FileState:
     uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
     # Kept open between reads (up to a cap) so that an unchanged file costs a lock probe and a header read.
     fd: int | None = None
+    # The inode the directory listing gave when ``fd`` was opened: the name still lists it, so the name
+    # still means this file (compared with the listing's, which on overlayfs is not always st_ino).
+    listed_ino: int | None = None
     header: bytes = b""  # the header ``parsed`` came with: the same header again means nothing changed
     recheck_at: float = 0.0  # when to read the whole file even so (monotonic seconds)
     needs_gpu: bool = False  # ``parsed`` has series without a GPU: the merge asks ``gpu_of`` for this writer
@@ -576,7 +579,7 @@ class SpoolReader:
     def _visit(self, name: str) -> None:
         state = self._live.get(name)
         fd = None if state is None else self._take_kept(state)
-        if fd is not None and state is not None and state.ino != self._listed.get(name):
+        if fd is not None and state is not None and state.listed_ino != self._listed.get(name):
             os.close(fd)  # replaced under the same name: the path opens the new file
             fd = None
         path = os.path.join(self.directory, name)
@@ -596,6 +599,7 @@ class SpoolReader:
             live = self._live.get(name)
             if live is not None and live.fd is None and self._kept < self._kept_cap:
                 self._keep(live, fd)  # the state of this very file (_visit_open made it from this fd)
+                live.listed_ino = self._listed.get(name)
             else:
                 os.close(fd)  # also drops the lock the probe may have taken
 
@@ -620,7 +624,7 @@ class SpoolReader:
         """Whether a live file is as it was at its last full read: same inode under its name, writer
         alive, the same header (used bytes, drops, a counted generation), not yet due for a full read.
         The scrape of a thousand unchanged files is a thousand of these: two syscalls, little else."""
-        if not state.header or self._now >= state.recheck_at or state.ino != self._listed.get(name):
+        if not state.header or self._now >= state.recheck_at or state.listed_ino != self._listed.get(name):
             return False
         if _FLOCK is None or _FLOCK(fd, _PROBE) == 0:
             return False  # gone, or no cheap probe: the full read decides (a lock we got is ours until fd closes)
