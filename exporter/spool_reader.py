@@ -330,9 +330,11 @@ RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader 
 # A real process's file holds a few engines: a few KiB.  Files above this may take only half of
 # RETAINED_BYTES, so a few big files cannot keep the small ones out.
 SMALL_FILE_BYTES = 64 << 10
-# Live files whose descriptors stay open between reads (also at most a quarter of RLIMIT_NOFILE); the
-# others are opened on every read, as a new file is.
+# Live files whose descriptors stay open between reads; the others are opened on every read, as a new
+# file is.  Only from what the open-file limit leaves above FD_ROOM (the server's connections, up to
+# 512, and everything else the exporter opens), and half of that: a low limit keeps none.
 MAX_KEPT_FILES = 4096
+FD_ROOM = 1024
 # A file whose header says nothing changed is still read whole this often (give or take a quarter, so
 # that files first seen together do not all come due on one scrape): a writer's word is trusted for
 # its own series only, and never for longer than this.
@@ -357,7 +359,7 @@ _PROBE = fcntl.LOCK_EX | fcntl.LOCK_NB
 
 def _kept_files_cap() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return MAX_KEPT_FILES if soft == resource.RLIM_INFINITY else max(0, min(MAX_KEPT_FILES, soft // 4))
+    return MAX_KEPT_FILES if soft == resource.RLIM_INFINITY else max(0, min(MAX_KEPT_FILES, (soft - FD_ROOM) // 2))
 
 
 @dataclass
