@@ -80,6 +80,7 @@ _per_gpu_values = operator.itemgetter(*PER_GPU_SLOTS)
 # The histogram bucket slots of an ENGINE record: whole counts (OpenMetrics refuses anything else).
 BUCKET_SLOTS = tuple(index for first, sum_index, _ in ENGINE_LAYOUT.histograms.values()
                      for index in range(first, sum_index))
+_bucket_values = operator.itemgetter(*BUCKET_SLOTS)  # at C speed: a scrape of 1,000 changed files checks 141,000
 MAX_VALUE = 2.0**53
 
 
@@ -234,7 +235,7 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
     if kind == KIND_ENGINE:
         if len(values) < ENGINE_LAYOUT.size or not key:
             raise ValueError("short ENGINE record")
-        if not all(map(float.is_integer, (values[index] for index in BUCKET_SLOTS))):
+        if not all(map(float.is_integer, _bucket_values(values))):
             raise ValueError("a histogram bucket that is not a whole count")
         parsed.engines[key] = values[: ENGINE_LAYOUT.size]
         return
