@@ -92,6 +92,7 @@ unit: venv
 bench: venv system-deps
 	$(PY) bench/scrape_bench.py
 	$(PY) bench/engines_bench.py
+	$(PY) bench/memory_bench.py
 	$(PY) bench/smart_bench.py
 
 # Rules and dashboards are generated from Python; the output is checked in and CI fails on drift.
