@@ -16,8 +16,9 @@ The peers are dcgm-exporter and nvidia_gpu_exporter; this module answers their u
   age (:class:`Gpm` says why not since the previous sample).  GPUs without GPM have no PCIe byte series
   rather than wrong ones.
 - **Activity is GPM too** (Hopper and newer): SM activity, occupancy, tensor and FP pipes, DRAM
-  bandwidth, NVLink bytes, NVDEC/NVJPG/NVOFA, per GPU and per MIG GPU instance, as counters from the
-  same baseline (``rate()`` of ``gpuio_gpu_sm_active_seconds_total`` is the share of SMs working).
+  bandwidth, NVLink bytes, NVDEC/NVJPG/NVOFA, per GPU and per MIG GPU instance, as counters (``rate()``
+  of ``gpuio_gpu_sm_active_seconds_total`` is the share of SMs working); the ratios are added window by
+  window, because GPM weighs them by SM cycles and the SM clock follows the load (:class:`Gpm`).
   NVML's busy reads 100 % while one thread block spins or weights cross PCIe with no SM running; these
   do not.  A GPU without GPM has none of these families and ``gpuio_gpu_gpm_supported 0``.
 - **Per-process busy seconds** integrate nvmlDeviceGetProcessUtilization (every slow interval) for the
@@ -251,6 +252,8 @@ MAX_PROCESS_PERIOD_US = 20_000_000  # NVML keeps about this much per-process uti
 @dataclass(frozen=True)
 class GpmMetric:
     """One GPM metric served as a counter: NVML's average over a window x the window's length (see Gpm).
+    A percentage (scale PERCENT) is an activity ratio, counted window by window; a MiB/s figure is a byte
+    rate, counted from a long-lived baseline.
 
     Every metric is computed every interval: on an H100 one nvmlGpmSampleGet + nvmlGpmMetricsGet costs
     0.22 ms of CPU for 6 metrics and 0.24 ms for 32 (bench/nvml_bench.py), so a smaller set or a slower
@@ -261,6 +264,10 @@ class GpmMetric:
     desc: Desc
     labels: tuple[tuple[str, str], ...] = ()
     scale: float = PERCENT
+
+    @property
+    def ratio(self) -> bool:
+        return self.scale == PERCENT
 
 
 def _pipe(metric: int, pipe: str, desc: Desc = PIPE_ACTIVE) -> GpmMetric:
@@ -424,23 +431,41 @@ class ProcessBusy:
 
 @dataclass
 class Gpm:
-    """GPM counters, measured from a long-lived baseline sample rather than from the previous one.
+    """GPM counters from pairs of samples: byte rates from a long-lived baseline, activity ratios from
+    one sample to the next.  One Gpm per GPU, and one per MIG GPU instance.
 
     GPM gives each metric's average between two samples (percent, or MiB/s), but a sample holds the
     counters of GPM's last internal refresh (every 100 ms, nvml.h), so the time NVML divides by
-    differs from the time between our two calls by up to 0.1 s.  Measured on an H100: 2 GiB moved
-    read as 0 to 3.6 GiB over windows of 0.04-0.54 s.  Multiplying the average by our own interval
-    would be off by up to 10 % each second.  Measured from a baseline ``age`` seconds old, the error
-    is 0.1 s / age of the average (0.1 % after 100 s): the counter is ``carry`` + average since the
-    baseline x age.  The baseline moves every GPM_REBASE seconds, its totals kept in ``carry``.  An
-    exported total never decreases (a wobble of that error must not look like a counter reset).
-    One Gpm per GPU, and one per MIG GPU instance.
+    differs from the time between our two calls by up to 0.1 s.
+
+    **Byte rates** (PCIe, NVLink) are averages over time.  Measured on an H100: 2 GiB moved read as 0
+    to 3.6 GiB over windows of 0.04-0.54 s, so average x our own interval would be off by up to 10 %
+    each second.  Measured from a baseline ``age`` seconds old, the error is 0.1 s / age of the
+    average (0.1 % after 100 s): the counter is ``carry`` + average since the baseline x age.  The
+    baseline moves every GPM_REBASE seconds, its totals kept in ``carry``.  Such a total never
+    decreases (a wobble of that error must not look like a counter reset).
+
+    **Activity ratios** (SM, occupancy, pipes, DRAM, media) are shares of *cycles*, not of time: SM
+    activity is SM cycles with a warp resident over elapsed SM cycles (DCGM's definition of the same
+    field), and the SM clock follows the load (345 MHz idle, 1980 MHz busy on an H100).  Averaged
+    since a baseline, an idle stretch at the low clock weighs a sixth of busy time at the high one, so
+    average x age is not activity-seconds: measured over 4 s windows, an FP32 add read 1.34 SM-active
+    seconds per second and a spinning thread block read 0 (the product fell; the never-decreases rule
+    held it).  So each ratio is taken from the previous sample to this one (one sweep, during which
+    the clock barely moves) x the time between them: never more than that time, and the 0.1 s refresh
+    error telescopes away over consecutive windows.
     """
 
-    baseline: Any  # sample buffer holding the baseline
-    scratch: Any  # sample buffer for the newest sample
-    since: float | None = None  # monotonic time of the baseline; None: no baseline yet
-    carry: dict[int, float] = field(default_factory=dict)  # metric -> total counted up to the baseline
+    buffers: tuple[Any, Any, Any]  # the sample buffers allocated for it
+    baseline: Any = None  # the buffer holding the byte rates' baseline sample, taken at ``since``
+    previous: Any = None  # the buffer holding the latest sample, taken at ``previous_at``
+    since: float | None = None  # monotonic time of the baseline; None: no sample yet
+    previous_at: float = 0.0
+    carry: dict[int, float] = field(default_factory=dict)  # byte metric -> total counted up to the baseline
+
+    def spare(self) -> Any:
+        """A buffer holding neither the baseline nor the latest sample: where the next sample goes."""
+        return next(b for b in self.buffers if b is not self.baseline and b is not self.previous)
 
 
 @dataclass
@@ -780,14 +805,13 @@ class NvmlCollector(Collector):
     def _gpm_buffers(self, gpu: Gpu) -> Gpm | None:
         nvml = self._nvml
         assert nvml is not None
-        first = self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc)
-        second = self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc)
-        if first is None or second is None:
-            for buffer in (first, second):
+        buffers = [self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc) for _ in range(3)]
+        if any(buffer is None for buffer in buffers):
+            for buffer in buffers:
                 if buffer is not None:
                     _quietly(nvml.gpm_sample_free, buffer)
             return None
-        return Gpm(first, second)
+        return Gpm((buffers[0], buffers[1], buffers[2]))
 
     def _nvlink_metrics(self, gpu: Gpu) -> tuple[GpmMetric, ...]:
         """The NVLink metrics of the links that are up, read once per session; none on a PCIe card."""
@@ -836,8 +860,8 @@ class NvmlCollector(Collector):
             _quietly(nvml.event_set_free, session.event_set)
         for gpu in session.gpus:
             for gpm in ([gpu.gpm] if gpu.gpm else []) + list(gpu.mig_gpm.values()):
-                _quietly(nvml.gpm_sample_free, gpm.baseline)
-                _quietly(nvml.gpm_sample_free, gpm.scratch)
+                for buffer in gpm.buffers:
+                    _quietly(nvml.gpm_sample_free, buffer)
         self._detach(session)
         _quietly(nvml.shutdown)
 
@@ -986,35 +1010,60 @@ class NvmlCollector(Collector):
 
     def _advance_gpm(self, gpu: Gpu, gpm: Gpm, totals: dict[int, float], metrics: tuple[GpmMetric, ...],
                      prefix: str, sample_get: Callable[..., Any], *where: Any) -> None:
-        """One GPM step: take a sample into the baseline (first time) or the scratch buffer, then each
-        metric as its total since the baseline; move the baseline when it is old.  ``prefix`` ("mig_")
-        keeps a GPU instance's refusals apart from the GPU's."""
-        assert self._nvml is not None
+        """One GPM step (see Gpm): a sample into a spare buffer; each byte rate as its total since the
+        baseline, each activity ratio added for the window since the previous sample; the baseline
+        moves when it is old.  ``prefix`` ("mig_") keeps a GPU instance's refusals apart from the GPU's."""
         now = time.monotonic()
         sample_call = prefix + "gpm_sample_get"
         if gpm.since is None:
-            if self._call(gpu, sample_call, sample_get, *where, gpm.baseline) is not None:
-                for metric in metrics:  # served from the baseline on: rate() misses nothing of the first step
+            first = gpm.buffers[0]
+            if self._call(gpu, sample_call, sample_get, *where, first) is not None:
+                for metric in metrics:  # served from the first sample on: rate() misses nothing of the first step
                     totals.setdefault(metric.metric, 0.0)
-                gpm.since, gpm.carry = now, dict(totals)
+                gpm.baseline = gpm.previous = first
+                gpm.since = gpm.previous_at = now
+                gpm.carry = dict(totals)
             return
         due = [m for m in metrics if f"{prefix}gpm_metric_{m.metric}" not in gpu.unsupported]
-        if not due or self._call(gpu, sample_call, sample_get, *where, gpm.scratch) is None:
+        sample = gpm.spare()
+        if not due or self._call(gpu, sample_call, sample_get, *where, sample) is None:
             return
-        rates = self._call(gpu, "gpm_metrics_get", self._nvml.gpm_metrics_get, gpm.baseline, gpm.scratch,
-                           [m.metric for m in due]) or {}
-        for metric in due:
-            rate = rates.get(metric.metric)
-            if isinstance(rate, Exception):
-                self._failed(gpu, f"{prefix}gpm_metric_{metric.metric}", rate)
+        ratios = self._gpm_values(gpu, prefix, gpm.previous, sample, [m for m in due if m.ratio], totals)
+        rates = self._gpm_values(gpu, prefix, gpm.baseline, sample, [m for m in due if not m.ratio], totals)
+        if ratios is not None:
+            window = now - gpm.previous_at
+            for metric, ratio in ratios:
+                added = min(max(ratio, 0.0), 100.0) * metric.scale * window
+                totals[metric.metric] = totals.get(metric.metric, 0.0) + added
+            gpm.previous, gpm.previous_at = sample, now  # a failed call leaves the window to the next sweep
+        for metric, rate in rates or ():
+            total = gpm.carry.get(metric.metric, 0.0) + max(rate, 0.0) * metric.scale * (now - gpm.since)
+            totals[metric.metric] = max(totals.get(metric.metric, 0.0), total)
+        if now - gpm.since >= GPM_REBASE and rates is not None and gpm.previous is sample:
+            gpm.baseline, gpm.since = sample, now
+            gpm.carry = dict(totals)
+
+    def _gpm_values(self, gpu: Gpu, prefix: str, first: Any, second: Any, metrics: list[GpmMetric],
+                    totals: dict[int, float]) -> list[tuple[GpmMetric, float]] | None:
+        """nvmlGpmMetricsGet of ``metrics`` between two samples: the values NVML gave (a metric this GPU
+        lacks is dropped from ``totals``, absent from then on); None when the call failed."""
+        assert self._nvml is not None
+        if not metrics:
+            return []
+        values = self._call(gpu, "gpm_metrics_get", self._nvml.gpm_metrics_get, first, second,
+                            [m.metric for m in metrics])
+        if values is None:
+            return None
+        found: list[tuple[GpmMetric, float]] = []
+        for metric in metrics:
+            value = values.get(metric.metric)
+            if isinstance(value, Exception):
+                self._failed(gpu, f"{prefix}gpm_metric_{metric.metric}", value)
                 if f"{prefix}gpm_metric_{metric.metric}" in gpu.unsupported:  # this GPU lacks it: absent
                     totals.pop(metric.metric, None)
-            elif rate is not None:
-                total = gpm.carry.get(metric.metric, 0.0) + max(rate, 0.0) * metric.scale * (now - gpm.since)
-                totals[metric.metric] = max(totals.get(metric.metric, 0.0), total)
-        if now - gpm.since >= GPM_REBASE:
-            gpm.baseline, gpm.scratch, gpm.since = gpm.scratch, gpm.baseline, now
-            gpm.carry = dict(totals)
+            elif value is not None:
+                found.append((metric, value))
+        return found
 
     def _read_process_busy(self, gpu: Gpu) -> list[Reading]:
         """Busy seconds of each listed process (nvmlDeviceGetProcessUtilization, see ProcessBusy).
@@ -1139,9 +1188,8 @@ class NvmlCollector(Collector):
         nvml = self._nvml
         assert nvml is not None
         for gone in set(gpu.mig_gpm) - instances:  # an instance destroyed: its buffers go with it
-            old = gpu.mig_gpm.pop(gone)
-            _quietly(nvml.gpm_sample_free, old.baseline)
-            _quietly(nvml.gpm_sample_free, old.scratch)
+            for buffer in gpu.mig_gpm.pop(gone).buffers:
+                _quietly(nvml.gpm_sample_free, buffer)
         if gpu.gpm is None:
             return []
         readings: list[Reading] = []

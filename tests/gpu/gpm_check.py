@@ -23,6 +23,7 @@ the NVLink links that are up: the figures behind the collector's cadence and met
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -216,17 +217,29 @@ def main() -> int:
             print(f"{'':10} copy moved {moved / 1e9:.0f} GB/s (read + write); card peak "
                   f"{'n/a' if peak is None else f'{peak / 1e9:.0f} GB/s'}: "
                   f"{'' if peak is None else f'{moved / peak:.2f} of peak'}; DRAM counter {measured[load][6]}")
+    spin = measured["spin"]
+    print(f"spin: NVML busy {spin[0]}, SM activity {spin[1]} (one SM of 132: {1 / 132:.4f})")
+
+    def ratio(load: str, column: int) -> float:  # n/a reads as NaN: every comparison with it fails
+        found = measured[load][column]
+        return math.nan if found is None else found
+
+    one_sm = 1 / 132  # one thread block on one SM of an H100 SXM's 132
     expect = [
-        ("duty: SM activity about 0.5", lambda m: 0.3 <= (m["duty"][1] or 0) <= 0.65),
-        ("duty: busy about 0.5", lambda m: 0.35 <= (m["duty"][0] or 0) <= 0.65),
-        ("spin: busy near 1", lambda m: (m["spin"][0] or 0) >= 0.8),
-        ("spin: SM activity near one SM's share", lambda m: (m["spin"][1] or 1) <= 0.05),
-        ("bf16: tensor activity high", lambda m: (m["bf16"][3] or 0) >= 0.6),
-        ("fp32add: tensor near 0, SM high", lambda m: (m["fp32add"][3] or 1) <= 0.05 and (m["fp32add"][1] or 0) >= 0.8),
-        ("copy: DRAM utilisation high", lambda m: (m["copy"][6] or 0) >= 0.5),
+        ("duty: SM activity about 0.5", lambda: 0.3 <= ratio("duty", 1) <= 0.65),
+        ("duty: busy about 0.5", lambda: 0.35 <= ratio("duty", 0) <= 0.65),
+        ("spin: busy near 1", lambda: ratio("spin", 0) >= 0.8),
+        ("spin: SM activity near one SM's share", lambda: one_sm / 3 <= ratio("spin", 1) <= 0.05),
+        ("bf16: tensor activity high", lambda: ratio("bf16", 3) >= 0.6),
+        ("fp32add: tensor near 0", lambda: 0 <= ratio("fp32add", 3) <= 0.05),
+        ("fp32add: SM high", lambda: ratio("fp32add", 1) >= 0.8),
+        ("copy: DRAM utilisation high", lambda: ratio("copy", 6) >= 0.5),
+        *((f"{load}: every activity ratio within 0-1", lambda load=load: all(
+            -0.01 <= ratio(load, column) <= 1.02 for column in range(1, len(columns))))
+          for load in measured),
     ]
     for name, ok in expect:
-        if not ok(measured):
+        if not ok():
             failures.append(name)
     try:
         failures += two_processes(collector, nvml, handle)

@@ -443,29 +443,54 @@ ACTIVITY = {  # fake GPM metric id -> (family, labels): the families computed fr
 
 
 def test_gpm_activity_is_counted_in_seconds_whenever_it_is_read() -> None:
-    """An SM-active counter is NVML's average since the baseline x the baseline's age: 2 s of work with
-    90 % of the SMs busy adds 1.8 SM-active seconds, read after one sweep or after five."""
+    """An SM-active counter adds NVML's average over each window x the window: 0.25 s of work with 90 %
+    of the SMs busy adds 0.225 SM-active seconds, read after one sweep or after five."""
     fake = FakeNvml(h100s(1))
     gpu = fake.gpus[0]
     gpu.gpm_refresh = 0.02
     collector = make(fake)
-    samples = sweep(collector)  # the baseline: the fast counters start at 0
+    samples = sweep(collector)  # the first sample: the fast counters start at 0
     assert value(samples, "gpuio_gpu_sm_active_seconds_total") == 0
     assert value(samples, "gpuio_gpu_gpm_supported") == 1
-    time.sleep(0.1)
-    work = {2: 90 * 2.0, 3: 14 * 2.0, 5: 94 * 2.0, 7: 94 * 2.0, 12: 1 * 2.0, 10: 26 * 2.0, 31: 50 * 2.0}
-    gpu.gpm_counters.add(work)  # percent x seconds, as GPM integrates them
     time.sleep(0.3)
+    work = {2: 90 * 0.25, 3: 14 * 0.25, 5: 94 * 0.25, 7: 94 * 0.25, 12: 1 * 0.25, 10: 26 * 0.25, 31: 50 * 0.25}
+    gpu.gpm_counters.add(work)  # percent x seconds, as GPM integrates them
+    time.sleep(0.05)
     seen = []
     for _ in range(5):
-        time.sleep(0.05)
         samples = sweep(collector)
-        age = 0.4 + 0.05 * (len(seen) + 1)
-        for metric, (name, labels) in ACTIVITY.items():
-            assert value(samples, name, **labels) == pytest.approx(work[metric] / 100, rel=0.02 / age + 0.02), name
+        for metric, (name, labels) in ACTIVITY.items():  # off by at most one refresh over the first window
+            assert value(samples, name, **labels) == pytest.approx(work[metric] / 100, rel=0.02 / 0.35 + 0.02), name
         seen.append(value(samples, "gpuio_gpu_sm_active_seconds_total"))
+        time.sleep(0.05)
     assert seen == sorted(seen)
     assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_sm_activity_is_counted_window_by_window_because_gpm_weighs_it_by_sm_cycles() -> None:
+    """GPM's SM ratios are shares of elapsed SM cycles and the clock follows the load (H100: 345 MHz idle,
+    1980 MHz busy).  An average since a long-lived baseline x its age then over-counts work after idle
+    (measured: an FP32 add read 1.34 SM-active seconds per second) and under-counts light work after
+    heavy (a spinning block read 0).  Window by window, each reads what the SMs did."""
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.gpm_refresh = 0.01
+    gpu.gpm_counters.set_clock(345)
+    collector = make(fake)
+    sweep(collector)
+    time.sleep(0.4)  # idle, at the idle clock
+    gpu.gpm_counters.set_clock(1980)
+    start = value(sweep(collector), "gpuio_gpu_sm_active_seconds_total")
+    time.sleep(0.2)
+    gpu.gpm_counters.add({2: 100 * 0.2})  # 0.2 s with every SM busy
+    time.sleep(0.03)
+    busy = value(sweep(collector), "gpuio_gpu_sm_active_seconds_total") - start
+    assert busy == pytest.approx(0.2, rel=0.15)
+    time.sleep(0.3)
+    gpu.gpm_counters.add({2: 100 / 132 * 0.3})  # 0.3 s of one thread block spinning: 1 SM of 132
+    time.sleep(0.03)
+    spin = value(sweep(collector), "gpuio_gpu_sm_active_seconds_total") - start - busy
+    assert spin == pytest.approx(0.3 / 132, rel=0.2)
 
 
 def test_a_metric_the_gpu_lacks_is_absent_not_an_error_and_not_asked_again() -> None:
@@ -482,7 +507,7 @@ def test_a_metric_the_gpu_lacks_is_absent_not_an_error_and_not_asked_again() -> 
     fake.gpm_metrics_get = lambda first, second, metrics: asked.append(list(metrics)) or real(first, second, metrics)
     time.sleep(0.02)
     samples = sweep(collector)
-    assert asked == [[2, 3, 5, 10, 20, 21]]
+    assert asked == [[2, 3, 5, 10], [20, 21]]  # the activity ratios, then the byte rates
     assert value(samples, "gpuio_gpu_pipe_active_seconds_total", pipe="tensor") >= 0
     assert not has(samples, "gpuio_gpu_pipe_active_seconds_total", pipe="fp32")
     assert not has(samples, "gpuio_gpu_media_active_seconds_total")
@@ -537,12 +562,13 @@ def test_mig_gpu_instances_have_their_own_activity_counters() -> None:
     collector = make(FakeNvml([gpu]))
     sweep(collector)
     time.sleep(0.02)
-    first.gpm_counters.add({2: 80 * 1.0, 5: 60 * 1.0})  # instance 1 works for 1 s; instance 2 idles
-    time.sleep(0.05)
+    time.sleep(0.1)
+    first.gpm_counters.add({2: 80 * 0.1, 5: 60 * 0.1})  # instance 1 works for 0.1 s; instance 2 idles
+    time.sleep(0.02)
     samples = sweep(collector)
-    assert value(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="1") == pytest.approx(0.8, rel=0.3)
+    assert value(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="1") == pytest.approx(0.08, rel=0.3)
     assert value(samples, "gpuio_gpu_mig_pipe_active_seconds_total", gpu_instance="1",
-                 pipe="tensor") == pytest.approx(0.6, rel=0.3)
+                 pipe="tensor") == pytest.approx(0.06, rel=0.3)
     assert value(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="2") == 0
     assert has(samples, "gpuio_gpu_mig_dram_active_seconds_total", gpu_instance="2")
     assert has(samples, "gpuio_gpu_mig_device_info", mig_uuid="MIG-b", gpu_instance="2")  # the join to mig_uuid
@@ -589,10 +615,10 @@ def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(mo
     sweep(collector)
     done = 0.0
     for round_ in range(3):
-        time.sleep(0.02)
-        gpu.gpm_counters.add({2: 100 * 1.0, 21: 1024.0})  # 1 SM-active second and 1 GiB each round
-        done += 1.0
-        time.sleep(0.08)  # past GPM's refresh and past GPM_REBASE: the baseline moves at this sweep
+        time.sleep(0.06)
+        gpu.gpm_counters.add({2: 100 * 0.05, 21: 1024.0})  # 0.05 SM-active seconds and 1 GiB each round
+        done += 0.05
+        time.sleep(0.02)  # past GPM's refresh and past GPM_REBASE: the baseline moves at this sweep
         samples = sweep(collector)
         assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done, rel=0.2), round_
     before = value(samples, "gpuio_gpu_pcie_receive_bytes_total")
@@ -602,10 +628,10 @@ def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(mo
     gpu.lost = False
     time.sleep(0.02)
     sweep(collector)  # the new session's baseline
+    time.sleep(0.06)
+    gpu.gpm_counters.add({2: 100 * 0.05})
     time.sleep(0.02)
-    gpu.gpm_counters.add({2: 100 * 1.0})
-    time.sleep(0.05)
     samples = sweep(collector)
     assert fake.calls["init"] == 2
-    assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done + 1.0, rel=0.2)
+    assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done + 0.05, rel=0.2)
     assert value(samples, "gpuio_gpu_pcie_receive_bytes_total") >= before
