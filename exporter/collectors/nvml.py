@@ -21,8 +21,10 @@ The peers are dcgm-exporter and nvidia_gpu_exporter; this module answers their u
   window, because GPM weighs them by SM cycles and the SM clock follows the load (:class:`Gpm`).
   NVML's busy reads 100 % while one thread block spins or weights cross PCIe with no SM running; these
   do not.  A GPU without GPM has none of these families and ``gpuio_gpu_gpm_supported 0``.
-- **Per-process busy seconds** integrate nvmlDeviceGetProcessUtilization (every slow interval) for the
-  processes listed; the engines collector names each engine's writer pids, the join to them.
+- **Per-process busy seconds** are estimated from nvmlDeviceGetProcessUtilization, which answers for
+  NVML's last sample period only, so it is read every sweep and each answer held over the interval
+  (:class:`ProcessBusy`), for the processes listed; the engines collector names each engine's writer
+  pids, the join to them.
 - **Units are base units** (bytes, hertz, celsius, watts, joules, seconds, ratios), converted here.
 - **Failures stay small.**  A call NVML does not support on this GPU or driver (NotSupported,
   FunctionNotFound, ...) leaves its series out; an old driver gets the older function where there is
@@ -229,12 +231,13 @@ MIG_DRAM_ACTIVE = _desc("gpuio_gpu_mig_dram_active_seconds_total", COUNTER,
                         "Share of peak DRAM bandwidth one MIG GPU instance used (GPM).", MIG, "seconds", slow=True)
 # Per process (nvmlDeviceGetProcessUtilization): NVML's busy idea, not GPM's activity.
 PROCESS_SM_BUSY = _desc("gpuio_gpu_process_sm_busy_seconds_total", COUNTER,
-                        "Seconds in which a kernel of this process ran (NVML's per-process SM utilisation "
-                        "integrated), for the processes listed.", (*GPU, "pid", "process_name"), "seconds", slow=True)
+                        "Seconds in which a kernel of this process ran, estimated from NVML's per-process SM "
+                        "utilisation of its last sample period read every interval, for the processes listed.",
+                        (*GPU, "pid", "process_name"), "seconds")
 PROCESS_MEMORY_BUSY = _desc("gpuio_gpu_process_memory_busy_seconds_total", COUNTER,
-                            "Seconds in which this process read or wrote device memory (NVML's per-process "
-                            "memory utilisation integrated), for the processes listed.",
-                            (*GPU, "pid", "process_name"), "seconds", slow=True)
+                            "Seconds in which this process read or wrote device memory, estimated from NVML's "
+                            "per-process memory utilisation of its last sample period read every interval, for "
+                            "the processes listed.", (*GPU, "pid", "process_name"), "seconds")
 
 # nvmlClocksEventReason* bits, named as nvidia-smi's clocks_event_reasons.* fields.
 EVENT_REASONS = ((0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"),
@@ -246,7 +249,7 @@ VIOLATION_FIELDS = ((74, "sw_power_cap"), (76, "sync_boost"), (269, "sw_thermal_
 FIELD_MEMORY_TEMPERATURE = 82
 PERCENT = 0.01  # GPM percent -> ratio: a counter of seconds
 MIB_PER_SECOND = MIB  # GPM MiB/s -> a counter of bytes
-MAX_PROCESS_PERIOD_US = 20_000_000  # NVML keeps about this much per-process utilisation history
+MAX_PROCESS_HOLD_S = 20.0  # longest gap one per-process sample is held over (a stalled sweep counts no more)
 
 
 @dataclass(frozen=True)
@@ -394,39 +397,67 @@ class BusyIntegrator:
 class ProcessBusy:
     """Per-process busy seconds from nvmlDeviceGetProcessUtilization, bounded to ``limit`` processes.
 
-    Each call answers, per process that ran, its utilisation over the period since the timestamp we
-    pass (the newest sample of the previous call), so the period x the percentage is the time its
-    kernels ran, however often it is called (within NVML's history, MAX_PROCESS_PERIOD_US).  The
-    first call only sets the baseline.
+    What NVML answers (nvml.h: "one utilization sample structure is returned per process running, that
+    had some non-zero utilization during the last sample period"; measured on an H100): for each
+    process that ran in NVML's *last* sample period, that period's SM and memory percentages and its
+    timestamp, if newer than the timestamp passed.  Not an average since that timestamp: two processes
+    taking turns, 60 % and 20 % of every second, and a call 5 s after the previous one named only the
+    process that had run in the last period.  So an answer is a sample of each process's utilisation,
+    and each call counts it over the time since the previous call (a process not named did not run in
+    the last period: it adds nothing).  Read every sweep, that estimate converges on the busy time
+    over a rate() window, unless a load is periodic in step with the sweep (then no sampler can tell).
+
+    Per process it keeps the newest sample counted: NVML may hand back a sample at or before the
+    timestamp passed, and SM or memory figures above 100 (nvtop filters both out): neither is counted.
+    A NotFound answer (nothing ran in the last period) counts the interval as idle for everyone.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.last_seen_us: int | None = None
+        self.called_at: float | None = None  # wall clock (s) of the previous call; None: no baseline yet
+        self.newest_us: dict[int, int] = {}  # pid -> timestamp of its newest sample counted
         self.seconds: dict[int, list[float]] = {}  # pid -> [SM busy, memory busy]
 
-    def feed(self, samples: list[nv.ProcessUtilization]) -> None:
-        if not samples:
+    @property
+    def last_seen_us(self) -> int:
+        """The timestamp to pass NVML: the previous call's time (samples of earlier periods are counted)."""
+        return 0 if self.called_at is None else int(self.called_at * 1e6)
+
+    def feed(self, samples: list[nv.ProcessUtilization], now: float) -> None:
+        """One answer, read at wall-clock time ``now`` (seconds): each process's latest period counted
+        over the time since the previous call."""
+        previous, self.called_at = self.called_at, now
+        if previous is None:  # the first call only sets the baseline: what ran before is not ours to count
             return
-        newest = max(sample.timestamp_us for sample in samples)
-        if self.last_seen_us is None or newest <= self.last_seen_us:
-            self.last_seen_us = max(newest, self.last_seen_us or 0)
-            return
-        period = min(newest - self.last_seen_us, MAX_PROCESS_PERIOD_US) / 1e6
-        self.last_seen_us = newest
-        for sample in samples:
-            totals = self.seconds.get(sample.pid)
+        held = min(max(now - previous, 0.0), MAX_PROCESS_HOLD_S)
+        for pid, sample in self._latest_per_process(samples, int(previous * 1e6)).items():
+            totals = self.seconds.get(pid)
             if totals is None:
                 if len(self.seconds) >= self.limit:  # past the cap: left out, as the process series are
                     continue
-                totals = self.seconds[sample.pid] = [0.0, 0.0]
-            totals[0] += min(max(sample.sm, 0), 100) / 100 * period
-            totals[1] += min(max(sample.memory, 0), 100) / 100 * period
+                totals = self.seconds[pid] = [0.0, 0.0]
+            totals[0] += sample.sm / 100 * held
+            totals[1] += sample.memory / 100 * held
+            self.newest_us[pid] = sample.timestamp_us
+
+    def _latest_per_process(self, samples: list[nv.ProcessUtilization],
+                            after_us: int) -> dict[int, nv.ProcessUtilization]:
+        latest: dict[int, nv.ProcessUtilization] = {}
+        for sample in samples:
+            if not (0 <= sample.sm <= 100 and 0 <= sample.memory <= 100):
+                continue  # garbage NVML has been seen to return
+            if sample.timestamp_us <= max(after_us, self.newest_us.get(sample.pid, 0)):
+                continue  # a period already counted, or older than the previous call
+            if sample.pid not in latest or sample.timestamp_us > latest[sample.pid].timestamp_us:
+                latest[sample.pid] = sample
+        return latest
 
     def keep(self, pids: set[int]) -> None:
         """Forget the processes that ended (NVML no longer lists them)."""
         for pid in [pid for pid in self.seconds if pid not in pids]:
             del self.seconds[pid]
+        for pid in [pid for pid in self.newest_us if pid not in pids]:
+            del self.newest_us[pid]
 
 
 @dataclass
@@ -921,6 +952,7 @@ class NvmlCollector(Collector):
     def _read(self, gpu: Gpu, slow: bool) -> None:
         fast = self._read_fast(gpu)
         slow_readings = self._read_slow(gpu) if slow else None
+        fast += self._read_process_busy(gpu)  # after the process list: a process it names has series at once
         if not gpu.up:
             return
         gpu.fast = fast
@@ -942,7 +974,6 @@ class NvmlCollector(Collector):
         readings += self._read_violations(gpu)
         readings += self._read_remapped_rows(gpu)
         readings += self._read_processes(gpu)
-        readings += self._read_process_busy(gpu)  # after the list: the processes it names get series
         readings += self._read_mig(gpu)
         return readings
 
@@ -1068,21 +1099,25 @@ class NvmlCollector(Collector):
     def _read_process_busy(self, gpu: Gpu) -> list[Reading]:
         """Busy seconds of each listed process (nvmlDeviceGetProcessUtilization, see ProcessBusy).
 
-        Every slow interval: the call costs ~2.7 ms of CPU on an H100 whatever it returns (as much as
-        the rest of a sweep), and it answers for the whole period since the previous call."""
+        Every sweep: NVML answers for its last sample period only, so the more often it is asked the
+        closer the estimate (~1.4-2.7 ms of CPU per call on an H100, a quarter of the sampler's cost).
+        A failed call counts nothing and keeps the series: whether a process has series depends on the
+        process list alone, not on each call (a flickering series breaks rate())."""
         assert self._nvml is not None
         if not gpu.up or "process_utilization" in gpu.unsupported:
             return []
         tracker = gpu.process_busy
         self._current_call = "process_utilization"
+        now = time.time()  # NVML stamps samples with the wall clock, in microseconds
         try:
-            samples = self._nvml.device_process_utilization(gpu.handle, tracker.last_seen_us or 0)
+            tracker.feed(self._nvml.device_process_utilization(gpu.handle, tracker.last_seen_us), now)
         except NVMLError as exc:
-            if error_code(exc) != nv.ERROR_NOT_FOUND:  # NotFound: no process ran since the last call
+            if error_code(exc) == nv.ERROR_NOT_FOUND:  # nothing ran in NVML's last sample period
+                tracker.feed([], now)
+            else:
                 self._failed(gpu, "process_utilization", exc)
-                return []
-            samples = []
-        tracker.feed(samples)
+                if "process_utilization" in gpu.unsupported:  # refused here: absent, not zero
+                    return []
         readings: list[Reading] = []
         for pid, name in gpu.names.items():  # the processes the list shows (largest memory first, capped)
             labels = gpu.label((("pid", str(pid)), ("process_name", name)))

@@ -578,28 +578,97 @@ def test_mig_gpu_instances_have_their_own_activity_counters() -> None:
     assert not has(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="2")
 
 
-def test_per_process_busy_seconds_integrate_each_process_share_for_the_listed_processes() -> None:
+def now_us() -> int:
+    return int(time.time() * 1e6)  # NVML stamps per-process samples with the wall clock
+
+
+def timed_sweep(collector: NvmlCollector) -> tuple[Samples, float, float]:
+    started = time.time()
+    samples = sweep(collector)
+    return samples, started, time.time()
+
+
+def test_per_process_busy_holds_each_process_last_period_over_the_interval_for_the_listed_processes() -> None:
+    """NVML answers each process's last sample period; the collector counts it over the time since its
+    previous call, for the processes the list shows (cap 2: the third has no series)."""
     fake = FakeNvml(h100s(1))
     gpu = fake.gpus[0]
     gpu.processes = [ProcessInfo(101, 3 * GIB), ProcessInfo(102, 2 * GIB), ProcessInfo(103, GIB)]
     gpu.process_names = {101: "engine-a", 102: "engine-b", 103: "small"}
     collector = make(fake, max_processes=2)
-    now = gpu.add_process_samples(1_000_000, 30, {101: (100, 40)})  # before the exporter: not counted
-    sweep(collector)
-    now = gpu.add_process_samples(now, 12, {101: (75, 30), 102: (25, 5), 103: (10, 0)})  # 2 s
-    samples = sweep(collector)
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101",
-                 process_name="engine-a") == pytest.approx(1.5, rel=0.02)
-    assert value(samples, "gpuio_gpu_process_memory_busy_seconds_total", pid="101") == pytest.approx(0.6, rel=0.02)
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(0.5, rel=0.02)
+    gpu.add_process_samples(now_us(), 1, {101: (100, 40)})  # before the exporter: not counted
+    _, _, first_end = timed_sweep(collector)
+    time.sleep(0.2)
+    gpu.add_process_samples(now_us(), 1, {101: (75, 30), 102: (25, 5), 103: (10, 0)})
+    samples, second_start, second_end = timed_sweep(collector)
+    a = value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101", process_name="engine-a")
+    assert 0.75 * (second_start - first_end) <= a <= 0.75 * (second_end - first_end + 0.01)
+    assert value(samples, "gpuio_gpu_process_memory_busy_seconds_total", pid="101") == pytest.approx(a * 30 / 75)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(a / 3)
     assert not has(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="103")  # left out by the cap
-    samples = sweep(collector)  # nothing new: NotFound, the counters hold
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == pytest.approx(1.5, rel=0.02)
-    gpu.add_process_samples(now, 6, {102: (50, 0)})  # 1 s: 101 idle now
-    samples = sweep(collector)
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == pytest.approx(1.5, rel=0.02)
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(1.0, rel=0.02)
+    time.sleep(0.05)
+    samples = sweep(collector)  # no newer period: NotFound, nothing ran, the counters hold
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == a
     assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_a_process_starting_after_idle_is_counted_from_the_previous_call_not_over_the_idle_stretch() -> None:
+    """NotFound (nothing ran in NVML's last period) is an idle interval.  Holding the first busy period
+    after it over the whole stretch since the last answer counted a process that had just started as
+    busy through seconds of idle."""
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.processes = [ProcessInfo(101, GIB)]
+    collector = make(fake)
+    gpu.add_process_samples(now_us(), 1, {101: (100, 0)})
+    sweep(collector)  # the baseline
+    for _ in range(3):  # idle: three sweeps answered NotFound
+        time.sleep(0.1)
+        sweep(collector)
+    _, idle_start, _ = timed_sweep(collector)
+    time.sleep(0.1)
+    gpu.add_process_samples(now_us(), 1, {101: (100, 0)})  # it runs now
+    samples, _, end = timed_sweep(collector)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") <= end - idle_start
+
+
+def test_per_process_series_stay_when_one_call_fails_and_go_when_nvml_refuses_the_call() -> None:
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.processes = [ProcessInfo(101, GIB)]
+    collector = make(fake)
+    gpu.add_process_samples(now_us(), 1, {101: (50, 0)})
+    sweep(collector)
+    time.sleep(0.05)
+    gpu.add_process_samples(now_us(), 1, {101: (50, 0)})
+    before = value(sweep(collector), "gpuio_gpu_process_sm_busy_seconds_total", pid="101")
+    gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_TIMEOUT
+    samples = sweep(collector)  # one failed call: counted as an error, the series and its value stay
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == before
+    assert value(samples, "gpuio_gpu_nvml_errors_total", call="process_utilization", error="Timeout") == 1
+    gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_NO_PERMISSION
+    samples = sweep(collector)  # refused for good: absent, not zero
+    assert not has(samples, "gpuio_gpu_process_sm_busy_seconds_total")
+    assert has(samples, "gpuio_gpu_process_memory_used_bytes", pid="101")
+
+
+def test_process_busy_skips_stale_and_garbage_samples() -> None:
+    """NVML has been seen to return samples older than the timestamp passed and figures above 100 %
+    (nvtop filters both): neither is counted; of several samples of one process the newest counts."""
+    from exporter.collectors.nvml import ProcessBusy
+    from exporter.nvml_device import ProcessUtilization
+
+    busy = ProcessBusy(8)
+    busy.feed([], 100.0)
+    busy.feed([ProcessUtilization(1, 100_500_000, 50, 10)], 101.0)  # 1 s at 50 %
+    assert busy.seconds[1] == pytest.approx([0.5, 0.1])
+    busy.feed([ProcessUtilization(1, 100_500_000, 90, 0),  # the same period again
+               ProcessUtilization(1, 99_000_000, 90, 0),  # older than the previous call
+               ProcessUtilization(2, 101_500_000, 255, 0),  # garbage
+               ProcessUtilization(3, 101_400_000, 20, 0), ProcessUtilization(3, 101_600_000, 40, 0)], 102.0)
+    assert busy.seconds[1] == pytest.approx([0.5, 0.1])
+    assert 2 not in busy.seconds
+    assert busy.seconds[3] == pytest.approx([0.4, 0.0])
 
 
 def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(monkeypatch) -> None:

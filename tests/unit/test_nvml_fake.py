@@ -22,8 +22,11 @@ as measured on an H100 with driver 580 (tests/gpu runs the same collector on the
   one GPU instance of a GPU in MIG mode (NotFound for an instance that does not exist);
 - nvmlDeviceGetNvLinkState answers per link, InvalidArgument past the last link, NotSupported on a
   GPU without NVLink;
-- nvmlDeviceGetProcessUtilization returns, per process that ran, its utilisation averaged over the
-  samples newer than the timestamp given (NotFound when there is none), stamped with the newest;
+- nvmlDeviceGetProcessUtilization returns one sample per process that had non-zero utilisation in
+  NVML's *last* sample period (nvml.h), with that period's figures and timestamp, if newer than the
+  timestamp given; NotFound otherwise.  Not an average since that timestamp: measured on an H100, two
+  processes taking turns (60 % and 20 % of every second) and a call 5 s after the previous one
+  answered only the process that ran in the last period;
 - nvmlEventSetWait returns queued events one at a time and raises Timeout when none comes in time;
 - on a GPU in MIG mode, utilisation (samples and rates) is NotSupported; MIG slots may be empty (NotFound).
 """
@@ -442,14 +445,14 @@ class FakeNvml:
 
     def device_process_utilization(self, handle: Handle, last_seen_us: int) -> list[ProcessUtilization]:
         gpu = self._device("device_process_utilization", handle)
-        newer = [(ts, shares) for ts, shares in gpu.process_samples if ts > last_seen_us]
-        if not newer:
+        last = gpu.process_samples[-1] if gpu.process_samples else None
+        if last is None or last[0] <= last_seen_us:
             raise error(pynvml.NVML_ERROR_NOT_FOUND)
-        newest = newer[-1][0]
-        pids = sorted({pid for _, shares in newer for pid in shares})
-        return [ProcessUtilization(pid, newest, sum(shares.get(pid, (0, 0))[0] for _, shares in newer) // len(newer),
-                                   sum(shares.get(pid, (0, 0))[1] for _, shares in newer) // len(newer))
-                for pid in pids]
+        timestamp, shares = last
+        ran = [(pid, sm, memory) for pid, (sm, memory) in sorted(shares.items()) if sm or memory]
+        if not ran:
+            raise error(pynvml.NVML_ERROR_NOT_FOUND)
+        return [ProcessUtilization(pid, timestamp, sm, memory) for pid, sm, memory in ran]
 
     def device_max_mig_device_count(self, handle: Handle) -> int:
         return len(self._device("device_max_mig_device_count", handle).mig)
