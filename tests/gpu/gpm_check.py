@@ -13,8 +13,12 @@ What each load must show (the collector's counters over a window inside the load
 - ``fp32add``: an FP32 elementwise add over 1 GiB: SM activity high, tensor activity about 0.
 - ``copy``: device-to-device copies: DRAM bandwidth utilisation high; printed beside the bytes the copy
   moved per second (read + write) and the card's peak (memory clock x bus width).
-- ``two processes``: one process busy 60 % of every second, another 20 % in the gap: each process's
-  busy counter reads its own share (and the NVML calls at a 1 s and a 5 s cadence agree).
+- ``two processes``: one process busy 60 % of every 70 ms, another 20 % in the gap: each process's
+  busy counter reads its own share.  NVML answers per-process utilisation for its last sample period
+  only, so the collector's figure is a sample held over each interval; the cycle is short and out of
+  step with the 1 s sweep, as two services sharing a GPU are (a load in step with the sweep aliases).
+  It also prints NVML's raw answers polled every 25 ms for a second, and one answer 8 s after the
+  previous call: what the estimate rests on.
 
 It also prints what nvmlGpmMetricsGet costs per number of metrics, which metrics this GPU answers, and
 the NVLink links that are up: the figures behind the collector's cadence and metric set.
@@ -47,7 +51,12 @@ mode, duration = sys.argv[1], float(sys.argv[2])
 phases = [float(value) for value in sys.argv[3:5]] or [0.0, 1.0]
 period, start_at, stop_at = 1.0, phases[0], phases[1]
 torch.cuda.init()
-if mode in ("duty", "bf16", "share"):
+if mode == "share":
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # ~0.2 ms: fine-grained turns
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    step = lambda: a @ b
+    period = 0.07
+elif mode in ("duty", "bf16"):
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     step = lambda: a @ b
@@ -65,7 +74,7 @@ step(); torch.cuda.synchronize()
 print("start", flush=True)
 began, steps = time.time(), 0
 while (now := time.time()) < began + duration:
-    phase = now % period  # on the wall clock: two workers' phases line up
+    phase = now % period / period  # on the wall clock: two workers' phases line up
     if mode in ("duty", "share") and not (start_at <= phase < stop_at):
         time.sleep(0.002)
         continue
@@ -253,41 +262,58 @@ def main() -> int:
 
 
 def two_processes(collector: Any, nvml: PyNvml, handle: Any) -> list[str]:
-    """Two PyTorch processes sharing the GPU 60/20: each one's busy counter reads its share."""
-    first = worker("share", 9.0, 0.0, 0.6)
-    second = worker("share", 9.0, 0.6, 0.8)
-    slow = NVML.ProcessBusy(64)  # the same integration, called every 5 s instead of every 1 s
-    slow.feed(_utilisation(nvml, handle, 0))
+    """Two PyTorch processes sharing the GPU 60/20 in 70 ms turns: each one's busy counter reads its share."""
+    first = worker("share", 14.0, 0.0, 0.6)
+    second = worker("share", 14.0, 0.6, 0.8)
     time.sleep(2.0)
     collector.sampler.sample_now()  # lists the two processes
-    slow.feed(_utilisation(nvml, handle, slow.last_seen_us or 0))
+    raw_stream(nvml, handle)
     before, t0 = samples(collector), time.monotonic()
-    slow_before = {pid: list(v) for pid, v in slow.seconds.items()}
-    for _ in range(5):
+    listed = sorted({dict(ls)["pid"] for (n, ls) in before if n == "gpuio_gpu_process_memory_used_bytes"})
+    called = time.time()
+    for _ in range(8):
         time.sleep(1.0)
         samples(collector)
-    raw = _utilisation(nvml, handle, slow.last_seen_us or 0)
-    print("\nraw nvmlDeviceGetProcessUtilization after 5 s: "
-          + "; ".join(f"pid {u.pid} ts {u.timestamp_us} sm {u.sm} mem {u.memory}" for u in raw)
-          + f" (last seen {slow.last_seen_us}, now {int(time.time() * 1e6)})")
-    slow.feed(raw)
     after, t1 = samples(collector), time.monotonic()
-    finish(first)
-    finish(second)
+    late = _utilisation(nvml, handle, int(called * 1e6))
+    print(f"one raw answer {time.time() - called:.1f} s after the previous call: "
+          + ("; ".join(f"pid {u.pid} sm {u.sm} mem {u.memory} ts -{(time.time() * 1e6 - u.timestamp_us) / 1e3:.0f} ms"
+                       for u in late) or "NotFound"))
+    outputs = {process.pid: finish(process) for process in (first, second)}
     failures = []
-    print("\nper process (share of the GPU each one's kernels ran, over 5 s):")
+    print(f"\nper process (share of the GPU each one's kernels ran, over {t1 - t0:.1f} s); NVML lists pids {listed}:")
     for process, share in ((first, 0.6), (second, 0.2)):
-        name = "gpuio_gpu_process_sm_busy_seconds_total"
-        rate = rates(before, after, t1 - t0, [(name, {"pid": str(process.pid)})])[0]
-        memory = rates(before, after, t1 - t0, [("gpuio_gpu_process_memory_busy_seconds_total",
-                                                  {"pid": str(process.pid)})])[0]
-        five = (slow.seconds.get(process.pid, [0, 0])[0] - slow_before.get(process.pid, [0, 0])[0]) / (t1 - t0)
-        print(f"  pid {process.pid}: share {share:.1f}; collector (1 s calls) SM busy "
-              f"{'n/a' if rate is None else f'{rate:.3f}'}, memory busy {'n/a' if memory is None else f'{memory:.3f}'}"
-              f"; 5 s calls SM busy {five:.3f}")
+        pid = {"pid": str(process.pid)}
+        rate = rates(before, after, t1 - t0, [("gpuio_gpu_process_sm_busy_seconds_total", pid)])[0]
+        memory = rates(before, after, t1 - t0, [("gpuio_gpu_process_memory_busy_seconds_total", pid)])[0]
+        print(f"  pid {process.pid}: share {share:.1f}; collector SM busy {'n/a' if rate is None else f'{rate:.3f}'}, "
+              f"memory busy {'n/a' if memory is None else f'{memory:.3f}'}   worker: {outputs[process.pid]}")
         if rate is None or abs(rate - share) > 0.12:
             failures.append(f"process {process.pid} at share {share} read {rate}")
     return failures
+
+
+def raw_stream(nvml: PyNvml, handle: Any) -> None:
+    """NVML's per-process answers polled every 25 ms for a second, each asking for samples newer than
+    the newest seen: how many samples per process an answer holds, and how far apart periods are."""
+    newest, answers, stamps = int(time.time() * 1e6), [], set()
+    for _ in range(40):
+        time.sleep(0.025)
+        answer = _utilisation(nvml, handle, newest)
+        if answer:
+            newest = max(newest, *(u.timestamp_us for u in answer))
+            stamps |= {u.timestamp_us for u in answer}
+            answers.append(answer)
+    per_pid = max((sum(1 for u in answer if u.pid == pid) for answer in answers for pid in {u.pid for u in answer}),
+                  default=0)
+    ordered = sorted(stamps)
+    gaps = [(b - a) / 1e3 for a, b in zip(ordered, ordered[1:], strict=False)]
+    print(f"\nraw nvmlDeviceGetProcessUtilization polled every 25 ms for 1 s: {len(answers)} answers, "
+          f"{len(stamps)} distinct sample times, at most {per_pid} sample(s) per process per answer, "
+          f"periods {sorted(gaps)[len(gaps) // 2] if gaps else 'n/a'} ms apart (median)")
+    for answer in answers[:8]:
+        print("   " + "; ".join(f"pid {u.pid} ts {u.timestamp_us % 10_000_000 / 1e3:.0f} ms sm {u.sm} mem {u.memory}"
+                              for u in answer))
 
 
 def _utilisation(nvml: PyNvml, handle: Any, last_seen_us: int) -> list[ProcessUtilization]:
