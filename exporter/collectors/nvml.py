@@ -406,6 +406,9 @@ class ProcessBusy:
     and each call counts it over the time since the previous call (a process not named did not run in
     the last period: it adds nothing).  Read every sweep, that estimate converges on the busy time
     over a rate() window, unless a load is periodic in step with the sweep (then no sampler can tell).
+    NVML names one process per period on a time-sliced GPU (measured: two processes taking 70 ms turns,
+    each 200 ms period named one of them with the whole GPU's utilisation): the split between
+    processes holds for turns longer than a period.
 
     Per process it keeps the newest sample counted: NVML may hand back a sample at or before the
     timestamp passed, and SM or memory figures above 100 (nvtop filters both out): neither is counted.
@@ -933,9 +936,13 @@ class NvmlCollector(Collector):
                 other.up = False
             self._schedule_reinit()
         else:
-            key = (call, error_name(exc))
-            gpu.errors[key] = gpu.errors.get(key, 0) + 1
-            self._once.warning("NVML call failed", f"{call}: {key[1]}", gpu=gpu.index, uuid=gpu.uuid)
+            self._count_failure(gpu, call, exc)
+
+    def _count_failure(self, gpu: Gpu, call: str, exc: Exception) -> None:
+        """A failed reading: counted in gpuio_gpu_nvml_errors_total, logged once, retried next time."""
+        key = (call, error_name(exc))
+        gpu.errors[key] = gpu.errors.get(key, 0) + 1
+        self._once.warning("NVML call failed", f"{call}: {key[1]}", gpu=gpu.index, uuid=gpu.uuid)
 
     def _scalars(self, gpu: Gpu, catalog: tuple[Scalar, ...]) -> list[Reading]:
         assert self._nvml is not None
@@ -1112,11 +1119,17 @@ class NvmlCollector(Collector):
         try:
             tracker.feed(self._nvml.device_process_utilization(gpu.handle, tracker.last_seen_us), now)
         except NVMLError as exc:
-            if error_code(exc) == nv.ERROR_NOT_FOUND:  # nothing ran in NVML's last sample period
+            code = error_code(exc)
+            if code == nv.ERROR_NOT_FOUND:  # nothing ran in NVML's last sample period
                 tracker.feed([], now)
+            elif code in nv.UNSUPPORTED and code not in (nv.ERROR_NOT_SUPPORTED, nv.ERROR_FUNCTION_NOT_FOUND):
+                # NoPermission, InvalidArgument, NoData: may be an answer about the processes of the
+                # moment rather than the driver's last word: counted (gpuio_gpu_nvml_errors_total) and
+                # asked again next sweep, instead of leaving the families out until NVML restarts.
+                self._count_failure(gpu, "process_utilization", exc)
             else:
                 self._failed(gpu, "process_utilization", exc)
-                if "process_utilization" in gpu.unsupported:  # refused here: absent, not zero
+                if "process_utilization" in gpu.unsupported:  # this GPU or driver lacks it: absent, not zero
                     return []
         readings: list[Reading] = []
         for pid, name in gpu.names.items():  # the processes the list shows (largest memory first, capped)

@@ -632,22 +632,31 @@ def test_a_process_starting_after_idle_is_counted_from_the_previous_call_not_ove
     assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") <= end - idle_start
 
 
-def test_per_process_series_stay_when_one_call_fails_and_go_when_nvml_refuses_the_call() -> None:
+def test_per_process_series_stay_through_failed_calls_and_go_only_where_the_driver_lacks_the_call() -> None:
+    """A refusal about the moment (Timeout, NoPermission) is counted and asked again, the series and
+    their values kept (a flickering series breaks rate(), and one refusal must not remove the families
+    until NVML restarts); NotSupported means this GPU or driver lacks it: absent, not zero."""
     fake = FakeNvml(h100s(1))
     gpu = fake.gpus[0]
     gpu.processes = [ProcessInfo(101, GIB)]
     collector = make(fake)
+    gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_NO_PERMISSION
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == 0
+    assert value(samples, "gpuio_gpu_nvml_errors_total", call="process_utilization", error="NoPermission") == 1
+    del gpu.errors["device_process_utilization"]
     gpu.add_process_samples(now_us(), 1, {101: (50, 0)})
-    sweep(collector)
+    sweep(collector)  # answered now: the baseline
     time.sleep(0.05)
     gpu.add_process_samples(now_us(), 1, {101: (50, 0)})
     before = value(sweep(collector), "gpuio_gpu_process_sm_busy_seconds_total", pid="101")
+    assert before > 0
     gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_TIMEOUT
-    samples = sweep(collector)  # one failed call: counted as an error, the series and its value stay
+    samples = sweep(collector)
     assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == before
     assert value(samples, "gpuio_gpu_nvml_errors_total", call="process_utilization", error="Timeout") == 1
-    gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_NO_PERMISSION
-    samples = sweep(collector)  # refused for good: absent, not zero
+    gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    samples = sweep(collector)
     assert not has(samples, "gpuio_gpu_process_sm_busy_seconds_total")
     assert has(samples, "gpuio_gpu_process_memory_used_bytes", pid="101")
 

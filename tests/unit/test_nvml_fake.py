@@ -26,7 +26,8 @@ as measured on an H100 with driver 580 (tests/gpu runs the same collector on the
   NVML's *last* sample period (nvml.h), with that period's figures and timestamp, if newer than the
   timestamp given; NotFound otherwise.  Not an average since that timestamp: measured on an H100, two
   processes taking turns (60 % and 20 % of every second) and a call 5 s after the previous one
-  answered only the process that ran in the last period;
+  answered only the process that ran in the last period (and with 70 ms turns each 200 ms period
+  named one of them);
 - nvmlEventSetWait returns queued events one at a time and raises Timeout when none comes in time;
 - on a GPU in MIG mode, utilisation (samples and rates) is NotSupported; MIG slots may be empty (NotFound).
 """
