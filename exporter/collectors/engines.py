@@ -722,12 +722,14 @@ class EnginesCollector(Collector):
         """The block device under a file as its writer's own mountinfo names it, where the exporter's
         view has none (a file inside a container image: overlayfs, whose layer directory is a path of
         the host's filesystem; a PVC's /dev source).  The writer's word is used only to stat a layer
-        directory (never opened) or to name a /dev node, and only what sysfs knows is shown."""
+        directory on a local disk (never opened) or to name a /dev node, and only what sysfs knows is shown."""
         if mount is None:
             return "", []
         layer = mount.layer
         if mount.fstype == "overlay":
             if not os.path.isabs(layer) or any(part in (".", "..") for part in layer.split("/")):
+                return "", []
+            if not self._on_local_disk(layer):
                 return "", []
             options = f"upperdir={layer}"
         elif mount.source.startswith("/dev/") and ".." not in mount.source.split("/"):
@@ -739,6 +741,14 @@ class EnginesCollector(Collector):
         if not found:
             return "", []
         return found, BlockDevices(self.context.sysfs).physical(found)
+
+    def _on_local_disk(self, path: str) -> bool:
+        """Whether the host mount holding ``path`` (by name, in the host's mount table) is a file system
+        on a block device.  The path is the writer's word and is stat()ed in the scrape: under a network,
+        FUSE or automount mount a stat can wait for as long as the server does (forever, if it is gone),
+        and a container runtime keeps its layers on a local disk anyway (fuseblk: a /dev source, a FUSE daemon)."""
+        holder = self._mounts.table().holding(path)
+        return holder is not None and holder.source.startswith("/dev/") and not holder.fstype.startswith("fuse")
 
     def device_of(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
         """The block device behind st_dev MAJ:MIN and the whole disks under it (sysfs reads, cached)."""
