@@ -7,10 +7,11 @@
 
 So a process in pod UID U on GPU G is named: by a writer of pod U, where one reports (the names are
 what that pod's own process says: a claim, believed only where the kubelet lists that pod among G's
-holders, or lists none for G, and where no writer of another UID claims the same name); else by the one pod that holds G, when exactly one does (with
-time-slicing several pods share G and none is chosen; a MIG device counts as part of its GPU, since
-NVML lists its processes on the GPU).  The container is the one of that pod holding G, when it is
-one.  A process in no pod (host processes) gets no labels at all.
+holders, or lists none for G, and where no writer of another UID claims the same name); else by the
+one pod that holds G, when exactly one does (with time-slicing several pods share G and none is
+chosen; a MIG device counts as part of its GPU, since NVML lists its processes on the GPU).  The
+container is the one of that pod holding G, when it is one.  A process in no pod (host processes)
+gets no labels at all.
 Limitation: a process that uses a GPU none of its containers was given (``NVIDIA_VISIBLE_DEVICES=all``
 in a pod that asked for no GPU) is named after the pod the kubelet gave the GPU to.
 
