@@ -400,6 +400,9 @@ MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (de
 # Names taken from one pod's own spool volume per read: a pod that fills its volume with files cannot
 # take the listing from the other pods (a real pod has a few processes, one file each).
 MAX_POD_DIRECTORY_FILES = 1024
+# Leftover temporary files (a writer that died before renaming its file) opened per read to see whether
+# they may be removed: each costs an open and a lock probe, and a writer can make any number of them.
+MAX_SWEPT_TEMPORARY = 32
 SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
 SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
 RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
@@ -462,6 +465,7 @@ class SpoolReader:
         self._budget = ReadBudget(0, 0)
         self._deferred_now = 0
         self._unlisted = 0
+        self._sweeps_left = 0
         self._retained = {False: 0, True: 0}
         self._folded = Totals()
         self._folded_touched: dict[str, float] = {}
@@ -537,6 +541,7 @@ class SpoolReader:
         """Every spool file of the main directory (by name) and of the pod directories (by absolute
         path); None when the main directory is missing or unreadable and no pod directory is known."""
         self._unlisted = 0
+        self._sweeps_left = MAX_SWEPT_TEMPORARY
         names: set[str] = set()
         listed: dict[str, int] = {}
         found = self._list_one(self.directory, "", names, listed, MAX_LISTED_FILES)
@@ -561,13 +566,17 @@ class SpoolReader:
                 for entry in entries:
                     key = os.path.join(prefix, entry.name) if prefix else entry.name
                     if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                        if len(names) >= MAX_LISTED_FILES or taken >= limit:
+                        # A live file is always listed: left out by a cap it would read as vanished
+                        # (folded), and listed again later, counted a second time on top of its fold.
+                        if key not in self._live and (len(names) >= MAX_LISTED_FILES or taken >= limit):
                             self._unlisted += 1
                             continue
                         taken += 1
                         names.add(key)
                         listed[key] = entry.inode()
-                    elif entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".tmp"):
+                    elif (not prefix and self._sweeps_left > 0 and entry.name.startswith(f".{PREFIX}")
+                          and entry.name.endswith(".tmp")):  # a pod's volume is the pod's: never swept
+                        self._sweeps_left -= 1
                         self._sweep_temporary(key)
             return True
         except FileNotFoundError:
