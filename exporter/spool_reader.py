@@ -466,6 +466,7 @@ class SpoolReader:
         self._deferred_now = 0
         self._unlisted = 0
         self._sweeps_left = 0
+        self._left_out_directories: set[str] = set()  # pod directories that exist but the scan left out
         self._retained = {False: 0, True: 0}
         self._folded = Totals()
         self._folded_touched: dict[str, float] = {}
@@ -480,7 +481,8 @@ class SpoolReader:
 
     def set_pod_directories(self, directories: dict[str, str]) -> None:
         """Replace the discovered directories (directory -> pod UID); files of one no longer listed
-        are folded at the next read, as files that vanished."""
+        are folded at the next read, as files that vanished, once the directory is gone (while it
+        exists, the scan only left it out: see _list)."""
         self.pod_directories = dict(directories)
 
     # --- the directory -------------------------------------------------------------------------
@@ -514,7 +516,8 @@ class SpoolReader:
             # is: its files are never deleted, and one left out of a capped listing must not be folded
             # twice when it is listed again.
             self._tombstones = {name for name in self._tombstones if name in names or (
-                os.path.isabs(name) and os.path.dirname(name) in self.pod_directories)}
+                os.path.isabs(name) and (os.path.dirname(name) in self.pod_directories
+                                         or os.path.dirname(name) in self._left_out_directories))}
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._with_owners(self._merge())
 
@@ -552,6 +555,14 @@ class SpoolReader:
         for directory in sorted(self.pod_directories):
             if self._list_one(directory, directory, names, listed, MAX_POD_DIRECTORY_FILES) is None:
                 self._carry(directory, names, listed)  # unreadable now: not proof that the pod is gone
+        # A pod directory the scan no longer hands over (past --collector.engines.max-pod-spools) that
+        # still exists: its pod is not gone.  Its live files are read on and its tombstones kept, so that
+        # it is neither folded now nor counted a second time when the scan takes it back.
+        known = {os.path.dirname(key) for key in (*self._live, *self._tombstones) if os.path.isabs(key)}
+        self._left_out_directories = {directory for directory in known - self.pod_directories.keys()
+                                      if _real_directory(directory)}
+        for directory in sorted(self._left_out_directories):
+            self._carry(directory, names, listed)
         self._listed = listed
         return names
 
@@ -956,6 +967,14 @@ class SpoolReader:
             self._per_gpu_pruned_at = self.forgotten_engines
             for key in [key for key in folded if key[0] not in self._folded.engines]:
                 del folded[key]
+
+
+def _real_directory(path: str) -> bool:
+    """Whether ``path`` is a directory and not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:

@@ -238,3 +238,27 @@ def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_pat
     assert "gpuio_engine_spool_deferred_files 7" in text
     for file in [*files, victim]:
         file.close()
+
+
+def test_a_pod_left_out_by_the_scan_cap_for_a_while_is_not_counted_twice(tmp_path, pod_env) -> None:
+    """Pods past --collector.engines.max-pod-spools are not looked at (by UID order).  A pod whose live
+    writer drops out of the scan because a pod sorting before it came was read as vanished (folded) and,
+    listed again once that pod went, counted a second time on top."""
+    pods = str(tmp_path / "pods")
+    spool = pod_spool(pods, UID_A)
+    write_engine(spool, "detector", __file__)
+    collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods, max_pod_spools=1)
+    line = f'gpuio_engine_inference_seconds_count{{engine="detector",gpu_uuid="{GPU}"}} 1'
+    collector.pod_spools.sample_now()
+    assert line in scrape(collector)
+    pod_spool(pods, UID_B)  # sorts before UID_A: now the one pod looked at
+    assert collector.pod_spools.sample_now().value.directories == {
+        os.path.join(pods, UID_B, "volumes", kubelet.EMPTY_DIR, "gpuio-spool"): UID_B}
+    assert line in scrape(collector)
+    for root, directories, _ in os.walk(os.path.join(pods, UID_B), topdown=False):
+        for directory in directories:
+            os.rmdir(os.path.join(root, directory))
+    os.rmdir(os.path.join(pods, UID_B))  # that pod is gone: UID_A is looked at again
+    collector.pod_spools.sample_now()
+    assert line in scrape(collector)
+    assert "vanished" not in scrape(collector)
