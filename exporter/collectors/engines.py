@@ -920,7 +920,8 @@ class EnginesCollector(Collector):
         if missing is None or throughput is None or values is None:
             return None
         deserialize = histogram_quantile(0.5, values, "load_deserialize_seconds")
-        return missing / throughput + (deserialize or 0.0)
+        predicted = missing / throughput + (deserialize or 0.0)
+        return predicted if math.isfinite(predicted) else None
 
     def _bytes_not_cached(self, totals: rd.Totals, engine: str) -> int | None:
         scan = self.scanner.snapshot()
@@ -946,7 +947,9 @@ class EnginesCollector(Collector):
             known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
             moved = sum(values[slot["cold_device_bytes"]] for values in known)
             seconds = sum(values[slot["cold_read_seconds"]] for values in known)
-            return moved / seconds if moved > 0 and seconds > 0 else None
+            # Writers' figures: 5e-324 bytes in 1e10 s is legal and rounds to 0 bytes/s, a divisor.
+            throughput = moved / seconds if moved > 0 and seconds > 0 else 0.0
+            return throughput if 0.0 < throughput < math.inf else None
 
         own = rate([engine])
         if own is not None:

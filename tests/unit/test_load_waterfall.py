@@ -17,6 +17,7 @@ import pytest
 
 import gpuio
 from exporter import spool_reader as rd
+from exporter.exposition import render
 from gpuio import spool as fmt
 from gpuio import waterfall as wf
 from gpuio.spool import SpoolFile
@@ -323,3 +324,26 @@ def test_a_layer_the_writer_names_on_a_hung_mount_does_not_hang_the_scrape(spool
         writer.close()
     assert not hanging, "the scrape waited on a path the spool writer chose"
     assert scraped
+
+
+def test_a_writers_waterfall_cannot_break_the_scrape_of_every_engine(model_file: str, spool: str) -> None:
+    """The predicted cold start divides by the cold-read throughput the writers report.  Values a writer
+    may legally record (finite, >= 0) made it 0.0 (5e-324 bytes in 1e10 s): a ZeroDivisionError in the
+    scrape took every engine's series with it.  Such a writer's engine gets no prediction, the rest
+    is served."""
+    gpuio.load(model_file, bytes, name="victim")
+    hostile = SpoolFile(spool)
+    try:
+        values = [0.0] * len(fmt.WATERFALL_SLOTS)
+        for name, value in (("cold_device_bytes", 5e-324), ("cold_read_seconds", 1e10), ("residency_method", 1.0),
+                            ("file_bytes", 4096.0), ("cached_end_bytes", 0.0)):
+            values[fmt.WATERFALL[name]] = value
+        with hostile.lock:
+            hostile.add_record(fmt.KIND_ENGINE, "hostile", fmt.ENGINE_LAYOUT.size * 8)
+            hostile.add_record(fmt.KIND_WATERFALL, "hostile", len(values) * 8, struct.pack(f"<{len(values)}d", *values))
+        collector = engines_collector(spool)
+        text = render(collector.collect())
+    finally:
+        hostile.close()
+    assert 'gpuio_engine_load_phase_seconds_total{engine="victim"' in text
+    assert 'gpuio_engine_predicted_cold_start_seconds{engine="hostile"' not in text
