@@ -44,7 +44,10 @@ from gpuio.spool import (
     LOAD_SLOTS,
     MAGIC,
     MAX_KEY_BYTES,
+    MAX_PATH_BYTES,
+    MAX_POD_NAME_BYTES,
     MAX_RECORD_BYTES,
+    MAX_SHORT_BYTES,
     MOUNT_STRUCT,
     POD_STRUCT,
     PREFIX,
@@ -247,6 +250,11 @@ def parse(data: bytes) -> Parsed:
     return parsed
 
 
+# The longest strings the library writes: namespace, pod, container, UID; mount point, fstype, source, layer.
+POD_LIMITS = (MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_SHORT_BYTES)
+MOUNT_LIMITS = (MAX_PATH_BYTES, MAX_SHORT_BYTES, MAX_PATH_BYTES, MAX_PATH_BYTES)
+
+
 def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
     engine, _, dev = key.partition("\0")
     major, colon, minor = dev.partition(":")
@@ -255,6 +263,8 @@ def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
     lengths = MOUNT_STRUCT.unpack_from(payload)
     if MOUNT_STRUCT.size + sum(lengths) > len(payload):
         raise ValueError("MOUNT strings overrun the record")
+    if any(length > limit for length, limit in zip(lengths, MOUNT_LIMITS, strict=True)):
+        raise ValueError("MOUNT string longer than the library writes")
     text, start, parts = bytes(payload), MOUNT_STRUCT.size, []
     for length in lengths:
         parts.append(text[start : start + length].decode("utf-8", "replace"))
@@ -266,6 +276,10 @@ def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
     lengths = POD_STRUCT.unpack_from(payload)
     if POD_STRUCT.size + sum(lengths) > len(payload):
         raise ValueError("POD strings overrun the record")
+    # Label values of every series of the writer's engines: never longer than the library writes them
+    # (what Kubernetes allows), or one record of 64 KiB names makes each of those series 64 KiB.
+    if any(length > limit for length, limit in zip(lengths, POD_LIMITS, strict=True)):
+        raise ValueError("POD string longer than Kubernetes allows")
     text, offset = bytes(payload[POD_STRUCT.size :]), 0
     values = []
     for length in lengths:

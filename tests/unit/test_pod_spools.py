@@ -262,3 +262,26 @@ def test_a_pod_left_out_by_the_scan_cap_for_a_while_is_not_counted_twice(tmp_pat
     collector.pod_spools.sample_now()
     assert line in scrape(collector)
     assert "vanished" not in scrape(collector)
+
+
+def test_pod_names_longer_than_kubernetes_allows_are_refused(tmp_path) -> None:
+    """A POD record's strings become label values of gpuio_engine_pod_info, one series per pod and engine.
+    The library cuts them to 253 bytes (what Kubernetes allows a pod name, the longest of them); a
+    hostile writer's record of 60 KiB names made every series of its engines 60 KiB long (64 pods x
+    200 engines of them in one scrape).  Such a record is a bad record: counted, nothing after it kept."""
+    from gpuio.metrics import EngineMetrics
+
+    spool = str(tmp_path / "spool")
+    os.mkdir(spool)
+    file = fmt.SpoolFile(spool)
+    try:
+        names = [b"n" * 63, b"p" * 60_000, b"c" * 63, UID_A.encode()]
+        payload = fmt.POD_STRUCT.pack(*map(len, names)) + b"".join(names)
+        with file.lock:
+            file.add_record(fmt.KIND_POD, "pod", len(payload), payload)
+        EngineMetrics("bloated", file).inference_seconds.observe(0.001)
+        text = scrape(engines_collector(spool))
+    finally:
+        file.close()
+    assert max(map(len, text.splitlines())) < 4096
+    assert 'gpuio_engine_spool_errors_total{reason="record"} 1' in text
