@@ -44,7 +44,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -398,7 +398,9 @@ class ProcessBusy:
         self.last_seen_us: int | None = None
         self.seconds: dict[int, list[float]] = {}  # pid -> [SM busy, memory busy]
 
-    def feed(self, samples: list[nv.ProcessUtilization]) -> None:
+    def feed(self, samples: list[nv.ProcessUtilization], listed: Collection[int] = ()) -> None:
+        """``listed``: the pids whose series are served; they are tracked first, whatever the order of
+        NVML's answer (else other processes could fill the table and a served one read 0 for ever)."""
         if not samples:
             return
         newest = max(sample.timestamp_us for sample in samples)
@@ -407,14 +409,23 @@ class ProcessBusy:
             return
         period = min(newest - self.last_seen_us, MAX_PROCESS_PERIOD_US) / 1e6
         self.last_seen_us = newest
-        for sample in samples:
+        for sample in sorted(samples, key=lambda sample: sample.pid not in listed):
             totals = self.seconds.get(sample.pid)
             if totals is None:
-                if len(self.seconds) >= self.limit:  # past the cap: left out, as the process series are
-                    continue
+                if len(self.seconds) >= self.limit and not self._make_room(sample.pid in listed, listed):
+                    continue  # past the cap: left out, as the process series are
                 totals = self.seconds[sample.pid] = [0.0, 0.0]
             totals[0] += min(max(sample.sm, 0), 100) / 100 * period
             totals[1] += min(max(sample.memory, 0), 100) / 100 * period
+
+    def _make_room(self, for_listed: bool, listed: Collection[int]) -> bool:
+        """Forget one tracked process that is not served, to track a served one (``limit`` is 4 x the
+        served processes, so there is one)."""
+        spare = next((pid for pid in self.seconds if pid not in listed), None) if for_listed else None
+        if spare is None:
+            return False
+        del self.seconds[spare]
+        return True
 
     def keep(self, pids: set[int]) -> None:
         """Forget the processes that ended (NVML no longer lists them)."""
@@ -1033,7 +1044,7 @@ class NvmlCollector(Collector):
                 self._failed(gpu, "process_utilization", exc)
                 return []
             samples = []
-        tracker.feed(samples)
+        tracker.feed(samples, gpu.names.keys())
         readings: list[Reading] = []
         for pid, name in gpu.names.items():  # the processes the list shows (largest memory first, capped)
             labels = gpu.label((("pid", str(pid)), ("process_name", name)))
