@@ -382,6 +382,7 @@ class FileState:
     used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
     uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
     pod_uid: str = ""  # the pod whose volume holds the file (a discovered pod spool directory), else ""
+    lockers: frozenset[int] | None = None  # pids the kernel's lock table shows holding its lock (None: not looked)
 
 
 @dataclass
@@ -459,8 +460,12 @@ class SpoolReader:
 
     def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
                  gpu_of: Callable[[int, int], str | None] | None = None,
-                 max_file_bytes: int = DEFAULT_FILE_BYTES) -> None:
+                 max_file_bytes: int = DEFAULT_FILE_BYTES, procfs: str = "/proc") -> None:
         self.directory = directory
+        # Where the kernel's lock table is (<procfs>/locks): it says which process holds a file's lock, so
+        # which writer a file's header may truthfully name (see _writer).
+        self.procfs = procfs
+        self._lock_table: dict[int, frozenset[int]] | None = None  # inode -> lock holders, once per read()
         # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
         self.gpu_of = gpu_of
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
@@ -518,6 +523,7 @@ class SpoolReader:
                     self._vanished(name)
             self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
             self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
+            self._lock_table = None
             self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
             for state in self._live.values():
                 self._retained[state.used > SMALL_FILE_BYTES] += state.used
@@ -721,7 +727,24 @@ class SpoolReader:
         if gone:
             self._fold_dead(name, path, state)
         else:
+            if state.lockers is None:
+                state.lockers = self._lockers(st.st_ino)
             self._live[name] = state
+
+    def _lockers(self, inode: int) -> frozenset[int]:
+        """The pids holding a lock on a file with this inode, from the kernel's lock table (read at most
+        once per read(), up to 4 MiB: ~80,000 locks)."""
+        if self._lock_table is None:
+            self._lock_table = read_lock_table(os.path.join(self.procfs, "locks"))
+        return self._lock_table.get(inode, frozenset())
+
+    def _writer(self, state: FileState, parsed: Parsed) -> tuple[int, int]:
+        """(pid, start ticks) of the file's writer as its header says, where the kernel shows that pid
+        holding the file's lock; else (pid, 0), which names no process.  The header is the writer's word:
+        a file claiming another live process would lend it that process's GPU and per-process series."""
+        if state.lockers is not None and parsed.pid in state.lockers:
+            return parsed.pid, parsed.start_ticks
+        return parsed.pid, 0
 
     def _affordable(self, state: FileState, data: bytes, digest: bytes, gone: bool) -> bool:
         """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
@@ -896,11 +919,12 @@ class SpoolReader:
                 continue
             totals.live_files += 1
             totals.dropped_by_writers += parsed.dropped
+            writer = self._writer(state, parsed)
             for engine, values in parsed.engines.items():
                 total = totals.engines.get(engine)
                 totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
                 totals.processes[engine] = totals.processes.get(engine, 0) + 1
-                totals.writers.setdefault(engine, []).append((parsed.pid, parsed.start_ticks))
+                totals.writers.setdefault(engine, []).append(writer)
             for key, count in parsed.errors.items():
                 totals.errors[key] = totals.errors.get(key, 0.0) + count
             for key, pair in parsed.layers.items():
@@ -917,7 +941,7 @@ class SpoolReader:
                 for engine in parsed.engines.keys() - parsed.infos.keys():
                     totals.pods.setdefault((engine, ""), set()).add(pod)
             for engine, info in parsed.infos.items():
-                found = self.gpu_of(parsed.pid, parsed.start_ticks) if not info.gpu_uuid and self.gpu_of else None
+                found = self.gpu_of(*writer) if not info.gpu_uuid and self.gpu_of else None
                 if found:
                     info = dataclasses.replace(info, gpu_uuid=found)
                 if pod is not None:
@@ -935,11 +959,11 @@ class SpoolReader:
 
     # --- per engine and GPU; loads in progress ----------------------------------------------------
 
-    def _gpu_of_writer(self, parsed: Parsed, recorded: str) -> str:
+    def _gpu_of_writer(self, writer: tuple[int, int], recorded: str) -> str:
         """The GPU a live writer works on for ``engine``: what it recorded, else what NVML lists it on."""
         if recorded or self.gpu_of is None:
             return recorded
-        return self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+        return self.gpu_of(*writer) or ""
 
     def _merge_per_gpu_and_loads(self, totals: Totals) -> None:
         """Per (engine, GPU): the live writers' per-GPU slots plus the folded ones; and the loads in
@@ -954,11 +978,12 @@ class SpoolReader:
             if parsed is None:
                 continue
             infos = parsed.infos
+            writer = self._writer(state, parsed)
             for engine, values in parsed.engines.items():
                 info = infos.get(engine)
                 uuid = info.gpu_uuid if info is not None else ""
                 if not uuid and self.gpu_of is not None:
-                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(*writer) or ""
                 group = groups.get((engine, uuid))
                 if group is None:
                     groups[(engine, uuid)] = [_per_gpu_values(values)]
@@ -966,7 +991,7 @@ class SpoolReader:
                     group.append(_per_gpu_values(values))
             if parsed.loads:
                 for (engine, uuid, dev), values in parsed.loads.items():
-                    _merge_load(totals.loads, (engine, self._gpu_of_writer(parsed, uuid), dev), values)
+                    _merge_load(totals.loads, (engine, self._gpu_of_writer(writer, uuid), dev), values)
         self._gpu_seen = seen
         totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
                           for key, group in groups.items()}
@@ -989,6 +1014,33 @@ class SpoolReader:
             self._per_gpu_pruned_at = self.forgotten_engines
             for key in [key for key in folded if key[0] not in self._folded.engines]:
                 del folded[key]
+
+
+MAX_LOCK_TABLE_BYTES = 4 << 20
+
+
+def read_lock_table(path: str) -> dict[int, frozenset[int]]:
+    """inode -> pids holding a lock on it, from /proc/locks (proc(5)): ``1: FLOCK ADVISORY WRITE 4242
+    fe:00:2281097 0 EOF``; a blocked waiter's line (``->``) holds nothing.  Matched by inode alone: the
+    device field is the file system's own, which overlayfs may report differently from fstat, and a
+    pid and an inode both matching by chance is not a claim anyone can arrange."""
+    chunks: list[bytes] = []
+    try:
+        with open(path, "rb", buffering=0) as handle:  # in pieces: read(4 MiB) would allocate 4 MiB at once
+            while sum(map(len, chunks)) < MAX_LOCK_TABLE_BYTES and (chunk := handle.read(64 << 10)):
+                chunks.append(chunk)
+    except OSError:
+        return {}
+    text = b"".join(chunks)
+    table: dict[int, set[int]] = {}
+    for line in text.split(b"\n"):
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != b"FLOCK":  # a blocked waiter ("->") holds nothing
+            continue
+        pid, _, inode = parts[4], parts[5].rpartition(b":")[1], parts[5].rpartition(b":")[2]
+        if pid.isdigit() and inode.isdigit():
+            table.setdefault(int(inode), set()).add(int(pid))
+    return {inode: frozenset(pids) for inode, pids in table.items()}
 
 
 def _real_directory(path: str) -> bool:

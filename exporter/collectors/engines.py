@@ -345,7 +345,8 @@ class EnginesCollector(Collector):
         self.reader = rd.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
                                       gpu_of=self._writer_gpus,
-                                      max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES)
+                                      max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES,
+                                      procfs=context.procfs)
         include = options.get("path-include")
         if include is None:
             include = _parse_directories(DEFAULT_PATH_INCLUDE)
