@@ -23,7 +23,8 @@ The messages, with the field numbers of k8s.io/kubelet/pkg/apis/podresources/v1/
 Bounded: the whole answer is capped by the gRPC channel (MAX_RESPONSE_BYTES), and the decoder keeps at
 most MAX_PODS pods, MAX_CONTAINERS containers a pod, MAX_DEVICES device IDs a container,
 MAX_TOTAL_DEVICES device IDs and claims in all and MAX_STRING_BYTES of any string; what is past a cap
-is counted in ``Decoded.truncated``, not kept.
+is counted in ``Decoded.truncated``, not kept.  An answer of more than MAX_FIELDS fields is refused
+(TooLarge), as gRPC refuses one past MAX_RESPONSE_BYTES.
 """
 
 from __future__ import annotations
@@ -41,12 +42,20 @@ MAX_DEVICES = 256
 # this many GPU devices anyway (podresources.MAX_OWNERS).
 MAX_TOTAL_DEVICES = 4096
 MAX_CDI_DEVICES = 16
+# Fields walked in one answer (each ~1 us of CPU): a real node's answer has a few thousand.  The caps
+# above bound what is kept, not what is walked: a 16 MiB answer of 2-byte fields took 9 s of CPU every
+# poll, on a thread that shares the interpreter with the scrapes.  Past it the answer is refused.
+MAX_FIELDS = 200_000
 MAX_STRING_BYTES = 512
 VARINT, FIXED64, LENGTH, FIXED32 = 0, 1, 2, 5
 
 
 class WireError(ValueError):
     """Bytes that are not a well-formed message."""
+
+
+class TooLarge(WireError):
+    """An answer of more fields than MAX_FIELDS."""
 
 
 def _varint(data: memoryview, offset: int) -> tuple[int, int]:
@@ -135,6 +144,15 @@ class Decoded:
     pods: list[Pod] = field(default_factory=list)
     truncated: int = 0  # pods, containers, devices left out by the caps
     devices: int = 0  # device IDs and claims kept, all containers together (MAX_TOTAL_DEVICES)
+    fields_left: int = MAX_FIELDS
+
+    def fields(self, data: bytes | memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+        """:func:`fields`, each one counted against the answer's MAX_FIELDS."""
+        for item in fields(data):
+            self.fields_left -= 1
+            if self.fields_left < 0:
+                raise TooLarge(f"an answer of more than {MAX_FIELDS} fields")
+            yield item
 
     def room(self, container: Container) -> bool:
         """Whether one more device or claim may be kept in ``container``; counts it if so."""
@@ -148,7 +166,7 @@ class Decoded:
 def decode_list_response(data: bytes | memoryview) -> Decoded:
     """A ``ListPodResourcesResponse``; WireError when the bytes are not one."""
     decoded = Decoded()
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number != 1:
             continue
         if len(decoded.pods) >= MAX_PODS:
@@ -160,7 +178,7 @@ def decode_list_response(data: bytes | memoryview) -> Decoded:
 
 def _pod(data: memoryview, decoded: Decoded) -> Pod:
     pod = Pod()
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number == 1:
             pod.name = _text(value)
         elif number == 2:
@@ -175,13 +193,13 @@ def _pod(data: memoryview, decoded: Decoded) -> Pod:
 
 def _container(data: memoryview, decoded: Decoded) -> Container:
     container = Container()
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number == 1:
             container.name = _text(value)
         elif number == 2:
             _devices(_message(value), container, decoded)
         elif number == 5:
-            for claim in _dynamic(_message(value)):
+            for claim in _dynamic(_message(value), decoded):
                 if decoded.room(container):
                     container.claims.append(claim)
     return container
@@ -191,7 +209,7 @@ def _devices(data: memoryview, container: Container, decoded: Decoded) -> None:
     """A ContainerDevices: its IDs go into ``container`` while there is room (the resource name may come
     after the IDs on the wire, so IDs are gathered first, at most as many as there is room for)."""
     resource, ids = "", list[memoryview]()
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number == 1:
             resource = _text(value)
         elif number == 2 and decoded.room(container):
@@ -199,21 +217,21 @@ def _devices(data: memoryview, container: Container, decoded: Decoded) -> None:
     container.devices.extend((resource, _text(device_id)) for device_id in ids)
 
 
-def _dynamic(data: memoryview) -> list[ClaimDevice]:
+def _dynamic(data: memoryview, decoded: Decoded) -> list[ClaimDevice]:
     claims: list[ClaimDevice] = []
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number == 4 and len(claims) < MAX_DEVICES:
-            claims.append(_claim_resource(_message(value)))
+            claims.append(_claim_resource(_message(value), decoded))
     return claims
 
 
-def _claim_resource(data: memoryview) -> ClaimDevice:
+def _claim_resource(data: memoryview, decoded: Decoded) -> ClaimDevice:
     driver = pool = device = ""
     cdi: list[str] = []
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number == 1 and len(cdi) < MAX_CDI_DEVICES:
             # A CDIDevice has one name; a hostile one repeating it thousands of times keeps one.
-            cdi.extend(_text(v) for n, _, v in itertools.islice(fields(_message(value)), 64) if n == 1)
+            cdi.extend(_text(v) for n, _, v in itertools.islice(decoded.fields(_message(value)), 64) if n == 1)
         elif number == 2:
             driver = _text(value)
         elif number == 3:

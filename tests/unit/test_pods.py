@@ -235,6 +235,25 @@ def test_a_hostile_answer_cannot_make_the_decoder_keep_millions_of_devices(gener
     assert kept + decoded.truncated == 64 * 8 * 256  # what was left out is counted, not lost silently
 
 
+def test_an_answer_of_millions_of_fields_is_refused_not_walked(kubelet) -> None:
+    """The caps bound what is kept, not what is walked: a 16 MiB answer of 2-byte fields took ~9 s of CPU
+    at every poll, on a thread sharing the interpreter with the scrapes.  An answer of more than
+    MAX_FIELDS fields is refused, as gRPC refuses one past its size limit: counted, the last good answer
+    kept, the poll backed off."""
+    server, socket_path = kubelet
+    poller = podresources.PodResourcesPoller(socket_path, interval=10, timeout=5)
+    assert poller.poll().answer is not None
+    pb2 = sys.modules["api_pb2"]
+    containers = [pb2.ContainerResources(name="c", devices=[pb2.ContainerDevices(resource_name="r",
+                                                                                   device_ids=[""] * 10)])
+                  for _ in range(30)]
+    server.answer = pb2.ListPodResourcesResponse(pod_resources=[
+        pb2.PodResources(name=f"p{i}", namespace="n", containers=containers) for i in range(1024)])
+    state = poller.poll()
+    assert state.failures == {"resource_exhausted": 1}
+    assert state.answer is not None and state.answer.pods == 7  # the last good answer stands
+
+
 def test_a_cdi_device_repeating_its_name_keeps_one(generated) -> None:
     """A CDIDevice has one name; the wire allows a field to repeat (the last one wins in protobuf).  One
     CDIDevice of 100,000 names must not become a list of 100,000 strings before the cap applies."""
