@@ -254,6 +254,24 @@ def test_an_answer_of_millions_of_fields_is_refused_not_walked(kubelet) -> None:
     assert state.answer is not None and state.answer.pods == 7  # the last good answer stands
 
 
+def test_a_malformed_answer_is_counted_as_malformed(tmp_path) -> None:
+    """A kubelet (or whatever listens on its socket) answering bytes that are no message: the failure
+    reads "malformed".  Decoded inside gRPC's deserializer, it read "internal", like a kubelet bug."""
+    grpc = pytest.importorskip("grpc")
+    socket_path = str(tmp_path / "kubelet.sock")
+    handler = grpc.method_handlers_generic_handler("v1.PodResourcesLister", {
+        "List": grpc.unary_unary_rpc_method_handler(lambda request, context: b"\x0b")})  # a group: refused
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix://{socket_path}")
+    server.start()
+    try:
+        state = podresources.PodResourcesPoller(socket_path, interval=10, timeout=5).poll()
+    finally:
+        server.stop(grace=None)
+    assert state.failures == {"malformed": 1}
+
+
 def test_a_cdi_device_repeating_its_name_keeps_one(generated) -> None:
     """A CDIDevice has one name; the wire allows a field to repeat (the last one wins in protobuf).  One
     CDIDevice of 100,000 names must not become a list of 100,000 strings before the cap applies."""
