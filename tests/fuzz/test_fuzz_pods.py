@@ -247,3 +247,23 @@ def test_collector_over_a_pods_volume_of_corrupt_files(files: list[list[tuple]])
     # The pristine file's pod is named with the kubelet's UID (the volume's), never the one it recorded.
     uids = {dict(labels).get("pod_uid") for (name, labels) in samples if name == "gpuio_engine_pod_info"}
     assert uids <= {UID}
+
+
+# --- the kernel's lock table (which pid holds a spool file's lock) --------------------------------
+
+LOCK_LINE = st.tuples(st.integers(1, 10**6), st.integers(0, 2**22), st.integers(0, 255), st.integers(0, 255),
+                      st.integers(0, 2**63)).map(
+    lambda f: (f"{f[0]}: FLOCK  ADVISORY  WRITE {f[1]} {f[2]:02x}:{f[3]:02x}:{f[4]} 0 EOF", f[1], f[4]))
+
+
+@given(st.lists(LOCK_LINE, max_size=6), st.lists(st.binary(max_size=60), max_size=6))
+@example([], [b"1: -> FLOCK  ADVISORY  WRITE 77 fe:00:12 0 EOF", b"2: POSIX  ADVISORY  WRITE 78 fe:00:13 0 EOF"])
+def test_lock_table_finds_each_flock_holder_and_nothing_else(good: list, junk: list[bytes]) -> None:
+    path = os.path.join(ROOT, "locks")
+    lines = [line.encode() for line, _, _ in good] + [j.replace(b"FLOCK", b"flock") for j in junk]
+    with open(path, "wb") as handle:
+        handle.write(b"\n".join(lines))
+    table = spool_reader.read_lock_table(path)
+    for _, pid, inode in good:
+        assert pid in table[inode]
+    assert sum(map(len, table.values())) <= len({(pid, inode) for _, pid, inode in good})
