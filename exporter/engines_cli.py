@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .pagecache import Unavailable, residency
+from .pagecache import Unavailable, open_regular, residency
 from .terminal import printable
 
 WARM_CHUNK = 8 << 20
@@ -186,6 +186,17 @@ def env_globs() -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file (a symlink to one is fine), else OSError.
+    A glob's matches are names anyone who may write there chose: a FIFO would block open() for ever, a
+    device node's driver would see an open (a watchdog arms) and be read without end or evicted."""
+    try:
+        fd, _ = open_regular(path)
+    except Unavailable as exc:
+        raise OSError("not a regular file" if exc.reason == "not_regular" else str(exc)) from None
+    return fd
+
+
 def evict_file(path: str) -> dict[str, Any]:
     """Drop ``path``'s clean pages from the page cache (posix_fadvise DONTNEED), to reproduce a cold
     start on purpose; dirty pages are written first (fdatasync), or the kernel would keep them."""
@@ -195,7 +206,7 @@ def evict_file(path: str) -> dict[str, Any]:
     except Unavailable as exc:
         result["cached_before"] = None
         result["residency_unavailable"] = exc.reason
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_regular(path)
     try:
         with contextlib.suppress(OSError):  # a file this user may not write: its dirty pages stay
             os.fdatasync(fd)
@@ -223,7 +234,7 @@ def warm_file(path: str, chunk: int = WARM_CHUNK, progress: Callable[[int], None
     view = memoryview(buffer)
     total = 0
     start = time.perf_counter()
-    with open(path, "rb", buffering=0) as handle:
+    with open(_open_regular(path), "rb", buffering=0) as handle:
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while True:
             count = handle.readinto(view)

@@ -48,7 +48,10 @@ from gpuio.spool import (
     LOAD_SLOTS,
     MAGIC,
     MAX_KEY_BYTES,
+    MAX_PATH_BYTES,
+    MAX_POD_NAME_BYTES,
     MAX_RECORD_BYTES,
+    MAX_SHORT_BYTES,
     MOUNT_STRUCT,
     POD_STRUCT,
     PREFIX,
@@ -258,6 +261,11 @@ def parse(data: bytes) -> Parsed:
     return parsed
 
 
+# The longest strings the library writes: namespace, pod, container, UID; mount point, fstype, source, layer.
+POD_LIMITS = (MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_SHORT_BYTES)
+MOUNT_LIMITS = (MAX_PATH_BYTES, MAX_SHORT_BYTES, MAX_PATH_BYTES, MAX_PATH_BYTES)
+
+
 def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
     engine, _, dev = key.partition("\0")
     major, colon, minor = dev.partition(":")
@@ -266,6 +274,8 @@ def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
     lengths = MOUNT_STRUCT.unpack_from(payload)
     if MOUNT_STRUCT.size + sum(lengths) > len(payload):
         raise ValueError("MOUNT strings overrun the record")
+    if any(length > limit for length, limit in zip(lengths, MOUNT_LIMITS, strict=True)):
+        raise ValueError("MOUNT string longer than the library writes")
     text, start, parts = bytes(payload), MOUNT_STRUCT.size, []
     for length in lengths:
         parts.append(text[start : start + length].decode("utf-8", "replace"))
@@ -277,6 +287,10 @@ def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
     lengths = POD_STRUCT.unpack_from(payload)
     if POD_STRUCT.size + sum(lengths) > len(payload):
         raise ValueError("POD strings overrun the record")
+    # Label values of every series of the writer's engines: never longer than the library writes them
+    # (what Kubernetes allows), or one record of 64 KiB names makes each of those series 64 KiB.
+    if any(length > limit for length, limit in zip(lengths, POD_LIMITS, strict=True)):
+        raise ValueError("POD string longer than Kubernetes allows")
     text, offset = bytes(payload[POD_STRUCT.size :]), 0
     values = []
     for length in lengths:
@@ -381,6 +395,7 @@ class FileState:
     header: bytes = b""  # the header ``parsed`` came with: the same header again means nothing changed
     recheck_at: float = 0.0  # when to read the whole file even so (monotonic seconds)
     needs_gpu: bool = False  # ``parsed`` has series without a GPU: the merge asks ``gpu_of`` for this writer
+    lockers: frozenset[int] | None = None  # pids the kernel's lock table shows holding its lock (None: not looked)
 
 
 @dataclass
@@ -420,6 +435,9 @@ MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (de
 # Names taken from one pod's own spool volume per read: a pod that fills its volume with files cannot
 # take the listing from the other pods (a real pod has a few processes, one file each).
 MAX_POD_DIRECTORY_FILES = 1024
+# Leftover temporary files (a writer that died before renaming its file) opened per read to see whether
+# they may be removed: each costs an open and a lock probe, and a writer can make any number of them.
+MAX_SWEPT_TEMPORARY = 32
 SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
 SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
 RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
@@ -485,8 +503,12 @@ class SpoolReader:
 
     def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
                  gpu_of: Callable[[int, int], str | None] | None = None,
-                 max_file_bytes: int = DEFAULT_FILE_BYTES) -> None:
+                 max_file_bytes: int = DEFAULT_FILE_BYTES, procfs: str = "/proc") -> None:
         self.directory = directory
+        # Where the kernel's lock table is (<procfs>/locks): it says which process holds a file's lock, so
+        # which writer a file's header may truthfully name (see _writer).
+        self.procfs = procfs
+        self._lock_table: dict[int, frozenset[int]] | None = None  # inode -> lock holders, once per read()
         # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
         self.gpu_of = gpu_of
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
@@ -513,6 +535,8 @@ class SpoolReader:
         self._budget = ReadBudget(0, 0)
         self._deferred_now = 0
         self._unlisted = 0
+        self._sweeps_left = 0
+        self._left_out_directories: set[str] = set()  # pod directories that exist but the scan left out
         self._retained = {False: 0, True: 0}
         self._folded = Totals()
         self._folded_touched: dict[str, float] = {}
@@ -534,7 +558,8 @@ class SpoolReader:
 
     def set_pod_directories(self, directories: dict[str, str]) -> None:
         """Replace the discovered directories (directory -> pod UID); files of one no longer listed
-        are folded at the next read, as files that vanished."""
+        are folded at the next read, as files that vanished, once the directory is gone (while it
+        exists, the scan only left it out: see _list)."""
         if directories != self.pod_directories:
             self._version += 1  # the files read change: the last merge may not be reused
         self.pod_directories = dict(directories)
@@ -567,6 +592,7 @@ class SpoolReader:
                     self._vanished(name)
             self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
             self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
+            self._lock_table = None
             self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
             for state in self._live.values():
                 self._retained[state.used > SMALL_FILE_BYTES] += state.used
@@ -591,7 +617,8 @@ class SpoolReader:
             # is: its files are never deleted, and one left out of a capped listing must not be folded
             # twice when it is listed again.
             self._tombstones = {name for name in self._tombstones if name in names or (
-                os.path.isabs(name) and os.path.dirname(name) in self.pod_directories)}
+                os.path.isabs(name) and (os.path.dirname(name) in self.pod_directories
+                                         or os.path.dirname(name) in self._left_out_directories))}
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._merged_totals()
 
@@ -631,6 +658,7 @@ class SpoolReader:
         """Every spool file of the main directory (by name) and of the pod directories (by absolute
         path); None when the main directory is missing or unreadable and no pod directory is known."""
         self._unlisted = 0
+        self._sweeps_left = MAX_SWEPT_TEMPORARY
         names: set[str] = set()
         listed: dict[str, int] = {}
         found = self._list_one(self.directory, "", names, listed, MAX_LISTED_FILES)
@@ -641,6 +669,14 @@ class SpoolReader:
         for directory in sorted(self.pod_directories):
             if self._list_one(directory, directory, names, listed, MAX_POD_DIRECTORY_FILES) is None:
                 self._carry(directory, names, listed)  # unreadable now: not proof that the pod is gone
+        # A pod directory the scan no longer hands over (past --collector.engines.max-pod-spools) that
+        # still exists: its pod is not gone.  Its live files are read on and its tombstones kept, so that
+        # it is neither folded now nor counted a second time when the scan takes it back.
+        known = {os.path.dirname(key) for key in (*self._live, *self._tombstones) if os.path.isabs(key)}
+        self._left_out_directories = {directory for directory in known - self.pod_directories.keys()
+                                      if _real_directory(directory)}
+        for directory in sorted(self._left_out_directories):
+            self._carry(directory, names, listed)
         self._listed = listed
         return names
 
@@ -655,13 +691,17 @@ class SpoolReader:
                 for entry in entries:
                     key = os.path.join(prefix, entry.name) if prefix else entry.name
                     if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                        if len(names) >= MAX_LISTED_FILES or taken >= limit:
+                        # A live file is always listed: left out by a cap it would read as vanished
+                        # (folded), and listed again later, counted a second time on top of its fold.
+                        if key not in self._live and (len(names) >= MAX_LISTED_FILES or taken >= limit):
                             self._unlisted += 1
                             continue
                         taken += 1
                         names.add(key)
                         listed[key] = entry.inode()
-                    elif entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".tmp"):
+                    elif (not prefix and self._sweeps_left > 0 and entry.name.startswith(f".{PREFIX}")
+                          and entry.name.endswith(".tmp")):  # a pod's volume is the pod's: never swept
+                        self._sweeps_left -= 1
                         self._sweep_temporary(key)
             return True
         except FileNotFoundError:
@@ -837,7 +877,24 @@ class SpoolReader:
         if gone:
             self._fold_dead(name, path, state)
         else:
+            if state.lockers is None:
+                state.lockers = self._lockers(st.st_ino)
             self._make_live(name, state)
+
+    def _lockers(self, inode: int) -> frozenset[int]:
+        """The pids holding a lock on a file with this inode, from the kernel's lock table (read at most
+        once per read(), up to 4 MiB: ~80,000 locks)."""
+        if self._lock_table is None:
+            self._lock_table = read_lock_table(os.path.join(self.procfs, "locks"))
+        return self._lock_table.get(inode, frozenset())
+
+    def _writer(self, state: FileState, parsed: Parsed) -> tuple[int, int]:
+        """(pid, start ticks) of the file's writer as its header says, where the kernel shows that pid
+        holding the file's lock; else (pid, 0), which names no process.  The header is the writer's word:
+        a file claiming another live process would lend it that process's GPU and per-process series."""
+        if state.lockers is not None and parsed.pid in state.lockers:
+            return parsed.pid, parsed.start_ticks
+        return parsed.pid, 0
 
     def _affordable(self, state: FileState, data: bytes, digest: bytes, gone: bool) -> bool:
         """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
@@ -1021,11 +1078,12 @@ class SpoolReader:
                 continue
             totals.live_files += 1
             totals.dropped_by_writers += parsed.dropped
+            writer = self._writer(state, parsed)
             for engine, values in parsed.engines.items():
                 total = totals.engines.get(engine)
                 totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
                 totals.processes[engine] = totals.processes.get(engine, 0) + 1
-                totals.writers.setdefault(engine, []).append((parsed.pid, parsed.start_ticks))
+                totals.writers.setdefault(engine, []).append(writer)
             for key, count in parsed.errors.items():
                 totals.errors[key] = totals.errors.get(key, 0.0) + count
             for key, pair in parsed.layers.items():
@@ -1042,7 +1100,7 @@ class SpoolReader:
                 for engine in parsed.engines.keys() - parsed.infos.keys():
                     totals.pods.setdefault((engine, ""), set()).add(pod)
             for engine, info in parsed.infos.items():
-                found = self.gpu_of(parsed.pid, parsed.start_ticks) if not info.gpu_uuid and self.gpu_of else None
+                found = self.gpu_of(*writer) if not info.gpu_uuid and self.gpu_of else None
                 if found:
                     info = dataclasses.replace(info, gpu_uuid=found)
                 if pod is not None:
@@ -1060,11 +1118,11 @@ class SpoolReader:
 
     # --- per engine and GPU; loads in progress ----------------------------------------------------
 
-    def _gpu_of_writer(self, parsed: Parsed, recorded: str) -> str:
+    def _gpu_of_writer(self, writer: tuple[int, int], recorded: str) -> str:
         """The GPU a live writer works on for ``engine``: what it recorded, else what NVML lists it on."""
         if recorded or self.gpu_of is None:
             return recorded
-        return self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+        return self.gpu_of(*writer) or ""
 
     def _merge_per_gpu_and_loads(self, totals: Totals) -> None:
         """Per (engine, GPU): the live writers' per-GPU slots plus the folded ones; and the loads in
@@ -1079,11 +1137,12 @@ class SpoolReader:
             if parsed is None:
                 continue
             infos = parsed.infos
+            writer = self._writer(state, parsed)
             for engine, values in parsed.engines.items():
                 info = infos.get(engine)
                 uuid = info.gpu_uuid if info is not None else ""
                 if not uuid and self.gpu_of is not None:
-                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(*writer) or ""
                 group = groups.get((engine, uuid))
                 if group is None:
                     groups[(engine, uuid)] = [_per_gpu_values(values)]
@@ -1091,7 +1150,7 @@ class SpoolReader:
                     group.append(_per_gpu_values(values))
             if parsed.loads:
                 for (engine, uuid, dev), values in parsed.loads.items():
-                    _merge_load(totals.loads, (engine, self._gpu_of_writer(parsed, uuid), dev), values)
+                    _merge_load(totals.loads, (engine, self._gpu_of_writer(writer, uuid), dev), values)
         self._gpu_seen = seen
         totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
                           for key, group in groups.items()}
@@ -1114,6 +1173,41 @@ class SpoolReader:
             self._per_gpu_pruned_at = self.forgotten_engines
             for key in [key for key in folded if key[0] not in self._folded.engines]:
                 del folded[key]
+
+
+MAX_LOCK_TABLE_BYTES = 4 << 20
+
+
+def read_lock_table(path: str) -> dict[int, frozenset[int]]:
+    """inode -> pids holding a lock on it, from /proc/locks (proc(5)): ``1: FLOCK ADVISORY WRITE 4242
+    fe:00:2281097 0 EOF``; a blocked waiter's line (``->``) holds nothing.  Matched by inode alone: the
+    device field is the file system's own, which overlayfs may report differently from fstat, and a
+    pid and an inode both matching by chance is not a claim anyone can arrange."""
+    chunks: list[bytes] = []
+    try:
+        with open(path, "rb", buffering=0) as handle:  # in pieces: read(4 MiB) would allocate 4 MiB at once
+            while sum(map(len, chunks)) < MAX_LOCK_TABLE_BYTES and (chunk := handle.read(64 << 10)):
+                chunks.append(chunk)
+    except OSError:
+        return {}
+    text = b"".join(chunks)
+    table: dict[int, set[int]] = {}
+    for line in text.split(b"\n"):
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != b"FLOCK":  # a blocked waiter ("->") holds nothing
+            continue
+        pid, _, inode = parts[4], parts[5].rpartition(b":")[1], parts[5].rpartition(b":")[2]
+        if pid.isdigit() and inode.isdigit():
+            table.setdefault(int(inode), set()).add(int(pid))
+    return {inode: frozenset(pids) for inode, pids in table.items()}
+
+
+def _real_directory(path: str) -> bool:
+    """Whether ``path`` is a directory and not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:

@@ -346,7 +346,8 @@ class EnginesCollector(Collector):
         self.reader = rd.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
                                       gpu_of=self._writer_gpus,
-                                      max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES)
+                                      max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES,
+                                      procfs=context.procfs)
         include = options.get("path-include")
         if include is None:
             include = _parse_directories(DEFAULT_PATH_INCLUDE)
@@ -739,12 +740,14 @@ class EnginesCollector(Collector):
         """The block device under a file as its writer's own mountinfo names it, where the exporter's
         view has none (a file inside a container image: overlayfs, whose layer directory is a path of
         the host's filesystem; a PVC's /dev source).  The writer's word is used only to stat a layer
-        directory (never opened) or to name a /dev node, and only what sysfs knows is shown."""
+        directory on a local disk (never opened) or to name a /dev node, and only what sysfs knows is shown."""
         if mount is None:
             return "", []
         layer = mount.layer
         if mount.fstype == "overlay":
             if not os.path.isabs(layer) or any(part in (".", "..") for part in layer.split("/")):
+                return "", []
+            if not self._on_local_disk(layer):
                 return "", []
             options = f"upperdir={layer}"
         elif mount.source.startswith("/dev/") and ".." not in mount.source.split("/"):
@@ -756,6 +759,14 @@ class EnginesCollector(Collector):
         if not found:
             return "", []
         return found, BlockDevices(self.context.sysfs).physical(found)
+
+    def _on_local_disk(self, path: str) -> bool:
+        """Whether the host mount holding ``path`` (by name, in the host's mount table) is a file system
+        on a block device.  The path is the writer's word and is stat()ed in the scrape: under a network,
+        FUSE or automount mount a stat can wait for as long as the server does (forever, if it is gone),
+        and a container runtime keeps its layers on a local disk anyway (fuseblk: a /dev source, a FUSE daemon)."""
+        holder = self._mounts.table().holding(path)
+        return holder is not None and holder.source.startswith("/dev/") and not holder.fstype.startswith("fuse")
 
     def device_of(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
         """The block device behind st_dev MAJ:MIN and the whole disks under it (sysfs reads, cached)."""
@@ -926,7 +937,9 @@ class EnginesCollector(Collector):
         values = totals.engines.get(engine)
         if missing is None or throughput is None or values is None:
             return None
-        return missing / throughput + (mean_observation(values, "load_deserialize_seconds") or 0.0)
+        deserialize = mean_observation(values, "load_deserialize_seconds")
+        predicted = missing / throughput + (deserialize or 0.0)
+        return predicted if math.isfinite(predicted) else None
 
     def _bytes_not_cached(self, totals: rd.Totals, engine: str) -> int | None:
         scan = self.scanner.snapshot()
@@ -952,7 +965,9 @@ class EnginesCollector(Collector):
             known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
             moved = sum(values[slot["cold_device_bytes"]] for values in known)
             seconds = sum(values[slot["cold_read_seconds"]] for values in known)
-            return moved / seconds if moved > 0 and seconds > 0 else None
+            # Writers' figures: 5e-324 bytes in 1e10 s is legal and rounds to 0 bytes/s, a divisor.
+            throughput = moved / seconds if moved > 0 and seconds > 0 else 0.0
+            return throughput if 0.0 < throughput < math.inf else None
 
         own = rate([engine])
         if own is not None:

@@ -47,7 +47,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -426,18 +426,21 @@ class ProcessBusy:
         """The timestamp to pass NVML: the previous call's time (samples of earlier periods are counted)."""
         return 0 if self.called_at is None else int(self.called_at * 1e6)
 
-    def feed(self, samples: list[nv.ProcessUtilization], now: float) -> None:
+    def feed(self, samples: list[nv.ProcessUtilization], now: float, listed: Collection[int] = ()) -> None:
         """One answer, read at wall-clock time ``now`` (seconds): each process's latest period counted
-        over the time since the previous call."""
+        over the time since the previous call.  ``listed``: the pids whose series are served; they are
+        tracked first, whatever the order of NVML's answer (else other processes could fill the table and
+        a served one read 0 for ever)."""
         previous, self.called_at = self.called_at, now
         if previous is None:  # the first call only sets the baseline: what ran before is not ours to count
             return
         held = min(max(now - previous, 0.0), MAX_PROCESS_HOLD_S)
-        for pid, sample in self._latest_per_process(samples, int(previous * 1e6)).items():
+        latest = self._latest_per_process(samples, int(previous * 1e6))
+        for pid, sample in sorted(latest.items(), key=lambda item: item[0] not in listed):
             totals = self.seconds.get(pid)
             if totals is None:
-                if len(self.seconds) >= self.limit:  # past the cap: left out, as the process series are
-                    continue
+                if len(self.seconds) >= self.limit and not self._make_room(pid in listed, listed):
+                    continue  # past the cap: left out, as the process series are
                 totals = self.seconds[pid] = [0.0, 0.0]
             totals[0] += sample.sm / 100 * held
             totals[1] += sample.memory / 100 * held
@@ -454,6 +457,15 @@ class ProcessBusy:
             if sample.pid not in latest or sample.timestamp_us > latest[sample.pid].timestamp_us:
                 latest[sample.pid] = sample
         return latest
+
+    def _make_room(self, for_listed: bool, listed: Collection[int]) -> bool:
+        """Forget one tracked process that is not served, to track a served one (``limit`` is 4 x the
+        served processes, so there is one)."""
+        spare = next((pid for pid in self.seconds if pid not in listed), None) if for_listed else None
+        if spare is None:
+            return False
+        del self.seconds[spare]
+        return True
 
     def keep(self, pids: set[int]) -> None:
         """Forget the processes that ended (NVML no longer lists them)."""
@@ -1117,7 +1129,8 @@ class NvmlCollector(Collector):
         self._current_call = "process_utilization"
         now = time.time()  # NVML stamps samples with the wall clock, in microseconds
         try:
-            tracker.feed(self._nvml.device_process_utilization(gpu.handle, tracker.last_seen_us), now)
+            tracker.feed(self._nvml.device_process_utilization(gpu.handle, tracker.last_seen_us), now,
+                         gpu.names.keys())
         except NVMLError as exc:
             code = error_code(exc)
             if code == nv.ERROR_NOT_FOUND:  # nothing ran in NVML's last sample period

@@ -713,3 +713,21 @@ def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(mo
     assert fake.calls["init"] == 2
     assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done + 0.05, rel=0.2)
     assert value(samples, "gpuio_gpu_pcie_receive_bytes_total") >= before
+
+
+def test_a_listed_process_gets_its_busy_seconds_whatever_else_ran() -> None:
+    """Busy seconds are tracked for at most 4 x max-processes pids.  NVML answers for every process that
+    ran; those that filled the table first (the answer's order) kept a listed process out, whose series
+    then read 0 busy seconds for ever: an idle-looking process that was not idle.  The listed ones
+    (largest memory first) are tracked first."""
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.processes = [ProcessInfo(pid, pid * GIB) for pid in range(101, 107)]  # 106 uses the most memory
+    gpu.process_names = {pid: f"worker-{pid}" for pid in range(101, 107)}
+    collector = make(fake, max_processes=1)  # lists 106 only; tracks 4 pids
+    sweep(collector)  # the baseline
+    time.sleep(0.2)
+    gpu.add_process_samples(now_us(), 1, {pid: (50, 10) for pid in range(101, 107)})  # every one ran, at 50 %
+    samples, started, ended = timed_sweep(collector)
+    busy = value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="106")
+    assert 0.5 * 0.2 <= busy <= 0.5 * (ended - started + 0.2) + 0.05  # its half of the interval, not 0
