@@ -152,13 +152,14 @@ time.sleep(60)
 """
 
 
+# Samples by their own names: prometheus_client's parser names a counter's *family* without "_total".
 def engine_gpu_from_nvml(url: str, spool: str, prefix: list[str]) -> list[str]:
     writer = subprocess.Popen([sys.executable, "-c", SILENT_WRITER, REPO, spool], stdout=subprocess.PIPE, text=True)
     try:
         writer.stdout.readline()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            samples = [(family.name, sample.labels) for family in text_string_to_metric_families(scrape(url))
+            samples = [(sample.name, sample.labels) for family in text_string_to_metric_families(scrape(url))
                        for sample in family.samples]
             info = [labels for name, labels in samples
                     if name == "gpuio_engine_info" and labels.get("engine") == "silent"]
@@ -190,7 +191,7 @@ def process_join(url: str, samples: list, pid: int, prefix: list[str]) -> list[s
         if (engines == ["silent"] and busy) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-        samples = [(family.name, sample.labels) for family in text_string_to_metric_families(scrape(url))
+        samples = [(sample.name, sample.labels) for family in text_string_to_metric_families(scrape(url))
                    for sample in family.samples]
     print(f"pid {pid}: gpuio_engine_process_info engines {engines}; per-process SM busy series {busy}")
     if engines == ["silent"] and busy:
