@@ -285,3 +285,16 @@ def test_pod_names_longer_than_kubernetes_allows_are_refused(tmp_path) -> None:
         file.close()
     assert max(map(len, text.splitlines())) < 4096
     assert 'gpuio_engine_spool_errors_total{reason="record"} 1' in text
+
+
+def test_gpuio_engines_lists_the_engines_of_pods_emptydir_spools(tmp_path, pod_env) -> None:
+    """`gpuio engines` reads what the exporter reads: the node's spool directory and the pods' volumes."""
+    from exporter.engines_cli import engine_rows
+
+    pods = str(tmp_path / "pods")
+    spool = pod_spool(pods, UID_A)
+    model = tmp_path / "detector.onnx"
+    model.write_bytes(b"x" * 4096)
+    write_engine(spool, "detector", str(model))
+    rows = engine_rows(str(tmp_path / "no-hostpath-spool"), [], path_include=[str(tmp_path)], pods_dir=pods)
+    assert [(row["engine"], row["pods"]) for row in rows] == [("detector", ["serving/detector-7d9f-x2x9q"])]
