@@ -2,7 +2,9 @@
 
 1. observe() cost, per call: gpuio's Histogram.observe (a bisect and two stores into the process's
    mapped spool file) against prometheus_client's Histogram.observe in its default single-process
-   mode (child cached) and in its multiprocess mode (PROMETHEUS_MULTIPROC_DIR).  Each runs in a
+   mode (child cached) and in its multiprocess mode (PROMETHEUS_MULTIPROC_DIR); and a timed inference,
+   ``with metrics.infer():`` (in flight up, latency observed, in flight down) against the same with
+   prometheus_client (``with gauge.track_inprogress(), histogram.time():``).  Each runs in a
    fresh subprocess (the multiprocess mode is chosen at import): 4 rounds, the modes interleaved
    round by round so that a burst of other work on the machine hits all of them alike, each round
    100 batches of 1,000 calls over a fixed list of latencies spread across the buckets; per-call
@@ -73,6 +75,13 @@ elif mode == "gpuio-infer":
     def observe(value, infer=metrics.infer):
         with infer():
             pass
+elif mode == "prometheus-infer":
+    from prometheus_client import Gauge, Histogram
+    latency = Histogram("inference_seconds", "h", ["engine"], buckets=LATENCY_BOUNDS, registry=None).labels("resnet50")
+    in_flight = Gauge("inferences_in_flight", "g", ["engine"], registry=None).labels("resnet50")
+    def observe(value, time=latency.time, track=in_flight.track_inprogress):
+        with track(), time():
+            pass
 else:
     if mode == "prometheus-multiprocess":
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[2]
@@ -91,7 +100,7 @@ print(json.dumps(per_call))
 
 
 def observe_costs() -> dict[str, list[float]]:
-    modes = ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer")
+    modes = ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer", "prometheus-infer")
     results: dict[str, list[float]] = {mode: [] for mode in modes}
     script = OBSERVE.replace("REPO", repr(REPO)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
     for _ in range(ROUNDS):
@@ -109,17 +118,21 @@ def observe_costs() -> dict[str, list[float]]:
 def report_observe(results: dict[str, list[float]]) -> None:
     print(f"observe() per call (ns), {ROUNDS} rounds of {BATCHES} batches of {BATCH:,} calls, modes interleaved, "
           "each in a fresh process")
-    print(f"  {'':34s} {'p50':>7s} {'p99':>7s}  {'p50 / gpuio':>11s}")
+    print(f"  {'':38s} {'p50':>7s} {'p99':>7s}  {'p50 / gpuio':>11s}")
     base = statistics.median(results["gpuio"])
     names = {"gpuio": "gpuio Histogram.observe", "prometheus": "prometheus_client (single process)",
              "prometheus-multiprocess": "prometheus_client multiprocess",
-             "gpuio-infer": "gpuio `with infer():` (whole wrapper)"}
+             "gpuio-infer": "gpuio `with infer():` (whole wrapper)",
+             "prometheus-infer": "prometheus_client in flight + .time()"}
     for mode, label in names.items():
         values = sorted(results[mode])
         p50, p99 = statistics.median(values), values[int(len(values) * 0.99) - 1]
-        print(f"  {label:34s} {p50:7.0f} {p99:7.0f}  {p50 / base:11.2f}")
+        print(f"  {label:38s} {p50:7.0f} {p99:7.0f}  {p50 / base:11.2f}")
+    timed = statistics.median(results["gpuio-infer"]) / statistics.median(results["prometheus-infer"])
     print(f"  ratio gpuio / prometheus_client: single-process {base / statistics.median(results['prometheus']):.2f}, "
-          f"multiprocess {base / statistics.median(results['prometheus-multiprocess']):.2f} (below 1: gpuio faster)")
+          f"multiprocess {base / statistics.median(results['prometheus-multiprocess']):.2f}, "
+          f"timed inference {timed:.2f} "
+          "(below 1: gpuio faster)")
 
 
 # --------------------------------------------------------------------------------------------------
