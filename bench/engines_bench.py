@@ -8,7 +8,8 @@
    fresh subprocess (the multiprocess mode is chosen at import): 4 rounds, the modes interleaved
    round by round so that a burst of other work on the machine hits all of them alike, each round
    100 batches of 1,000 calls over a fixed list of latencies spread across the buckets; per-call
-   p50 and p99 over all batches.
+   p50 and p99 over all batches.  Then where observe()'s time goes: each of its steps (the call, the
+   bisect, the lock, the stores) timed alone in one process.
 2. Scrape time with 10, 100 and 1,000 live processes and with 1,000 dead ones, one engine per
    process (10 distinct engine names), every series the library writes (8 histograms, counters,
    gauges, an error reason, an info record).  gpuio: the engines collector's collect() + render,
@@ -24,6 +25,7 @@
 
     .venv/bin/python bench/engines_bench.py                     # all of it
     .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
+    .venv/bin/python bench/engines_bench.py --skip-scrapes      # 1 only
 """
 
 from __future__ import annotations
@@ -133,6 +135,70 @@ def report_observe(results: dict[str, list[float]]) -> None:
           f"multiprocess {base / statistics.median(results['prometheus-multiprocess']):.2f}, "
           f"timed inference {timed:.2f} "
           "(below 1: gpuio faster)")
+
+
+BREAKDOWN = r"""
+import json, sys, threading, time
+from bisect import bisect_left
+sys.path.insert(0, REPO)
+import gpuio
+from gpuio import metrics, spool
+gpuio.configure(sys.argv[1])
+observe = gpuio.engine("resnet50").inference_seconds.observe
+values = metrics.spool_file().values
+lock = threading.Lock()
+acquire, release, bounds, generation = lock.acquire, lock.release, spool.LATENCY_BOUNDS, spool.GENERATION_INDEX
+bucket, total = spool.HEADER_SIZE // 8 + 8, spool.HEADER_SIZE // 8 + 9  # in the engine's record (a scratch file)
+def call(value):
+    pass
+def bisect(value):
+    return 1 + bisect_left(bounds, value)
+def locked(value):
+    acquire()
+    release()
+def stores(value):
+    values[bucket] += 1.0
+    values[total] += value
+    values[generation] += 1.0
+def with_lock(value):
+    with lock:
+        values[bucket] += 1.0
+        values[total] += value
+        values[generation] += 1.0
+steps = {"observe": observe, "call": call, "bisect": bisect, "lock": locked, "stores": stores,
+         "with_lock": with_lock, "perf_counter": lambda value, clock=time.perf_counter: clock()}
+values_in = [0.0005 * (index % 40) for index in range(BATCH)]
+results = {name: [] for name in steps}
+clock = time.perf_counter_ns
+for _ in range(BATCHES):
+    for name, step in steps.items():
+        start = clock()
+        for value in values_in:
+            step(value)
+        results[name].append((clock() - start) / BATCH)
+print(json.dumps(results))
+"""
+
+
+def report_breakdown() -> None:
+    """Where observe()'s time goes: each step of it alone, in one process, interleaved batch by batch."""
+    script = BREAKDOWN.replace("REPO", repr(LIBRARY)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
+    directory = tempfile.mkdtemp(prefix="gpuio-bench-breakdown-")
+    try:
+        output = subprocess.run([sys.executable, "-c", script, directory], check=True, capture_output=True,
+                                text=True).stdout
+    finally:
+        shutil.rmtree(directory)
+    results = {name: statistics.median(times) for name, times in json.loads(output).items()}
+    call = results["call"]
+    print("\nwhere observe() goes (ns per call, p50 of batches; each step alone, call overhead subtracted):")
+    print(f"  observe() whole {results['observe']:.0f} = a Python call {call:.0f}"
+          f" + bisect {results['bisect'] - call:.0f} + lock acquire/release {results['lock'] - call:.0f}"
+          f" + three memoryview read-modify-writes {results['stores'] - call:.0f} (sum "
+          f"{results['bisect'] + results['lock'] + results['stores'] - 2 * call:.0f})")
+    print(f"  for comparison: `with lock:` around the stores {results['with_lock'] - call:.0f} "
+          f"(bound acquire/release and the stores: {results['lock'] + results['stores'] - 2 * call:.0f}); "
+          f"time.perf_counter() {results['perf_counter'] - call:.0f}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -360,12 +426,16 @@ def main() -> None:
     parser.add_argument("--residency-gib", type=float, default=10.0)
     parser.add_argument("--residency-dir", default=tempfile.gettempdir())
     parser.add_argument("--skip-residency", action="store_true")
+    parser.add_argument("--skip-scrapes", action="store_true", help="observe() and infer() only")
     args = parser.parse_args()
     if args.writer_helper:
         writer_helper(args.writer_helper[0], int(args.writer_helper[1]))
         return
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, kernel {os.uname().release}\n")
     report_observe(observe_costs())
+    report_breakdown()
+    if args.skip_scrapes:
+        return
     report_scrapes(args.scrapes)
     if not args.skip_residency:
         report_residency(args.residency_gib, args.residency_dir)
