@@ -464,10 +464,17 @@ def test_many_threads_hammering_one_engine_lose_no_update(spool_dir) -> None:
     threads, rounds = 8, 3000
     start = threading.Barrier(threads)
 
+    class Seconds(float):
+        """A float whose addition runs Python code (as a user's float subclass may): a thread switch can
+        land between reading a slot and storing it back, which only the lock keeps from losing updates."""
+
+        def __radd__(self, other: float) -> float:
+            return float(other) + float(self)
+
     def hammer() -> None:
         start.wait()
         for index in range(rounds):
-            m.pool_wait_seconds.observe(0.001 * (index % 7))
+            m.pool_wait_seconds.observe(Seconds(0.001 * (index % 7)))
             with m.infer():
                 pass
             m.load_read_bytes.inc(3)
