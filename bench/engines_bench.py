@@ -2,11 +2,14 @@
 
 1. observe() cost, per call: gpuio's Histogram.observe (a bisect and two stores into the process's
    mapped spool file) against prometheus_client's Histogram.observe in its default single-process
-   mode (child cached) and in its multiprocess mode (PROMETHEUS_MULTIPROC_DIR).  Each runs in a
+   mode (child cached) and in its multiprocess mode (PROMETHEUS_MULTIPROC_DIR); and a timed inference,
+   ``with metrics.infer():`` (in flight up, latency observed, in flight down) against the same with
+   prometheus_client (``with gauge.track_inprogress(), histogram.time():``).  Each runs in a
    fresh subprocess (the multiprocess mode is chosen at import): 4 rounds, the modes interleaved
    round by round so that a burst of other work on the machine hits all of them alike, each round
    100 batches of 1,000 calls over a fixed list of latencies spread across the buckets; per-call
-   p50 and p99 over all batches.
+   p50 and p99 over all batches.  Then where observe()'s time goes: each of its steps (the call, the
+   bisect, the lock, the stores) timed alone in one process.
 2. Scrape time with 10, 100 and 1,000 live processes and with 1,000 dead ones, one engine per
    process (10 distinct engine names), every series the library writes (8 histograms, counters,
    gauges, an error reason, an info record).  gpuio: the engines collector's collect() + render,
@@ -22,6 +25,7 @@
 
     .venv/bin/python bench/engines_bench.py                     # all of it
     .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
+    .venv/bin/python bench/engines_bench.py --skip-scrapes      # 1 only
 """
 
 from __future__ import annotations
@@ -73,6 +77,13 @@ elif mode == "gpuio-infer":
     def observe(value, infer=metrics.infer):
         with infer():
             pass
+elif mode == "prometheus-infer":
+    from prometheus_client import Gauge, Histogram
+    latency = Histogram("inference_seconds", "h", ["engine"], buckets=LATENCY_BOUNDS, registry=None).labels("resnet50")
+    in_flight = Gauge("inferences_in_flight", "g", ["engine"], registry=None).labels("resnet50")
+    def observe(value, time=latency.time, track=in_flight.track_inprogress):
+        with track(), time():
+            pass
 else:
     if mode == "prometheus-multiprocess":
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[2]
@@ -91,7 +102,7 @@ print(json.dumps(per_call))
 
 
 def observe_costs() -> dict[str, list[float]]:
-    modes = ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer")
+    modes = ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer", "prometheus-infer")
     results: dict[str, list[float]] = {mode: [] for mode in modes}
     script = OBSERVE.replace("REPO", repr(REPO)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
     for _ in range(ROUNDS):
@@ -109,17 +120,85 @@ def observe_costs() -> dict[str, list[float]]:
 def report_observe(results: dict[str, list[float]]) -> None:
     print(f"observe() per call (ns), {ROUNDS} rounds of {BATCHES} batches of {BATCH:,} calls, modes interleaved, "
           "each in a fresh process")
-    print(f"  {'':34s} {'p50':>7s} {'p99':>7s}  {'p50 / gpuio':>11s}")
+    print(f"  {'':38s} {'p50':>7s} {'p99':>7s}  {'p50 / gpuio':>11s}")
     base = statistics.median(results["gpuio"])
     names = {"gpuio": "gpuio Histogram.observe", "prometheus": "prometheus_client (single process)",
              "prometheus-multiprocess": "prometheus_client multiprocess",
-             "gpuio-infer": "gpuio `with infer():` (whole wrapper)"}
+             "gpuio-infer": "gpuio `with infer():` (whole wrapper)",
+             "prometheus-infer": "prometheus_client in flight + .time()"}
     for mode, label in names.items():
         values = sorted(results[mode])
         p50, p99 = statistics.median(values), values[int(len(values) * 0.99) - 1]
-        print(f"  {label:34s} {p50:7.0f} {p99:7.0f}  {p50 / base:11.2f}")
+        print(f"  {label:38s} {p50:7.0f} {p99:7.0f}  {p50 / base:11.2f}")
+    timed = statistics.median(results["gpuio-infer"]) / statistics.median(results["prometheus-infer"])
     print(f"  ratio gpuio / prometheus_client: single-process {base / statistics.median(results['prometheus']):.2f}, "
-          f"multiprocess {base / statistics.median(results['prometheus-multiprocess']):.2f} (below 1: gpuio faster)")
+          f"multiprocess {base / statistics.median(results['prometheus-multiprocess']):.2f}, "
+          f"timed inference {timed:.2f} "
+          "(below 1: gpuio faster)")
+
+
+BREAKDOWN = r"""
+import json, sys, threading, time
+from bisect import bisect_left
+sys.path.insert(0, REPO)
+import gpuio
+from gpuio import metrics, spool
+gpuio.configure(sys.argv[1])
+observe = gpuio.engine("resnet50").inference_seconds.observe
+values = metrics.spool_file().values
+lock = threading.Lock()
+acquire, release, bounds, generation = lock.acquire, lock.release, spool.LATENCY_BOUNDS, spool.GENERATION_INDEX
+bucket, total = spool.HEADER_SIZE // 8 + 8, spool.HEADER_SIZE // 8 + 9  # in the engine's record (a scratch file)
+def call(value):
+    pass
+def bisect(value):
+    return 1 + bisect_left(bounds, value)
+def locked(value):
+    acquire()
+    release()
+def stores(value):
+    values[bucket] += 1.0
+    values[total] += value
+    values[generation] += 1.0
+def with_lock(value):
+    with lock:
+        values[bucket] += 1.0
+        values[total] += value
+        values[generation] += 1.0
+steps = {"observe": observe, "call": call, "bisect": bisect, "lock": locked, "stores": stores,
+         "with_lock": with_lock, "perf_counter": lambda value, clock=time.perf_counter: clock()}
+values_in = [0.0005 * (index % 40) for index in range(BATCH)]
+results = {name: [] for name in steps}
+clock = time.perf_counter_ns
+for _ in range(BATCHES):
+    for name, step in steps.items():
+        start = clock()
+        for value in values_in:
+            step(value)
+        results[name].append((clock() - start) / BATCH)
+print(json.dumps(results))
+"""
+
+
+def report_breakdown() -> None:
+    """Where observe()'s time goes: each step of it alone, in one process, interleaved batch by batch."""
+    script = BREAKDOWN.replace("REPO", repr(LIBRARY)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
+    directory = tempfile.mkdtemp(prefix="gpuio-bench-breakdown-")
+    try:
+        output = subprocess.run([sys.executable, "-c", script, directory], check=True, capture_output=True,
+                                text=True).stdout
+    finally:
+        shutil.rmtree(directory)
+    results = {name: statistics.median(times) for name, times in json.loads(output).items()}
+    call = results["call"]
+    print("\nwhere observe() goes (ns per call, p50 of batches; each step alone, call overhead subtracted):")
+    print(f"  observe() whole {results['observe']:.0f} = a Python call {call:.0f}"
+          f" + bisect {results['bisect'] - call:.0f} + lock acquire/release {results['lock'] - call:.0f}"
+          f" + three memoryview read-modify-writes {results['stores'] - call:.0f} (sum "
+          f"{results['bisect'] + results['lock'] + results['stores'] - 2 * call:.0f})")
+    print(f"  for comparison: `with lock:` around the stores {results['with_lock'] - call:.0f} "
+          f"(bound acquire/release and the stores: {results['lock'] + results['stores'] - 2 * call:.0f}); "
+          f"time.perf_counter() {results['perf_counter'] - call:.0f}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -347,12 +426,16 @@ def main() -> None:
     parser.add_argument("--residency-gib", type=float, default=10.0)
     parser.add_argument("--residency-dir", default=tempfile.gettempdir())
     parser.add_argument("--skip-residency", action="store_true")
+    parser.add_argument("--skip-scrapes", action="store_true", help="observe() and infer() only")
     args = parser.parse_args()
     if args.writer_helper:
         writer_helper(args.writer_helper[0], int(args.writer_helper[1]))
         return
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, kernel {os.uname().release}\n")
     report_observe(observe_costs())
+    report_breakdown()
+    if args.skip_scrapes:
+        return
     report_scrapes(args.scrapes)
     if not args.skip_residency:
         report_residency(args.residency_gib, args.residency_dir)

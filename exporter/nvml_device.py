@@ -25,11 +25,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-try:  # nvidia-ml-py: NVIDIA's bindings (the deprecated `pynvml` distribution only pulls it in)
-    import pynvml
-except ImportError:  # no bindings: the collector treats it as "no GPUs here"
-    pynvml = None
-
 # Return codes from nvml.h (a stable ABI), so that classification works without the bindings.
 SUCCESS = 0
 ERROR_UNINITIALIZED = 1
@@ -95,20 +90,42 @@ VALUE_TYPE_SIGNED_LONG_LONG = 4
 VALUE_TYPE_SIGNED_INT = 5
 VALUE_TYPE_UNSIGNED_SHORT = 6
 
-if pynvml is not None:
-    NVMLError: type[Exception] = pynvml.NVMLError
-else:
-    class NVMLError(Exception):  # type: ignore[no-redef]  # stands in so `except NVMLError` still parses
-        value = ERROR_LIBRARY_NOT_FOUND
+class NVMLError(Exception):
+    """What every NVML failure raises: once the bindings are loaded, pynvml's own ``NVMLError`` is made a
+    subclass of this one (see :func:`bindings`), so ``except NVMLError`` catches what they raise."""
+
+    __slots__ = ()  # no layout of its own: pynvml's class can take it as its base
+    value = ERROR_LIBRARY_NOT_FOUND
+
+
+_pynvml: Any = None
+
+
+def bindings() -> Any:
+    """nvidia-ml-py's ``pynvml`` module, imported on first use (None where it is not installed).
+
+    Not at import: the module costs ~3 MiB of RSS, and this module is imported (the nvml collector
+    registers its flags) also where the collector is off."""
+    global _pynvml
+    if _pynvml is None:
+        try:  # nvidia-ml-py: NVIDIA's bindings (the deprecated `pynvml` distribution only pulls it in)
+            import pynvml
+        except ImportError:  # no bindings: the collector treats it as "no GPUs here"
+            return None
+        if not issubclass(pynvml.NVMLError, NVMLError):
+            pynvml.NVMLError.__bases__ = (NVMLError,)
+        _pynvml = pynvml
+    return _pynvml
 
 
 def nvml_error(code: int) -> Exception:
     """NVML's exception for a return code (``NVMLError_GpuIsLost`` for 15), as pynvml raises it."""
+    pynvml = bindings()
     if pynvml is None:
         error = NVMLError()
-        error.value = code  # type: ignore[attr-defined]
+        error.value = code  # type: ignore[misc]
         return error
-    return pynvml.NVMLError(code)
+    return pynvml.NVMLError(code)  # type: ignore[no-any-return]
 
 
 def error_code(exc: BaseException) -> int:
@@ -255,6 +272,7 @@ class PyNvml:
     """:class:`Nvml` on NVIDIA's bindings: conversions only, no decisions (those are the collector's)."""
 
     def __init__(self) -> None:
+        pynvml = bindings()
         if pynvml is None:
             raise nvml_error(ERROR_LIBRARY_NOT_FOUND)
         self._n = pynvml

@@ -65,10 +65,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from hashlib import sha256
-from typing import Any
-
-import bcrypt
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from .logsetup import fields
 from .server_metrics import AUTH_RESULTS, RELOAD_RESULTS
@@ -167,11 +164,31 @@ class WebConfig:
 # --- loading -----------------------------------------------------------------------------------------
 
 
-class _StrictLoader(yaml.SafeLoader):
+if TYPE_CHECKING:
+    import yaml
+
+# PyYAML and bcrypt are loaded with the first web configuration file (~2 MiB of RSS an exporter
+# without one does not pay).
+_strict_loader: type[yaml.SafeLoader] | None = None
+
+
+def _loader() -> type[yaml.SafeLoader]:
     """SafeLoader that refuses duplicate keys (Go's strict YAML does; a second user entry would silently win)."""
+    global _strict_loader
+    if _strict_loader is None:
+        import yaml
+
+        class StrictLoader(yaml.SafeLoader):
+            pass
+
+        StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+        _strict_loader = StrictLoader
+    return _strict_loader
 
 
-def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    import yaml
+
     loader.flatten_mapping(node)
     seen: set[Any] = set()
     for key_node, _ in node.value:
@@ -185,9 +202,6 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep=True)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 
 
 def read_regular_file(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
@@ -225,8 +239,10 @@ def load(path: str) -> WebConfig:
         raise WebConfigError(f"cannot read it: {exc.strerror}") from None
     if len(text) > MAX_FILE_BYTES:
         raise WebConfigError(f"larger than {MAX_FILE_BYTES} bytes; is it the right file?")
+    import yaml
+
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+        data = yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
         raise WebConfigError(f"not valid YAML: {' '.join(str(exc).split())}") from None
     except RecursionError:
@@ -681,6 +697,8 @@ class BasicAuth:
 
 
 def _checkpw(password: bytes, hashed: bytes) -> bool:
+    import bcrypt
+
     try:
         return bcrypt.checkpw(password, hashed)
     except ValueError:  # bcrypt 5 refuses passwords over 72 bytes (refused before this anyway)

@@ -455,3 +455,52 @@ def test_counts_of_a_dead_writer_stay_under_the_gpu_nvml_gave_it(tmp_path) -> No
     listed["pid"] = 0  # NVML lists a process only while it runs
     folded = reader.read().per_gpu
     assert list(folded) == [("anon", "GPU-nvml")] and sum(folded[("anon", "GPU-nvml")][first:total]) == 7
+
+
+def test_many_threads_hammering_one_engine_lose_no_update(spool_dir) -> None:
+    """Eight threads observe, infer, count and move gauges on one engine at once, with the interpreter
+    switching threads as often as it can: the exporter reads every update, exactly."""
+    m = gpuio.engine("shared")
+    threads, rounds = 8, 3000
+    start = threading.Barrier(threads)
+
+    class Seconds(float):
+        """A float whose addition runs Python code (as a user's float subclass may): a thread switch can
+        land between reading a slot and storing it back, which only the lock keeps from losing updates."""
+
+        def __radd__(self, other: float) -> float:
+            return float(other) + float(self)
+
+    def hammer() -> None:
+        start.wait()
+        for index in range(rounds):
+            m.pool_wait_seconds.observe(Seconds(0.001 * (index % 7)))
+            with m.infer():
+                pass
+            m.load_read_bytes.inc(3)
+            m.pool_idle.inc()
+            m.pool_idle.dec()
+            m.pool_contexts.inc(0.5)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=hammer) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    values = spool_reader.SpoolReader(spool_dir, remove_dead=False).read().engines["shared"]
+    layout = fmt.ENGINE_LAYOUT
+    calls = threads * rounds
+    first, total, _ = layout.histograms["inference_seconds"]
+    assert sum(values[first:total]) == calls
+    first, total, _ = layout.histograms["pool_wait_seconds"]
+    assert sum(values[first:total]) == calls
+    assert values[total] == pytest.approx(threads * sum(0.001 * (index % 7) for index in range(rounds)), rel=1e-9)
+    assert values[layout.counters["load_read_bytes"]] == 3 * calls
+    assert values[layout.gauges["in_flight"]] == 0
+    assert values[layout.gauges["pool_idle"]] == 0
+    assert values[layout.gauges["pool_contexts"]] == 0.5 * calls

@@ -15,15 +15,16 @@ import subprocess
 import threading
 import time
 
-import pynvml
 import pytest
 
 from exporter.collect import Absent, Context, Scraper
 from exporter.collectors.nvml import DESCS, NvmlCollector
 from exporter.exposition import render
-from exporter.nvml_device import ProcessInfo
+from exporter.nvml_device import ProcessInfo, bindings
 from tests.conftest import REPO, Samples, parse_samples, undeclared
 from tests.unit.test_nvml_fake import FakeGpu, FakeMig, FakeNvml, h100s
+
+pynvml = bindings()  # loaded as the exporter loads it (its errors under nvml_device.NVMLError)
 
 GIB = 1024**3
 

@@ -41,10 +41,11 @@ import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-import pynvml
 import pytest
 
-from exporter.nvml_device import Event, ProcessInfo, ProcessUtilization
+from exporter.nvml_device import Event, ProcessInfo, ProcessUtilization, bindings
+
+pynvml = bindings()  # loaded as the exporter loads it (its errors under nvml_device.NVMLError)
 
 BUFFER = 120  # samples NVML keeps per type (about 20 s on an H100, which takes 5-6 a second)
 MIB = 1024 * 1024
