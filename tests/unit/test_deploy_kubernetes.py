@@ -1,7 +1,8 @@
 """deploy/kubernetes: generated objects current, every object valid, and the pod least-privileged.
 
-* Drift: prometheusrule.yaml and dashboards.yaml are what ``python -m deploy.kubernetes.generate``
-  makes of deploy/prometheus/rules/*.yml and dashboards/*.json; their content equals those files.
+* Drift: prometheusrule.yaml and dashboards/kustomization.yaml are what ``python -m deploy.generate``
+  writes; the PrometheusRules hold the rule files' groups, and the dashboards' ConfigMaps (built here
+  from the configMapGenerator as kustomize builds it) hold the boards' JSON files byte for byte.
 * Built-in kinds (Namespace, ServiceAccount, DaemonSet, Service, ConfigMap) validate strictly with
   kubernetes-validate (the API's OpenAPI schemas, offline) for the oldest and newest versions checked.
 * PrometheusRule and ServiceMonitor are CRDs that kubernetes-validate has no schema for: they are
@@ -30,7 +31,7 @@ import urllib.request
 import pytest
 import yaml
 
-from deploy.kubernetes import generate
+from deploy import generate as generator
 from deploy.prometheus import config as c
 from exporter.config import DEFAULT_PORT
 from tests.conftest import REPO, ExporterProcess, free_port
@@ -97,17 +98,42 @@ SERVICE_MONITOR = {
 CRDS = {"PrometheusRule": PROMETHEUS_RULE, "ServiceMonitor": SERVICE_MONITOR}
 
 
-def kustomization() -> dict:
-    with open(os.path.join(HERE, "kustomization.yaml")) as handle:
+def kustomization(directory: str = HERE) -> dict:
+    with open(os.path.join(directory, "kustomization.yaml")) as handle:
         return yaml.safe_load(handle)
 
 
-def objects() -> list[dict]:
+def generated_configmaps(directory: str, spec: dict) -> list[dict]:
+    """The ConfigMaps of a kustomization's configMapGenerator, as kustomize builds them: one per
+    generator, each file under its base name, generatorOptions' labels and annotations (and a
+    name without hash suffix: these kustomizations disable it, which this reading insists on)."""
+    options = spec.get("generatorOptions", {})
+    assert not spec.get("configMapGenerator") or options.get("disableNameSuffixHash") is True
     out = []
-    for name in kustomization()["resources"]:
-        with open(os.path.join(HERE, name)) as handle:
-            out += [doc for doc in yaml.safe_load_all(handle) if doc]
+    for generator_ in spec.get("configMapGenerator", []):
+        assert set(generator_) == {"name", "files"}, generator_
+        data = {}
+        for name in generator_["files"]:
+            with open(os.path.join(directory, name)) as handle:
+                data[os.path.basename(name)] = handle.read()
+        metadata = {"name": generator_["name"], "labels": dict(options.get("labels", {})),
+                    "annotations": dict(options.get("annotations", {}))}
+        out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data})
     return out
+
+
+def objects(directory: str = HERE) -> list[dict]:
+    """The objects of the kustomization, without its transformations (namespace, labels, images)."""
+    spec = kustomization(directory)
+    out = []
+    for name in spec.get("resources", []):
+        path = os.path.normpath(os.path.join(directory, name))
+        if os.path.isdir(path):
+            out += objects(path)
+            continue
+        with open(path) as handle:
+            out += [doc for doc in yaml.safe_load_all(handle) if doc]
+    return out + generated_configmaps(directory, spec)
 
 
 def one(kind: str) -> dict:
@@ -124,8 +150,8 @@ def validate(doc: dict) -> None:
 
 
 def test_generated_objects_are_current() -> None:
-    """Drift check: run `python -m deploy.kubernetes.generate` after `make rules` / `make dashboards`."""
-    assert generate.stale() == [], "run python -m deploy.kubernetes.generate and commit the result"
+    """Drift check (with the rules and boards they are made of)."""
+    assert generator.stale() == [], "run `make generate` (python -m deploy.generate) and commit the result"
 
 
 def test_prometheus_rules_carry_exactly_the_rule_files() -> None:
@@ -279,7 +305,13 @@ def kustomize(directory: str) -> list[dict]:
 @pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
 def test_kustomize_builds_valid_objects_in_one_namespace() -> None:
     built = kustomize(HERE)
-    assert len(built) == len(objects())
+    expected = {(o["kind"], o["metadata"]["name"]): o for o in objects()}
+    assert sorted(expected) == sorted((d["kind"], d["metadata"]["name"]) for d in built)
+    for doc in (d for d in built if d["kind"] == "ConfigMap"):  # kustomize agrees with generated_configmaps
+        mine = expected[("ConfigMap", doc["metadata"]["name"])]
+        assert doc["data"] == mine["data"]
+        assert doc["metadata"]["labels"] == {**mine["metadata"]["labels"], "app.kubernetes.io/part-of": "gpuio"}
+        assert doc["metadata"]["annotations"] == mine["metadata"]["annotations"]
     for doc in built:
         validate(doc)
         if doc["kind"] != "Namespace":
@@ -292,10 +324,11 @@ def test_kustomize_builds_valid_objects_in_one_namespace() -> None:
 
 @pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
 def test_smart_component_makes_the_container_root_and_privileged(tmp_path) -> None:
-    shutil.copytree(HERE, tmp_path / "base", ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    # your overlay, elsewhere: the base and the component by relative path (kustomize refuses absolute ones)
+    base = os.path.relpath(HERE, tmp_path)
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": ["base"], "components": ["base/components/smart"]}))
+        "resources": [base], "components": [os.path.join(base, "components", "smart")]}))
     built = kustomize(str(tmp_path))
     for doc in built:
         validate(doc)

@@ -6,6 +6,7 @@ deploy/prometheus/tests/*.yml and run here through ``promtool test rules`` (Debi
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import itertools
 import os
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from deploy.prometheus import config as c
-from deploy.prometheus import generate
+from deploy.prometheus import generate, sources
 from deploy.prometheus import rules as r
 from exporter import thresholds
 from tests.conftest import REPO
@@ -37,8 +38,40 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_rule_files_match_their_source() -> None:
-    """CI's drift check: the checked-in rules/*.yml are what config.py and rules.py generate."""
-    assert generate.stale() == [], "run `make rules` and commit the result"
+    """CI's drift check: the checked-in rules/*.yml are what config.py and sources/ generate."""
+    assert generate.stale() == [], "run `make generate` and commit the result"
+
+
+def test_default_links_are_paths_that_exist_not_a_guessed_host() -> None:
+    """Without a configured wiki or Grafana, runbook_url is the runbook's path in this repository and
+    dashboard_url the board's path on the user's Grafana: nothing points at a host gpuio made up."""
+    for alert in r.alerts():
+        runbook, board = alert["annotations"]["runbook_url"], alert["annotations"]["dashboard_url"]
+        assert os.path.isfile(os.path.join(REPO, runbook)), runbook
+        assert board.startswith("/d/"), board
+
+
+def test_every_alert_takes_its_links_from_the_config() -> None:
+    """One helper writes every alert: set the two bases once and all alerts of all sources follow."""
+    mine = dataclasses.replace(c.DEFAULT, RUNBOOK_URL="https://wiki.example.com/ops/{alert}",
+                               GRAFANA_URL="https://grafana.example.com/")
+    alerts = sources.alerts(mine)
+    assert len(alerts) == len(r.alerts()) > 0
+    for alert in alerts:
+        annotations = alert["annotations"]
+        assert annotations["runbook_url"] == f"https://wiki.example.com/ops/{alert['alert']}"
+        assert annotations["dashboard_url"].startswith("https://grafana.example.com/d/gpuio-")
+    with pytest.raises(ValueError, match="alert"):
+        dataclasses.replace(c.DEFAULT, RUNBOOK_URL="https://wiki.example.com/ops/")
+
+
+def test_config_is_immutable_and_a_variant_leaves_the_default_alone() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.DEFAULT.STORM_FOR = "10s"  # type: ignore[misc]
+    variant = dataclasses.replace(c.DEFAULT, STORM_FOR="10s", RATE_WINDOW="10s")
+    storm = [a for a in sources.alerts(variant) if a["alert"] == "DiskIOStorm" and a["labels"]["severity"] == "warning"]
+    assert storm[0]["for"] == "10s" and storm[0]["expr"].endswith(":max_rate10s")
+    assert c.STORM_FOR == c.DEFAULT.STORM_FOR == "5m" and r.STORM.endswith(":max_rate1m")
 
 
 @needs_promtool
@@ -78,7 +111,7 @@ def test_alert_has_severity_summary_description_runbook_and_dashboard(alert: dic
     # summary and description name the objects: the node at least, from the alert's own labels
     for key in ("summary", "description"):
         assert f"$labels.{c.NODE_LABEL}" in annotations[key], key
-    assert annotations["runbook_url"].endswith(f"/docs/runbooks/{name}.md")
+    assert annotations["runbook_url"] == f"docs/runbooks/{name}.md"
     runbook = os.path.join(REPO, "docs", "runbooks", f"{name}.md")
     assert os.path.isfile(runbook), f"{name} has no runbook at docs/runbooks/{name}.md"
     with open(runbook) as handle:
