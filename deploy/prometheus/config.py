@@ -12,7 +12,7 @@ files differ from what ``python -m deploy.generate`` writes.
 The per-class disk limits, the IO-pressure limits and the GPU-idle limit are not repeated here: they
 come from exporter/thresholds.py, the module `gpuio top` judges its rows by, so what is red on the
 node's screen is what the alerts fire on.  This module adds what only rules need: selectors,
-windows, how far above its own baseline a device must be, durations, URLs.
+windows, how far above its own baseline a device must be, durations, link bases.
 
 Why these shapes (see docs/runbooks/DiskIOStorm.md for the on-call view):
 
@@ -245,11 +245,3 @@ def __getattr__(name: str) -> Any:
     if name in KNOBS:
         return getattr(DEFAULT, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def selector(*matchers: str) -> str:
-    return DEFAULT.selector(*matchers)
-
-
-def dashboard_url(uid: str, **variables: str) -> str:
-    return DEFAULT.dashboard_url(uid, **variables)
