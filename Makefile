@@ -14,7 +14,7 @@ ARGS ?=
 DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: gpu-wheels run stack test unit lint bench golden generate system-deps debs venv run-venv clean fuzz load soak
+.PHONY: gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak
 
 # gpuio (the instrumentation library, exporter/instrument/) is on no index: it is installed from here too.
 $(VENV)/.installed: pyproject.toml exporter/instrument/pyproject.toml
@@ -123,6 +123,10 @@ gpu-wheels:
 
 golden: venv
 	$(PY) -m pytest -q tests/unit/test_golden.py --update-golden
+
+# docs/metrics.md is generated from the families' declarations (exporter/catalogue.py); CI fails on drift.
+metrics-doc: venv
+	$(PY) -m exporter.catalogue --write docs/metrics.md
 
 clean:
 	rm -rf $(VENV) $(RUN_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,8 @@
 """gpuio / GPU: NVML state of every GPU of one node (the nvml collector).
 
 Busy time first (the counter integrated from NVML's samples, exact at any scrape interval, beside the
-aliasing utilisation gauge), then what holds a GPU back: memory, heat and power, clocks and the
+aliasing utilisation gauge) and what the SMs, pipes and memory really do (GPM, Hopper and newer), then
+what holds a GPU back: memory, heat and power, clocks and the
 reasons they are held down, the PCIe link and its traffic, errors (Xid, ECC, remapped rows), and
 which processes hold memory on it.  Every series carries ``gpu`` (index) and ``uuid``.
 """
@@ -36,9 +37,30 @@ def activity_panels() -> list:
               "percentunit",
               query(rate("gpuio_gpu_busy_seconds_total", g), f"{PER_GPU} busy"),
               query(f"gpuio_gpu_utilization_ratio{g}", f"{PER_GPU} gauge"), max_value=1),
-        graph("Memory bandwidth utilisation", "Share of NVML's last sample period in which device memory was "
-              "read or written.", "percentunit",
-              query(f"gpuio_gpu_memory_utilization_ratio{g}", PER_GPU), max_value=1),
+        graph("SM activity, occupancy and tensor pipes (GPM)",
+              "What the SMs do, Hopper and newer (GPM): SM active = share of SMs with a warp resident; occupancy "
+              "= resident warps over the SMs' capacity; tensor = share of time the tensor pipes worked. NVML busy "
+              "reads 100 % while one thread spins or weights cross PCIe with no SM running; these do not. "
+              f"Starvation alerts count a GPU under {c.GPU_SM_ACTIVE_LOW:.0%} SM active as idle.", "percentunit",
+              query(rate("gpuio_gpu_sm_active_seconds_total", g), f"{PER_GPU} SM active"),
+              query(rate("gpuio_gpu_sm_occupancy_seconds_total", g), f"{PER_GPU} occupancy"),
+              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), f"{PER_GPU} tensor"),
+              max_value=1),
+        graph("Pipes (GPM)", "Share of time each pipe of the SMs worked, averaged over the SMs: tensor by kind "
+              "(hmma: fp16/bf16, imma: integer, dfma: fp64) and non-tensor fp64/fp32/fp16. Pipes overlap.",
+              "percentunit",
+              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe!="tensor"')), f"{PER_GPU} {{{{pipe}}}}"),
+              max_value=1),
+        graph("Memory bandwidth: DRAM (GPM) vs. NVML memory utilisation",
+              "DRAM: share of the peak device-memory bandwidth used (GPM, a counter: exact at any interval). "
+              "NVML: share of its last sample period in which memory was read or written at all (a gauge).",
+              "percentunit",
+              query(rate("gpuio_gpu_dram_active_seconds_total", g), f"{PER_GPU} DRAM bandwidth"),
+              query(f"gpuio_gpu_memory_utilization_ratio{g}", f"{PER_GPU} NVML memory"), max_value=1),
+        graph("Video, JPEG and optical-flow engines (GPM)", "Share of time each NVDEC, NVJPG and NVOFA unit "
+              "worked.", "percentunit",
+              query(rate("gpuio_gpu_media_active_seconds_total", g), f"{PER_GPU} {{{{media}}}}{{{{media_index}}}}"),
+              max_value=1),
         graph("Device memory", "Memory allocated and installed per GPU (used includes the driver's reserve on "
               "drivers without nvmlDeviceGetMemoryInfo_v2).", "bytes",
               query(f"gpuio_gpu_memory_used_bytes{g}", f"{PER_GPU} used"),
@@ -95,6 +117,10 @@ def pcie_panels() -> list:
         graph("PCIe replays", "Link-level retransmissions per second: a steady rate points at a bad riser, "
               "slot or cable.", "short",
               query(rate("gpuio_gpu_pcie_replays_total", g), PER_GPU)),
+        graph("NVLink traffic (GPM)", "Bytes per second over all NVLink links of the GPU (none on a PCIe card); "
+              "per link in gpuio_gpu_nvlink_link_*_bytes_total.", "binBps",
+              query(rate("gpuio_gpu_nvlink_receive_bytes_total", g), f"{PER_GPU} receive"),
+              query(rate("gpuio_gpu_nvlink_transmit_bytes_total", g), f"{PER_GPU} transmit")),
     ]
 
 
@@ -127,10 +153,24 @@ def process_panels() -> list:
                     "--collector.nvml.max-processes): how an engine's process is tied to its GPU.",
                     f"gpuio_gpu_process_memory_used_bytes{g}", ["job"]),
         value_table("GPUs", "Identity of each GPU (gpuio_gpu_info).", f"gpuio_gpu_info{g}", ["job"], height=6),
+        graph("Per-process GPU busy (by engine where one reports)",
+              "Share of time each listed process's kernels ran (NVML per-process utilisation, read every slow "
+              "interval), named by the engine it reports through the spool (gpuio_engine_process_info, joined "
+              "on pid) or else by its process name.", "percentunit",
+              query(f"{rate('gpuio_gpu_process_sm_busy_seconds_total', g)}\n"
+                    f"* on ({c.NODE_LABEL}, pid) group_left (engine) max by ({c.NODE_LABEL}, pid, engine) "
+                    f"(gpuio_engine_process_info{sel()})", f"{PER_GPU} {{{{engine}}}} (pid {{{{pid}}}})"),
+              query(f"{rate('gpuio_gpu_process_sm_busy_seconds_total', g)}\n"
+                    f"unless on ({c.NODE_LABEL}, pid) gpuio_engine_process_info{sel()}",
+                    f"{PER_GPU} {{{{process_name}}}} (pid {{{{pid}}}})")),
         graph("MIG devices: memory", "Memory used and installed per MIG device, where MIG is on.", "bytes",
               query(f"gpuio_gpu_mig_device_memory_used_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} used"),
-              query(f"gpuio_gpu_mig_device_memory_total_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} total"),
-              width=24),
+              query(f"gpuio_gpu_mig_device_memory_total_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} total")),
+        graph("MIG GPU instances: SM and tensor activity (GPM)", "SM activity and tensor-pipe activity of each "
+              "MIG GPU instance (gpu_instance; gpuio_gpu_mig_device_info names its MIG devices).", "percentunit",
+              query(rate("gpuio_gpu_mig_sm_active_seconds_total", g), f"{PER_GPU} GI {{{{gpu_instance}}}} SM"),
+              query(rate("gpuio_gpu_mig_pipe_active_seconds_total", g),
+                    f"{PER_GPU} GI {{{{gpu_instance}}}} {{{{pipe}}}}"), max_value=1, width=24),
     ]
 
 

@@ -1,8 +1,9 @@
 """gpuio / Starvation (on-call): is this node's GPU idle because a disk cannot keep up?
 
-One node, one time axis: GPU busy next to the await, queue depth and IO pressure of the node's disks,
-the disks gpuio judges saturated, engine latency and in-flight work, and what is firing.  Read it top
-to bottom at 3 a.m.: GPU idle? work waiting? a disk slow and queued with tasks stalled on IO?
+One node, one time axis: GPU busy and SM activity next to the await, queue depth and IO pressure of the
+node's disks, the bytes coming in from disks, PCIe and NVLink, the disks gpuio judges saturated, engine
+latency and in-flight work, and what is firing.  Read it top to bottom at 3 a.m.: GPU idle (few SMs
+working)? work waiting? a disk slow and queued with tasks stalled on IO?
 """
 
 from __future__ import annotations
@@ -31,12 +32,25 @@ from .common import (
 
 def gpu_panels() -> list:
     return [
-        graph("GPU busy", f"Share of time a kernel ran (rate of gpuio_gpu_busy_seconds_total, integrated from "
-              f"NVML's samples: exact at any scrape interval). Under {c.GPU_BUSY_LOW:.0%} with work "
-              f"waiting is what the starvation alerts look for.", "percentunit",
-              query(rate("gpuio_gpu_busy_seconds_total", sel(GPU)), "GPU {{gpu}}"), max_value=1),
+        graph("GPU busy vs. SM and tensor activity",
+              f"Busy: share of time a kernel ran (NVML, integrated from its samples). SM active: share of SMs with "
+              f"a warp resident; tensor: share of time the tensor pipes worked; DRAM: share of peak memory "
+              f"bandwidth (GPM, Hopper and newer). Busy reads 100 % while an engine's weights cross PCIe with no "
+              f"SM running: the starvation alerts count a GPU as idle under {c.GPU_BUSY_LOW:.0%} busy or under "
+              f"{c.GPU_SM_ACTIVE_LOW:.0%} SM active, with work waiting.", "percentunit",
+              query(rate("gpuio_gpu_busy_seconds_total", sel(GPU)), "GPU {{gpu}} busy"),
+              query(rate("gpuio_gpu_sm_active_seconds_total", sel(GPU)), "GPU {{gpu}} SM active"),
+              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), "GPU {{gpu}} tensor"),
+              query(rate("gpuio_gpu_dram_active_seconds_total", sel(GPU)), "GPU {{gpu}} DRAM"), max_value=1),
         graph("GPU up", "1 while the GPU answers NVML; 0: lost, reset required or gone from the bus.", "short",
               query(f"gpuio_gpu_up{sel(GPU)}", "GPU {{gpu}}"), max_value=1),
+        graph("Bytes in: disks vs. PCIe and NVLink", "Read throughput of the node's disks beside the bytes the "
+              "GPUs receive over PCIe (host to GPU: engine weights, inputs) and NVLink (GPM, Hopper and newer). "
+              "A load that crawls off a disk shows as disk reads and PCIe receive both low while the GPU waits.",
+              "binBps",
+              query(rate("gpuio_disk_read_bytes_total", sel()), "disk {{device}} read"),
+              query(rate("gpuio_gpu_pcie_receive_bytes_total", sel(GPU)), "GPU {{gpu}} PCIe receive"),
+              query(rate("gpuio_gpu_nvlink_receive_bytes_total", sel(GPU)), "GPU {{gpu}} NVLink receive")),
     ]
 
 
@@ -106,10 +120,11 @@ def engine_panels() -> list:
 def build() -> db.Dashboard:
     firing = value_table("Firing alerts", "Alerts firing for this node now (Prometheus' ALERTS series).",
                          f'ALERTS{{alertstate="firing",{c.NODE_LABEL}=~"$instance"}}', ["alertstate"], height=6)
-    busy, up = gpu_panels()
+    busy, up, bytes_in = gpu_panels()
     await_, queue, pressure, saturated = disk_panels()
     # GPU on the left, its disks on the right, one shared crosshair: is the GPU idle while a disk is slow?
-    sections = (("Firing", [firing]), ("GPU vs. disks", [busy, await_, up, queue, saturated, pressure]),
+    sections = (("Firing", [firing]),
+                ("GPU vs. disks", [busy, await_, bytes_in, queue, up, pressure, saturated]),
                 ("Engines", engine_panels()))
     return assemble(c.STARVATION_UID, "Is a GPU idle because a disk cannot keep up? GPU, disks, IO pressure and "
                     "engines of one node on one time axis.", sections,

@@ -22,10 +22,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpuio")
 
+# `gpuio scrape` waits this long at most for the background sources' first samples (an NVML sweep, a
+# SMART sweep, the engine files' scan), so it prints what the running exporter would serve.
+SETTLE_SECONDS = 30.0
 
-def _configure(argv: Sequence[str] | None, prog: str) -> tuple[Config, Scraper]:
+
+def _configure(argv: Sequence[str] | None, prog: str, server: bool = True) -> tuple[Config, Scraper]:
     try:
-        config = parse_args(argv, prog=prog)
+        config = parse_args(argv, prog=prog, server=server)
         scraper = build_scraper(config)
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -84,12 +88,13 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
 
 def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionTable, accept_errors: dict[str, int],
                          watcher: WebConfigWatcher | None, auth: BasicAuth | None) -> Callable[[], list[Family]]:
-    from . import connections, webconfig
+    from .server_metrics import connection_families, web_config_families
 
     def families() -> list[Family]:
-        result = process() + connections.families(table, accept_errors)
+        result = process() + connection_families(table, accept_errors)
         if watcher is not None:
-            result += webconfig.families(watcher, auth)
+            auth_checks = auth.counts if auth is not None and watcher.config.users else None
+            result += web_config_families(watcher.reloads, watcher.last_reload_successful, auth_checks)
         return result
 
     return families
@@ -98,7 +103,7 @@ def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionT
 def tools_main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print("usage: gpuio scrape [exporter flags]   print one scrape of this machine in the text format\n"
+        print("usage: gpuio scrape [collector flags]   print one scrape of this machine in the text format\n"
               "       gpuio top [--once|--json] [--url URL] [exporter flags]   live view of disks, IO pressure, "
               "GPUs, engines\n"
               "       gpuio engines [--spool-dir DIR] [--path GLOB] [--json]   engines on this node: size, "
@@ -110,10 +115,10 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
         print(f"gpuio {__version__}")
         return
     if args[0] == "scrape":
-        _, scraper = _configure(args[1:], "gpuio scrape")
+        _, scraper = _configure(args[1:], "gpuio scrape", server=False)
         scraper.start()
         try:
-            sys.stdout.write(render(scraper.scrape_sync()))
+            sys.stdout.write(render(scraper.scrape_settled(SETTLE_SECONDS)))
         finally:
             scraper.stop()
         return

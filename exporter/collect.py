@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 from .exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from .logsetup import fields
 from .options import Option
+from .pods.attribution import PodAttribution
 
 log = logging.getLogger("gpuio.collect")
 
@@ -69,6 +70,9 @@ class Context:
     sysfs: str = "/sys"
     rootfs: str = "/"
     gpu_processes: GpuProcesses = field(default_factory=GpuProcesses, compare=False)
+    # Who holds each GPU (the pods collector) and which pod each spool writer is in (engines): the nvml
+    # collector names GPU processes' pods from it.
+    pods: PodAttribution = field(default_factory=PodAttribution, compare=False)
 
 
 class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)
@@ -137,6 +141,19 @@ class DroppedLines:
     def counts(self) -> list[tuple[str, str, int]]:
         with self._lock:
             return [(source, reason, count) for (source, reason), count in self._counts.items()]
+
+
+class Pending(Exception):  # noqa: N818  (it is an outcome, not an error)
+    """Raised by a collector whose first background sample (NVML sweep, SMART sweep, page-cache scan)
+    has not finished since the exporter started: nothing to serve *yet*, which is neither "nothing
+    here" (:class:`Absent`) nor a failure.  ``gpuio_scrape_collector_state`` says ``pending``,
+    success stays 1, ``families`` (what it has already) are still served.
+    """
+
+    def __init__(self, reason: str, families: list[Family] | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.families = families or []
 
 
 class Collector:
@@ -255,26 +272,47 @@ def register(cls: type[Collector]) -> type[Collector]:
 
 
 SUCCESS = Desc("gpuio_scrape_collector_success", GAUGE,
-               "Whether a collector succeeded (1) or failed (0); a source absent here is a success.")
+               "Whether a collector succeeded (1) or failed (0); a source absent here is a success.",
+               labels=("collector",),
+               doc="Whether a collector succeeded (1) or failed (0). A source that does not exist on this host is a "
+                   "success: see the state below.")
 # The states of gpuio_scrape_collector_state, one series each, 1 for the current one (a state set).
-OK, ABSENT, FAILING, STALE = "ok", "absent", "failing", "stale"
-STATES = (OK, ABSENT, FAILING, STALE)
-STATE = Desc(
-    "gpuio_scrape_collector_state", GAUGE,
-    "1 for a collector's state in this scrape, 0 for the others: ok; absent (no such source on this "
-    "host, still a success); failing; stale (the source failed, its last good data is served).",
-)
-DURATION = Desc(
-    "gpuio_scrape_collector_duration_seconds", GAUGE, "How long a collector took in this scrape."
-)
-BUILD_INFO = Desc("gpuio_exporter_build_info", INFO, "Version of gpuio-exporter and the Python running it.")
-FAILURES = Desc(
-    "gpuio_scrape_collector_failures_total", COUNTER, "Scrapes in which a collector failed, by reason."
-)
-DROPPED_LINES = Desc(
-    "gpuio_scrape_collector_dropped_lines_total", COUNTER,
-    "Lines of a source that a collector could not parse and skipped, by source and reason.",
-)
+OK, PENDING, ABSENT, FAILING, STALE = "ok", "pending", "absent", "failing", "stale"
+STATES = (OK, PENDING, ABSENT, FAILING, STALE)
+STATE = Desc("gpuio_scrape_collector_state", GAUGE,
+             "1 for a collector's state in this scrape, 0 for the others: ok; pending (its first background "
+             "sample since start-up is still running, still a success); absent (no such source on this host, still "
+             "a success); failing; stale (the source failed, its last good data is served).",
+             labels=("collector", "state"), values={"state": STATES},
+             doc="A state set: 1 for the collector's state in this scrape, 0 for the other four. `pending`: the "
+                 "collector's first background sample since start-up (an NVML sweep, a SMART sweep, the engine "
+                 "files' scan) is still running, so it has nothing or only part to serve yet (success stays 1); "
+                 "`gpuio scrape` waits up to 30 s for it. `absent`: no such "
+                 "source here, which is no failure (success stays 1): engines without a spool directory (and no "
+                 "`--collector.engines.path`), nvml without an NVIDIA driver or GPU, smart without smartctl or "
+                 "without a disk to poll, pressure without `/proc/pressure` (or with `psi=0`), mountstats without a "
+                 "mount table. The landing page shows why, and the exporter logs one `source absent` line per "
+                 "source. `failing`: the source failed (success 0); `stale`: it failed and its last good data is "
+                 "still served (nvml, smart). Tell a CPU node from a broken GPU node with "
+                 "`gpuio_scrape_collector_state{collector=\"nvml\",state=\"absent\"} == 1`.")
+DURATION = Desc("gpuio_scrape_collector_duration_seconds", GAUGE,
+                "How long a collector took in this scrape.", labels=("collector",), unit="seconds")
+BUILD_INFO = Desc("gpuio_exporter_build_info", INFO,
+                  "Version of gpuio-exporter and the Python running it.", labels=("version", "python_version"))
+FAILURES = Desc("gpuio_scrape_collector_failures_total", COUNTER,
+                "Scrapes in which a collector failed, by reason.", labels=("collector", "reason"),
+                values={"reason": ("error", "timeout", "malformed")},
+                doc="Scrapes in which a collector failed, by reason. `malformed`: a source held no line the "
+                    "collector could read (every line of `/proc/diskstats` bad, or a `/proc/pressure` file with no "
+                    "PSI line); the other sources' series are still served.")
+DROPPED_LINES = Desc("gpuio_scrape_collector_dropped_lines_total", COUNTER,
+                     "Lines of a source that a collector could not parse and skipped, by source and reason.",
+                     labels=("collector", "source", "reason"),
+                     doc="Lines of a source that a collector could not parse and skipped, by source and reason "
+                         "(counted on every scrape that reads them). diskstats: source `diskstats`, reason "
+                         "`too_few_fields`, `non_numeric`, `negative`, `repeated` (a second line for a device); "
+                         "pressure: source `pressure/<resource>`, reason `unknown_kind`, `non_numeric`, `no_total`, "
+                         "`repeated`. Each distinct bad line is also logged once.")
 
 
 @dataclass
@@ -301,11 +339,12 @@ class Outcome:
     error: str | None = None
     reason: str = "error"  # the failures counter's label: "error" (raised), "timeout" or "malformed"
     absent: str | None = None  # why the source does not exist here (then success is True)
+    pending: str | None = None  # what the collector still waits for since start-up (then success is True)
 
     @property
     def state(self) -> str:
         if self.success:
-            return OK if self.absent is None else ABSENT
+            return PENDING if self.pending is not None else OK if self.absent is None else ABSENT
         return STALE if self.error is not None and self.error.startswith(STALE_PREFIX) else FAILING
 
 
@@ -360,6 +399,16 @@ class Scraper:
             self._watch(batch)
         return self._assemble(selected, dict(batch.outcomes))
 
+    def scrape_settled(self, timeout: float) -> list[Family]:
+        """One scrape once no collector is pending (its first background sample done), or at ``timeout``
+        seconds: for ``gpuio scrape``, which starts the collectors and prints one scrape."""
+        give_up = time.monotonic() + timeout
+        while True:
+            families = self.scrape_sync()
+            if time.monotonic() >= give_up or all(s.last_state != PENDING for s in self.states.values()):
+                return families
+            time.sleep(0.1)
+
     def scrape_sync(self, names: list[str] | None = None) -> list[Family]:
         """The same as :meth:`scrape` for callers without an event loop (``gpuio top``, tests)."""
         selected = [self.states[n] for n in (names or self.states)]
@@ -411,6 +460,8 @@ class Scraper:
             return Outcome(families, True, time.perf_counter() - start)
         except Absent as absent:
             return Outcome(absent.families, True, time.perf_counter() - start, absent=absent.reason)
+        except Pending as pending:
+            return Outcome(pending.families, True, time.perf_counter() - start, pending=pending.reason)
         except MalformedSource as bad:
             return Outcome(bad.families, False, time.perf_counter() - start, f"malformed input: {bad}", "malformed")
         except StaleData as stale:
@@ -461,7 +512,7 @@ class Scraper:
     def _record(state: CollectorState, outcome: Outcome) -> None:
         state.last_duration = outcome.duration
         state.last_success = outcome.success
-        state.last_error = outcome.error if outcome.absent is None else outcome.absent
+        state.last_error = outcome.pending or outcome.absent or outcome.error  # what the landing page says why
         state.last_state = outcome.state
         if outcome.state == OK:
             state.absent_logged = None  # a source that comes and goes again is logged again

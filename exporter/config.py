@@ -11,6 +11,7 @@ import argparse
 import difflib
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -77,6 +78,7 @@ class Flag:
     help: str
     boolean: bool = False
     repeatable: bool = False  # given more than once: every value is used (a list), as node_exporter's listen address
+    server_only: bool = False  # about serving HTTP: refused by `gpuio scrape` and `gpuio top`, which do not listen
 
 
 DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
@@ -84,14 +86,15 @@ DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
 GLOBAL_FLAGS: tuple[Flag, ...] = (
     Flag("web.listen-address", f":{DEFAULT_PORT}", parse_listen_address,
          "[host]:port, e.g. :9817, 127.0.0.1:9817, [::1]:9817",
-         "Address on which to expose metrics; repeat the flag to listen on several.", repeatable=True),
+         "Address on which to expose metrics; repeat the flag to listen on several.", repeatable=True,
+         server_only=True),
     Flag("web.telemetry-path", "/metrics", parse_telemetry_path,
-         "an absolute path such as /metrics", "Path under which to expose metrics."),
+         "an absolute path such as /metrics", "Path under which to expose metrics.", server_only=True),
     Flag("web.config.file", "", parse_web_config_file,
          "a YAML file in Prometheus exporter-toolkit's web configuration format (docs/reliability.md)",
-         "Configuration file for TLS and basic auth (exporter-toolkit format)."),
+         "Configuration file for TLS and basic auth (exporter-toolkit format).", server_only=True),
     Flag("web.max-requests", "40", parse_count(0), "a whole number; 0 for no limit",
-         "Maximum number of scrapes served at once; more get 503."),
+         "Maximum number of scrapes served at once; more get 503.", server_only=True),
     Flag("web.disable-exporter-metrics", "false", parse_bool, "true or false",
          "Leave out the exporter's own process_* and build metrics.", boolean=True),
     Flag("path.procfs", "/proc", parse_directory, "an existing directory", "procfs mountpoint."),
@@ -158,7 +161,7 @@ def _explain(message: str, known: list[str]) -> str:
     return f"unknown flag {name!r}{hint}"
 
 
-def _build_parser(prog: str) -> argparse.ArgumentParser:
+def _build_parser(prog: str, server: bool) -> argparse.ArgumentParser:
     parser = _FlagParser(
         prog=prog,
         usage="%(prog)s [flags]",
@@ -168,7 +171,7 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         epilog="Every flag has an environment twin: --web.listen-address is GPUIO_WEB_LISTEN_ADDRESS.",
     )
     parser.add_argument("--version", action="version", version=f"gpuio-exporter {__version__}")
-    for flag in _all_value_flags():
+    for flag in _all_value_flags(server):
         _add_flag(parser, flag)
     for name, cls in sorted(REGISTRY.items()):
         state = "on" if cls.default_enabled else "off"
@@ -179,8 +182,9 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _all_value_flags() -> list[Flag]:
-    flags = list(GLOBAL_FLAGS)
+def _all_value_flags(server: bool = True) -> list[Flag]:
+    """Every value flag; without the server-only ones for the tools that run the collectors in-process."""
+    flags = [flag for flag in GLOBAL_FLAGS if server or not flag.server_only]
     for name, cls in sorted(REGISTRY.items()):
         flags.extend(_option_flag(name, option) for option in cls.options)
     return flags
@@ -216,7 +220,8 @@ MAX_ENVIRONMENT_WARNINGS = 20
 
 def unknown_environment(environ: Mapping[str, str]) -> list[str]:
     """A warning per GPUIO_* variable that no flag reads, naming the closest one that does: a misspelt
-    twin is otherwise silently ignored and its default used."""
+    twin is otherwise silently ignored and its default used.  (The server-only flags' twins count as
+    known for the tools too: a node-wide GPUIO_WEB_LISTEN_ADDRESS is the server's, not a typo.)"""
     known = {env_name(flag.name) for flag in _all_value_flags()}
     known |= {env_name(f"collector.{name}") for name in REGISTRY} | OTHER_ENVIRONMENT
     warnings = []
@@ -225,6 +230,14 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
         hint = f"did you mean {close[0]}?" if close else "it is no flag's twin (--help lists them)"
         warnings.append(f"environment variable {key[:200]} is not read by gpuio-exporter; {hint}")
     return warnings
+
+
+def _refuse_server_flags(argv: Sequence[str], prog: str) -> None:
+    for arg in argv:
+        name = arg.split("=", 1)[0].removeprefix("--")
+        if any(flag.server_only and flag.name == name for flag in GLOBAL_FLAGS):
+            raise ConfigError(f"--{name} is a flag of the server (gpuio-exporter); {prog} runs the collectors "
+                              "in this process and serves nothing")
 
 
 def _resolve(flag: Flag, given: Any, environ: Mapping[str, str]) -> Any:
@@ -269,11 +282,18 @@ def _resolve_enabled(name: str, default: bool, given: bool | None, environ: Mapp
 
 
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
-               prog: str = "gpuio-exporter") -> Config:
-    """Parse flags and environment into a Config; raise ConfigError on a bad value."""
+               prog: str = "gpuio-exporter", server: bool = True) -> Config:
+    """Parse flags and environment into a Config; raise ConfigError on a bad value.
+
+    ``server=False`` (``gpuio scrape``, ``gpuio top``): the flags about serving HTTP are refused, with
+    a line saying why, and their environment twins are not read (those belong to the node's server).
+    """
     environ = os.environ if environ is None else environ
-    given = vars(_build_parser(prog).parse_args(argv))
-    values = {flag.name: _resolve(flag, given.get(flag.name), environ) for flag in _all_value_flags()}
+    if not server:
+        _refuse_server_flags(argv if argv is not None else sys.argv[1:], prog)
+    given = vars(_build_parser(prog, server).parse_args(argv))
+    values = {flag.name: _resolve(flag, given.get(flag.name), environ if server or not flag.server_only else {})
+              for flag in _all_value_flags()}
     addresses = list(dict.fromkeys(values["web.listen-address"]))  # the same address twice: bound once
     host, port = addresses[0]
     disable_defaults = values["collector.disable-defaults"]

@@ -36,8 +36,8 @@ from typing import Any
 
 import uvicorn
 
-from .exposition import COUNTER, GAUGE, Desc, Family, label_string
 from .logsetup import fields
+from .server_metrics import BUSY, IDLE, RESOURCE_ERRORS, WAITING
 
 log = logging.getLogger("gpuio.server")
 
@@ -49,12 +49,8 @@ ACCEPT_BACKOFF_MIN = 0.005  # seconds; Go's net/http: 5 ms, doubling, at most 1 
 ACCEPT_BACKOFF_MAX = 1.0
 ACCEPT_LOG_INTERVAL = 10.0  # seconds between two log lines about accept() failing
 TLS_HANDSHAKE_TIMEOUT = 10.0  # seconds; asyncio's default is 60
-# Failing accept() for these leaves the connection in the kernel's queue: back off and retry.
-RESOURCE_ERRORS = {errno.EMFILE: "emfile", errno.ENFILE: "enfile", errno.ENOBUFS: "enobufs", errno.ENOMEM: "enomem"}
 # Failing accept() for these lost only that one connection (the client went away first).
 CONNECTION_ERRORS = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.EHOSTUNREACH}
-
-WAITING, IDLE, BUSY = "waiting", "idle", "busy"
 
 
 def raise_fd_limit() -> tuple[int, int, str]:
@@ -257,32 +253,3 @@ class Server(uvicorn.Server):
         self.servers = [Acceptor(sock, make_protocol, self.table, self.tls, self.accept_errors)  # type: ignore[misc]
                         for sock in sockets or []]
         self.started = True
-
-
-CONNECTIONS = Desc("gpuio_exporter_http_connections", GAUGE,
-                   "Open HTTP connections by state: waiting for a request head (or TLS handshake), idle "
-                   "between keep-alive requests, busy answering a request.")
-CONNECTIONS_LIMIT = Desc("gpuio_exporter_http_connections_limit", GAUGE,
-                         "Open HTTP connections allowed; beyond it a new connection evicts the longest idle one.")
-EVICTED = Desc("gpuio_exporter_http_connections_evicted_total", COUNTER,
-               "Connections closed to make room for new ones, by the state they were in (idle, waiting).")
-ACCEPT_ERRORS = Desc("gpuio_exporter_accept_errors_total", COUNTER,
-                     "Failed accept() calls by reason (emfile: out of file descriptors; enfile, enobufs, enomem, "
-                     "other); each is followed by a back-off.")
-_STATE_LABELS = {state: label_string({"state": state}) for state in (WAITING, IDLE, BUSY)}
-_REASON_LABELS = {reason: label_string({"reason": reason})
-                  for reason in ("emfile", "enfile", *RESOURCE_ERRORS.values(), "other")}
-
-
-def families(table: ConnectionTable, accept_errors: dict[str, int]) -> list[Family]:
-    """Rendered on every scrape: a few integers into pre-rendered label strings."""
-    return [
-        Family(CONNECTIONS, [CONNECTIONS.sample(labels, table.count(state))
-                             for state, labels in _STATE_LABELS.items()]),
-        Family(CONNECTIONS_LIMIT, [CONNECTIONS_LIMIT.sample("", table.limit)]),
-        Family(EVICTED, [EVICTED.sample(_STATE_LABELS[state], count) for state, count in table.evicted.items()]),
-        Family(ACCEPT_ERRORS, [ACCEPT_ERRORS.sample(_REASON_LABELS[reason], accept_errors[reason])
-                               for reason in ("emfile", "enfile")] +
-               [ACCEPT_ERRORS.sample(_REASON_LABELS[reason], count) for reason, count in accept_errors.items()
-                if reason not in ("emfile", "enfile")]),
-    ]

@@ -12,12 +12,13 @@ by copying engines to tmpfs) and prints the throughput achieved and the residenc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,6 +77,8 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
                                 if i.path == path and (i.cuda_device >= 0 or i.gpu_uuid)}),
                 "last_load_timestamp": totals.last_load.get(engine),
             }
+            row.update(_last_load(totals.waterfalls.get(engine)))
+            row["predicted_cold_start_seconds"] = collector.predicted_cold_start(totals, engine)
             if values is not None:
                 loads, read_seconds = histogram_count_and_sum(values, "load_read_seconds")
                 inferences, inference_seconds = histogram_count_and_sum(values, "inference_seconds")
@@ -90,9 +93,35 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
     return rows
 
 
+def _last_load(values: list[float] | None) -> dict[str, Any]:
+    """The waterfall of the engine's latest load, as a row's fields (empty before any)."""
+    from gpuio import spool as fmt
+
+    slot = fmt.WATERFALL
+    if values is None or values[slot["last_start"]] <= 0:
+        return {}
+    klass = int(values[slot["last_class"]])
+    read = values[slot["last_read"]]
+    return {
+        "last_load_class": fmt.LOAD_CLASSES[klass - 1] if 1 <= klass <= len(fmt.LOAD_CLASSES) else None,
+        "last_load_seconds": values[slot["last_wall"]],
+        "last_load_phases": {name: values[slot[f"last_{name}"]] for name in fmt.PHASES if values[slot[f"last_{name}"]]},
+        "last_load_device_bytes": values[slot["last_device_bytes"]],
+        "last_load_cache_bytes": values[slot["last_cache_bytes"]],
+        "last_load_read_bytes_per_second": values[slot["last_bytes"]] / read if read > 0 else None,
+    }
+
+
+def _waterfall(row: dict[str, Any]) -> str:
+    short = {"open": "open", "read": "read", "deserialize": "deser", "context": "ctx", "warmup": "warm",
+             "first_inference": "first"}
+    phases = row.get("last_load_phases") or {}
+    return " ".join(f"{short[name]} {seconds * 1000:.0f}ms" for name, seconds in phases.items()) or "-"
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     header = ("ENGINE", "PROCS", "SIZE MiB", "CACHED", "DEVICE", "DISKS", "GPU", "LOADS", "LAST LOAD", "READ MiB/s",
-              "INFERENCES", "MEAN ms", "PATH")
+              "LAST LOAD WATERFALL", "CLASS", "FROM DISK MiB", "COLD START s", "INFERENCES", "MEAN ms", "PATH")
     lines = [header]
     for row in rows:
         cached = row["cached_ratio"]
@@ -103,6 +132,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
             row["device"] or "-", ",".join(row["disks"]) or "-", " ".join(row["gpus"]) or "-",
             f"{row.get('loads', 0):.0f}", _age(row["last_load_timestamp"]),
             f"{row['read_mib_per_second']:.0f}" if row.get("read_mib_per_second") else "-",
+            _waterfall(row), row.get("last_load_class") or "-",
+            _mib(row["last_load_device_bytes"]) if row.get("last_load_class") else "-",
+            "-" if row.get("predicted_cold_start_seconds") is None else f"{row['predicted_cold_start_seconds']:.2f}",
             f"{row.get('inferences', 0):.0f}",
             f"{row['mean_latency_seconds'] * 1000:.2f}" if row.get("mean_latency_seconds") else "-",
             row["path"] or "-",
@@ -154,8 +186,33 @@ def env_globs() -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
-def warm_file(path: str, chunk: int = WARM_CHUNK) -> dict[str, Any]:
-    """Read ``path`` once, sequentially, into the page cache; what it took and what it achieved."""
+def evict_file(path: str) -> dict[str, Any]:
+    """Drop ``path``'s clean pages from the page cache (posix_fadvise DONTNEED), to reproduce a cold
+    start on purpose; dirty pages are written first (fdatasync), or the kernel would keep them."""
+    result: dict[str, Any] = {"path": path, "evicted": True}
+    try:
+        result["cached_before"] = residency(path).ratio
+    except Unavailable as exc:
+        result["cached_before"] = None
+        result["residency_unavailable"] = exc.reason
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):  # a file this user may not write: its dirty pages stay
+            os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        result["bytes"] = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    try:
+        result["cached_after"] = residency(path).ratio
+    except Unavailable:
+        result["cached_after"] = None
+    return result
+
+
+def warm_file(path: str, chunk: int = WARM_CHUNK, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Read ``path`` once, sequentially, into the page cache; what it took and what it achieved.
+    ``progress`` is told each chunk's bytes as they are read."""
     result: dict[str, Any] = {"path": path}
     try:
         result["cached_before"] = residency(path).ratio
@@ -173,6 +230,8 @@ def warm_file(path: str, chunk: int = WARM_CHUNK) -> dict[str, Any]:
             if not count:
                 break
             total += count
+            if progress is not None:
+                progress(count)
     seconds = time.perf_counter() - start
     result.update({"bytes": total, "seconds": seconds, "mib_per_second": total / 2**20 / seconds if seconds else None})
     try:
@@ -194,6 +253,9 @@ def warm_main(argv: Sequence[str]) -> int:
                                      description="Read engine files into the page cache and print the throughput.")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or globs")
     parser.add_argument("--jobs", type=_jobs, default=1, help="files read at once (default 1: one after another)")
+    parser.add_argument("--evict", action="store_true",
+                        help="drop the files from the page cache instead (posix_fadvise DONTNEED): the next load "
+                             "of each is a cold start, on purpose")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(list(argv))
     paths: list[str] = []
@@ -207,26 +269,81 @@ def warm_main(argv: Sequence[str]) -> int:
     results: list[dict[str, Any]] = []
     start = time.perf_counter()
 
+    bar = _progress_bar(paths, enabled=not args.json and not args.evict and sys.stderr.isatty())
+
     def one(path: str) -> dict[str, Any]:
         try:
-            return warm_file(path)
+            if args.evict:
+                return evict_file(path)
+            return warm_file(path, progress=bar.advance if bar is not None else None)
         except OSError as exc:
             return {"path": path, "error": exc.strerror or str(exc)}
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool, (bar or contextlib.nullcontext()):
         for result in pool.map(one, paths):
             results.append(result)
             failed += "error" in result
             if not args.json:
-                print(_warm_line(result), flush=True)
+                line = _evict_line(result) if args.evict else _warm_line(result)
+                if bar is not None:  # above the bar, which stays at the bottom
+                    bar.console.print(line, markup=False, highlight=False)
+                else:
+                    print(line, flush=True)
     elapsed = time.perf_counter() - start
     total = sum(result.get("bytes", 0) for result in results)
+    if args.evict and not args.json:
+        print(f"evicted: {_mib(total)} MiB, {len(paths) - failed} of {len(paths)} files")
+        return 1 if failed else 0
     if args.json:
         print(json.dumps({"files": results, "bytes": total, "seconds": elapsed}, indent=2))
     else:
         print(f"total: {_mib(total)} MiB in {elapsed:.2f} s ({total / 2**20 / elapsed if elapsed else 0:.0f} MiB/s), "
               f"{len(paths) - failed} of {len(paths)} files")
     return 1 if failed else 0
+
+
+class _Bar:
+    """A rich progress bar on stderr over the bytes of every file (only on a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+        self.console = Console(stderr=True)
+        self._progress = Progress("reading", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                  TimeRemainingColumn(), console=self.console, transient=True)
+        self._task = self._progress.add_task("warm", total=total)
+
+    def advance(self, nbytes: int) -> None:
+        self._progress.advance(self._task, nbytes)
+
+    def __enter__(self) -> _Bar:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+
+def _progress_bar(paths: list[str], enabled: bool) -> _Bar | None:
+    if not enabled:
+        return None
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            total += os.stat(path).st_size
+    return _Bar(total)
+
+
+def _evict_line(result: dict[str, Any]) -> str:
+    path = printable(result["path"])
+    if "error" in result:
+        return f"{path}: error: {printable(result['error'])}"
+
+    def ratio(value: float | None) -> str:
+        return "?" if value is None else f"{value * 100:.0f}%"
+
+    return f"{path}: evicted, cached {ratio(result['cached_before'])} -> {ratio(result['cached_after'])}"
 
 
 def _warm_line(result: dict[str, Any]) -> str:

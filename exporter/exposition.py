@@ -54,23 +54,30 @@ class Desc:
     """One metric family's fixed part: name, type, help and both pre-rendered headers.
 
     ``labels`` names the family's label keys (``le`` of histograms excluded) and ``unit`` its base
-    unit (``seconds``, ``bytes``, ``ratio``, ... or empty): they are what the catalogue and the
-    generated reference (docs/metrics.md) say about the family, not used when rendering.
+    unit (``seconds``, ``bytes``, ``ratio``, ... or empty); ``values`` lists the values of labels
+    that take a fixed few, and ``doc`` is the reference's text where it says more than the HELP line
+    (which every scrape carries, so it stays short and does not change).  None of these is used when
+    rendering: they are what the catalogue (exporter/catalogue.py) and docs/metrics.md, generated
+    from it, say about the family.
     """
 
-    __slots__ = ("name", "kind", "help", "labels", "unit", "text_header", "om_header")
+    __slots__ = ("name", "kind", "help", "labels", "unit", "values", "doc", "text_header", "om_header")
 
     def __init__(self, name: str, kind: str, help_text: str, labels: Sequence[str] = (),
-                 unit: str = "") -> None:
+                 unit: str = "", *, values: Mapping[str, Sequence[str]] | None = None, doc: str = "") -> None:
         if kind == COUNTER and not name.endswith("_total"):
             raise ValueError(f"counter {name} must end in _total")
         if kind == INFO and not name.endswith("_info"):
             raise ValueError(f"info metric {name} must end in _info")
+        if values and set(values) - set(labels):
+            raise ValueError(f"{name}: values given for labels it does not have: {sorted(set(values) - set(labels))}")
         self.name = name
         self.kind = kind
         self.help = help_text
         self.labels = tuple(labels)
         self.unit = unit
+        self.values = {label: tuple(allowed) for label, allowed in (values or {}).items()}
+        self.doc = doc or help_text
         escaped = escape_help(help_text)
         text_type = GAUGE if kind == INFO else kind
         self.text_header = f"# HELP {name} {escaped}\n# TYPE {name} {text_type}\n"

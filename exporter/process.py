@@ -12,10 +12,11 @@ from . import procstat
 from .exposition import COUNTER, GAUGE, Desc, Family
 from .procstat import START_TIME, stat_fields
 
-CPU = Desc("process_cpu_seconds_total", COUNTER, "Total user and system CPU time spent in seconds.")
-RSS = Desc("process_resident_memory_bytes", GAUGE, "Resident memory size in bytes.")
-VSIZE = Desc("process_virtual_memory_bytes", GAUGE, "Virtual memory size in bytes.")
-START = Desc("process_start_time_seconds", GAUGE, "Start time of the process since unix epoch in seconds.")
+CPU = Desc("process_cpu_seconds_total", COUNTER, "Total user and system CPU time spent in seconds.", unit="seconds")
+RSS = Desc("process_resident_memory_bytes", GAUGE, "Resident memory size in bytes.", unit="bytes")
+VSIZE = Desc("process_virtual_memory_bytes", GAUGE, "Virtual memory size in bytes.", unit="bytes")
+START = Desc("process_start_time_seconds", GAUGE,
+             "Start time of the process since unix epoch in seconds.", unit="seconds")
 OPEN_FDS = Desc("process_open_fds", GAUGE, "Number of open file descriptors.")
 MAX_FDS = Desc("process_max_fds", GAUGE, "Maximum number of open file descriptors.")
 THREADS = Desc("process_threads", GAUGE, "Number of OS threads in the process.")

@@ -49,6 +49,10 @@ class PeriodicSampler(Generic[T]):
     def snapshot(self) -> Snapshot[T]:
         return self._snapshot  # replaced whole by the sampler thread: a reader sees one consistent sample
 
+    def first_pending(self) -> bool:
+        """Started, and its first sample not finished yet: the collector has nothing to serve *yet*."""
+        return self._thread is not None and self._snapshot.samples == 0
+
     def sample_now(self) -> Snapshot[T]:
         """Take one sample on the calling thread (for one-shot tools and tests)."""
         self._tick()

@@ -118,7 +118,8 @@ def landing_page(config: Config, scraper: Scraper) -> str:
     for name, enabled in sorted(config.enabled.items()):
         state = scraper.states.get(name)
         duration = "" if state is None or state.last_duration is None else f"{state.last_duration * 1000:.2f} ms"
-        # ok, absent (no such source here: no failure), failing or stale, as gpuio_scrape_collector_state
+        # ok, pending (first background sample running), absent (no such source here: no failure), failing or
+        # stale, as gpuio_scrape_collector_state
         status = "off" if not enabled else "not scraped yet" if state is None or state.last_state is None else (
             state.last_state)
         why = "" if state is None or not state.last_error else state.last_error  # the failure, or why absent

@@ -37,16 +37,24 @@ from gpuio.spool import (
     KIND_INFO,
     KIND_LAYER,
     KIND_LOAD,
+    KIND_MOUNT,
+    KIND_POD,
+    KIND_WATERFALL,
     KINDS,
     LOAD_SLOTS,
     MAGIC,
     MAX_KEY_BYTES,
     MAX_RECORD_BYTES,
+    MOUNT_STRUCT,
+    POD_STRUCT,
     PREFIX,
     RECORD_HEAD,
     SUFFIX,
     USED_OFFSET,
     VERSION,
+    WATERFALL,
+    WATERFALL_COUNTERS,
+    WATERFALL_SLOTS,
     Layout,
     pad8,
 )
@@ -106,15 +114,21 @@ class WriterGpus:
 
     def __call__(self, pid: int, start_ticks: int) -> str | None:
         uuid = self.gpu_of_pid(pid)
-        if uuid is None or start_ticks <= 0:
+        if uuid is None:
             return None
+        return uuid if self.same_process(pid, start_ticks) else None
+
+    def same_process(self, pid: int, start_ticks: int) -> bool:
+        """Whether this exporter's procfs shows the writer itself under ``pid`` (same start time)."""
+        if start_ticks <= 0:
+            return False
         key = (pid, start_ticks)
         same = self._same_process.get(key)
         if same is None:
             if len(self._same_process) > 4096:
                 self._same_process.clear()
             same = self._same_process[key] = procstat.start_ticks(pid, self.procfs) == start_ticks
-        return uuid if same else None
+        return same
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,32 @@ class EngineInfo:
 
 
 LoadKey = tuple[str, str, tuple[int, int]]  # engine, GPU uuid ("" unknown), st_dev of the file
+MountKey = tuple[str, tuple[int, int]]  # engine, st_dev of its file
+
+
+@dataclass(frozen=True)
+class WriterMount:
+    """A writer's own mountinfo line for its engine file's st_dev (its word: untrusted)."""
+
+    mountpoint: str
+    fstype: str
+    source: str
+    layer: str  # overlayfs: a layer directory, a path of the host's filesystem
+
+
+MAX_MOUNTS_PER_ENGINE = 4
+
+
+@dataclass(frozen=True)
+class PodIdentity:
+    """The pod a spool writer runs in.  ``pod_uid`` is the kubelet's where the exporter found the file in
+    that pod's volume (the path says it); otherwise, like the names, what the writer recorded (its
+    Downward API environment and cgroup): a claim, shown as such."""
+
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    pod_uid: str = ""
 
 
 @dataclass
@@ -146,6 +186,9 @@ class Parsed:
     layers: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     infos: dict[str, EngineInfo] = field(default_factory=dict)
     loads: dict[LoadKey, list[float]] = field(default_factory=dict)  # LOAD records, LOAD_SLOTS each
+    waterfalls: dict[str, list[float]] = field(default_factory=dict)  # WATERFALL records by engine
+    mounts: dict[MountKey, WriterMount] = field(default_factory=dict)
+    pod: PodIdentity | None = None  # the POD record, where the writer made one
     unknown_records: int = 0  # well-framed records of kinds this reader does not know (a newer library)
     bad_record: bool = False
 
@@ -210,7 +253,40 @@ def parse(data: bytes) -> Parsed:
     return parsed
 
 
+def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
+    engine, _, dev = key.partition("\0")
+    major, colon, minor = dev.partition(":")
+    if not engine or not colon or not (major + minor).isascii() or not major.isdigit() or not minor.isdigit():
+        raise ValueError("bad MOUNT key")
+    lengths = MOUNT_STRUCT.unpack_from(payload)
+    if MOUNT_STRUCT.size + sum(lengths) > len(payload):
+        raise ValueError("MOUNT strings overrun the record")
+    text, start, parts = bytes(payload), MOUNT_STRUCT.size, []
+    for length in lengths:
+        parts.append(text[start : start + length].decode("utf-8", "replace"))
+        start += length
+    parsed.mounts[(engine, (int(major), int(minor)))] = WriterMount(*parts)
+
+
+def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
+    lengths = POD_STRUCT.unpack_from(payload)
+    if POD_STRUCT.size + sum(lengths) > len(payload):
+        raise ValueError("POD strings overrun the record")
+    text, offset = bytes(payload[POD_STRUCT.size :]), 0
+    values = []
+    for length in lengths:
+        values.append(text[offset : offset + length].decode("utf-8", "replace"))
+        offset += length
+    parsed.pod = PodIdentity(*values)
+
+
 def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> None:
+    if kind == KIND_MOUNT:
+        _parse_mount(parsed, key, payload)
+        return
+    if kind == KIND_POD:
+        _parse_pod(parsed, payload)
+        return
     if kind == KIND_INFO:
         cuda, major, minor, ino, size, mtime_ns, load_time, n_path, n_uuid, n_runtime = INFO_STRUCT.unpack_from(payload)
         start = INFO_STRUCT.size
@@ -236,6 +312,14 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
         return
     if kind == KIND_LOAD:
         _parse_load(parsed, key, values)
+        return
+    if kind == KIND_WATERFALL:
+        if len(values) < len(WATERFALL_SLOTS) or not key:
+            raise ValueError("short WATERFALL record")
+        values = values[: len(WATERFALL_SLOTS)]
+        if values[0] != values[-1]:  # copied mid-update: no last load from this copy (_clamp keeps the last good)
+            values[len(WATERFALL_COUNTERS) : -1] = [0.0] * (len(values) - 1 - len(WATERFALL_COUNTERS))
+        parsed.waterfalls[key] = values
         return
     engine, _, label = key.partition("\0")
     if not engine or not label:
@@ -283,6 +367,7 @@ class FileState:
     digest: bytes = b""  # of the bytes ``parsed`` came from: unchanged bytes are not parsed again
     used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
     uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
+    pod_uid: str = ""  # the pod whose volume holds the file (a discovered pod spool directory), else ""
 
 
 @dataclass
@@ -295,23 +380,33 @@ class Totals:
     # live processes only; one entry per distinct (path, GPU, runtime, file identity), the latest load
     infos: dict[str, list[EngineInfo]] = field(default_factory=dict)
     processes: dict[str, int] = field(default_factory=dict)  # engine -> live processes reporting it
+    writers: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # engine -> (pid, start ticks) live
     # (engine, GPU uuid) -> PER_GPU_LAYOUT vector: live processes merged per GPU, plus folded totals
     per_gpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     # loads in progress of live processes: (engine, GPU uuid, st_dev) -> LOAD_SLOTS (counts and bytes
     # summed, the oldest start time the smallest)
     loads: dict[LoadKey, list[float]] = field(default_factory=dict)
     last_load: dict[str, float] = field(default_factory=dict)
+    # engine -> WATERFALL vector: counters summed over live and exited writers, the last-load slots of
+    # the latest load among them
+    waterfalls: dict[str, list[float]] = field(default_factory=dict)
+    mounts: dict[MountKey, WriterMount] = field(default_factory=dict)  # live writers', per engine capped
     live_files: int = 0
     dropped_by_writers: int = 0
     # (engine, path) -> owners (uids) of the live files whose INFO names that path: the exporter opens an
     # engine file only where one of them could have read it (collectors/engines.py)
     info_uids: dict[tuple[str, str], set[int]] = field(default_factory=dict)
     deferred_files: int = 0  # files left for a later scrape: this one's read budget was spent
+    # (engine, GPU uuid) -> the pods of the live writers reporting it (PodIdentity of each file)
+    pods: dict[tuple[str, str], set[PodIdentity]] = field(default_factory=dict)
 
 
 # What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
 # be, how much of it is "used", how many files it makes and how often it changes them.
 MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (deferred)
+# Names taken from one pod's own spool volume per read: a pod that fills its volume with files cannot
+# take the listing from the other pods (a real pod has a few processes, one file each).
+MAX_POD_DIRECTORY_FILES = 1024
 SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
 SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
 RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
@@ -381,6 +476,15 @@ class SpoolReader:
         self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
         self._per_gpu_pruned_at = 0
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
+        # Spool directories found in pods' volumes (exporter.pods.kubelet): directory -> pod UID.  Their
+        # files are keyed by absolute path (the main directory's by name), read with the same budgets,
+        # and never deleted (the volume is the pod's, mounted read-only): folded, then tombstoned.
+        self.pod_directories: dict[str, str] = {}
+
+    def set_pod_directories(self, directories: dict[str, str]) -> None:
+        """Replace the discovered directories (directory -> pod UID); files of one no longer listed
+        are folded at the next read, as files that vanished."""
+        self.pod_directories = dict(directories)
 
     # --- the directory -------------------------------------------------------------------------
 
@@ -409,7 +513,11 @@ class SpoolReader:
             if not deferred:
                 self._cursor = ""
             self.deferred_files = deferred + self._deferred_now + self._unlisted
-            self._tombstones &= names  # forget tombstones of files someone else removed
+            # Forget tombstones of files someone else removed.  A pod directory's are kept while the pod
+            # is: its files are never deleted, and one left out of a capped listing must not be folded
+            # twice when it is listed again.
+            self._tombstones = {name for name in self._tombstones if name in names or (
+                os.path.isabs(name) and os.path.dirname(name) in self.pod_directories)}
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._with_owners(self._merge())
 
@@ -433,27 +541,57 @@ class SpoolReader:
         return totals
 
     def _list(self) -> set[str] | None:
+        """Every spool file of the main directory (by name) and of the pod directories (by absolute
+        path); None when the main directory is missing or unreadable and no pod directory is known."""
         self._unlisted = 0
+        names: set[str] = set()
+        listed: dict[str, int] = {}
+        found = self._list_one(self.directory, "", names, listed, MAX_LISTED_FILES)
+        if not found and not self.pod_directories and not any(map(os.path.isabs, self._live)):
+            return None  # nothing to list; a pod directory gone last has its files vanish below
+        if not found:  # the main directory's files keep their last values, as they did alone
+            self._carry(self.directory, names, listed)
+        for directory in sorted(self.pod_directories):
+            if self._list_one(directory, directory, names, listed, MAX_POD_DIRECTORY_FILES) is None:
+                self._carry(directory, names, listed)  # unreadable now: not proof that the pod is gone
+        self._listed = listed
+        return names
+
+    def _list_one(self, directory: str, prefix: str, names: set[str], listed: dict[str, int],
+                  limit: int) -> bool | None:
+        """Add at most ``limit`` of one directory's spool files to ``names`` (keyed by ``prefix``/name);
+        False when it does not exist (any file of it listed before has vanished), None when it could
+        not be read."""
+        taken = 0
         try:
-            with os.scandir(self.directory) as entries:
-                names: set[str] = set()
-                listed: dict[str, int] = {}
+            with os.scandir(directory) as entries:
                 for entry in entries:
+                    key = os.path.join(prefix, entry.name) if prefix else entry.name
                     if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                        if len(names) >= MAX_LISTED_FILES:
+                        if len(names) >= MAX_LISTED_FILES or taken >= limit:
                             self._unlisted += 1
                             continue
-                        names.add(entry.name)
-                        listed[entry.name] = entry.inode()
+                        taken += 1
+                        names.add(key)
+                        listed[key] = entry.inode()
                     elif entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".tmp"):
-                        self._sweep_temporary(entry.name)
-                self._listed = listed
-                return names
+                        self._sweep_temporary(key)
+            return True
         except FileNotFoundError:
-            return None
+            return False
         except OSError:
             self._count("io")
             return None
+
+    def _carry(self, directory: str, names: set[str], listed: dict[str, int]) -> None:
+        """Keep the live files of a directory that could not be listed, as last seen."""
+        for key in self._live:
+            if self._directory_of(key) == directory:
+                names.add(key)
+                listed[key] = self._listed.get(key, 0)
+
+    def _directory_of(self, key: str) -> str:
+        return os.path.dirname(key) if os.path.isabs(key) else self.directory
 
     def _sweep_temporary(self, name: str) -> None:
         """A writer that died between creating its file and renaming it leaves a dot-file: remove it."""
@@ -528,7 +666,8 @@ class SpoolReader:
                     self._fold_dead(name, path, state)
             return
         if state is None:
-            state = FileState(name, st.st_ino, uid=st.st_uid)
+            state = FileState(name, st.st_ino, uid=st.st_uid,
+                              pod_uid=self.pod_directories.get(self._directory_of(name), ""))
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if not self._affordable(state, data, digest, gone):
             if state.parsed is not None:
@@ -616,7 +755,7 @@ class SpoolReader:
         if state.parsed is not None:
             self._fold(state.parsed)
         self.folded_processes += 1
-        if not self.remove_dead:
+        if not self.remove_dead or os.path.isabs(name):  # a tool, or a pod's own volume: left in place
             self._tombstones.add(name)
             return
         try:
@@ -656,6 +795,8 @@ class SpoolReader:
         for engine, info in parsed.infos.items():
             if info.load_time > 0:  # 0: loading, never finished a load
                 folded.last_load[engine] = max(folded.last_load.get(engine, 0.0), info.load_time)
+        for engine, values in parsed.waterfalls.items():
+            _merge_waterfall(folded.waterfalls, engine, values)
         folded.dropped_by_writers += parsed.dropped
         self._fold_per_gpu(parsed)
 
@@ -676,6 +817,7 @@ class SpoolReader:
             self._folded_touched.pop(engine)
             self._folded.engines.pop(engine, None)
             self._folded.last_load.pop(engine, None)
+            self._folded.waterfalls.pop(engine, None)
             for table in (self._folded.errors, self._folded.layers):
                 for key in [k for k in table if k[0] == engine]:
                     del table[key]
@@ -709,9 +851,11 @@ class SpoolReader:
             errors=dict(folded.errors),
             layers={key: list(pair) for key, pair in folded.layers.items()},
             last_load=dict(folded.last_load),
+            waterfalls={engine: list(values) for engine, values in folded.waterfalls.items()},
             dropped_by_writers=folded.dropped_by_writers,
         )
         distinct: dict[tuple[str, str, int, str, str, tuple[int, int], int], EngineInfo] = {}
+        mounts_of: dict[str, set[tuple[int, int]]] = {}
         for state in self._live.values():
             parsed = state.parsed
             if parsed is None:
@@ -722,15 +866,28 @@ class SpoolReader:
                 total = totals.engines.get(engine)
                 totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
                 totals.processes[engine] = totals.processes.get(engine, 0) + 1
+                totals.writers.setdefault(engine, []).append((parsed.pid, parsed.start_ticks))
             for key, count in parsed.errors.items():
                 totals.errors[key] = totals.errors.get(key, 0.0) + count
             for key, pair in parsed.layers.items():
                 old = totals.layers.get(key)
                 totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
+            for engine, values in parsed.waterfalls.items():
+                _merge_waterfall(totals.waterfalls, engine, values)
+            for (engine, dev), mount in parsed.mounts.items():
+                if (engine, dev) in totals.mounts or len(mounts_of.setdefault(engine, set())) < MAX_MOUNTS_PER_ENGINE:
+                    mounts_of.setdefault(engine, set()).add(dev)
+                    totals.mounts[(engine, dev)] = mount
+            pod = _pod_of(state, parsed)
+            if pod is not None:
+                for engine in parsed.engines.keys() - parsed.infos.keys():
+                    totals.pods.setdefault((engine, ""), set()).add(pod)
             for engine, info in parsed.infos.items():
                 found = self.gpu_of(parsed.pid, parsed.start_ticks) if not info.gpu_uuid and self.gpu_of else None
                 if found:
                     info = dataclasses.replace(info, gpu_uuid=found)
+                if pod is not None:
+                    totals.pods.setdefault((engine, info.gpu_uuid), set()).add(pod)
                 identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
                 seen = distinct.get(identity)
                 if seen is None or seen.load_time < info.load_time:
@@ -800,6 +957,15 @@ class SpoolReader:
                 del folded[key]
 
 
+def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:
+    """The pod of a live file: the writer's record, with the UID of the pod volume it was found in
+    (the kubelet's, which a writer cannot choose) in place of the one it recorded."""
+    pod = parsed.pod
+    if state.pod_uid:
+        return dataclasses.replace(pod or PodIdentity(), pod_uid=state.pod_uid)
+    return pod if pod is not None and any(dataclasses.astuple(pod)) else None
+
+
 def _add_into(table: dict[tuple[str, str], list[float]], key: tuple[str, str], values: typing.Sequence[float]) -> None:
     total = table.get(key)
     table[key] = list(values) if total is None else list(map(operator.add, total, values))
@@ -817,6 +983,23 @@ def _merge_load(table: dict[LoadKey, list[float]], key: LoadKey, values: list[fl
     merged[1] += read_bytes
     if in_progress > 0 and oldest > 0 and (merged[2] <= 0 or oldest < merged[2]):
         merged[2] = oldest
+
+
+WATERFALL_LAST_FROM = len(WATERFALL_COUNTERS)  # the last-load slots start here (seq_end is the last slot)
+
+
+def _merge_waterfall(table: dict[str, list[float]], engine: str, values: list[float]) -> None:
+    """Counters add up; the last-load slots are those of the latest load (its start time)."""
+    merged = table.get(engine)
+    if merged is None:
+        table[engine] = list(values)
+        return
+    start = WATERFALL["last_start"]
+    newer = values[start] > merged[start]
+    for index in range(WATERFALL_LAST_FROM):
+        merged[index] += values[index]
+    if newer:
+        merged[WATERFALL_LAST_FROM:] = values[WATERFALL_LAST_FROM:]
 
 
 def observations(values: list[float] | None) -> float:
@@ -837,3 +1020,9 @@ def _clamp(previous: Parsed, current: Parsed) -> None:
         before_pair = previous.layers.get(key)
         if before_pair is not None:
             _max_into(before_pair, pair, 2)
+    for engine, values in current.waterfalls.items():
+        before = previous.waterfalls.get(engine)
+        if values[0] != values[-1] and before is not None:  # copied mid-update (parse): keep the last good
+            values[:] = before
+        elif before is not None:
+            _max_into(before, values, WATERFALL_LAST_FROM)

@@ -50,19 +50,19 @@ from gpuio.spool import SERIES
 from . import collect
 from . import thresholds as th
 from .collectors import diskstats, engines, nvml, pressure, smart
+from .sorting import natural_key
 from .terminal import printable, safe_text
 
 # --- The families top reads, from their declarations in the collectors (never a copied literal). ---
 # Disks (diskstats collector; node_exporter's node_disk_* semantics).
-_DISK = {desc.name.removeprefix("gpuio_disk_"): desc.name for desc in diskstats.DESCS}
-DISK_READS = _DISK["reads_completed_total"]
-DISK_WRITES = _DISK["writes_completed_total"]
-DISK_READ_BYTES = _DISK["read_bytes_total"]
-DISK_WRITTEN_BYTES = _DISK["written_bytes_total"]
-DISK_READ_TIME = _DISK["read_time_seconds_total"]
-DISK_WRITE_TIME = _DISK["write_time_seconds_total"]
-DISK_IO_TIME = _DISK["io_time_seconds_total"]
-DISK_IO_TIME_WEIGHTED = _DISK["io_time_weighted_seconds_total"]
+DISK_READS = diskstats.READS_COMPLETED.name
+DISK_WRITES = diskstats.WRITES_COMPLETED.name
+DISK_READ_BYTES = diskstats.READ_BYTES.name
+DISK_WRITTEN_BYTES = diskstats.WRITTEN_BYTES.name
+DISK_READ_TIME = diskstats.READ_TIME.name
+DISK_WRITE_TIME = diskstats.WRITE_TIME.name
+DISK_IO_TIME = diskstats.IO_TIME.name
+DISK_IO_TIME_WEIGHTED = diskstats.IO_TIME_WEIGHTED.name
 DISK_INFO = diskstats.INFO_DESC.name  # label rotational: "1", "0" or ""
 DISK_PHYSICAL = diskstats.PHYSICAL_DESC.name  # labels device, physical_device
 # Disk health (smart collector): 1 passed, 0 failed, labelled device.
@@ -74,11 +74,11 @@ PSI_MEMORY_SOME = pressure.DESCS[("memory", "some")].name
 PSI_MEMORY_FULL = pressure.DESCS[("memory", "full")].name
 PSI_CPU_SOME = pressure.DESCS[("cpu", "some")].name
 # GPUs (nvml collector), every series labelled gpu (index) and uuid.
-GPU_LABEL = "gpu"
-GPU_UUID_LABEL = "uuid"
+GPU_LABEL, GPU_UUID_LABEL = nvml.GPU  # "gpu" (NVML's index), "uuid"
 GPU_INFO = nvml.INFO_DESC.name  # labels gpu, uuid, name, ...
 GPU_UP = nvml.UP.name
 GPU_BUSY = nvml.BUSY.name
+GPU_SM_ACTIVE = nvml.SM_ACTIVE.name  # GPM (Hopper and newer): where present, "idle" is judged on it
 GPU_MEMORY_USED = nvml.MEMORY_USED.name
 GPU_MEMORY_TOTAL = nvml.MEMORY_TOTAL.name
 GPU_TEMPERATURE = nvml.TEMPERATURE.name
@@ -97,8 +97,8 @@ ENGINE_INFO = engines.ENGINE_INFO.name  # labels engine, path, device, gpu_uuid 
 ENGINE_INFO_DEVICE_LABEL = "device"
 ENGINE_INFO_GPU_LABEL = "gpu_uuid"
 ENGINE_LATENCY = SERIES["inference_seconds"].name  # histogram (_bucket, _sum, _count)
-ENGINE_IN_FLIGHT = SERIES["in_flight"].name
-ENGINE_POOL_CONTEXTS = SERIES["pool_contexts"].name  # execution contexts: in flight at or above them queues
+ENGINE_IN_FLIGHT = engines.IN_FLIGHT.name
+ENGINE_POOL_CONTEXTS = engines.POOL_CONTEXTS.name  # execution contexts: in flight at or above them queues
 ENGINE_POOL_WAIT = SERIES["pool_wait_seconds"].name  # histogram
 ENGINE_RESIDENCY = engines.FILE_RATIO.name  # per file (engine, path): the least cached is shown
 ENGINE_PHYSICAL = engines.PHYSICAL_INFO.name  # labels engine, path, physical_device
@@ -290,6 +290,7 @@ class GpuRow:
     temperature_celsius: float | None
     power_watts: float | None
     throttle_reasons: list[str]
+    sm_active: float | None = None  # SM-active seconds per second (GPM, Hopper and newer); None without GPM
     flags: list[str] = field(default_factory=list)
 
 
@@ -419,25 +420,26 @@ def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: boo
 
     latest = after.per_gpu
     up, busy, used, total = latest(GPU_UP), per_second(GPU_BUSY), latest(GPU_MEMORY_USED), latest(GPU_MEMORY_TOTAL)
-    temperature, power = latest(GPU_TEMPERATURE), latest(GPU_POWER)
+    temperature, power, sm_active = latest(GPU_TEMPERATURE), latest(GPU_POWER), per_second(GPU_SM_ACTIVE)
     throttled: dict[str, list[str]] = {}
     for labels, value in after.series.get(GPU_THROTTLE, ()):
         reason, key = labels.get(GPU_THROTTLE_REASON_LABEL, ""), _gpu_key(labels)
         if key is not None and value >= 1 and reason not in GPU_THROTTLE_IGNORED:
             throttled.setdefault(key, []).append(reason)
     rows = []
-    for key in sorted(identity, key=_natural):
+    for key in sorted(identity, key=natural_key):
         row = GpuRow(
             gpu=key, uuid=identity[key].get(GPU_UUID_LABEL, ""), name=identity[key].get("name", ""),
             up=None if key not in up else up[key] >= 1,
             busy=None if key not in busy else max(0.0, min(1.0, busy[key])),
+            sm_active=None if key not in sm_active else max(0.0, min(1.0, sm_active[key])),
             memory_used_bytes=used.get(key), memory_total_bytes=total.get(key),
             temperature_celsius=temperature.get(key), power_watts=power.get(key),
             throttle_reasons=sorted(throttled.get(key, [])),
         )
         row.flags = [flag for flag, on in (
             (th.LOST, row.up is False),
-            (th.STARVED, th.gpu_starved(row.busy, disk_saturated)),
+            (th.STARVED, th.gpu_starved(row.busy, disk_saturated, row.sm_active)),
             (th.THROTTLED, bool(th.gpu_throttled(row.throttle_reasons))),
         ) if on]
         rows.append(row)
@@ -518,14 +520,10 @@ def _engines(before: Snapshot, after: Snapshot, gpus: list[GpuRow], saturated: s
         disks = engine_disks.get(engine, set()) | ({device} | physical.get(device, set()) if device else set())
         disk_saturated = bool(disks & saturated)
         if th.engine_starved(gpu.busy if gpu else None, disk_saturated, row.in_flight, row.pool_wait_seconds,
-                             contexts.get(engine)):
+                             contexts.get(engine), gpu.sm_active if gpu else None):
             row.flags.append(th.STARVED)
         rows.append(row)
     return rows
-
-
-def _natural(text: str) -> tuple[int, str]:
-    return (int(text), "") if text.isdigit() else (1 << 30, text)
 
 
 def view_json(view: View) -> dict[str, Any]:
@@ -621,8 +619,9 @@ TABLES = (
         _flags(lambda r: r.utilization),
     ), lambda v: v.disks, lambda r: r.device, "no gpuio_disk_* series (diskstats collector off?)"),
     TableSpec("gpu", (
-        Column("gpu", 4, lambda r: r.gpu, lambda r: _natural(r.gpu), numeric=False),
+        Column("gpu", 4, lambda r: r.gpu, lambda r: natural_key(r.gpu), numeric=False),
         _col("busy%", 5, "busy", 100.0),
+        _col("sm%", 5, "sm_active", 100.0),
         Column("mem GiB", 10, _memory, lambda r: r.memory_used_bytes),
         _col("temp", 4, "temperature_celsius"),
         _col("watts", 5, "power_watts"),
@@ -997,7 +996,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
         source = UrlSource(args.url, clock)
     else:
         try:
-            config = parse_args(rest, prog="gpuio top")
+            config = parse_args(rest, prog="gpuio top", server=False)
             source = LocalSource(config, clock)
         except ConfigError as exc:
             print(f"gpuio top: error: {printable(exc)}", file=sys.stderr)

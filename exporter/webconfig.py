@@ -70,8 +70,8 @@ from typing import Any
 import bcrypt
 import yaml
 
-from .exposition import COUNTER, GAUGE, Desc, Family, label_string
 from .logsetup import fields
+from .server_metrics import AUTH_RESULTS, RELOAD_RESULTS
 
 log = logging.getLogger("gpuio.webconfig")
 
@@ -463,7 +463,7 @@ class WebConfigWatcher:
         self._signature = _signature(config)
         self._failed: Signature | None = None
         self._next_check = time.monotonic() + RELOAD_CHECK_INTERVAL
-        self.reloads = {"success": 0, "failure": 0}
+        self.reloads = dict.fromkeys(RELOAD_RESULTS, 0)
         self.last_reload_successful = True
 
     def current(self) -> WebConfig:
@@ -540,7 +540,7 @@ class BcryptQueue:
         self._waiting: OrderedDict[str, deque[tuple[asyncio.Future[bool], Callable[[], bool]]]] = OrderedDict()
         self._count = 0
         self._running = False
-        self.counts = {"bcrypt": 0, "abandoned": 0, "shed": 0}
+        self.counts = dict.fromkeys(AUTH_RESULTS, 0)
 
     def submit(self, client: str, check: Callable[[], bool]) -> asyncio.Future[bool] | None:
         """A future of the check's result, or None when the queue (or this client's share) is full."""
@@ -785,25 +785,3 @@ def _with_headers(send: Send, extra: tuple[tuple[bytes, bytes], ...]) -> Send:
         await send(message)
 
     return send_with_headers
-
-
-RELOADS = Desc("gpuio_exporter_web_config_reloads_total", COUNTER,
-               "Times a changed --web.config.file (or a certificate, key or CA file it names) was read again, "
-               "by result; a failure keeps the last good configuration.")
-LAST_RELOAD = Desc("gpuio_exporter_web_config_last_reload_successful", GAUGE,
-                   "1 if the web config in use is the latest version of its files, 0 if the latest failed to load.")
-AUTH_CHECKS = Desc("gpuio_exporter_basic_auth_checks_total", COUNTER,
-                   "Basic-auth credentials not answered from the cache, by what happened: bcrypt (checked), "
-                   "abandoned (the client left before its turn), shed (queue full: 429).")
-
-
-def families(watcher: WebConfigWatcher, auth: BasicAuth | None) -> list[Family]:
-    result = [
-        Family(RELOADS, [RELOADS.sample(label_string({"result": key}), count)
-                         for key, count in watcher.reloads.items()]),
-        Family(LAST_RELOAD, [LAST_RELOAD.sample("", int(watcher.last_reload_successful))]),
-    ]
-    if auth is not None and watcher.config.users:
-        result.append(Family(AUTH_CHECKS, [AUTH_CHECKS.sample(label_string({"result": key}), count)
-                                           for key, count in auth.counts.items()]))
-    return result

@@ -77,10 +77,40 @@ def free_port() -> int:
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def documented_families() -> set[str]:
-    """The families docs/metrics.md lists (the first column of its tables)."""
-    with open(os.path.join(REPO, "docs", "metrics.md"), encoding="utf-8") as handle:
-        return set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
+def catalogued() -> frozenset[str]:
+    """The names of every family the exporter declares (exporter/catalogue.py; docs/metrics.md lists the same)."""
+    from exporter import catalogue
+
+    return catalogue.names()
+
+
+def undeclared(text: str) -> list[str]:
+    """What a text exposition serves other than the catalogue declares: a family it does not list, another
+    type, a sample whose label names are not the declared ones, a value outside a label's declared values."""
+    from exporter import catalogue
+    from exporter.exposition import GAUGE, INFO
+
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
+    problems = []
+    for name, served_type in types.items():
+        desc = catalogue.BY_NAME.get(name)
+        if desc is None:
+            problems.append(f"{name}: not declared")
+        elif served_type != (GAUGE if desc.kind == INFO else desc.kind):
+            problems.append(f"{name}: served as {served_type}, declared {desc.kind}")
+    for name, labels in parse_samples(text):
+        family = name if name in types else re.sub(r"_(bucket|sum|count)$", "", name)
+        desc = catalogue.BY_NAME.get(family)
+        if desc is None:
+            continue
+        served = dict(labels)
+        if desc.kind == "histogram":
+            served.pop("le", None)  # of _bucket lines: not a declared label
+        if set(served) != set(desc.labels):
+            problems.append(f"{family}: labels {sorted(served)}, declared {sorted(desc.labels)}")
+        problems.extend(f"{family}: {label}={value!r} is not among the declared values"
+                        for label, value in served.items() if label in desc.values and value not in desc.values[label])
+    return sorted(set(problems))
 
 
 def parse_samples(text: str) -> Samples:

@@ -122,6 +122,9 @@ class Config:
     IO_PRESSURE_SOME: float = thresholds.IO_PRESSURE_SOME
     IO_PRESSURE_FULL: float = thresholds.IO_PRESSURE_FULL
     GPU_BUSY_LOW: float = thresholds.GPU_BUSY_LOW
+    # Where GPM measures SM activity (Hopper and newer) a GPU is also idle below this share of SMs working,
+    # whatever NVML's busy says (busy reads 100 % while weights cross PCIe with no SM running).
+    GPU_SM_ACTIVE_LOW: float = thresholds.GPU_SM_ACTIVE_LOW
 
     # --- DiskIOStorm ---------------------------------------------------------------------------------
     # Await and queue size must both be at least this many times the device's baseline (its median over

@@ -35,42 +35,63 @@ SECONDS_PER_TICK = 1.0 / 1000.0
 SECTOR_BYTES = 512.0
 MIN_FIELDS = 14  # major, minor, name and the 11 fields every kernel since 2.6 writes
 
-# (name suffix, kind, help, scale): scale None keeps the integer, else value * scale as a float.
-FIELDS: tuple[tuple[str, str, str, float | None], ...] = (
-    ("reads_completed_total", COUNTER, "The total number of reads completed successfully.", None),
-    ("reads_merged_total", COUNTER, "The total number of reads merged.", None),
-    ("read_bytes_total", COUNTER, "The total number of bytes read successfully.", SECTOR_BYTES),
-    ("read_time_seconds_total", COUNTER, "The total number of seconds spent by all reads.", SECONDS_PER_TICK),
-    ("writes_completed_total", COUNTER, "The total number of writes completed successfully.", None),
-    ("writes_merged_total", COUNTER, "The number of writes merged.", None),
-    ("written_bytes_total", COUNTER, "The total number of bytes written successfully.", SECTOR_BYTES),
-    ("write_time_seconds_total", COUNTER, "This is the total number of seconds spent by all writes.",
-     SECONDS_PER_TICK),
-    ("io_now", GAUGE, "The number of I/Os currently in progress.", None),
-    ("io_time_seconds_total", COUNTER, "Total seconds spent doing I/Os.", SECONDS_PER_TICK),
-    ("io_time_weighted_seconds_total", COUNTER, "The weighted # of seconds spent doing I/Os.", SECONDS_PER_TICK),
-    ("discards_completed_total", COUNTER, "The total number of discards completed successfully.", None),
-    ("discards_merged_total", COUNTER, "The total number of discards merged.", None),
-    ("discarded_sectors_total", COUNTER, "The total number of sectors discarded successfully.", None),
-    ("discard_time_seconds_total", COUNTER, "This is the total number of seconds spent by all discards.",
-     SECONDS_PER_TICK),
-    ("flush_requests_total", COUNTER, "The total number of flush requests completed successfully.", None),
-    ("flush_requests_time_seconds_total", COUNTER,
-     "This is the total number of seconds spent by all flush requests.", SECONDS_PER_TICK),
-)
-DESCS = tuple(Desc(f"gpuio_disk_{suffix}", kind, text) for suffix, kind, text, _ in FIELDS)
-SCALED_FIELDS = tuple((index, scale) for index, (*_, scale) in enumerate(FIELDS) if scale is not None)
+DEVICE = ("device",)
+READS_COMPLETED = Desc("gpuio_disk_reads_completed_total", COUNTER,
+                       "The total number of reads completed successfully.", labels=DEVICE)
+READS_MERGED = Desc("gpuio_disk_reads_merged_total", COUNTER, "The total number of reads merged.", labels=DEVICE)
+READ_BYTES = Desc("gpuio_disk_read_bytes_total", COUNTER,
+                  "The total number of bytes read successfully.", labels=DEVICE, unit="bytes")
+READ_TIME = Desc("gpuio_disk_read_time_seconds_total", COUNTER,
+                 "The total number of seconds spent by all reads.", labels=DEVICE, unit="seconds")
+WRITES_COMPLETED = Desc("gpuio_disk_writes_completed_total", COUNTER,
+                        "The total number of writes completed successfully.", labels=DEVICE)
+WRITES_MERGED = Desc("gpuio_disk_writes_merged_total", COUNTER, "The number of writes merged.", labels=DEVICE)
+WRITTEN_BYTES = Desc("gpuio_disk_written_bytes_total", COUNTER,
+                     "The total number of bytes written successfully.", labels=DEVICE, unit="bytes")
+WRITE_TIME = Desc("gpuio_disk_write_time_seconds_total", COUNTER,
+                  "This is the total number of seconds spent by all writes.", labels=DEVICE, unit="seconds")
+IO_NOW = Desc("gpuio_disk_io_now", GAUGE, "The number of I/Os currently in progress.", labels=DEVICE)
+IO_TIME = Desc("gpuio_disk_io_time_seconds_total", COUNTER,
+               "Total seconds spent doing I/Os.", labels=DEVICE, unit="seconds")
+IO_TIME_WEIGHTED = Desc("gpuio_disk_io_time_weighted_seconds_total", COUNTER,
+                        "The weighted # of seconds spent doing I/Os.", labels=DEVICE, unit="seconds")
+DISCARDS_COMPLETED = Desc("gpuio_disk_discards_completed_total", COUNTER,
+                          "The total number of discards completed successfully.", labels=DEVICE)
+DISCARDS_MERGED = Desc("gpuio_disk_discards_merged_total", COUNTER, "The total number of discards merged.",
+                       labels=DEVICE)
+DISCARDED_SECTORS = Desc("gpuio_disk_discarded_sectors_total", COUNTER,
+                         "The total number of sectors discarded successfully.", labels=DEVICE)
+DISCARD_TIME = Desc("gpuio_disk_discard_time_seconds_total", COUNTER,
+                    "This is the total number of seconds spent by all discards.", labels=DEVICE, unit="seconds")
+FLUSH_REQUESTS = Desc("gpuio_disk_flush_requests_total", COUNTER,
+                      "The total number of flush requests completed successfully.", labels=DEVICE)
+FLUSH_TIME = Desc("gpuio_disk_flush_requests_time_seconds_total", COUNTER,
+                  "This is the total number of seconds spent by all flush requests.", labels=DEVICE, unit="seconds")
 
-INFO_DESC = Desc("gpuio_disk_info", INFO, "Identity of a block device from sysfs.")
-DM_DESC = Desc("gpuio_disk_device_mapper_info", INFO, "Name and uuid of a device-mapper device.")
-BACKING_DESC = Desc(
-    "gpuio_disk_backing_device_info", INFO,
-    "A device directly under another: a partition's disk, or a dm/md device's slaves.",
+# The numbers of a /proc/diskstats line after major, minor and name, in order: (family, scale); scale
+# None keeps the integer, else value * scale as a float.
+FIELDS: tuple[tuple[Desc, float | None], ...] = (
+    (READS_COMPLETED, None), (READS_MERGED, None), (READ_BYTES, SECTOR_BYTES), (READ_TIME, SECONDS_PER_TICK),
+    (WRITES_COMPLETED, None), (WRITES_MERGED, None), (WRITTEN_BYTES, SECTOR_BYTES),
+    (WRITE_TIME, SECONDS_PER_TICK), (IO_NOW, None), (IO_TIME, SECONDS_PER_TICK),
+    (IO_TIME_WEIGHTED, SECONDS_PER_TICK), (DISCARDS_COMPLETED, None), (DISCARDS_MERGED, None),
+    (DISCARDED_SECTORS, None), (DISCARD_TIME, SECONDS_PER_TICK), (FLUSH_REQUESTS, None),
+    (FLUSH_TIME, SECONDS_PER_TICK),
 )
-PHYSICAL_DESC = Desc(
-    "gpuio_disk_physical_device_info", INFO,
-    "The whole disks at the bottom of a device's stack (a plain disk names itself), for joins from any device.",
-)
+DESCS = tuple(desc for desc, _ in FIELDS)
+SCALED_FIELDS = tuple((index, scale) for index, (_, scale) in enumerate(FIELDS) if scale is not None)
+
+INFO_DESC = Desc("gpuio_disk_info", INFO,
+                 "Identity of a block device from sysfs.",
+                 labels=(*DEVICE, "major", "minor", "model", "vendor", "serial", "wwn", "revision", "rotational"))
+DM_DESC = Desc("gpuio_disk_device_mapper_info", INFO,
+               "Name and uuid of a device-mapper device.", labels=(*DEVICE, "name", "uuid"))
+BACKING_DESC = Desc("gpuio_disk_backing_device_info", INFO,
+                    "A device directly under another: a partition's disk, or a dm/md device's slaves.",
+                    labels=(*DEVICE, "backing_device"))
+PHYSICAL_DESC = Desc("gpuio_disk_physical_device_info", INFO,
+                     "The whole disks at the bottom of a device's stack (a plain disk names itself), for joins from "
+                     "any device.", labels=(*DEVICE, "physical_device"))
 
 
 def parse_line(line: str) -> tuple[int, int, str, list[int]]:

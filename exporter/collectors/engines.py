@@ -44,13 +44,14 @@ from gpuio import spool as fmt
 from gpuio.load import engine_name
 
 from .. import spool_reader as rd
-from ..blockdev import BlockDevices, PathDevices
-from ..collect import Absent, Collector, Context, register
+from ..blockdev import BlockDevices, Mount, PathDevices
+from ..collect import Absent, Collector, Context, Pending, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
 from ..mounts import MountCache
 from ..options import Option, parse_count, parse_seconds
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
+from ..pods import kubelet
 from ..sampler import PeriodicSampler
 from ..spool_reader import WriterGpus
 
@@ -116,77 +117,162 @@ def _parse_directory_name(value: str) -> str:
     return value  # may not exist yet: processes and the exporter start in any order
 
 
+ENGINE = ("engine",)
+ENGINE_GPU = ("engine", "gpu_uuid")  # what waits on one GPU is told apart from a spare replica's
+ENGINE_FILE = ("engine", "path")
+
+
 def _declared(slot: str) -> Desc:
     """The family of an ENGINE-record series, as the library declares it (gpuio.spool.ENGINE_SERIES)."""
     series = fmt.SERIES[slot]
-    return Desc(series.name, series.type, series.help)
+    return Desc(series.name, series.type, series.help, labels=series.labels, unit=series.unit)
 
 
 HISTOGRAM_DESCS = {series.slot: _declared(series.slot) for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM}
 LOAD_BYTES = _declared("load_read_bytes")
 ERRORS = Desc("gpuio_engine_errors_total", COUNTER,
               "Failed loads and inferences by reason (enqueue_failed, timeout, pool_timeout, out_of_memory, "
-              "load_read_failed, load_deserialize_failed, an exception name, other).")
+              "load_read_failed, load_deserialize_failed, an exception name, other).", labels=(*ENGINE, "reason"))
 LAYER_SECONDS = Desc("gpuio_engine_layer_seconds_total", COUNTER,
-                     "Time spent in each layer during profiled inferences (top layers; the rest is '(other)').")
+                     "Time spent in each layer during profiled inferences (top layers; the rest is '(other)').",
+                     labels=(*ENGINE, "layer"), unit="seconds")
 PROFILED = _declared("layer_profiled_inferences")
 IN_FLIGHT = _declared("in_flight")
 POOL_CONTEXTS = _declared("pool_contexts")
 POOL_IDLE = _declared("pool_idle")
 LOADS = Desc("gpuio_engine_loads_in_progress", GAUGE,
-             "Loads (read and deserialize) of the engine started and not finished by live processes, per GPU.")
+             "Loads (read and deserialize) of the engine started and not finished by live processes, per GPU.",
+             labels=ENGINE_GPU)
 LOAD_PROGRESS_BYTES = Desc("gpuio_engine_load_in_progress_read_bytes", GAUGE,
-                           "Bytes read so far by the engine's loads in progress, per GPU.")
+                           "Bytes read so far by the engine's loads in progress, per GPU.", labels=ENGINE_GPU,
+                           unit="bytes")
 LOAD_OLDEST = Desc("gpuio_engine_load_oldest_in_progress_seconds", GAUGE,
-                   "Age of the engine's oldest load in progress on the GPU; 0 when none is in progress.")
+                   "Age of the engine's oldest load in progress on the GPU; 0 when none is in progress.",
+                   labels=ENGINE_GPU, unit="seconds")
 DISK_LOADS = Desc("gpuio_disk_engine_loads_in_progress", GAUGE,
-                  "Engine loads in progress from files on the disk (a whole disk under the files' device stack; "
-                  "0 for every disk holding an engine file).")
+                  "Engine loads in progress from files on the disk (a whole disk under the files' device stack; 0 "
+                  "for every disk holding an engine file).", labels=("device",))
 DISK_LOAD_OLDEST = Desc("gpuio_disk_engine_load_oldest_in_progress_seconds", GAUGE,
-                        "Age of the oldest engine load in progress from files on the disk; 0 when none is.")
+                        "Age of the oldest engine load in progress from files on the disk; 0 when none is.",
+                        labels=("device",), unit="seconds")
 MOUNT_LOADS = Desc("gpuio_mount_engine_loads_in_progress", GAUGE,
-                   "Engine loads in progress from files under the mount point (local or network; 0 for every "
-                   "mount point holding an engine file).")
+                   "Engine loads in progress from files under the mount point (local or network; 0 for every mount "
+                   "point holding an engine file).", labels=("mountpoint",))
 MOUNT_LOAD_OLDEST = Desc("gpuio_mount_engine_load_oldest_in_progress_seconds", GAUGE,
-                         "Age of the oldest engine load in progress from files under the mount point; 0 when none is.")
+                         "Age of the oldest engine load in progress from files under the mount point; 0 when none is.",
+                         labels=("mountpoint",), unit="seconds")
 ENGINE_MOUNT = Desc("gpuio_engine_mount_info", INFO,
-                    "The mount holding an engine file as the host sees it (filesystem type and source; network "
-                    "and FUSE mounts too): joins engines with gpuio_mount_info and gpuio_mountstats_*.")
+                    "The mount holding an engine file as the host sees it (filesystem type and source; network and "
+                    "FUSE mounts too): joins engines with gpuio_mount_info and gpuio_mountstats_*.",
+                    labels=(*ENGINE, "path", "mountpoint", "fstype", "source"))
 MAX_GPUS_PER_ENGINE = 16
-PROCESSES = Desc("gpuio_engine_processes", GAUGE, "Live processes reporting the engine through the spool.")
-LAST_LOAD = Desc("gpuio_engine_last_load_timestamp_seconds", GAUGE, "When the engine was last loaded.")
+PROCESSES = Desc("gpuio_engine_processes", GAUGE, "Live processes reporting the engine through the spool.",
+                 labels=ENGINE)
+LAST_LOAD = Desc("gpuio_engine_last_load_timestamp_seconds", GAUGE,
+                 "When the engine was last loaded.", labels=ENGINE, unit="seconds")
 ENGINE_INFO = Desc("gpuio_engine_info", INFO,
-                   "An engine file as loaded, or being loaded, by a live process: its block device and its GPU "
-                   "(for joins).")
+                   "An engine file as loaded, or being loaded, by a live process: its block device and its GPU (for "
+                   "joins).", labels=(*ENGINE, "path", "device", "cuda_device", "gpu_uuid", "runtime"))
+PROCESS_INFO = Desc("gpuio_engine_process_info", INFO,
+                    "A live process reporting the engine, by its pid here (only when this exporter sees that very "
+                    "process): joins the engine to gpuio_gpu_process_* on pid.", labels=("engine", "pid"))
 PHYSICAL_INFO = Desc("gpuio_engine_physical_device_info", INFO,
-                     "The whole disks at the bottom of an engine file's device stack.")
-FILE_SIZE = Desc("gpuio_engine_file_size_bytes", GAUGE, "Size of an engine file.")
-FILE_MTIME = Desc("gpuio_engine_file_modified_timestamp_seconds", GAUGE, "Last modification time of an engine file.")
+                     "The whole disks at the bottom of an engine file's device stack.",
+                     labels=(*ENGINE, "path", "physical_device"))
+FILE_SIZE = Desc("gpuio_engine_file_size_bytes", GAUGE, "Size of an engine file.", labels=ENGINE_FILE, unit="bytes")
+FILE_MTIME = Desc("gpuio_engine_file_modified_timestamp_seconds", GAUGE,
+                  "Last modification time of an engine file.", labels=ENGINE_FILE, unit="seconds")
 FILE_CACHED = Desc("gpuio_engine_file_cached_bytes", GAUGE,
-                   "Bytes of an engine file in the page cache at the last residency scan.")
+                   "Bytes of an engine file in the page cache at the last residency scan (or, where the exporter "
+                   "may not measure it, at the end of the loading process's latest load: see "
+                   "gpuio_engine_file_cached_measured_timestamp_seconds).", labels=ENGINE_FILE, unit="bytes")
 FILE_RATIO = Desc("gpuio_engine_file_cached_ratio", GAUGE,
-                  "Fraction (0-1) of an engine file in the page cache at the last residency scan.")
+                  "Fraction (0-1) of an engine file in the page cache at the last residency scan (or as the loading "
+                  "process measured it: see gpuio_engine_file_cached_measured_timestamp_seconds).", labels=ENGINE_FILE,
+                  unit="ratio")
 RESIDENCY_UNAVAILABLE = Desc("gpuio_engine_file_residency_unavailable", GAUGE,
-                             "Engine files whose residency could not be measured truthfully at the last scan, "
-                             "by reason (permission: the kernel refuses or fakes it without write access).")
+                             "Engine files whose residency could not be measured truthfully at the last scan, by "
+                             "reason (permission: the kernel refuses or fakes it without write access).",
+                             labels=("reason",),
+                             values={"reason": ("permission", "not_visible", "io", "not_regular", "unsupported",
+                                                "outside_paths", "unverified", "symlink", "writer_permission")})
 SCAN_DURATION = Desc("gpuio_engine_residency_scan_duration_seconds", GAUGE,
-                     "How long the last background scan of engine files took.")
+                     "How long the last background scan of engine files took.", unit="seconds")
 SCAN_TIME = Desc("gpuio_engine_residency_scan_timestamp_seconds", GAUGE,
-                 "When the last background scan of engine files finished.")
+                 "When the last background scan of engine files finished.", unit="seconds")
 SPOOL_PROCESSES = Desc("gpuio_engine_spool_processes", GAUGE, "Live processes with a spool file.")
 SPOOL_FOLDED = Desc("gpuio_engine_spool_folded_processes_total", COUNTER,
                     "Spool files of exited processes whose totals were folded in.")
 SPOOL_ERRORS = Desc("gpuio_engine_spool_errors_total", COUNTER,
                     "Spool files skipped or damaged, by reason (empty, truncated, version, garbage, record, io, "
-                    "vanished, oversized, not_deleted), counted once per file.")
+                    "vanished, oversized, not_deleted), counted once per file.", labels=("reason",),
+                    values={"reason": ("empty", "truncated", "version", "garbage", "record", "io", "vanished",
+                                       "oversized", "not_deleted")})
 SPOOL_DEFERRED = Desc("gpuio_engine_spool_deferred_files", GAUGE,
                       "Spool files not read at this scrape because its read budget was spent (read at a later "
                       "scrape; live files keep their last values).")
 WRITER_DROPS = Desc("gpuio_engine_spool_writer_dropped_series_total", COUNTER,
                     "Series processes could not record because their spool file was full.")
+# The waterfall of loads (gpuio.waterfall in the library; WATERFALL records of the spool).
+LOADS_BY_CLASS = Desc("gpuio_engine_loads_total", COUNTER,
+                      "Finished loads by class: cold (at least 80 % of the file fetched from the device, or not "
+                      "cached when the load started), warm (at most 10 %), partial (between).",
+                      labels=("engine", "class"))
+PHASE_SECONDS = Desc("gpuio_engine_load_phase_seconds_total", COUNTER,
+                     "Seconds spent in each phase of loads: open, read, deserialize, context (execution-context "
+                     "creation), warmup, first_inference.", labels=("engine", "phase"), unit="seconds")
+SOURCE_BYTES = Desc("gpuio_engine_load_source_read_bytes_total", COUNTER,
+                    "Bytes loads read, by where they came from: device (the loading thread's read_bytes) or "
+                    "page_cache (the rest of what its reads returned).", labels=("engine", "source"), unit="bytes")
+MAJOR_FAULTS = Desc("gpuio_engine_load_major_faults_total", COUNTER,
+                    "Major page faults taken by the loading thread during loads (loaders that mmap the file).",
+                    labels=("engine",))
+LAST_PHASE = Desc("gpuio_engine_last_load_phase_seconds", GAUGE,
+                  "The engine's latest load, phase by phase (its waterfall).", labels=("engine", "phase"),
+                  unit="seconds")
+LAST_DURATION = Desc("gpuio_engine_last_load_duration_seconds", GAUGE,
+                     "Wall time of the engine's latest load, from opening the file to the model deserialized.",
+                     labels=("engine",), unit="seconds")
+LAST_BYTES = Desc("gpuio_engine_last_load_read_bytes", GAUGE,
+                  "Bytes the engine's latest load read, by source (device, page_cache).", labels=("engine", "source"),
+                  unit="bytes")
+LAST_CLASS = Desc("gpuio_engine_last_load_class_info", INFO,
+                  "The class (cold, warm, partial) of the engine's latest load.", labels=("engine", "class"))
+LAST_START_CACHED = Desc("gpuio_engine_last_load_start_cached_ratio", GAUGE,
+                         "Fraction (0-1) of the engine file in the page cache when its latest load started, as the "
+                         "loading process measured it (cachestat on its own descriptor, else sampled).",
+                         labels=("engine",), unit="ratio")
+PREDICTED = Desc("gpuio_engine_predicted_cold_start_seconds", GAUGE,
+                 "Predicted load time of the engine now: its file's bytes not in the page cache over the read "
+                 "throughput of its past cold loads (else of cold loads from the same device), plus the median "
+                 "deserialize time.  Absent until a cold load from that device was seen.",
+                 labels=("engine",), unit="seconds")
+CACHED_SOURCE = Desc("gpuio_engine_file_cached_measured_timestamp_seconds", GAUGE,
+                     "When gpuio_engine_file_cached_bytes of the file was measured, and by whom (source: scan, the "
+                     "exporter's background scan; loader, the loading process at the end of its latest load).",
+                     labels=("engine", "path", "source"), unit="seconds")
+ENGINE_POD = Desc("gpuio_engine_pod_info", INFO,
+                  "The pods whose live processes report the engine on the GPU: namespace, pod and container as "
+                  "the process recorded them (Downward API), pod_uid the kubelet's where its spool is in the "
+                  "pod's volume (join on engine and gpu_uuid).",
+                  labels=("engine", "gpu_uuid", "namespace", "pod", "container", "pod_uid"))
+POD_SPOOLS = Desc("gpuio_engine_pod_spool_directories", GAUGE,
+                  "Spool directories found in pods' emptyDir volumes through the kubelet's pods directory at "
+                  "the last scan.")
+POD_SPOOLS_SKIPPED = Desc("gpuio_engine_pod_spool_pods_skipped", GAUGE,
+                          "Pods not looked at by the last scan of the kubelet's pods directory (past "
+                          "--collector.engines.max-pod-spools).")
+POD_SPOOLS_FAILED = Desc("gpuio_engine_pod_spool_scan_failed", GAUGE,
+                         "1 when the last scan could not read the kubelet's pods directory (the exporter needs "
+                         "to traverse its root:root 0750 directories: group root), 0 when it could.")
+MAX_PODS_PER_ENGINE = 64
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
-               "(counted each time one is left out that was not left out at the scrape before).")
+               "(counted each time one is left out that was not left out at the scrape before).", labels=("kind",),
+               values={"kind": ("engine", "layer", "error", "info", "file", "folded_engine", "engine_gpu")},
+               doc="Engines, engine x GPU pairs, layers, error reasons, info series and files left out by the "
+                   "exporter's caps, by kind (counted each time one is left out that was not left out at the scrape "
+                   "before).")
 
 
 @dataclass(frozen=True)
@@ -237,6 +323,16 @@ class EnginesCollector(Collector):
         Option("max-file-bytes", str(fmt.DEFAULT_FILE_BYTES), parse_count(fmt.HEADER_SIZE + 4096),
                "a whole number of bytes, at least 4352",
                "Spool files bigger than this are refused unread (the library makes 1 MiB files)."),
+        Option("kubelet-pods-dir", kubelet.DEFAULT_PODS_DIR, _parse_directory_name, "an absolute directory path",
+               "The kubelet's pods directory, where spool directories in pods' emptyDir volumes are found "
+               "(absent off Kubernetes: nothing is looked for)."),
+        Option("pod-spool-volume", kubelet.DEFAULT_VOLUME, kubelet.parse_volume_name,
+               "a volume name (lower-case letters, digits and '-')",
+               "Name of the emptyDir volume in which inference pods keep their spool (docs/engines.md)."),
+        Option("max-pod-spools", str(kubelet.DEFAULT_MAX_PODS), parse_count(1), "a whole number above zero",
+               "At most this many pods are looked at for a spool volume."),
+        Option("pod-spool-interval", "15s", parse_seconds, DURATION_ACCEPTED,
+               "How often the kubelet's pods directory is scanned for spool volumes (in the background)."),
     )
 
     def __init__(self, context: Context, options: dict[str, Any], read_only: bool = False) -> None:
@@ -245,9 +341,10 @@ class EnginesCollector(Collector):
         self.globs: tuple[str, ...] = options.get("path") or ()
         self.max_engines: int = options.get("max-engines") or 200
         self.max_files: int = options.get("max-files") or 1000
+        self._writer_gpus = WriterGpus(context.gpu_processes.get, context.procfs)
         self.reader = rd.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
-                                      gpu_of=WriterGpus(context.gpu_processes.get, context.procfs),
+                                      gpu_of=self._writer_gpus,
                                       max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES)
         include = options.get("path-include")
         if include is None:
@@ -259,19 +356,39 @@ class EnginesCollector(Collector):
         self._targets_lock = threading.Lock()
         self._exported: set[str] = set()
         self._activity: dict[str, tuple[float, float]] = {}  # engine -> (sum of its counters, when it moved)
-        self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer")}
+        self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer",
+                                                                            "engine_gpu", "pod")}
         self._files_left_out = LeftOut()  # the background scan's own (another thread)
         self._labels: dict[str, str] = {}
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
         self._devices: dict[tuple[int, int], tuple[float, str, list[str]]] = {}
+        self._writer_devices: dict[tuple[str, str, str], tuple[float, str, list[str]]] = {}
         self._bad = LogOnce(log)
         self._mounts = MountCache(context.procfs)
+        self.pods_dir: str = options.get("kubelet-pods-dir") or kubelet.DEFAULT_PODS_DIR
+        self.pod_volume: str = options.get("pod-spool-volume") or kubelet.DEFAULT_VOLUME
+        self.max_pod_spools: int = options.get("max-pod-spools") or kubelet.DEFAULT_MAX_PODS
+        self.pod_spools: PeriodicSampler[kubelet.Discovery] = PeriodicSampler(
+            "pod-spools", options.get("pod-spool-interval") or 15.0, self.find_pod_spools, log)
 
     def start(self) -> None:
         self.scanner.start()
+        self.pod_spools.start()
 
     def stop(self) -> None:
         self.scanner.stop()
+        self.pod_spools.stop()
+
+    def find_pod_spools(self) -> kubelet.Discovery:
+        """Scan the kubelet's pods directory and hand what it holds to the spool reader (background)."""
+        found = kubelet.find_spools(self.pods_dir, self.pod_volume, self.max_pod_spools)
+        if found.error:
+            self._bad.warning("cannot read the kubelet's pods directory: inference pods' emptyDir spools are "
+                              "not found (docs/deploy.md, Pods)", found.error, path=self.pods_dir)
+        if found.directories != self.reader.pod_directories:
+            log.info("pod spool directories", extra={"found": len(found.directories), "pods": found.pods})
+        self.reader.set_pod_directories(found.directories)
+        return found
 
     # --- for gpuio engines: the same reads, on demand -------------------------------------------
 
@@ -288,21 +405,30 @@ class EnginesCollector(Collector):
     # --- the scrape ----------------------------------------------------------------------------
 
     def collect(self) -> list[Family]:
-        has_spool = os.path.isdir(self.spool_dir)
+        pods = self.pod_spools.snapshot().value
+        # On a kubelet's node the pods' volumes are a source even while no pod has a spool volume.
+        has_spool = os.path.isdir(self.spool_dir) or (pods is not None and pods.exists)
         if not has_spool and not self.globs:
             raise Absent(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
                          "report (and no --collector.engines.path is set)")
         totals = self.reader.read() if has_spool else rd.Totals()
+        if totals.pods:  # the pods of writers, for the nvml collector's process series
+            self.context.pods.update_writer_pods((pod.pod_uid, pod.namespace, pod.pod)
+                                                 for found in totals.pods.values() for pod in found)
         engines = self._select(totals)
         families = self._engine_families(totals, engines)
         pairs = self._engine_gpus(totals, engines)
         families += self._per_gpu_families(totals, pairs)
         families += self._info_families(totals, engines)
         families += self._load_families(totals, engines, pairs)
-        families += self._file_families()
+        families += self._file_families(totals)
+        families += self._waterfall_families(totals, engines)
+        families += self._pod_families(totals, pairs)
         for left_out in self._left_out.values():
             left_out.commit()
         families += self._spool_families(totals)
+        if self.scanner.first_pending():
+            raise Pending("the first scan of engine files (size, residency, device) is still running", families)
         return families
 
     def _select(self, totals: rd.Totals) -> list[str]:
@@ -488,6 +614,29 @@ class EnginesCollector(Collector):
         families.append(Family(ENGINE_MOUNT, list(mount_info)))
         return families
 
+    def _pod_families(self, totals: rd.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
+        """Which pods report each served (engine, GPU), at most MAX_PODS_PER_ENGINE per engine; and what
+        the last scan of the kubelet's pods directory found."""
+        lines: list[str] = []
+        per_engine: dict[str, int] = {}
+        for engine, uuid in pairs:
+            for pod in sorted(totals.pods.get((engine, uuid), ()), key=lambda p: (p.namespace, p.pod, p.container,
+                                                                                   p.pod_uid)):
+                if per_engine.get(engine, 0) >= MAX_PODS_PER_ENGINE:
+                    self._drop("pod", (engine, uuid, pod))
+                    continue
+                per_engine[engine] = per_engine.get(engine, 0) + 1
+                lines.append(ENGINE_POD.sample(label_string({
+                    "engine": engine, "gpu_uuid": uuid, "namespace": pod.namespace, "pod": pod.pod,
+                    "container": pod.container, "pod_uid": pod.pod_uid}), 1))
+        families = [Family(ENGINE_POD, lines)]
+        scan = self.pod_spools.snapshot().value
+        if scan is not None and scan.exists:  # off Kubernetes: not a word
+            families += [Family(POD_SPOOLS, [POD_SPOOLS.sample("", len(scan.directories))]),
+                         Family(POD_SPOOLS_SKIPPED, [POD_SPOOLS_SKIPPED.sample("", scan.left_out)]),
+                         Family(POD_SPOOLS_FAILED, [POD_SPOOLS_FAILED.sample("", 1 if scan.error else 0)])]
+        return families
+
     def _engine_files(self, totals: rd.Totals, engines: list[str]) -> list[tuple[str, str, tuple[int, int]]]:
         """(engine, path, st_dev) of every engine file: those live processes load or loaded, and those
         only the globs name (from the last background scan)."""
@@ -527,6 +676,8 @@ class EnginesCollector(Collector):
         for engine in engines:
             for item in self._infos(totals, engine):
                 device, disks = self.device_of(item.dev)
+                if not device:
+                    device, disks = self.device_from_writer(totals.mounts.get((engine, item.dev)))
                 labels = {"engine": engine, "path": item.path, "device": device,
                           "cuda_device": "" if item.cuda_device < 0 else str(item.cuda_device),
                           "gpu_uuid": item.gpu_uuid, "runtime": item.runtime}
@@ -554,7 +705,56 @@ class EnginesCollector(Collector):
                                                          "cuda_device": "", "gpu_uuid": "", "runtime": ""}), 1))
             physical.extend(PHYSICAL_INFO.sample(label_string({"engine": view.engine, "path": view.path,
                                                                "physical_device": disk}), 1) for disk in disks)
-        return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical)]
+        return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical),
+                Family(PROCESS_INFO, self._process_info(totals, engines))]
+
+    def _process_info(self, totals: rd.Totals, engines: list[str]) -> list[str]:
+        """Each engine's live writers by pid, at most MAX_INFOS per engine; a pid this exporter's procfs
+        shows as another process (a writer in another pid namespace) is left out, never mislabelled."""
+        lines = []
+        for engine in engines:
+            pids = sorted({pid for pid, start in totals.writers.get(engine, ())
+                           if self._writer_gpus.same_process(pid, start)})
+            lines += [PROCESS_INFO.sample(label_string({"engine": engine, "pid": str(pid)}), 1)
+                      for pid in pids[:MAX_INFOS]]
+        return lines
+
+    def device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
+        """:meth:`_device_from_writer`, cached like :meth:`device_of` (a stat and sysfs reads)."""
+        if mount is None:
+            return "", []
+        key = (mount.fstype, mount.source, mount.layer)
+        now = time.monotonic()
+        cached = self._writer_devices.get(key)
+        if cached is not None and now - cached[0] < DEVICE_CACHE_SECONDS:
+            return cached[1], cached[2]
+        device, disks = self._device_from_writer(mount)
+        if len(self._writer_devices) > 10_000:
+            self._writer_devices.clear()
+        self._writer_devices[key] = (now, device, disks)
+        return device, disks
+
+    def _device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
+        """The block device under a file as its writer's own mountinfo names it, where the exporter's
+        view has none (a file inside a container image: overlayfs, whose layer directory is a path of
+        the host's filesystem; a PVC's /dev source).  The writer's word is used only to stat a layer
+        directory (never opened) or to name a /dev node, and only what sysfs knows is shown."""
+        if mount is None:
+            return "", []
+        layer = mount.layer
+        if mount.fstype == "overlay":
+            if not os.path.isabs(layer) or any(part in (".", "..") for part in layer.split("/")):
+                return "", []
+            options = f"upperdir={layer}"
+        elif mount.source.startswith("/dev/") and ".." not in mount.source.split("/"):
+            options = ""
+        else:
+            return "", []
+        resolver = PathDevices(self.context.sysfs, os.devnull, self.context.rootfs)
+        found = resolver._through_mount(Mount(0, 0, "/", mount.mountpoint, mount.fstype, mount.source, options), 0)
+        if not found:
+            return "", []
+        return found, BlockDevices(self.context.sysfs).physical(found)
 
     def device_of(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
         """The block device behind st_dev MAJ:MIN and the whole disks under it (sysfs reads, cached)."""
@@ -626,12 +826,12 @@ class EnginesCollector(Collector):
         return FileView(target.engine, target.path, from_glob, dev, measured.size, st.st_mtime,
                         measured.cached_bytes, None)
 
-    def _file_families(self) -> list[Family]:
+    def _file_families(self, totals: rd.Totals) -> list[Family]:
         snapshot = self.scanner.snapshot()
         result = snapshot.value
         if result is None:
             return []
-        size, mtime, cached, ratio = [], [], [], []
+        size, mtime, cached, ratio, measured = [], [], [], [], []
         unavailable: dict[str, int] = {}
         for view in result.files.values():
             labels = label_string({"engine": view.engine, "path": view.path})
@@ -639,18 +839,128 @@ class EnginesCollector(Collector):
                 size.append(FILE_SIZE.sample(labels, view.size))
             if view.mtime is not None:
                 mtime.append(FILE_MTIME.sample(labels, view.mtime))
-            if view.cached_bytes is not None and view.size is not None:
-                cached.append(FILE_CACHED.sample(labels, view.cached_bytes))
-                ratio.append(FILE_RATIO.sample(labels, 1.0 if view.size == 0 else view.cached_bytes / view.size))
+            figure = self.cached_figure(totals, view, result.finished)
+            if figure is not None:
+                file_bytes, cached_bytes, source, when = figure
+                cached.append(FILE_CACHED.sample(labels, cached_bytes))
+                ratio.append(FILE_RATIO.sample(labels, 1.0 if file_bytes == 0 else cached_bytes / file_bytes))
+                measured.append(CACHED_SOURCE.sample(label_string({"engine": view.engine, "path": view.path,
+                                                                   "source": source}), when))
             if view.unavailable is not None:
                 unavailable[view.unavailable] = unavailable.get(view.unavailable, 0) + 1
         return [
             Family(FILE_SIZE, size), Family(FILE_MTIME, mtime), Family(FILE_CACHED, cached), Family(FILE_RATIO, ratio),
+            Family(CACHED_SOURCE, measured),
             Family(RESIDENCY_UNAVAILABLE, [RESIDENCY_UNAVAILABLE.sample(label_string({"reason": reason}), count)
                                            for reason, count in sorted(unavailable.items())]),
             Family(SCAN_DURATION, [SCAN_DURATION.sample("", result.duration)]),
             Family(SCAN_TIME, [SCAN_TIME.sample("", result.finished)]),
         ]
+
+    @staticmethod
+    def cached_figure(totals: rd.Totals, view: FileView, scanned: float) -> tuple[int, int, str, float] | None:
+        """(file bytes, cached bytes, source, when measured) of an engine file: the exporter's scan where
+        it could measure, else what the loading process measured at the end of the engine's latest load
+        of that very file (an exporter without CAP_FOWNER cannot measure a file it may not write)."""
+        if view.cached_bytes is not None and view.size is not None:
+            return view.size, view.cached_bytes, "scan", scanned
+        values = totals.waterfalls.get(view.engine)
+        slot = fmt.WATERFALL
+        if values is None or values[slot["residency_method"]] <= 0 or values[slot["file_bytes"]] <= 0:
+            return None
+        infos = totals.infos.get(view.engine, [])
+        latest = max(infos, key=lambda item: item.load_time, default=None)
+        if latest is None or latest.path != view.path:
+            return None
+        file_bytes = int(values[slot["file_bytes"]])
+        cached = min(file_bytes, int(values[slot["cached_end_bytes"]]))
+        return file_bytes, cached, "loader", values[slot["residency_time"]]
+
+    # --- the waterfall of loads -----------------------------------------------------------------
+
+    def _waterfall_families(self, totals: rd.Totals, engines: list[str]) -> list[Family]:
+        slot = fmt.WATERFALL
+        lines: dict[Desc, list[str]] = {desc: [] for desc in (LOADS_BY_CLASS, PHASE_SECONDS, SOURCE_BYTES, MAJOR_FAULTS,
+                                                              LAST_PHASE, LAST_DURATION, LAST_BYTES, LAST_CLASS,
+                                                              LAST_START_CACHED, PREDICTED)}
+        for engine in engines:
+            values = totals.waterfalls.get(engine)
+            if values is None:
+                continue
+            labels = self._label(engine)
+            for name in fmt.LOAD_CLASSES:
+                lines[LOADS_BY_CLASS].append(LOADS_BY_CLASS.sample(
+                    label_string({"engine": engine, "class": name}), values[slot[f"loads_{name}"]]))
+            for name in fmt.PHASES:
+                phase = label_string({"engine": engine, "phase": name})
+                lines[PHASE_SECONDS].append(PHASE_SECONDS.sample(phase, values[slot[f"phase_{name}"]]))
+                if values[slot["last_start"]] > 0:
+                    lines[LAST_PHASE].append(LAST_PHASE.sample(phase, values[slot[f"last_{name}"]]))
+            for source, total, last in (("device", "device_bytes", "last_device_bytes"),
+                                        ("page_cache", "cache_bytes", "last_cache_bytes")):
+                source_labels = label_string({"engine": engine, "source": source})
+                lines[SOURCE_BYTES].append(SOURCE_BYTES.sample(source_labels, values[slot[total]]))
+                if values[slot["last_start"]] > 0:
+                    lines[LAST_BYTES].append(LAST_BYTES.sample(source_labels, values[slot[last]]))
+            lines[MAJOR_FAULTS].append(MAJOR_FAULTS.sample(labels, values[slot["major_faults"]]))
+            if values[slot["last_start"]] > 0:
+                lines[LAST_DURATION].append(LAST_DURATION.sample(labels, values[slot["last_wall"]]))
+                klass = int(values[slot["last_class"]])
+                if 1 <= klass <= len(fmt.LOAD_CLASSES):
+                    lines[LAST_CLASS].append(LAST_CLASS.sample(
+                        label_string({"engine": engine, "class": fmt.LOAD_CLASSES[klass - 1]}), 1))
+                if values[slot["residency_method"]] > 0 and values[slot["file_bytes"]] > 0:
+                    lines[LAST_START_CACHED].append(LAST_START_CACHED.sample(
+                        labels, min(1.0, values[slot["cached_start_bytes"]] / values[slot["file_bytes"]])))
+            predicted = self.predicted_cold_start(totals, engine)
+            if predicted is not None:
+                lines[PREDICTED].append(PREDICTED.sample(labels, predicted))
+        return [Family(desc, samples) for desc, samples in lines.items()]
+
+    def predicted_cold_start(self, totals: rd.Totals, engine: str) -> float | None:
+        """Bytes of the engine's file not cached now / cold-read throughput + median deserialize seconds
+        (docs/engines.md, "Predicted cold start"); None where a part is unknown."""
+        missing = self._bytes_not_cached(totals, engine)
+        throughput = self._cold_throughput(totals, engine)
+        values = totals.engines.get(engine)
+        if missing is None or throughput is None or values is None:
+            return None
+        deserialize = histogram_quantile(0.5, values, "load_deserialize_seconds")
+        return missing / throughput + (deserialize or 0.0)
+
+    def _bytes_not_cached(self, totals: rd.Totals, engine: str) -> int | None:
+        scan = self.scanner.snapshot()
+        views = [view for (name, _), view in (scan.value.files.items() if scan.value is not None else ())
+                 if name == engine]
+        figures = [figure for view in views
+                   if (figure := self.cached_figure(totals, view, scan.value.finished if scan.value else 0.0))]
+        if figures:
+            return max(file_bytes - cached for file_bytes, cached, _, _ in figures)
+        values = totals.waterfalls.get(engine)  # no file view at all: the loader's own figure
+        slot = fmt.WATERFALL
+        if values is not None and values[slot["residency_method"]] > 0 and values[slot["file_bytes"]] > 0:
+            return int(max(0.0, values[slot["file_bytes"]] - values[slot["cached_end_bytes"]]))
+        return None
+
+    @staticmethod
+    def _cold_throughput(totals: rd.Totals, engine: str) -> float | None:
+        """Bytes per second of the engine's cold loads; else of every engine's cold loads from the same
+        st_dev (its file's filesystem)."""
+        slot = fmt.WATERFALL
+
+        def rate(names: list[str]) -> float | None:
+            known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
+            moved = sum(values[slot["cold_device_bytes"]] for values in known)
+            seconds = sum(values[slot["cold_read_seconds"]] for values in known)
+            return moved / seconds if moved > 0 and seconds > 0 else None
+
+        own = rate([engine])
+        if own is not None:
+            return own
+        devices = {info.dev for info in totals.infos.get(engine, []) if info.dev != (0, 0)}
+        if not devices:
+            return None
+        return rate([name for name, infos in totals.infos.items() if any(info.dev in devices for info in infos)])
 
     # --- the spool itself ----------------------------------------------------------------------
 
@@ -672,6 +982,25 @@ class EnginesCollector(Collector):
             Family(WRITER_DROPS, [WRITER_DROPS.sample("", totals.dropped_by_writers)]),
             Family(DROPPED, dropped),
         ]
+
+
+def histogram_quantile(q: float, values: list[float], name: str) -> float | None:
+    """Prometheus's histogram_quantile over an ENGINE vector's histogram ``name`` (linear within the
+    bucket; the lowest bucket starts at 0); None with no observation."""
+    first, total_index, bounds = fmt.ENGINE_LAYOUT.histograms[name]
+    counts = values[first:total_index]
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, seen, lower = q * total, 0.0, 0.0
+    for bound, count in zip((*bounds, math.inf), counts, strict=True):
+        if count > 0 and seen + count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - seen) / count
+        seen += count
+        lower = bound
+    return lower
 
 
 def _add_load(totals: list[float], count: float, age: float, read_bytes: float | None = None) -> None:

@@ -55,105 +55,157 @@ TRANSPORT_FIELDS = {"1.0": {"tcp": 10, "udp": 7}, "1.1": {"tcp": 13, "udp": 10}}
 RDMA_MIN_FIELDS = 20  # statvers 1.1 over RDMA: the tcp fields then RDMA's own (up to 28)
 
 
-def _nfs(name: str, kind: str, text: str) -> Desc:
-    return Desc(f"gpuio_mountstats_nfs_{name}", kind, text)
-
-
-AGE = _nfs("age_seconds_total", COUNTER, "The age of the NFS mount in seconds.")
-BYTES = tuple(_nfs(name, COUNTER, text) for name, text in (
-    ("read_bytes_total", "Number of bytes read using the read() syscall."),
-    ("write_bytes_total", "Number of bytes written using the write() syscall."),
-    ("direct_read_bytes_total", "Number of bytes read using the read() syscall in O_DIRECT mode."),
-    ("direct_write_bytes_total", "Number of bytes written using the write() syscall in O_DIRECT mode."),
-    ("total_read_bytes_total", "Number of bytes read from the NFS server, in total."),
-    ("total_write_bytes_total", "Number of bytes written to the NFS server, in total."),
-    ("read_pages_total", "Number of pages read directly via mmap()'d files."),
-    ("write_pages_total", "Number of pages written directly via mmap()'d files."),
-))
+# The labels of every NFS mount's series (node_exporter's, plus mountpoint).
+MOUNT = ("export", "protocol", "mountaddr", "mountpoint")
+AGE = Desc("gpuio_mountstats_nfs_age_seconds_total", COUNTER,
+           "The age of the NFS mount in seconds.", labels=MOUNT, unit="seconds")
+BYTES = (
+    Desc("gpuio_mountstats_nfs_read_bytes_total", COUNTER,
+         "Number of bytes read using the read() syscall.", labels=MOUNT, unit="bytes"),
+    Desc("gpuio_mountstats_nfs_write_bytes_total", COUNTER,
+         "Number of bytes written using the write() syscall.", labels=MOUNT, unit="bytes"),
+    Desc("gpuio_mountstats_nfs_direct_read_bytes_total", COUNTER,
+         "Number of bytes read using the read() syscall in O_DIRECT mode.", labels=MOUNT, unit="bytes"),
+    Desc("gpuio_mountstats_nfs_direct_write_bytes_total", COUNTER,
+         "Number of bytes written using the write() syscall in O_DIRECT mode.", labels=MOUNT, unit="bytes"),
+    Desc("gpuio_mountstats_nfs_total_read_bytes_total", COUNTER,
+         "Number of bytes read from the NFS server, in total.", labels=MOUNT, unit="bytes"),
+    Desc("gpuio_mountstats_nfs_total_write_bytes_total", COUNTER,
+         "Number of bytes written to the NFS server, in total.", labels=MOUNT, unit="bytes"),
+    Desc("gpuio_mountstats_nfs_read_pages_total", COUNTER, "Number of pages read directly via mmap()'d files.",
+         labels=MOUNT),
+    Desc("gpuio_mountstats_nfs_write_pages_total", COUNTER,
+         "Number of pages written directly via mmap()'d files.", labels=MOUNT),
+)
 # (index in the normalised 13-number transport list, desc, modulo 2**53 as node_exporter does)
 TRANSPORT = (
-    (1, _nfs("transport_bind_total", COUNTER,
-             "Number of times the client has had to establish a connection from scratch to the NFS server."), False),
-    (2, _nfs("transport_connect_total", COUNTER, "Number of times the client has made a TCP connection to the NFS "
-             "server."), False),
-    (4, _nfs("transport_idle_time_seconds", GAUGE, "Duration since the NFS mount last saw any RPC traffic, in "
-             "seconds."), True),
-    (5, _nfs("transport_sends_total", COUNTER, "Number of RPC requests for this mount sent to the NFS server."), False),
-    (6, _nfs("transport_receives_total", COUNTER, "Number of RPC responses for this mount received from the NFS "
-             "server."), False),
-    (7, _nfs("transport_bad_transaction_ids_total", COUNTER, "Number of times the NFS server sent a response with a "
-             "transaction ID unknown to this client."), False),
-    (9, _nfs("transport_backlog_queue_total", COUNTER, "Total number of items added to the RPC backlog queue."), False),
-    (10, _nfs("transport_maximum_rpc_slots", GAUGE, "Maximum number of simultaneously active RPC requests ever "
-              "used."), False),
-    (11, _nfs("transport_sending_queue_total", COUNTER, "Total number of items added to the RPC transmission sending "
-              "queue."), False),
-    (12, _nfs("transport_pending_queue_total", COUNTER, "Total number of items added to the RPC transmission pending "
-              "queue."), False),
+    (1, Desc("gpuio_mountstats_nfs_transport_bind_total", COUNTER,
+             "Number of times the client has had to establish a connection from scratch to the NFS server.",
+             labels=(*MOUNT, "transport")), False),
+    (2, Desc("gpuio_mountstats_nfs_transport_connect_total", COUNTER,
+             "Number of times the client has made a TCP connection to the NFS server.",
+             labels=(*MOUNT, "transport")), False),
+    (4, Desc("gpuio_mountstats_nfs_transport_idle_time_seconds", GAUGE,
+             "Duration since the NFS mount last saw any RPC traffic, in seconds.", labels=(*MOUNT, "transport"),
+             unit="seconds"), True),
+    (5, Desc("gpuio_mountstats_nfs_transport_sends_total", COUNTER,
+             "Number of RPC requests for this mount sent to the NFS server.", labels=(*MOUNT, "transport")), False),
+    (6, Desc("gpuio_mountstats_nfs_transport_receives_total", COUNTER,
+             "Number of RPC responses for this mount received from the NFS server.",
+             labels=(*MOUNT, "transport")), False),
+    (7, Desc("gpuio_mountstats_nfs_transport_bad_transaction_ids_total", COUNTER,
+             "Number of times the NFS server sent a response with a transaction ID unknown to this client.",
+             labels=(*MOUNT, "transport")), False),
+    (9, Desc("gpuio_mountstats_nfs_transport_backlog_queue_total", COUNTER,
+             "Total number of items added to the RPC backlog queue.", labels=(*MOUNT, "transport")), False),
+    (10, Desc("gpuio_mountstats_nfs_transport_maximum_rpc_slots", GAUGE,
+              "Maximum number of simultaneously active RPC requests ever used.", labels=(*MOUNT, "transport")), False),
+    (11, Desc("gpuio_mountstats_nfs_transport_sending_queue_total", COUNTER,
+              "Total number of items added to the RPC transmission sending queue.",
+              labels=(*MOUNT, "transport")), False),
+    (12, Desc("gpuio_mountstats_nfs_transport_pending_queue_total", COUNTER,
+              "Total number of items added to the RPC transmission pending queue.",
+              labels=(*MOUNT, "transport")), False),
 )
 # (index in the operation's numbers, desc, divisor (milliseconds -> seconds), modulo 2**53)
 OPERATIONS = (
-    (0, _nfs("operations_requests_total", COUNTER, "Number of requests performed for a given operation."), 1, False),
-    (1, _nfs("operations_transmissions_total", COUNTER, "Number of times an actual RPC request has been transmitted "
-             "for a given operation."), 1, False),
-    (2, _nfs("operations_major_timeouts_total", COUNTER, "Number of times a request has had a major timeout for a "
-             "given operation."), 1, False),
-    (3, _nfs("operations_sent_bytes_total", COUNTER, "Number of bytes sent for a given operation, including RPC "
-             "headers and payload."), 1, False),
-    (4, _nfs("operations_received_bytes_total", COUNTER, "Number of bytes received for a given operation, including "
-             "RPC headers and payload."), 1, False),
-    (5, _nfs("operations_queue_time_seconds_total", COUNTER, "Duration all requests spent queued for transmission for "
-             "a given operation before they were sent, in seconds."), 1000.0, True),
-    (6, _nfs("operations_response_time_seconds_total", COUNTER, "Duration all requests took to get a reply back after "
-             "a request for a given operation was transmitted (the round trip), in seconds."), 1000.0, True),
-    (7, _nfs("operations_request_time_seconds_total", COUNTER, "Duration all requests took from when a request was "
-             "enqueued to when it was completely handled for a given operation, in seconds."), 1000.0, True),
-    (8, _nfs("operations_errors_total", COUNTER, "Number of errors for a given operation."), 1, True),
+    (0, Desc("gpuio_mountstats_nfs_operations_requests_total", COUNTER,
+             "Number of requests performed for a given operation.", labels=(*MOUNT, "operation")), 1, False),
+    (1, Desc("gpuio_mountstats_nfs_operations_transmissions_total", COUNTER,
+             "Number of times an actual RPC request has been transmitted for a given operation.",
+             labels=(*MOUNT, "operation")), 1, False),
+    (2, Desc("gpuio_mountstats_nfs_operations_major_timeouts_total", COUNTER,
+             "Number of times a request has had a major timeout for a given operation.",
+             labels=(*MOUNT, "operation")), 1, False),
+    (3, Desc("gpuio_mountstats_nfs_operations_sent_bytes_total", COUNTER,
+             "Number of bytes sent for a given operation, including RPC headers and payload.",
+             labels=(*MOUNT, "operation"), unit="bytes"), 1, False),
+    (4, Desc("gpuio_mountstats_nfs_operations_received_bytes_total", COUNTER,
+             "Number of bytes received for a given operation, including RPC headers and payload.",
+             labels=(*MOUNT, "operation"), unit="bytes"), 1, False),
+    (5, Desc("gpuio_mountstats_nfs_operations_queue_time_seconds_total", COUNTER,
+             "Duration all requests spent queued for transmission for a given operation before they were sent, in "
+             "seconds.", labels=(*MOUNT, "operation"), unit="seconds"), 1000.0, True),
+    (6, Desc("gpuio_mountstats_nfs_operations_response_time_seconds_total", COUNTER,
+             "Duration all requests took to get a reply back after a request for a given operation was transmitted "
+             "(the round trip), in seconds.", labels=(*MOUNT, "operation"), unit="seconds"), 1000.0, True),
+    (7, Desc("gpuio_mountstats_nfs_operations_request_time_seconds_total", COUNTER,
+             "Duration all requests took from when a request was enqueued to when it was completely handled for a "
+             "given operation, in seconds.", labels=(*MOUNT, "operation"), unit="seconds"), 1000.0, True),
+    (8, Desc("gpuio_mountstats_nfs_operations_errors_total", COUNTER,
+             "Number of errors for a given operation.", labels=(*MOUNT, "operation")), 1, True),
 )
-EVENT_NAMES = (
-    ("inode_revalidate", "Number of times cached inode attributes are re-validated from the server."),
-    ("dnode_revalidate", "Number of times cached dentry nodes are re-validated from the server."),
-    ("data_invalidate", "Number of times an inode cache is cleared."),
-    ("attribute_invalidate", "Number of times cached inode attributes are invalidated."),
-    ("vfs_open", "Number of times files or directories have been open()'d."),
-    ("vfs_lookup", "Number of times a directory lookup has occurred."),
-    ("vfs_access", "Number of times permissions have been checked."),
-    ("vfs_update_page", "Number of updates (and potential writes) to pages."),
-    ("vfs_read_page", "Number of pages read directly via mmap()'d files."),
-    ("vfs_read_pages", "Number of times a group of pages have been read."),
-    ("vfs_write_page", "Number of pages written directly via mmap()'d files."),
-    ("vfs_write_pages", "Number of times a group of pages have been written."),
-    ("vfs_getdents", "Number of times directory entries have been read with getdents()."),
-    ("vfs_setattr", "Number of times attributes have been set on inodes."),
-    ("vfs_flush", "Number of pending writes that have been forcefully flushed to the server."),
-    ("vfs_fsync", "Number of times fsync() has been called on directories and files."),
-    ("vfs_lock", "Number of times locking has been attempted on a file."),
-    ("vfs_file_release", "Number of times files have been closed and released."),
-    (None, ""),  # congestion wait: unused by the kernel, not exported (as in node_exporter)
-    ("truncation", "Number of times files have been truncated."),
-    ("write_extension", "Number of times a file has been grown due to writes beyond its existing end."),
-    ("silly_rename", "Number of times a file was removed while still open by another process."),
-    ("short_read", "Number of times the NFS server gave less data than expected while reading."),
-    ("short_write", "Number of times the NFS server wrote less data than expected while writing."),
-    ("jukebox_delay", "Number of times the NFS server indicated EJUKEBOX; retrieving data from offline storage."),
-    ("pnfs_read", "Number of NFS v4.1+ pNFS reads."),
-    ("pnfs_write", "Number of NFS v4.1+ pNFS writes."),
+# (index in the events line's numbers, desc)
+EVENTS = (
+    (0, Desc("gpuio_mountstats_nfs_event_inode_revalidate_total", COUNTER,
+             "Number of times cached inode attributes are re-validated from the server.", labels=MOUNT)),
+    (1, Desc("gpuio_mountstats_nfs_event_dnode_revalidate_total", COUNTER,
+             "Number of times cached dentry nodes are re-validated from the server.", labels=MOUNT)),
+    (2, Desc("gpuio_mountstats_nfs_event_data_invalidate_total", COUNTER,
+             "Number of times an inode cache is cleared.", labels=MOUNT)),
+    (3, Desc("gpuio_mountstats_nfs_event_attribute_invalidate_total", COUNTER,
+             "Number of times cached inode attributes are invalidated.", labels=MOUNT)),
+    (4, Desc("gpuio_mountstats_nfs_event_vfs_open_total", COUNTER,
+             "Number of times files or directories have been open()'d.", labels=MOUNT)),
+    (5, Desc("gpuio_mountstats_nfs_event_vfs_lookup_total", COUNTER,
+             "Number of times a directory lookup has occurred.", labels=MOUNT)),
+    (6, Desc("gpuio_mountstats_nfs_event_vfs_access_total", COUNTER,
+             "Number of times permissions have been checked.", labels=MOUNT)),
+    (7, Desc("gpuio_mountstats_nfs_event_vfs_update_page_total", COUNTER,
+             "Number of updates (and potential writes) to pages.", labels=MOUNT)),
+    (8, Desc("gpuio_mountstats_nfs_event_vfs_read_page_total", COUNTER,
+             "Number of pages read directly via mmap()'d files.", labels=MOUNT)),
+    (9, Desc("gpuio_mountstats_nfs_event_vfs_read_pages_total", COUNTER,
+             "Number of times a group of pages have been read.", labels=MOUNT)),
+    (10, Desc("gpuio_mountstats_nfs_event_vfs_write_page_total", COUNTER,
+              "Number of pages written directly via mmap()'d files.", labels=MOUNT)),
+    (11, Desc("gpuio_mountstats_nfs_event_vfs_write_pages_total", COUNTER,
+              "Number of times a group of pages have been written.", labels=MOUNT)),
+    (12, Desc("gpuio_mountstats_nfs_event_vfs_getdents_total", COUNTER,
+              "Number of times directory entries have been read with getdents().", labels=MOUNT)),
+    (13, Desc("gpuio_mountstats_nfs_event_vfs_setattr_total", COUNTER,
+              "Number of times attributes have been set on inodes.", labels=MOUNT)),
+    (14, Desc("gpuio_mountstats_nfs_event_vfs_flush_total", COUNTER,
+              "Number of pending writes that have been forcefully flushed to the server.", labels=MOUNT)),
+    (15, Desc("gpuio_mountstats_nfs_event_vfs_fsync_total", COUNTER,
+              "Number of times fsync() has been called on directories and files.", labels=MOUNT)),
+    (16, Desc("gpuio_mountstats_nfs_event_vfs_lock_total", COUNTER,
+              "Number of times locking has been attempted on a file.", labels=MOUNT)),
+    (17, Desc("gpuio_mountstats_nfs_event_vfs_file_release_total", COUNTER,
+              "Number of times files have been closed and released.", labels=MOUNT)),
+    # 18: congestion wait, unused by the kernel, not exported (as in node_exporter)
+    (19, Desc("gpuio_mountstats_nfs_event_truncation_total", COUNTER,
+              "Number of times files have been truncated.", labels=MOUNT)),
+    (20, Desc("gpuio_mountstats_nfs_event_write_extension_total", COUNTER,
+              "Number of times a file has been grown due to writes beyond its existing end.", labels=MOUNT)),
+    (21, Desc("gpuio_mountstats_nfs_event_silly_rename_total", COUNTER,
+              "Number of times a file was removed while still open by another process.", labels=MOUNT)),
+    (22, Desc("gpuio_mountstats_nfs_event_short_read_total", COUNTER,
+              "Number of times the NFS server gave less data than expected while reading.", labels=MOUNT)),
+    (23, Desc("gpuio_mountstats_nfs_event_short_write_total", COUNTER,
+              "Number of times the NFS server wrote less data than expected while writing.", labels=MOUNT)),
+    (24, Desc("gpuio_mountstats_nfs_event_jukebox_delay_total", COUNTER,
+              "Number of times the NFS server indicated EJUKEBOX; retrieving data from offline storage.",
+              labels=MOUNT)),
+    (25, Desc("gpuio_mountstats_nfs_event_pnfs_read_total", COUNTER, "Number of NFS v4.1+ pNFS reads.", labels=MOUNT)),
+    (26, Desc("gpuio_mountstats_nfs_event_pnfs_write_total", COUNTER, "Number of NFS v4.1+ pNFS writes.",
+              labels=MOUNT)),
 )
-EVENTS = tuple((index, _nfs(f"event_{name}_total", COUNTER, text))
-               for index, (name, text) in enumerate(EVENT_NAMES) if name is not None)
 MOUNT_INFO = Desc("gpuio_mount_info", INFO,
                   "A network or FUSE mount as the host sees it (nfs, nfs4, cifs, ceph, glusterfs, lustre, 9p, "
-                  "fuse.*...): these have no block device, so disk series cannot describe them.")
+                  "fuse.*...): these have no block device, so disk series cannot describe them.",
+                  labels=("mountpoint", "fstype", "source"))
 MALFORMED = Desc("gpuio_mountstats_malformed_lines_total", COUNTER,
                  "Lines of mountstats or mountinfo that made no sense and were skipped, counted at every read "
                  "(mountinfo is read again only when the mount table changes).")
 SOURCE = Desc("gpuio_mountstats_source_info", INFO,
               "Whose mount table and NFS statistics were read: <procfs>/<mountinfo>/mountinfo and "
-              "<procfs>/<mountstats>/mountstats, 1 (the host's init) or self (\"\" when none was read: "
-              "no NFS mount, or none readable; /proc/1/mountstats needs root or CAP_DAC_READ_SEARCH).")
+              "<procfs>/<mountstats>/mountstats, 1 (the host's init) or self (\"\" when none was read: no NFS mount, "
+              "or none readable; /proc/1/mountstats needs root or CAP_DAC_READ_SEARCH).",
+              labels=("mountinfo", "mountstats"))
 DROPPED = Desc("gpuio_mountstats_dropped_series_total", COUNTER,
                "Distinct mounts and operations left out by the collector's caps, by kind (mount, operation, "
-               "mount_info).")
+               "mount_info).", labels=("kind",), values={"kind": ("mount", "operation", "mount_info")})
 
 
 def _numbers(fields: list[str]) -> list[int]:

@@ -15,6 +15,13 @@ The peers are dcgm-exporter and nvidia_gpu_exporter; this module answers their u
   Instead GPM (Hopper and newer) gives the average rate since a baseline sample, times the baseline's
   age (:class:`Gpm` says why not since the previous sample).  GPUs without GPM have no PCIe byte series
   rather than wrong ones.
+- **Activity is GPM too** (Hopper and newer): SM activity, occupancy, tensor and FP pipes, DRAM
+  bandwidth, NVLink bytes, NVDEC/NVJPG/NVOFA, per GPU and per MIG GPU instance, as counters from the
+  same baseline (``rate()`` of ``gpuio_gpu_sm_active_seconds_total`` is the share of SMs working).
+  NVML's busy reads 100 % while one thread block spins or weights cross PCIe with no SM running; these
+  do not.  A GPU without GPM has none of these families and ``gpuio_gpu_gpm_supported 0``.
+- **Per-process busy seconds** integrate nvmlDeviceGetProcessUtilization (every slow interval) for the
+  processes listed; the engines collector names each engine's writer pids, the join to them.
 - **Units are base units** (bytes, hertz, celsius, watts, joules, seconds, ratios), converted here.
 - **Failures stay small.**  A call NVML does not support on this GPU or driver (NotSupported,
   FunctionNotFound, ...) leaves its series out; an old driver gets the older function where there is
@@ -37,16 +44,17 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .. import nvml_device as nv
-from ..collect import Absent, Collector, Context, StaleData, register
+from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..nvml_device import Nvml, NVMLError, error_code, error_name
 from ..options import Option, parse_count, parse_seconds
+from ..pods import cgroup
 from ..sampler import PeriodicSampler, Snapshot
 
 log = logging.getLogger("gpuio.collector.nvml")
@@ -59,64 +67,173 @@ GPM_REBASE = 600.0  # seconds a GPM baseline serves before the next one (see Gpm
 MAX_XID_CODES = 64
 
 DESCS: list[Desc] = []
+GPU = ("gpu", "uuid")  # every per-GPU series: NVML's index and the GPU's UUID
 
 
-def _desc(name: str, kind: str, help_text: str) -> Desc:
-    desc = Desc(name, kind, help_text)
+def _desc(name: str, kind: str, help_text: str, labels: Sequence[str] = (), unit: str = "", *,
+          values: Mapping[str, Sequence[str]] | None = None, doc: str = "", slow: bool = False) -> Desc:
+    """A family of this collector; ``slow``: read every --collector.nvml.slow-interval (marked in the reference)."""
+    if slow:
+        doc = (doc or help_text).removesuffix(".") + " (*slow*)."
+    desc = Desc(name, kind, help_text, labels=labels, unit=unit, values=values, doc=doc)
     DESCS.append(desc)  # the order families are served in
     return desc
 
 
 COUNT = _desc("gpuio_gpu_devices", GAUGE, "Number of GPUs NVML enumerates.")
-AGE = _desc("gpuio_gpu_snapshot_age_seconds", GAUGE, "Age of the NVML snapshot this scrape serves.")
-UP = _desc("gpuio_gpu_up", GAUGE, "Whether the GPU answers NVML (0: lost, reset required, or gone from the bus).")
-INFO_DESC = _desc("gpuio_gpu_info", INFO, "Identity of a GPU.")
+AGE = _desc("gpuio_gpu_snapshot_age_seconds", GAUGE, "Age of the NVML snapshot this scrape serves.", unit="seconds")
+UP = _desc("gpuio_gpu_up", GAUGE, "Whether the GPU answers NVML (0: lost, reset required, or gone from the bus).",
+           labels=GPU)
+INFO_DESC = _desc("gpuio_gpu_info", INFO, "Identity of a GPU.",
+                  labels=(*GPU, "name", "pci_bus_id", "serial", "minor_number", "driver_version", "cuda_version"))
 BUSY = _desc("gpuio_gpu_busy_seconds_total", COUNTER,
-             "Seconds in which a kernel was running, integrated from NVML's utilisation samples.")
+             "Seconds in which a kernel was running, integrated from NVML's utilisation samples.", labels=GPU,
+             unit="seconds",
+             doc="Seconds in which a kernel was running, integrated from NVML's utilisation samples. `rate()` is the "
+                 "busy fraction at any scrape interval.")
 UTILIZATION = _desc("gpuio_gpu_utilization_ratio", GAUGE,
-                    "Fraction of NVML's last sample period in which a kernel ran (aliases; prefer busy seconds).")
+                    "Fraction of NVML's last sample period in which a kernel ran (aliases; prefer busy seconds).",
+                    labels=GPU, unit="ratio")
 MEMORY_UTILIZATION = _desc("gpuio_gpu_memory_utilization_ratio", GAUGE,
-                           "Fraction of NVML's last sample period in which device memory was read or written.")
-MEMORY_TOTAL = _desc("gpuio_gpu_memory_total_bytes", GAUGE, "Device memory installed.")
-MEMORY_RESERVED = _desc("gpuio_gpu_memory_reserved_bytes", GAUGE, "Device memory reserved by driver and firmware.")
-MEMORY_USED = _desc("gpuio_gpu_memory_used_bytes", GAUGE, "Device memory allocated.")
-MEMORY_FREE = _desc("gpuio_gpu_memory_free_bytes", GAUGE, "Device memory free.")
-TEMPERATURE = _desc("gpuio_gpu_temperature_celsius", GAUGE, "GPU die temperature.")
-MEMORY_TEMPERATURE = _desc("gpuio_gpu_memory_temperature_celsius", GAUGE, "Memory (HBM) temperature.")
-POWER = _desc("gpuio_gpu_power_watts", GAUGE, "Power draw (averaged over 1 s on Ampere and newer).")
-POWER_LIMIT = _desc("gpuio_gpu_power_limit_watts", GAUGE, "Power limit the driver enforces.")
-ENERGY = _desc("gpuio_gpu_energy_joules_total", COUNTER, "Energy consumed since the driver loaded.")
-SM_CLOCK = _desc("gpuio_gpu_sm_clock_hertz", GAUGE, "SM clock.")
-SM_CLOCK_MAX = _desc("gpuio_gpu_sm_clock_max_hertz", GAUGE, "Highest SM clock.")
-MEMORY_CLOCK = _desc("gpuio_gpu_memory_clock_hertz", GAUGE, "Memory clock.")
-MEMORY_CLOCK_MAX = _desc("gpuio_gpu_memory_clock_max_hertz", GAUGE, "Highest memory clock.")
-LINK_GEN = _desc("gpuio_gpu_pcie_link_generation", GAUGE, "PCIe link generation now.")
-LINK_GEN_MAX = _desc("gpuio_gpu_pcie_link_generation_max", GAUGE, "Highest PCIe generation of this GPU and slot.")
-LINK_WIDTH = _desc("gpuio_gpu_pcie_link_width", GAUGE, "PCIe lanes now.")
-LINK_WIDTH_MAX = _desc("gpuio_gpu_pcie_link_width_max", GAUGE, "Most PCIe lanes of this GPU and slot.")
-PCIE_TX = _desc("gpuio_gpu_pcie_transmit_bytes_total", COUNTER, "PCIe bytes sent by the GPU (GPM, Hopper+).")
-PCIE_RX = _desc("gpuio_gpu_pcie_receive_bytes_total", COUNTER, "PCIe bytes received by the GPU (GPM, Hopper+).")
-REPLAYS = _desc("gpuio_gpu_pcie_replays_total", COUNTER, "PCIe replays (link-level retransmissions).")
-REASON = _desc("gpuio_gpu_clocks_event_reason_active", GAUGE, "Whether a clock event reason holds clocks down now.")
-VIOLATION = _desc("gpuio_gpu_clocks_event_seconds_total", COUNTER, "Time a clock event reason held clocks down.")
-ECC = _desc("gpuio_gpu_ecc_errors_total", COUNTER, "ECC errors since the driver loaded.")
-ECC_AGGREGATE = _desc("gpuio_gpu_ecc_aggregate_errors_total", COUNTER, "ECC errors over the GPU's lifetime.")
-REMAPPED = _desc("gpuio_gpu_remapped_rows", GAUGE, "Memory rows remapped, by the kind of error that caused it.")
-REMAP_PENDING = _desc("gpuio_gpu_remapped_rows_pending", GAUGE, "Whether a row remap waits for a GPU reset.")
-REMAP_FAILURE = _desc("gpuio_gpu_remapped_rows_failure", GAUGE, "Whether a row remap has failed.")
-XID = _desc("gpuio_gpu_xid_errors_total", COUNTER, "Xid events seen since the exporter started, by Xid code.")
-XID_LAST = _desc("gpuio_gpu_xid_last_timestamp_seconds", GAUGE, "When an Xid code was last seen.")
-PROCESSES = _desc("gpuio_gpu_processes", GAUGE, "Compute processes on the GPU (all, before the cap).")
+                           "Fraction of NVML's last sample period in which device memory was read or written.",
+                           labels=GPU, unit="ratio")
+MEMORY_TOTAL = _desc("gpuio_gpu_memory_total_bytes", GAUGE, "Device memory installed.", labels=GPU, unit="bytes")
+MEMORY_RESERVED = _desc("gpuio_gpu_memory_reserved_bytes", GAUGE,
+                        "Device memory reserved by driver and firmware.", labels=GPU, unit="bytes",
+                        doc="Device memory reserved by driver and firmware (absent before "
+                            "nvmlDeviceGetMemoryInfo_v2).")
+MEMORY_USED = _desc("gpuio_gpu_memory_used_bytes", GAUGE,
+                    "Device memory allocated.", labels=GPU, unit="bytes",
+                    doc="Device memory allocated (includes the reserved memory on drivers without v2).")
+MEMORY_FREE = _desc("gpuio_gpu_memory_free_bytes", GAUGE, "Device memory free.", labels=GPU, unit="bytes")
+TEMPERATURE = _desc("gpuio_gpu_temperature_celsius", GAUGE, "GPU die temperature.", labels=GPU, unit="celsius")
+MEMORY_TEMPERATURE = _desc("gpuio_gpu_memory_temperature_celsius", GAUGE,
+                           "Memory (HBM) temperature.", labels=GPU, unit="celsius")
+POWER = _desc("gpuio_gpu_power_watts", GAUGE, "Power draw (averaged over 1 s on Ampere and newer).", labels=GPU,
+              unit="watts")
+POWER_LIMIT = _desc("gpuio_gpu_power_limit_watts", GAUGE, "Power limit the driver enforces.", labels=GPU, unit="watts")
+ENERGY = _desc("gpuio_gpu_energy_joules_total", COUNTER,
+               "Energy consumed since the driver loaded.", labels=GPU, unit="joules", slow=True)
+SM_CLOCK = _desc("gpuio_gpu_sm_clock_hertz", GAUGE, "SM clock.", labels=GPU, unit="hertz")
+SM_CLOCK_MAX = _desc("gpuio_gpu_sm_clock_max_hertz", GAUGE, "Highest SM clock.", labels=GPU, unit="hertz")
+MEMORY_CLOCK = _desc("gpuio_gpu_memory_clock_hertz", GAUGE, "Memory clock.", labels=GPU, unit="hertz")
+MEMORY_CLOCK_MAX = _desc("gpuio_gpu_memory_clock_max_hertz", GAUGE, "Highest memory clock.", labels=GPU, unit="hertz")
+LINK_GEN = _desc("gpuio_gpu_pcie_link_generation", GAUGE, "PCIe link generation now.", labels=GPU)
+LINK_GEN_MAX = _desc("gpuio_gpu_pcie_link_generation_max", GAUGE,
+                     "Highest PCIe generation of this GPU and slot.", labels=GPU,
+                     doc="Highest PCIe generation of this GPU and slot: below it, the link is degraded (or "
+                         "idle-downshifted).")
+LINK_WIDTH = _desc("gpuio_gpu_pcie_link_width", GAUGE, "PCIe lanes now.", labels=GPU)
+LINK_WIDTH_MAX = _desc("gpuio_gpu_pcie_link_width_max", GAUGE,
+                       "Most PCIe lanes of this GPU and slot.", labels=GPU,
+                       doc="Most PCIe lanes of this GPU and slot: below it, the link is degraded.")
+PCIE_TX = _desc("gpuio_gpu_pcie_transmit_bytes_total", COUNTER,
+                "PCIe bytes sent by the GPU (GPM, Hopper+).", labels=GPU, unit="bytes",
+                doc="PCIe bytes sent by the GPU, TLP overhead included (GPM: Hopper and newer only).")
+PCIE_RX = _desc("gpuio_gpu_pcie_receive_bytes_total", COUNTER,
+                "PCIe bytes received by the GPU (GPM, Hopper+).", labels=GPU, unit="bytes",
+                doc="PCIe bytes received by the GPU, TLP overhead included (GPM: Hopper and newer only).")
+REPLAYS = _desc("gpuio_gpu_pcie_replays_total", COUNTER,
+                "PCIe replays (link-level retransmissions).", labels=GPU, slow=True)
+REASON = _desc("gpuio_gpu_clocks_event_reason_active", GAUGE,
+               "Whether a clock event reason holds clocks down now.", labels=(*GPU, "reason"),
+               doc="Whether a clock event reason holds clocks down now; reasons as nvidia-smi's "
+                   "`clocks_event_reasons.*`.")
+VIOLATION = _desc("gpuio_gpu_clocks_event_seconds_total", COUNTER,
+                  "Time a clock event reason held clocks down.", labels=(*GPU, "reason"), unit="seconds",
+                  values={"reason": ("sw_power_cap", "sync_boost", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                                     "hw_power_brake_slowdown")}, slow=True)
+ECC = _desc("gpuio_gpu_ecc_errors_total", COUNTER,
+            "ECC errors since the driver loaded.", labels=(*GPU, "error"),
+            values={"error": ("corrected", "uncorrected")}, slow=True)
+ECC_AGGREGATE = _desc("gpuio_gpu_ecc_aggregate_errors_total", COUNTER,
+                      "ECC errors over the GPU's lifetime.", labels=(*GPU, "error"),
+                      values={"error": ("corrected", "uncorrected")}, slow=True)
+REMAPPED = _desc("gpuio_gpu_remapped_rows", GAUGE,
+                 "Memory rows remapped, by the kind of error that caused it.", labels=(*GPU, "cause"),
+                 values={"cause": ("correctable", "uncorrectable")}, slow=True)
+REMAP_PENDING = _desc("gpuio_gpu_remapped_rows_pending", GAUGE,
+                      "Whether a row remap waits for a GPU reset.", labels=GPU, slow=True)
+REMAP_FAILURE = _desc("gpuio_gpu_remapped_rows_failure", GAUGE, "Whether a row remap has failed.", labels=GPU,
+                      slow=True)
+XID = _desc("gpuio_gpu_xid_errors_total", COUNTER,
+            "Xid events seen since the exporter started, by Xid code.", labels=(*GPU, "xid"),
+            doc="Xid events seen since the exporter started, by Xid code (at most 64 codes per GPU, then `other`).")
+XID_LAST = _desc("gpuio_gpu_xid_last_timestamp_seconds", GAUGE,
+                 "When an Xid code was last seen.", labels=(*GPU, "xid"), unit="seconds",
+                 doc="When an Xid code was last seen. `time() - x < 600` alerts on a new Xid, even its first.")
+PROCESSES = _desc("gpuio_gpu_processes", GAUGE,
+                  "Compute processes on the GPU (all, before the cap).", labels=GPU, slow=True)
 PROCESS_MEMORY = _desc("gpuio_gpu_process_memory_used_bytes", GAUGE,
-                       "Device memory of a compute process (NaN where NVML cannot say).")
-DROPPED = _desc("gpuio_gpu_processes_dropped_total", COUNTER, "Processes left out of the list by the cap.")
-MIG_ENABLED = _desc("gpuio_gpu_mig_enabled", GAUGE, "Whether MIG mode is on.")
-MIG_INFO = _desc("gpuio_gpu_mig_device_info", INFO, "A MIG device (compute instance) of a GPU.")
-MIG_MEMORY_TOTAL = _desc("gpuio_gpu_mig_device_memory_total_bytes", GAUGE, "Memory of a MIG device.")
-MIG_MEMORY_USED = _desc("gpuio_gpu_mig_device_memory_used_bytes", GAUGE, "Memory of a MIG device in use.")
-MIG_MEMORY_FREE = _desc("gpuio_gpu_mig_device_memory_free_bytes", GAUGE, "Memory of a MIG device free.")
+                       "Device memory of a compute process (NaN where NVML cannot say).",
+                       labels=(*GPU, "pid", "process_name"), unit="bytes",
+                       doc="Device memory of a compute process, largest first up to `--collector.nvml.max-processes` "
+                           "(NaN where NVML cannot say).", slow=True)
+DROPPED = _desc("gpuio_gpu_processes_dropped_total", COUNTER,
+                "Processes left out of the list by the cap.", labels=GPU,
+                doc="Processes left out of the list by the cap, each counted once.", slow=True)
+MIG_ENABLED = _desc("gpuio_gpu_mig_enabled", GAUGE, "Whether MIG mode is on.", labels=GPU, slow=True)
+MIG_INFO = _desc("gpuio_gpu_mig_device_info", INFO, "A MIG device (compute instance) of a GPU.",
+                 labels=(*GPU, "mig_uuid", "gpu_instance", "compute_instance", "name"), slow=True)
+MIG_MEMORY_TOTAL = _desc("gpuio_gpu_mig_device_memory_total_bytes", GAUGE,
+                         "Memory of a MIG device.", labels=(*GPU, "mig_uuid"), unit="bytes", slow=True)
+MIG_MEMORY_USED = _desc("gpuio_gpu_mig_device_memory_used_bytes", GAUGE,
+                        "Memory of a MIG device in use.", labels=(*GPU, "mig_uuid"), unit="bytes", slow=True)
+MIG_MEMORY_FREE = _desc("gpuio_gpu_mig_device_memory_free_bytes", GAUGE,
+                        "Memory of a MIG device free.", labels=(*GPU, "mig_uuid"), unit="bytes", slow=True)
 NVML_ERRORS = _desc("gpuio_gpu_nvml_errors_total", COUNTER,
-                    "NVML calls that failed other than unsupported or lost, by call and error.")
+                    "NVML calls that failed other than unsupported or lost, by call and error.",
+                    labels=(*GPU, "call", "error"),
+                    doc="NVML calls that failed other than unsupported or lost, by call and error (e.g. `Timeout`).")
+
+# GPM (GPU Performance Monitoring, Hopper and newer): what the SMs, pipes, memory and links did, as
+# counters (see Gpm for how a rate becomes a counter).  rate() of a *_seconds_total is the average ratio.
+GPU = ("gpu", "uuid")
+GPM_SUPPORTED = _desc("gpuio_gpu_gpm_supported", GAUGE,
+                      "Whether the GPU has GPM (Hopper and newer): without it the SM, pipe, DRAM, NVLink and PCIe "
+                      "byte families are absent.", GPU)
+SM_ACTIVE = _desc("gpuio_gpu_sm_active_seconds_total", COUNTER,
+                  "SM-seconds with a warp resident, per SM of the GPU: rate() is the share of SMs busy "
+                  "(GPM SM utilisation; DCGM_FI_PROF_SM_ACTIVE).", GPU, "seconds")
+SM_OCCUPANCY = _desc("gpuio_gpu_sm_occupancy_seconds_total", COUNTER,
+                     "Integral of resident warps over the SMs' warp capacity: rate() is the mean occupancy "
+                     "(GPM SM occupancy; DCGM_FI_PROF_SM_OCCUPANCY).", GPU, "seconds")
+PIPE_ACTIVE = _desc("gpuio_gpu_pipe_active_seconds_total", COUNTER,
+                    "Seconds a pipe of the SMs was busy, averaged over the SMs: rate() is its activity ratio "
+                    "(pipe tensor: any tensor op; tensor_hmma/imma/dfma: that kind; fp64/fp32/fp16: non-tensor "
+                    "math). Pipes overlap: do not sum them.", (*GPU, "pipe"), "seconds")
+DRAM_ACTIVE = _desc("gpuio_gpu_dram_active_seconds_total", COUNTER,
+                    "Integral of device-memory bandwidth used over the theoretical peak: rate() is the share of "
+                    "peak DRAM bandwidth (GPM DRAM bandwidth utilisation).", GPU, "seconds")
+NVLINK_RX = _desc("gpuio_gpu_nvlink_receive_bytes_total", COUNTER,
+                  "NVLink bytes received over all links (GPM).", GPU, "bytes")
+NVLINK_TX = _desc("gpuio_gpu_nvlink_transmit_bytes_total", COUNTER,
+                  "NVLink bytes sent over all links (GPM).", GPU, "bytes")
+NVLINK_LINK_RX = _desc("gpuio_gpu_nvlink_link_receive_bytes_total", COUNTER,
+                       "NVLink bytes received on one active link (GPM).", (*GPU, "link"), "bytes")
+NVLINK_LINK_TX = _desc("gpuio_gpu_nvlink_link_transmit_bytes_total", COUNTER,
+                       "NVLink bytes sent on one active link (GPM).", (*GPU, "link"), "bytes")
+MEDIA_ACTIVE = _desc("gpuio_gpu_media_active_seconds_total", COUNTER,
+                     "Seconds a video decoder (nvdec), JPEG decoder (nvjpg) or optical-flow accelerator (nvofa) "
+                     "was busy (GPM).", (*GPU, "media", "media_index"), "seconds")
+MIG = (*GPU, "gpu_instance")
+MIG_SM_ACTIVE = _desc("gpuio_gpu_mig_sm_active_seconds_total", COUNTER,
+                      "SM activity of one MIG GPU instance, per SM of the instance (GPM; see "
+                      "gpuio_gpu_sm_active_seconds_total).", MIG, "seconds", slow=True)
+MIG_SM_OCCUPANCY = _desc("gpuio_gpu_mig_sm_occupancy_seconds_total", COUNTER,
+                         "SM occupancy of one MIG GPU instance (GPM).", MIG, "seconds", slow=True)
+MIG_PIPE_ACTIVE = _desc("gpuio_gpu_mig_pipe_active_seconds_total", COUNTER,
+                        "Tensor-pipe activity of one MIG GPU instance (GPM).", (*MIG, "pipe"), "seconds", slow=True)
+MIG_DRAM_ACTIVE = _desc("gpuio_gpu_mig_dram_active_seconds_total", COUNTER,
+                        "Share of peak DRAM bandwidth one MIG GPU instance used (GPM).", MIG, "seconds", slow=True)
+# Per process (nvmlDeviceGetProcessUtilization): NVML's busy idea, not GPM's activity.
+PROCESS_SM_BUSY = _desc("gpuio_gpu_process_sm_busy_seconds_total", COUNTER,
+                        "Seconds in which a kernel of this process ran (NVML's per-process SM utilisation "
+                        "integrated), for the processes listed.", (*GPU, "pid", "process_name"), "seconds", slow=True)
+PROCESS_MEMORY_BUSY = _desc("gpuio_gpu_process_memory_busy_seconds_total", COUNTER,
+                            "Seconds in which this process read or wrote device memory (NVML's per-process "
+                            "memory utilisation integrated), for the processes listed.",
+                            (*GPU, "pid", "process_name"), "seconds", slow=True)
 
 # nvmlClocksEventReason* bits, named as nvidia-smi's clocks_event_reasons.* fields.
 EVENT_REASONS = ((0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"),
@@ -126,7 +243,67 @@ EVENT_REASONS = ((0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, 
 VIOLATION_FIELDS = ((74, "sw_power_cap"), (76, "sync_boost"), (269, "sw_thermal_slowdown"),
                     (270, "hw_thermal_slowdown"), (271, "hw_power_brake_slowdown"))
 FIELD_MEMORY_TEMPERATURE = 82
-GPM_PCIE = ((nv.GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx"), (nv.GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx"))
+PERCENT = 0.01  # GPM percent -> ratio: a counter of seconds
+MIB_PER_SECOND = MIB  # GPM MiB/s -> a counter of bytes
+MAX_PROCESS_PERIOD_US = 20_000_000  # NVML keeps about this much per-process utilisation history
+
+
+@dataclass(frozen=True)
+class GpmMetric:
+    """One GPM metric served as a counter: NVML's average over a window x the window's length (see Gpm).
+
+    Every metric is computed every interval: on an H100 one nvmlGpmSampleGet + nvmlGpmMetricsGet costs
+    0.22 ms of CPU for 6 metrics and 0.24 ms for 32 (bench/nvml_bench.py), so a smaller set or a slower
+    cadence for some would save nothing worth the staleness.
+    """
+
+    metric: int  # NVML_GPM_METRIC_*
+    desc: Desc
+    labels: tuple[tuple[str, str], ...] = ()
+    scale: float = PERCENT
+
+
+def _pipe(metric: int, pipe: str, desc: Desc = PIPE_ACTIVE) -> GpmMetric:
+    return GpmMetric(metric, desc, (("pipe", pipe),))
+
+
+GPM_METRICS = (
+    GpmMetric(nv.GPM_METRIC_SM_UTIL, SM_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_SM_OCCUPANCY, SM_OCCUPANCY),
+    _pipe(nv.GPM_METRIC_ANY_TENSOR_UTIL, "tensor"),
+    GpmMetric(nv.GPM_METRIC_DRAM_BW_UTIL, DRAM_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_PCIE_TX_PER_SEC, PCIE_TX, scale=MIB_PER_SECOND),
+    GpmMetric(nv.GPM_METRIC_PCIE_RX_PER_SEC, PCIE_RX, scale=MIB_PER_SECOND),
+    _pipe(nv.GPM_METRIC_HMMA_TENSOR_UTIL, "tensor_hmma"),
+    _pipe(nv.GPM_METRIC_IMMA_TENSOR_UTIL, "tensor_imma"),
+    _pipe(nv.GPM_METRIC_DFMA_TENSOR_UTIL, "tensor_dfma"),
+    _pipe(nv.GPM_METRIC_FP64_UTIL, "fp64"),
+    _pipe(nv.GPM_METRIC_FP32_UTIL, "fp32"),
+    _pipe(nv.GPM_METRIC_FP16_UTIL, "fp16"),
+    *(GpmMetric(first + index, MEDIA_ACTIVE, (("media", media), ("media_index", str(index))))
+      for media, first, count in (("nvdec", nv.GPM_METRIC_NVDEC_0_UTIL, 8), ("nvjpg", nv.GPM_METRIC_NVJPG_0_UTIL, 8),
+                                  ("nvofa", nv.GPM_METRIC_NVOFA_0_UTIL, 2))
+      for index in range(count)),
+)
+# Only on a GPU with an active NVLink (nvmlDeviceGetNvLinkState), so a PCIe card serves no zero links.
+NVLINK_TOTALS = (GpmMetric(nv.GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC, NVLINK_RX, scale=MIB_PER_SECOND),
+                 GpmMetric(nv.GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC, NVLINK_TX, scale=MIB_PER_SECOND))
+
+
+def nvlink_link_metrics(link: int) -> tuple[GpmMetric, GpmMetric]:
+    labels = (("link", str(link)),)
+    first = nv.GPM_METRIC_NVLINK_L0_RX_PER_SEC + 2 * link
+    return (GpmMetric(first, NVLINK_LINK_RX, labels, MIB_PER_SECOND),
+            GpmMetric(first + 1, NVLINK_LINK_TX, labels, MIB_PER_SECOND))
+
+
+# Per MIG GPU instance: what says whether the instance works (read every slow interval).
+MIG_GPM_METRICS = (
+    GpmMetric(nv.GPM_METRIC_SM_UTIL, MIG_SM_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_SM_OCCUPANCY, MIG_SM_OCCUPANCY),
+    _pipe(nv.GPM_METRIC_ANY_TENSOR_UTIL, "tensor", MIG_PIPE_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_DRAM_BW_UTIL, MIG_DRAM_ACTIVE),
+)
 
 
 @dataclass(frozen=True)
@@ -207,23 +384,63 @@ class BusyIntegrator:
             self.last_seen_us = timestamp
 
 
+class ProcessBusy:
+    """Per-process busy seconds from nvmlDeviceGetProcessUtilization, bounded to ``limit`` processes.
+
+    Each call answers, per process that ran, its utilisation over the period since the timestamp we
+    pass (the newest sample of the previous call), so the period x the percentage is the time its
+    kernels ran, however often it is called (within NVML's history, MAX_PROCESS_PERIOD_US).  The
+    first call only sets the baseline.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.last_seen_us: int | None = None
+        self.seconds: dict[int, list[float]] = {}  # pid -> [SM busy, memory busy]
+
+    def feed(self, samples: list[nv.ProcessUtilization]) -> None:
+        if not samples:
+            return
+        newest = max(sample.timestamp_us for sample in samples)
+        if self.last_seen_us is None or newest <= self.last_seen_us:
+            self.last_seen_us = max(newest, self.last_seen_us or 0)
+            return
+        period = min(newest - self.last_seen_us, MAX_PROCESS_PERIOD_US) / 1e6
+        self.last_seen_us = newest
+        for sample in samples:
+            totals = self.seconds.get(sample.pid)
+            if totals is None:
+                if len(self.seconds) >= self.limit:  # past the cap: left out, as the process series are
+                    continue
+                totals = self.seconds[sample.pid] = [0.0, 0.0]
+            totals[0] += min(max(sample.sm, 0), 100) / 100 * period
+            totals[1] += min(max(sample.memory, 0), 100) / 100 * period
+
+    def keep(self, pids: set[int]) -> None:
+        """Forget the processes that ended (NVML no longer lists them)."""
+        for pid in [pid for pid in self.seconds if pid not in pids]:
+            del self.seconds[pid]
+
+
 @dataclass
 class Gpm:
-    """PCIe bytes from GPM, measured from a long-lived baseline sample rather than from the previous one.
+    """GPM counters, measured from a long-lived baseline sample rather than from the previous one.
 
-    GPM gives the average rate between two samples, but a sample holds the counters of GPM's last
-    internal refresh (every 100 ms, nvml.h), so the time NVML divides by differs from the time between
-    our two calls by up to 0.1 s.  Measured on an H100: 2 GiB moved read as 0 to 3.6 GiB over windows
-    of 0.04-0.54 s.  Multiplying the rate by our own interval would be off by up to 10 % each second.
-    Measured from a baseline ``age`` seconds old, the error is 0.1 s / age of the average rate (0.1 %
-    after 100 s); the baseline moves every GPM_REBASE seconds, its total kept in ``carry``.  The
+    GPM gives each metric's average between two samples (percent, or MiB/s), but a sample holds the
+    counters of GPM's last internal refresh (every 100 ms, nvml.h), so the time NVML divides by
+    differs from the time between our two calls by up to 0.1 s.  Measured on an H100: 2 GiB moved
+    read as 0 to 3.6 GiB over windows of 0.04-0.54 s.  Multiplying the average by our own interval
+    would be off by up to 10 % each second.  Measured from a baseline ``age`` seconds old, the error
+    is 0.1 s / age of the average (0.1 % after 100 s): the counter is ``carry`` + average since the
+    baseline x age.  The baseline moves every GPM_REBASE seconds, its totals kept in ``carry``.  An
     exported total never decreases (a wobble of that error must not look like a counter reset).
+    One Gpm per GPU, and one per MIG GPU instance.
     """
 
     baseline: Any  # sample buffer holding the baseline
     scratch: Any  # sample buffer for the newest sample
     since: float | None = None  # monotonic time of the baseline; None: no baseline yet
-    carry: dict[str, float] = field(default_factory=dict)  # bytes counted up to the baseline
+    carry: dict[int, float] = field(default_factory=dict)  # metric -> total counted up to the baseline
 
 
 @dataclass
@@ -242,13 +459,19 @@ class Gpu:
     fast: list[Reading] = field(default_factory=list)
     slow: list[Reading] = field(default_factory=list)
     busy: BusyIntegrator = field(default_factory=BusyIntegrator)
+    process_busy: ProcessBusy = field(default_factory=lambda: ProcessBusy(256))
     gpm: Gpm | None = None
-    pcie: dict[str, float] = field(default_factory=dict)
+    gpm_metrics: tuple[GpmMetric, ...] = ()  # what this GPU's GPM serves (NVLink only with active links)
+    gpm_totals: dict[int, float] = field(default_factory=dict)  # metric -> counter, kept across sessions
+    mig_gpm: dict[int, Gpm] = field(default_factory=dict)  # GPU instance id -> its GPM state
+    mig_gpm_totals: dict[int, dict[int, float]] = field(default_factory=dict)
     reasons_supported: int = 0x1FF
     xid: dict[str, tuple[int, float]] = field(default_factory=dict)
     dropped: int = 0
     dropped_pids: set[int] = field(default_factory=set)
     names: dict[int, str] = field(default_factory=dict)
+    pods: dict[int, cgroup.PodRef | None] = field(default_factory=dict)  # pid -> its pod (cgroup), kept processes
+    mig_uuids: set[str] = field(default_factory=set)  # its MIG devices at the last slow read
     pids: set[int] = field(default_factory=set)  # every compute process at the last slow read, cap or not
     label_cache: dict[tuple[tuple[str, str], ...], str] = field(default_factory=dict)
 
@@ -257,7 +480,7 @@ class Gpu:
         self.index, self.handle, self.up = index, handle, True
         self.unsupported = set()
         self.static, self.fast, self.slow = [], [], []
-        self.gpm = None
+        self.gpm, self.gpm_metrics, self.mig_gpm = None, (), {}
         self.label_cache = {}
         self.labels = label_string({"gpu": str(index), "uuid": self.uuid})
 
@@ -408,6 +631,8 @@ class NvmlCollector(Collector):
             raise StaleData(f"the last NVML sweep failed: {snapshot.error}", served)
         if self._absent is not None:
             raise Absent(self._absent, served)  # a CPU node: no failure, logged once by the scraper
+        if self.sampler.first_pending():
+            raise Pending("the first NVML sweep since start-up is still running", served)
         return served
 
     @staticmethod
@@ -450,6 +675,8 @@ class NvmlCollector(Collector):
                     if slow:
                         self.context.gpu_processes.update(
                             {pid: gpu.uuid for gpu in session.gpus if gpu.up for pid in gpu.pids})
+                        self.context.pods.set_mig_parents(
+                            {mig: gpu.uuid for gpu in session.gpus if gpu.up for mig in gpu.mig_uuids})
                 return self._render()
             finally:
                 self._sweep_started = None
@@ -524,6 +751,9 @@ class NvmlCollector(Collector):
         self._read_identity(nvml, session, gpu)
         gpu.static = self._scalars(gpu, STATIC)
         gpu.gpm = self._open_gpm(gpu)
+        gpu.static.append((GPM_SUPPORTED, gpu.labels, 0 if gpu.gpm is None else 1))
+        gpu.gpm_metrics = GPM_METRICS + self._nvlink_metrics(gpu) if gpu.gpm is not None else ()
+        gpu.process_busy.limit = 4 * self._max_processes
 
     def _read_identity(self, nvml: Nvml, session: Session, gpu: Gpu) -> None:
         handle = gpu.handle
@@ -545,11 +775,33 @@ class NvmlCollector(Collector):
         assert nvml is not None
         if not self._call(gpu, "gpm_query_device_support", nvml.gpm_query_device_support, gpu.handle):
             return None
+        return self._gpm_buffers(gpu)
+
+    def _gpm_buffers(self, gpu: Gpu) -> Gpm | None:
+        nvml = self._nvml
+        assert nvml is not None
         first = self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc)
         second = self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc)
         if first is None or second is None:
+            for buffer in (first, second):
+                if buffer is not None:
+                    _quietly(nvml.gpm_sample_free, buffer)
             return None
         return Gpm(first, second)
+
+    def _nvlink_metrics(self, gpu: Gpu) -> tuple[GpmMetric, ...]:
+        """The NVLink metrics of the links that are up, read once per session; none on a PCIe card."""
+        nvml = self._nvml
+        assert nvml is not None
+        metrics: list[GpmMetric] = []
+        for link in range(nv.NVLINK_LINKS):
+            try:
+                active = nvml.device_nvlink_state(gpu.handle, link)
+            except NVMLError:  # no NVLink, or no such link: NVML numbers links from 0
+                break
+            if active:
+                metrics += nvlink_link_metrics(link)
+        return (*NVLINK_TOTALS, *metrics) if metrics else ()
 
     def _start_listener(self, session: Session) -> None:
         nvml = self._nvml
@@ -583,15 +835,16 @@ class NvmlCollector(Collector):
         if session.event_set is not None:
             _quietly(nvml.event_set_free, session.event_set)
         for gpu in session.gpus:
-            for buffer in (gpu.gpm.baseline, gpu.gpm.scratch) if gpu.gpm else ():
-                _quietly(nvml.gpm_sample_free, buffer)
+            for gpm in ([gpu.gpm] if gpu.gpm else []) + list(gpu.mig_gpm.values()):
+                _quietly(nvml.gpm_sample_free, gpm.baseline)
+                _quietly(nvml.gpm_sample_free, gpm.scratch)
         self._detach(session)
         _quietly(nvml.shutdown)
 
     @staticmethod
     def _detach(session: Session) -> None:
         for gpu in session.gpus:
-            gpu.handle, gpu.up, gpu.gpm = None, False, None
+            gpu.handle, gpu.up, gpu.gpm, gpu.mig_gpm = None, False, None, {}
 
     def _schedule_reinit(self) -> None:
         if self._reinit_at is None:
@@ -665,6 +918,7 @@ class NvmlCollector(Collector):
         readings += self._read_violations(gpu)
         readings += self._read_remapped_rows(gpu)
         readings += self._read_processes(gpu)
+        readings += self._read_process_busy(gpu)  # after the list: the processes it names get series
         readings += self._read_mig(gpu)
         return readings
 
@@ -720,31 +974,72 @@ class NvmlCollector(Collector):
                 for bit, name in EVENT_REASONS if gpu.reasons_supported & bit]
 
     def _read_gpm(self, gpu: Gpu) -> list[Reading]:
-        """PCIe bytes: GPM's average rate since the baseline sample times the baseline's age (see Gpm)."""
+        """The GPU's GPM counters (see Gpm)."""
         nvml, gpm = self._nvml, gpu.gpm
         if gpm is None or nvml is None:
             return []
-        now = time.monotonic()
-        if gpm.since is None:  # a new session: the baseline starts from the totals so far
-            if self._call(gpu, "gpm_sample_get", nvml.gpm_sample_get, gpu.handle, gpm.baseline) is not None:
-                gpm.since, gpm.carry = now, {key: gpu.pcie.get(key, 0.0) for _, key in GPM_PCIE}
-        elif self._call(gpu, "gpm_sample_get", nvml.gpm_sample_get, gpu.handle, gpm.scratch) is not None:
-            rates = self._call(gpu, "gpm_metrics_get", nvml.gpm_metrics_get, gpm.baseline, gpm.scratch,
-                               [metric for metric, _ in GPM_PCIE]) or {}
-            for metric, key in GPM_PCIE:
-                rate = rates.get(metric)
-                if isinstance(rate, Exception):
-                    self._failed(gpu, f"gpm_metric_{metric}", rate)
-                elif rate is not None:
-                    total = gpm.carry[key] + max(rate, 0.0) * MIB * (now - gpm.since)
-                    gpu.pcie[key] = max(gpu.pcie.get(key, 0.0), total)
-            if now - gpm.since >= GPM_REBASE:
-                gpm.baseline, gpm.scratch, gpm.since = gpm.scratch, gpm.baseline, now
-                gpm.carry = {key: gpu.pcie.get(key, 0.0) for _, key in GPM_PCIE}
+        self._advance_gpm(gpu, gpm, gpu.gpm_totals, gpu.gpm_metrics, "", nvml.gpm_sample_get, gpu.handle)
         if gpm.since is None or "gpm_metrics_get" in gpu.unsupported:
             return []
-        return [(PCIE_TX, gpu.labels, gpu.pcie.get("pcie_tx", 0.0)),
-                (PCIE_RX, gpu.labels, gpu.pcie.get("pcie_rx", 0.0))]
+        return [(m.desc, gpu.label(m.labels), gpu.gpm_totals[m.metric])
+                for m in gpu.gpm_metrics if m.metric in gpu.gpm_totals]
+
+    def _advance_gpm(self, gpu: Gpu, gpm: Gpm, totals: dict[int, float], metrics: tuple[GpmMetric, ...],
+                     prefix: str, sample_get: Callable[..., Any], *where: Any) -> None:
+        """One GPM step: take a sample into the baseline (first time) or the scratch buffer, then each
+        metric as its total since the baseline; move the baseline when it is old.  ``prefix`` ("mig_")
+        keeps a GPU instance's refusals apart from the GPU's."""
+        assert self._nvml is not None
+        now = time.monotonic()
+        sample_call = prefix + "gpm_sample_get"
+        if gpm.since is None:
+            if self._call(gpu, sample_call, sample_get, *where, gpm.baseline) is not None:
+                for metric in metrics:  # served from the baseline on: rate() misses nothing of the first step
+                    totals.setdefault(metric.metric, 0.0)
+                gpm.since, gpm.carry = now, dict(totals)
+            return
+        due = [m for m in metrics if f"{prefix}gpm_metric_{m.metric}" not in gpu.unsupported]
+        if not due or self._call(gpu, sample_call, sample_get, *where, gpm.scratch) is None:
+            return
+        rates = self._call(gpu, "gpm_metrics_get", self._nvml.gpm_metrics_get, gpm.baseline, gpm.scratch,
+                           [m.metric for m in due]) or {}
+        for metric in due:
+            rate = rates.get(metric.metric)
+            if isinstance(rate, Exception):
+                self._failed(gpu, f"{prefix}gpm_metric_{metric.metric}", rate)
+                if f"{prefix}gpm_metric_{metric.metric}" in gpu.unsupported:  # this GPU lacks it: absent
+                    totals.pop(metric.metric, None)
+            elif rate is not None:
+                total = gpm.carry.get(metric.metric, 0.0) + max(rate, 0.0) * metric.scale * (now - gpm.since)
+                totals[metric.metric] = max(totals.get(metric.metric, 0.0), total)
+        if now - gpm.since >= GPM_REBASE:
+            gpm.baseline, gpm.scratch, gpm.since = gpm.scratch, gpm.baseline, now
+            gpm.carry = dict(totals)
+
+    def _read_process_busy(self, gpu: Gpu) -> list[Reading]:
+        """Busy seconds of each listed process (nvmlDeviceGetProcessUtilization, see ProcessBusy).
+
+        Every slow interval: the call costs ~2.7 ms of CPU on an H100 whatever it returns (as much as
+        the rest of a sweep), and it answers for the whole period since the previous call."""
+        assert self._nvml is not None
+        if not gpu.up or "process_utilization" in gpu.unsupported:
+            return []
+        tracker = gpu.process_busy
+        self._current_call = "process_utilization"
+        try:
+            samples = self._nvml.device_process_utilization(gpu.handle, tracker.last_seen_us or 0)
+        except NVMLError as exc:
+            if error_code(exc) != nv.ERROR_NOT_FOUND:  # NotFound: no process ran since the last call
+                self._failed(gpu, "process_utilization", exc)
+                return []
+            samples = []
+        tracker.feed(samples)
+        readings: list[Reading] = []
+        for pid, name in gpu.names.items():  # the processes the list shows (largest memory first, capped)
+            labels = gpu.label((("pid", str(pid)), ("process_name", name)))
+            sm, memory = tracker.seconds.get(pid, (0.0, 0.0))
+            readings += [(PROCESS_SM_BUSY, labels, sm), (PROCESS_MEMORY_BUSY, labels, memory)]
+        return readings
 
     def _fields(self, gpu: Gpu, call: str, field_ids: tuple[int, ...]) -> dict[int, int | float]:
         """Field values NVML gave; a field it refused is classified like a failed call of its own."""
@@ -781,18 +1076,32 @@ class NvmlCollector(Collector):
         if processes is None:
             return []
         gpu.pids = {p.pid for p in processes}
+        gpu.process_busy.keep(gpu.pids)
         processes = sorted(processes, key=lambda p: (-(p.used_memory or 0), p.pid))
         kept, dropped = processes[: self._max_processes], processes[self._max_processes :]
         dropped_pids = {p.pid for p in dropped}
         gpu.dropped += len(dropped_pids - gpu.dropped_pids)  # each process counted once, when first left out
         gpu.dropped_pids = dropped_pids
         gpu.names = {p.pid: gpu.names.get(p.pid) or self._process_name(p.pid) for p in kept}
+        gpu.pods = {p.pid: gpu.pods[p.pid] if p.pid in gpu.pods else cgroup.of_pid(p.pid, self.context.procfs)
+                    for p in kept}
         readings: list[Reading] = [(PROCESSES, gpu.labels, len(processes)), (DROPPED, gpu.labels, gpu.dropped)]
         for process in kept:
-            labels = gpu.label((("pid", str(process.pid)), ("process_name", gpu.names[process.pid])))
+            labels = gpu.label((("pid", str(process.pid)), ("process_name", gpu.names[process.pid]),
+                                *self._pod_labels(gpu, gpu.pods[process.pid])))
             used = math.nan if process.used_memory is None else process.used_memory
             readings.append((PROCESS_MEMORY, labels, used))
         return readings
+
+    def _pod_labels(self, gpu: Gpu, ref: cgroup.PodRef | None) -> tuple[tuple[str, str], ...]:
+        """namespace, pod and container of a process in a pod (exporter.pods.attribution); nothing for a
+        process in no pod or whose pod cannot be named, so off Kubernetes the series are as they were."""
+        if ref is None:
+            return ()
+        named = self.context.pods.of_process(ref.pod_uid, gpu.uuid)
+        if named is None:
+            return ()
+        return (("namespace", named[0]), ("pod", named[1]), ("container", named[2]))
 
     def _process_name(self, pid: int) -> str:
         assert self._nvml is not None
@@ -804,6 +1113,7 @@ class NvmlCollector(Collector):
     def _read_mig(self, gpu: Gpu) -> list[Reading]:
         """MIG mode; with it on, each MIG device's identity and memory (NVML has no MIG utilisation)."""
         assert self._nvml is not None
+        gpu.mig_uuids = set()
         mode = self._call(gpu, "mig_mode", self._nvml.device_mig_mode, gpu.handle)
         if mode is None:
             return []
@@ -811,6 +1121,7 @@ class NvmlCollector(Collector):
         if not mode[0]:
             return readings
         count = self._call(gpu, "max_mig_device_count", self._nvml.device_max_mig_device_count, gpu.handle) or 0
+        instances: set[int] = set()
         for index in range(count):
             self._current_call = "mig_device_handle_by_index"
             try:
@@ -820,16 +1131,47 @@ class NvmlCollector(Collector):
                     continue
                 self._failed(gpu, "mig_device_handle_by_index", exc)
                 break
-            readings += self._read_mig_device(gpu, handle)
+            readings += self._read_mig_device(gpu, handle, instances)
+        return readings + self._read_mig_gpm(gpu, instances)
+
+    def _read_mig_gpm(self, gpu: Gpu, instances: set[int]) -> list[Reading]:
+        """GPM per MIG GPU instance (nvmlGpmMigSampleGet on the parent GPU), on the GPUs that have GPM."""
+        nvml = self._nvml
+        assert nvml is not None
+        for gone in set(gpu.mig_gpm) - instances:  # an instance destroyed: its buffers go with it
+            old = gpu.mig_gpm.pop(gone)
+            _quietly(nvml.gpm_sample_free, old.baseline)
+            _quietly(nvml.gpm_sample_free, old.scratch)
+        if gpu.gpm is None:
+            return []
+        readings: list[Reading] = []
+        for instance in sorted(instances):
+            gpm = gpu.mig_gpm.get(instance)
+            if gpm is None and "mig_gpm_sample_get" not in gpu.unsupported:
+                gpm = self._gpm_buffers(gpu)
+                if gpm is not None:
+                    gpu.mig_gpm[instance] = gpm
+            if gpm is None:
+                continue
+            totals = gpu.mig_gpm_totals.setdefault(instance, {})
+            self._advance_gpm(gpu, gpm, totals, MIG_GPM_METRICS, "mig_", nvml.gpm_mig_sample_get,
+                              gpu.handle, instance)
+            if gpm.since is not None:
+                extra = (("gpu_instance", str(instance)),)
+                readings += [(m.desc, gpu.label(extra + m.labels), totals[m.metric])
+                             for m in MIG_GPM_METRICS if m.metric in totals]
         return readings
 
-    def _read_mig_device(self, gpu: Gpu, handle: Any) -> list[Reading]:
+    def _read_mig_device(self, gpu: Gpu, handle: Any, instances: set[int]) -> list[Reading]:
         assert self._nvml is not None
         nvml = self._nvml
         mig_uuid = self._call(gpu, "mig_uuid", nvml.device_uuid, handle)
         if mig_uuid is None:
             return []
+        gpu.mig_uuids.add(mig_uuid)
         gpu_instance = self._call(gpu, "mig_gpu_instance_id", nvml.device_gpu_instance_id, handle)
+        if gpu_instance is not None:
+            instances.add(gpu_instance)
         compute_instance = self._call(gpu, "mig_compute_instance_id", nvml.device_compute_instance_id, handle)
         info = gpu.label((("mig_uuid", mig_uuid),
                           ("gpu_instance", "" if gpu_instance is None else str(gpu_instance)),

@@ -26,17 +26,19 @@ log = logging.getLogger("gpuio.collector.pressure")
 # (resource, line kind) -> the family it feeds.
 DESCS: dict[tuple[str, str], Desc] = {
     ("cpu", "some"): Desc("gpuio_pressure_cpu_waiting_seconds_total", COUNTER,
-                          "Total time in seconds that processes have waited for CPU time."),
+                          "Total time in seconds that processes have waited for CPU time.", unit="seconds"),
     ("io", "some"): Desc("gpuio_pressure_io_waiting_seconds_total", COUNTER,
-                         "Total time in seconds that processes have waited due to IO congestion."),
+                         "Total time in seconds that processes have waited due to IO congestion.", unit="seconds"),
     ("io", "full"): Desc("gpuio_pressure_io_stalled_seconds_total", COUNTER,
-                         "Total time in seconds no process could make progress due to IO congestion."),
+                         "Total time in seconds no process could make progress due to IO congestion.", unit="seconds"),
     ("memory", "some"): Desc("gpuio_pressure_memory_waiting_seconds_total", COUNTER,
-                             "Total time in seconds that processes have waited for memory."),
+                             "Total time in seconds that processes have waited for memory.", unit="seconds"),
     ("memory", "full"): Desc("gpuio_pressure_memory_stalled_seconds_total", COUNTER,
-                             "Total time in seconds no process could make progress due to memory congestion."),
+                             "Total time in seconds no process could make progress due to memory congestion.",
+                             unit="seconds"),
     ("irq", "full"): Desc("gpuio_pressure_irq_stalled_seconds_total", COUNTER,
-                          "Total time in seconds no process could make progress due to IRQ/softirq work."),
+                          "Total time in seconds no process could make progress due to IRQ/softirq work.",
+                          unit="seconds"),
 }
 RESOURCES = ("cpu", "io", "memory", "irq")
 

@@ -51,11 +51,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import procstat
-from ..collect import Absent, Collector, Context, StaleData, register
+from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..options import ConfigError, Option, parse_choice, parse_count, parse_regex, parse_seconds
 from ..sampler import PeriodicSampler
+from ..sorting import natural_key
 
 log = logging.getLogger("gpuio.collector.smart")
 
@@ -107,59 +108,85 @@ def parse_devices(value: str) -> tuple[tuple[str, str | None], ...]:
 
 # --- metric families --------------------------------------------------------------------------------
 
+# NVMe base specification, SMART / Health Information log, byte 0.
+NVME_WARNING_BITS = ("available_spare", "temperature", "reliability", "read_only", "volatile_memory_backup",
+                     "persistent_memory_region")
+DEVICE = ("device",)  # joins gpuio_disk_*
 DEVICE_INFO = Desc("gpuio_smart_device_info", INFO,
-                   "Identity of a disk as smartctl reports it; device joins gpuio_disk_* series.")
+                   "Identity of a disk as smartctl reports it; device joins gpuio_disk_* series.",
+                   labels=(*DEVICE, "model", "serial", "firmware", "interface", "type", "rotational",
+                           "smartctl_device"), values={"interface": ("ata", "nvme", "scsi")})
 STATE = Desc("gpuio_smart_device_state", GAUGE,
-             "Outcome of the last poll of a disk: 1 for the current state, 0 for the others.")
+             "Outcome of the last poll of a disk: 1 for the current state, 0 for the others.",
+             labels=(*DEVICE, "state"), values={"state": STATES})
 LAST_SUCCESS = Desc("gpuio_smart_last_success_timestamp_seconds", GAUGE,
-                    "When the values of a disk were last read; older than the poll interval means stale.")
+                    "When the values of a disk were last read; older than the poll interval means stale.",
+                    labels=DEVICE, unit="seconds")
 POLL_DURATION = Desc("gpuio_smart_poll_duration_seconds", GAUGE,
-                     "How long the last poll of a disk took, all its smartctl runs together.")
+                     "How long the last poll of a disk took, all its smartctl runs together.", labels=DEVICE,
+                     unit="seconds")
 PERMISSION_DENIED = Desc("gpuio_smart_permission_denied", GAUGE,
                          "1 when smartctl could not open a disk for lack of privileges.")
 DROPPED = Desc("gpuio_smart_devices_dropped", GAUGE,
                "Disks found but not polled because of --collector.smart.max-devices.")
-STRAYS = Desc("gpuio_smart_stray_processes_killed_total", COUNTER,  # rendered per scrape, not per sweep
-              "Processes a smartctl (or a wrapper around it) left behind outside its session, killed.")
+STRAYS = Desc("gpuio_smart_stray_processes_killed_total", COUNTER,
+              "Processes a smartctl (or a wrapper around it) left behind outside its session, killed.",
+              doc="Processes a smartctl (or a wrapper around it) left behind outside its session, killed by the "
+                  "exporter (docs/smart.md).")
 HEALTH = Desc("gpuio_smart_health_passed", GAUGE,
-              "SMART overall-health self-assessment: 0 when it failed or an attribute is failing now, else 1.")
-TEMPERATURE = Desc("gpuio_smart_temperature_celsius", GAUGE, "Current temperature of the disk.")
+              "SMART overall-health self-assessment: 0 when it failed or an attribute is failing now, else 1.",
+              labels=DEVICE)
+TEMPERATURE = Desc("gpuio_smart_temperature_celsius", GAUGE, "Current temperature of the disk.", labels=DEVICE,
+                   unit="celsius")
 POWER_ON = Desc("gpuio_smart_power_on_seconds_total", COUNTER,
-                "Time the disk has been powered on (disks count it in hours or minutes).")
-POWER_CYCLES = Desc("gpuio_smart_power_cycles_total", COUNTER, "Power on/off cycles of the disk.")
-CAPACITY = Desc("gpuio_smart_capacity_bytes", GAUGE, "User capacity of the disk.")
+                "Time the disk has been powered on (disks count it in hours or minutes).", labels=DEVICE,
+                unit="seconds")
+POWER_CYCLES = Desc("gpuio_smart_power_cycles_total", COUNTER, "Power on/off cycles of the disk.", labels=DEVICE)
+CAPACITY = Desc("gpuio_smart_capacity_bytes", GAUGE, "User capacity of the disk.", labels=DEVICE, unit="bytes")
 ATA_ATTRIBUTE = Desc("gpuio_smart_ata_attribute", GAUGE,
-                     "Every ATA SMART attribute by value_type: normalized (vendor scale, failing at or below "
-                     "its threshold, given where non-zero) and raw (vendor-defined units).")
+                     "Every ATA SMART attribute by value_type: normalized (vendor scale, failing at or below its "
+                     "threshold, given where non-zero) and raw (vendor-defined units).",
+                     labels=(*DEVICE, "id", "name", "value_type"),
+                     values={"value_type": ("normalized", "raw", "threshold")})
 ATA_REALLOCATED = Desc("gpuio_smart_ata_reallocated_sectors_total", COUNTER,
-                       "ATA attribute 5: sectors remapped to the spare area.")
+                       "ATA attribute 5: sectors remapped to the spare area.", labels=DEVICE)
 ATA_UNCORRECTABLE = Desc("gpuio_smart_ata_reported_uncorrectable_errors_total", COUNTER,
-                         "ATA attribute 187: errors that ECC could not correct.")
+                         "ATA attribute 187: errors that ECC could not correct.", labels=DEVICE)
 ATA_PENDING = Desc("gpuio_smart_ata_pending_sectors", GAUGE,
-                   "ATA attribute 197: unstable sectors waiting to be remapped.")
+                   "ATA attribute 197: unstable sectors waiting to be remapped.", labels=DEVICE)
 ATA_OFFLINE_UNCORRECTABLE = Desc("gpuio_smart_ata_offline_uncorrectable_sectors", GAUGE,
-                                 "ATA attribute 198: sectors found uncorrectable by offline scans.")
+                                 "ATA attribute 198: sectors found uncorrectable by offline scans.", labels=DEVICE)
 ATA_CRC = Desc("gpuio_smart_ata_udma_crc_errors_total", COUNTER,
-               "ATA attribute 199: CRC errors on the link (cable, backplane).")
-NVME_WARNING = Desc("gpuio_smart_nvme_critical_warning", GAUGE, "NVMe critical warning bits: 1 when set.")
+               "ATA attribute 199: CRC errors on the link (cable, backplane).", labels=DEVICE)
+NVME_WARNING = Desc("gpuio_smart_nvme_critical_warning", GAUGE,
+                    "NVMe critical warning bits: 1 when set.", labels=(*DEVICE, "warning"),
+                    values={"warning": NVME_WARNING_BITS})
 NVME_USED = Desc("gpuio_smart_nvme_endurance_used_ratio", GAUGE,
-                 "NVMe Percentage Used as a ratio: share of the rated endurance consumed (may exceed 1).")
-NVME_SPARE = Desc("gpuio_smart_nvme_available_spare_ratio", GAUGE, "NVMe spare capacity left, 0-1.")
+                 "NVMe Percentage Used as a ratio: share of the rated endurance consumed (may exceed 1).",
+                 labels=DEVICE, unit="ratio")
+NVME_SPARE = Desc("gpuio_smart_nvme_available_spare_ratio", GAUGE,
+                  "NVMe spare capacity left, 0-1.", labels=DEVICE, unit="ratio")
 NVME_SPARE_THRESHOLD = Desc("gpuio_smart_nvme_available_spare_threshold_ratio", GAUGE,
-                            "NVMe available spare below which the disk sets its critical warning, 0-1.")
+                            "NVMe available spare below which the disk sets its critical warning, 0-1.", labels=DEVICE,
+                            unit="ratio")
 NVME_MEDIA_ERRORS = Desc("gpuio_smart_nvme_media_errors_total", COUNTER,
-                         "NVMe unrecovered data integrity errors.")
+                         "NVMe unrecovered data integrity errors.", labels=DEVICE)
 NVME_ERROR_LOG = Desc("gpuio_smart_nvme_error_log_entries_total", COUNTER,
-                      "NVMe error information log entries over the life of the controller.")
+                      "NVMe error information log entries over the life of the controller.", labels=DEVICE)
 NVME_READ = Desc("gpuio_smart_nvme_read_bytes_total", COUNTER,
-                 "Data read by the host, in bytes (the drive counts units of 512,000 bytes).")
+                 "Data read by the host, in bytes (the drive counts units of 512,000 bytes).", labels=DEVICE,
+                 unit="bytes")
 NVME_WRITTEN = Desc("gpuio_smart_nvme_written_bytes_total", COUNTER,
-                    "Data written by the host, in bytes (the drive counts units of 512,000 bytes).")
-NVME_UNSAFE_SHUTDOWNS = Desc("gpuio_smart_nvme_unsafe_shutdowns_total", COUNTER, "NVMe unsafe shutdowns.")
+                    "Data written by the host, in bytes (the drive counts units of 512,000 bytes).", labels=DEVICE,
+                    unit="bytes")
+NVME_UNSAFE_SHUTDOWNS = Desc("gpuio_smart_nvme_unsafe_shutdowns_total", COUNTER, "NVMe unsafe shutdowns.",
+                             labels=DEVICE)
 SCSI_GROWN_DEFECTS = Desc("gpuio_smart_scsi_grown_defects_total", COUNTER,
-                          "Elements in the SCSI grown defect list (blocks reassigned since manufacture).")
+                          "Elements in the SCSI grown defect list (blocks reassigned since manufacture).",
+                          labels=DEVICE)
 SCSI_UNCORRECTED = Desc("gpuio_smart_scsi_uncorrected_errors_total", COUNTER,
-                        "SCSI errors the disk could not correct, by operation (read, write, verify).")
+                        "SCSI errors the disk could not correct, by operation (read, write, verify).",
+                        labels=(*DEVICE, "operation"), values={"operation": ("read", "write", "verify")})
 
 # The order families appear in the output.
 DESCS = (DEVICE_INFO, STATE, LAST_SUCCESS, POLL_DURATION, PERMISSION_DENIED, DROPPED, HEALTH, TEMPERATURE,
@@ -170,9 +197,6 @@ DESCS = (DEVICE_INFO, STATE, LAST_SUCCESS, POLL_DURATION, PERMISSION_DENIED, DRO
 
 ATA_NAMED = {5: ATA_REALLOCATED, 187: ATA_UNCORRECTABLE, 197: ATA_PENDING, 198: ATA_OFFLINE_UNCORRECTABLE,
              199: ATA_CRC}
-# NVMe base specification, SMART / Health Information log, byte 0.
-NVME_WARNING_BITS = ("available_spare", "temperature", "reliability", "read_only", "volatile_memory_backup",
-                     "persistent_memory_region")
 NVME_DATA_UNIT_BYTES = 512_000
 # Attribute 9 counts in the unit its name says (smartctl's drive database renames it per model).
 POWER_ON_UNITS = {"Power_On_Hours": 3600, "Power_On_Minutes": 60, "Power_On_Half_Minutes": 30,
@@ -578,10 +602,6 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _natural(name: str) -> tuple[Any, ...]:
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
-
-
 def nvme_namespaces(sysfs: str, controller: str) -> list[str]:
     """Block devices of an NVMe controller: nvme0 -> nvme0n1, nvme0n2...
 
@@ -593,7 +613,7 @@ def nvme_namespaces(sysfs: str, controller: str) -> list[str]:
         match = NVME_NAMESPACE.fullmatch(entry)
         if match:
             heads.add(f"nvme{match['subsystem']}n{match['namespace']}")
-    return sorted(heads, key=_natural)
+    return sorted(heads, key=natural_key)
 
 
 def device_labels(path: str, kind: str | None, sysfs: str) -> tuple[str, ...]:
@@ -934,7 +954,10 @@ class SmartCollector(Collector):
         if snapshot.value is None:
             if snapshot.error is not None:
                 raise StaleData(f"no SMART data yet: {snapshot.error}", [strays])
-            return []  # the first sweep is still running
+            if self.sampler.first_pending():
+                raise Pending("the first SMART sweep since start-up (smartctl on every disk) is still running",
+                              [strays])
+            return []
         served = [*snapshot.value, strays] if snapshot.value else []  # []: no smartctl, no SMART series
         if self._absent is not None:
             raise Absent(self._absent, served)  # no failure; the scraper logs it once

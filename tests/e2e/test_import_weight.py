@@ -1,4 +1,4 @@
-"""A collector, the option parsers and the scraper's assembly load without the web stack.
+"""A collector, the option parsers, the scraper's assembly and the catalogue of families load without the web stack.
 
 Each module is imported in a fresh interpreter (this process has long loaded everything), and the
 modules it pulled in are read from sys.modules: FastAPI, uvicorn, bcrypt and YAML belong to the
@@ -26,6 +26,8 @@ LIGHT = [
     *(f"exporter.collectors.{name[:-3]}" for name in sorted(os.listdir(os.path.join(REPO, "exporter", "collectors")))
       if name.endswith(".py") and name != "__init__.py"),
     "exporter.assemble",
+    "exporter.server_metrics",  # the server's families, declared below the web stack
+    "exporter.catalogue",  # every family: what gpuio top, the rules and the dashboards read names from
 ]
 
 

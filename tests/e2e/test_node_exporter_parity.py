@@ -6,7 +6,7 @@ started on the same --path.procfs/--path.sysfs and scraped over HTTP.  Then:
 * both name the same devices, and exactly the devices of the fixture's /proc/diskstats that the device
   exclude regex lets through (gpuio's default, handed to node_exporter explicitly: Debian 1.5's default
   predates zram in it);
-* for every ``node_disk_<suffix>`` in diskstats.FIELDS, ``gpuio_disk_<suffix>`` has the same series and
+* for every ``gpuio_disk_<suffix>`` of diskstats.DESCS, ``node_disk_<suffix>`` has the same series and
   the same float64 value (``==``, not approx); a series is present in both or in neither, and each
   device has as many series as its diskstats line has fields (11, 15 or 17);
 * every ``node_pressure_*`` series equals its ``gpuio_pressure_*`` twin; gpuio's only extra pressure
@@ -29,13 +29,13 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collectors.diskstats import DEFAULT_EXCLUDE, FIELDS
+from exporter.collectors.diskstats import DEFAULT_EXCLUDE, DESCS
 from tests.conftest import KERNELS, REPO, Samples, free_port, parse_samples, root
 
 pytestmark = pytest.mark.e2e
 
 NODE_EXPORTER = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
-SUFFIXES = tuple(suffix for suffix, *_ in FIELDS)
+SUFFIXES = tuple(desc.name.removeprefix("gpuio_disk_") for desc in DESCS)
 SERIES_PER_LINE = {11: 11, 15: 15, 17: 17}  # stats on a diskstats line -> series exported for the device
 # gpuio exports this; node_exporter 1.5 does not know it yet (irq since 6.1).
 GPUIO_ONLY_PRESSURE = {"irq_stalled_seconds_total"}

@@ -2,10 +2,12 @@
 self-metrics per collector."""
 
 import asyncio
+import logging
 import threading
 
-from exporter.collect import Collector, Context, Scraper, StaleData
+from exporter.collect import Collector, Context, Pending, Scraper, StaleData
 from exporter.exposition import GAUGE, Desc, Family, render
+from exporter.sampler import PeriodicSampler
 from tests.conftest import parse_samples
 
 LAST = Desc("gpuio_test_last_value", GAUGE, "The last value the source gave.")
@@ -105,3 +107,66 @@ def test_scrape_sync_keeps_the_budget_too() -> None:
     assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "hung")}))] == 0
     assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "fine")}))] == 1
     hung.open.set()
+
+
+class FirstSweep(Collector):
+    """A collector fed by a background sampler whose first sample waits for the test: an NVML or SMART
+    sweep, or the engine files' scan, still running just after start-up."""
+
+    name = "sweeping"
+
+    def __init__(self) -> None:
+        super().__init__(Context(), {})
+        self.release = threading.Event()
+        self.sampler: PeriodicSampler[int] = PeriodicSampler("sweeping", 3600.0, self._sweep,
+                                                            logging.getLogger("test"))
+
+    def _sweep(self) -> int:
+        self.release.wait(10)
+        return 5
+
+    def start(self) -> None:
+        self.sampler.start()
+
+    def stop(self) -> None:
+        self.release.set()
+        self.sampler.stop()
+
+    def collect(self) -> list[Family]:
+        value = self.sampler.snapshot().value
+        if self.sampler.first_pending():
+            raise Pending("the first sweep is still running")
+        return [LAST.family([LAST.sample("", value or 0)])]
+
+
+def states(samples: dict, collector: str) -> dict[str, float]:
+    return {dict(labels)["state"]: value for (name, labels), value in samples.items()
+            if name == "gpuio_scrape_collector_state" and dict(labels)["collector"] == collector}
+
+
+def test_a_collector_whose_first_background_sample_is_running_is_pending_not_ok_and_not_failing() -> None:
+    collector = FirstSweep()
+    scraper = Scraper([collector], 1.0, "")
+    scraper.start()
+    try:
+        samples = parse_samples(render(scraper.scrape_sync()))
+        assert states(samples, "sweeping") == {"ok": 0, "pending": 1, "absent": 0, "failing": 0, "stale": 0}
+        assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "sweeping")}))] == 1
+        assert scraper.states["sweeping"].last_error == "the first sweep is still running"  # the landing page's why
+        collector.release.set()
+        settled = parse_samples(render(scraper.scrape_settled(timeout=10)))
+        assert states(settled, "sweeping")["ok"] == 1
+        assert settled[("gpuio_test_last_value", frozenset())] == 5
+    finally:
+        scraper.stop()
+
+
+def test_settling_gives_up_at_its_timeout_and_says_pending() -> None:
+    collector = FirstSweep()
+    scraper = Scraper([collector], 1.0, "")
+    scraper.start()
+    try:
+        samples = parse_samples(render(scraper.scrape_settled(timeout=0.3)))
+        assert states(samples, "sweeping")["pending"] == 1
+    finally:
+        scraper.stop()

@@ -154,3 +154,18 @@ def test_a_misspelt_environment_twin_is_warned_about_with_the_closest_right_one(
     ]
     assert (config.listen_port, config.enabled["pressure"]) == (9817, True)  # what the warning is about
     assert parse_args([], environ={"GPUIO_WEB_LISTEN_ADDRESS": ":9000"}).warnings == []
+
+
+@pytest.mark.parametrize("flag", ["--web.listen-address=:9999", "--web.config.file", "--web.max-requests=3",
+                                  "--web.telemetry-path=/m"])
+def test_the_tools_refuse_the_servers_flags_with_a_line_saying_why(flag: str) -> None:
+    with pytest.raises(ConfigError, match=r"is a flag of the server \(gpuio-exporter\); gpuio scrape runs"):
+        parse_args([flag], environ={}, prog="gpuio scrape", server=False)
+
+
+def test_the_tools_leave_the_servers_environment_to_the_server() -> None:
+    # A node-wide GPUIO_WEB_LISTEN_ADDRESS (even one only the server could parse) is not the tool's business.
+    config = parse_args([], environ={"GPUIO_WEB_LISTEN_ADDRESS": "not an address"}, prog="gpuio top", server=False)
+    assert config.listen_addresses == [("", 9817)] and config.warnings == []
+    with pytest.raises(ConfigError, match="GPUIO_WEB_LISTEN_ADDRESS"):
+        parse_args([], environ={"GPUIO_WEB_LISTEN_ADDRESS": "not an address"})

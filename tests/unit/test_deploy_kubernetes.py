@@ -339,6 +339,28 @@ def test_smart_component_makes_the_container_root_and_privileged(tmp_path) -> No
     assert security["privileged"] is True and set(security["capabilities"]["add"]) == {"SYS_RAWIO", "SYS_ADMIN"}
 
 
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_residency_component_gives_root_cap_fowner_alone(tmp_path) -> None:
+    base = os.path.relpath(HERE, tmp_path)  # kustomize refuses absolute paths
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [base], "components": [os.path.join(base, "components", "residency")]}))
+    built = kustomize(str(tmp_path))
+    for doc in built:
+        validate(doc)
+    (daemonset,) = [d for d in built if d["kind"] == "DaemonSet"]
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsNonRoot"] is False
+    container = spec["containers"][0]
+    security = container["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["FOWNER"]}
+    assert security.get("privileged") is not True and security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    host = {volume["name"] for volume in spec["volumes"] if "hostPath" in volume}
+    assert all(mount.get("readOnly") for mount in container["volumeMounts"] if mount["name"] in host
+               and mount["mountPath"] != "/run/gpuio/spool")
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(not PROMETHEUS, reason="prometheus is not installed (Debian package prometheus)")
 def test_servicemonitor_relabelings_name_job_and_instance_in_a_real_prometheus(tmp_path) -> None:

@@ -31,6 +31,7 @@ from tests.conftest import REPO
 HERE = os.path.join(REPO, "deploy", "systemd")
 UNIT = os.path.join(HERE, "gpuio-exporter.service")
 SMART = os.path.join(HERE, "smart.conf")
+RESIDENCY = os.path.join(HERE, "residency.conf")
 TMPFILES = os.path.join(HERE, "gpuio-spool.conf")
 ANALYZE = shutil.which("systemd-analyze")
 TMPFILES_BIN = shutil.which("systemd-tmpfiles")
@@ -100,7 +101,14 @@ def test_smart_drop_in_grants_root_with_exactly_the_two_capabilities() -> None:
     assert not {"NoNewPrivileges", "ProtectSystem", "ReadOnlyPaths", "SystemCallFilter"} & set(s)
 
 
-def runnable_copy(tmp_path, with_smart: bool) -> str:
+def test_residency_drop_in_grants_cap_fowner_alone_to_the_dynamic_user() -> None:
+    s = service(RESIDENCY)
+    assert s["CapabilityBoundingSet"] == ["CAP_FOWNER"] and s["AmbientCapabilities"] == ["CAP_FOWNER"]
+    # the dynamic user and everything else of the unit's hardening stay
+    assert not {"User", "DynamicUser", "NoNewPrivileges", "ProtectSystem", "ReadOnlyPaths"} & set(s)
+
+
+def runnable_copy(tmp_path, with_smart: bool | str) -> str:
     """The unit with ExecStart pointing at this checkout's exporter (verify checks the program exists)."""
     exporter = os.path.join(os.path.dirname(sys.executable), "gpuio-exporter")
     if not os.access(exporter, os.X_OK):
@@ -110,31 +118,32 @@ def runnable_copy(tmp_path, with_smart: bool) -> str:
     path = tmp_path / "gpuio-exporter.service"
     path.write_text(text)
     if with_smart:
+        drop_in = RESIDENCY if with_smart == "residency" else SMART
         (tmp_path / "gpuio-exporter.service.d").mkdir()
-        shutil.copy(SMART, tmp_path / "gpuio-exporter.service.d" / "smart.conf")
+        shutil.copy(drop_in, tmp_path / "gpuio-exporter.service.d" / os.path.basename(drop_in))
     return str(path)
 
 
 @pytest.mark.skipif(not ANALYZE, reason="systemd-analyze is not installed (Debian package systemd)")
-@pytest.mark.parametrize("with_smart", [False, True], ids=["unit", "unit+smart"])
-def test_systemd_analyze_verify_is_clean(tmp_path, with_smart: bool) -> None:
+@pytest.mark.parametrize("with_smart", [False, True, "residency"], ids=["unit", "unit+smart", "unit+residency"])
+def test_systemd_analyze_verify_is_clean(tmp_path, with_smart: bool | str) -> None:
     path = runnable_copy(tmp_path, with_smart)
     result = subprocess.run([ANALYZE, "verify", path], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     # verify exits 0 on unknown keys and only warns: any line about our files is a finding
     output = (result.stdout + result.stderr).splitlines()
-    findings = [line for line in output if "gpuio" in line or "smart.conf" in line]
+    findings = [line for line in output if "gpuio" in line or "smart.conf" in line or "residency.conf" in line]
     assert result.returncode == 0 and findings == [], result.stdout + result.stderr
 
 
 @pytest.mark.skipif(not ANALYZE, reason="systemd-analyze is not installed (Debian package systemd)")
-@pytest.mark.parametrize("with_smart", [False, True], ids=["unit", "unit+smart"])
-def test_systemd_analyze_security_exposure_is_ok(tmp_path, with_smart: bool) -> None:
+@pytest.mark.parametrize("with_smart", [False, True, "residency"], ids=["unit", "unit+smart", "unit+residency"])
+def test_systemd_analyze_security_exposure_is_ok(tmp_path, with_smart: bool | str) -> None:
     path = runnable_copy(tmp_path, with_smart)
     result = subprocess.run([ANALYZE, "security", "--offline=yes", "--no-pager", path], capture_output=True,
                             text=True, timeout=60, cwd=tmp_path)
     found = re.search(r"Overall exposure level for \S+: ([\d.]+) (\w+)", result.stdout + result.stderr)
     assert found, result.stdout + result.stderr
-    print(f"\nsystemd-analyze security ({'unit+smart' if with_smart else 'unit'}): {found.group(1)} {found.group(2)}")
+    print(f"\nsystemd-analyze security (with {with_smart}): {found.group(1)} {found.group(2)}")
     assert float(found.group(1)) <= EXPOSURE_MAX
 
 

@@ -17,7 +17,7 @@ from exporter.collectors import engines  # noqa: F401  (registers the collector)
 from exporter.exposition import render
 from gpuio import metrics
 from gpuio import spool as fmt
-from tests.conftest import documented_families, engines_collector, parse_samples
+from tests.conftest import engines_collector, parse_samples, undeclared
 
 PROMTOOL = shutil.which("promtool")
 
@@ -207,7 +207,9 @@ def test_a_file_the_exporter_sees_differently_is_not_measured(spool_dir, tmp_pat
     assert samples[("gpuio_engine_file_residency_unavailable", frozenset({("reason", "not_visible")}))] == 1
 
 
-def test_every_engine_family_is_documented(spool_dir, tmp_path) -> None:
+def test_every_engine_family_is_served_as_declared(spool_dir, tmp_path) -> None:
+    """Nearly all of them at once (layers, a bad spool file, an engine over the cap, residency): each in the
+    catalogue (docs/metrics.md) with its declared type, label names and label values."""
     busy_engine(tmp_path)
     gpuio.engine("resnet50").add_layer_times({"conv": 0.001})
     (tmp_path / "spool" / "gpuio-1-1-bad.spool").write_bytes(b"")
@@ -215,10 +217,9 @@ def test_every_engine_family_is_documented(spool_dir, tmp_path) -> None:
     gpuio.engine("zz").inference_seconds.observe(0.1)  # over the cap: the dropped counter appears
     target.collect()
     target.scanner.sample_now()
-    names = set(re.findall(r"^# TYPE (\S+) ", scrape(target), re.MULTILINE))
-    documented = documented_families()
-    assert len(names) >= 28
-    assert names - documented == set()
+    text = scrape(target)
+    assert len(set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))) >= 28
+    assert undeclared(text) == []
 
 
 def test_histogram_lines_are_cumulative_and_parse_in_both_formats() -> None:
@@ -274,3 +275,22 @@ def test_a_gpu_the_writer_named_is_kept(spool_dir, tmp_path) -> None:
     target.context.gpu_processes.update({os.getpid(): "GPU-from-nvml"})
     samples = parse_samples(scrape(target))
     assert {dict(ls)["gpu_uuid"] for (name, ls), _ in samples.items() if name == "gpuio_engine_info"} == {"GPU-5a1e"}
+
+
+def test_each_engine_names_its_live_writers_by_pid_for_the_per_process_gpu_series(spool_dir, tmp_path) -> None:
+    """gpuio_engine_process_info{engine, pid} joins an engine to gpuio_gpu_process_*{pid}, only for a pid
+    the exporter's procfs shows as that very writer (same start time): another pid namespace's pid is
+    another process here, and is left out rather than mislabelled."""
+    busy_engine(tmp_path)  # this test process is the writer
+    samples = parse_samples(scrape(collector(spool_dir)))
+    listed = [dict(ls) for (name, ls), value in samples.items() if name == "gpuio_engine_process_info" and value == 1]
+    assert listed == [{"engine": "resnet50", "pid": str(os.getpid())}]
+    fake_proc = tmp_path / "proc" / str(os.getpid())
+    fake_proc.mkdir(parents=True)
+    fake_proc.joinpath("stat").write_text(f"{os.getpid()} (other) S " + " ".join(["1"] * 18) + " 12345 0 0\n")
+    settings = {option.name: option.parse(option.default) if option.default is not None else None
+                for option in engines.EnginesCollector.options}
+    settings["spool-dir"] = spool_dir
+    elsewhere = engines.EnginesCollector(Context(procfs=str(tmp_path / "proc")), settings)
+    samples = parse_samples(scrape(elsewhere))
+    assert [ls for (name, ls), _ in samples.items() if name == "gpuio_engine_process_info"] == []

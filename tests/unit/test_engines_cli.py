@@ -95,3 +95,53 @@ def test_warm_refuses_jobs_below_one(tmp_path) -> None:
         with pytest.raises(SystemExit) as refused:
             warm_main([str(tmp_path / "a.engine"), "--jobs", jobs])
         assert refused.value.code == 2
+
+
+def test_warm_evict_makes_the_next_load_cold(spool_dir, tmp_path, capsys) -> None:
+    """--evict drops the files from the page cache: the next load reads them from the disk (cold)."""
+    plan = tmp_path / "cold.engine"
+    plan.write_bytes(os.urandom(4 << 20))
+    os.sync()
+    assert warm_main([str(plan), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["files"][0]["cached_after"] == 1.0
+    assert warm_main([str(plan), "--evict", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["files"][0]
+    assert (report["cached_before"], report["cached_after"]) == (1.0, 0.0)
+    assert warm_main([str(plan), "--evict"]) == 0
+    assert "cold.engine: evicted, cached 0% -> 0%" in capsys.readouterr().out
+    waterfall = gpuio.load(str(plan), bytes).waterfall
+    assert waterfall is not None and waterfall.load_class == "cold" and waterfall.device_bytes >= 4 << 20
+
+
+def _run_on_a_terminal(arguments: list[str]) -> str:
+    """``gpuio`` in a process whose stdout and stderr are a pseudo-terminal; all it wrote."""
+    import pty
+
+    leader, follower = pty.openpty()
+    environment = {**os.environ, "TERM": "xterm", "COLUMNS": "120"}
+    process = subprocess.Popen([sys.executable, "-c", GPUIO, *arguments], stdout=follower, stderr=follower,
+                               stdin=subprocess.DEVNULL, cwd=REPO, env=environment)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    process.wait(timeout=60)
+    os.close(leader)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_warm_shows_progress_on_a_terminal_only(tmp_path) -> None:
+    plan = tmp_path / "big.engine"
+    plan.write_bytes(os.urandom(64 << 20))
+    on_terminal = _run_on_a_terminal(["warm", str(evicted(str(plan)))])
+    assert "reading" in on_terminal and "MB" in on_terminal, on_terminal[-2000:]
+    piped = subprocess.run([sys.executable, "-c", GPUIO, "warm", str(evicted(str(plan)))], capture_output=True,
+                           text=True, timeout=60, cwd=REPO)
+    assert piped.returncode == 0 and "reading" not in piped.stdout + piped.stderr
+    assert "big.engine: 64.0 MiB" in piped.stdout

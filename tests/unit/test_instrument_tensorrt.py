@@ -173,6 +173,12 @@ def test_streaming_load_times_the_runtimes_reads(spool_dir, plan) -> None:
     assert loaded.bytes_read == os.path.getsize(plan)
     assert loaded.deserialize_seconds >= 0.02 and loaded.read_seconds > 0
     assert loaded.metrics.load_read_bytes.value() == loaded.bytes_read
+    # The waterfall: the runtime's reads and its own work apart; the reads happen inside the runtime's
+    # call, on this thread, so their page-cache bytes count (the plan was just written: warm).
+    waterfall = loaded.waterfall
+    assert waterfall is not None and set(waterfall.phases) == {"open", "read", "deserialize"}
+    assert waterfall.phases["read"] == loaded.read_seconds and waterfall.cache_bytes >= loaded.bytes_read
+    assert waterfall.load_class == "warm" and waterfall.file_bytes == loaded.bytes_read
 
 
 @pytest.mark.skipif(trt is None, reason="tensorrt-lean bindings not installed")

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from exporter import thresholds as th
 from exporter import top
-from tests.conftest import REPO, root
+from tests.conftest import catalogued, root
 
 PROC, SYS = root("linux-6.8")
 
@@ -185,7 +185,7 @@ def test_numbers_fit_six_characters(value: float | None, text: str) -> None:
 
 
 def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float, wait_count: int,
-               gpu_age: float = 0.5, contexts: int = 8) -> str:
+               gpu_age: float = 0.5, contexts: int = 8, sm_active: float | None = None) -> str:
     """GPU and engine series under the names top reads (its constants), with values chosen per sample.
 
     Synthetic on purpose: no GPU and no TensorRT engine can exist on this machine (the nvml and
@@ -228,6 +228,8 @@ def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float,
         f'{top.SMART_HEALTH}{{device="nvme1n1"}} 0',
         f'{top.SMART_HEALTH}{{device="sda"}} 1',
     ]
+    if sm_active is not None:  # GPM: both GPUs' SM-active counters
+        lines += [f"{top.GPU_SM_ACTIVE}{{{gpu0}}} {sm_active}", f"{top.GPU_SM_ACTIVE}{{{gpu1}}} {sm_active * 20}"]
     return "\n".join(lines) + "\n"
 
 
@@ -268,9 +270,30 @@ def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
     screen = render(view, top.UiState(), height=None)
     lines = [line.split() for line in screen.splitlines()]
     assert ["nvme1n1", "200.0", "-", "-", "-", "100.0", "-", "80.0", "-", "saturated+3"] in lines
-    assert ["0", "20.0", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
-    assert ["1", "80.0", "-", "-", "-", "sw_power_cap"] in lines  # listed, no flag
+    assert ["0", "20.0", "-", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
+    assert ["1", "80.0", "-", "-", "-", "-", "sw_power_cap"] in lines  # listed, no flag
     assert ["resnet", "0", "dm-0", "18.0", "50.0", "3.00", "25.0", "25.0", "starved?"] in lines
+
+
+def test_where_gpm_measures_sm_activity_idle_is_judged_on_it_not_on_nvml_busy() -> None:
+    """GPU 0 reads busy 100 % (2 s of 2 s) with SM activity 1 % (a spinning thread, or weights crossing PCIe):
+    idle for its engine, so starved.  GPU 1 busy 100 % with 20 x the SM activity (20 %): working."""
+    before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, sm_active=5.0)))
+    after = top.Snapshot(2.0, top.parse_exposition(exposition(12.0, (10, 60, 90, 100), 1.5, 30, sm_active=5.02)))
+    view = top.compute(before, after)
+    gpu0, gpu1 = view.gpus
+    assert gpu0.busy == pytest.approx(1.0) and gpu0.sm_active == pytest.approx(0.01)
+    assert gpu1.sm_active == pytest.approx(0.2)
+    assert "starved?" in gpu0.flags and "starved?" not in gpu1.flags
+    assert view.engines[0].flags == ["starved?"]  # the engine on GPU 0: its GPU "busy" but no SM working
+    # the same GPU without GPM is judged on busy (100 %): not starved
+    plain_before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10)))
+    plain_after = top.Snapshot(2.0, top.parse_exposition(exposition(12.0, (10, 60, 90, 100), 1.5, 30)))
+    plain = top.compute(plain_before, plain_after)
+    assert plain.gpus[0].sm_active is None and "starved?" not in plain.gpus[0].flags
+    assert plain.engines[0].flags == []
+    lines = [line.split() for line in render(view, top.UiState(), height=None).splitlines()]
+    assert ["0", "100.0", "1.00", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
 
 
 def test_gpu_rates_are_taken_over_the_nvml_sweeps_interval() -> None:
@@ -382,14 +405,34 @@ def test_url_source_accepts_host_port_and_reports_unreachable() -> None:
         top.UrlSource("127.0.0.1:1", timeout=1).sample()
 
 
-def test_every_metric_top_reads_is_documented() -> None:
-    """The names block of exporter/top.py against docs/metrics.md (which the collectors' tests keep true):
+def test_every_metric_top_reads_is_declared() -> None:
+    """The names block of exporter/top.py against the catalogue (docs/metrics.md is generated from it):
     a collector that renames a family fails here, not silently as an empty column."""
-    with open(os.path.join(REPO, "docs", "metrics.md")) as handle:
-        documented = set(re.findall(r"^\| `([a-z_]+)` \|", handle.read(), re.MULTILINE))
     read = {value for name, value in vars(top).items()
             if name.isupper() and isinstance(value, str) and value.startswith("gpuio_")}
-    assert len(read) > 25 and read - documented == set()
+    assert len(read) > 25 and read - catalogued() == set()
+
+
+def test_every_label_top_reads_is_declared_on_the_family_it_reads_it_from() -> None:
+    from exporter.catalogue import by_name
+
+    reads = {
+        top.GPU_LABEL: (top.GPU_INFO, top.GPU_UP, top.GPU_BUSY, top.GPU_MEMORY_USED, top.GPU_MEMORY_TOTAL,
+                        top.GPU_TEMPERATURE, top.GPU_POWER, top.GPU_THROTTLE),
+        top.GPU_UUID_LABEL: (top.GPU_INFO, top.GPU_UP, top.GPU_BUSY, top.GPU_THROTTLE),
+        top.GPU_THROTTLE_REASON_LABEL: (top.GPU_THROTTLE,),
+        top.ENGINE_LABEL: (top.ENGINE_INFO, top.ENGINE_LATENCY, top.ENGINE_IN_FLIGHT, top.ENGINE_POOL_CONTEXTS,
+                           top.ENGINE_POOL_WAIT, top.ENGINE_RESIDENCY, top.ENGINE_PHYSICAL),
+        top.ENGINE_INFO_DEVICE_LABEL: (top.ENGINE_INFO,),
+        top.ENGINE_INFO_GPU_LABEL: (top.ENGINE_INFO, top.ENGINE_LATENCY, top.ENGINE_IN_FLIGHT),
+        "name": (top.GPU_INFO,),
+        "rotational": (top.DISK_INFO,),
+        "physical_device": (top.DISK_PHYSICAL, top.ENGINE_PHYSICAL),
+        "device": (top.DISK_READS, top.DISK_INFO, top.DISK_PHYSICAL, top.SMART_HEALTH),
+    }
+    missing = {(label, family) for label, families in reads.items() for family in families
+               if label not in by_name(family).labels}
+    assert missing == set()
 
 
 def test_printable_escapes_what_a_terminal_would_act_on_and_keeps_the_rest() -> None:

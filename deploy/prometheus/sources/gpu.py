@@ -21,6 +21,10 @@ def recording_rules(c: Config) -> list[Rule]:
     ])
     return [
         record(n.GPU_BUSY, rate(c, "gpuio_gpu_busy_seconds_total")),
+        # Mostly idle: NVML busy low, or few SMs working where GPM measures it (busy reads 100 % while
+        # one thread spins or weights cross PCIe).  Value: the busy ratio, else the SM activity.
+        record(n.GPU_IDLE, f'{n.GPU_BUSY} < {c.GPU_BUSY_LOW:g}\nor\n'
+                           f'{rate(c, "gpuio_gpu_sm_active_seconds_total")} < {c.GPU_SM_ACTIVE_LOW:g}'),
         # Nodes whose GPU readings are not to be trusted: the NVML snapshot was older than
         # GPU_STALE_AFTER_SECONDS, or the nvml collector failed, at some scrape within RATE_WINDOW
         # (a frozen busy counter reads as an idle GPU).  No starvation alert judges their GPUs.

@@ -136,6 +136,11 @@ class Names:
     def GPU_BUSY(self) -> str:
         return f"instance_gpu:gpuio_gpu_busy_seconds:rate{self.W}"
 
+    # GPUs judged mostly idle, valued with the ratio that judged them: NVML busy, else SM activity (GPM).
+    @property
+    def GPU_IDLE(self) -> str:
+        return f"instance_gpu:gpuio_gpu_idle_activity:rate{self.W}"
+
     @property
     def GPU_STALE(self) -> str:
         return f"instance:gpuio_gpu_data_stale:max{self.W}"

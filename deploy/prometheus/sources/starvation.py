@@ -77,13 +77,13 @@ def recording_rules(c: Config) -> list[Rule]:
         ])),
         # Starved: the engine's GPU mostly idle, work waiting for the engine on that GPU, its storage
         # saturated (a disk, named in `device`) or slow (a network mount, named in `mountpoint`), and
-        # the node's GPU data fresh.  Value: the GPU's busy ratio.  GPUStarvedByDiskIO is this for `for`.
+        # the node's GPU data fresh.  Value: the GPU's activity (GPU_IDLE).  GPUStarvedByDiskIO is this for `for`.
         record(n.STARVED, "\n".join([
             "(",
-            f"  ({n.ENGINE_GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
+            f"  (0 * {n.ENGINE_GPU_BUSY} + on ({c.NODE_LABEL}, uuid) group_left () {n.GPU_IDLE})",
             f"  + on ({c.NODE_LABEL}, engine, path) group_left (device) (0 * {n.ENGINE_DISK_SATURATED})",
             "  or",
-            f"  ({n.ENGINE_GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
+            f"  (0 * {n.ENGINE_GPU_BUSY} + on ({c.NODE_LABEL}, uuid) group_left () {n.GPU_IDLE})",
             f"  + on ({c.NODE_LABEL}, engine, path) group_left (mountpoint) (0 * {n.ENGINE_MOUNT_SLOW})",
             ")",
             f"and on ({c.NODE_LABEL}, engine, uuid)",
@@ -128,8 +128,9 @@ def starved_alert(c: Config) -> Rule:
         c, "GPUStarvedByDiskIO", n.STARVED, c.STARVED_FOR, CRITICAL,
         f"Engine {{{{ $labels.engine }}}} on GPU {{{{ $labels.gpu }}}} at {n.NODE} is starved by "
         f"{{{{ $labels.device }}}}{{{{ $labels.mountpoint }}}}.",
-        f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {n.NODE} is busy only "
-        f"{{{{ $value | humanizePercentage }}}} while work queues for engine {{{{ $labels.engine }}}} on it "
+        f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {n.NODE} is active only "
+        f"{{{{ $value | humanizePercentage }}}} (NVML busy, or SM activity where GPM measures it) while work "
+        f"queues for engine {{{{ $labels.engine }}}} on it "
         f"({reasons}in flight: {engine_gpu_figure(c, n.ENGINE_IN_FLIGHT, ONE_DECIMAL, '0')}, contexts: "
         f"{engine_gpu_figure(c, 'gpuio_engine_pool_contexts', COUNT, 'n/a')}, pool wait: "
         f"{engine_gpu_figure(c, n.ENGINE_POOL_WAIT, 'humanizeDuration', 'none')}, loads in progress: "
@@ -140,7 +141,7 @@ def starved_alert(c: Config) -> Rule:
 def node_gpu_starved(c: Config) -> Rule:
     n = names(c)
     expr = "\n".join([
-        f"({n.GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
+        n.GPU_IDLE,
         "# the GPU has work: compute processes hold it",
         f"and on ({c.NODE_LABEL}, gpu) (gpuio_gpu_processes{c.selector()} > 0)",
         "# and a disk of the node is saturated",
@@ -156,7 +157,8 @@ def node_gpu_starved(c: Config) -> Rule:
     return alert(
         c, "NodeGPUStarvedByIO", expr, c.NODE_STARVED_FOR, WARNING,
         f"{GPU_NAME} at {n.NODE} is mostly idle while a disk of the node is saturated.",
-        f"{GPU_NAME} at {n.NODE} is busy {{{{ $value | humanizePercentage }}}} of the time although compute "
+        f"{GPU_NAME} at {n.NODE} is active only {{{{ $value | humanizePercentage }}}} (NVML busy, or SM activity "
+        f"where GPM measures it) although compute "
         f"processes hold it, while these disks are saturated: {disks}- its data loader is probably "
         f"waiting on IO. No engine reports for this GPU, so this is the node-level guess.",
         board(STARVATION_UID, gpu="{{ $labels.gpu }}"))

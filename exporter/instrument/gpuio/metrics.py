@@ -252,6 +252,11 @@ class EngineMetrics:
         self._last_load_time = 0.0  # when this process last finished a load of the engine (0: never)
         self._load_records: dict[str, int | None] = {}  # "uuid\0MAJ:MIN" -> index of its LOAD record
         self._active_loads: dict[str, list[list[float]]] = {}  # same key -> [start time, bytes] per load
+        # The WATERFALL record: this process's copy of its doubles (written whole on each change) and
+        # where they live; MOUNT records written, by key.
+        self._waterfall = [0.0] * len(fmt.WATERFALL_SLOTS)
+        self._waterfall_index: int | None = None
+        self._mounts: dict[str, bytes] = {}
         self._bind(file)
 
     # --- records -------------------------------------------------------------------------------
@@ -287,6 +292,11 @@ class EngineMetrics:
         for label in loads:
             self._labelled(fmt.KIND_LOAD, self._load_records, label, len(fmt.LOAD_SLOTS))
             self._write_load(label)
+        self._waterfall = [0.0] * len(fmt.WATERFALL_SLOTS)  # a new file: its counts start at zero
+        self._waterfall_index = None
+        for key, payload in self._mounts.items():
+            with file.lock:
+                file.add_record(fmt.KIND_MOUNT, key, len(payload), payload)
 
     def _labelled(self, kind: int, table: dict[str, int | None], label: str, slots: int) -> int | None:
         index = table.get(label)
@@ -361,6 +371,78 @@ class EngineMetrics:
             self._info = payload
             self._append_info(payload)
         return dev
+
+    # --- the waterfall of loads -------------------------------------------------------------------
+
+    def record_waterfall(self, waterfall: Any) -> None:
+        """Count a finished load's phases, bytes by source and class, and keep it as the last load
+        (a :class:`gpuio.waterfall.Waterfall`)."""
+        from .waterfall import pack_waterfall_last
+
+        with self._lock:
+            values, slot = self._waterfall, fmt.WATERFALL
+            values[slot[f"loads_{waterfall.load_class}"]] += 1
+            for name, seconds in waterfall.phases.items():
+                values[slot[f"phase_{name}"]] += seconds
+            values[slot["device_bytes"]] += waterfall.device_bytes
+            values[slot["cache_bytes"]] += waterfall.cache_bytes
+            values[slot["major_faults"]] += waterfall.major_faults
+            if waterfall.load_class == "cold":
+                values[slot["cold_device_bytes"]] += waterfall.device_bytes
+                values[slot["cold_read_seconds"]] += waterfall.phases.get("read", 0.0)
+            pack_waterfall_last(values, waterfall)
+            self._write_waterfall()
+
+    def record_phase(self, phase: str, seconds: float) -> None:
+        """A phase that follows the load (an execution context created, warmed, its first inference):
+        counted, and added to the last load's waterfall."""
+        if phase not in fmt.PHASES or not seconds >= 0:
+            return
+        with self._lock:
+            self._waterfall[fmt.WATERFALL[f"phase_{phase}"]] += seconds
+            self._waterfall[fmt.WATERFALL[f"last_{phase}"]] += seconds
+            self._write_waterfall()
+
+    def last_waterfall(self) -> dict[str, float]:
+        """This process's WATERFALL values by slot name (for tests and tools)."""
+        with self._lock:
+            return dict(zip(fmt.WATERFALL_SLOTS, self._waterfall, strict=True))
+
+    def _write_waterfall(self) -> None:
+        """Store the whole WATERFALL vector (caller holds ``self._lock``): ``seq`` up first, ``seq_end``
+        equal to it last, so a reader can tell a copy taken in between."""
+        index = self._waterfall_index
+        if index is None:
+            with self._file.lock:
+                offset = self._file.add_record(fmt.KIND_WATERFALL, self.name, len(fmt.WATERFALL_SLOTS) * 8)
+            if offset is None:
+                return
+            index = self._waterfall_index = offset // 8
+        values = self._waterfall
+        values[0] += 1
+        target = self._file.values
+        last = len(values) - 1
+        with self._file.lock:
+            target[index] = values[0]
+            for position in range(1, last):
+                target[index + position] = values[position]
+            values[last] = values[0]
+            target[index + last] = values[0]
+
+    def has_mount(self, dev: tuple[int, int]) -> bool:
+        """Whether this process recorded the mount of st_dev ``dev`` for the engine."""
+        return f"{self.name}\0{dev[0]}:{dev[1]}" in self._mounts
+
+    def record_mount(self, dev: tuple[int, int], mountpoint: str, fstype: str, source: str, layer: str) -> None:
+        """The writer's mountinfo line of an engine file's st_dev (once per device and content)."""
+        key = f"{self.name}\0{dev[0]}:{dev[1]}"
+        payload = fmt.pack_mount(mountpoint, fstype, source, layer)
+        with self._lock:
+            if self._mounts.get(key) == payload or (key not in self._mounts and len(self._mounts) >= MAX_LOAD_RECORDS):
+                return
+            self._mounts[key] = payload
+        with self._file.lock:
+            self._file.add_record(fmt.KIND_MOUNT, key, len(payload), payload)
 
     # --- loads in progress -----------------------------------------------------------------------
 

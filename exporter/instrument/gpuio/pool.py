@@ -64,7 +64,9 @@ class EnginePool(Generic[T]):
         self.size = 0
         self.warmup_seconds: list[float] = []
         for _ in range(size):
+            begin = time.perf_counter()
             context = create()
+            self.metrics.record_phase("context", time.perf_counter() - begin)
             if context is None:
                 raise RuntimeError("create() returned no context")
             if warmup is not None:
@@ -79,12 +81,17 @@ class EnginePool(Generic[T]):
 
     def _warm(self, context: T, warmup: Callable[[T], Any], iterations: int) -> None:
         start = time.perf_counter()
+        first = 0.0
         for iteration in range(iterations):
             begin = time.perf_counter()
             warmup(context)
             if iteration == 0:
-                self.metrics.first_inference_seconds.observe(time.perf_counter() - begin)
+                first = time.perf_counter() - begin
+                self.metrics.first_inference_seconds.observe(first)
         seconds = time.perf_counter() - start
+        # The load's waterfall: the first inference, then the rest of the warm-up (no overlap).
+        self.metrics.record_phase("first_inference", first)
+        self.metrics.record_phase("warmup", seconds - first)
         self.warmup_seconds.append(seconds)
         self.metrics.warmup_seconds.observe(seconds)
 

@@ -26,6 +26,12 @@ Layout (version 1, little-endian, every value 8-byte aligned)::
                  and again when it finishes)
          LOAD:   LOAD_SLOTS doubles (loads in progress, their bytes read so far, the start time of
                  the oldest, seconds since the epoch); key "engine\0gpu uuid\0MAJ:MIN" of the file
+         WATERFALL: WATERFALL_SLOTS doubles, key "engine": the engine's loads phase by phase and where
+                 their bytes came from (counters), and its last load (see WATERFALL_SLOTS)
+         MOUNT:  MOUNT_STRUCT, then mount point, fstype, source and layer directory as utf-8; key
+                 "engine\0MAJ:MIN": the writer's own mountinfo line of the engine file's st_dev
+         POD:    the process's pod, once, when the file is made: POD_STRUCT (four lengths), then
+                 namespace, pod, container and pod UID as utf-8; key "pod" (pod_identity())
 
 Hot path: an observation is one bisect and two stores of doubles into the process's MAP_SHARED
 mapping, under a per-process ``threading.Lock`` (Python threads; there is never a cross-process lock
@@ -58,11 +64,13 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import struct
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 log = logging.getLogger("gpuio.spool")
@@ -88,15 +96,44 @@ KIND_ERROR = 2
 KIND_LAYER = 3
 KIND_INFO = 4
 KIND_LOAD = 5
-KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO, KIND_LOAD)
+KIND_WATERFALL = 6
+KIND_MOUNT = 7
+KIND_POD = 16
+# An exporter skips (and counts) the kinds it does not know: a library newer than the exporter adds
+# kinds, never changes one.
+KINDS = (KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_INFO, KIND_LOAD, KIND_WATERFALL, KIND_MOUNT, KIND_POD)
 # The LOAD record's doubles: gauges of one process's loads of one engine, GPU and file system.
 LOAD_SLOTS = ("in_progress", "read_bytes", "oldest_start")
+
+# The phases of a load, in the order they happen (docs/engines.md, "The waterfall of a load").
+PHASES = ("open", "read", "deserialize", "context", "warmup", "first_inference")
+# How a load got its bytes: cold (mostly from the device), warm (page cache), partial (between).
+LOAD_CLASSES = ("cold", "warm", "partial")
+# How the writer measured its file's page-cache residency: 0 not measured, else RESIDENCY_METHODS[n - 1].
+RESIDENCY_METHODS = ("cachestat", "mincore", "probe")
+# The WATERFALL record's doubles.  ``seq`` first and ``seq_end`` last: the writer moves ``seq`` up,
+# stores everything, then copies it to ``seq_end``, so a reader's copy whose two differ was taken mid-update.
+# Then counters (only grow), then the last load's figures (gauges).
+WATERFALL_COUNTERS = ("seq", *(f"loads_{name}" for name in LOAD_CLASSES), *(f"phase_{name}" for name in PHASES),
+                      "device_bytes", "cache_bytes", "major_faults", "cold_device_bytes", "cold_read_seconds")
+WATERFALL_LAST = ("last_start", "last_wall", *(f"last_{name}" for name in PHASES), "last_bytes",
+                  "last_device_bytes", "last_cache_bytes", "last_major_faults", "last_class", "file_bytes",
+                  "cached_start_bytes", "cached_end_bytes", "residency_method", "residency_time")
+WATERFALL_SLOTS = (*WATERFALL_COUNTERS, *WATERFALL_LAST, "seq_end")
+WATERFALL = {name: index for index, name in enumerate(WATERFALL_SLOTS)}
+# MOUNT: lengths of mount point, fstype, source, layer directory (u16 each)
+MOUNT_STRUCT = struct.Struct("<HHHH")
 
 # cuda device (i32, -1 unknown), st_dev major, minor (u32), st_ino, size (u64), mtime ns (i64),
 # load time (f64, seconds since the epoch), then the lengths of path, gpu uuid, runtime (u16 each).
 INFO_STRUCT = struct.Struct("<iIIQQqdHHH")
 MAX_PATH_BYTES = 4096
 MAX_SHORT_BYTES = 128
+# POD: lengths (u16 each) of namespace, pod name, container name and pod UID, the strings follow.
+POD_STRUCT = struct.Struct("<HHHH")
+MAX_POD_NAME_BYTES = 253  # a DNS subdomain (pod names); namespaces and containers are 63-byte labels
+# The Downward API variables the library reads (docs/engines.md has the pod spec snippet).
+POD_ENVIRONMENT = ("POD_NAMESPACE", "POD_NAME", "CONTAINER_NAME", "POD_UID")
 
 # Bucket bounds are part of the format: every process of one version shares them, so merging is
 # plain addition.  They are wide on purpose (a 50 us CNN and a 30 s LLM prefill both resolve).
@@ -120,9 +157,11 @@ class Series:
     # The exporter serves it per engine and GPU (label gpu_uuid), else per engine: the series that say
     # whether work waits on one GPU.  Gauges are always per GPU.
     per_gpu: bool = False
+    unit: str = ""  # the base unit the name ends in (seconds, bytes), "" for a count
 
     @property
     def labels(self) -> tuple[str, ...]:
+        """The family's label names (histograms' ``le`` aside)."""
         return ("engine", "gpu_uuid") if self.per_gpu or self.type == GAUGE else ("engine",)
 
 
@@ -133,26 +172,29 @@ HISTOGRAM, COUNTER, GAUGE = "histogram", "counter", "gauge"
 # only slots that may go down; everything else only grows.
 ENGINE_SERIES: tuple[Series, ...] = (
     Series("load_read_seconds", HISTOGRAM, "gpuio_engine_load_read_seconds",
-           "Time to read engine files from disk or page cache, per load (the disk's part).", LOAD_BOUNDS),
+           "Time to read engine files from disk or page cache, per load (the disk's part).", LOAD_BOUNDS,
+           unit="seconds"),
     Series("load_deserialize_seconds", HISTOGRAM, "gpuio_engine_load_deserialize_seconds",
            "Time to deserialize engines once read (TensorRT deserialize_cuda_engine or the model loader), per load.",
-           LOAD_BOUNDS),
+           LOAD_BOUNDS, unit="seconds"),
     Series("inference_seconds", HISTOGRAM, "gpuio_engine_inference_seconds",
            "End-to-end latency of completed inferences (enqueue to stream synchronised).", LATENCY_BOUNDS,
-           per_gpu=True),
+           per_gpu=True, unit="seconds"),
     Series("inference_gpu_seconds", HISTOGRAM, "gpuio_engine_inference_gpu_seconds",
-           "GPU time of inferences from CUDA events, where the process measures it.", LATENCY_BOUNDS),
+           "GPU time of inferences from CUDA events, where the process measures it.", LATENCY_BOUNDS, unit="seconds"),
     Series("batch_size", HISTOGRAM, "gpuio_engine_inference_batch_size",
            "Batch size of inferences, where known.", BATCH_BOUNDS),
     Series("pool_wait_seconds", HISTOGRAM, "gpuio_engine_pool_wait_seconds",
-           "Time requests waited for a free execution context in the engine pool.", LATENCY_BOUNDS, per_gpu=True),
+           "Time requests waited for a free execution context in the engine pool.", LATENCY_BOUNDS, per_gpu=True,
+           unit="seconds"),
     Series("warmup_seconds", HISTOGRAM, "gpuio_engine_warmup_seconds",
-           "Warm-up time of each execution context before it served (all warm-up iterations).", LOAD_BOUNDS),
+           "Warm-up time of each execution context before it served (all warm-up iterations).", LOAD_BOUNDS,
+           unit="seconds"),
     Series("first_inference_seconds", HISTOGRAM, "gpuio_engine_first_inference_seconds",
            "Latency of each execution context's first inference (cold), to compare with the steady inference "
-           "latency.", LATENCY_BOUNDS),
+           "latency.", LATENCY_BOUNDS, unit="seconds"),
     Series("load_read_bytes", COUNTER, "gpuio_engine_load_read_bytes_total",
-           "Bytes read from engine files by loads."),
+           "Bytes read from engine files by loads.", unit="bytes"),
     Series("layer_profiled_inferences", COUNTER, "gpuio_engine_layer_profiled_inferences_total",
            "Inferences profiled per layer (sampled 1 in N); divide layer seconds by this for a mean."),
     Series("in_flight", GAUGE, "gpuio_engine_inferences_in_flight", "Inferences running now, per engine and GPU."),
@@ -230,6 +272,9 @@ class SpoolFile:
         self._map = self._open(directory)
         self.values = memoryview(self._map).cast("d")
         self.used = HEADER_SIZE
+        identity = pod_identity()
+        if identity[1] or identity[3]:  # a pod name or UID; CONTAINER_NAME alone is too common to mean a pod
+            self.add_record(KIND_POD, "pod", len(pack_pod(*identity)), pack_pod(*identity))
 
     def _open(self, directory: str | None) -> mmap.mmap:
         if directory:
@@ -335,6 +380,48 @@ def pack_info(cuda_device: int, dev: tuple[int, int], ino: int, size: int, mtime
     return head + raw_path + raw_uuid + raw_runtime
 
 
+_POD_CGROUP = re.compile(r"(?:^|-)pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
+                         r"(?:\.slice)?$")
+
+
+def _own_pod_uid() -> str:
+    """This process's pod UID from its own cgroup path, where its cgroup namespace shows the path (cgroup
+    v1, or v2 with a host cgroup namespace); "" otherwise (a private namespace shows only "/")."""
+    try:
+        with open("/proc/self/cgroup", "rb") as handle:
+            text = handle.read(16384).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        for segment in line.rpartition(":")[2].split("/"):
+            found = _POD_CGROUP.search(segment)
+            if found:
+                return found[1].replace("_", "-")
+    return ""
+
+
+def pod_identity(environ: Mapping[str, str] | None = None) -> tuple[str, str, str, str]:
+    """``(namespace, pod, container, pod UID)`` of this process, from the Downward API environment
+    (POD_ENVIRONMENT) and, for the UID, the process's own cgroup; "" for what is not known."""
+    env = os.environ if environ is None else environ
+    namespace, pod, container, uid = (env.get(name, "") for name in POD_ENVIRONMENT)
+    return namespace, pod, container, uid or _own_pod_uid()
+
+
+def pack_pod(namespace: str, pod: str, container: str, pod_uid: str) -> bytes:
+    raw = [text.encode("utf-8", "replace")[:limit] for text, limit in
+           ((namespace, MAX_POD_NAME_BYTES), (pod, MAX_POD_NAME_BYTES), (container, MAX_POD_NAME_BYTES),
+            (pod_uid, MAX_SHORT_BYTES))]
+    return POD_STRUCT.pack(*map(len, raw)) + b"".join(raw)
+
+
 def load_key(engine: str, gpu_uuid: str, dev: tuple[int, int]) -> str:
     """The key of a LOAD record: ``engine\0gpu uuid\0MAJ:MIN``."""
     return f"{engine}\0{gpu_uuid}\0{dev[0]}:{dev[1]}"
+
+
+def pack_mount(mountpoint: str, fstype: str, source: str, layer: str) -> bytes:
+    """A MOUNT record's payload (each string cut to MAX_PATH_BYTES or MAX_SHORT_BYTES)."""
+    raw = [mountpoint.encode("utf-8", "replace")[:MAX_PATH_BYTES], fstype.encode("utf-8", "replace")[:MAX_SHORT_BYTES],
+           source.encode("utf-8", "replace")[:MAX_PATH_BYTES], layer.encode("utf-8", "replace")[:MAX_PATH_BYTES]]
+    return MOUNT_STRUCT.pack(*(len(part) for part in raw)) + b"".join(raw)

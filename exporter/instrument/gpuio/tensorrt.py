@@ -13,13 +13,15 @@ gpuio needs it.
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
 from . import gpu
-from .load import Loaded, engine_name, read_and_deserialize
+from . import waterfall as wf
+from .load import Loaded, engine_name, finish_waterfall, read_and_deserialize
 from .metrics import EngineMetrics, EnqueueError, GpuTimer, Inference, engine
 from .pool import EnginePool
 
@@ -179,16 +181,22 @@ def load_engine(path: str, runtime: Any = None, name: str | None = None, device:
 
 def _load_streaming(module: ModuleType, runtime: Any, path: str, metrics: EngineMetrics, device: Any,
                     gpu_uuid: str | None) -> Loaded[Any]:
+    timer = wf.WaterfallTimer()
+    begin = time.perf_counter()
     try:
         reader = _stream_reader(module, path)
+        size = os.fstat(reader._handle.fileno()).st_size
     except OSError:
         metrics.error("load_read_failed")
         raise
     try:
+        timer.waterfall.cached_start = wf.residency_of_fd(reader._handle.fileno(), size)
+        timer.phase("open", time.perf_counter() - begin)
         with metrics.loading(path, *gpu.resolve(device, gpu_uuid), "tensorrt") as progress:
             reader.progress = progress.add
             start = time.perf_counter()
-            cuda_engine = runtime.deserialize_cuda_engine(reader)
+            with timer.reading():  # the runtime calls the reader on this thread, inside deserialize
+                cuda_engine = runtime.deserialize_cuda_engine(reader)
             total = time.perf_counter() - start
     finally:
         reader.close()
@@ -196,10 +204,14 @@ def _load_streaming(module: ModuleType, runtime: Any, path: str, metrics: Engine
         metrics.error("load_deserialize_failed")
         raise RuntimeError(f"TensorRT could not deserialize {path} (see the TensorRT log above)")
     deserialize_seconds = max(0.0, total - reader.read_seconds)
+    timer.phase("read", reader.read_seconds)  # the runtime's reads, interleaved with its own work
+    timer.phase("deserialize", deserialize_seconds)
+    waterfall = timer.end(reader.bytes_read, size)
     cuda_device, uuid = gpu.resolve(device, gpu_uuid)
     metrics.record_load(reader.read_seconds, reader.bytes_read, deserialize_seconds, path, cuda_device, uuid,
                         "tensorrt")
-    return Loaded(cuda_engine, metrics, path, reader.bytes_read, reader.read_seconds, deserialize_seconds)
+    finish_waterfall(metrics, path, waterfall)
+    return Loaded(cuda_engine, metrics, path, reader.bytes_read, reader.read_seconds, deserialize_seconds, waterfall)
 
 
 # --------------------------------------------------------------------------------------------------

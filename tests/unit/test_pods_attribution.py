@@ -1,0 +1,169 @@
+"""GPU processes and GPUs named by pod: the nvml collector (on the fake NVML, CI has no GPU) joined with
+the pods collector polling a real gRPC server generated from the kubelet's proto, and process cgroups
+laid out as on a node (tests/fixtures/cgroup)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from exporter.collect import Context, Scraper
+from exporter.collectors.pods import PodsCollector
+from exporter.exposition import render
+from exporter.nvml_device import ProcessInfo
+from exporter.pods import podresources
+from tests.conftest import parse_samples
+from tests.unit.test_nvml_collector import make, value
+from tests.unit.test_nvml_fake import FakeNvml, h100s
+from tests.unit.test_pods import FIXTURES, generated, kubelet  # noqa: F401  (fixtures)
+
+UID_A = "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4e5"  # v2-systemd-containerd-burstable
+UID_B = "0d9e8f7a-6b5c-4d3e-9f2a-1b0c9d8e7f6a"  # v2-systemd-crio-guaranteed
+UID_C = "5a4b3c2d-1e0f-4a9b-8c7d-6e5f4a3b2c1d"  # v2-systemd-private-cgroupns
+
+
+def procfs_with(tmp_path, cgroups: dict[int, str]) -> str:
+    root = tmp_path / "proc"
+    for pid, fixture in cgroups.items():
+        (root / str(pid)).mkdir(parents=True)
+        with open(os.path.join(FIXTURES, f"{fixture}.cgroup")) as handle:
+            (root / str(pid) / "cgroup").write_text(handle.read())
+    return str(root)
+
+
+def answer(pb2, gpu0: str, gpu1: str):
+    def container(name, *ids):
+        return pb2.ContainerResources(name=name, devices=[pb2.ContainerDevices(resource_name="nvidia.com/gpu",
+                                                                               device_ids=list(ids))])
+    return pb2.ListPodResourcesResponse(pod_resources=[
+        pb2.PodResources(name="detector", namespace="serving", containers=[container("server", gpu0),
+                                                                            container("logger")]),
+        pb2.PodResources(name="ranker-a", namespace="serving", containers=[container("main", f"{gpu1}::0")]),
+        pb2.PodResources(name="ranker-b", namespace="serving", containers=[container("main", f"{gpu1}::1")]),
+    ])
+
+
+def test_gpu_processes_get_their_pod(tmp_path, generated, kubelet) -> None:  # noqa: F811
+    pb2, _ = generated
+    server, socket_path = kubelet
+    fake = FakeNvml(h100s(2))
+    gpu0, gpu1 = (gpu.uuid for gpu in fake.gpus)
+    server.answer = answer(pb2, gpu0, gpu1)
+    fake.gpus[0].processes = [ProcessInfo(101, 1 << 30), ProcessInfo(104, 1 << 20)]
+    fake.gpus[1].processes = [ProcessInfo(102, 2 << 30), ProcessInfo(103, 3 << 30)]
+    for gpu in fake.gpus:
+        gpu.process_names = {101: "triton", 102: "ranker", 103: "ranker", 104: "Xorg"}
+    procfs = procfs_with(tmp_path, {101: "v2-systemd-containerd-burstable", 102: "v2-systemd-crio-guaranteed",
+                                    103: "v2-systemd-private-cgroupns", 104: "v2-host-session"})
+    context = Context(procfs=procfs)
+    pods = PodsCollector(context, {"pod-resources-socket": socket_path, "pod-resources-interval": 60.0,
+                                   "pod-resources-timeout": 2.0})
+    pods.poller.poll()
+    context.pods.update_writer_pods([(UID_B, "serving", "ranker-b")])  # what the engines collector passes on
+    nvml = make(fake)
+    nvml.context = context
+    nvml.sampler.sample_now()
+    samples = parse_samples(render([*nvml.collect(), *pods.collect()]))
+    memory = "gpuio_gpu_process_memory_used_bytes"
+    # One holder of GPU 0: its pod and the container holding the GPU.
+    assert value(samples, memory, pid="101", namespace="serving", pod="detector", container="server") == 1 << 30
+    # GPU 1 time-sliced by two pods: the one whose writer named its UID, the container of that pod.
+    assert value(samples, memory, pid="102", namespace="serving", pod="ranker-b", container="main") == 2 << 30
+    # The other pod on GPU 1 cannot be told apart: no labels, rather than a guess.
+    labels_103 = [ls for (n, ls), _ in samples.items() if n == memory and ("pid", "103") in ls]
+    assert labels_103 and not {key for key, _ in labels_103[0]} & {"namespace", "pod", "container"}
+    # A host process: exactly the series of before.
+    assert {key for (n, ls), _ in samples.items() if n == memory and ("pid", "104") in ls
+            for key, _ in ls} == {"gpu", "uuid", "pid", "process_name"}
+    # The GPUs themselves: one info series per allocation, joinable on uuid.
+    assert value(samples, "gpuio_gpu_pod_info", uuid=gpu0, namespace="serving", pod="detector",
+                 container="server") == 1
+    assert value(samples, "gpuio_gpu_pod_info", uuid=gpu1, device=f"{gpu1}::1", pod="ranker-b") == 1
+    assert value(samples, "gpuio_kubelet_pod_resources_pods") == 3
+
+
+def test_off_the_cluster_the_pods_collector_is_absent_and_logs_once(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="gpuio")
+    collector = PodsCollector(Context(), {"pod-resources-socket": str(tmp_path / "kubelet.sock"),
+                                          "pod-resources-interval": 60.0, "pod-resources-timeout": 1.0})
+    collector.poller.poll()
+    scraper = Scraper([collector], 2.0, "")
+    for _ in range(3):
+        samples = parse_samples(render(scraper.scrape_sync()))
+        collector.poller.poll()
+    assert value(samples, "gpuio_scrape_collector_success", collector="pods") == 1
+    assert value(samples, "gpuio_scrape_collector_state", collector="pods", state="absent") == 1
+    assert not any(name.startswith("gpuio_gpu_pod") or name.startswith("gpuio_kubelet") for name, _ in samples)
+    assert [r.getMessage() for r in caplog.records if "absent" in r.getMessage()] == ["source absent"]
+
+
+def test_a_failing_kubelet_is_visible_and_serves_its_last_answer(tmp_path, generated, kubelet) -> None:  # noqa: F811
+    import grpc
+
+    server, socket_path = kubelet
+    collector = PodsCollector(Context(), {"pod-resources-socket": socket_path, "pod-resources-interval": 60.0,
+                                          "pod-resources-timeout": 1.0})
+    scraper = Scraper([collector], 2.0, "")
+    collector.poller.poll()
+    server.fail_with = grpc.StatusCode.UNAVAILABLE
+    collector.poller.poll()
+    samples = parse_samples(render(scraper.scrape_sync()))
+    assert value(samples, "gpuio_scrape_collector_state", collector="pods", state="stale") == 1
+    assert value(samples, "gpuio_kubelet_pod_resources_failures_total", reason="unavailable") == 1
+    assert any(name == "gpuio_gpu_pod_info" for name, _ in samples)  # the last answer, still served
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to a user the socket refuses")
+def test_a_socket_the_exporter_may_not_use_is_a_failure_not_an_absence(tmp_path) -> None:
+    """The kubelet's socket is root's (its directory 0750): the exporter as another user fails, visibly."""
+    import socket
+
+    path = str(tmp_path / "kubelet.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    os.chmod(path, 0o755)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (the child reports through its exit status)
+        os.setgid(65532)
+        os.setuid(65532)
+        state = podresources.PodResourcesPoller(path, 1, 1).poll()
+        os._exit(0 if state.absent is None and state.failures == {"permission": 1} else 1)
+    _, status = os.waitpid(pid, 0)
+    listener.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_mig_device_is_named_after_its_gpu(tmp_path, generated, kubelet) -> None:  # noqa: F811
+    """The device plugin hands out MIG UUIDs; NVML lists MIG processes on the parent GPU: the nvml
+    collector tells which GPU each MIG device is part of, so both the process and the info series join."""
+    from tests.unit.test_nvml_fake import FakeGpu, FakeMig
+
+    pb2, _ = generated
+    server, socket_path = kubelet
+    mig = "MIG-5d6e7f80-9a1b-5c2d-8e3f-4a5b6c7d8e9f"
+    gpu = FakeGpu("GPU-00000007-aaaa-bbbb-cccc-dddddddddddd", mig_mode=(1, 1), mig=[FakeMig(mig, 1, 0)])
+    gpu.processes, gpu.process_names = [ProcessInfo(101, 1 << 30)], {101: "triton"}
+    server.answer = pb2.ListPodResourcesResponse(pod_resources=[pb2.PodResources(
+        name="notebook", namespace="research", containers=[pb2.ContainerResources(
+            name="lab", devices=[pb2.ContainerDevices(resource_name="nvidia.com/mig-1g.10gb", device_ids=[mig])])])])
+    context = Context(procfs=procfs_with(tmp_path, {101: "v2-systemd-containerd-burstable"}))
+    pods = PodsCollector(context, {"pod-resources-socket": socket_path, "pod-resources-interval": 60.0,
+                                   "pod-resources-timeout": 2.0})
+    pods.poller.poll()
+    nvml = make(FakeNvml([gpu]))
+    nvml.context = context
+    nvml.sampler.sample_now()  # learns the MIG device's parent
+    nvml.sampler.sample_now()
+    samples = parse_samples(render([*nvml.collect(), *pods.collect()]))
+    assert value(samples, "gpuio_gpu_process_memory_used_bytes", pid="101", namespace="research", pod="notebook",
+                 container="lab") == 1 << 30
+    assert value(samples, "gpuio_gpu_pod_info", uuid=gpu.uuid, mig_uuid=mig, pod="notebook") == 1
+
+
+def test_before_the_first_poll_a_missing_socket_is_already_absent(tmp_path) -> None:
+    """`gpuio scrape` runs the collectors once without starting their threads: no socket is absent there too."""
+    collector = PodsCollector(Context(), {"pod-resources-socket": str(tmp_path / "kubelet.sock")})
+    samples = parse_samples(render(Scraper([collector], 2.0, "").scrape_sync()))
+    assert value(samples, "gpuio_scrape_collector_state", collector="pods", state="absent") == 1
