@@ -154,9 +154,9 @@ def process_panels() -> list:
                     f"gpuio_gpu_process_memory_used_bytes{g}", ["job"]),
         value_table("GPUs", "Identity of each GPU (gpuio_gpu_info).", f"gpuio_gpu_info{g}", ["job"], height=6),
         graph("Per-process GPU busy (by engine where one reports)",
-              "Share of time each listed process's kernels ran (NVML per-process utilisation, read every slow "
-              "interval), named by the engine it reports through the spool (gpuio_engine_process_info, joined "
-              "on pid) or else by its process name.", "percentunit",
+              "Share of time each listed process's kernels ran (NVML per-process utilisation of its last sample "
+              "period, read every interval: an estimate), named by the engine it reports through the spool "
+              "(gpuio_engine_process_info, joined on pid) or else by its process name.", "percentunit",
               query(f"{rate('gpuio_gpu_process_sm_busy_seconds_total', g)}\n"
                     f"* on ({c.NODE_LABEL}, pid) group_left (engine) max by ({c.NODE_LABEL}, pid, engine) "
                     f"(gpuio_engine_process_info{sel()})", f"{PER_GPU} {{{{engine}}}} (pid {{{{pid}}}})"),

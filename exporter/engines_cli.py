@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .pagecache import Unavailable, residency
+from .pagecache import Unavailable, open_regular, residency
 from .terminal import printable
 
 WARM_CHUNK = 8 << 20
@@ -43,15 +43,21 @@ def _age(timestamp: float | None) -> str:
 
 
 def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sysfs: str = "/sys",
-                rootfs: str = "/", path_include: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """One row per engine file (or per engine with no file known): what ``gpuio engines`` prints."""
+                rootfs: str = "/", path_include: Sequence[str] | None = None,
+                pods_dir: str | None = None) -> list[dict[str, Any]]:
+    """One row per engine file (or per engine with no file known): what ``gpuio engines`` prints.
+
+    The spools in pods' emptyDir volumes under ``pods_dir`` (the kubelet's pods directory) are read
+    too, as the exporter reads them: found by one scan, now."""
     from .collect import Context
     from .collectors.engines import EnginesCollector
     from .spool_reader import counter, histogram_count_and_sum
 
     options = {"spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
-               "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None}
+               "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None,
+               "kubelet-pods-dir": pods_dir}
     collector = EnginesCollector(Context(procfs, sysfs, rootfs), options, read_only=True)
+    collector.pod_spools.sample_now()  # the pods' spools, found now (none off a Kubernetes node)
     collector.collect()  # learns the files processes report
     files = collector.engine_files_now()
     totals = collector.spool_totals()
@@ -68,6 +74,8 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
             device, disks = collector.device_of(dev) if dev else ("", [])
             row: dict[str, Any] = {
                 "engine": engine, "path": path, "processes": totals.processes.get(engine, 0),
+                "pods": sorted({f"{pod.namespace}/{pod.pod}" for (name, _), pods in totals.pods.items()
+                                if name == engine for pod in pods if pod.pod}),
                 "size_bytes": view.size if view else (info.size if info else None),
                 "cached_ratio": (view.cached_bytes / view.size if view.size else 1.0)
                 if view is not None and view.cached_bytes is not None and view.size is not None else None,
@@ -149,6 +157,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def engines_main(argv: Sequence[str]) -> int:
     from gpuio.spool import DEFAULT_DIR
 
+    from .pods import kubelet
+
     parser = argparse.ArgumentParser(prog="gpuio engines", description="The engines on this node.")
     parser.add_argument("--spool-dir", default=os.environ.get("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR", DEFAULT_DIR),
                         help="spool directory (env GPUIO_COLLECTOR_ENGINES_SPOOL_DIR; default %(default)s)")
@@ -160,18 +170,24 @@ def engines_main(argv: Sequence[str]) -> int:
     parser.add_argument("--path-include", default=os.environ.get("GPUIO_COLLECTOR_ENGINES_PATH_INCLUDE", ""),
                         help="directories where engine files named by processes may be opened (comma-separated; "
                              "env GPUIO_COLLECTOR_ENGINES_PATH_INCLUDE; default: the exporter's)")
+    parser.add_argument("--kubelet-pods-dir",
+                        default=os.environ.get("GPUIO_COLLECTOR_ENGINES_KUBELET_PODS_DIR", kubelet.DEFAULT_PODS_DIR),
+                        help="the kubelet's pods directory, where inference pods' emptyDir spools are found "
+                             "(env GPUIO_COLLECTOR_ENGINES_KUBELET_PODS_DIR; default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(list(argv))
     globs = [part.strip() for value in args.path for part in value.split(",") if part.strip()]
     if not globs and env_globs():
         globs = env_globs()
-    if not globs and not os.path.isdir(args.spool_dir):  # a typo would otherwise read as "no engines"
+    if not globs and not os.path.isdir(args.spool_dir) and not os.path.isdir(args.kubelet_pods_dir):
+        # a typo would otherwise read as "no engines"
         print(f"gpuio engines: error: spool directory {printable(args.spool_dir)} does not exist "
               "(--spool-dir, GPUIO_COLLECTOR_ENGINES_SPOOL_DIR); no instrumented process can report there",
               file=sys.stderr)
         return 2
     include = [part.strip() for part in args.path_include.split(",") if part.strip()]
-    rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs, include or None)
+    rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs, include or None,
+                       args.kubelet_pods_dir)
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:
@@ -186,6 +202,17 @@ def env_globs() -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file (a symlink to one is fine), else OSError.
+    A glob's matches are names anyone who may write there chose: a FIFO would block open() for ever, a
+    device node's driver would see an open (a watchdog arms) and be read without end or evicted."""
+    try:
+        fd, _ = open_regular(path)
+    except Unavailable as exc:
+        raise OSError("not a regular file" if exc.reason == "not_regular" else str(exc)) from None
+    return fd
+
+
 def evict_file(path: str) -> dict[str, Any]:
     """Drop ``path``'s clean pages from the page cache (posix_fadvise DONTNEED), to reproduce a cold
     start on purpose; dirty pages are written first (fdatasync), or the kernel would keep them."""
@@ -195,7 +222,7 @@ def evict_file(path: str) -> dict[str, Any]:
     except Unavailable as exc:
         result["cached_before"] = None
         result["residency_unavailable"] = exc.reason
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_regular(path)
     try:
         with contextlib.suppress(OSError):  # a file this user may not write: its dirty pages stay
             os.fdatasync(fd)
@@ -223,7 +250,7 @@ def warm_file(path: str, chunk: int = WARM_CHUNK, progress: Callable[[int], None
     view = memoryview(buffer)
     total = 0
     start = time.perf_counter()
-    with open(path, "rb", buffering=0) as handle:
+    with open(_open_regular(path), "rb", buffering=0) as handle:
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while True:
             count = handle.readinto(view)

@@ -79,6 +79,10 @@ class MountTable:
             return _longest_prefix(candidates, path) or candidates[0]
         return _longest_prefix(self.mounts, path)
 
+    def holding(self, path: str) -> MountPoint | None:
+        """The mount whose mount point is the longest prefix of ``path`` (by name: nothing is stat()ed)."""
+        return _longest_prefix(self.mounts, path)
+
     def by_mountpoint(self) -> dict[str, MountPoint]:
         """Each mount point's visible mount (the last one listed: later mounts cover earlier ones)."""
         return {mount.mountpoint: mount for mount in self.mounts}

@@ -9,6 +9,7 @@ processes, and merging everything per engine, per engine and GPU, and per load i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -16,6 +17,8 @@ import hashlib
 import math
 import operator
 import os
+import random
+import resource
 import stat
 import struct
 import threading
@@ -29,6 +32,7 @@ from gpuio.spool import (
     ENGINE_LAYOUT,
     ENGINE_SERIES,
     GAUGES,
+    GENERATION_OFFSET,
     HEADER,
     HEADER_SIZE,
     INFO_STRUCT,
@@ -44,7 +48,10 @@ from gpuio.spool import (
     LOAD_SLOTS,
     MAGIC,
     MAX_KEY_BYTES,
+    MAX_PATH_BYTES,
+    MAX_POD_NAME_BYTES,
     MAX_RECORD_BYTES,
+    MAX_SHORT_BYTES,
     MOUNT_STRUCT,
     POD_STRUCT,
     PREFIX,
@@ -84,6 +91,7 @@ _per_gpu_values = operator.itemgetter(*PER_GPU_SLOTS)
 # The histogram bucket slots of an ENGINE record: whole counts (OpenMetrics refuses anything else).
 BUCKET_SLOTS = tuple(index for first, sum_index, _ in ENGINE_LAYOUT.histograms.values()
                      for index in range(first, sum_index))
+_bucket_values = operator.itemgetter(*BUCKET_SLOTS)  # at C speed: a scrape of 1,000 changed files checks 141,000
 MAX_VALUE = 2.0**53
 
 
@@ -253,6 +261,11 @@ def parse(data: bytes) -> Parsed:
     return parsed
 
 
+# The longest strings the library writes: namespace, pod, container, UID; mount point, fstype, source, layer.
+POD_LIMITS = (MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_SHORT_BYTES)
+MOUNT_LIMITS = (MAX_PATH_BYTES, MAX_SHORT_BYTES, MAX_PATH_BYTES, MAX_PATH_BYTES)
+
+
 def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
     engine, _, dev = key.partition("\0")
     major, colon, minor = dev.partition(":")
@@ -261,6 +274,8 @@ def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
     lengths = MOUNT_STRUCT.unpack_from(payload)
     if MOUNT_STRUCT.size + sum(lengths) > len(payload):
         raise ValueError("MOUNT strings overrun the record")
+    if any(length > limit for length, limit in zip(lengths, MOUNT_LIMITS, strict=True)):
+        raise ValueError("MOUNT string longer than the library writes")
     text, start, parts = bytes(payload), MOUNT_STRUCT.size, []
     for length in lengths:
         parts.append(text[start : start + length].decode("utf-8", "replace"))
@@ -272,6 +287,10 @@ def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
     lengths = POD_STRUCT.unpack_from(payload)
     if POD_STRUCT.size + sum(lengths) > len(payload):
         raise ValueError("POD strings overrun the record")
+    # Label values of every series of the writer's engines: never longer than the library writes them
+    # (what Kubernetes allows), or one record of 64 KiB names makes each of those series 64 KiB.
+    if any(length > limit for length, limit in zip(lengths, POD_LIMITS, strict=True)):
+        raise ValueError("POD string longer than Kubernetes allows")
     text, offset = bytes(payload[POD_STRUCT.size :]), 0
     values = []
     for length in lengths:
@@ -306,7 +325,7 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
     if kind == KIND_ENGINE:
         if len(values) < ENGINE_LAYOUT.size or not key:
             raise ValueError("short ENGINE record")
-        if not all(map(float.is_integer, (values[index] for index in BUCKET_SLOTS))):
+        if not all(map(float.is_integer, _bucket_values(values))):
             raise ValueError("a histogram bucket that is not a whole count")
         parsed.engines[key] = values[: ENGINE_LAYOUT.size]
         return
@@ -368,6 +387,15 @@ class FileState:
     used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
     uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
     pod_uid: str = ""  # the pod whose volume holds the file (a discovered pod spool directory), else ""
+    # Kept open between reads (up to a cap) so that an unchanged file costs a lock probe and a header read.
+    fd: int | None = None
+    # The inode the directory listing gave when ``fd`` was opened: the name still lists it, so the name
+    # still means this file (compared with the listing's, which on overlayfs is not always st_ino).
+    listed_ino: int | None = None
+    header: bytes = b""  # the header ``parsed`` came with: the same header again means nothing changed
+    recheck_at: float = 0.0  # when to read the whole file even so (monotonic seconds)
+    needs_gpu: bool = False  # ``parsed`` has series without a GPU: the merge asks ``gpu_of`` for this writer
+    lockers: frozenset[int] | None = None  # pids the kernel's lock table shows holding its lock (None: not looked)
 
 
 @dataclass
@@ -407,12 +435,45 @@ MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (de
 # Names taken from one pod's own spool volume per read: a pod that fills its volume with files cannot
 # take the listing from the other pods (a real pod has a few processes, one file each).
 MAX_POD_DIRECTORY_FILES = 1024
+# Leftover temporary files (a writer that died before renaming its file) opened per read to see whether
+# they may be removed: each costs an open and a lock probe, and a writer can make any number of them.
+MAX_SWEPT_TEMPORARY = 32
 SCRAPE_READ_BYTES = 16 << 20  # bytes read from spool files per read()
 SCRAPE_PARSE_BYTES = 4 << 20  # bytes of changed content parsed per read() (~35 ms per MiB here)
 RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader keeps (~4x in Python objects)
 # A real process's file holds a few engines: a few KiB.  Files above this may take only half of
 # RETAINED_BYTES, so a few big files cannot keep the small ones out.
 SMALL_FILE_BYTES = 64 << 10
+# Live files whose descriptors stay open between reads; the others are opened on every read, as a new
+# file is.  Only from what the open-file limit leaves above FD_ROOM (the server's connections, up to
+# 512, and everything else the exporter opens), and half of that: a low limit keeps none.
+MAX_KEPT_FILES = 4096
+FD_ROOM = 1024
+# A file whose header says nothing changed is still read whole this often (give or take a quarter, so
+# that files first seen together do not all come due on one scrape): a writer's word is trusted for
+# its own series only, and never for longer than this.
+RECHECK_SECONDS = 60.0
+_GENERATION = struct.Struct("<d")
+
+
+def _libc_flock() -> Callable[[int, int], int] | None:
+    """libc's flock, called directly: a refused probe then costs a return value, where fcntl.flock
+    raises an OSError (about half of what a scrape of unchanged files spends per file)."""
+    try:
+        flock = ctypes.CDLL(None, use_errno=True).flock
+    except (OSError, AttributeError):
+        return None
+    flock.argtypes, flock.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return typing.cast("Callable[[int, int], int]", flock)
+
+
+_FLOCK = _libc_flock()
+_PROBE = fcntl.LOCK_EX | fcntl.LOCK_NB
+
+
+def _kept_files_cap() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_KEPT_FILES if soft == resource.RLIM_INFINITY else max(0, min(MAX_KEPT_FILES, (soft - FD_ROOM) // 2))
 
 
 @dataclass
@@ -422,15 +483,15 @@ class ReadBudget:
     read: int
     parse: int
 
-    def spent(self) -> bool:
-        return self.read <= 0 or self.parse <= 0
-
 
 class SpoolReader:
     """Merges a spool directory; keeps the folded totals of exited processes for as long as it runs.
 
-    ``read()`` costs one directory listing plus, per live file, open + pread + flock probe + close;
-    a file whose bytes did not change since the last read is not parsed again.  A dead file costs
+    ``read()`` costs one directory listing plus, per live file, a flock probe and a pread of its
+    header on a descriptor kept open: a writer moves the header's generation up after every change,
+    so the same header means the same content (and the last merge stands when no file changed).  A
+    changed file, a new one, one whose writer does not count generations and, once a minute, every
+    file are read whole (open + pread + flock probe); bytes that did not change are not parsed again.  A dead file costs
     that once: it is folded, then deleted (or tombstoned) and never opened again.
 
     Bounded whatever the writers do: a file is read up to ``max_file_bytes`` at most (a bigger one is
@@ -442,8 +503,12 @@ class SpoolReader:
 
     def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
                  gpu_of: Callable[[int, int], str | None] | None = None,
-                 max_file_bytes: int = DEFAULT_FILE_BYTES) -> None:
+                 max_file_bytes: int = DEFAULT_FILE_BYTES, procfs: str = "/proc") -> None:
         self.directory = directory
+        # Where the kernel's lock table is (<procfs>/locks): it says which process holds a file's lock, so
+        # which writer a file's header may truthfully name (see _writer).
+        self.procfs = procfs
+        self._lock_table: dict[int, frozenset[int]] | None = None  # inode -> lock holders, once per read()
         # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
         self.gpu_of = gpu_of
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
@@ -453,6 +518,7 @@ class SpoolReader:
         self.scrape_read_bytes = SCRAPE_READ_BYTES
         self.scrape_parse_bytes = SCRAPE_PARSE_BYTES
         self.retained_bytes = RETAINED_BYTES
+        self.recheck_seconds = RECHECK_SECONDS
         # Engines whose folded totals are never forgotten (the exporter's exported engines).
         self.protected: set[str] = set()
         self.errors: dict[str, int] = {}
@@ -469,6 +535,8 @@ class SpoolReader:
         self._budget = ReadBudget(0, 0)
         self._deferred_now = 0
         self._unlisted = 0
+        self._sweeps_left = 0
+        self._left_out_directories: set[str] = set()  # pod directories that exist but the scan left out
         self._retained = {False: 0, True: 0}
         self._folded = Totals()
         self._folded_touched: dict[str, float] = {}
@@ -476,6 +544,13 @@ class SpoolReader:
         self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
         self._per_gpu_pruned_at = 0
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
+        self._kept_cap = _kept_files_cap()
+        self._kept = 0  # descriptors held open by live FileStates
+        self._now = 0.0  # time.monotonic() at the start of this read
+        # Moves whenever what _merge() reads changes (a live file parsed anew, added, folded, forgotten):
+        # the same version and the same GPU answers give the same merge, which is then reused.
+        self._version = 0
+        self._merged: tuple[tuple[object, ...], Totals] | None = None
         # Spool directories found in pods' volumes (exporter.pods.kubelet): directory -> pod UID.  Their
         # files are keyed by absolute path (the main directory's by name), read with the same budgets,
         # and never deleted (the volume is the pod's, mounted read-only): folded, then tombstoned.
@@ -483,13 +558,32 @@ class SpoolReader:
 
     def set_pod_directories(self, directories: dict[str, str]) -> None:
         """Replace the discovered directories (directory -> pod UID); files of one no longer listed
-        are folded at the next read, as files that vanished."""
+        are folded at the next read, as files that vanished, once the directory is gone (while it
+        exists, the scan only left it out: see _list)."""
+        if directories != self.pod_directories:
+            self._version += 1  # the files read change: the last merge may not be reused
         self.pod_directories = dict(directories)
+
+    def close(self) -> None:
+        """Close the descriptors kept open (the reader stays usable: it opens them again)."""
+        with self._lock:
+            for state in self._live.values():
+                self._close_kept(state)
+
+    def __del__(self) -> None:
+        for state in getattr(self, "_live", {}).values():
+            if state.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(state.fd)
+                state.fd = None
 
     # --- the directory -------------------------------------------------------------------------
 
     def read(self) -> Totals:
+        """Everything merged now.  The Totals may be the one an earlier read returned (nothing changed
+        since): callers read it and never modify it."""
         with self._lock:
+            self._now = time.monotonic()
             names = self._list()
             if names is None:
                 return self._with_owners(self._merge())
@@ -498,28 +592,48 @@ class SpoolReader:
                     self._vanished(name)
             self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
             self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
+            self._lock_table = None
             self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
             for state in self._live.values():
                 self._retained[state.used > SMALL_FILE_BYTES] += state.used
             self._deferred_now = deferred = 0
+            # The loop a thousand idle writers cost: names bound once, an unchanged live file settled
+            # here (a lock probe and a header read), everything else visited in full.
+            live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
+            unchanged, visited = self._unchanged, ""
             for name in self._visit_order(names):
-                if name in self._tombstones or self._bad.get(name, -1) == self._listed.get(name):
+                if name in tombstones or bad.get(name, -1) == listed.get(name):
                     continue  # folded already, or known bad and not replaced: not even opened
-                if self._budget.spent():
+                if budget.read <= 0 or budget.parse <= 0:
                     deferred += 1
                     continue
-                self._cursor = name
-                self._visit(name)
-            if not deferred:
-                self._cursor = ""
+                visited = name
+                known = live.get(name)
+                if known is None or known.fd is None or not unchanged(name, known, known.fd):
+                    self._visit(name)
+            self._cursor = visited if deferred else ""
             self.deferred_files = deferred + self._deferred_now + self._unlisted
             # Forget tombstones of files someone else removed.  A pod directory's are kept while the pod
             # is: its files are never deleted, and one left out of a capped listing must not be folded
             # twice when it is listed again.
             self._tombstones = {name for name in self._tombstones if name in names or (
-                os.path.isabs(name) and os.path.dirname(name) in self.pod_directories)}
+                os.path.isabs(name) and (os.path.dirname(name) in self.pod_directories
+                                         or os.path.dirname(name) in self._left_out_directories))}
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
-            return self._with_owners(self._merge())
+            return self._merged_totals()
+
+    def _merged_totals(self) -> Totals:
+        """The merge, reused while no file changed and NVML places the writers that recorded no GPU
+        where it did (the only input of the merge that is not in the files)."""
+        gpus: tuple[str | None, ...] = ()
+        if self.gpu_of is not None:
+            gpu_of = self.gpu_of
+            gpus = tuple(gpu_of(state.parsed.pid, state.parsed.start_ticks) for state in self._live.values()
+                         if state.needs_gpu and state.parsed is not None)
+        key = (self._version, gpus)
+        if self._merged is None or self._merged[0] != key:
+            self._merged = (key, self._with_owners(self._merge()))
+        return dataclasses.replace(self._merged[1], deferred_files=self.deferred_files)
 
     def _visit_order(self, names: set[str]) -> list[str]:
         """Live files first (their values go stale when skipped), then the rest; each group in name
@@ -544,6 +658,7 @@ class SpoolReader:
         """Every spool file of the main directory (by name) and of the pod directories (by absolute
         path); None when the main directory is missing or unreadable and no pod directory is known."""
         self._unlisted = 0
+        self._sweeps_left = MAX_SWEPT_TEMPORARY
         names: set[str] = set()
         listed: dict[str, int] = {}
         found = self._list_one(self.directory, "", names, listed, MAX_LISTED_FILES)
@@ -554,6 +669,14 @@ class SpoolReader:
         for directory in sorted(self.pod_directories):
             if self._list_one(directory, directory, names, listed, MAX_POD_DIRECTORY_FILES) is None:
                 self._carry(directory, names, listed)  # unreadable now: not proof that the pod is gone
+        # A pod directory the scan no longer hands over (past --collector.engines.max-pod-spools) that
+        # still exists: its pod is not gone.  Its live files are read on and its tombstones kept, so that
+        # it is neither folded now nor counted a second time when the scan takes it back.
+        known = {os.path.dirname(key) for key in (*self._live, *self._tombstones) if os.path.isabs(key)}
+        self._left_out_directories = {directory for directory in known - self.pod_directories.keys()
+                                      if _real_directory(directory)}
+        for directory in sorted(self._left_out_directories):
+            self._carry(directory, names, listed)
         self._listed = listed
         return names
 
@@ -568,13 +691,17 @@ class SpoolReader:
                 for entry in entries:
                     key = os.path.join(prefix, entry.name) if prefix else entry.name
                     if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                        if len(names) >= MAX_LISTED_FILES or taken >= limit:
+                        # A live file is always listed: left out by a cap it would read as vanished
+                        # (folded), and listed again later, counted a second time on top of its fold.
+                        if key not in self._live and (len(names) >= MAX_LISTED_FILES or taken >= limit):
                             self._unlisted += 1
                             continue
                         taken += 1
                         names.add(key)
                         listed[key] = entry.inode()
-                    elif entry.name.startswith(f".{PREFIX}") and entry.name.endswith(".tmp"):
+                    elif (not prefix and self._sweeps_left > 0 and entry.name.startswith(f".{PREFIX}")
+                          and entry.name.endswith(".tmp")):  # a pod's volume is the pod's: never swept
+                        self._sweeps_left -= 1
                         self._sweep_temporary(key)
             return True
         except FileNotFoundError:
@@ -617,6 +744,13 @@ class SpoolReader:
     @staticmethod
     def _writer_gone(fd: int) -> bool:
         """Probe the writer's lock: granted means no process holds it, so the writer has exited."""
+        if _FLOCK is not None:
+            if _FLOCK(fd, _PROBE) == 0:
+                return True
+            error = ctypes.get_errno()
+            if error in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise OSError(error, os.strerror(error))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -626,20 +760,75 @@ class SpoolReader:
         return True
 
     def _visit(self, name: str) -> None:
+        state = self._live.get(name)
+        fd = None if state is None else self._take_kept(state)
+        if fd is not None and state is not None and state.listed_ino != self._listed.get(name):
+            os.close(fd)  # replaced under the same name: the path opens the new file
+            fd = None
         path = os.path.join(self.directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            if name in self._live:
-                self._vanished(name)
-            return
-        except OSError:
-            self._count_bad(name, (0, 0, 0), "io")
-            return
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except FileNotFoundError:
+                if name in self._live:
+                    self._vanished(name)
+                return
+            except OSError:
+                self._count_bad(name, (0, 0, 0), "io")
+                return
         try:
             self._visit_open(name, path, fd)
         finally:
-            os.close(fd)  # also drops the lock the probe may have taken
+            live = self._live.get(name)
+            if live is not None and live.fd is None and self._kept < self._kept_cap:
+                self._keep(live, fd)  # the state of this very file (_visit_open made it from this fd)
+                live.listed_ino = self._listed.get(name)
+            else:
+                os.close(fd)  # also drops the lock the probe may have taken
+
+    # --- descriptors kept open; files that did not change ---------------------------------------------
+
+    def _take_kept(self, state: FileState) -> int | None:
+        fd, state.fd = state.fd, None
+        if fd is not None:
+            self._kept -= 1
+        return fd
+
+    def _keep(self, state: FileState, fd: int) -> None:
+        state.fd = fd
+        self._kept += 1
+
+    def _close_kept(self, state: FileState) -> None:
+        fd = self._take_kept(state)
+        if fd is not None:
+            os.close(fd)
+
+    def _unchanged(self, name: str, state: FileState, fd: int) -> bool:
+        """Whether a live file is as it was at its last full read: same inode under its name, writer
+        alive, the same header (used bytes, drops, a counted generation), not yet due for a full read.
+        The scrape of a thousand unchanged files is a thousand of these: two syscalls, little else."""
+        if not state.header or self._now >= state.recheck_at or state.listed_ino != self._listed.get(name):
+            return False
+        if _FLOCK is None or _FLOCK(fd, _PROBE) == 0:
+            return False  # gone, or no cheap probe: the full read decides (a lock we got is ours until fd closes)
+        try:
+            header = os.pread(fd, HEADER_SIZE, 0)
+        except OSError:
+            return False
+        self._budget.read -= HEADER_SIZE
+        return header == state.header
+
+    def _remember_header(self, state: FileState, data: bytes) -> None:
+        """The header of the content ``state.parsed`` stands for (read in the same pread, before it).
+        A writer that does not count generations (0) leaves none: its file is read whole every time."""
+        counted = len(data) >= HEADER_SIZE and _GENERATION.unpack_from(data, GENERATION_OFFSET)[0] != 0
+        state.header = data[:HEADER_SIZE] if counted else b""
+        state.recheck_at = self._now + self.recheck_seconds * random.uniform(0.75, 1.25)
+
+    def _make_live(self, name: str, state: FileState) -> None:
+        if self._live.get(name) is not state:
+            self._live[name] = state
+            self._version += 1
 
     def _visit_open(self, name: str, path: str, fd: int) -> None:
         st = os.fstat(fd)
@@ -671,7 +860,7 @@ class SpoolReader:
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if not self._affordable(state, data, digest, gone):
             if state.parsed is not None:
-                self._live[name] = state  # keeps its last values; parsed again when there is room
+                self._make_live(name, state)  # keeps its last values; parsed again when there is room
             return
         parsed = self._parse(state, data, digest, name, identity)
         if parsed is None:
@@ -682,12 +871,30 @@ class SpoolReader:
                 if gone:
                     self._fold_dead(name, path, state)
                 else:
-                    self._live[name] = state
+                    self._make_live(name, state)
             return
+        self._remember_header(state, data)
         if gone:
             self._fold_dead(name, path, state)
         else:
-            self._live[name] = state
+            if state.lockers is None:
+                state.lockers = self._lockers(st.st_ino)
+            self._make_live(name, state)
+
+    def _lockers(self, inode: int) -> frozenset[int]:
+        """The pids holding a lock on a file with this inode, from the kernel's lock table (read at most
+        once per read(), up to 4 MiB: ~80,000 locks)."""
+        if self._lock_table is None:
+            self._lock_table = read_lock_table(os.path.join(self.procfs, "locks"))
+        return self._lock_table.get(inode, frozenset())
+
+    def _writer(self, state: FileState, parsed: Parsed) -> tuple[int, int]:
+        """(pid, start ticks) of the file's writer as its header says, where the kernel shows that pid
+        holding the file's lock; else (pid, 0), which names no process.  The header is the writer's word:
+        a file claiming another live process would lend it that process's GPU and per-process series."""
+        if state.lockers is not None and parsed.pid in state.lockers:
+            return parsed.pid, parsed.start_ticks
+        return parsed.pid, 0
 
     def _affordable(self, state: FileState, data: bytes, digest: bytes, gone: bool) -> bool:
         """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
@@ -745,6 +952,10 @@ class SpoolReader:
             _clamp(state.parsed, parsed)
         state.digest, state.used = digest, len(data)
         state.parsed = parsed
+        state.needs_gpu = (any(not info.gpu_uuid for info in parsed.infos.values())
+                           or any(engine not in parsed.infos for engine in parsed.engines)
+                           or any(not uuid for _, uuid, _ in parsed.loads))
+        self._version += 1
         return parsed
 
     # --- folding -----------------------------------------------------------------------------
@@ -752,6 +963,8 @@ class SpoolReader:
     def _fold_dead(self, name: str, path: str, state: FileState) -> None:
         """The writer is gone: fold its final totals, then remove the file (or tombstone it)."""
         self._live.pop(name, None)
+        self._close_kept(state)
+        self._version += 1
         if state.parsed is not None:
             self._fold(state.parsed)
         self.folded_processes += 1
@@ -772,6 +985,8 @@ class SpoolReader:
         """A live file disappeared without us folding it (another reader, a wiped emptyDir):
         fold what we last saw, so no counter goes backwards."""
         state = self._live.pop(name)
+        self._close_kept(state)
+        self._version += 1
         self._count("vanished")
         if state.parsed is not None:
             self._fold(state.parsed)
@@ -822,6 +1037,7 @@ class SpoolReader:
                 for key in [k for k in table if k[0] == engine]:
                     del table[key]
             self.forgotten_engines += 1
+            self._version += 1
 
     # --- errors ------------------------------------------------------------------------------
 
@@ -862,11 +1078,12 @@ class SpoolReader:
                 continue
             totals.live_files += 1
             totals.dropped_by_writers += parsed.dropped
+            writer = self._writer(state, parsed)
             for engine, values in parsed.engines.items():
                 total = totals.engines.get(engine)
                 totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
                 totals.processes[engine] = totals.processes.get(engine, 0) + 1
-                totals.writers.setdefault(engine, []).append((parsed.pid, parsed.start_ticks))
+                totals.writers.setdefault(engine, []).append(writer)
             for key, count in parsed.errors.items():
                 totals.errors[key] = totals.errors.get(key, 0.0) + count
             for key, pair in parsed.layers.items():
@@ -883,7 +1100,7 @@ class SpoolReader:
                 for engine in parsed.engines.keys() - parsed.infos.keys():
                     totals.pods.setdefault((engine, ""), set()).add(pod)
             for engine, info in parsed.infos.items():
-                found = self.gpu_of(parsed.pid, parsed.start_ticks) if not info.gpu_uuid and self.gpu_of else None
+                found = self.gpu_of(*writer) if not info.gpu_uuid and self.gpu_of else None
                 if found:
                     info = dataclasses.replace(info, gpu_uuid=found)
                 if pod is not None:
@@ -901,11 +1118,11 @@ class SpoolReader:
 
     # --- per engine and GPU; loads in progress ----------------------------------------------------
 
-    def _gpu_of_writer(self, parsed: Parsed, recorded: str) -> str:
+    def _gpu_of_writer(self, writer: tuple[int, int], recorded: str) -> str:
         """The GPU a live writer works on for ``engine``: what it recorded, else what NVML lists it on."""
         if recorded or self.gpu_of is None:
             return recorded
-        return self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+        return self.gpu_of(*writer) or ""
 
     def _merge_per_gpu_and_loads(self, totals: Totals) -> None:
         """Per (engine, GPU): the live writers' per-GPU slots plus the folded ones; and the loads in
@@ -920,11 +1137,12 @@ class SpoolReader:
             if parsed is None:
                 continue
             infos = parsed.infos
+            writer = self._writer(state, parsed)
             for engine, values in parsed.engines.items():
                 info = infos.get(engine)
                 uuid = info.gpu_uuid if info is not None else ""
                 if not uuid and self.gpu_of is not None:
-                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(parsed.pid, parsed.start_ticks) or ""
+                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(*writer) or ""
                 group = groups.get((engine, uuid))
                 if group is None:
                     groups[(engine, uuid)] = [_per_gpu_values(values)]
@@ -932,7 +1150,7 @@ class SpoolReader:
                     group.append(_per_gpu_values(values))
             if parsed.loads:
                 for (engine, uuid, dev), values in parsed.loads.items():
-                    _merge_load(totals.loads, (engine, self._gpu_of_writer(parsed, uuid), dev), values)
+                    _merge_load(totals.loads, (engine, self._gpu_of_writer(writer, uuid), dev), values)
         self._gpu_seen = seen
         totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
                           for key, group in groups.items()}
@@ -955,6 +1173,41 @@ class SpoolReader:
             self._per_gpu_pruned_at = self.forgotten_engines
             for key in [key for key in folded if key[0] not in self._folded.engines]:
                 del folded[key]
+
+
+MAX_LOCK_TABLE_BYTES = 4 << 20
+
+
+def read_lock_table(path: str) -> dict[int, frozenset[int]]:
+    """inode -> pids holding a lock on it, from /proc/locks (proc(5)): ``1: FLOCK ADVISORY WRITE 4242
+    fe:00:2281097 0 EOF``; a blocked waiter's line (``->``) holds nothing.  Matched by inode alone: the
+    device field is the file system's own, which overlayfs may report differently from fstat, and a
+    pid and an inode both matching by chance is not a claim anyone can arrange."""
+    chunks: list[bytes] = []
+    try:
+        with open(path, "rb", buffering=0) as handle:  # in pieces: read(4 MiB) would allocate 4 MiB at once
+            while sum(map(len, chunks)) < MAX_LOCK_TABLE_BYTES and (chunk := handle.read(64 << 10)):
+                chunks.append(chunk)
+    except OSError:
+        return {}
+    text = b"".join(chunks)
+    table: dict[int, set[int]] = {}
+    for line in text.split(b"\n"):
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != b"FLOCK":  # a blocked waiter ("->") holds nothing
+            continue
+        pid, _, inode = parts[4], parts[5].rpartition(b":")[1], parts[5].rpartition(b":")[2]
+        if pid.isdigit() and inode.isdigit():
+            table.setdefault(int(inode), set()).add(int(pid))
+    return {inode: frozenset(pids) for inode, pids in table.items()}
+
+
+def _real_directory(path: str) -> bool:
+    """Whether ``path`` is a directory and not a symlink to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:

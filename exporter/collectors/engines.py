@@ -244,8 +244,9 @@ LAST_START_CACHED = Desc("gpuio_engine_last_load_start_cached_ratio", GAUGE,
                          labels=("engine",), unit="ratio")
 PREDICTED = Desc("gpuio_engine_predicted_cold_start_seconds", GAUGE,
                  "Predicted load time of the engine now: its file's bytes not in the page cache over the read "
-                 "throughput of its past cold loads (else of cold loads from the same device), plus the median "
-                 "deserialize time.  Absent until a cold load from that device was seen.",
+                 "throughput of its past cold loads (else of cold loads from the same device), plus its mean "
+                 "deserialize time (exact: the deserialize seconds of its loads over their count).  Absent until "
+                 "a cold load from that device was seen.",
                  labels=("engine",), unit="seconds")
 CACHED_SOURCE = Desc("gpuio_engine_file_cached_measured_timestamp_seconds", GAUGE,
                      "When gpuio_engine_file_cached_bytes of the file was measured, and by whom (source: scan, the "
@@ -345,7 +346,8 @@ class EnginesCollector(Collector):
         self.reader = rd.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
                                       gpu_of=self._writer_gpus,
-                                      max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES)
+                                      max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES,
+                                      procfs=context.procfs)
         include = options.get("path-include")
         if include is None:
             include = _parse_directories(DEFAULT_PATH_INCLUDE)
@@ -738,12 +740,14 @@ class EnginesCollector(Collector):
         """The block device under a file as its writer's own mountinfo names it, where the exporter's
         view has none (a file inside a container image: overlayfs, whose layer directory is a path of
         the host's filesystem; a PVC's /dev source).  The writer's word is used only to stat a layer
-        directory (never opened) or to name a /dev node, and only what sysfs knows is shown."""
+        directory on a local disk (never opened) or to name a /dev node, and only what sysfs knows is shown."""
         if mount is None:
             return "", []
         layer = mount.layer
         if mount.fstype == "overlay":
             if not os.path.isabs(layer) or any(part in (".", "..") for part in layer.split("/")):
+                return "", []
+            if not self._on_local_disk(layer):
                 return "", []
             options = f"upperdir={layer}"
         elif mount.source.startswith("/dev/") and ".." not in mount.source.split("/"):
@@ -755,6 +759,14 @@ class EnginesCollector(Collector):
         if not found:
             return "", []
         return found, BlockDevices(self.context.sysfs).physical(found)
+
+    def _on_local_disk(self, path: str) -> bool:
+        """Whether the host mount holding ``path`` (by name, in the host's mount table) is a file system
+        on a block device.  The path is the writer's word and is stat()ed in the scrape: under a network,
+        FUSE or automount mount a stat can wait for as long as the server does (forever, if it is gone),
+        and a container runtime keeps its layers on a local disk anyway (fuseblk: a /dev source, a FUSE daemon)."""
+        holder = self._mounts.table().holding(path)
+        return holder is not None and holder.source.startswith("/dev/") and not holder.fstype.startswith("fuse")
 
     def device_of(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
         """The block device behind st_dev MAJ:MIN and the whole disks under it (sysfs reads, cached)."""
@@ -918,15 +930,16 @@ class EnginesCollector(Collector):
         return [Family(desc, samples) for desc, samples in lines.items()]
 
     def predicted_cold_start(self, totals: rd.Totals, engine: str) -> float | None:
-        """Bytes of the engine's file not cached now / cold-read throughput + median deserialize seconds
+        """Bytes of the engine's file not cached now / cold-read throughput + mean deserialize seconds
         (docs/engines.md, "Predicted cold start"); None where a part is unknown."""
         missing = self._bytes_not_cached(totals, engine)
         throughput = self._cold_throughput(totals, engine)
         values = totals.engines.get(engine)
         if missing is None or throughput is None or values is None:
             return None
-        deserialize = histogram_quantile(0.5, values, "load_deserialize_seconds")
-        return missing / throughput + (deserialize or 0.0)
+        deserialize = mean_observation(values, "load_deserialize_seconds")
+        predicted = missing / throughput + (deserialize or 0.0)
+        return predicted if math.isfinite(predicted) else None
 
     def _bytes_not_cached(self, totals: rd.Totals, engine: str) -> int | None:
         scan = self.scanner.snapshot()
@@ -952,7 +965,9 @@ class EnginesCollector(Collector):
             known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
             moved = sum(values[slot["cold_device_bytes"]] for values in known)
             seconds = sum(values[slot["cold_read_seconds"]] for values in known)
-            return moved / seconds if moved > 0 and seconds > 0 else None
+            # Writers' figures: 5e-324 bytes in 1e10 s is legal and rounds to 0 bytes/s, a divisor.
+            throughput = moved / seconds if moved > 0 and seconds > 0 else 0.0
+            return throughput if 0.0 < throughput < math.inf else None
 
         own = rate([engine])
         if own is not None:
@@ -984,23 +999,13 @@ class EnginesCollector(Collector):
         ]
 
 
-def histogram_quantile(q: float, values: list[float], name: str) -> float | None:
-    """Prometheus's histogram_quantile over an ENGINE vector's histogram ``name`` (linear within the
-    bucket; the lowest bucket starts at 0); None with no observation."""
-    first, total_index, bounds = fmt.ENGINE_LAYOUT.histograms[name]
-    counts = values[first:total_index]
-    total = sum(counts)
-    if total <= 0:
-        return None
-    rank, seen, lower = q * total, 0.0, 0.0
-    for bound, count in zip((*bounds, math.inf), counts, strict=True):
-        if count > 0 and seen + count >= rank:
-            if math.isinf(bound):
-                return lower
-            return lower + (bound - lower) * (rank - seen) / count
-        seen += count
-        lower = bound
-    return lower
+def mean_observation(values: list[float], name: str) -> float | None:
+    """The exact mean of an ENGINE vector's histogram ``name`` (its sum over its count); None with no
+    observation.  Why not a quantile: the load buckets are coarse (1 s, then 2.5 s), and a median
+    interpolated inside them was off by 0.7 s for loads that all deserialized in about 1 s."""
+    first, sum_index, _ = fmt.ENGINE_LAYOUT.histograms[name]
+    count = sum(values[first:sum_index])
+    return values[sum_index] / count if count > 0 else None
 
 
 def _add_load(totals: list[float], count: float, age: float, read_bytes: float | None = None) -> None:

@@ -36,7 +36,8 @@ LAST_SUCCESS = Desc("gpuio_kubelet_pod_resources_last_success_timestamp_seconds"
                     "When the kubelet last answered pod-resources List.", unit="seconds")
 FAILURES = Desc("gpuio_kubelet_pod_resources_failures_total", COUNTER,
                 "Failed pod-resources List calls by reason (a gRPC status such as unavailable or "
-                "deadline_exceeded; permission; malformed).", labels=("reason",))
+                "deadline_exceeded; permission; malformed; resource_exhausted: an answer past 16 MiB or 200,000 "
+                "fields).", labels=("reason",))
 
 
 @register

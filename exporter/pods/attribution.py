@@ -6,10 +6,12 @@
   (Downward API); a writer on a hostPath says both.
 
 So a process in pod UID U on GPU G is named: by a writer of pod U, where one reports (the names are
-what that pod's own process says); else by the one pod that holds G, when exactly one does (with
-time-slicing several pods share G and none is chosen; a MIG device counts as part of its GPU, since
-NVML lists its processes on the GPU).  The container is the one of that pod holding G, when it is
-one.  A process in no pod (host processes) gets no labels at all.
+what that pod's own process says: a claim, believed only where the kubelet lists that pod among G's
+holders, or lists none for G, and where no writer of another UID claims the same name); else by the
+one pod that holds G, when exactly one does (with time-slicing several pods share G and none is
+chosen; a MIG device counts as part of its GPU, since NVML lists its processes on the GPU).  The
+container is the one of that pod holding G, when it is one.  A process in no pod (host processes)
+gets no labels at all.
 Limitation: a process that uses a GPU none of its containers was given (``NVIDIA_VISIBLE_DEVICES=all``
 in a pod that asked for no GPU) is named after the pod the kubelet gave the GPU to.
 
@@ -58,17 +60,21 @@ class PodAttribution:
         self._index()
 
     def update_writer_pods(self, pods: Iterable[tuple[str, str, str]]) -> None:
-        """(pod UID, namespace, pod) of spool writers; UIDs that several writers name differently are
-        dropped (one of them lies)."""
+        """(pod UID, namespace, pod) of spool writers; UIDs that several writers name differently, and
+        names that writers of several UIDs claim (a pod has one UID), are dropped: one of them lies."""
         names: dict[str, tuple[str, str]] = {}
         conflicting: set[str] = set()
+        uid_of: dict[tuple[str, str], str] = {}
         for uid, namespace, pod in pods:
-            if not uid or not pod or len(names) >= MAX_WRITER_PODS:
+            if not uid or not pod or (uid not in names and len(names) >= MAX_WRITER_PODS):
                 continue
             if names.setdefault(uid, (namespace, pod)) != (namespace, pod):
                 conflicting.add(uid)
+            claimed_by = uid_of.setdefault((namespace, pod), uid)
+            if claimed_by != uid:
+                conflicting.update((uid, claimed_by))
         for uid in conflicting:
-            del names[uid]
+            names.pop(uid, None)
         self._names = names
 
     def of_process(self, pod_uid: str, gpu_uuid: str) -> tuple[str, str, str] | None:
@@ -76,6 +82,8 @@ class PodAttribution:
         pod cannot be named."""
         holders = self._by_gpu.get(gpu_uuid, ())
         named = self._names.get(pod_uid)
+        if named is not None and holders and named not in {(o.namespace, o.pod) for o in holders}:
+            named = None  # the writer's claim against the kubelet's word on who holds this GPU: not believed
         if named is None:
             pods = {(o.namespace, o.pod) for o in holders}
             if len(pods) != 1:

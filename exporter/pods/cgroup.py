@@ -72,7 +72,7 @@ def parse(text: str) -> PodRef | None:
     """The pod of a whole /proc/<pid>/cgroup file (v1 or v2): the first line naming one; a line naming a
     container is preferred to one naming only the pod (v1 hierarchies may lag behind one another)."""
     found: PodRef | None = None
-    for line in text.splitlines()[:MAX_LINES]:
+    for line in text.split("\n")[:MAX_LINES]:  # the kernel ends lines with \n only; a name may hold \r
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue

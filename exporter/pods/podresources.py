@@ -110,10 +110,12 @@ class PodResourcesClient:
                 f"unix://{os.path.abspath(self.socket_path)}",
                 options=[("grpc.max_receive_message_length", wire.MAX_RESPONSE_BYTES),
                          ("grpc.enable_retries", 0)])
+            # The answer comes back as bytes and is decoded here: an exception inside a gRPC deserializer
+            # comes out as StatusCode.INTERNAL, and a malformed or oversized answer would read as that.
             self._call = self._channel.unary_unary(METHOD, request_serializer=lambda _request: b"",
-                                                   response_deserializer=wire.decode_list_response)
-        result: wire.Decoded = self._call(None, timeout=self.timeout)
-        return result
+                                                   response_deserializer=None)
+        answer: bytes = self._call(None, timeout=self.timeout)
+        return wire.decode_list_response(answer)
 
     def close(self) -> None:
         if self._channel is not None:
@@ -133,6 +135,8 @@ def failure_reason(exc: BaseException) -> str:
             return name.lower()
     if isinstance(exc, PermissionError):
         return "permission"
+    if isinstance(exc, wire.TooLarge):
+        return "resource_exhausted"  # what gRPC says of an answer past its own size limit
     if isinstance(exc, wire.WireError):
         return "malformed"
     return "error"

@@ -21,12 +21,15 @@ The messages, with the field numbers of k8s.io/kubelet/pkg/apis/podresources/v1/
     CDIDevice                { string name = 1; }
 
 Bounded: the whole answer is capped by the gRPC channel (MAX_RESPONSE_BYTES), and the decoder keeps at
-most MAX_PODS pods, MAX_CONTAINERS containers a pod, MAX_DEVICES device IDs a container and
-MAX_STRING_BYTES of any string; what is past a cap is counted in ``Decoded.truncated``, not kept.
+most MAX_PODS pods, MAX_CONTAINERS containers a pod, MAX_DEVICES device IDs a container,
+MAX_TOTAL_DEVICES device IDs and claims in all and MAX_STRING_BYTES of any string; what is past a cap
+is counted in ``Decoded.truncated``, not kept.  An answer of more than MAX_FIELDS fields is refused
+(TooLarge), as gRPC refuses one past MAX_RESPONSE_BYTES.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,12 +37,25 @@ MAX_RESPONSE_BYTES = 16 << 20  # ~110 pods on a node; a few KiB each at most
 MAX_PODS = 1024
 MAX_CONTAINERS = 64
 MAX_DEVICES = 256
+# Device IDs and claims kept from a whole answer: the per-pod and per-container caps multiply to 16M,
+# and a 16 MiB answer of 2-byte IDs would decode to ~8M tuples (~0.5 GiB).  The poller keeps at most
+# this many GPU devices anyway (podresources.MAX_OWNERS).
+MAX_TOTAL_DEVICES = 4096
+MAX_CDI_DEVICES = 16
+# Fields walked in one answer (each ~1 us of CPU): a real node's answer has a few thousand.  The caps
+# above bound what is kept, not what is walked: a 16 MiB answer of 2-byte fields took 9 s of CPU every
+# poll, on a thread that shares the interpreter with the scrapes.  Past it the answer is refused.
+MAX_FIELDS = 200_000
 MAX_STRING_BYTES = 512
 VARINT, FIXED64, LENGTH, FIXED32 = 0, 1, 2, 5
 
 
 class WireError(ValueError):
     """Bytes that are not a well-formed message."""
+
+
+class TooLarge(WireError):
+    """An answer of more fields than MAX_FIELDS."""
 
 
 def _varint(data: memoryview, offset: int) -> tuple[int, int]:
@@ -127,12 +143,30 @@ class Pod:
 class Decoded:
     pods: list[Pod] = field(default_factory=list)
     truncated: int = 0  # pods, containers, devices left out by the caps
+    devices: int = 0  # device IDs and claims kept, all containers together (MAX_TOTAL_DEVICES)
+    fields_left: int = MAX_FIELDS
+
+    def fields(self, data: bytes | memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+        """:func:`fields`, each one counted against the answer's MAX_FIELDS."""
+        for item in fields(data):
+            self.fields_left -= 1
+            if self.fields_left < 0:
+                raise TooLarge(f"an answer of more than {MAX_FIELDS} fields")
+            yield item
+
+    def room(self, container: Container) -> bool:
+        """Whether one more device or claim may be kept in ``container``; counts it if so."""
+        if self.devices >= MAX_TOTAL_DEVICES or len(container.devices) + len(container.claims) >= MAX_DEVICES:
+            self.truncated += 1
+            return False
+        self.devices += 1
+        return True
 
 
 def decode_list_response(data: bytes | memoryview) -> Decoded:
     """A ``ListPodResourcesResponse``; WireError when the bytes are not one."""
     decoded = Decoded()
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number != 1:
             continue
         if len(decoded.pods) >= MAX_PODS:
@@ -144,7 +178,7 @@ def decode_list_response(data: bytes | memoryview) -> Decoded:
 
 def _pod(data: memoryview, decoded: Decoded) -> Pod:
     pod = Pod()
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number == 1:
             pod.name = _text(value)
         elif number == 2:
@@ -159,53 +193,49 @@ def _pod(data: memoryview, decoded: Decoded) -> Pod:
 
 def _container(data: memoryview, decoded: Decoded) -> Container:
     container = Container()
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number == 1:
             container.name = _text(value)
         elif number == 2:
-            resource, ids = _devices(_message(value))
-            for device_id in ids:
-                if len(container.devices) + len(container.claims) >= MAX_DEVICES:
-                    decoded.truncated += 1
-                    continue
-                container.devices.append((resource, device_id))
+            _devices(_message(value), container, decoded)
         elif number == 5:
-            for claim in _dynamic(_message(value)):
-                if len(container.devices) + len(container.claims) >= MAX_DEVICES:
-                    decoded.truncated += 1
-                    continue
-                container.claims.append(claim)
+            for claim in _dynamic(_message(value), decoded):
+                if decoded.room(container):
+                    container.claims.append(claim)
     return container
 
 
-def _devices(data: memoryview) -> tuple[str, list[str]]:
-    resource, ids = "", list[str]()
-    for number, _, value in fields(data):
+def _devices(data: memoryview, container: Container, decoded: Decoded) -> None:
+    """A ContainerDevices: its IDs go into ``container`` while there is room (the resource name may come
+    after the IDs on the wire, so IDs are gathered first, at most as many as there is room for)."""
+    resource, ids = "", list[memoryview]()
+    for number, _, value in decoded.fields(data):
         if number == 1:
             resource = _text(value)
-        elif number == 2 and len(ids) < MAX_DEVICES:
-            ids.append(_text(value))
-    return resource, ids
+        elif number == 2 and decoded.room(container):
+            ids.append(_message(value))
+    container.devices.extend((resource, _text(device_id)) for device_id in ids)
 
 
-def _dynamic(data: memoryview) -> list[ClaimDevice]:
+def _dynamic(data: memoryview, decoded: Decoded) -> list[ClaimDevice]:
     claims: list[ClaimDevice] = []
-    for number, _, value in fields(data):
+    for number, _, value in decoded.fields(data):
         if number == 4 and len(claims) < MAX_DEVICES:
-            claims.append(_claim_resource(_message(value)))
+            claims.append(_claim_resource(_message(value), decoded))
     return claims
 
 
-def _claim_resource(data: memoryview) -> ClaimDevice:
+def _claim_resource(data: memoryview, decoded: Decoded) -> ClaimDevice:
     driver = pool = device = ""
     cdi: list[str] = []
-    for number, _, value in fields(data):
-        if number == 1 and len(cdi) < 16:
-            cdi.extend(_text(v) for n, _, v in fields(_message(value)) if n == 1)
+    for number, _, value in decoded.fields(data):
+        if number == 1 and len(cdi) < MAX_CDI_DEVICES:
+            # A CDIDevice has one name; a hostile one repeating it thousands of times keeps one.
+            cdi.extend(_text(v) for n, _, v in itertools.islice(decoded.fields(_message(value)), 64) if n == 1)
         elif number == 2:
             driver = _text(value)
         elif number == 3:
             pool = _text(value)
         elif number == 4:
             device = _text(value)
-    return ClaimDevice(driver, pool, device, tuple(cdi[:16]))
+    return ClaimDevice(driver, pool, device, tuple(cdi[:MAX_CDI_DEVICES]))

@@ -8,8 +8,8 @@ Saves a ~512 MiB PyTorch state dict on a disk-backed directory, then:
    about the file size;
 2. loads it again: warm, device bytes near zero;
 3. checks that each load's phases add up to its wall time;
-4. evicts again, asks the exporter's engines collector for the predicted cold start, loads cold again and
-   compares: the prediction must be within 30 % of the measured load.
+4. evicts again, asks the exporter's engines collector for the predicted cold start, loads cold three more
+   times and compares: the prediction must be within 30 % of those loads' median.
 Prints every figure; exits 1 when a check fails.
 """
 
@@ -105,10 +105,18 @@ def main() -> int:
     collector.engine_files_now()
     totals = collector.spool_totals()
     predicted = collector.predicted_cold_start(totals, "waterfall")
-    measured = show(f"load 3 after eviction by {how}", gpuio.load(path, loader, name="waterfall", device=0))
-    print(f"predicted cold start {predicted} s, measured {measured.wall_seconds:.3f} s", flush=True)
-    check(predicted is not None and abs(predicted - measured.wall_seconds) <= 0.3 * measured.wall_seconds,
-          "prediction within 30 % of the measured cold load")
+    # Cold loads of one file vary by a third from one to the next here (1.37-1.90 s on the H100 VM: the
+    # read and deserialize both move), so the prediction is judged against the median of three.
+    walls = []
+    for number in (3, 4, 5):
+        walls.append(show(f"load {number} after eviction by {how}",
+                          gpuio.load(path, loader, name="waterfall", device=0)).wall_seconds)
+        how = evict(path)
+    median = sorted(walls)[1]
+    print(f"predicted cold start {predicted} s (before loads 3-5); measured cold loads "
+          f"{', '.join(f'{wall:.3f}' for wall in walls)} s, median {median:.3f} s", flush=True)
+    check(predicted is not None and abs(predicted - median) <= 0.3 * median,
+          "prediction within 30 % of the measured cold loads' median")
     os.unlink(path)
     print("FAILED: " + "; ".join(failures) if failures else "all waterfall checks passed", flush=True)
     return 1 if failures else 0

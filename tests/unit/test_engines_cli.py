@@ -145,3 +145,23 @@ def test_warm_shows_progress_on_a_terminal_only(tmp_path) -> None:
                            text=True, timeout=60, cwd=REPO)
     assert piped.returncode == 0 and "reading" not in piped.stdout + piped.stderr
     assert "big.engine: 64.0 MiB" in piped.stdout
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_warm_skips_what_is_not_a_regular_file(tmp_path, evict: bool) -> None:
+    """`gpuio warm /models/*` matches names anyone who may write there chose: a FIFO named like an engine
+    made the operator's command wait forever on open(); a symlink to a device node had it opened (a
+    watchdog arms on open) and read or evicted.  Only regular files are opened; the rest are errors."""
+    (tmp_path / "a.engine").write_bytes(b"\1" * 8192)
+    os.mkfifo(tmp_path / "b.engine")
+    os.symlink("/dev/zero", tmp_path / "c.engine")
+    arguments = ["warm", str(tmp_path / "*.engine"), "--json", *(["--evict"] if evict else [])]
+    try:
+        result = subprocess.run([sys.executable, "-c", GPUIO, *arguments], capture_output=True, text=True,
+                                timeout=60, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        pytest.fail("gpuio warm waited on a FIFO or read a device")
+    report = {os.path.basename(item["path"]): item for item in json.loads(result.stdout)["files"]}
+    assert result.returncode == 1
+    assert "error" not in report["a.engine"] and report["a.engine"]["bytes"] == 8192
+    assert "error" in report["b.engine"] and "error" in report["c.engine"]

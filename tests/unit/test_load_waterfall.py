@@ -5,18 +5,22 @@ Real files on this machine's disk (/var/tmp is ext4 on a virtio disk), evicted w
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 import gpuio
 from exporter import spool_reader as rd
+from exporter.exposition import render
 from gpuio import spool as fmt
 from gpuio import waterfall as wf
+from gpuio.spool import SpoolFile
 from tests.conftest import engines_collector
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "mounts", "writer")
@@ -96,6 +100,29 @@ def test_exporter_serves_the_waterfall_and_prediction(model_file: str, spool: st
     assert 'gpuio_engine_load_source_read_bytes_total{engine="served",source="device"}' in text
     assert 'gpuio_engine_predicted_cold_start_seconds{engine="served"}' in text
     assert 'source="scan"' in text  # root: the exporter measured it itself
+
+
+def test_prediction_adds_the_exact_mean_deserialize_time_not_a_bucket_median(model_file: str, spool: str) -> None:
+    """Two loads that deserialize in about 0.26 s fall in the 0.25-0.5 s bucket, whose interpolated
+    median is 0.375 s: the prediction must add what the loads took (their mean), as a cold load will."""
+    import time
+
+    def slow(data: bytes) -> int:
+        time.sleep(0.26)
+        return len(data)
+
+    _evict(model_file)
+    loads = [gpuio.load(model_file, slow, name="timed").waterfall for _ in range(2)]
+    _evict(model_file)
+    collector = engines_collector(spool, path_include=(os.path.dirname(model_file),))
+    collector.collect()
+    collector.engine_files_now()
+    totals = collector.spool_totals()
+    cold = totals.waterfalls["timed"]
+    throughput = cold[fmt.WATERFALL["cold_device_bytes"]] / cold[fmt.WATERFALL["cold_read_seconds"]]
+    deserialize = sum(w.phases["deserialize"] for w in loads if w is not None) / 2
+    expected = os.path.getsize(model_file) / throughput + deserialize
+    assert collector.predicted_cold_start(totals, "timed") == pytest.approx(expected, rel=0.01)
 
 
 def test_torn_copy_keeps_the_last_good_load(model_file: str, spool: str) -> None:
@@ -265,3 +292,81 @@ def test_load_timer_with_the_callers_own_read(model_file: str, spool: str) -> No
     with pytest.raises(ValueError, match="unknown phase"), gpuio.LoadTimer("timed", model_file) as timer, \
             timer.phase("nap"):
         pass
+
+
+class HungFilesystem:
+    """A real FUSE mount whose daemon never answers: any lookup under it blocks, as under an NFS server
+    that went away.  ``release()`` aborts the connection (the blocked calls fail with ENOTCONN)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mountpoint = tempfile.mkdtemp(prefix="gpuio-hung-")
+        self._libc = libc
+        try:
+            self._fd: int | None = os.open("/dev/fuse", os.O_RDWR)
+        except OSError as exc:
+            os.rmdir(self.mountpoint)
+            pytest.skip(f"no /dev/fuse here: {exc.strerror}")
+        options = f"fd={self._fd},rootmode=40000,user_id=0,group_id=0".encode()
+        if libc.mount(b"hung", self.mountpoint.encode(), b"fuse", 0, options) != 0:
+            self.release()
+            pytest.skip(f"cannot mount FUSE here: {os.strerror(ctypes.get_errno())}")
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._libc.umount2(self.mountpoint.encode(), 2)  # MNT_DETACH
+            os.rmdir(self.mountpoint)
+
+
+def test_a_layer_the_writer_names_on_a_hung_mount_does_not_hang_the_scrape(spool: str) -> None:
+    """The writer's MOUNT record names its overlay layer directory, a host path the exporter stats in the
+    scrape.  A hostile (or merely wrong) writer names a path under a mount that does not answer (a dead
+    NFS server, an automount, FUSE): the scrape must not wait on it.  Only a layer on a local block
+    device's file system is looked at."""
+    hung = HungFilesystem()
+    writer = SpoolFile(spool)
+    try:
+        dev = (0, 4242)  # a st_dev no mount of this machine has: the exporter's own view finds no device
+        with writer.lock:
+            offset = writer.add_record(fmt.KIND_ENGINE, "trapped", fmt.ENGINE_LAYOUT.size * 8)
+            info = fmt.pack_info(0, dev, 7, 4096, 1, 1.0, "/opt/model/trapped.engine", "", "tensorrt")
+            writer.add_record(fmt.KIND_INFO, "trapped", len(info), info)
+            mount = fmt.pack_mount("/", "overlay", "overlay", os.path.join(hung.mountpoint, "snapshots", "7", "fs"))
+            writer.add_record(fmt.KIND_MOUNT, f"trapped\0{dev[0]}:{dev[1]}", len(mount), mount)
+        assert offset is not None
+        collector = engines_collector(spool)
+        scraped: list[object] = []
+        scrape = threading.Thread(target=lambda: scraped.append(collector.collect()), daemon=True)
+        scrape.start()
+        scrape.join(20)  # not a timing: the old code waited until the mount was aborted below
+        hanging = scrape.is_alive()
+    finally:
+        hung.release()
+        writer.close()
+    assert not hanging, "the scrape waited on a path the spool writer chose"
+    assert scraped
+
+
+def test_a_writers_waterfall_cannot_break_the_scrape_of_every_engine(model_file: str, spool: str) -> None:
+    """The predicted cold start divides by the cold-read throughput the writers report.  Values a writer
+    may legally record (finite, >= 0) made it 0.0 (5e-324 bytes in 1e10 s): a ZeroDivisionError in the
+    scrape took every engine's series with it.  Such a writer's engine gets no prediction, the rest
+    is served."""
+    gpuio.load(model_file, bytes, name="victim")
+    hostile = SpoolFile(spool)
+    try:
+        values = [0.0] * len(fmt.WATERFALL_SLOTS)
+        for name, value in (("cold_device_bytes", 5e-324), ("cold_read_seconds", 1e10), ("residency_method", 1.0),
+                            ("file_bytes", 4096.0), ("cached_end_bytes", 0.0)):
+            values[fmt.WATERFALL[name]] = value
+        with hostile.lock:
+            hostile.add_record(fmt.KIND_ENGINE, "hostile", fmt.ENGINE_LAYOUT.size * 8)
+            hostile.add_record(fmt.KIND_WATERFALL, "hostile", len(values) * 8, struct.pack(f"<{len(values)}d", *values))
+        collector = engines_collector(spool)
+        text = render(collector.collect())
+    finally:
+        hostile.close()
+    assert 'gpuio_engine_load_phase_seconds_total{engine="victim"' in text
+    assert 'gpuio_engine_predicted_cold_start_seconds{engine="hostile"' not in text

@@ -238,3 +238,63 @@ def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_pat
     assert "gpuio_engine_spool_deferred_files 7" in text
     for file in [*files, victim]:
         file.close()
+
+
+def test_a_pod_left_out_by_the_scan_cap_for_a_while_is_not_counted_twice(tmp_path, pod_env) -> None:
+    """Pods past --collector.engines.max-pod-spools are not looked at (by UID order).  A pod whose live
+    writer drops out of the scan because a pod sorting before it came was read as vanished (folded) and,
+    listed again once that pod went, counted a second time on top."""
+    pods = str(tmp_path / "pods")
+    spool = pod_spool(pods, UID_A)
+    write_engine(spool, "detector", __file__)
+    collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods, max_pod_spools=1)
+    line = f'gpuio_engine_inference_seconds_count{{engine="detector",gpu_uuid="{GPU}"}} 1'
+    collector.pod_spools.sample_now()
+    assert line in scrape(collector)
+    pod_spool(pods, UID_B)  # sorts before UID_A: now the one pod looked at
+    assert collector.pod_spools.sample_now().value.directories == {
+        os.path.join(pods, UID_B, "volumes", kubelet.EMPTY_DIR, "gpuio-spool"): UID_B}
+    assert line in scrape(collector)
+    for root, directories, _ in os.walk(os.path.join(pods, UID_B), topdown=False):
+        for directory in directories:
+            os.rmdir(os.path.join(root, directory))
+    os.rmdir(os.path.join(pods, UID_B))  # that pod is gone: UID_A is looked at again
+    collector.pod_spools.sample_now()
+    assert line in scrape(collector)
+    assert "vanished" not in scrape(collector)
+
+
+def test_pod_names_longer_than_kubernetes_allows_are_refused(tmp_path) -> None:
+    """A POD record's strings become label values of gpuio_engine_pod_info, one series per pod and engine.
+    The library cuts them to 253 bytes (what Kubernetes allows a pod name, the longest of them); a
+    hostile writer's record of 60 KiB names made every series of its engines 60 KiB long (64 pods x
+    200 engines of them in one scrape).  Such a record is a bad record: counted, nothing after it kept."""
+    from gpuio.metrics import EngineMetrics
+
+    spool = str(tmp_path / "spool")
+    os.mkdir(spool)
+    file = fmt.SpoolFile(spool)
+    try:
+        names = [b"n" * 63, b"p" * 60_000, b"c" * 63, UID_A.encode()]
+        payload = fmt.POD_STRUCT.pack(*map(len, names)) + b"".join(names)
+        with file.lock:
+            file.add_record(fmt.KIND_POD, "pod", len(payload), payload)
+        EngineMetrics("bloated", file).inference_seconds.observe(0.001)
+        text = scrape(engines_collector(spool))
+    finally:
+        file.close()
+    assert max(map(len, text.splitlines())) < 4096
+    assert 'gpuio_engine_spool_errors_total{reason="record"} 1' in text
+
+
+def test_gpuio_engines_lists_the_engines_of_pods_emptydir_spools(tmp_path, pod_env) -> None:
+    """`gpuio engines` reads what the exporter reads: the node's spool directory and the pods' volumes."""
+    from exporter.engines_cli import engine_rows
+
+    pods = str(tmp_path / "pods")
+    spool = pod_spool(pods, UID_A)
+    model = tmp_path / "detector.onnx"
+    model.write_bytes(b"x" * 4096)
+    write_engine(spool, "detector", str(model))
+    rows = engine_rows(str(tmp_path / "no-hostpath-spool"), [], path_include=[str(tmp_path)], pods_dir=pods)
+    assert [(row["engine"], row["pods"]) for row in rows] == [("detector", ["serving/detector-7d9f-x2x9q"])]

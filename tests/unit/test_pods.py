@@ -14,6 +14,7 @@ import os
 import random
 import sys
 import time
+import tracemalloc
 from concurrent import futures
 
 import pytest
@@ -215,6 +216,89 @@ def test_decoder_caps_what_it_keeps(generated) -> None:
                                                        for i in range(wire.MAX_PODS + 5)])
     decoded = wire.decode_list_response(many.SerializeToString())
     assert len(decoded.pods) == wire.MAX_PODS and decoded.truncated == 5
+
+
+def test_a_hostile_answer_cannot_make_the_decoder_keep_millions_of_devices(generated) -> None:
+    """The per-pod, per-container and per-ID caps multiply to 16M; an answer of short device IDs (2 bytes
+    each on the wire) decoded to a tuple per ID, ~30x its size in memory.  A whole answer keeps at most
+    what the poller can use."""
+    pb2, _ = generated
+    containers = [pb2.ContainerResources(name="c", devices=[pb2.ContainerDevices(resource_name="nvidia.com/gpu",
+                                                                                   device_ids=[""] * 256)])
+                  for _ in range(8)]
+    answer = pb2.ListPodResourcesResponse(pod_resources=[pb2.PodResources(name=f"p{i}", namespace="n",
+                                                                          containers=containers)
+                                                         for i in range(64)])
+    decoded = wire.decode_list_response(answer.SerializeToString())
+    kept = sum(len(c.devices) + len(c.claims) for p in decoded.pods for c in p.containers)
+    assert kept <= podresources.MAX_OWNERS
+    assert kept + decoded.truncated == 64 * 8 * 256  # what was left out is counted, not lost silently
+
+
+def test_an_answer_of_millions_of_fields_is_refused_not_walked(kubelet) -> None:
+    """The caps bound what is kept, not what is walked: a 16 MiB answer of 2-byte fields took ~9 s of CPU
+    at every poll, on a thread sharing the interpreter with the scrapes.  An answer of more than
+    MAX_FIELDS fields is refused, as gRPC refuses one past its size limit: counted, the last good answer
+    kept, the poll backed off."""
+    server, socket_path = kubelet
+    poller = podresources.PodResourcesPoller(socket_path, interval=10, timeout=5)
+    assert poller.poll().answer is not None
+    pb2 = sys.modules["api_pb2"]
+    containers = [pb2.ContainerResources(name="c", devices=[pb2.ContainerDevices(resource_name="r",
+                                                                                   device_ids=[""] * 10)])
+                  for _ in range(30)]
+    server.answer = pb2.ListPodResourcesResponse(pod_resources=[
+        pb2.PodResources(name=f"p{i}", namespace="n", containers=containers) for i in range(1024)])
+    state = poller.poll()
+    assert state.failures == {"resource_exhausted": 1}
+    assert state.answer is not None and state.answer.pods == 7  # the last good answer stands
+
+
+def test_a_malformed_answer_is_counted_as_malformed(tmp_path) -> None:
+    """A kubelet (or whatever listens on its socket) answering bytes that are no message: the failure
+    reads "malformed".  Decoded inside gRPC's deserializer, it read "internal", like a kubelet bug."""
+    grpc = pytest.importorskip("grpc")
+    socket_path = str(tmp_path / "kubelet.sock")
+    handler = grpc.method_handlers_generic_handler("v1.PodResourcesLister", {
+        "List": grpc.unary_unary_rpc_method_handler(lambda request, context: b"\x0b")})  # a group: refused
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix://{socket_path}")
+    server.start()
+    try:
+        state = podresources.PodResourcesPoller(socket_path, interval=10, timeout=5).poll()
+    finally:
+        server.stop(grace=None)
+    assert state.failures == {"malformed": 1}
+
+
+def test_a_cdi_device_repeating_its_name_keeps_one(generated) -> None:
+    """A CDIDevice has one name; the wire allows a field to repeat (the last one wins in protobuf).  One
+    CDIDevice of 100,000 names must not become a list of 100,000 strings before the cap applies."""
+    pb2, _ = generated
+    cdi = b"".join(b"\x0a\x02ab" for _ in range(100_000))  # CDIDevice{name="ab"} x 100,000 in one message
+    claim = b"\x0a" + _varint(len(cdi)) + cdi + pb2.ClaimResource(driver_name="gpu.nvidia.com").SerializeToString()
+    dynamic = b"\x22" + _varint(len(claim)) + claim
+    container = pb2.ContainerResources(name="c").SerializeToString() + b"\x2a" + _varint(len(dynamic)) + dynamic
+    pod = pb2.PodResources(name="p", namespace="n").SerializeToString() + b"\x1a" + _varint(len(container)) + container
+    data = b"\x0a" + _varint(len(pod)) + pod
+    tracemalloc.start()
+    try:
+        decoded = wire.decode_list_response(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert decoded.pods[0].containers[0].claims[0].cdi_devices[:1] == ("ab",)
+    assert peak < 4 * len(data)  # a list of 100,000 strings alone is ~6 MB, the answer 0.4 MB
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def test_gpu_owners_from_a_real_grpc_server(kubelet) -> None:

@@ -167,3 +167,38 @@ def test_before_the_first_poll_a_missing_socket_is_already_absent(tmp_path) -> N
     collector = PodsCollector(Context(), {"pod-resources-socket": str(tmp_path / "kubelet.sock")})
     samples = parse_samples(render(Scraper([collector], 2.0, "").scrape_sync()))
     assert value(samples, "gpuio_scrape_collector_state", collector="pods", state="absent") == 1
+
+
+def test_a_writer_cannot_name_its_processes_after_another_pod(tmp_path, generated, kubelet) -> None:  # noqa: F811
+    """A spool writer's namespace/pod are its claim (any environment can be set).  Pod A's writer claiming
+    to be payments/billing-api must not put that name on pod A's GPU processes where the kubelet says
+    who holds the GPU; and two pods (two UIDs) claiming one name cannot both be it."""
+    pb2, _ = generated
+    server, socket_path = kubelet
+    fake = FakeNvml(h100s(2))
+    gpu0, gpu1 = (gpu.uuid for gpu in fake.gpus)
+    server.answer = answer(pb2, gpu0, gpu1)
+    fake.gpus[0].processes = [ProcessInfo(101, 1 << 30)]
+    fake.gpus[1].processes = [ProcessInfo(102, 2 << 30), ProcessInfo(103, 3 << 30)]
+    procfs = procfs_with(tmp_path, {101: "v2-systemd-containerd-burstable", 102: "v2-systemd-crio-guaranteed",
+                                    103: "v2-systemd-private-cgroupns"})
+    context = Context(procfs=procfs)
+    pods = PodsCollector(context, {"pod-resources-socket": socket_path, "pod-resources-interval": 60.0,
+                                   "pod-resources-timeout": 2.0})
+    pods.poller.poll()
+    context.pods.update_writer_pods([
+        (UID_A, "payments", "billing-api"),  # pod A on GPU 0, which the kubelet gave to serving/detector
+        (UID_B, "serving", "ranker-b"),  # the real ranker-b on GPU 1
+        (UID_C, "serving", "ranker-b"),  # pod C, the other pod on GPU 1, claiming to be ranker-b too
+    ])
+    nvml = make(fake)
+    nvml.context = context
+    nvml.sampler.sample_now()
+    samples = parse_samples(render([*nvml.collect(), *pods.collect()]))
+    memory = "gpuio_gpu_process_memory_used_bytes"
+    named = {dict(ls)["pid"]: (dict(ls).get("namespace"), dict(ls).get("pod"))
+             for (n, ls), _ in samples.items() if n == memory}
+    assert ("payments", "billing-api") not in named.values()
+    assert named["101"] == ("serving", "detector")  # the kubelet's one holder of GPU 0
+    # ranker-b has one UID: of two pods claiming it, neither is believed, and neither sharer is guessed.
+    assert named["102"] == named["103"] == (None, None)

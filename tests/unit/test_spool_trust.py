@@ -235,3 +235,61 @@ def test_a_live_file_that_turns_oversized_keeps_its_last_values_and_is_folded_wh
     totals = reader.read()
     assert totals.processes == {} and reader.folded_processes == 1 and os.listdir(directory) == []
     assert sum(totals.engines["resnet50"][: LAYOUT.monotonic_prefix]) > 0
+
+
+def test_junk_names_past_the_listing_cap_cannot_make_a_live_file_count_twice(tmp_path, monkeypatch) -> None:
+    """The listing takes at most MAX_LISTED_FILES names.  A writer that fills the directory with empty
+    files pushed a live writer's file out of the listing: read as vanished, its totals were folded; listed
+    again, its totals were counted again on top (its counters doubled at each round)."""
+    monkeypatch.setattr(spool_reader, "MAX_LISTED_FILES", 5)
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    victim = fmt.SpoolFile(str(directory))
+    EngineMetrics("victim", victim).inference_seconds.observe(0.001)
+    reader = spool_reader.SpoolReader(str(directory))
+    counts = []
+    junk = [directory / f"{fmt.PREFIX}junk-{index}{fmt.SUFFIX}" for index in range(300)]
+    try:
+        for _ in range(2):  # junk comes, junk goes, twice
+            for path in junk:
+                path.touch()
+                counts.append(spool_reader.histogram_count_and_sum(reader.read().engines["victim"],
+                                                                   "inference_seconds")[0])
+            for path in junk:
+                path.unlink()
+                counts.append(spool_reader.histogram_count_and_sum(reader.read().engines["victim"],
+                                                                   "inference_seconds")[0])
+    finally:
+        victim.close()
+    assert set(counts) == {1.0}
+    assert "vanished" not in reader.errors
+
+
+def test_temporary_files_are_swept_a_few_a_read_and_never_in_a_pods_volume(tmp_path, monkeypatch) -> None:
+    """A writer that died before renaming its file leaves ``.gpuio-*.tmp``; the reader removes those older
+    than a minute.  Each is opened (a flock probe): thousands of them cost thousands of opens in every
+    scrape, so a read looks at a few only.  In a pod's own volume the reader deletes nothing."""
+    from exporter.pods import kubelet
+
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    old = os.stat(tmp_path).st_mtime - 3600
+    for index in range(500):
+        path = directory / f".{fmt.PREFIX}{index}-1-0000000000000001{fmt.SUFFIX}.tmp"
+        path.touch()
+        os.utime(path, (old, old))
+    uid = "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4e5"
+    pod_volume = tmp_path / "pods" / uid / "volumes" / kubelet.EMPTY_DIR / "gpuio-spool"
+    pod_volume.mkdir(parents=True)
+    in_pod = pod_volume / f".{fmt.PREFIX}7-1-0000000000000001{fmt.SUFFIX}.tmp"
+    in_pod.touch()
+    os.utime(in_pod, (old, old))
+    reader = spool_reader.SpoolReader(str(directory))
+    reader.set_pod_directories({str(pod_volume): uid})
+    reader.read()
+    removed = 500 - len(os.listdir(directory))
+    assert 0 < removed <= spool_reader.MAX_SWEPT_TEMPORARY  # swept, a few at a time
+    assert in_pod.exists()  # the pod's volume is the pod's
+    for _ in range(500 // spool_reader.MAX_SWEPT_TEMPORARY + 1):
+        reader.read()
+    assert os.listdir(directory) == []  # all of them in the end
