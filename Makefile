@@ -14,7 +14,7 @@ ARGS ?=
 DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: gpu-wheels run stack test unit lint bench golden metrics-doc rules dashboards system-deps debs venv run-venv clean fuzz load soak
+.PHONY: gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak
 
 # gpuio (the instrumentation library, exporter/instrument/) is on no index: it is installed from here too.
 $(VENV)/.installed: pyproject.toml exporter/instrument/pyproject.toml
@@ -81,7 +81,7 @@ lint: venv
 	$(VENV)/bin/ruff check exporter tests bench dashboards deploy
 	$(VENV)/bin/mypy exporter
 	# The Grafana SDK needs 3.11 (StrEnum); the dashboards are generated at build time, not on nodes.
-	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py
+	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py deploy/generate.py
 
 test: venv system-deps lint
 	$(PY) -m pytest -q -rs tests
@@ -95,14 +95,10 @@ bench: venv system-deps
 	$(PY) bench/memory_bench.py
 	$(PY) bench/smart_bench.py
 
-# Rules and dashboards are generated from Python; the output is checked in and CI fails on drift.
-rules: venv
-	$(PY) -m deploy.prometheus.generate
-	$(PY) -m deploy.kubernetes.generate
-
-dashboards: venv
-	$(PY) -m dashboards
-	$(PY) -m deploy.kubernetes.generate
+# Rules, dashboards and the Kubernetes objects made of them are generated from Python in one pass; the
+# output is checked in and CI fails on drift.  ARGS: e.g. --grafana-url URL --runbook-url TEMPLATE.
+generate: venv
+	$(PY) -m deploy.generate $(ARGS)
 
 # Hardening figures (docs/reliability.md): longer fuzzing, 50 scrapers for 10 minutes, a 100,000-scrape soak.
 fuzz: venv

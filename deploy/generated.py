@@ -1,12 +1,34 @@
-"""What the generators share (rules, dashboards, Kubernetes manifests): checked-in output that must
-equal what the code generates; CI fails on drift."""
+"""What the generated files share (rules, dashboards, Kubernetes manifests): checked-in output that
+must equal what ``python -m deploy.generate`` writes (CI fails on drift), and one YAML style."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block literals for multi-line strings (PromQL reads as written), folded long lines, keys in order."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    if "\n" in value:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    if len(value) > 100:  # annotations: folded, so a line break never lands inside quotes
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=">")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def yaml_text(content: Any) -> str:
+    """``content`` as the generated YAML files write it."""
+    return yaml.dump(content, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 
 def stale_files(files: Mapping[str, str], present: Iterable[str] = ()) -> list[str]:
@@ -37,12 +59,3 @@ def write(files: Mapping[str, str]) -> int:
             handle.write(text)
         print(f"wrote {os.path.relpath(path)}")
     return 0
-
-
-def main(argv: list[str] | None, prog: str, description: str | None, rendered: Callable[[], Mapping[str, str]],
-         stale: Callable[[], list[str]], remedy: str) -> int:
-    """A generator's command line: write its files, or with ``--check`` report the stale ones."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--check", action="store_true", help="report stale files instead of writing them")
-    args = parser.parse_args(argv)
-    return report_stale(stale(), remedy) if args.check else write(rendered())

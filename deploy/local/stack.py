@@ -250,7 +250,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--scrape-interval", help="instead of prometheus.yml's (15s), e.g. 1s for a demo")
     parser.add_argument("--evaluation-interval", help="instead of prometheus.yml's (15s)")
     parser.add_argument("--rules", help="a directory of rule files instead of deploy/prometheus/rules "
-                                        "(e.g. python -m deploy.prometheus.generate --set ... --out DIR)")
+                                        "(e.g. python -m deploy.generate --set ... --out DIR)")
     parser.add_argument("--data-dir", help="logs and data (default: a temporary directory, removed on exit)")
     argv = list(argv)
     exporter_args = argv[argv.index("--") + 1:] if "--" in argv else []

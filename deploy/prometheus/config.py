@@ -1,13 +1,18 @@
 """The one place for the knobs of gpuio's rules, alerts and dashboards (the "mixin config").
 
-Change a value here, run ``make rules dashboards``, commit the regenerated YAML and JSON:
-tests/unit/test_rules.py and tests/unit/test_dashboards.py fail while the checked-in files differ
-from what this module generates.
+``Config`` holds every knob, with its default; ``DEFAULT`` is the config of the checked-in rules and
+boards.  It is frozen: a variant (shorter windows for an end-to-end test, your own Grafana) is
+``dataclasses.replace(DEFAULT, STORM_FOR="10s")``, passed to the rule sources - nothing is changed in
+place.  ``config.STORM_FOR`` (module attribute) reads ``DEFAULT.STORM_FOR``: what the boards and docs use.
+
+Change a default here, run ``make generate``, commit the regenerated YAML and JSON: the drift tests
+(tests/unit/test_rules.py, test_dashboards.py, test_deploy_kubernetes.py) fail while the checked-in
+files differ from what ``python -m deploy.generate`` writes.
 
 The per-class disk limits, the IO-pressure limits and the GPU-idle limit are not repeated here: they
 come from exporter/thresholds.py, the module `gpuio top` judges its rows by, so what is red on the
 node's screen is what the alerts fire on.  This module adds what only rules need: selectors,
-windows, how far above its own baseline a device must be, durations, URLs.
+windows, how far above its own baseline a device must be, durations, link bases.
 
 Why these shapes (see docs/runbooks/DiskIOStorm.md for the on-call view):
 
@@ -35,134 +40,18 @@ Why these shapes (see docs/runbooks/DiskIOStorm.md for the on-call view):
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from exporter import thresholds
 
-# --- selectors -------------------------------------------------------------------------------------
-# Picks gpuio's series out of everything Prometheus scrapes.  Every rule and panel uses it.
-SELECTOR = 'job="gpuio"'
-# The label that names a node.  Alerts group on it and inhibitions match on it; relabel `instance`
-# to the node's name in the scrape config (as node_exporter's docs recommend) for readable pages.
-NODE_LABEL = "instance"
-
-# --- windows -------------------------------------------------------------------------------------
-# rate() window of the recording rules: needs at least two scrapes inside it, so a scrape interval
-# of 30 s or less (15 s recommended).  Recording-rule names carry it (`:rate1m`).
-RATE_WINDOW = "1m"
-# The window of a device's own normal: median of its await and queue size over this long, from the
-# evaluations in which the device was NOT saturated (a storm never feeds its own baseline).
-BASELINE_WINDOW = "1h"
-# A baseline needs evidence: a calm judged await (enough IOPS, not saturated) in at least this share
-# of the window's evaluations.  A disk that idled for an hour has none, and the class limits decide.
-BASELINE_MIN_COVERAGE = 0.5
-# Once learned, a baseline holds for this long after its evidence ran out: through a storm of hours the
-# device is still judged against its last calm normal (and a storm can never become the normal, since
-# saturated evaluations never feed it).
-BASELINE_HOLD = "6h"
-
-# --- disk limits (the numbers gpuio top uses) ---------------------------------------------------
+# --- disk classes (exporter/thresholds.py: the limits `gpuio top` judges its rows by) ------------------
 SOLID_STATE = thresholds.DISK_CLASSES[thresholds.SOLID_STATE]
 ROTATIONAL = thresholds.DISK_CLASSES[thresholds.ROTATIONAL]
 NVME = thresholds.DISK_CLASSES[thresholds.NVME]
 NETWORK = thresholds.DISK_CLASSES[thresholds.NETWORK]
 DISK_CLASSES = thresholds.DISK_CLASSES
 DEVICE_NAME_CLASSES = thresholds.DEVICE_NAME_CLASSES
-AWAIT_MIN_IOPS = thresholds.AWAIT_MIN_IOPS
-IO_PRESSURE_SOME = thresholds.IO_PRESSURE_SOME
-IO_PRESSURE_FULL = thresholds.IO_PRESSURE_FULL
-GPU_BUSY_LOW = thresholds.GPU_BUSY_LOW
-# Where GPM measures SM activity (Hopper and newer) a GPU is also idle below this share of SMs working,
-# whatever NVML's busy says (busy reads 100 % while weights cross PCIe with no SM running).
-GPU_SM_ACTIVE_LOW = thresholds.GPU_SM_ACTIVE_LOW
-
-# --- DiskIOStorm ---------------------------------------------------------------------------------
-# Await and queue size must both be at least this many times the device's baseline (its median over
-# BASELINE_WINDOW), on top of the class limits above.
-STORM_BASELINE_FACTOR = 4.0
-# A storm with no victim (nothing gpuio sees waits on the disk): a ticket after this long.
-STORM_FOR = "5m"
-# A storm that hurts serving pages after this long: engine loads in progress on the disk (or mount),
-# engines on it starving their GPUs, or engines on it queueing work while the node's IO pressure
-# "full" is at least STORM_PAGE_IO_FULL.  Shorter than STORM_FOR: a cold-start wave is seen while it
-# happens.  First page: the rate window filling plus this, 2.5-3 minutes into the storm.
-STORM_PAGE_FOR = "2m"
-STORM_PAGE_IO_FULL = 0.25
-# The description counts the engine loads from the stormed disk that finished in this window: many of
-# them at once is the cold-start storm (a rollout, an autoscaling burst).
-STORM_ENGINE_LOADS_WINDOW = "5m"
-
-# --- network storage (NFS, CephFS, FUSE mounts) ------------------------------------------------------
-# A network mount is slow when the mean round trip of its NFS READs is at least this (with at least
-# AWAIT_MIN_IOPS READs a second), or when an engine load on it has been in progress for longer than
-# ENGINE_LOAD_SLOW_SECONDS (all a FUSE mount of an object store shows) - and the node's IO pressure is
-# high.  A 1 MiB READ from a healthy NFS server takes a few ms.
-NFS_READ_RTT_SLOW_SECONDS = 0.050
-
-# --- disk health (smart collector) ----------------------------------------------------------------
-# "Growing" is judged over this window: a disk with 100 reallocated sectors from its first year that
-# has not remapped one since is not news; one that remapped 8 today is.  SMART is polled every 5 min
-# (--collector.smart.interval), so a change shows in the next poll.
-SMART_GROWTH_WINDOW = "1d"
-# NVMe available spare: the drive itself raises its critical warning when spare falls below the vendor
-# threshold (typically 10 %); warn at this multiple of it, while there is time to order a disk.
-NVME_SPARE_WARN_FACTOR = 2.0
-SMART_HEALTH_FOR = "5m"
-# A disk's SMART values older than this (and the disk not asleep), or its polls failing (timeout, error,
-# permission denied) for SMART_STALE_FOR: the health alerts above are blind for it.
-SMART_STALE_AFTER_SECONDS = 1800
-SMART_STALE_FOR = "15m"
-
-# --- GPUs (nvml collector) ---------------------------------------------------------------------------
-# Clock-event reasons that mean trouble, and the share of GPU_THROTTLE_WINDOW they must hold the clocks
-# down (exporter/thresholds.py: `gpuio top` flags the same reasons).
-GPU_THROTTLE_REASONS = thresholds.GPU_THROTTLE_REASONS
-GPU_THROTTLE_RATIO = thresholds.GPU_THROTTLE_RATIO
-GPU_THROTTLE_WINDOW = "5m"
-GPU_THROTTLE_FOR = "10m"
-# PCIe generation drops at idle (power saving); it is judged only while the GPU is at least this busy.
-# Width is judged always.
-PCIE_GENERATION_BUSY = 0.5
-PCIE_DEGRADED_FOR = "10m"
-# Xid codes that report an application's fault (13 graphics engine exception, 31 MMU fault, 43 GPU
-# stopped processing, 45 preemptive cleanup), not the hardware's: no alert.
-XID_APPLICATION = ("13", "31", "43", "45")
-XID_RECENT_SECONDS = 900  # an Xid fires for this long after it was last seen
-GPU_ECC_WINDOW = "1h"
-GPU_LOST_FOR = "1m"
-# A GPU that NVML no longer enumerates (gone before the exporter or the driver restarted, so there is
-# no gpuio_gpu_up == 0 to see): fewer GPUs than the node had at any time in this window.  After a
-# planned removal the alert holds for this long: silence it.
-GPU_MISSING_WINDOW = "1d"
-# GPU data is stale when the NVML snapshot is older than this (the sampler reads every 1 s) or the nvml
-# collector failed, at any scrape within RATE_WINDOW: a frozen busy counter reads as an idle GPU, so no
-# starvation alert judges such a GPU; GpuioGPUDataStale fires instead (and inhibits them in Alertmanager).
-GPU_STALE_AFTER_SECONDS = 30
-GPU_STALE_FOR = "5m"
-
-# --- starvation ----------------------------------------------------------------------------------
-# Work waits on an engine on one GPU (judged per engine and GPU, never "a request is in flight"):
-# requests waiting this long (mean) for a pool context, or as many inferences in flight as the pool has
-# contexts, or p99 latency at least ENGINE_LATENCY_FACTOR x its calm median (learned, like the disk
-# baselines, only while the engine's storage was not saturated), or a load of the engine in progress.
-ENGINE_POOL_WAIT_SECONDS = thresholds.ENGINE_POOL_WAIT_SECONDS
-ENGINE_LATENCY_FACTOR = 2.0
-STARVED_FOR = "5m"
-NODE_STARVED_FOR = "10m"
-
-# --- engine loads ----------------------------------------------------------------------------------
-# A cold start (read + deserialize, the mean of the loads that finished in ENGINE_LOAD_WINDOW) slower
-# than this is slow: engines of a few GB load in seconds from local NVMe or the page cache.
-ENGINE_LOAD_SLOW_SECONDS = 60.0
-ENGINE_LOAD_WINDOW = "15m"
-SPOOL_ERRORS_WINDOW = "15m"
-
-# --- the exporter itself -------------------------------------------------------------------------
-# A collector that failed in more than this share of its scrapes over COLLECTOR_FAILING_WINDOW.
-# "Most scrapes" rather than "every scrape": a collector that times out every other scrape leaves
-# holes in every rate() and is as broken as one that always fails.
-COLLECTOR_FAILING_RATIO = 0.5
-COLLECTOR_FAILING_WINDOW = "10m"
-COLLECTOR_FAILING_FOR = "5m"
-EXPORTER_DOWN_FOR = "5m"
 
 # --- severities ----------------------------------------------------------------------------------
 # deploy/alertmanager/alertmanager.yml routes on these: critical pages, warning opens a ticket,
@@ -172,12 +61,8 @@ WARNING = "warning"
 INFO = "info"
 SEVERITIES = (CRITICAL, WARNING, INFO)
 
-# --- links ---------------------------------------------------------------------------------------
-# Where the runbooks (docs/runbooks/<Alert>.md of this repository) and Grafana are reachable.
-RUNBOOK_URL = "https://github.com/gpuio/gpuio/blob/main/docs/runbooks/{alert}.md"
-GRAFANA_URL = "http://localhost:3000"
-
-# Dashboards: uid -> title.  The uid is part of every dashboard_url, so it never changes.
+# --- dashboards ----------------------------------------------------------------------------------
+# uid -> title.  The uid is part of every dashboard_url, so it never changes.
 DISK_IO_UID = "gpuio-disk-io"
 STARVATION_UID = "gpuio-starvation"
 GPU_UID = "gpuio-gpu"
@@ -192,13 +77,174 @@ DASHBOARD_TITLES = {
 }
 DASHBOARD_TAG = "gpuio"
 
+# --- links ---------------------------------------------------------------------------------------
+# Where on-call finds the runbook and the board of an alert (its runbook_url and dashboard_url).
+# gpuio knows no host of yours, so the defaults are the two paths that are true in every installation:
+# the runbook's file in this repository (docs/runbooks/<Alert>.md) and the board's path on whatever
+# Grafana loads dashboards/*.json (/d/<uid>/<uid>?var-instance=...).  Point them at your wiki and
+# Grafana with `python -m deploy.generate --runbook-url ... --grafana-url ...` (or the environment
+# variables below); docs/deploy.md ("Links in alerts") shows how.
+RUNBOOK_URL_ENV = "GPUIO_RUNBOOK_URL"
+GRAFANA_URL_ENV = "GPUIO_GRAFANA_URL"
+DEFAULT_RUNBOOK_URL = "docs/runbooks/{alert}.md"
+DEFAULT_GRAFANA_URL = ""
 
-def dashboard_url(uid: str, **variables: str) -> str:
-    """A Grafana link to a board with its variables set (values may be alert templates)."""
-    query = "&".join(f"var-{name}={value}" for name, value in variables.items())
-    return f"{GRAFANA_URL}/d/{uid}/{uid}" + (f"?{query}" if query else "")
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every knob of the rules and alerts.  Names are upper case: they are constants of one config, and
+    the names that docs, runbooks and ``--set NAME=VALUE`` use."""
+
+    # --- selectors -------------------------------------------------------------------------------------
+    # Picks gpuio's series out of everything Prometheus scrapes.  Every rule and panel uses it.
+    SELECTOR: str = 'job="gpuio"'
+    # The label that names a node.  Alerts group on it and inhibitions match on it; relabel `instance`
+    # to the node's name in the scrape config (as node_exporter's docs recommend) for readable pages.
+    NODE_LABEL: str = "instance"
+
+    # --- windows -------------------------------------------------------------------------------------
+    # rate() window of the recording rules: needs at least two scrapes inside it, so a scrape interval
+    # of 30 s or less (15 s recommended).  Recording-rule names carry it (`:rate1m`).
+    RATE_WINDOW: str = "1m"
+    # The window of a device's own normal: median of its await and queue size over this long, from the
+    # evaluations in which the device was NOT saturated (a storm never feeds its own baseline).
+    BASELINE_WINDOW: str = "1h"
+    # A baseline needs evidence: a calm judged await (enough IOPS, not saturated) in at least this share
+    # of the window's evaluations.  A disk that idled for an hour has none, and the class limits decide.
+    BASELINE_MIN_COVERAGE: float = 0.5
+    # Once learned, a baseline holds for this long after its evidence ran out: through a storm of hours the
+    # device is still judged against its last calm normal (and a storm can never become the normal, since
+    # saturated evaluations never feed it).
+    BASELINE_HOLD: str = "6h"
+
+    # --- disk limits (the numbers gpuio top uses) ---------------------------------------------------
+    AWAIT_MIN_IOPS: float = thresholds.AWAIT_MIN_IOPS
+    IO_PRESSURE_SOME: float = thresholds.IO_PRESSURE_SOME
+    IO_PRESSURE_FULL: float = thresholds.IO_PRESSURE_FULL
+    GPU_BUSY_LOW: float = thresholds.GPU_BUSY_LOW
+    # Where GPM measures SM activity (Hopper and newer) a GPU is also idle below this share of SMs working,
+    # whatever NVML's busy says (busy reads 100 % while weights cross PCIe with no SM running).
+    GPU_SM_ACTIVE_LOW: float = thresholds.GPU_SM_ACTIVE_LOW
+
+    # --- DiskIOStorm ---------------------------------------------------------------------------------
+    # Await and queue size must both be at least this many times the device's baseline (its median over
+    # BASELINE_WINDOW), on top of the class limits above.
+    STORM_BASELINE_FACTOR: float = 4.0
+    # A storm with no victim (nothing gpuio sees waits on the disk): a ticket after this long.
+    STORM_FOR: str = "5m"
+    # A storm that hurts serving pages after this long: engine loads in progress on the disk (or mount),
+    # engines on it starving their GPUs, or engines on it queueing work while the node's IO pressure
+    # "full" is at least STORM_PAGE_IO_FULL.  Shorter than STORM_FOR: a cold-start wave is seen while it
+    # happens.  First page: the rate window filling plus this, 2.5-3 minutes into the storm.
+    STORM_PAGE_FOR: str = "2m"
+    STORM_PAGE_IO_FULL: float = 0.25
+    # The description counts the engine loads from the stormed disk that finished in this window: many of
+    # them at once is the cold-start storm (a rollout, an autoscaling burst).
+    STORM_ENGINE_LOADS_WINDOW: str = "5m"
+
+    # --- network storage (NFS, CephFS, FUSE mounts) ------------------------------------------------------
+    # A network mount is slow when the mean round trip of its NFS READs is at least this (with at least
+    # AWAIT_MIN_IOPS READs a second), or when an engine load on it has been in progress for longer than
+    # ENGINE_LOAD_SLOW_SECONDS (all a FUSE mount of an object store shows) - and the node's IO pressure is
+    # high.  A 1 MiB READ from a healthy NFS server takes a few ms.
+    NFS_READ_RTT_SLOW_SECONDS: float = 0.050
+
+    # --- disk health (smart collector) ----------------------------------------------------------------
+    # "Growing" is judged over this window: a disk with 100 reallocated sectors from its first year that
+    # has not remapped one since is not news; one that remapped 8 today is.  SMART is polled every 5 min
+    # (--collector.smart.interval), so a change shows in the next poll.
+    SMART_GROWTH_WINDOW: str = "1d"
+    # NVMe available spare: the drive itself raises its critical warning when spare falls below the vendor
+    # threshold (typically 10 %); warn at this multiple of it, while there is time to order a disk.
+    NVME_SPARE_WARN_FACTOR: float = 2.0
+    SMART_HEALTH_FOR: str = "5m"
+    # A disk's SMART values older than this (and the disk not asleep), or its polls failing (timeout, error,
+    # permission denied) for SMART_STALE_FOR: the health alerts above are blind for it.
+    SMART_STALE_AFTER_SECONDS: int = 1800
+    SMART_STALE_FOR: str = "15m"
+
+    # --- GPUs (nvml collector) ---------------------------------------------------------------------------
+    # Clock-event reasons that mean trouble, and the share of GPU_THROTTLE_WINDOW they must hold the clocks
+    # down (exporter/thresholds.py: `gpuio top` flags the same reasons).
+    GPU_THROTTLE_REASONS: tuple[str, ...] = thresholds.GPU_THROTTLE_REASONS
+    GPU_THROTTLE_RATIO: float = thresholds.GPU_THROTTLE_RATIO
+    GPU_THROTTLE_WINDOW: str = "5m"
+    GPU_THROTTLE_FOR: str = "10m"
+    # PCIe generation drops at idle (power saving); it is judged only while the GPU is at least this busy.
+    # Width is judged always.
+    PCIE_GENERATION_BUSY: float = 0.5
+    PCIE_DEGRADED_FOR: str = "10m"
+    # Xid codes that report an application's fault (13 graphics engine exception, 31 MMU fault, 43 GPU
+    # stopped processing, 45 preemptive cleanup), not the hardware's: no alert.
+    XID_APPLICATION: tuple[str, ...] = ("13", "31", "43", "45")
+    XID_RECENT_SECONDS: int = 900  # an Xid fires for this long after it was last seen
+    GPU_ECC_WINDOW: str = "1h"
+    GPU_LOST_FOR: str = "1m"
+    # A GPU that NVML no longer enumerates (gone before the exporter or the driver restarted, so there is
+    # no gpuio_gpu_up == 0 to see): fewer GPUs than the node had at any time in this window.  After a
+    # planned removal the alert holds for this long: silence it.
+    GPU_MISSING_WINDOW: str = "1d"
+    # GPU data is stale when the NVML snapshot is older than this (the sampler reads every 1 s) or the nvml
+    # collector failed, at any scrape within RATE_WINDOW: a frozen busy counter reads as an idle GPU, so no
+    # starvation alert judges such a GPU; GpuioGPUDataStale fires instead (and inhibits them in Alertmanager).
+    GPU_STALE_AFTER_SECONDS: int = 30
+    GPU_STALE_FOR: str = "5m"
+
+    # --- starvation ----------------------------------------------------------------------------------
+    # Work waits on an engine on one GPU (judged per engine and GPU, never "a request is in flight"):
+    # requests waiting this long (mean) for a pool context, or as many inferences in flight as the pool has
+    # contexts, or p99 latency at least ENGINE_LATENCY_FACTOR x its calm median (learned, like the disk
+    # baselines, only while the engine's storage was not saturated), or a load of the engine in progress.
+    ENGINE_POOL_WAIT_SECONDS: float = thresholds.ENGINE_POOL_WAIT_SECONDS
+    ENGINE_LATENCY_FACTOR: float = 2.0
+    STARVED_FOR: str = "5m"
+    NODE_STARVED_FOR: str = "10m"
+
+    # --- engine loads ----------------------------------------------------------------------------------
+    # A cold start (read + deserialize, the mean of the loads that finished in ENGINE_LOAD_WINDOW) slower
+    # than this is slow: engines of a few GB load in seconds from local NVMe or the page cache.
+    ENGINE_LOAD_SLOW_SECONDS: float = 60.0
+    ENGINE_LOAD_WINDOW: str = "15m"
+    SPOOL_ERRORS_WINDOW: str = "15m"
+
+    # --- the exporter itself -------------------------------------------------------------------------
+    # A collector that failed in more than this share of its scrapes over COLLECTOR_FAILING_WINDOW.
+    # "Most scrapes" rather than "every scrape": a collector that times out every other scrape leaves
+    # holes in every rate() and is as broken as one that always fails.
+    COLLECTOR_FAILING_RATIO: float = 0.5
+    COLLECTOR_FAILING_WINDOW: str = "10m"
+    COLLECTOR_FAILING_FOR: str = "5m"
+    EXPORTER_DOWN_FOR: str = "5m"
+
+    # --- links (see above) -----------------------------------------------------------------------------
+    # runbook_url of an alert: ``{alert}`` is replaced by its name.
+    RUNBOOK_URL: str = DEFAULT_RUNBOOK_URL
+    # dashboard_url of an alert: this, then /d/<uid>/<uid>?var-...; "" keeps it a path on your Grafana.
+    GRAFANA_URL: str = DEFAULT_GRAFANA_URL
+
+    def __post_init__(self) -> None:
+        if "{alert}" not in self.RUNBOOK_URL:
+            raise ValueError(f"RUNBOOK_URL {self.RUNBOOK_URL!r} must contain {{alert}} (the alert's name)")
+
+    def selector(self, *matchers: str) -> str:
+        """``{job="gpuio",...}``: the gpuio selector plus more matchers."""
+        return "{" + ",".join((self.SELECTOR, *matchers)) + "}"
+
+    def runbook_url(self, alert: str) -> str:
+        return self.RUNBOOK_URL.format(alert=alert)
+
+    def dashboard_url(self, uid: str, **variables: str) -> str:
+        """A Grafana link to a board with its variables set (values may be alert templates)."""
+        query = "&".join(f"var-{name}={value}" for name, value in variables.items())
+        return f"{self.GRAFANA_URL.rstrip('/')}/d/{uid}/{uid}" + (f"?{query}" if query else "")
 
 
-def selector(*matchers: str) -> str:
-    """``{job="gpuio",...}``: the gpuio selector plus more matchers."""
-    return "{" + ",".join((SELECTOR, *matchers)) + "}"
+DEFAULT = Config()
+KNOBS = frozenset(field.name for field in dataclasses.fields(Config))
+
+
+def __getattr__(name: str) -> Any:
+    """``config.STORM_FOR`` and the like: the knobs of DEFAULT, read-only (there is nothing to set)."""
+    if name in KNOBS:
+        return getattr(DEFAULT, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ What runs, all real and on loopback:
 * Debian's ``prometheus`` with deploy/prometheus/prometheus.yml, changed only where the test must:
   1 s scrape and evaluation, the exporter and Alertmanager ports, the rule files below;
 * the rules: a variant generated from deploy/prometheus/config.py by
-  ``python -m deploy.prometheus.generate --set ... --out`` with the windows and ``for`` shrunk from
+  ``python -m deploy.generate --set ... --out`` with the windows and ``for`` shrunk from
   minutes to seconds (VARIANT below); every expression is the production one;
 * Debian's ``prometheus-alertmanager`` with deploy/alertmanager/alertmanager.yml, changed only in its
   timers (group_wait and group_interval 1 s) and the webhook URLs (as test_alertmanager_routing.py);
@@ -268,7 +268,7 @@ def write_engines(mount_point: str) -> dict[str, tuple[str, str]]:
 
 def generate_variant_rules(directory: Path) -> list[str]:
     sets = [arg for name, value in VARIANT.items() for arg in ("--set", f"{name}={value}")]
-    subprocess.run([sys.executable, "-m", "deploy.prometheus.generate", *sets, "--out", str(directory)],
+    subprocess.run([sys.executable, "-m", "deploy.generate", *sets, "--out", str(directory)],
                    cwd=REPO, check=True, capture_output=True, text=True)
     files = sorted(str(path) for path in directory.glob("*.yml"))
     disk = (directory / "starvation.yml").read_text()

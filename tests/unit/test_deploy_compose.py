@@ -24,24 +24,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-import time
 import urllib.parse
 import urllib.request
 
-import pytest
 import yaml
 
 from deploy.prometheus import config as c
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 
 COMPOSE = os.path.join(REPO, "docker-compose.yml")
 GPU_OVERRIDE = os.path.join(REPO, "docker-compose.gpu.yml")
-CHECK_JSONSCHEMA = shutil.which("check-jsonschema") or shutil.which(
-    "check-jsonschema", path=os.path.dirname(sys.executable))
-PROMTOOL = shutil.which("promtool")
 HOST_PATHS = {"/proc", "/sys", "/", "/run/gpuio/spool"}  # the exporter's read-only view of the host, and the spool
 
 
@@ -73,35 +65,6 @@ def merged(base: dict, override: dict) -> dict:
         else:
             out[key] = value
     return out
-
-
-def schema_errors(path: str) -> str | None:
-    """None when ``path`` is valid for the Compose specification, else the validator's message."""
-    result = subprocess.run([CHECK_JSONSCHEMA, "--builtin-schema", "vendor.compose-spec", path],
-                            capture_output=True, text=True, timeout=120)
-    return None if result.returncode == 0 else result.stdout + result.stderr
-
-
-@pytest.mark.skipif(not CHECK_JSONSCHEMA, reason="pip install check-jsonschema (dev extras)")
-def test_valid_against_the_compose_spec(tmp_path) -> None:
-    assert schema_errors(COMPOSE) is None, schema_errors(COMPOSE)
-    broken = compose()
-    broken["services"]["gpuio-exporter"]["read_only"] = {"yes": True}
-    path = tmp_path / "docker-compose.yml"
-    path.write_text(yaml.safe_dump(broken))
-    assert schema_errors(str(path)) is not None, "the schema accepted a mapping for a boolean: is it checking anything?"
-
-
-@pytest.mark.skipif(not CHECK_JSONSCHEMA, reason="pip install check-jsonschema (dev extras)")
-def test_gpu_override_is_valid_alone_and_merged(tmp_path) -> None:
-    assert schema_errors(GPU_OVERRIDE) is None, schema_errors(GPU_OVERRIDE)
-    path = tmp_path / "merged.yml"
-    path.write_text(yaml.safe_dump(merged(compose(), gpu_override())))
-    assert schema_errors(str(path)) is None, schema_errors(str(path))
-    broken = gpu_override()
-    broken["services"]["gpuio-exporter"]["deploy"]["resources"]["reservations"]["devices"][0]["gpus"] = "all"
-    path.write_text(yaml.safe_dump(merged(compose(), broken)))
-    assert schema_errors(str(path)) is not None, "the schema accepted an unknown key: is it checking anything?"
 
 
 def test_the_base_file_starts_without_a_gpu() -> None:
@@ -193,16 +156,6 @@ def test_prometheus_config_is_the_example_with_compose_targets() -> None:
     assert ours["rule_files"] == ["rules/*.yml"]
 
 
-@pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (Debian package prometheus)")
-def test_promtool_accepts_the_compose_prometheus_config(tmp_path) -> None:
-    (tmp_path / "prometheus.yml").write_text(unescape(compose()["configs"]["prometheus"]["content"]))
-    shutil.copytree(os.path.join(REPO, "deploy", "prometheus", "rules"), tmp_path / "rules")
-    result = subprocess.run([PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rule files found" in result.stdout + result.stderr
-
-
 def test_alertmanager_uses_the_routing_and_its_receivers_resolve_to_the_example() -> None:
     services = compose()["services"]
     mount = "./deploy/alertmanager/alertmanager.yml:/etc/alertmanager/alertmanager.yml:ro"
@@ -217,37 +170,6 @@ def test_alertmanager_uses_the_routing_and_its_receivers_resolve_to_the_example(
     for url in urls:
         parsed = urllib.parse.urlsplit(url)
         assert parsed.hostname in aliases and str(parsed.port) == port, url
-
-
-def test_example_receiver_prints_each_alert_of_a_notification() -> None:
-    command = compose()["services"]["alert-receiver"]["command"]
-    assert command[:3] == ["python", "-u", "-c"]
-    port = free_port()
-    process = subprocess.Popen([sys.executable, *command[1:]], env={**os.environ, "PORT": str(port)},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert "listening on port" in process.stdout.readline()
-        notification = {"receiver": "ticket", "status": "firing", "alerts": [
-            {"status": "firing", "labels": {"alertname": "DiskIOStorm", "severity": "warning",
-                                            "instance": "gpu-a", "device": "nvme0n1"},
-             "annotations": {"summary": "IO storm on nvme0n1 at gpu-a"}}]}
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/ticket", json.dumps(notification).encode(),
-                                                 {"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=5) as response:
-                    assert response.status == 200
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        line = process.stdout.readline().strip()
-        assert line == ("/ticket firing DiskIOStorm warning instance=gpu-a device=nvme0n1 - "
-                        "IO storm on nvme0n1 at gpu-a"), line
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def test_grafana_provisioning_points_at_the_compose_prometheus_and_the_dashboards() -> None:
@@ -269,5 +191,5 @@ def test_grafana_provisioning_points_at_the_compose_prometheus_and_the_dashboard
             board = json.load(handle)
         # boards pick their datasource by variable, so the provisioned default serves them
         assert any(v["type"] == "datasource" and v["query"] == "prometheus" for v in board["templating"]["list"])
-    # alerts' dashboard links open this Grafana
-    assert c.GRAFANA_URL == "http://localhost:3000" and "3000:3000" in service["ports"]
+    # alerts' dashboard links are paths on Grafana (http://localhost:3000/d/... on this stack)
+    assert c.GRAFANA_URL == "" and "3000:3000" in service["ports"]

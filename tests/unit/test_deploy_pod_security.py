@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 
 import pytest
 import yaml
 
 from exporter.collectors.engines import EnginesCollector
-from exporter.collectors.pods import PodsCollector
 from tests.conftest import REPO
-from tests.unit.test_deploy_kubernetes import HERE, KUBECTL, kustomize, pod, validate
+from tests.unit.test_deploy_kubernetes import HERE, pod, validate
 
 EXAMPLE = os.path.join(HERE, "examples", "inference.yaml")
 
@@ -157,28 +155,6 @@ def test_the_daemonset_reads_the_kubelets_pods_directory_read_only() -> None:
     assert volumes[mount["name"]]["hostPath"]["path"] == "/var/lib/kubelet/pods"
     assert spec["securityContext"]["supplementalGroups"] == [0]  # the kubelet's directories are root:root 0750
     assert restricted_violations(spec), "the DaemonSet itself is a node agent, not a restricted pod"
-
-
-@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
-def test_pod_resources_component_mounts_the_socket_read_only_as_uid_0_without_capabilities(tmp_path) -> None:
-    shutil.copytree(HERE, tmp_path / "base", ignore=shutil.ignore_patterns("__pycache__", "*.py"))
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": ["base"], "components": ["base/components/pod-resources"]}))
-    built = kustomize(str(tmp_path))
-    for doc in built:
-        validate(doc)
-    (daemonset,) = [d for d in built if d["kind"] == "DaemonSet"]
-    spec = daemonset["spec"]["template"]["spec"]
-    assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsGroup"] == 65532
-    (container,) = spec["containers"]
-    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert container["securityContext"]["allowPrivilegeEscalation"] is False
-    socket_dir = os.path.dirname({o.name: o.default for o in PodsCollector.options}["pod-resources-socket"])
-    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == socket_dir]
-    assert mount["readOnly"] is True
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes[mount["name"]]["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
 
 
 def test_the_examples_are_not_part_of_the_exporters_kustomization() -> None:

@@ -7,13 +7,10 @@ from __future__ import annotations
 import logging
 import os
 
-import pytest
-
 from exporter.collect import Context, Scraper
 from exporter.collectors.pods import PodsCollector
 from exporter.exposition import render
 from exporter.nvml_device import ProcessInfo
-from exporter.pods import podresources
 from tests.conftest import parse_samples
 from tests.unit.test_nvml_collector import make, value
 from tests.unit.test_nvml_fake import FakeNvml, h100s
@@ -113,26 +110,6 @@ def test_a_failing_kubelet_is_visible_and_serves_its_last_answer(tmp_path, gener
     assert value(samples, "gpuio_scrape_collector_state", collector="pods", state="stale") == 1
     assert value(samples, "gpuio_kubelet_pod_resources_failures_total", reason="unavailable") == 1
     assert any(name == "gpuio_gpu_pod_info" for name, _ in samples)  # the last answer, still served
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to a user the socket refuses")
-def test_a_socket_the_exporter_may_not_use_is_a_failure_not_an_absence(tmp_path) -> None:
-    """The kubelet's socket is root's (its directory 0750): the exporter as another user fails, visibly."""
-    import socket
-
-    path = str(tmp_path / "kubelet.sock")
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
-    os.chmod(path, 0o755)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover  (the child reports through its exit status)
-        os.setgid(65532)
-        os.setuid(65532)
-        state = podresources.PodResourcesPoller(path, 1, 1).poll()
-        os._exit(0 if state.absent is None and state.failures == {"permission": 1} else 1)
-    _, status = os.waitpid(pid, 0)
-    listener.close()
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_mig_device_is_named_after_its_gpu(tmp_path, generated, kubelet) -> None:  # noqa: F811

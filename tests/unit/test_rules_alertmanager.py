@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 
 import pytest
 import yaml
@@ -21,50 +20,8 @@ from tests.conftest import REPO
 AMTOOL = shutil.which("amtool")
 pytestmark = pytest.mark.skipif(not AMTOOL, reason="amtool is not installed (Debian package prometheus-alertmanager)")
 CONFIG = os.path.join(REPO, "deploy", "alertmanager", "alertmanager.yml")
-RECEIVER_OF = {c.CRITICAL: "page", c.WARNING: "ticket", c.INFO: "null"}
 # Alert names the inhibit rules may name besides gpuio's own: common node-down alerts of other mixins.
 OTHER_ALERTS = {"NodeDown", "InstanceDown"}
-
-
-def amtool(*args: str) -> subprocess.CompletedProcess:
-    assert AMTOOL
-    return subprocess.run([AMTOOL, *args], capture_output=True, text=True, timeout=60)
-
-
-def route(*labels: str) -> str:
-    result = amtool("config", "routes", "test", f"--config.file={CONFIG}", *labels)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
-
-
-def test_amtool_check_config() -> None:
-    result = amtool("check-config", CONFIG)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS" in result.stdout
-
-
-@pytest.mark.parametrize(("labels", "receiver"), [
-    (("severity=critical", "alertname=GPUStarvedByDiskIO", "instance=gpu-a"), "page"),
-    (("severity=warning", "alertname=DiskIOStorm", "instance=gpu-a", "device=nvme0n1"), "ticket"),
-    # the storm that hurts serving (loads waiting, engines starved) pages; the same storm without a victim
-    # above is a ticket
-    (("severity=critical", "alertname=DiskIOStorm", "instance=gpu-a", "device=nvme0n1"), "page"),
-    (("severity=critical", "alertname=MountIOStorm", "instance=gpu-a", "mountpoint=/mnt/models"), "page"),
-    (("severity=warning", "alertname=GpuioGPUDataStale", "instance=gpu-a"), "ticket"),
-    (("severity=info", "alertname=Anything"), "null"),
-    (("alertname=SomeoneElsesAlert",), "ticket"),  # no severity: a ticket, never silence
-])
-def test_routes_by_severity(labels: tuple[str, ...], receiver: str) -> None:
-    assert route(*labels) == receiver
-
-
-@pytest.mark.parametrize("alert", r.alerts(), ids=lambda alert: alert["alert"])
-def test_every_gpuio_alert_reaches_the_receiver_of_its_severity(alert: dict) -> None:
-    severity = alert["labels"]["severity"]
-    result = amtool("config", "routes", "test", f"--config.file={CONFIG}",
-                    f"--verify.receivers={RECEIVER_OF[severity]}", f"alertname={alert['alert']}",
-                    f"severity={severity}", f"{c.NODE_LABEL}=gpu-a:9817")
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_groups_by_node_and_alert() -> None:

@@ -1,6 +1,6 @@
 """The scenario suite (deploy/prometheus/scenarios.py -> tests/scenarios.yml): current, and sound.
 
-promtool runs the scenarios themselves through tests/unit/test_rules.py (every tests/*.yml); here:
+promtool runs the scenarios themselves through tests/e2e/test_rules.py (every tests/*.yml); here:
 the checked-in file is what the Python generates, each page lands within 2 x (for + scrape interval)
 of its storm's start, the look-alikes expect nothing critical, and the series are realistic counters.
 ``python -m deploy.prometheus.scenarios`` prints the measured table.

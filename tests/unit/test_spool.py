@@ -8,11 +8,7 @@ point is a process dying, real subprocesses killed with SIGKILL.
 from __future__ import annotations
 
 import os
-import signal
 import struct
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -20,7 +16,6 @@ import pytest
 from exporter import spool_reader
 from gpuio import spool as fmt
 from gpuio.metrics import EngineMetrics
-from tests.conftest import REPO
 
 LAYOUT = fmt.ENGINE_LAYOUT
 
@@ -290,96 +285,6 @@ def test_a_writer_that_died_before_renaming_leaves_a_temporary_that_is_swept(tmp
 
 # --- real processes ------------------------------------------------------------------------------
 
-HAMMER = textwrap.dedent("""
-    import sys, os
-    sys.path.insert(0, {repo!r})
-    import gpuio
-    gpuio.configure({directory!r})
-    metrics = gpuio.engine("hammer")
-    metrics.inference_seconds.observe(0.25)
-    print(os.getpid(), flush=True)
-    sys.stdout.close()
-    index = 0
-    while True:
-        metrics.inference_seconds.observe(0.25)
-        metrics.load_read_bytes.inc(1)
-        index += 1
-        if index % 1000 == 0:
-            metrics.error(f"reason{{index // 1000 % 40}}")
-""")
-
-
-def start_hammer(directory: str) -> subprocess.Popen[str]:
-    process = subprocess.Popen([sys.executable, "-c", HAMMER.format(repo=REPO, directory=directory)],
-                               stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    process.stdout.readline()  # the spool file exists and has one observation
-    return process
-
-
-def test_a_process_killed_mid_write_is_folded_consistently(tmp_path) -> None:
-    directory = str(tmp_path)
-    process = start_hammer(directory)
-    reader = spool_reader.SpoolReader(directory)
-    seen = []
-    for _ in range(5):
-        time.sleep(0.05)
-        values = reader.read().engines["hammer"]
-        seen.append((count(values, "inference_seconds"), values[LAYOUT.counters["load_read_bytes"]]))
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    totals = reader.read()
-    values = totals.engines["hammer"]
-    final = count(values, "inference_seconds")
-    assert [a for a, _ in seen] == sorted(a for a, _ in seen) and seen[-1][0] <= final  # never backwards
-    assert final > 1000, "the process ran long enough to be killed mid-loop"
-    # Killed between two stores: the count and the sum disagree by one observation at most.
-    assert abs(total(values, "inference_seconds") - 0.25 * final) <= 0.25
-    assert abs(values[LAYOUT.counters["load_read_bytes"]] - (final - 1)) <= 1
-    assert reader.errors == {} and reader.folded_processes == 1
-    assert spool_files(directory) == []
-    assert sum(v for (engine, _), v in totals.errors.items() if engine == "hammer") >= (final - 1) // 1000 - 1
-
-
-def _set_next_pid(pid: int) -> None:
-    with open("/proc/sys/kernel/ns_last_pid", "w") as handle:
-        handle.write(str(pid - 1))
-
-
-@pytest.mark.root
-def test_real_pid_reuse_cannot_mix_two_processes(tmp_path) -> None:
-    """Process A dies; process B is given A's pid (ns_last_pid); the reader keeps them apart."""
-    if os.geteuid() != 0:
-        pytest.skip("setting the next pid needs root")
-    directory = str(tmp_path)
-    reader = spool_reader.SpoolReader(directory)
-    first = start_hammer(directory)
-    reader.read()
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    for _ in range(20):
-        _set_next_pid(first.pid)
-        second = start_hammer(directory)
-        if second.pid == first.pid:
-            break
-        second.kill()
-        second.wait()
-    else:
-        pytest.skip("could not get the same pid again (busy machine)")
-    names = spool_files(directory)
-    assert len(names) == 2 and all(name.startswith(f"gpuio-{first.pid}-") for name in names)
-    totals = reader.read()
-    time.sleep(0.05)
-    after = reader.read()
-    second.send_signal(signal.SIGKILL)
-    second.wait()
-    final = reader.read()
-    assert reader.folded_processes == 2 and reader.errors == {}
-    # A's totals were folded once; B's kept growing on top of them; nothing went backwards.
-    assert count(totals.engines["hammer"], "inference_seconds") <= count(after.engines["hammer"], "inference_seconds")
-    assert count(after.engines["hammer"], "inference_seconds") <= count(final.engines["hammer"], "inference_seconds")
-    assert after.processes["hammer"] == 1
-
 
 def test_two_live_files_claiming_the_same_pid_are_two_processes(tmp_path) -> None:
     """Pid namespaces: every pod has a pid 1.  Identity is the file (and its lock), not the pid."""
@@ -394,37 +299,6 @@ def test_two_live_files_claiming_the_same_pid_are_two_processes(tmp_path) -> Non
     assert count(totals.engines["resnet50"], "inference_seconds") == 2
     first.close()
     second.close()
-
-
-def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
-    code = textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {REPO!r})
-        import gpuio
-        gpuio.configure({str(tmp_path)!r})
-        metrics = gpuio.engine("forky")
-        metrics.inference_seconds.observe(0.01)
-        metrics.error("boom")
-        pid = os.fork()
-        if pid == 0:
-            child = gpuio.engine("forky")
-            child.inference_seconds.observe(0.01)
-            child.inference_seconds.observe(0.01)
-            child.error("boom")
-            assert child.inference_seconds.count() == 2, child.inference_seconds.count()
-            assert child.errors() == {{"boom": 1.0}}, child.errors()
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        assert status == 0, "the child's checks failed"
-        assert metrics.inference_seconds.count() == 1
-        print(gpuio.describe()["spool"])
-    """)
-    parent_file = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    reader = spool_reader.SpoolReader(str(tmp_path))
-    totals = reader.read()
-    assert count(totals.engines["forky"], "inference_seconds") == 3
-    assert totals.errors[("forky", "boom")] == 2
-    assert reader.folded_processes == 2 and parent_file.strip()
 
 
 def test_a_record_of_a_kind_from_a_newer_library_is_skipped_and_the_rest_is_read(tmp_path) -> None:

@@ -1,0 +1,175 @@
+"""Block devices (diskstats collector): rates, awaits and queue sizes per device, each device's class
+limits and calm baseline, and DiskIOStorm (a ticket for the storm, a page while it hurts serving)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from exporter import thresholds
+
+from ..config import CRITICAL, DEVICE_NAME_CLASSES, DISK_CLASSES, DISK_IO_UID, WARNING, Config
+from .base import Rule, alert, board, indent, rate, record
+from .names import names
+from .pressure import io_pressure_high
+from .templates import COUNT, device_figure, engines_on, gpus_on, label_of, node_figure, starved_count, starved_on
+
+
+def recording_rules(c: Config) -> list[Rule]:
+    n = names(c)
+    guard = f"{c.AWAIT_MIN_IOPS:g}"
+    # An idle device's awaits have no value: dividing by (ops > 0) yields no series, never NaN.
+    return [
+        record(n.READS, rate(c, "gpuio_disk_reads_completed_total")),
+        record(n.WRITES, rate(c, "gpuio_disk_writes_completed_total")),
+        record(n.READ_BYTES, rate(c, "gpuio_disk_read_bytes_total")),
+        record(n.WRITTEN_BYTES, rate(c, "gpuio_disk_written_bytes_total")),
+        record(n.READ_AWAIT, f"{rate(c, 'gpuio_disk_read_time_seconds_total')}\n/\n"
+                             f"({rate(c, 'gpuio_disk_reads_completed_total')} > 0)"),
+        record(n.WRITE_AWAIT, f"{rate(c, 'gpuio_disk_write_time_seconds_total')}\n/\n"
+                              f"({rate(c, 'gpuio_disk_writes_completed_total')} > 0)"),
+        record(n.QUEUE, rate(c, "gpuio_disk_io_time_weighted_seconds_total")),
+        record(n.UTIL, rate(c, "gpuio_disk_io_time_seconds_total")),
+        # The await the alerts judge: the slower direction among those that completed at least
+        # AWAIT_MIN_IOPS requests a second (one slow read on an idle disk is no evidence).
+        record(n.AWAIT, "max without (direction) (\n"
+                        f"  {direction(n.READ_AWAIT, n.READS, guard, 'read')}\n"
+                        "  or\n"
+                        f"  {direction(n.WRITE_AWAIT, n.WRITES, guard, 'write')}\n"
+                        ")"),
+        # Each device's class (exporter/thresholds.py disk_class) and its limits, one series per device:
+        # NVMe and network block devices by name, then solid state where sysfs says rotational=0, and
+        # rotational otherwise (an unknown device gets the lenient limits).  `or` keeps the first match.
+        record(n.DISK_CLASS, class_expr(c, lambda name: f'label_replace({{}}, "class", "{name}", "", "")')),
+        record(n.AWAIT_LIMIT, class_expr(c, lambda name: f"{DISK_CLASSES[name].await_seconds:g} * {{}}")),
+        record(n.QUEUE_LIMIT, class_expr(c, lambda name: f"{DISK_CLASSES[name].queue_size:g} * {{}}")),
+        # Saturated, as `gpuio top` flags it (thresholds.disk_flags): slow for its class, and a deep
+        # queue or IO pressure.  The value is the await; devices that are not saturated have no series.
+        record(n.SATURATED, f"({n.AWAIT} >= {n.TO_LIMIT} {n.AWAIT_LIMIT})\n"
+                            f"and {n.ON_DEVICE}\n"
+                            f"({n.QUEUE} >= {n.TO_LIMIT} {n.QUEUE_LIMIT})\n"
+                            f"or\n"
+                            f"({n.AWAIT} >= {n.TO_LIMIT} {n.AWAIT_LIMIT})\n"
+                            f"and {n.ON_NODE}\n"
+                            f"(\n{indent(io_pressure_high(c, no_psi_counts=False))}\n)"),
+        # The device's own normal, from calm evaluations only: a storm never feeds its baseline.
+        record(n.CALM_AWAIT, f"{n.AWAIT} unless {n.ON_DEVICE} {n.SATURATED}"),
+        record(n.CALM_QUEUE, f"{n.QUEUE} unless {n.ON_DEVICE} {n.SATURATED}"),
+        # No median for a device with calm evidence in less than BASELINE_MIN_COVERAGE of the window's
+        # evaluations (QUEUE has a sample at every evaluation, so its count is the number of
+        # evaluations at any interval): the alerts then fall back to the class limits.
+        record(n.AWAIT_LEARNED, learned(c, n.CALM_AWAIT)),
+        record(n.QUEUE_LEARNED, learned(c, n.CALM_QUEUE)),
+        # Held through a storm: the last calm median, for up to BASELINE_HOLD.
+        record(n.AWAIT_BASELINE, f"last_over_time({n.AWAIT_LEARNED}[{c.BASELINE_HOLD}])"),
+        record(n.QUEUE_BASELINE, f"last_over_time({n.QUEUE_LEARNED}[{c.BASELINE_HOLD}])"),
+        # The storm (DiskIOStorm's condition before its `for`; value: the await).
+        record(n.STORM, storm_expr(c)),
+    ]
+
+
+def learned(c: Config, calm: str) -> str:
+    n = names(c)
+    return (f"quantile_over_time(0.5, {calm}[{n.B}])\n"
+            f"and\n"
+            f"count_over_time({calm}[{n.B}])\n"
+            f"  >= {c.BASELINE_MIN_COVERAGE:g} * count_over_time({n.QUEUE}[{n.B}])")
+
+
+def direction(await_rule: str, ops_rule: str, guard: str, name: str) -> str:
+    """An await where its direction completed at least ``guard`` requests/s, labelled direction=name."""
+    return f'label_replace({await_rule} and ({ops_rule} >= {guard}), "direction", "{name}", "", "")'
+
+
+def class_expr(c: Config, shape: Callable[[str], str]) -> str:
+    """One term per device class, ``shape(class)`` applied to that class's devices, joined by ``or``."""
+    by = f"max by (job, {c.NODE_LABEL}, device)"
+    selectors = [(name, c.selector(f'device=~"{pattern}"')) for name, pattern in DEVICE_NAME_CLASSES]
+    selectors += [(thresholds.SOLID_STATE, c.selector('rotational="0"')), (thresholds.ROTATIONAL, c.selector())]
+    return "\nor\n".join(shape(name).format(f"{by} (gpuio_disk_info{sel})") for name, sel in selectors)
+
+
+def storm_expr(c: Config) -> str:
+    n = names(c)
+    k = f"{c.STORM_BASELINE_FACTOR:g}"
+    return "\n".join([
+        f"({n.AWAIT} >= {n.TO_LIMIT} {n.AWAIT_LIMIT})",
+        f"and {n.ON_DEVICE}",
+        f"({n.QUEUE} >= {n.TO_LIMIT} {n.QUEUE_LIMIT})",
+        "# far above its calm normal, or it has none (idle until now, or never calm)",
+        f"and {n.ON_DEVICE}",
+        "(",
+        f"  {n.AWAIT} >= {k} * {n.AWAIT_BASELINE}",
+        "  or",
+        f"  ({n.AWAIT} unless {n.ON_DEVICE} {n.AWAIT_BASELINE})",
+        ")",
+        f"and {n.ON_DEVICE}",
+        "(",
+        f"  {n.QUEUE} >= {k} * {n.QUEUE_BASELINE}",
+        "  or",
+        f"  ({n.QUEUE} unless {n.ON_DEVICE} {n.QUEUE_BASELINE})",
+        ")",
+        f"and {n.ON_NODE}",
+        f"(\n{indent(io_pressure_high(c, no_psi_counts=True))}\n)",
+    ])
+
+
+def disk_victims(c: Config) -> str:
+    """Per disk: who the storm hurts.  Engine loads in progress from it, engines on it starving their
+    GPUs, or engines on it queueing work while all of the node's tasks stall on IO (PSI full)."""
+    n = names(c)
+    sel = c.selector()
+    on_disk = f'label_replace(gpuio_engine_physical_device_info{sel}, "device", "$1", "physical_device", "(.+)")'
+    return "\n".join([
+        f"gpuio_disk_engine_loads_in_progress{sel} > 0",
+        f"or {n.ON_DEVICE}",
+        f'count by (job, {c.NODE_LABEL}, device) ({n.STARVED}{{device!=""}})',
+        f"or {n.ON_DEVICE}",
+        "(",
+        f"  count by (job, {c.NODE_LABEL}, device) ({on_disk} and on ({c.NODE_LABEL}, engine) {n.WORK_WAITING})",
+        f"  and {n.ON_NODE} ({n.IO_FULL} >= {c.STORM_PAGE_IO_FULL:g})",
+        ")",
+    ])
+
+
+def alerts(c: Config) -> list[Rule]:
+    n = names(c)
+    node = f"$labels.{c.NODE_LABEL}"
+    two_decimals = 'printf "%.2f"'
+    baseline = device_figure(c, n.AWAIT_BASELINE, "humanizeDuration", "none: no calm evidence")
+    loads = (f"sum(increase(gpuio_engine_load_read_seconds_count{{{c.NODE_LABEL}='%s'}}"
+             f"[{c.STORM_ENGINE_LOADS_WINDOW}]) and on ({c.NODE_LABEL}, engine) "
+             f"gpuio_engine_physical_device_info{{{c.NODE_LABEL}='%s',physical_device='%s'}})")
+    engine_loads = (f'{{{{ with printf "{loads}" {node} {node} $labels.device | query }}}}'
+                    f'{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}0{{{{ end }}}}')
+    disk_class = label_of(n.DISK_CLASS, "class", (c.NODE_LABEL, "device"), "?")
+    figures = (f"Requests on {{{{ $labels.device }}}} ({disk_class}) at {{{{ {node} }}}} wait "
+               f"{{{{ $value | humanizeDuration }}}} (its calm median: {baseline}) "
+               f"with {device_figure(c, n.QUEUE, two_decimals)} requests queued "
+               f"(calm median {device_figure(c, n.QUEUE_BASELINE, two_decimals, 'none')}); "
+               f"tasks on the node waited on IO {node_figure(c, n.IO_SOME, 'humanizePercentage', 'n/a (no PSI)')} "
+               f"of the time (all of them at once: {node_figure(c, n.IO_FULL, 'humanizePercentage', 'n/a')}).")
+    loads_waiting = device_figure(c, "gpuio_disk_engine_loads_in_progress", COUNT, "0")
+    oldest = device_figure(c, "gpuio_disk_engine_load_oldest_in_progress_seconds", "humanizeDuration", "-")
+    info = "gpuio_engine_physical_device_info"
+    this_disk = board(DISK_IO_UID, device="{{ $labels.device }}")
+    return [
+        alert(
+            c, "DiskIOStorm", n.STORM, c.STORM_FOR, WARNING,
+            f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}}: requests wait "
+            f"{{{{ $value | humanizeDuration }}}}, far above its normal.",
+            f"{figures} Engine loads from this disk that finished in the last {c.STORM_ENGINE_LOADS_WINDOW}: "
+            f"{engine_loads}. This ticket is the storm itself; it pages (the same alert, severity critical) "
+            f"while engine loads wait on the disk or engines on it starve their GPUs.",
+            this_disk),
+        alert(
+            c, "DiskIOStorm", f"{n.STORM}\nand {n.ON_DEVICE}\n(\n{indent(disk_victims(c))}\n)", c.STORM_PAGE_FOR,
+            CRITICAL,
+            f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}} hurts serving: {loads_waiting} engine "
+            f"load(s) waiting, {starved_count(c, 'device')} engine(s) starving their GPU.",
+            f"{figures} Engine loads waiting on this disk: {loads_waiting} (oldest in progress for {oldest}). "
+            f"Starved engines: {starved_on(c, 'device')}. Engines with files on {{{{ $labels.device }}}}: "
+            f"{engines_on(c, info, 'physical_device', 'device')}on GPUs: "
+            f"{gpus_on(c, info, 'physical_device', 'device')}. Loads that finished in the last "
+            f"{c.STORM_ENGINE_LOADS_WINDOW}: {engine_loads}.",
+            this_disk),
+    ]

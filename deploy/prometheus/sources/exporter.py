@@ -1,0 +1,31 @@
+"""The exporter itself: GpuioExporterDown and GpuioCollectorFailing."""
+
+from __future__ import annotations
+
+from ..config import STARVATION_UID, WARNING, Config
+from .base import Rule, alert, board
+
+
+def alerts(c: Config) -> list[Rule]:
+    node = f"$labels.{c.NODE_LABEL}"
+    failing = (
+        f"1 - avg_over_time(gpuio_scrape_collector_success{c.selector()}[{c.COLLECTOR_FAILING_WINDOW}])"
+        f" > {c.COLLECTOR_FAILING_RATIO:g}"
+    )
+    return [
+        alert(
+            c, "GpuioExporterDown", f"up{c.selector()} == 0", c.EXPORTER_DOWN_FOR, WARNING,
+            f"gpuio-exporter on {{{{ {node} }}}} cannot be scraped.",
+            f"Prometheus has failed to scrape gpuio-exporter at {{{{ {node} }}}} (job {{{{ $labels.job }}}}) "
+            f"for {c.EXPORTER_DOWN_FOR}: the exporter, its node or the network to it is down. "
+            f"Until it is back, no disk, GPU or engine alert can fire for this node.",
+            board(STARVATION_UID)),
+        alert(
+            c, "GpuioCollectorFailing", failing, c.COLLECTOR_FAILING_FOR, WARNING,
+            f"gpuio collector {{{{ $labels.collector }}}} is failing on {{{{ {node} }}}}.",
+            f"The {{{{ $labels.collector }}}} collector of gpuio-exporter at {{{{ {node} }}}} failed in "
+            f"{{{{ $value | humanizePercentage }}}} of its scrapes over the last {c.COLLECTOR_FAILING_WINDOW}. "
+            f"Its series are missing or stale, and the alerts built on them cannot fire. "
+            f"The exporter's landing page (/) and its log show the error.",
+            board(STARVATION_UID)),
+    ]

@@ -1,0 +1,119 @@
+"""GPUs (nvml collector): busy ratio, "the GPU data is stale", and the GPU hardware alerts."""
+
+from __future__ import annotations
+
+from ..config import CRITICAL, GPU_UID, WARNING, Config
+from .base import Rule, alert, board, rate, reason, record
+from .names import names
+from .templates import COUNT, GPU_NAME, figure, node_figure
+
+
+def recording_rules(c: Config) -> list[Rule]:
+    n = names(c)
+    sel = c.selector()
+    stale = "\n".join([
+        f"max by (job, {c.NODE_LABEL}) (max_over_time(gpuio_gpu_snapshot_age_seconds{sel}[{n.W}]))",
+        f"  > {c.GPU_STALE_AFTER_SECONDS}",
+        "or",
+        f"max by (job, {c.NODE_LABEL}) (",
+        f"  1 - min_over_time({n.NVML_SUCCESS}[{n.W}]) > 0",
+        ")",
+    ])
+    return [
+        record(n.GPU_BUSY, rate(c, "gpuio_gpu_busy_seconds_total")),
+        # Mostly idle: NVML busy low, or few SMs working where GPM measures it (busy reads 100 % while
+        # one thread spins or weights cross PCIe).  Value: the busy ratio, else the SM activity.
+        record(n.GPU_IDLE, f'{n.GPU_BUSY} < {c.GPU_BUSY_LOW:g}\nor\n'
+                           f'{rate(c, "gpuio_gpu_sm_active_seconds_total")} < {c.GPU_SM_ACTIVE_LOW:g}'),
+        # Nodes whose GPU readings are not to be trusted: the NVML snapshot was older than
+        # GPU_STALE_AFTER_SECONDS, or the nvml collector failed, at some scrape within RATE_WINDOW
+        # (a frozen busy counter reads as an idle GPU).  No starvation alert judges their GPUs.
+        # Value: the age, or the share of failed scrapes.
+        record(n.GPU_STALE, stale),
+    ]
+
+
+def alerts(c: Config) -> list[Rule]:
+    n = names(c)
+    sel = c.selector()
+    reasons = "|".join(c.GPU_THROTTLE_REASONS)
+    throttled = "\n".join([
+        f"rate(gpuio_gpu_clocks_event_seconds_total{c.selector(f'reason=~{chr(34)}{reasons}{chr(34)}')}"
+        f"[{c.GPU_THROTTLE_WINDOW}]) > {c.GPU_THROTTLE_RATIO:g}",
+        "or",
+        "# reasons (or GPUs) without a violation counter: the sampled reason itself",
+        f"(gpuio_gpu_clocks_event_reason_active{c.selector(f'reason=~{chr(34)}{reasons}{chr(34)}')} == 1",
+        f"  unless on ({c.NODE_LABEL}, gpu, reason) gpuio_gpu_clocks_event_seconds_total{sel})",
+    ])
+    degraded = "\n".join([
+        f"gpuio_gpu_pcie_link_width{sel} < gpuio_gpu_pcie_link_width_max{sel}",
+        "or",
+        f"(gpuio_gpu_pcie_link_generation{sel} < gpuio_gpu_pcie_link_generation_max{sel})",
+        f"  and on ({c.NODE_LABEL}, gpu) {n.GPU_BUSY} >= {c.PCIE_GENERATION_BUSY:g}",
+    ])
+    app_xids = "|".join(c.XID_APPLICATION)
+    xid = (f"time() - gpuio_gpu_xid_last_timestamp_seconds{c.selector(f'xid!~{chr(34)}{app_xids}{chr(34)}')}"
+           f" < {c.XID_RECENT_SECONDS}")
+    ecc_window = c.GPU_ECC_WINDOW
+    uncorrected = "gpuio_gpu_ecc_errors_total" + c.selector('error="uncorrected"')
+    ecc = "\nor\n".join([
+        reason(f"{uncorrected} > min_over_time({uncorrected}[{ecc_window}])",
+               f"uncorrectable ECC errors in the last {ecc_window}"),
+        reason(f"gpuio_gpu_remapped_rows_pending{sel} == 1", "a row remap waits for a GPU reset"),
+        reason(f"gpuio_gpu_remapped_rows_failure{sel} == 1", "a row remap failed"),
+    ])
+    width = figure("gpuio_gpu_pcie_link_width", n.GPU_LABELS, "printf \"%.0f\"", "?")
+    width_max = figure("gpuio_gpu_pcie_link_width_max", n.GPU_LABELS, "printf \"%.0f\"", "?")
+    gen = figure("gpuio_gpu_pcie_link_generation", n.GPU_LABELS, "printf \"%.0f\"", "?")
+    gen_max = figure("gpuio_gpu_pcie_link_generation_max", n.GPU_LABELS, "printf \"%.0f\"", "?")
+    xid_count = figure("gpuio_gpu_xid_errors_total", (*n.GPU_LABELS, "xid"), "printf \"%.0f\"", "?")
+    this_gpu = board(GPU_UID, gpu="{{ $labels.gpu }}")
+    missing = f"{{{{ $value | {COUNT} }}}}"
+    return [
+        alert(c, "GPULost", f"gpuio_gpu_up{sel} == 0", c.GPU_LOST_FOR, CRITICAL,
+              f"{GPU_NAME} at {n.NODE} is lost.",
+              f"{GPU_NAME} at {n.NODE} does not answer NVML: it is lost, needs a reset, or fell off the bus "
+              f"(Xid 79). Its work has stopped; anything scheduled on it fails or waits.", this_gpu),
+        alert(c, "GPUMissing",
+              f"max_over_time(gpuio_gpu_devices{sel}[{c.GPU_MISSING_WINDOW}]) - gpuio_gpu_devices{sel} > 0",
+              c.GPU_LOST_FOR, CRITICAL,
+              f"{missing} GPU(s) missing at {n.NODE}.",
+              f"NVML at {n.NODE} enumerates {node_figure(c, 'gpuio_gpu_devices', COUNT, '?')} GPU(s), {missing} fewer "
+              f"than in the last {c.GPU_MISSING_WINDOW}: a GPU fell off the bus, or the driver has not seen it "
+              f"since a restart, so no gpuio_gpu_up series is left to go to 0. Work scheduled for it fails or "
+              f"waits. After a planned removal, silence this for {c.GPU_MISSING_WINDOW}.", board(GPU_UID)),
+        alert(c, "GPUThrottled", throttled, c.GPU_THROTTLE_FOR, WARNING,
+              f"{GPU_NAME} at {n.NODE} is throttled: {{{{ $labels.reason }}}}.",
+              f"Clocks of {GPU_NAME} at {n.NODE} are held down by {{{{ $labels.reason }}}} "
+              f"(share of the last {c.GPU_THROTTLE_WINDOW}: {{{{ $value | humanizePercentage }}}}; 1 = active now "
+              f"where the GPU has no counter). Work on it runs slower; this is heat or power delivery, "
+              f"not the disk.", this_gpu),
+        alert(c, "GPUPCIeLinkDegraded", degraded, c.PCIE_DEGRADED_FOR, WARNING,
+              f"PCIe link of {GPU_NAME} at {n.NODE} is degraded.",
+              f"The PCIe link of {GPU_NAME} at {n.NODE} runs at x{width} of x{width_max}, Gen {gen} of "
+              f"Gen {gen_max} (generation judged only while the GPU is busy: it downshifts when idle). "
+              f"Host-to-GPU copies (engine loads, inputs) are slower.", this_gpu),
+        alert(c, "GPUXidError", xid, None, WARNING,
+              f"Xid {{{{ $labels.xid }}}} on {GPU_NAME} at {n.NODE}.",
+              f"{GPU_NAME} at {n.NODE} reported Xid {{{{ $labels.xid }}}} {{{{ $value | humanizeDuration }}}} ago "
+              f"({xid_count} since the exporter started). Xids {', '.join(c.XID_APPLICATION)} (application "
+              f"faults) do not alert.", this_gpu),
+        alert(c, "GPUECCUncorrectable", ecc, None, WARNING,
+              f"{GPU_NAME} at {n.NODE}: {{{{ $labels.reason }}}}.",
+              f"Memory of {GPU_NAME} at {n.NODE}: {{{{ $labels.reason }}}} (now {{{{ $value | printf \"%.4g\" }}}}). "
+              f"Work on it may have been killed or computed on bad memory; drain it and reset it.", this_gpu),
+    ]
+
+
+def data_stale_alert(c: Config) -> Rule:
+    """GpuioGPUDataStale (in the starvation group: it and the starvation alerts judge the same node)."""
+    n = names(c)
+    return alert(
+        c, "GpuioGPUDataStale", n.GPU_STALE, c.GPU_STALE_FOR, WARNING,
+        f"GPU data of gpuio at {n.NODE} is stale or failing.",
+        f"The NVML snapshot gpuio-exporter serves at {n.NODE} is "
+        f"{node_figure(c, 'gpuio_gpu_snapshot_age_seconds', 'humanizeDuration', '?')} old (stale after "
+        f"{c.GPU_STALE_AFTER_SECONDS}s), or its nvml collector failed (success now: "
+        f"{n.NVML_SUCCESS_NOW}"
+        f"): NVML calls are slow, hanging or failing, and a frozen busy counter reads as an idle GPU. No "
+        f"starvation alert judges this node's GPUs until the data is fresh again.", board(GPU_UID))

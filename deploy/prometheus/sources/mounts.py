@@ -1,0 +1,82 @@
+"""Network and FUSE mounts (mountstats collector, engine files on mounts): NFS round trips, "this
+mount is slow", and MountIOStorm."""
+
+from __future__ import annotations
+
+from ..config import CRITICAL, STARVATION_UID, WARNING, Config
+from .base import Rule, alert, board, indent, record
+from .names import names
+from .pressure import io_pressure_high
+from .templates import COUNT, engines_on, figure, gpus_on, label_of, node_figure, starved_count, starved_on
+
+
+def recording_rules(c: Config) -> list[Rule]:
+    n = names(c)
+    sel = c.selector()
+    read = c.selector('operation="READ"')
+    rtt = "\n".join([
+        f"max by (job, {c.NODE_LABEL}, mountpoint) (",
+        f"  rate(gpuio_mountstats_nfs_operations_response_time_seconds_total{read}[{n.W}])",
+        "  /",
+        f"  (rate(gpuio_mountstats_nfs_operations_requests_total{read}[{n.W}]) >= {c.AWAIT_MIN_IOPS:g})",
+        ")",
+    ])
+    slow = "\n".join([
+        "(",
+        f"  {n.NFS_READ_RTT} >= {c.NFS_READ_RTT_SLOW_SECONDS:g}",
+        "  or",
+        f"  max by (job, {c.NODE_LABEL}, mountpoint) (gpuio_mount_engine_load_oldest_in_progress_seconds{sel})",
+        f"    >= {c.ENGINE_LOAD_SLOW_SECONDS:g}",
+        ")",
+        "# network and FUSE mounts only",
+        f"and on ({c.NODE_LABEL}, mountpoint) gpuio_mount_info{sel}",
+        f"and {n.ON_NODE}",
+        f"(\n{indent(io_pressure_high(c, no_psi_counts=True))}\n)",
+    ])
+    return [
+        # Mean round trip of an NFS READ per mount (node_exporter's mountstats semantics): requests
+        # under AWAIT_MIN_IOPS a second give no series.
+        record(n.NFS_READ_RTT, rtt),
+        record(n.NFS_READ_BYTES, f"sum by (job, {c.NODE_LABEL}, mountpoint) "
+                                 f"(rate(gpuio_mountstats_nfs_read_bytes_total{sel}[{n.W}]))"),
+        # A slow network mount: READs with a slow round trip, or an engine load on it crawling for longer
+        # than ENGINE_LOAD_SLOW_SECONDS, while the node stalls on IO.  Value: the RTT or the load's age.
+        record(n.MOUNT_SLOW, slow),
+    ]
+
+
+def alerts(c: Config) -> list[Rule]:
+    n = names(c)
+    node = f"$labels.{c.NODE_LABEL}"
+    mount = (c.NODE_LABEL, "mountpoint")
+    info = "gpuio_engine_mount_info"
+    sel = c.selector()
+    loads_waiting = figure("gpuio_mount_engine_loads_in_progress", mount, COUNT, "0")
+    oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "-")
+    fstype = label_of("gpuio_mount_info", "fstype", mount, "?")
+    source = label_of("gpuio_mount_info", "source", mount, "?")
+    figures = (f"The {fstype} mount {{{{ $labels.mountpoint }}}} ({source}) at {{{{ {node} }}}} is slow: NFS READ "
+               f"round trip {figure(n.NFS_READ_RTT, mount, 'humanizeDuration', 'n/a (not NFS, or idle)')}, reading "
+               f"{figure(n.NFS_READ_BYTES, mount, 'humanize1024', 'n/a')}B/s; the oldest engine load in progress on "
+               f"it started {oldest} ago; tasks on the node waited on IO "
+               f"{node_figure(c, n.IO_SOME, 'humanizePercentage', 'n/a (no PSI)')} of the time.")
+    victims = "\n".join([
+        f"gpuio_mount_engine_loads_in_progress{sel} > 0",
+        f"or on ({c.NODE_LABEL}, mountpoint)",
+        f'count by (job, {c.NODE_LABEL}, mountpoint) ({n.STARVED}{{mountpoint!=""}})',
+    ])
+    on_call = board(STARVATION_UID)
+    return [
+        alert(c, "MountIOStorm", n.MOUNT_SLOW, c.STORM_FOR, WARNING,
+              f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow.",
+              f"{figures} This ticket is the slow mount itself; it pages (the same alert, severity critical) "
+              f"while engine loads wait on it or engines on it starve their GPUs.", on_call),
+        alert(c, "MountIOStorm", f"{n.MOUNT_SLOW}\nand on ({c.NODE_LABEL}, mountpoint)\n(\n{indent(victims)}\n)",
+              c.STORM_PAGE_FOR, CRITICAL,
+              f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow and hurts serving: "
+              f"{loads_waiting} engine load(s) waiting, {starved_count(c, 'mountpoint')} engine(s) starving their GPU.",
+              f"{figures} Engine loads waiting on it: {loads_waiting}. Starved engines: "
+              f"{starved_on(c, 'mountpoint')}. Engines with files on it: "
+              f"{engines_on(c, info, 'mountpoint', 'mountpoint')}"
+              f"on GPUs: {gpus_on(c, info, 'mountpoint', 'mountpoint')}.", on_call),
+    ]

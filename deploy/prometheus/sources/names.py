@@ -1,0 +1,247 @@
+"""The names every rule source shares, for one config: recording rules (they carry the config's
+windows, ``:rate1m``), the joins on a node or device, and label templates.
+
+Recording rules are named ``level:metric:operations`` (https://prometheus.io/docs/practices/rules/):
+``instance_device:gpuio_disk_reads_completed:rate1m`` is the per-second rate over RATE_WINDOW of
+gpuio_disk_reads_completed_total, one series per node and device.  The dashboards use these names too
+(``deploy.prometheus.rules.READS`` is the name under the default config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ..config import Config
+
+
+@functools.cache
+def names(c: Config) -> Names:
+    return Names(c)
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+    c: Config
+
+    # --- windows and joins -----------------------------------------------------------------------------
+    @property
+    def W(self) -> str:
+        return self.c.RATE_WINDOW
+
+    @property
+    def ON_DEVICE(self) -> str:
+        return f"on ({self.c.NODE_LABEL}, device)"
+
+    @property
+    def ON_NODE(self) -> str:
+        return f"on ({self.c.NODE_LABEL})"
+
+    # Comparing with a per-device limit: group_left keeps every label of the left side (with a plain
+    # `on`, a one-to-one comparison would keep only the `on` labels and drop job and target labels).
+    @property
+    def TO_LIMIT(self) -> str:
+        return f"{self.ON_DEVICE} group_left ()"
+
+    # --- recording-rule names, used by the alerts and by the dashboards ---------------------------------
+    @property
+    def B(self) -> str:
+        return self.c.BASELINE_WINDOW
+
+    @property
+    def READS(self) -> str:
+        return f"instance_device:gpuio_disk_reads_completed:rate{self.W}"
+
+    @property
+    def WRITES(self) -> str:
+        return f"instance_device:gpuio_disk_writes_completed:rate{self.W}"
+
+    @property
+    def READ_BYTES(self) -> str:
+        return f"instance_device:gpuio_disk_read_bytes:rate{self.W}"
+
+    @property
+    def WRITTEN_BYTES(self) -> str:
+        return f"instance_device:gpuio_disk_written_bytes:rate{self.W}"
+
+    @property
+    def READ_AWAIT(self) -> str:
+        return f"instance_device:gpuio_disk_read_await_seconds:rate{self.W}"
+
+    @property
+    def WRITE_AWAIT(self) -> str:
+        return f"instance_device:gpuio_disk_write_await_seconds:rate{self.W}"
+
+    # aqu-sz
+    @property
+    def QUEUE(self) -> str:
+        return f"instance_device:gpuio_disk_io_time_weighted_seconds:rate{self.W}"
+
+    # %util / 100
+    @property
+    def UTIL(self) -> str:
+        return f"instance_device:gpuio_disk_io_time_seconds:rate{self.W}"
+
+    @property
+    def AWAIT(self) -> str:
+        return f"instance_device:gpuio_disk_await_seconds:max_rate{self.W}"
+
+    @property
+    def DISK_CLASS(self) -> str:
+        return "instance_device:gpuio_disk_class:info"
+
+    @property
+    def AWAIT_LIMIT(self) -> str:
+        return "instance_device:gpuio_disk_await_limit_seconds:class"
+
+    @property
+    def QUEUE_LIMIT(self) -> str:
+        return "instance_device:gpuio_disk_queue_limit:class"
+
+    @property
+    def SATURATED(self) -> str:
+        return f"instance_device:gpuio_disk_saturated_await_seconds:max_rate{self.W}"
+
+    # The calm evaluations (device not saturated), their medians over BASELINE_WINDOW (while there is
+    # enough calm evidence), and the baselines the storm alert compares with (the last median, held).
+    @property
+    def CALM_AWAIT(self) -> str:
+        return f"instance_device:gpuio_disk_calm_await_seconds:max_rate{self.W}"
+
+    @property
+    def CALM_QUEUE(self) -> str:
+        return f"instance_device:gpuio_disk_calm_io_time_weighted_seconds:rate{self.W}"
+
+    @property
+    def AWAIT_LEARNED(self) -> str:
+        return f"instance_device:gpuio_disk_calm_await_seconds:median{self.B}"
+
+    @property
+    def QUEUE_LEARNED(self) -> str:
+        return f"instance_device:gpuio_disk_calm_io_time_weighted_seconds:median{self.B}"
+
+    @property
+    def AWAIT_BASELINE(self) -> str:
+        return f"instance_device:gpuio_disk_calm_await_seconds:median{self.B}_held{self.c.BASELINE_HOLD}"
+
+    @property
+    def QUEUE_BASELINE(self) -> str:
+        return f"instance_device:gpuio_disk_calm_io_time_weighted_seconds:median{self.B}_held{self.c.BASELINE_HOLD}"
+
+    @property
+    def STORM(self) -> str:
+        return f"instance_device:gpuio_disk_storm_await_seconds:max_rate{self.W}"
+
+    @property
+    def GPU_BUSY(self) -> str:
+        return f"instance_gpu:gpuio_gpu_busy_seconds:rate{self.W}"
+
+    # GPUs judged mostly idle, valued with the ratio that judged them: NVML busy, else SM activity (GPM).
+    @property
+    def GPU_IDLE(self) -> str:
+        return f"instance_gpu:gpuio_gpu_idle_activity:rate{self.W}"
+
+    @property
+    def GPU_STALE(self) -> str:
+        return f"instance:gpuio_gpu_data_stale:max{self.W}"
+
+    @property
+    def NVML_SUCCESS(self) -> str:
+        return 'gpuio_scrape_collector_success{collector="nvml",' + self.c.SELECTOR + "}"
+
+    @property
+    def NVML_SUCCESS_NOW(self) -> str:
+        return (f'{{{{ with printf "gpuio_scrape_collector_success{{collector=\'nvml\',{self.c.NODE_LABEL}=\'%s\'}}" '
+                f'$labels.{self.c.NODE_LABEL} | query }}}}{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}none'
+                f"{{{{ end }}}}")
+
+    @property
+    def ENGINE_GPU_BUSY(self) -> str:
+        return f"instance_engine_gpu:gpuio_gpu_busy_seconds:rate{self.W}"
+
+    @property
+    def ENGINE_DISK_SATURATED(self) -> str:
+        return f"instance_engine:gpuio_disk_saturated_await_seconds:max_rate{self.W}"
+
+    @property
+    def ENGINE_MOUNT_SLOW(self) -> str:
+        return f"instance_engine:gpuio_mount_slow:max_rate{self.W}"
+
+    @property
+    def ENGINE_IN_FLIGHT(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_inferences_in_flight:avg_over_time{self.W}"
+
+    @property
+    def ENGINE_POOL_WAIT(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_pool_wait_seconds:mean_rate{self.W}"
+
+    @property
+    def ENGINE_LATENCY(self) -> str:
+        return f"instance_engine_gpu_quantile:gpuio_engine_inference_seconds:histogram_quantile_rate{self.W}"
+
+    # The p99 of the evaluations in which the engine's storage was not saturated, its median, held.
+    @property
+    def ENGINE_LATENCY_CALM(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_inference_calm_p99_seconds:histogram_quantile_rate{self.W}"
+
+    @property
+    def ENGINE_LATENCY_LEARNED(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_inference_calm_p99_seconds:median{self.B}"
+
+    @property
+    def ENGINE_LATENCY_BASELINE(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_inference_calm_p99_seconds:median{self.B}_held{self.c.BASELINE_HOLD}"
+
+    @property
+    def WORK_WAITING(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_work_waiting:rate{self.W}"
+
+    @property
+    def STARVED(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_starved_gpu_busy:rate{self.W}"
+
+    @property
+    def ENGINE_LOAD(self) -> str:
+        return f"instance_engine:gpuio_engine_load_seconds:mean{self.c.ENGINE_LOAD_WINDOW}"
+
+    @property
+    def ENGINE_LOAD_READ(self) -> str:
+        return f"instance_engine:gpuio_engine_load_read_seconds:mean{self.c.ENGINE_LOAD_WINDOW}"
+
+    @property
+    def ENGINE_LOAD_THROUGHPUT(self) -> str:
+        return f"instance_engine:gpuio_engine_load_read_bytes_per_second:rate{self.c.ENGINE_LOAD_WINDOW}"
+
+    @property
+    def NFS_READ_RTT(self) -> str:
+        return f"instance_mountpoint:gpuio_mountstats_nfs_read_rtt_seconds:mean_rate{self.W}"
+
+    @property
+    def NFS_READ_BYTES(self) -> str:
+        return f"instance_mountpoint:gpuio_mountstats_nfs_read_bytes:rate{self.W}"
+
+    @property
+    def MOUNT_SLOW(self) -> str:
+        return f"instance_mountpoint:gpuio_mount_slow:max_rate{self.W}"
+
+    @property
+    def IO_SOME(self) -> str:
+        return f"instance:gpuio_pressure_io_waiting_seconds:rate{self.W}"
+
+    @property
+    def IO_FULL(self) -> str:
+        return f"instance:gpuio_pressure_io_stalled_seconds:rate{self.W}"
+
+    # --- alert templates and selectors every source uses -------------------------------------------------
+    # The alert's node, as a template.
+    @property
+    def NODE(self) -> str:
+        return f"{{{{ $labels.{self.c.NODE_LABEL} }}}}"
+
+    @property
+    def WITH_GPU(self) -> str:
+        return self.c.selector('gpu_uuid!=""')
+
+    @property
+    def GPU_LABELS(self) -> tuple[str, str]:
+        return (self.c.NODE_LABEL, "gpu")

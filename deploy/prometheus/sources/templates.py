@@ -1,0 +1,83 @@
+"""Alert templates: Go-template snippets that print a live figure, a label or a list (engines on a
+disk, starved GPUs) in an alert's description, picked by the alert's own labels."""
+
+from __future__ import annotations
+
+from ..config import Config
+from .names import names
+
+# Formats of numbers in alert templates.
+ONE_DECIMAL = 'printf "%.1f"'
+COUNT = 'printf "%.0f"'
+# A GPU as the alerts name it (labels of the nvml collector's series).
+GPU_NAME = "GPU {{ $labels.gpu }} ({{ $labels.uuid }})"
+
+
+def figure(metric: str, labels: tuple[str, ...], fmt: str, missing: str = "none") -> str:
+    """An alert template that prints one series' current value, picked by the alert's own labels."""
+    matchers = ",".join(f"{label}='%s'" for label in labels)
+    args = " ".join(f"$labels.{label}" for label in labels)
+    return (f'{{{{ with printf "{metric}{{{matchers}}}" {args} | query }}}}'
+            f"{{{{ . | first | value | {fmt} }}}}{{{{ else }}}}{missing}{{{{ end }}}}")
+
+
+def node_figure(c: Config, metric: str, fmt: str, missing: str = "none") -> str:
+    return figure(metric, (c.NODE_LABEL,), fmt, missing)
+
+
+def device_figure(c: Config, metric: str, fmt: str, missing: str = "none") -> str:
+    return figure(metric, (c.NODE_LABEL, "device"), fmt, missing)
+
+
+def label_of(metric: str, label: str, labels: tuple[str, ...], missing: str = "", condition: str = "") -> str:
+    """An alert template that prints a label of the first series of ``metric`` picked by the alert's labels."""
+    matchers = ",".join(f"{name}='%s'" for name in labels)
+    args = " ".join(f"$labels.{name}" for name in labels)
+    return (f'{{{{ with printf "{metric}{{{matchers}}}{condition}" {args} | query }}}}'
+            f'{{{{ with first . }}}}{{{{ label "{label}" . }}}}{{{{ end }}}}{{{{ else }}}}{missing}{{{{ end }}}}')
+
+
+def engines_on(c: Config, info: str, label: str, value_label: str) -> str:
+    """An alert template listing the engines whose files are on the alert's disk or mount."""
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ range printf "count by (engine) ({info}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}})" '
+            f"{node} $labels.{value_label} | query | sortByLabel \"engine\" }}}}{{{{ .Labels.engine }}}} "
+            f"{{{{ else }}}}none {{{{ end }}}}")
+
+
+def gpus_on(c: Config, info: str, label: str, value_label: str) -> str:
+    """An alert template listing the GPUs of the engines whose files are on the alert's disk or mount: by
+    NVML index and UUID where the node's GPU data joins, else by the UUID the engines' processes report."""
+    n = names(c)
+    node = f"$labels.{c.NODE_LABEL}"
+    on_storage = f"on ({c.NODE_LABEL}, engine, path) {info}{{{c.NODE_LABEL}='%s',{label}='%s'}}"
+    by_nvml = f"count by (gpu, uuid) ({n.ENGINE_GPU_BUSY}{{{c.NODE_LABEL}='%s'}} and {on_storage})"
+    by_writer = f"count by (gpu_uuid) (gpuio_engine_info{{{c.NODE_LABEL}='%s',gpu_uuid!=''}} and {on_storage})"
+    args = f"{node} {node} $labels.{value_label}"
+    return (f'{{{{ range printf "{by_nvml}" {args} | query | sortByLabel "gpu" }}}}'
+            f"GPU {{{{ .Labels.gpu }}}} ({{{{ .Labels.uuid }}}}) {{{{ else }}}}"
+            f'{{{{ range printf "{by_writer}" {args} | query | sortByLabel "gpu_uuid" }}}}'
+            f"{{{{ .Labels.gpu_uuid }}}} {{{{ else }}}}none known {{{{ end }}}}{{{{ end }}}}")
+
+
+def starved_count(c: Config, label: str) -> str:
+    n = names(c)
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ with printf "count({n.STARVED}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}})" {node} $labels.{label} '
+            f'| query }}}}{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}0{{{{ end }}}}')
+
+
+def starved_on(c: Config, label: str) -> str:
+    n = names(c)
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ range printf "{n.STARVED}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}}" {node} $labels.{label} '
+            f'| query | sortByLabel "gpu" }}}}{{{{ .Labels.engine }}}} on GPU {{{{ .Labels.gpu }}}} (busy '
+            f"{{{{ .Value | humanizePercentage }}}}) {{{{ else }}}}none {{{{ end }}}}")
+
+
+def engine_gpu_figure(c: Config, metric: str, fmt: str, missing: str) -> str:
+    """An alert template: ``metric`` of the alert's engine on the alert's GPU (labels engine, uuid)."""
+    node = f"$labels.{c.NODE_LABEL}"
+    return (f'{{{{ with printf "{metric}{{{c.NODE_LABEL}=\'%s\',engine=\'%s\',gpu_uuid=\'%s\'}}" {node} '
+            f"$labels.engine $labels.uuid | query }}}}{{{{ . | first | value | {fmt} }}}}{{{{ else }}}}{missing}"
+            f"{{{{ end }}}}")

@@ -1,0 +1,187 @@
+"""deploy/kubernetes through real tools: promtool on the PrometheusRules and the plain scrape config,
+kubectl kustomize, the ServiceMonitor's relabelings in a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from deploy.prometheus import config as c
+from tests.conftest import REPO, ExporterProcess, free_port
+from tests.unit.test_deploy_kubernetes import HERE, JOB, kustomization, objects, one, validate
+
+pytestmark = pytest.mark.e2e
+
+KUBECTL = shutil.which("kubectl")
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+
+NAMESPACE = "gpuio"
+
+
+@pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (Debian package prometheus)")
+def test_promtool_accepts_the_rules_inside_the_prometheus_rules(tmp_path) -> None:
+    paths = []
+    for rule in (o for o in objects() if o["kind"] == "PrometheusRule"):
+        path = tmp_path / f"{rule['metadata']['name']}.yml"
+        path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+        paths.append(str(path))
+    result = subprocess.run([PROMTOOL, "check", "rules", *paths], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def kustomize(directory: str) -> list[dict]:
+    assert KUBECTL
+    result = subprocess.run([KUBECTL, "kustomize", directory], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_kustomize_builds_valid_objects_in_one_namespace() -> None:
+    built = kustomize(HERE)
+    expected = {(o["kind"], o["metadata"]["name"]): o for o in objects()}
+    assert sorted(expected) == sorted((d["kind"], d["metadata"]["name"]) for d in built)
+    for doc in (d for d in built if d["kind"] == "ConfigMap"):  # kustomize agrees with generated_configmaps
+        mine = expected[("ConfigMap", doc["metadata"]["name"])]
+        assert doc["data"] == mine["data"]
+        assert doc["metadata"]["labels"] == {**mine["metadata"]["labels"], "app.kubernetes.io/part-of": "gpuio"}
+        assert doc["metadata"]["annotations"] == mine["metadata"]["annotations"]
+    for doc in built:
+        validate(doc)
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpuio"
+    (daemonset,) = [d for d in built if d["kind"] == "DaemonSet"]
+    (image,) = kustomization()["images"]
+    assert daemonset["spec"]["template"]["spec"]["containers"][0]["image"] == f"{image['newName']}:{image['newTag']}"
+
+
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_smart_component_makes_the_container_root_and_privileged(tmp_path) -> None:
+    # your overlay, elsewhere: the base and the component by relative path (kustomize refuses absolute ones)
+    base = os.path.relpath(HERE, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [base], "components": [os.path.join(base, "components", "smart")]}))
+    built = kustomize(str(tmp_path))
+    for doc in built:
+        validate(doc)
+    (daemonset,) = [d for d in built if d["kind"] == "DaemonSet"]
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsNonRoot"] is False
+    security = spec["containers"][0]["securityContext"]
+    assert security["privileged"] is True and set(security["capabilities"]["add"]) == {"SYS_RAWIO", "SYS_ADMIN"}
+
+
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_residency_component_gives_root_cap_fowner_alone(tmp_path) -> None:
+    base = os.path.relpath(HERE, tmp_path)  # kustomize refuses absolute paths
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [base], "components": [os.path.join(base, "components", "residency")]}))
+    built = kustomize(str(tmp_path))
+    for doc in built:
+        validate(doc)
+    (daemonset,) = [d for d in built if d["kind"] == "DaemonSet"]
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsNonRoot"] is False
+    container = spec["containers"][0]
+    security = container["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["FOWNER"]}
+    assert security.get("privileged") is not True and security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    host = {volume["name"] for volume in spec["volumes"] if "hostPath" in volume}
+    assert all(mount.get("readOnly") for mount in container["volumeMounts"] if mount["name"] in host
+               and mount["mountPath"] != "/run/gpuio/spool")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not PROMETHEUS, reason="prometheus is not installed (Debian package prometheus)")
+def test_servicemonitor_relabelings_name_job_and_instance_in_a_real_prometheus(tmp_path) -> None:
+    """The operator turns relabelings into relabel_configs; here file_sd plays Kubernetes discovery.
+
+    The target carries the meta label Kubernetes SD would give it (__meta_kubernetes_pod_node_name),
+    the pod label the operator's own relabelings add, and a job name like the operator's
+    (serviceMonitor/<namespace>/<name>/0): job must be replaced, pod dropped, instance the node.
+    """
+    (endpoint,) = one("ServiceMonitor")["spec"]["endpoints"]
+    names = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    relabel_configs = [{names.get(k, k): v for k, v in r.items()} for r in endpoint["relabelings"]]
+    target = ExporterProcess(["--collector.disable-defaults", "--collector.pressure"]).start()
+    process = None
+    try:
+        (tmp_path / "targets.json").write_text(json.dumps([{
+            "targets": [f"127.0.0.1:{target.port}"],
+            "labels": {"__meta_kubernetes_pod_node_name": "gpu-node-7", "namespace": NAMESPACE,
+                       "pod": "gpuio-exporter-x7k2p"}}]))
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s"},
+            "scrape_configs": [{"job_name": f"serviceMonitor/{NAMESPACE}/gpuio-exporter/0",
+                                "metrics_path": endpoint["path"],
+                                "file_sd_configs": [{"files": [str(tmp_path / "targets.json")]}],
+                                "relabel_configs": relabel_configs}]}))
+        port = free_port()
+        process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            try:
+                url = f"http://127.0.0.1:{port}/api/v1/query?query=up"
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    result = json.loads(response.read())["data"]["result"]
+                if result:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "no scrape in 30 s"
+            time.sleep(0.2)
+        (sample,) = result
+        assert sample["metric"] == {"__name__": "up", "job": JOB, c.NODE_LABEL: "gpu-node-7", "namespace": NAMESPACE}
+        assert sample["value"][1] == "1"
+    finally:
+        if process:
+            process.terminate()
+            process.wait(timeout=10)
+        target.stop()
+
+
+def test_plain_prometheus_scrape_config_matches_the_servicemonitor(tmp_path) -> None:
+    """deploy/kubernetes/prometheus-scrape.yml: for clusters without the Prometheus Operator."""
+    with open(os.path.join(HERE, "prometheus-scrape.yml")) as handle:
+        (job,) = yaml.safe_load(handle)["scrape_configs"]
+    (endpoint,) = one("ServiceMonitor")["spec"]["endpoints"]
+    assert job["job_name"] == JOB
+    assert (job["scrape_interval"], job["scrape_timeout"], job["metrics_path"]) == (
+        endpoint["interval"], endpoint["scrapeTimeout"], endpoint["path"])
+    relabel = {r.get("target_label"): r for r in job["relabel_configs"]}
+    assert relabel[c.NODE_LABEL]["source_labels"] == ["__meta_kubernetes_pod_node_name"]
+    service = one("Service")
+    keep = relabel[None]
+    assert keep["action"] == "keep" and keep["regex"] == f"{service['metadata']['name']};{endpoint['port']}"
+    if not PROMTOOL:
+        return
+
+    def check(scrape: dict) -> subprocess.CompletedProcess:
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yaml.safe_dump({
+            "rule_files": [os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")],
+            "scrape_configs": [scrape]}))
+        return subprocess.run([PROMTOOL, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+
+    result = check(job)
+    if "field kubernetes_sd_configs not found" in result.stdout + result.stderr:
+        # Debian builds Prometheus without Kubernetes discovery: check everything else of the job
+        stand_in = {key: value for key, value in job.items() if key != "kubernetes_sd_configs"}
+        result = check({**stand_in, "static_configs": [{"targets": ["gpu-node-7:9817"]}]})
+    assert result.returncode == 0, result.stdout + result.stderr

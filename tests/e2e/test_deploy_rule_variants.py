@@ -1,0 +1,40 @@
+"""``python -m deploy.generate --set NAME=VALUE --out DIR`` as a command: the variant it writes is what
+the in-process rendering says (tests/unit/test_deploy_rule_variants.py), promtool accepts it, and the
+repository's generated files are left as they were."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from deploy import generate as generator
+from deploy.prometheus import generate
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+PROMTOOL = shutil.which("promtool")
+VARIANT = {"RATE_WINDOW": "10s", "BASELINE_WINDOW": "2m", "STORM_FOR": "10s"}
+
+
+@pytest.mark.skipif(not PROMTOOL, reason="promtool is not installed (Debian package prometheus)")
+def test_cli_writes_a_variant_elsewhere_that_promtool_accepts(tmp_path) -> None:
+    sets = [arg for name, value in VARIANT.items() for arg in ("--set", f"{name}={value}")]
+    result = subprocess.run([sys.executable, "-m", "deploy.generate", *sets, "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    written = {str(p): p.read_text() for p in tmp_path.glob("*.yml")}
+    assert written == generate.rendered(generate.variant(VARIANT), str(tmp_path), generate.variant_note(VARIANT))
+    assert generator.stale() == []
+    assert PROMTOOL
+    check = subprocess.run([PROMTOOL, "check", "rules", *sorted(written)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_cli_check_passes_on_the_checked_in_files() -> None:
+    result = subprocess.run([sys.executable, "-m", "deploy.generate", "--check"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
