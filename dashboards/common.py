@@ -83,6 +83,7 @@ def value_table(title: str, description: str, expr: str, hide: list[str], width:
     """An instant query shown as a table, one row per series, its labels as columns."""
     exclude = {name: True for name in ["Time", "Value", "__name__", *hide]}
     return (table.Panel().title(title).description(description).datasource(DATASOURCE).span(width).height(height)
+            .frame_index(0).show_header(True)
             .with_target(table_query(expr))
             .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": exclude})))
 
@@ -186,9 +187,25 @@ def assemble(uid: str, description: str, sections: Iterable[tuple[str, list]],
     return dashboard
 
 
+# Fields the SDK writes on every variable that Grafana's schema knows only on interval variables (auto*)
+# or not at all (id), and the dashboard's `style`, which Grafana dropped in 9 (schema 36 still had it).
+_NOT_IN_GRAFANAS_SCHEMA = {"variable": ("auto", "auto_count", "auto_min", "id"), "dashboard": ("style",)}
+
+
+def _drop_fields_grafana_does_not_know(model: dict) -> None:
+    for name in _NOT_IN_GRAFANAS_SCHEMA["dashboard"]:
+        model.pop(name, None)
+    for variable in model.get("templating", {}).get("list", []):
+        if variable.get("type") != "interval":
+            for name in _NOT_IN_GRAFANAS_SCHEMA["variable"]:
+                variable.pop(name, None)
+
+
 def render(dashboard: db.Dashboard) -> str:
-    """Stable JSON text: panels numbered in order, keys sorted, a trailing newline."""
+    """Stable JSON text: panels numbered in order, keys sorted, a trailing newline; only fields Grafana's
+    dashboard schema knows (tests/unit/test_dashboard_schema.py checks it against @grafana/schema)."""
     model = json.loads(JSONEncoder(sort_keys=True).encode(dashboard.build()))
+    _drop_fields_grafana_does_not_know(model)
     number = 1
     for panel in model.get("panels", []):
         panel["id"] = number
