@@ -286,14 +286,17 @@ def pod_variable(pod_info: str) -> db.QueryVariable:
 def gpu_variable(by_pod: bool = False) -> db.QueryVariable:
     variable = multi_variable("gpu", "GPU", "gpuio_gpu_info")
     if by_pod:
-        variable = variable.query(f"label_values({pods_of('gpuio_gpu_info', 'uuid', GPU_PODS)}, gpu)")
+        # label_values() takes a series selector only: a query over an expression goes through query_result()
+        variable = (variable.query(f"query_result({pods_of('gpuio_gpu_info', 'uuid', GPU_PODS)})")
+                    .regex('/\\bgpu="([^"]+)"/'))
     return variable
 
 
 def engine_variable(by_pod: bool = False) -> db.QueryVariable:
     variable = multi_variable("engine", "Engine", "gpuio_engine_info")
     if by_pod:
-        variable = variable.query(f"label_values({pods_of('gpuio_engine_info', 'engine', ENGINE_PODS)}, engine)")
+        variable = (variable.query(f"query_result({pods_of('gpuio_engine_info', 'engine', ENGINE_PODS)})")
+                    .regex('/\\bengine="([^"]+)"/'))
     return variable
 
 

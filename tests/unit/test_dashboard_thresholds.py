@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -26,7 +27,7 @@ from tests.conftest import REPO  # noqa: E402
 
 BOARDS = {os.path.basename(path): json.loads(text) for path, text in dashboards.rendered().items()}
 RULES = [rule for path in sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")))
-         for group in yaml.safe_load(open(path, encoding="utf-8"))["groups"] for rule in group["rules"]]
+         for group in yaml.safe_load(Path(path).read_text(encoding="utf-8"))["groups"] for rule in group["rules"]]
 RECORDED: dict[str, list[str]] = {}
 ALERTS: dict[str, list[str]] = {}
 for _rule in RULES:
