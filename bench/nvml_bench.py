@@ -57,9 +57,19 @@ def call_groups(nvml: Any, handle: Any) -> list[tuple[str, str, Callable[[], Any
         with contextlib.suppress(NVMLError):  # NotFound: no sample in the last second
             nvml.device_samples(handle, GPU_UTILIZATION_SAMPLES, recent - 1_000_000)  # about one second's worth
 
-    def gpm_cycle() -> None:
-        nvml.gpm_sample_get(handle, gpm[1])
-        nvml.gpm_metrics_get(gpm[0], gpm[1], [20, 21])
+    fast = [metric.metric for metric in NVML.GPM_METRICS[:6]]  # SM, occupancy, tensor, DRAM, PCIe tx/rx
+    every = [metric.metric for metric in NVML.GPM_METRICS] + [metric.metric for metric in NVML.NVLINK_TOTALS]
+
+    def gpm_cycle(metrics: list[int]) -> Callable[[], None]:
+        def cycle() -> None:
+            nvml.gpm_sample_get(handle, gpm[1])
+            nvml.gpm_metrics_get(gpm[0], gpm[1], metrics)
+
+        return cycle
+
+    def process_utilization() -> None:
+        with contextlib.suppress(NVMLError):  # NotFound: no process ran in the last second
+            nvml.device_process_utilization(handle, int(time.time() * 1e6) - 1_000_000)
 
     def processes() -> None:
         for process in nvml.device_compute_running_processes(handle):
@@ -81,7 +91,10 @@ def call_groups(nvml: Any, handle: Any) -> list[tuple[str, str, Callable[[], Any
                   nvml.device_curr_pcie_link_width(handle))),
         ("1 s", "memory temperature (field 82)", lambda: nvml.device_field_values(handle, [82])),
         ("1 s", "clock event reasons", lambda: nvml.device_current_clocks_event_reasons(handle)),
-        ("1 s", "GPM sample + PCIe metrics", gpm_cycle),
+        ("-", f"GPM sample + {len(fast)} metrics (SM, occupancy, tensor, DRAM, PCIe): for comparison",
+         gpm_cycle(fast)),
+        ("1 s", f"GPM sample + {len(every)} metrics (all the collector asks: + pipes, media, NVLink)",
+         gpm_cycle(every)),
         ("10 s", "total energy", lambda: nvml.device_total_energy_consumption(handle)),
         ("10 s", "violation counters (5 fields)", lambda: nvml.device_field_values(handle, [74, 76, 269, 270, 271])),
         ("10 s", "PCIe replay counter", lambda: nvml.device_pcie_replay_counter(handle)),
@@ -89,6 +102,7 @@ def call_groups(nvml: Any, handle: Any) -> list[tuple[str, str, Callable[[], Any
          lambda: [nvml.device_total_ecc_errors(handle, kind, counter) for kind in (0, 1) for counter in (0, 1)]),
         ("10 s", "remapped rows", lambda: nvml.device_remapped_rows(handle)),
         ("10 s", "processes + names", processes),
+        ("10 s", "per-process utilisation (nvmlDeviceGetProcessUtilization)", process_utilization),
         ("10 s", "MIG mode", lambda: nvml.device_mig_mode(handle)),
     ]
 

@@ -25,6 +25,7 @@ from .common import (
     query,
     rate,
     sel,
+    series_limits,
     threshold_lines,
     timeline,
     value_table,
@@ -48,9 +49,33 @@ def activity_panels() -> list:
             query(rate("gpuio_gpu_busy_seconds_total", g), f"{PER_GPU} busy"),
             query(f"gpuio_gpu_utilization_ratio{g}", f"{PER_GPU} gauge"), max_value=1),
             limit(c.GPU_BUSY_LOW, below=True)),
-        graph("Memory bandwidth utilisation", "Share of NVML's last sample period in which device memory was "
-              "read or written.", "percentunit",
-              query(f"gpuio_gpu_memory_utilization_ratio{g}", PER_GPU), max_value=1),
+        series_limits(graph(
+              "SM activity, occupancy and tensor pipes (GPM)",
+              "What the SMs do, Hopper and newer (GPM): SM active = share of SMs with a warp resident; occupancy "
+              "= resident warps over the SMs' capacity; tensor = share of time the tensor pipes worked. NVML busy "
+              "reads 100 % while one thread spins or weights cross PCIe with no SM running; these do not. "
+              f"GPUStarvedByDiskIO counts a GPU under {c.GPU_SM_ACTIVE_LOW:.0%} SM active (the dashed line) as idle, "
+              "with work waiting on saturated storage.", "percentunit",
+              query(rate("gpuio_gpu_sm_active_seconds_total", g), f"{PER_GPU} SM active"),
+              query(rate("gpuio_gpu_sm_occupancy_seconds_total", g), f"{PER_GPU} occupancy"),
+              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), f"{PER_GPU} tensor"),
+              max_value=1),
+              {"/ SM active$/": limit(c.GPU_SM_ACTIVE_LOW, below=True)}),
+        graph("Pipes (GPM)", "Share of time each pipe of the SMs worked, averaged over the SMs: tensor by kind "
+              "(hmma: fp16/bf16, imma: integer, dfma: fp64) and non-tensor fp64/fp32/fp16. Pipes overlap.",
+              "percentunit",
+              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe!="tensor"')), f"{PER_GPU} {{{{pipe}}}}"),
+              max_value=1),
+        graph("Memory bandwidth: DRAM (GPM) vs. NVML memory utilisation",
+              "DRAM: share of the peak device-memory bandwidth used (GPM, a counter: exact at any interval). "
+              "NVML: share of its last sample period in which memory was read or written at all (a gauge).",
+              "percentunit",
+              query(rate("gpuio_gpu_dram_active_seconds_total", g), f"{PER_GPU} DRAM bandwidth"),
+              query(f"gpuio_gpu_memory_utilization_ratio{g}", f"{PER_GPU} NVML memory"), max_value=1),
+        graph("Video, JPEG and optical-flow engines (GPM)", "Share of time each NVDEC, NVJPG and NVOFA unit "
+              "worked.", "percentunit",
+              query(rate("gpuio_gpu_media_active_seconds_total", g), f"{PER_GPU} {{{{media}}}}{{{{media_index}}}}"),
+              max_value=1),
         graph("Device memory", "Memory allocated and installed per GPU (used includes the driver's reserve on "
               "drivers without nvmlDeviceGetMemoryInfo_v2).", "bytes",
               query(f"gpuio_gpu_memory_used_bytes{g}", f"{PER_GPU} used"),

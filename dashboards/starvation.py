@@ -30,6 +30,7 @@ from .common import (
     NODE,
     OK,
     UNKNOWN,
+    UP,
     WARN,
     assemble,
     collector_states,
@@ -115,6 +116,9 @@ def join_columns(engines: str) -> list[tuple[str, str]]:
     """(column, expression) of the join table; every expression carries the rows' labels."""
     rows = engine_rows(engines)
     busy = f'max by ({KEY}) (label_replace({r.ENGINE_GPU_BUSY}{sel()}, "gpu_uuid", "$1", "uuid", "(.+)"))'
+    gpus = f'label_replace(gpuio_engine_info{sel()[:-1]},gpu_uuid!=""}}, "uuid", "$1", "gpu_uuid", "(.+)")'
+    sm_active = (f"max by ({KEY}) ({gpus} * on ({c.NODE_LABEL}, uuid) group_left () "
+                 f"{rate('gpuio_gpu_sm_active_seconds_total', sel())})")
     await_ratio = _engine_file_max(f"({r.AWAIT}{sel()} / on ({c.NODE_LABEL}, device) {r.AWAIT_LIMIT}{sel()})")
     queue_ratio = _engine_file_max(f"({r.QUEUE}{sel()} / on ({c.NODE_LABEL}, device) {r.QUEUE_LIMIT}{sel()})")
     cached = (f"max by ({KEY}) (gpuio_engine_info{sel()[:-1]},gpu_uuid!=\"\"}} * on ({c.NODE_LABEL}, engine, path) "
@@ -122,6 +126,7 @@ def join_columns(engines: str) -> list[tuple[str, str]]:
     return [
         ("state", per_row(rows, engine_gpu_state(engines))),
         ("GPU busy", per_row(rows, busy)),
+        ("SM active", per_row(rows, sm_active)),
         ("await / limit", per_row(rows, await_ratio)),
         ("queue / limit", per_row(rows, queue_ratio)),
         ("IO pressure", per_row(rows, f"{r.IO_SOME}{sel()}", on=c.NODE_LABEL)),
@@ -144,7 +149,8 @@ def join_table() -> table.Panel:
     panel = (table.Panel().title("Who starves whom: engine -> pod -> GPU -> disk")
              .description(
                  "One row per engine on a GPU (and pod, where the pods report it): the join GPUStarvedByDiskIO "
-                 "makes. GPU busy red under its limit; await and queue as a share of the disk class's limit "
+                 "makes. GPU busy and SM active (GPM, Hopper and newer) red under their limits; await and "
+                 "queue as a share of the disk class's limit "
                  "(red from 100 %: the disk is slow, or deeply queued, for its class; the worst of the whole "
                  "disks under the engine file); IO pressure red from the node's limit (it is the node's, not "
                  "the disk's); pool wait red where it counts as work waiting. A red cell alone is not "
@@ -152,9 +158,9 @@ def join_table() -> table.Panel:
                  "saturated at once. loads: loads in progress; cached: share of the engine file in the page "
                  "cache (1: a restart reads nothing from the disk). Click an engine or a disk for its board.")
              .datasource(DATASOURCE).span(24).height(8).frame_index(0).show_header(True))
-    for ref, (_, expr) in zip("ABCDEFGH", columns, strict=True):
+    for ref, (_, expr) in zip("ABCDEFGHI", columns, strict=True):
         panel = panel.with_target(table_query(expr, ref))
-    names = {f"Value #{ref}": column for ref, (column, _) in zip("ABCDEFGH", columns, strict=True)}
+    names = {f"Value #{ref}": column for ref, (column, _) in zip("ABCDEFGHI", columns, strict=True)}
     panel = (panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
              .with_transformation(DataTransformerConfig(id_val="organize", options={
                  "excludeByName": {"Time": True},
@@ -167,6 +173,8 @@ def join_table() -> table.Panel:
         ("state", {"mappings": state_names, "custom_cellOptions": cell}),
         ("GPU busy", {"unit": "percentunit", "thresholds": limit(c.GPU_BUSY_LOW, below=True).build(),
                       "custom_cellOptions": cell}),
+        ("SM active", {"unit": "percentunit", "thresholds": limit(c.GPU_SM_ACTIVE_LOW, below=True).build(),
+                       "custom_cellOptions": cell}),
         ("await / limit", {"unit": "percentunit", "thresholds": limit(1.0).build(), "custom_cellOptions": cell}),
         ("queue / limit", {"unit": "percentunit", "thresholds": limit(1.0).build(), "custom_cellOptions": cell}),
         ("IO pressure", {"unit": "percentunit", "thresholds": limit(c.IO_PRESSURE_SOME).build(),
@@ -221,14 +229,30 @@ def top_row() -> list:
 
 def gpu_panels() -> list:
     return [
-        threshold_lines(graph(
-            "GPU busy", f"Share of time a kernel ran (rate of gpuio_gpu_busy_seconds_total, integrated from "
-            f"NVML's samples: exact at any scrape interval). Under {c.GPU_BUSY_LOW:.0%} (the shaded band) with "
-            f"work waiting on saturated storage is what GPUStarvedByDiskIO looks for; under it with nothing "
-            f"waiting is an idle GPU. Busy is not SM activity: a GPU receiving weights reads busy.",
-            "percentunit", query(rate("gpuio_gpu_busy_seconds_total", sel(GPU)), "GPU {{gpu}}"), max_value=1),
-            limit(c.GPU_BUSY_LOW, below=True)),
-        collector_states(),
+        series_limits(graph(
+            "GPU busy vs. SM and tensor activity",
+            f"Busy: share of time a kernel ran (NVML, integrated from its samples). SM active: share of SMs with "
+            f"a warp resident; tensor: share of time the tensor pipes worked; DRAM: share of peak memory "
+            f"bandwidth (GPM, Hopper and newer). Busy reads 100 % while an engine's weights cross PCIe with no "
+            f"SM running: GPUStarvedByDiskIO counts a GPU as idle under {c.GPU_BUSY_LOW:.0%} busy or under "
+            f"{c.GPU_SM_ACTIVE_LOW:.0%} SM active (the dashed lines), with work waiting on saturated storage; "
+            "idle with nothing waiting is an idle GPU, not a starved one.", "percentunit",
+            query(rate("gpuio_gpu_busy_seconds_total", sel(GPU)), "GPU {{gpu}} busy"),
+            query(rate("gpuio_gpu_sm_active_seconds_total", sel(GPU)), "GPU {{gpu}} SM active"),
+            query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), "GPU {{gpu}} tensor"),
+            query(rate("gpuio_gpu_dram_active_seconds_total", sel(GPU)), "GPU {{gpu}} DRAM"), max_value=1),
+            {"/ busy$/": limit(c.GPU_BUSY_LOW, below=True), "/ SM active$/": limit(c.GPU_SM_ACTIVE_LOW, below=True)}),
+        timeline("GPU up", f"up while the GPU answers NVML; down: lost, reset required or gone from the bus "
+                 f"(GPULost fires after {c.GPU_LOST_FOR}).", query(f"gpuio_gpu_up{sel(GPU)}", "GPU {{gpu}}"),
+                 mappings=UP, height=6),
+        graph("Bytes in: disks vs. PCIe and NVLink", "Read throughput of the node's disks beside the bytes the "
+              "GPUs receive over PCIe (host to GPU: engine weights, inputs) and NVLink (GPM, Hopper and newer). "
+              "A load that crawls off a disk shows as disk reads and PCIe receive both low while the GPU waits.",
+              "binBps",
+              query(rate("gpuio_disk_read_bytes_total", sel()), "disk {{device}} read"),
+              query(rate("gpuio_gpu_pcie_receive_bytes_total", sel(GPU)), "GPU {{gpu}} PCIe receive"),
+              query(rate("gpuio_gpu_nvlink_receive_bytes_total", sel(GPU)), "GPU {{gpu}} NVLink receive")),
+        collector_states(height=6),
     ]
 
 
@@ -301,11 +325,11 @@ def engine_panels() -> list:
 
 
 def build() -> db.Dashboard:
-    busy, collectors = gpu_panels()
+    busy, up, bytes_in, collectors = gpu_panels()
     await_, queue, pressure, saturated = disk_panels()
     # GPU on the left, its disks on the right, one shared crosshair: is the GPU idle while a disk is slow?
     sections = (("Now: which engine on which GPU is starved by which disk", top_row()),
-                ("GPU vs. disks", [busy, await_, saturated, queue, collectors, pressure]),
+                ("GPU vs. disks", [busy, await_, bytes_in, queue, up, pressure, collectors, saturated]),
                 ("Engines", engine_panels()))
     return assemble(c.STARVATION_UID, "Is a GPU idle because a disk cannot keep up? Engine x GPU states, the "
                     "engine -> pod -> GPU -> disk join with the alerts' limits, then GPU, disks, IO pressure and "

@@ -67,8 +67,26 @@ VOLATILE_ECC = 0
 AGGREGATE_ECC = 1
 GPU_UTILIZATION_SAMPLES = 1
 EVENT_TYPE_XID_CRITICAL_ERROR = 0x8
-GPM_METRIC_PCIE_TX_PER_SEC = 20  # MiB/s, averaged between two GPM samples
+# NVML_GPM_METRIC_* (nvml.h): each one NVML averages between two GPM samples, in percent 0-100 or MiB/s.
+GPM_METRIC_SM_UTIL = 2  # percent of SMs busy (an SM is busy while at least one warp is resident on it)
+GPM_METRIC_SM_OCCUPANCY = 3  # percent of the warps an SM can hold that are resident
+GPM_METRIC_ANY_TENSOR_UTIL = 5  # percent of time the SMs' tensor pipes did any work
+GPM_METRIC_DFMA_TENSOR_UTIL = 6
+GPM_METRIC_HMMA_TENSOR_UTIL = 7
+GPM_METRIC_IMMA_TENSOR_UTIL = 9
+GPM_METRIC_DRAM_BW_UTIL = 10  # percent of the theoretical peak DRAM bandwidth used
+GPM_METRIC_FP64_UTIL = 11  # non-tensor FP64 math
+GPM_METRIC_FP32_UTIL = 12
+GPM_METRIC_FP16_UTIL = 13
+GPM_METRIC_PCIE_TX_PER_SEC = 20  # MiB/s
 GPM_METRIC_PCIE_RX_PER_SEC = 21
+GPM_METRIC_NVDEC_0_UTIL = 30  # .. 37: NVDEC 0-7, percent
+GPM_METRIC_NVJPG_0_UTIL = 40  # .. 47: NVJPG 0-7
+GPM_METRIC_NVOFA_0_UTIL = 50  # .. 51: NVOFA 0-1
+GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC = 60  # MiB/s over all links
+GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC = 61
+GPM_METRIC_NVLINK_L0_RX_PER_SEC = 62  # link N: rx 62 + 2N, tx 63 + 2N, N = 0..17
+NVLINK_LINKS = 18
 VALUE_TYPE_DOUBLE = 0
 VALUE_TYPE_UNSIGNED_INT = 1
 VALUE_TYPE_UNSIGNED_LONG = 2
@@ -110,6 +128,16 @@ class ProcessInfo:
 
 
 @dataclass(frozen=True)
+class ProcessUtilization:
+    """One process's utilisation over the period since the ``last_seen_us`` asked for (percent)."""
+
+    pid: int
+    timestamp_us: int  # the newest sample it covers, microseconds since the epoch
+    sm: int  # percent of the period in which a kernel of this process ran
+    memory: int  # percent of the period in which this process read or wrote device memory
+
+
+@dataclass(frozen=True)
 class Event:
     device: Hashable  # :meth:`Nvml.handle_key` of the device that raised it
     event_type: int
@@ -139,6 +167,7 @@ class Nvml(Protocol):
     def device_max_pcie_link_width(self, handle: Any) -> int: ...
     def device_supported_clocks_event_reasons(self, handle: Any) -> int: ...  # bit mask
     def device_mig_mode(self, handle: Any) -> tuple[int, int]: ...  # current, pending
+    def device_nvlink_state(self, handle: Any, link: int) -> bool: ...  # InvalidArgument past the last link
 
     # every interval
     def device_samples(self, handle: Any, sampling_type: int, last_seen_us: int) -> list[tuple[int, float]]:
@@ -160,6 +189,7 @@ class Nvml(Protocol):
     def gpm_sample_alloc(self) -> Any: ...
     def gpm_sample_free(self, sample: Any) -> None: ...
     def gpm_sample_get(self, handle: Any, sample: Any) -> Any: ...  # returns the sample, filled
+    def gpm_mig_sample_get(self, handle: Any, gpu_instance: int, sample: Any) -> Any: ...  # one GPU instance
     def gpm_metrics_get(self, first: Any, second: Any, metrics: Sequence[int]) -> dict[int, float | Exception]:
         """Each metric averaged between two samples; a metric NVML refused maps to its exception."""
         ...
@@ -174,6 +204,10 @@ class Nvml(Protocol):
     def device_total_ecc_errors(self, handle: Any, error_type: int, counter_type: int) -> int: ...
     def device_remapped_rows(self, handle: Any) -> tuple[int, int, int, int]: ...  # corr, unc, pending, failure
     def device_compute_running_processes(self, handle: Any) -> list[ProcessInfo]: ...
+    def device_process_utilization(self, handle: Any, last_seen_us: int) -> list[ProcessUtilization]:
+        """Per process, its utilisation since ``last_seen_us``; NVMLError_NotFound when no sample is newer."""
+        ...
+
     def device_max_mig_device_count(self, handle: Any) -> int: ...
     def device_mig_device_handle_by_index(self, handle: Any, index: int) -> Any: ...  # NotFound: empty slot
     def device_gpu_instance_id(self, handle: Any) -> int: ...
@@ -282,6 +316,9 @@ class PyNvml:
         current, pending = self._n.nvmlDeviceGetMigMode(handle)
         return int(current), int(pending)
 
+    def device_nvlink_state(self, handle: Any, link: int) -> bool:
+        return bool(self._n.nvmlDeviceGetNvLinkState(handle, link))
+
     def device_samples(self, handle: Any, sampling_type: int, last_seen_us: int) -> list[tuple[int, float]]:
         value_type, samples = self._n.nvmlDeviceGetSamples(handle, sampling_type, last_seen_us)
         return decode_samples(int(value_type), samples)
@@ -334,6 +371,9 @@ class PyNvml:
     def gpm_sample_get(self, handle: Any, sample: Any) -> Any:
         return self._n.nvmlGpmSampleGet(handle, sample)
 
+    def gpm_mig_sample_get(self, handle: Any, gpu_instance: int, sample: Any) -> Any:
+        return self._n.nvmlGpmMigSampleGet(handle, gpu_instance, sample)
+
     def gpm_metrics_get(self, first: Any, second: Any, metrics: Sequence[int]) -> dict[int, float | Exception]:
         request = self._n.c_nvmlGpmMetricsGet_t()
         request.version = self._n.NVML_GPM_METRICS_GET_VERSION
@@ -374,6 +414,15 @@ class PyNvml:
             processes = self._n.nvmlDeviceGetComputeRunningProcesses_v2(handle)
         return [ProcessInfo(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory))
                 for p in processes]
+
+    def device_process_utilization(self, handle: Any, last_seen_us: int) -> list[ProcessUtilization]:
+        try:
+            samples = self._n.nvmlDeviceGetProcessUtilization(handle, last_seen_us)
+        except self._n.NVMLError as exc:
+            if error_code(exc) == SUCCESS:  # the bindings raise the sizing call's SUCCESS: no process to report
+                return []
+            raise
+        return [ProcessUtilization(int(s.pid), int(s.timeStamp), int(s.smUtil), int(s.memUtil)) for s in samples]
 
     def device_max_mig_device_count(self, handle: Any) -> int:
         return int(self._n.nvmlDeviceGetMaxMigDeviceCount(handle))

@@ -114,15 +114,21 @@ class WriterGpus:
 
     def __call__(self, pid: int, start_ticks: int) -> str | None:
         uuid = self.gpu_of_pid(pid)
-        if uuid is None or start_ticks <= 0:
+        if uuid is None:
             return None
+        return uuid if self.same_process(pid, start_ticks) else None
+
+    def same_process(self, pid: int, start_ticks: int) -> bool:
+        """Whether this exporter's procfs shows the writer itself under ``pid`` (same start time)."""
+        if start_ticks <= 0:
+            return False
         key = (pid, start_ticks)
         same = self._same_process.get(key)
         if same is None:
             if len(self._same_process) > 4096:
                 self._same_process.clear()
             same = self._same_process[key] = procstat.start_ticks(pid, self.procfs) == start_ticks
-        return uuid if same else None
+        return same
 
 
 @dataclass(frozen=True)
@@ -374,6 +380,7 @@ class Totals:
     # live processes only; one entry per distinct (path, GPU, runtime, file identity), the latest load
     infos: dict[str, list[EngineInfo]] = field(default_factory=dict)
     processes: dict[str, int] = field(default_factory=dict)  # engine -> live processes reporting it
+    writers: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # engine -> (pid, start ticks) live
     # (engine, GPU uuid) -> PER_GPU_LAYOUT vector: live processes merged per GPU, plus folded totals
     per_gpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     # loads in progress of live processes: (engine, GPU uuid, st_dev) -> LOAD_SLOTS (counts and bytes
@@ -859,6 +866,7 @@ class SpoolReader:
                 total = totals.engines.get(engine)
                 totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
                 totals.processes[engine] = totals.processes.get(engine, 0) + 1
+                totals.writers.setdefault(engine, []).append((parsed.pid, parsed.start_ticks))
             for key, count in parsed.errors.items():
                 totals.errors[key] = totals.errors.get(key, 0.0) + count
             for key, pair in parsed.layers.items():

@@ -65,6 +65,12 @@ IO_PRESSURE_FULL = 0.10
 # GPU busy ratio (busy seconds per second) under which a GPU counts as mostly idle ("GPU busy
 # under 30 %").
 GPU_BUSY_LOW = 0.30
+# Where GPM measures SM activity (Hopper and newer), a GPU is also mostly idle when under 10 % of its SMs
+# work (the share of SMs with a warp resident), whatever NVML's busy says: busy reads 100 % while a
+# single thread block spins, or while an engine's weights cross PCIe with no SM running (measured on an
+# H100: SM activity 0.8 % and 0 %); real work keeps far more SMs busy (a bf16 matmul 97 %, an
+# elementwise add 99 %).  SM activity never exceeds busy, so it only adds idle GPUs, never hides one.
+GPU_SM_ACTIVE_LOW = 0.10
 # Clock-event reasons that mean trouble (GPUThrottled).  sw_power_cap is left out: a fully loaded GPU
 # sits at its power limit by design.  gpu_idle, sync_boost and the clock settings are not faults either.
 # Heat shows here (sw/hw thermal slowdown), which is why there is no temperature flag of its own.
@@ -113,8 +119,16 @@ def disk_flags(rotational: str | None, reads_per_second: float | None, writes_pe
     return flags
 
 
-def gpu_starved(busy: float | None, any_disk_saturated: bool) -> bool:
-    return busy is not None and busy < GPU_BUSY_LOW and any_disk_saturated
+def gpu_idle(busy: float | None, sm_active: float | None = None) -> bool:
+    """Mostly idle: NVML busy under GPU_BUSY_LOW, or (where GPM measures it) SM activity under
+    GPU_SM_ACTIVE_LOW: a GPU busy 100 % with no SM working is idle for its engines."""
+    if busy is not None and busy < GPU_BUSY_LOW:
+        return True
+    return sm_active is not None and sm_active < GPU_SM_ACTIVE_LOW
+
+
+def gpu_starved(busy: float | None, any_disk_saturated: bool, sm_active: float | None = None) -> bool:
+    return gpu_idle(busy, sm_active) and any_disk_saturated
 
 
 def gpu_throttled(active_reasons: list[str]) -> list[str]:
@@ -124,11 +138,12 @@ def gpu_throttled(active_reasons: list[str]) -> list[str]:
 
 
 def engine_starved(gpu_busy: float | None, disk_saturated: bool, in_flight: float | None,
-                   pool_wait: float | None, contexts: float | None = None) -> bool:
+                   pool_wait: float | None, contexts: float | None = None,
+                   gpu_sm_active: float | None = None) -> bool:
     """An engine's GPU mostly idle while its backing disk is saturated and work queues for it: a mean
     pool wait of at least ENGINE_POOL_WAIT_SECONDS, or as many requests in flight as it has execution
     contexts.  A request in flight is not queueing: a spare replica serving one request now and then
     is idle, not starved."""
     saturated_pool = in_flight is not None and contexts is not None and 0 < contexts <= in_flight
     waiting = saturated_pool or (pool_wait is not None and pool_wait >= ENGINE_POOL_WAIT_SECONDS)
-    return gpu_starved(gpu_busy, disk_saturated) and waiting
+    return gpu_starved(gpu_busy, disk_saturated, gpu_sm_active) and waiting

@@ -78,6 +78,7 @@ GPU_LABEL, GPU_UUID_LABEL = nvml.GPU  # "gpu" (NVML's index), "uuid"
 GPU_INFO = nvml.INFO_DESC.name  # labels gpu, uuid, name, ...
 GPU_UP = nvml.UP.name
 GPU_BUSY = nvml.BUSY.name
+GPU_SM_ACTIVE = nvml.SM_ACTIVE.name  # GPM (Hopper and newer): where present, "idle" is judged on it
 GPU_MEMORY_USED = nvml.MEMORY_USED.name
 GPU_MEMORY_TOTAL = nvml.MEMORY_TOTAL.name
 GPU_TEMPERATURE = nvml.TEMPERATURE.name
@@ -289,6 +290,7 @@ class GpuRow:
     temperature_celsius: float | None
     power_watts: float | None
     throttle_reasons: list[str]
+    sm_active: float | None = None  # SM-active seconds per second (GPM, Hopper and newer); None without GPM
     flags: list[str] = field(default_factory=list)
 
 
@@ -418,7 +420,7 @@ def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: boo
 
     latest = after.per_gpu
     up, busy, used, total = latest(GPU_UP), per_second(GPU_BUSY), latest(GPU_MEMORY_USED), latest(GPU_MEMORY_TOTAL)
-    temperature, power = latest(GPU_TEMPERATURE), latest(GPU_POWER)
+    temperature, power, sm_active = latest(GPU_TEMPERATURE), latest(GPU_POWER), per_second(GPU_SM_ACTIVE)
     throttled: dict[str, list[str]] = {}
     for labels, value in after.series.get(GPU_THROTTLE, ()):
         reason, key = labels.get(GPU_THROTTLE_REASON_LABEL, ""), _gpu_key(labels)
@@ -430,13 +432,14 @@ def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: boo
             gpu=key, uuid=identity[key].get(GPU_UUID_LABEL, ""), name=identity[key].get("name", ""),
             up=None if key not in up else up[key] >= 1,
             busy=None if key not in busy else max(0.0, min(1.0, busy[key])),
+            sm_active=None if key not in sm_active else max(0.0, min(1.0, sm_active[key])),
             memory_used_bytes=used.get(key), memory_total_bytes=total.get(key),
             temperature_celsius=temperature.get(key), power_watts=power.get(key),
             throttle_reasons=sorted(throttled.get(key, [])),
         )
         row.flags = [flag for flag, on in (
             (th.LOST, row.up is False),
-            (th.STARVED, th.gpu_starved(row.busy, disk_saturated)),
+            (th.STARVED, th.gpu_starved(row.busy, disk_saturated, row.sm_active)),
             (th.THROTTLED, bool(th.gpu_throttled(row.throttle_reasons))),
         ) if on]
         rows.append(row)
@@ -517,7 +520,7 @@ def _engines(before: Snapshot, after: Snapshot, gpus: list[GpuRow], saturated: s
         disks = engine_disks.get(engine, set()) | ({device} | physical.get(device, set()) if device else set())
         disk_saturated = bool(disks & saturated)
         if th.engine_starved(gpu.busy if gpu else None, disk_saturated, row.in_flight, row.pool_wait_seconds,
-                             contexts.get(engine)):
+                             contexts.get(engine), gpu.sm_active if gpu else None):
             row.flags.append(th.STARVED)
         rows.append(row)
     return rows
@@ -618,6 +621,7 @@ TABLES = (
     TableSpec("gpu", (
         Column("gpu", 4, lambda r: r.gpu, lambda r: natural_key(r.gpu), numeric=False),
         _col("busy%", 5, "busy", 100.0),
+        _col("sm%", 5, "sm_active", 100.0),
         Column("mem GiB", 10, _memory, lambda r: r.memory_used_bytes),
         _col("temp", 4, "temperature_celsius"),
         _col("watts", 5, "power_watts"),

@@ -70,6 +70,9 @@ AWAIT_MIN_IOPS = thresholds.AWAIT_MIN_IOPS
 IO_PRESSURE_SOME = thresholds.IO_PRESSURE_SOME
 IO_PRESSURE_FULL = thresholds.IO_PRESSURE_FULL
 GPU_BUSY_LOW = thresholds.GPU_BUSY_LOW
+# Where GPM measures SM activity (Hopper and newer) a GPU is also idle below this share of SMs working,
+# whatever NVML's busy says (busy reads 100 % while weights cross PCIe with no SM running).
+GPU_SM_ACTIVE_LOW = thresholds.GPU_SM_ACTIVE_LOW
 
 # --- DiskIOStorm ---------------------------------------------------------------------------------
 # Await and queue size must both be at least this many times the device's baseline (its median over

@@ -51,6 +51,8 @@ AWAIT_BASELINE = f"instance_device:gpuio_disk_calm_await_seconds:median{B}_held{
 QUEUE_BASELINE = f"instance_device:gpuio_disk_calm_io_time_weighted_seconds:median{B}_held{c.BASELINE_HOLD}"
 STORM = f"instance_device:gpuio_disk_storm_await_seconds:max_rate{W}"
 GPU_BUSY = f"instance_gpu:gpuio_gpu_busy_seconds:rate{W}"
+# GPUs judged mostly idle, valued with the ratio that judged them: NVML busy, else SM activity (GPM).
+GPU_IDLE = f"instance_gpu:gpuio_gpu_idle_activity:rate{W}"
 GPU_STALE = f"instance:gpuio_gpu_data_stale:max{W}"
 NVML_SUCCESS = 'gpuio_scrape_collector_success{collector="nvml",' + c.SELECTOR + "}"
 NVML_SUCCESS_NOW = (f'{{{{ with printf "gpuio_scrape_collector_success{{collector=\'nvml\',{c.NODE_LABEL}=\'%s\'}}" '
@@ -501,6 +503,10 @@ def gpu_recording_rules() -> list[Rule]:
     ])
     return [
         record(GPU_BUSY, rate("gpuio_gpu_busy_seconds_total")),
+        # Mostly idle: NVML busy low, or few SMs working where GPM measures it (busy reads 100 % while
+        # one thread spins or weights cross PCIe).  Value: the busy ratio, else the SM activity.
+        record(GPU_IDLE, f'{GPU_BUSY} < {c.GPU_BUSY_LOW:g}\nor\n'
+                         f'{rate("gpuio_gpu_sm_active_seconds_total")} < {c.GPU_SM_ACTIVE_LOW:g}'),
         # Nodes whose GPU readings are not to be trusted: the NVML snapshot was older than
         # GPU_STALE_AFTER_SECONDS, or the nvml collector failed, at some scrape within RATE_WINDOW
         # (a frozen busy counter reads as an idle GPU).  No starvation alert judges their GPUs.
@@ -595,7 +601,7 @@ alert("GpuioGPUDataStale", GPU_STALE, c.GPU_STALE_FOR, c.WARNING,
 
 def node_gpu_starved() -> Rule:
     expr = "\n".join([
-        f"({GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
+        GPU_IDLE,
         "# the GPU has work: compute processes hold it",
         f"and on ({c.NODE_LABEL}, gpu) (gpuio_gpu_processes{c.selector()} > 0)",
         "# and a disk of the node is saturated",
@@ -611,7 +617,8 @@ def node_gpu_starved() -> Rule:
     return alert(
         "NodeGPUStarvedByIO", expr, c.NODE_STARVED_FOR, c.WARNING,
         f"{GPU_NAME} at {NODE} is mostly idle while a disk of the node is saturated.",
-        f"{GPU_NAME} at {NODE} is busy {{{{ $value | humanizePercentage }}}} of the time although compute "
+        f"{GPU_NAME} at {NODE} is active only {{{{ $value | humanizePercentage }}}} (NVML busy, or SM activity "
+        f"where GPM measures it) although compute "
         f"processes hold it, while these disks are saturated: {disks}- its data loader is probably "
         f"waiting on IO. No engine reports for this GPU, so this is the node-level guess.",
         starvation_board(gpu="{{ $labels.gpu }}"))
@@ -684,13 +691,13 @@ def engine_waiting_rules() -> list[Rule]:
         ])),
         # Starved: the engine's GPU mostly idle, work waiting for the engine on that GPU, its storage
         # saturated (a disk, named in `device`) or slow (a network mount, named in `mountpoint`), and
-        # the node's GPU data fresh.  Value: the GPU's busy ratio.  GPUStarvedByDiskIO is this for `for`.
+        # the node's GPU data fresh.  Value: the GPU's activity (GPU_IDLE).  GPUStarvedByDiskIO is this for `for`.
         record(STARVED, "\n".join([
             "(",
-            f"  ({ENGINE_GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
+            f"  (0 * {ENGINE_GPU_BUSY} + on ({c.NODE_LABEL}, uuid) group_left () {GPU_IDLE})",
             f"  + on ({c.NODE_LABEL}, engine, path) group_left (device) (0 * {ENGINE_DISK_SATURATED})",
             "  or",
-            f"  ({ENGINE_GPU_BUSY} < {c.GPU_BUSY_LOW:g})",
+            f"  (0 * {ENGINE_GPU_BUSY} + on ({c.NODE_LABEL}, uuid) group_left () {GPU_IDLE})",
             f"  + on ({c.NODE_LABEL}, engine, path) group_left (mountpoint) (0 * {ENGINE_MOUNT_SLOW})",
             ")",
             f"and on ({c.NODE_LABEL}, engine, uuid)",
@@ -756,8 +763,9 @@ def starved_alert() -> Rule:
         "GPUStarvedByDiskIO", STARVED, c.STARVED_FOR, c.CRITICAL,
         f"Engine {{{{ $labels.engine }}}} on GPU {{{{ $labels.gpu }}}} at {NODE} is starved by "
         f"{{{{ $labels.device }}}}{{{{ $labels.mountpoint }}}}.",
-        f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {NODE} is busy only "
-        f"{{{{ $value | humanizePercentage }}}} while work queues for engine {{{{ $labels.engine }}}} on it "
+        f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {NODE} is active only "
+        f"{{{{ $value | humanizePercentage }}}} (NVML busy, or SM activity where GPM measures it) while work "
+        f"queues for engine {{{{ $labels.engine }}}} on it "
         f"({reasons}in flight: {engine_gpu_figure(ENGINE_IN_FLIGHT, ONE_DECIMAL, '0')}, contexts: "
         f"{engine_gpu_figure('gpuio_engine_pool_contexts', COUNT, 'n/a')}, pool wait: "
         f"{engine_gpu_figure(ENGINE_POOL_WAIT, 'humanizeDuration', 'none')}, loads in progress: "

@@ -173,6 +173,9 @@ LAST_LOAD = Desc("gpuio_engine_last_load_timestamp_seconds", GAUGE,
 ENGINE_INFO = Desc("gpuio_engine_info", INFO,
                    "An engine file as loaded, or being loaded, by a live process: its block device and its GPU (for "
                    "joins).", labels=(*ENGINE, "path", "device", "cuda_device", "gpu_uuid", "runtime"))
+PROCESS_INFO = Desc("gpuio_engine_process_info", INFO,
+                    "A live process reporting the engine, by its pid here (only when this exporter sees that very "
+                    "process): joins the engine to gpuio_gpu_process_* on pid.", labels=("engine", "pid"))
 PHYSICAL_INFO = Desc("gpuio_engine_physical_device_info", INFO,
                      "The whole disks at the bottom of an engine file's device stack.",
                      labels=(*ENGINE, "path", "physical_device"))
@@ -338,9 +341,10 @@ class EnginesCollector(Collector):
         self.globs: tuple[str, ...] = options.get("path") or ()
         self.max_engines: int = options.get("max-engines") or 200
         self.max_files: int = options.get("max-files") or 1000
+        self._writer_gpus = WriterGpus(context.gpu_processes.get, context.procfs)
         self.reader = rd.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
-                                      gpu_of=WriterGpus(context.gpu_processes.get, context.procfs),
+                                      gpu_of=self._writer_gpus,
                                       max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES)
         include = options.get("path-include")
         if include is None:
@@ -701,7 +705,19 @@ class EnginesCollector(Collector):
                                                          "cuda_device": "", "gpu_uuid": "", "runtime": ""}), 1))
             physical.extend(PHYSICAL_INFO.sample(label_string({"engine": view.engine, "path": view.path,
                                                                "physical_device": disk}), 1) for disk in disks)
-        return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical)]
+        return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical),
+                Family(PROCESS_INFO, self._process_info(totals, engines))]
+
+    def _process_info(self, totals: rd.Totals, engines: list[str]) -> list[str]:
+        """Each engine's live writers by pid, at most MAX_INFOS per engine; a pid this exporter's procfs
+        shows as another process (a writer in another pid namespace) is left out, never mislabelled."""
+        lines = []
+        for engine in engines:
+            pids = sorted({pid for pid, start in totals.writers.get(engine, ())
+                           if self._writer_gpus.same_process(pid, start)})
+            lines += [PROCESS_INFO.sample(label_string({"engine": engine, "pid": str(pid)}), 1)
+                      for pid in pids[:MAX_INFOS]]
+        return lines
 
     def device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
         """:meth:`_device_from_writer`, cached like :meth:`device_of` (a stat and sysfs reads)."""

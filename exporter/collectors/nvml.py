@@ -15,6 +15,13 @@ The peers are dcgm-exporter and nvidia_gpu_exporter; this module answers their u
   Instead GPM (Hopper and newer) gives the average rate since a baseline sample, times the baseline's
   age (:class:`Gpm` says why not since the previous sample).  GPUs without GPM have no PCIe byte series
   rather than wrong ones.
+- **Activity is GPM too** (Hopper and newer): SM activity, occupancy, tensor and FP pipes, DRAM
+  bandwidth, NVLink bytes, NVDEC/NVJPG/NVOFA, per GPU and per MIG GPU instance, as counters from the
+  same baseline (``rate()`` of ``gpuio_gpu_sm_active_seconds_total`` is the share of SMs working).
+  NVML's busy reads 100 % while one thread block spins or weights cross PCIe with no SM running; these
+  do not.  A GPU without GPM has none of these families and ``gpuio_gpu_gpm_supported 0``.
+- **Per-process busy seconds** integrate nvmlDeviceGetProcessUtilization (every slow interval) for the
+  processes listed; the engines collector names each engine's writer pids, the join to them.
 - **Units are base units** (bytes, hertz, celsius, watts, joules, seconds, ratios), converted here.
 - **Failures stay small.**  A call NVML does not support on this GPU or driver (NotSupported,
   FunctionNotFound, ...) leaves its series out; an old driver gets the older function where there is
@@ -179,6 +186,55 @@ NVML_ERRORS = _desc("gpuio_gpu_nvml_errors_total", COUNTER,
                     labels=(*GPU, "call", "error"),
                     doc="NVML calls that failed other than unsupported or lost, by call and error (e.g. `Timeout`).")
 
+# GPM (GPU Performance Monitoring, Hopper and newer): what the SMs, pipes, memory and links did, as
+# counters (see Gpm for how a rate becomes a counter).  rate() of a *_seconds_total is the average ratio.
+GPU = ("gpu", "uuid")
+GPM_SUPPORTED = _desc("gpuio_gpu_gpm_supported", GAUGE,
+                      "Whether the GPU has GPM (Hopper and newer): without it the SM, pipe, DRAM, NVLink and PCIe "
+                      "byte families are absent.", GPU)
+SM_ACTIVE = _desc("gpuio_gpu_sm_active_seconds_total", COUNTER,
+                  "SM-seconds with a warp resident, per SM of the GPU: rate() is the share of SMs busy "
+                  "(GPM SM utilisation; DCGM_FI_PROF_SM_ACTIVE).", GPU, "seconds")
+SM_OCCUPANCY = _desc("gpuio_gpu_sm_occupancy_seconds_total", COUNTER,
+                     "Integral of resident warps over the SMs' warp capacity: rate() is the mean occupancy "
+                     "(GPM SM occupancy; DCGM_FI_PROF_SM_OCCUPANCY).", GPU, "seconds")
+PIPE_ACTIVE = _desc("gpuio_gpu_pipe_active_seconds_total", COUNTER,
+                    "Seconds a pipe of the SMs was busy, averaged over the SMs: rate() is its activity ratio "
+                    "(pipe tensor: any tensor op; tensor_hmma/imma/dfma: that kind; fp64/fp32/fp16: non-tensor "
+                    "math). Pipes overlap: do not sum them.", (*GPU, "pipe"), "seconds")
+DRAM_ACTIVE = _desc("gpuio_gpu_dram_active_seconds_total", COUNTER,
+                    "Integral of device-memory bandwidth used over the theoretical peak: rate() is the share of "
+                    "peak DRAM bandwidth (GPM DRAM bandwidth utilisation).", GPU, "seconds")
+NVLINK_RX = _desc("gpuio_gpu_nvlink_receive_bytes_total", COUNTER,
+                  "NVLink bytes received over all links (GPM).", GPU, "bytes")
+NVLINK_TX = _desc("gpuio_gpu_nvlink_transmit_bytes_total", COUNTER,
+                  "NVLink bytes sent over all links (GPM).", GPU, "bytes")
+NVLINK_LINK_RX = _desc("gpuio_gpu_nvlink_link_receive_bytes_total", COUNTER,
+                       "NVLink bytes received on one active link (GPM).", (*GPU, "link"), "bytes")
+NVLINK_LINK_TX = _desc("gpuio_gpu_nvlink_link_transmit_bytes_total", COUNTER,
+                       "NVLink bytes sent on one active link (GPM).", (*GPU, "link"), "bytes")
+MEDIA_ACTIVE = _desc("gpuio_gpu_media_active_seconds_total", COUNTER,
+                     "Seconds a video decoder (nvdec), JPEG decoder (nvjpg) or optical-flow accelerator (nvofa) "
+                     "was busy (GPM).", (*GPU, "media", "media_index"), "seconds")
+MIG = (*GPU, "gpu_instance")
+MIG_SM_ACTIVE = _desc("gpuio_gpu_mig_sm_active_seconds_total", COUNTER,
+                      "SM activity of one MIG GPU instance, per SM of the instance (GPM; see "
+                      "gpuio_gpu_sm_active_seconds_total).", MIG, "seconds", slow=True)
+MIG_SM_OCCUPANCY = _desc("gpuio_gpu_mig_sm_occupancy_seconds_total", COUNTER,
+                         "SM occupancy of one MIG GPU instance (GPM).", MIG, "seconds", slow=True)
+MIG_PIPE_ACTIVE = _desc("gpuio_gpu_mig_pipe_active_seconds_total", COUNTER,
+                        "Tensor-pipe activity of one MIG GPU instance (GPM).", (*MIG, "pipe"), "seconds", slow=True)
+MIG_DRAM_ACTIVE = _desc("gpuio_gpu_mig_dram_active_seconds_total", COUNTER,
+                        "Share of peak DRAM bandwidth one MIG GPU instance used (GPM).", MIG, "seconds", slow=True)
+# Per process (nvmlDeviceGetProcessUtilization): NVML's busy idea, not GPM's activity.
+PROCESS_SM_BUSY = _desc("gpuio_gpu_process_sm_busy_seconds_total", COUNTER,
+                        "Seconds in which a kernel of this process ran (NVML's per-process SM utilisation "
+                        "integrated), for the processes listed.", (*GPU, "pid", "process_name"), "seconds", slow=True)
+PROCESS_MEMORY_BUSY = _desc("gpuio_gpu_process_memory_busy_seconds_total", COUNTER,
+                            "Seconds in which this process read or wrote device memory (NVML's per-process "
+                            "memory utilisation integrated), for the processes listed.",
+                            (*GPU, "pid", "process_name"), "seconds", slow=True)
+
 # nvmlClocksEventReason* bits, named as nvidia-smi's clocks_event_reasons.* fields.
 EVENT_REASONS = ((0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"),
                  (0x8, "hw_slowdown"), (0x10, "sync_boost"), (0x20, "sw_thermal_slowdown"),
@@ -187,7 +243,67 @@ EVENT_REASONS = ((0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, 
 VIOLATION_FIELDS = ((74, "sw_power_cap"), (76, "sync_boost"), (269, "sw_thermal_slowdown"),
                     (270, "hw_thermal_slowdown"), (271, "hw_power_brake_slowdown"))
 FIELD_MEMORY_TEMPERATURE = 82
-GPM_PCIE = ((nv.GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx"), (nv.GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx"))
+PERCENT = 0.01  # GPM percent -> ratio: a counter of seconds
+MIB_PER_SECOND = MIB  # GPM MiB/s -> a counter of bytes
+MAX_PROCESS_PERIOD_US = 20_000_000  # NVML keeps about this much per-process utilisation history
+
+
+@dataclass(frozen=True)
+class GpmMetric:
+    """One GPM metric served as a counter: NVML's average over a window x the window's length (see Gpm).
+
+    Every metric is computed every interval: on an H100 one nvmlGpmSampleGet + nvmlGpmMetricsGet costs
+    0.22 ms of CPU for 6 metrics and 0.24 ms for 32 (bench/nvml_bench.py), so a smaller set or a slower
+    cadence for some would save nothing worth the staleness.
+    """
+
+    metric: int  # NVML_GPM_METRIC_*
+    desc: Desc
+    labels: tuple[tuple[str, str], ...] = ()
+    scale: float = PERCENT
+
+
+def _pipe(metric: int, pipe: str, desc: Desc = PIPE_ACTIVE) -> GpmMetric:
+    return GpmMetric(metric, desc, (("pipe", pipe),))
+
+
+GPM_METRICS = (
+    GpmMetric(nv.GPM_METRIC_SM_UTIL, SM_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_SM_OCCUPANCY, SM_OCCUPANCY),
+    _pipe(nv.GPM_METRIC_ANY_TENSOR_UTIL, "tensor"),
+    GpmMetric(nv.GPM_METRIC_DRAM_BW_UTIL, DRAM_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_PCIE_TX_PER_SEC, PCIE_TX, scale=MIB_PER_SECOND),
+    GpmMetric(nv.GPM_METRIC_PCIE_RX_PER_SEC, PCIE_RX, scale=MIB_PER_SECOND),
+    _pipe(nv.GPM_METRIC_HMMA_TENSOR_UTIL, "tensor_hmma"),
+    _pipe(nv.GPM_METRIC_IMMA_TENSOR_UTIL, "tensor_imma"),
+    _pipe(nv.GPM_METRIC_DFMA_TENSOR_UTIL, "tensor_dfma"),
+    _pipe(nv.GPM_METRIC_FP64_UTIL, "fp64"),
+    _pipe(nv.GPM_METRIC_FP32_UTIL, "fp32"),
+    _pipe(nv.GPM_METRIC_FP16_UTIL, "fp16"),
+    *(GpmMetric(first + index, MEDIA_ACTIVE, (("media", media), ("media_index", str(index))))
+      for media, first, count in (("nvdec", nv.GPM_METRIC_NVDEC_0_UTIL, 8), ("nvjpg", nv.GPM_METRIC_NVJPG_0_UTIL, 8),
+                                  ("nvofa", nv.GPM_METRIC_NVOFA_0_UTIL, 2))
+      for index in range(count)),
+)
+# Only on a GPU with an active NVLink (nvmlDeviceGetNvLinkState), so a PCIe card serves no zero links.
+NVLINK_TOTALS = (GpmMetric(nv.GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC, NVLINK_RX, scale=MIB_PER_SECOND),
+                 GpmMetric(nv.GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC, NVLINK_TX, scale=MIB_PER_SECOND))
+
+
+def nvlink_link_metrics(link: int) -> tuple[GpmMetric, GpmMetric]:
+    labels = (("link", str(link)),)
+    first = nv.GPM_METRIC_NVLINK_L0_RX_PER_SEC + 2 * link
+    return (GpmMetric(first, NVLINK_LINK_RX, labels, MIB_PER_SECOND),
+            GpmMetric(first + 1, NVLINK_LINK_TX, labels, MIB_PER_SECOND))
+
+
+# Per MIG GPU instance: what says whether the instance works (read every slow interval).
+MIG_GPM_METRICS = (
+    GpmMetric(nv.GPM_METRIC_SM_UTIL, MIG_SM_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_SM_OCCUPANCY, MIG_SM_OCCUPANCY),
+    _pipe(nv.GPM_METRIC_ANY_TENSOR_UTIL, "tensor", MIG_PIPE_ACTIVE),
+    GpmMetric(nv.GPM_METRIC_DRAM_BW_UTIL, MIG_DRAM_ACTIVE),
+)
 
 
 @dataclass(frozen=True)
@@ -268,23 +384,63 @@ class BusyIntegrator:
             self.last_seen_us = timestamp
 
 
+class ProcessBusy:
+    """Per-process busy seconds from nvmlDeviceGetProcessUtilization, bounded to ``limit`` processes.
+
+    Each call answers, per process that ran, its utilisation over the period since the timestamp we
+    pass (the newest sample of the previous call), so the period x the percentage is the time its
+    kernels ran, however often it is called (within NVML's history, MAX_PROCESS_PERIOD_US).  The
+    first call only sets the baseline.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.last_seen_us: int | None = None
+        self.seconds: dict[int, list[float]] = {}  # pid -> [SM busy, memory busy]
+
+    def feed(self, samples: list[nv.ProcessUtilization]) -> None:
+        if not samples:
+            return
+        newest = max(sample.timestamp_us for sample in samples)
+        if self.last_seen_us is None or newest <= self.last_seen_us:
+            self.last_seen_us = max(newest, self.last_seen_us or 0)
+            return
+        period = min(newest - self.last_seen_us, MAX_PROCESS_PERIOD_US) / 1e6
+        self.last_seen_us = newest
+        for sample in samples:
+            totals = self.seconds.get(sample.pid)
+            if totals is None:
+                if len(self.seconds) >= self.limit:  # past the cap: left out, as the process series are
+                    continue
+                totals = self.seconds[sample.pid] = [0.0, 0.0]
+            totals[0] += min(max(sample.sm, 0), 100) / 100 * period
+            totals[1] += min(max(sample.memory, 0), 100) / 100 * period
+
+    def keep(self, pids: set[int]) -> None:
+        """Forget the processes that ended (NVML no longer lists them)."""
+        for pid in [pid for pid in self.seconds if pid not in pids]:
+            del self.seconds[pid]
+
+
 @dataclass
 class Gpm:
-    """PCIe bytes from GPM, measured from a long-lived baseline sample rather than from the previous one.
+    """GPM counters, measured from a long-lived baseline sample rather than from the previous one.
 
-    GPM gives the average rate between two samples, but a sample holds the counters of GPM's last
-    internal refresh (every 100 ms, nvml.h), so the time NVML divides by differs from the time between
-    our two calls by up to 0.1 s.  Measured on an H100: 2 GiB moved read as 0 to 3.6 GiB over windows
-    of 0.04-0.54 s.  Multiplying the rate by our own interval would be off by up to 10 % each second.
-    Measured from a baseline ``age`` seconds old, the error is 0.1 s / age of the average rate (0.1 %
-    after 100 s); the baseline moves every GPM_REBASE seconds, its total kept in ``carry``.  The
+    GPM gives each metric's average between two samples (percent, or MiB/s), but a sample holds the
+    counters of GPM's last internal refresh (every 100 ms, nvml.h), so the time NVML divides by
+    differs from the time between our two calls by up to 0.1 s.  Measured on an H100: 2 GiB moved
+    read as 0 to 3.6 GiB over windows of 0.04-0.54 s.  Multiplying the average by our own interval
+    would be off by up to 10 % each second.  Measured from a baseline ``age`` seconds old, the error
+    is 0.1 s / age of the average (0.1 % after 100 s): the counter is ``carry`` + average since the
+    baseline x age.  The baseline moves every GPM_REBASE seconds, its totals kept in ``carry``.  An
     exported total never decreases (a wobble of that error must not look like a counter reset).
+    One Gpm per GPU, and one per MIG GPU instance.
     """
 
     baseline: Any  # sample buffer holding the baseline
     scratch: Any  # sample buffer for the newest sample
     since: float | None = None  # monotonic time of the baseline; None: no baseline yet
-    carry: dict[str, float] = field(default_factory=dict)  # bytes counted up to the baseline
+    carry: dict[int, float] = field(default_factory=dict)  # metric -> total counted up to the baseline
 
 
 @dataclass
@@ -303,8 +459,12 @@ class Gpu:
     fast: list[Reading] = field(default_factory=list)
     slow: list[Reading] = field(default_factory=list)
     busy: BusyIntegrator = field(default_factory=BusyIntegrator)
+    process_busy: ProcessBusy = field(default_factory=lambda: ProcessBusy(256))
     gpm: Gpm | None = None
-    pcie: dict[str, float] = field(default_factory=dict)
+    gpm_metrics: tuple[GpmMetric, ...] = ()  # what this GPU's GPM serves (NVLink only with active links)
+    gpm_totals: dict[int, float] = field(default_factory=dict)  # metric -> counter, kept across sessions
+    mig_gpm: dict[int, Gpm] = field(default_factory=dict)  # GPU instance id -> its GPM state
+    mig_gpm_totals: dict[int, dict[int, float]] = field(default_factory=dict)
     reasons_supported: int = 0x1FF
     xid: dict[str, tuple[int, float]] = field(default_factory=dict)
     dropped: int = 0
@@ -320,7 +480,7 @@ class Gpu:
         self.index, self.handle, self.up = index, handle, True
         self.unsupported = set()
         self.static, self.fast, self.slow = [], [], []
-        self.gpm = None
+        self.gpm, self.gpm_metrics, self.mig_gpm = None, (), {}
         self.label_cache = {}
         self.labels = label_string({"gpu": str(index), "uuid": self.uuid})
 
@@ -591,6 +751,9 @@ class NvmlCollector(Collector):
         self._read_identity(nvml, session, gpu)
         gpu.static = self._scalars(gpu, STATIC)
         gpu.gpm = self._open_gpm(gpu)
+        gpu.static.append((GPM_SUPPORTED, gpu.labels, 0 if gpu.gpm is None else 1))
+        gpu.gpm_metrics = GPM_METRICS + self._nvlink_metrics(gpu) if gpu.gpm is not None else ()
+        gpu.process_busy.limit = 4 * self._max_processes
 
     def _read_identity(self, nvml: Nvml, session: Session, gpu: Gpu) -> None:
         handle = gpu.handle
@@ -612,11 +775,33 @@ class NvmlCollector(Collector):
         assert nvml is not None
         if not self._call(gpu, "gpm_query_device_support", nvml.gpm_query_device_support, gpu.handle):
             return None
+        return self._gpm_buffers(gpu)
+
+    def _gpm_buffers(self, gpu: Gpu) -> Gpm | None:
+        nvml = self._nvml
+        assert nvml is not None
         first = self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc)
         second = self._call(gpu, "gpm_sample_alloc", nvml.gpm_sample_alloc)
         if first is None or second is None:
+            for buffer in (first, second):
+                if buffer is not None:
+                    _quietly(nvml.gpm_sample_free, buffer)
             return None
         return Gpm(first, second)
+
+    def _nvlink_metrics(self, gpu: Gpu) -> tuple[GpmMetric, ...]:
+        """The NVLink metrics of the links that are up, read once per session; none on a PCIe card."""
+        nvml = self._nvml
+        assert nvml is not None
+        metrics: list[GpmMetric] = []
+        for link in range(nv.NVLINK_LINKS):
+            try:
+                active = nvml.device_nvlink_state(gpu.handle, link)
+            except NVMLError:  # no NVLink, or no such link: NVML numbers links from 0
+                break
+            if active:
+                metrics += nvlink_link_metrics(link)
+        return (*NVLINK_TOTALS, *metrics) if metrics else ()
 
     def _start_listener(self, session: Session) -> None:
         nvml = self._nvml
@@ -650,15 +835,16 @@ class NvmlCollector(Collector):
         if session.event_set is not None:
             _quietly(nvml.event_set_free, session.event_set)
         for gpu in session.gpus:
-            for buffer in (gpu.gpm.baseline, gpu.gpm.scratch) if gpu.gpm else ():
-                _quietly(nvml.gpm_sample_free, buffer)
+            for gpm in ([gpu.gpm] if gpu.gpm else []) + list(gpu.mig_gpm.values()):
+                _quietly(nvml.gpm_sample_free, gpm.baseline)
+                _quietly(nvml.gpm_sample_free, gpm.scratch)
         self._detach(session)
         _quietly(nvml.shutdown)
 
     @staticmethod
     def _detach(session: Session) -> None:
         for gpu in session.gpus:
-            gpu.handle, gpu.up, gpu.gpm = None, False, None
+            gpu.handle, gpu.up, gpu.gpm, gpu.mig_gpm = None, False, None, {}
 
     def _schedule_reinit(self) -> None:
         if self._reinit_at is None:
@@ -732,6 +918,7 @@ class NvmlCollector(Collector):
         readings += self._read_violations(gpu)
         readings += self._read_remapped_rows(gpu)
         readings += self._read_processes(gpu)
+        readings += self._read_process_busy(gpu)  # after the list: the processes it names get series
         readings += self._read_mig(gpu)
         return readings
 
@@ -787,31 +974,72 @@ class NvmlCollector(Collector):
                 for bit, name in EVENT_REASONS if gpu.reasons_supported & bit]
 
     def _read_gpm(self, gpu: Gpu) -> list[Reading]:
-        """PCIe bytes: GPM's average rate since the baseline sample times the baseline's age (see Gpm)."""
+        """The GPU's GPM counters (see Gpm)."""
         nvml, gpm = self._nvml, gpu.gpm
         if gpm is None or nvml is None:
             return []
-        now = time.monotonic()
-        if gpm.since is None:  # a new session: the baseline starts from the totals so far
-            if self._call(gpu, "gpm_sample_get", nvml.gpm_sample_get, gpu.handle, gpm.baseline) is not None:
-                gpm.since, gpm.carry = now, {key: gpu.pcie.get(key, 0.0) for _, key in GPM_PCIE}
-        elif self._call(gpu, "gpm_sample_get", nvml.gpm_sample_get, gpu.handle, gpm.scratch) is not None:
-            rates = self._call(gpu, "gpm_metrics_get", nvml.gpm_metrics_get, gpm.baseline, gpm.scratch,
-                               [metric for metric, _ in GPM_PCIE]) or {}
-            for metric, key in GPM_PCIE:
-                rate = rates.get(metric)
-                if isinstance(rate, Exception):
-                    self._failed(gpu, f"gpm_metric_{metric}", rate)
-                elif rate is not None:
-                    total = gpm.carry[key] + max(rate, 0.0) * MIB * (now - gpm.since)
-                    gpu.pcie[key] = max(gpu.pcie.get(key, 0.0), total)
-            if now - gpm.since >= GPM_REBASE:
-                gpm.baseline, gpm.scratch, gpm.since = gpm.scratch, gpm.baseline, now
-                gpm.carry = {key: gpu.pcie.get(key, 0.0) for _, key in GPM_PCIE}
+        self._advance_gpm(gpu, gpm, gpu.gpm_totals, gpu.gpm_metrics, "", nvml.gpm_sample_get, gpu.handle)
         if gpm.since is None or "gpm_metrics_get" in gpu.unsupported:
             return []
-        return [(PCIE_TX, gpu.labels, gpu.pcie.get("pcie_tx", 0.0)),
-                (PCIE_RX, gpu.labels, gpu.pcie.get("pcie_rx", 0.0))]
+        return [(m.desc, gpu.label(m.labels), gpu.gpm_totals[m.metric])
+                for m in gpu.gpm_metrics if m.metric in gpu.gpm_totals]
+
+    def _advance_gpm(self, gpu: Gpu, gpm: Gpm, totals: dict[int, float], metrics: tuple[GpmMetric, ...],
+                     prefix: str, sample_get: Callable[..., Any], *where: Any) -> None:
+        """One GPM step: take a sample into the baseline (first time) or the scratch buffer, then each
+        metric as its total since the baseline; move the baseline when it is old.  ``prefix`` ("mig_")
+        keeps a GPU instance's refusals apart from the GPU's."""
+        assert self._nvml is not None
+        now = time.monotonic()
+        sample_call = prefix + "gpm_sample_get"
+        if gpm.since is None:
+            if self._call(gpu, sample_call, sample_get, *where, gpm.baseline) is not None:
+                for metric in metrics:  # served from the baseline on: rate() misses nothing of the first step
+                    totals.setdefault(metric.metric, 0.0)
+                gpm.since, gpm.carry = now, dict(totals)
+            return
+        due = [m for m in metrics if f"{prefix}gpm_metric_{m.metric}" not in gpu.unsupported]
+        if not due or self._call(gpu, sample_call, sample_get, *where, gpm.scratch) is None:
+            return
+        rates = self._call(gpu, "gpm_metrics_get", self._nvml.gpm_metrics_get, gpm.baseline, gpm.scratch,
+                           [m.metric for m in due]) or {}
+        for metric in due:
+            rate = rates.get(metric.metric)
+            if isinstance(rate, Exception):
+                self._failed(gpu, f"{prefix}gpm_metric_{metric.metric}", rate)
+                if f"{prefix}gpm_metric_{metric.metric}" in gpu.unsupported:  # this GPU lacks it: absent
+                    totals.pop(metric.metric, None)
+            elif rate is not None:
+                total = gpm.carry.get(metric.metric, 0.0) + max(rate, 0.0) * metric.scale * (now - gpm.since)
+                totals[metric.metric] = max(totals.get(metric.metric, 0.0), total)
+        if now - gpm.since >= GPM_REBASE:
+            gpm.baseline, gpm.scratch, gpm.since = gpm.scratch, gpm.baseline, now
+            gpm.carry = dict(totals)
+
+    def _read_process_busy(self, gpu: Gpu) -> list[Reading]:
+        """Busy seconds of each listed process (nvmlDeviceGetProcessUtilization, see ProcessBusy).
+
+        Every slow interval: the call costs ~2.7 ms of CPU on an H100 whatever it returns (as much as
+        the rest of a sweep), and it answers for the whole period since the previous call."""
+        assert self._nvml is not None
+        if not gpu.up or "process_utilization" in gpu.unsupported:
+            return []
+        tracker = gpu.process_busy
+        self._current_call = "process_utilization"
+        try:
+            samples = self._nvml.device_process_utilization(gpu.handle, tracker.last_seen_us or 0)
+        except NVMLError as exc:
+            if error_code(exc) != nv.ERROR_NOT_FOUND:  # NotFound: no process ran since the last call
+                self._failed(gpu, "process_utilization", exc)
+                return []
+            samples = []
+        tracker.feed(samples)
+        readings: list[Reading] = []
+        for pid, name in gpu.names.items():  # the processes the list shows (largest memory first, capped)
+            labels = gpu.label((("pid", str(pid)), ("process_name", name)))
+            sm, memory = tracker.seconds.get(pid, (0.0, 0.0))
+            readings += [(PROCESS_SM_BUSY, labels, sm), (PROCESS_MEMORY_BUSY, labels, memory)]
+        return readings
 
     def _fields(self, gpu: Gpu, call: str, field_ids: tuple[int, ...]) -> dict[int, int | float]:
         """Field values NVML gave; a field it refused is classified like a failed call of its own."""
@@ -848,6 +1076,7 @@ class NvmlCollector(Collector):
         if processes is None:
             return []
         gpu.pids = {p.pid for p in processes}
+        gpu.process_busy.keep(gpu.pids)
         processes = sorted(processes, key=lambda p: (-(p.used_memory or 0), p.pid))
         kept, dropped = processes[: self._max_processes], processes[self._max_processes :]
         dropped_pids = {p.pid for p in dropped}
@@ -892,6 +1121,7 @@ class NvmlCollector(Collector):
         if not mode[0]:
             return readings
         count = self._call(gpu, "max_mig_device_count", self._nvml.device_max_mig_device_count, gpu.handle) or 0
+        instances: set[int] = set()
         for index in range(count):
             self._current_call = "mig_device_handle_by_index"
             try:
@@ -901,10 +1131,38 @@ class NvmlCollector(Collector):
                     continue
                 self._failed(gpu, "mig_device_handle_by_index", exc)
                 break
-            readings += self._read_mig_device(gpu, handle)
+            readings += self._read_mig_device(gpu, handle, instances)
+        return readings + self._read_mig_gpm(gpu, instances)
+
+    def _read_mig_gpm(self, gpu: Gpu, instances: set[int]) -> list[Reading]:
+        """GPM per MIG GPU instance (nvmlGpmMigSampleGet on the parent GPU), on the GPUs that have GPM."""
+        nvml = self._nvml
+        assert nvml is not None
+        for gone in set(gpu.mig_gpm) - instances:  # an instance destroyed: its buffers go with it
+            old = gpu.mig_gpm.pop(gone)
+            _quietly(nvml.gpm_sample_free, old.baseline)
+            _quietly(nvml.gpm_sample_free, old.scratch)
+        if gpu.gpm is None:
+            return []
+        readings: list[Reading] = []
+        for instance in sorted(instances):
+            gpm = gpu.mig_gpm.get(instance)
+            if gpm is None and "mig_gpm_sample_get" not in gpu.unsupported:
+                gpm = self._gpm_buffers(gpu)
+                if gpm is not None:
+                    gpu.mig_gpm[instance] = gpm
+            if gpm is None:
+                continue
+            totals = gpu.mig_gpm_totals.setdefault(instance, {})
+            self._advance_gpm(gpu, gpm, totals, MIG_GPM_METRICS, "mig_", nvml.gpm_mig_sample_get,
+                              gpu.handle, instance)
+            if gpm.since is not None:
+                extra = (("gpu_instance", str(instance)),)
+                readings += [(m.desc, gpu.label(extra + m.labels), totals[m.metric])
+                             for m in MIG_GPM_METRICS if m.metric in totals]
         return readings
 
-    def _read_mig_device(self, gpu: Gpu, handle: Any) -> list[Reading]:
+    def _read_mig_device(self, gpu: Gpu, handle: Any, instances: set[int]) -> list[Reading]:
         assert self._nvml is not None
         nvml = self._nvml
         mig_uuid = self._call(gpu, "mig_uuid", nvml.device_uuid, handle)
@@ -912,6 +1170,8 @@ class NvmlCollector(Collector):
             return []
         gpu.mig_uuids.add(mig_uuid)
         gpu_instance = self._call(gpu, "mig_gpu_instance_id", nvml.device_gpu_instance_id, handle)
+        if gpu_instance is not None:
+            instances.add(gpu_instance)
         compute_instance = self._call(gpu, "mig_compute_instance_id", nvml.device_compute_instance_id, handle)
         info = gpu.label((("mig_uuid", mig_uuid),
                           ("gpu_instance", "" if gpu_instance is None else str(gpu_instance)),

@@ -13,9 +13,9 @@ OUT=${OUT:-/tmp/gpuio-device}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD:$PWD/exporter/instrument
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD:$PWD/exporter/instrument
 fi
 status=0
 # Every module the exporter and its smart collector import, from .whl/ or from this python3.
@@ -28,6 +28,7 @@ fi
 step() { echo "== $*"; "$@" 2>&1 | tee -a "$OUT/device.log" || status=1; }
 nvidia-smi --query-gpu=name,driver_version,pci.bus_id --format=csv,noheader | tee "$OUT/device.log"
 step python3 tests/gpu/run_gpu_checks.py
+step python3 tests/gpu/gpm_check.py
 step python3 tests/gpu/test_engines_gpu.py
 step python3 bench/nvml_bench.py
 step python3 tests/gpu/exporter_http_check.py

@@ -86,6 +86,7 @@ def main() -> int:
                 failures.append(f"collector {name} success {success.get(name)}")
         if not up or not all(value == 1 for value in up):
             failures.append("not every GPU is up")
+        failures += gpm_families(samples)
         latencies = []
         for _ in range(300):
             started = time.perf_counter()
@@ -110,6 +111,28 @@ def main() -> int:
         print("FAIL", failure)
     print("PASS exporter over HTTP" if not failures else "")
     return 1 if failures else 0
+
+
+GPM_FAMILIES = ("gpuio_gpu_sm_active_seconds_total", "gpuio_gpu_sm_occupancy_seconds_total",
+                "gpuio_gpu_pipe_active_seconds_total", "gpuio_gpu_dram_active_seconds_total",
+                "gpuio_gpu_pcie_receive_bytes_total")
+
+
+def gpm_families(samples: dict) -> list[str]:
+    """Every GPU with GPM serves the activity families (as nobody: GPM needs no privilege)."""
+    supported = {dict(labels)["uuid"]: value for (name, labels), value in samples.items()
+                 if name == "gpuio_gpu_gpm_supported"}
+    print(f"GPM supported: {supported}")
+    failures = []
+    for uuid, value in supported.items():
+        served = {name for name, labels in samples if dict(labels).get("uuid") == uuid}
+        missing = [name for name in GPM_FAMILIES if name not in served]
+        pipes = sorted(dict(labels)["pipe"] for name, labels in samples
+                       if name == "gpuio_gpu_pipe_active_seconds_total" and dict(labels).get("uuid") == uuid)
+        print(f"GPU {uuid}: GPM families served: {[n for n in GPM_FAMILIES if n in served]}; pipes {pipes}")
+        if value == 1 and missing:
+            failures.append(f"GPU {uuid} has GPM but not {missing}")
+    return failures
 
 
 # A PyTorch process that loads a model through the generic loader without naming its GPU: the exporter
@@ -143,12 +166,25 @@ def engine_gpu_from_nvml(url: str, spool: str) -> list[str]:
             if info and info[0].get("gpu_uuid"):
                 print(f"engine 'silent' (no GPU recorded by its process {writer.pid}): gpu_uuid "
                       f"{info[0]['gpu_uuid']} from NVML's process list; GPUs {sorted(gpus)}")
-                return [] if info[0]["gpu_uuid"] in gpus else ["engine's gpu_uuid is no GPU of gpuio_gpu_info"]
+                failures = [] if info[0]["gpu_uuid"] in gpus else ["engine's gpu_uuid is no GPU of gpuio_gpu_info"]
+                return failures + process_join(samples, writer.pid)
             time.sleep(0.5)
         return ["engine 'silent' got no gpu_uuid from NVML's process list in 30 s"]
     finally:
         writer.kill()
         writer.wait()
+
+
+def process_join(samples: list, pid: int) -> list[str]:
+    """The engine's writer by pid (gpuio_engine_process_info) and its own GPU busy series, joined on pid."""
+    engines = [labels.get("engine") for name, labels in samples
+               if name == "gpuio_engine_process_info" and labels.get("pid") == str(pid)]
+    busy = [labels for name, labels in samples
+            if name == "gpuio_gpu_process_sm_busy_seconds_total" and labels.get("pid") == str(pid)]
+    print(f"pid {pid}: gpuio_engine_process_info engines {engines}; per-process SM busy series {busy}")
+    if engines != ["silent"] or not busy:
+        return [f"engine 'silent' not joined to its process's GPU series: {engines}, {busy}"]
+    return []
 
 
 if __name__ == "__main__":

@@ -275,3 +275,22 @@ def test_a_gpu_the_writer_named_is_kept(spool_dir, tmp_path) -> None:
     target.context.gpu_processes.update({os.getpid(): "GPU-from-nvml"})
     samples = parse_samples(scrape(target))
     assert {dict(ls)["gpu_uuid"] for (name, ls), _ in samples.items() if name == "gpuio_engine_info"} == {"GPU-5a1e"}
+
+
+def test_each_engine_names_its_live_writers_by_pid_for_the_per_process_gpu_series(spool_dir, tmp_path) -> None:
+    """gpuio_engine_process_info{engine, pid} joins an engine to gpuio_gpu_process_*{pid}, only for a pid
+    the exporter's procfs shows as that very writer (same start time): another pid namespace's pid is
+    another process here, and is left out rather than mislabelled."""
+    busy_engine(tmp_path)  # this test process is the writer
+    samples = parse_samples(scrape(collector(spool_dir)))
+    listed = [dict(ls) for (name, ls), value in samples.items() if name == "gpuio_engine_process_info" and value == 1]
+    assert listed == [{"engine": "resnet50", "pid": str(os.getpid())}]
+    fake_proc = tmp_path / "proc" / str(os.getpid())
+    fake_proc.mkdir(parents=True)
+    fake_proc.joinpath("stat").write_text(f"{os.getpid()} (other) S " + " ".join(["1"] * 18) + " 12345 0 0\n")
+    settings = {option.name: option.parse(option.default) if option.default is not None else None
+                for option in engines.EnginesCollector.options}
+    settings["spool-dir"] = spool_dir
+    elsewhere = engines.EnginesCollector(Context(procfs=str(tmp_path / "proc")), settings)
+    samples = parse_samples(scrape(elsewhere))
+    assert [ls for (name, ls), _ in samples.items() if name == "gpuio_engine_process_info"] == []

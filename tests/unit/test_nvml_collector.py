@@ -369,15 +369,19 @@ def test_no_nvml_through_the_real_exporter(exporter, tmp_path) -> None:
 
 
 def everything() -> str:
-    """One scrape with every family the collector has: MIG, Xid, failing calls, a lost GPU."""
-    gpus = h100s(3) + [FakeGpu("GPU-M", mig_mode=(1, 0), mig=[FakeMig("MIG-a", 1, 0)])]
+    """One scrape with every family the collector has: MIG, Xid, failing calls, a lost GPU, GPM, NVLink."""
+    gpus = h100s(3) + [FakeGpu("GPU-M", mig_mode=(1, 0), mig=[FakeMig("MIG-a", 1, 0)], nvlinks=2)]
     gpus[0].processes, gpus[0].process_names = [ProcessInfo(7, 1), ProcessInfo(8, 2)], {7: "a", 8: "b"}
     gpus[1].errors["device_temperature"] = pynvml.NVML_ERROR_TIMEOUT
     gpus[0].add_samples(1, [1])
+    gpus[0].add_process_samples(1, 2, {7: (50, 10)})
     fake = FakeNvml(gpus)
     collector = make(fake, max_processes=1)
     collector.sampler.sample_now()  # opens the session and starts the Xid listener
     try:
+        gpus[0].add_process_samples(400_000, 2, {7: (50, 10)})
+        time.sleep(0.11)  # past GPM's refresh: the second sweep computes every GPM metric
+        collector.sampler.sample_now()
         gpus[2].lost = True
         fake.xid(gpus[0], 79)
         wait_for(lambda: "gpuio_gpu_xid_errors_total{" in render(collector.sampler.sample_now().value or []))
@@ -423,3 +427,185 @@ def test_slow_sweeps_tell_the_engines_collector_which_gpu_each_process_is_on() -
     fake.gpus[1].processes = []
     sweep(collector)
     assert table.get(201) is None and table.get(101) == uuids[0]
+
+
+# -- GPM activity, MIG, per-process utilisation --
+
+ACTIVITY = {  # fake GPM metric id -> (family, labels): the families computed from GPM
+    2: ("gpuio_gpu_sm_active_seconds_total", {}),
+    3: ("gpuio_gpu_sm_occupancy_seconds_total", {}),
+    5: ("gpuio_gpu_pipe_active_seconds_total", {"pipe": "tensor"}),
+    7: ("gpuio_gpu_pipe_active_seconds_total", {"pipe": "tensor_hmma"}),
+    12: ("gpuio_gpu_pipe_active_seconds_total", {"pipe": "fp32"}),
+    10: ("gpuio_gpu_dram_active_seconds_total", {}),
+    31: ("gpuio_gpu_media_active_seconds_total", {"media": "nvdec", "media_index": "1"}),
+}
+
+
+def test_gpm_activity_is_counted_in_seconds_whenever_it_is_read() -> None:
+    """An SM-active counter is NVML's average since the baseline x the baseline's age: 2 s of work with
+    90 % of the SMs busy adds 1.8 SM-active seconds, read after one sweep or after five."""
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.gpm_refresh = 0.02
+    collector = make(fake)
+    samples = sweep(collector)  # the baseline: the fast counters start at 0
+    assert value(samples, "gpuio_gpu_sm_active_seconds_total") == 0
+    assert value(samples, "gpuio_gpu_gpm_supported") == 1
+    time.sleep(0.1)
+    work = {2: 90 * 2.0, 3: 14 * 2.0, 5: 94 * 2.0, 7: 94 * 2.0, 12: 1 * 2.0, 10: 26 * 2.0, 31: 50 * 2.0}
+    gpu.gpm_counters.add(work)  # percent x seconds, as GPM integrates them
+    time.sleep(0.3)
+    seen = []
+    for _ in range(5):
+        time.sleep(0.05)
+        samples = sweep(collector)
+        age = 0.4 + 0.05 * (len(seen) + 1)
+        for metric, (name, labels) in ACTIVITY.items():
+            assert value(samples, name, **labels) == pytest.approx(work[metric] / 100, rel=0.02 / age + 0.02), name
+        seen.append(value(samples, "gpuio_gpu_sm_active_seconds_total"))
+    assert seen == sorted(seen)
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_a_metric_the_gpu_lacks_is_absent_not_an_error_and_not_asked_again() -> None:
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.gpm_metrics = frozenset({2, 3, 5, 10, 20, 21})  # no per-kind tensor, pipe or media metrics
+    gpu.gpm_refresh = 0.01
+    collector = make(fake)
+    sweep(collector)
+    time.sleep(0.02)
+    sweep(collector)
+    asked = []
+    real = fake.gpm_metrics_get
+    fake.gpm_metrics_get = lambda first, second, metrics: asked.append(list(metrics)) or real(first, second, metrics)
+    time.sleep(0.02)
+    samples = sweep(collector)
+    assert asked == [[2, 3, 5, 10, 20, 21]]
+    assert value(samples, "gpuio_gpu_pipe_active_seconds_total", pipe="tensor") >= 0
+    assert not has(samples, "gpuio_gpu_pipe_active_seconds_total", pipe="fp32")
+    assert not has(samples, "gpuio_gpu_media_active_seconds_total")
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_a_gpu_without_gpm_has_no_activity_families_a_support_gauge_and_no_noise(caplog) -> None:
+    """Before Hopper (or GPM not supported): the families are absent, gpm_supported says why, nothing logged."""
+    import logging
+
+    old = FakeGpu("GPU-A100", name="NVIDIA A100-SXM4-80GB", gpm=False)
+    fake = FakeNvml([old, *h100s(1)])
+    fake.gpus[1].uuid = "GPU-H100"
+    collector = make(fake)
+    with caplog.at_level(logging.INFO, logger="gpuio.collector.nvml"):
+        sweep(collector)
+        time.sleep(0.11)
+        success, samples = sweep_and_scrape(collector)
+    assert success == 1
+    assert value(samples, "gpuio_gpu_gpm_supported", uuid="GPU-A100") == 0
+    assert value(samples, "gpuio_gpu_gpm_supported", uuid="GPU-H100") == 1
+    for name in ("gpuio_gpu_sm_active_seconds_total", "gpuio_gpu_pipe_active_seconds_total",
+                 "gpuio_gpu_dram_active_seconds_total", "gpuio_gpu_pcie_receive_bytes_total"):
+        assert not has(samples, name, uuid="GPU-A100"), name
+        assert has(samples, name, uuid="GPU-H100"), name
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_nvlink_bytes_total_and_per_active_link_only_where_there_is_nvlink() -> None:
+    sxm, pcie = FakeGpu("GPU-SXM", nvlinks=3), FakeGpu("GPU-PCIE")
+    sxm.gpm_refresh = 0.01
+    collector = make(FakeNvml([sxm, pcie]))
+    sweep(collector)
+    time.sleep(0.02)
+    sxm.gpm_counters.add({60: 1024.0, 61: 512.0, 64: 1024.0})  # MiB: all links, and link 1's share
+    time.sleep(0.05)
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_nvlink_receive_bytes_total", uuid="GPU-SXM") == pytest.approx(GIB, rel=0.3)
+    assert value(samples, "gpuio_gpu_nvlink_transmit_bytes_total", uuid="GPU-SXM") == pytest.approx(GIB / 2, rel=0.3)
+    links = {dict(ls)["link"] for (n, ls), _ in samples.items() if n == "gpuio_gpu_nvlink_link_receive_bytes_total"}
+    assert links == {"0", "1", "2"}
+    assert value(samples, "gpuio_gpu_nvlink_link_receive_bytes_total", link="1") == pytest.approx(GIB, rel=0.3)
+    assert not has(samples, "gpuio_gpu_nvlink_receive_bytes_total", uuid="GPU-PCIE")
+    assert has(samples, "gpuio_gpu_sm_active_seconds_total", uuid="GPU-PCIE")
+
+
+def test_mig_gpu_instances_have_their_own_activity_counters() -> None:
+    first, second = FakeMig("MIG-a", 1, 0), FakeMig("MIG-b", 2, 0)
+    gpu = FakeGpu("GPU-M", mig_mode=(1, 1), mig=[first, None, second])
+    gpu.gpm_refresh = 0.01
+    collector = make(FakeNvml([gpu]))
+    sweep(collector)
+    time.sleep(0.02)
+    first.gpm_counters.add({2: 80 * 1.0, 5: 60 * 1.0})  # instance 1 works for 1 s; instance 2 idles
+    time.sleep(0.05)
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="1") == pytest.approx(0.8, rel=0.3)
+    assert value(samples, "gpuio_gpu_mig_pipe_active_seconds_total", gpu_instance="1",
+                 pipe="tensor") == pytest.approx(0.6, rel=0.3)
+    assert value(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="2") == 0
+    assert has(samples, "gpuio_gpu_mig_dram_active_seconds_total", gpu_instance="2")
+    assert has(samples, "gpuio_gpu_mig_device_info", mig_uuid="MIG-b", gpu_instance="2")  # the join to mig_uuid
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+    gpu.mig = [first]  # instance 2 destroyed: its series go
+    samples = sweep(collector)
+    assert not has(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="2")
+
+
+def test_per_process_busy_seconds_integrate_each_process_share_for_the_listed_processes() -> None:
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.processes = [ProcessInfo(101, 3 * GIB), ProcessInfo(102, 2 * GIB), ProcessInfo(103, GIB)]
+    gpu.process_names = {101: "engine-a", 102: "engine-b", 103: "small"}
+    collector = make(fake, max_processes=2)
+    now = gpu.add_process_samples(1_000_000, 30, {101: (100, 40)})  # before the exporter: not counted
+    sweep(collector)
+    now = gpu.add_process_samples(now, 12, {101: (75, 30), 102: (25, 5), 103: (10, 0)})  # 2 s
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101",
+                 process_name="engine-a") == pytest.approx(1.5, rel=0.02)
+    assert value(samples, "gpuio_gpu_process_memory_busy_seconds_total", pid="101") == pytest.approx(0.6, rel=0.02)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(0.5, rel=0.02)
+    assert not has(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="103")  # left out by the cap
+    samples = sweep(collector)  # nothing new: NotFound, the counters hold
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == pytest.approx(1.5, rel=0.02)
+    gpu.add_process_samples(now, 6, {102: (50, 0)})  # 1 s: 101 idle now
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == pytest.approx(1.5, rel=0.02)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(1.0, rel=0.02)
+    assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(monkeypatch) -> None:
+    """The baseline moves every GPM_REBASE seconds and a re-initialised session starts a new one: the
+    counters carry on from their totals (kept by UUID), never going back, never counting twice."""
+    from exporter.collectors import nvml as module
+
+    monkeypatch.setattr(module, "GPM_REBASE", 0.05)
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.gpm_refresh = 0.01
+    collector = make(fake, reinit_interval=0.01)
+    sweep(collector)
+    done = 0.0
+    for round_ in range(3):
+        time.sleep(0.02)
+        gpu.gpm_counters.add({2: 100 * 1.0, 21: 1024.0})  # 1 SM-active second and 1 GiB each round
+        done += 1.0
+        time.sleep(0.08)  # past GPM's refresh and past GPM_REBASE: the baseline moves at this sweep
+        samples = sweep(collector)
+        assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done, rel=0.2), round_
+    before = value(samples, "gpuio_gpu_pcie_receive_bytes_total")
+    assert before == pytest.approx(3 * GIB, rel=0.2)
+    gpu.lost = True  # a lost GPU: a new NVML session after reinit-interval, new GPM buffers
+    sweep(collector)
+    gpu.lost = False
+    time.sleep(0.02)
+    sweep(collector)  # the new session's baseline
+    time.sleep(0.02)
+    gpu.gpm_counters.add({2: 100 * 1.0})
+    time.sleep(0.05)
+    samples = sweep(collector)
+    assert fake.calls["init"] == 2
+    assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done + 1.0, rel=0.2)
+    assert value(samples, "gpuio_gpu_pcie_receive_bytes_total") >= before

@@ -11,9 +11,15 @@ as measured on an H100 with driver 580 (tests/gpu runs the same collector on the
 - nvmlDeviceGetSamples returns the samples newer than the timestamp given (microseconds since the
   epoch), at most BUFFER of them, and raises NotFound when there is none;
 - nvmlDeviceGetFieldValues reports a refused field in that field's return code, not as a raised error;
-- GPM metrics are averages (MiB/s) between two samples; a sample holds the counters of GPM's last
-  internal refresh (every 100 ms, nvml.h; measured: samples 0.04-0.54 s apart are off by up to 0.06 s),
-  so the time NVML divides by is not the time between the two calls; GPM's byte counters do not wrap;
+- GPM metrics are averages (percent, or MiB/s) between two samples; a sample holds the counters of
+  GPM's last internal refresh (every 100 ms, nvml.h; measured: samples 0.04-0.54 s apart are off by up
+  to 0.06 s), so the time NVML divides by is not the time between the two calls; GPM's byte counters
+  do not wrap; a metric the GPU lacks fails alone (its own return code); nvmlGpmMigSampleGet samples
+  one GPU instance of a GPU in MIG mode (NotFound for an instance that does not exist);
+- nvmlDeviceGetNvLinkState answers per link, InvalidArgument past the last link, NotSupported on a
+  GPU without NVLink;
+- nvmlDeviceGetProcessUtilization returns, per process that ran, its utilisation averaged over the
+  samples newer than the timestamp given (NotFound when there is none), stamped with the newest;
 - nvmlEventSetWait returns queued events one at a time and raises Timeout when none comes in time;
 - on a GPU in MIG mode, utilisation (samples and rates) is NotSupported; MIG slots may be empty (NotFound).
 """
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 import pynvml
 import pytest
 
-from exporter.nvml_device import Event, ProcessInfo
+from exporter.nvml_device import Event, ProcessInfo, ProcessUtilization
 
 BUFFER = 120  # samples NVML keeps per type (about 20 s on an H100, which takes 5-6 a second)
 MIB = 1024 * 1024
@@ -40,6 +46,30 @@ def error(code: int) -> Exception:
     return pynvml.NVMLError(code)
 
 
+# GPM metrics an H100 SXM answers (nvidia-ml-py ids): SM, occupancy, tensor (any, DFMA, HMMA, IMMA),
+# DRAM, FP64/32/16, PCIe, NVDEC 0-6, NVJPG 0-6, NVOFA 0, NVLink totals (per link: FakeGpu.nvlinks).
+H100_GPM = frozenset({2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 20, 21, *range(30, 37), *range(40, 47), 50, 60, 61})
+
+
+class GpmCounters:
+    """What GPM integrates: per metric, NVML's unit x seconds (percent-seconds, or MiB), over time."""
+
+    def __init__(self) -> None:
+        self.history: list[tuple[float, dict[int, float]]] = [(0.0, {})]
+
+    def add(self, amounts: dict[int, float]) -> None:
+        """``amounts`` more of each metric now: ``{2: 50 * 2.0}`` is 2 s with half the SMs busy."""
+        totals = dict(self.history[-1][1])
+        for metric, amount in amounts.items():
+            totals[metric] = totals.get(metric, 0.0) + amount
+        self.history.append((time.monotonic(), totals))
+
+    def snapshot(self, refresh: float) -> tuple[float, dict[int, float]]:
+        """The counters as of GPM's last internal refresh, and when that was."""
+        tick = time.monotonic() // refresh * refresh
+        return tick, [entry for entry in self.history if entry[0] <= tick][-1][1]
+
+
 @dataclass
 class FakeMig:
     uuid: str
@@ -47,6 +77,7 @@ class FakeMig:
     compute_instance: int
     name: str = "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
     memory: tuple[int, int, int, int] = (10 * 1024**3, 0, 9 * 1024**3, 1024**3)  # total, reserved, free, used
+    gpm_counters: GpmCounters = field(default_factory=GpmCounters)
 
 
 @dataclass
@@ -77,9 +108,12 @@ class FakeGpu:
     remapped: tuple[int, int, int, int] = (0, 0, 0, 0)
     processes: list[ProcessInfo] = field(default_factory=list)
     process_names: dict[int, str] = field(default_factory=dict)
-    pcie_history: list[tuple[float, int, int]] = field(default_factory=lambda: [(0.0, 0, 0)])  # (when, tx, rx)
+    gpm_counters: GpmCounters = field(default_factory=GpmCounters)
     gpm: bool = True
+    gpm_metrics: frozenset[int] = H100_GPM
     gpm_refresh: float = 0.1  # seconds between GPM's internal refreshes
+    nvlinks: int = 0  # active NVLink links (0: a PCIe card, no NVLink at all)
+    process_samples: list[tuple[int, dict[int, tuple[int, int]]]] = field(default_factory=list)  # ts, pid -> sm, mem
     mig_mode: tuple[int, int] = (0, 0)
     mig: list[FakeMig | None] = field(default_factory=list)
     unsupported: set[str] = field(default_factory=set)  # methods this GPU answers NotSupported
@@ -89,14 +123,15 @@ class FakeGpu:
 
     def move_pcie(self, tx: int = 0, rx: int = 0) -> None:
         """``tx``/``rx`` more bytes cross the PCIe link now."""
-        _, sent, received = self.pcie_history[-1]
-        self.pcie_history.append((time.monotonic(), sent + tx, received + rx))
+        self.gpm_counters.add({20: tx / MIB, 21: rx / MIB})
 
-    def gpm_snapshot(self) -> tuple[float, int, int]:
-        """The counters as of GPM's last internal refresh, and when that was."""
-        tick = time.monotonic() // self.gpm_refresh * self.gpm_refresh
-        _, sent, received = [entry for entry in self.pcie_history if entry[0] <= tick][-1]
-        return tick, sent, received
+    def add_process_samples(self, start_us: int, count: int, shares: dict[int, tuple[int, int]],
+                            period_us: int = 166_667) -> int:
+        """``count`` per-process samples ``period_us`` apart, each process at (SM %, memory %)."""
+        for offset in range(count):
+            self.process_samples.append((start_us + offset * period_us, dict(shares)))
+        del self.process_samples[:-BUFFER]
+        return start_us + count * period_us
 
     def add_samples(self, start_us: int, values: Sequence[float], period_us: int = 200_000) -> int:
         """Append utilisation samples ``period_us`` apart from ``start_us``; returns the next timestamp."""
@@ -116,8 +151,8 @@ class Handle:
 @dataclass
 class GpmSample:
     taken: float = 0.0
-    tx: int = 0
-    rx: int = 0
+    counters: dict[int, float] = field(default_factory=dict)
+    metrics: frozenset[int] = frozenset()  # what the sampled GPU (or instance) answers
 
 
 class EventSet:
@@ -260,6 +295,14 @@ class FakeNvml:
     def device_mig_mode(self, handle: Handle) -> tuple[int, int]:
         return self._device("device_mig_mode", handle).mig_mode
 
+    def device_nvlink_state(self, handle: Handle, link: int) -> bool:
+        gpu = self._device("device_nvlink_state", handle)
+        if not gpu.nvlinks:
+            raise error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if link >= gpu.nvlinks:
+            raise error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return True
+
     # -- every interval --
 
     def device_samples(self, handle: Handle, sampling_type: int, last_seen_us: int) -> list[tuple[int, float]]:
@@ -319,17 +362,38 @@ class FakeNvml:
         gpu = self._device("gpm_sample_get", handle)
         if not gpu.gpm:
             raise error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        sample.taken, sample.tx, sample.rx = gpu.gpm_snapshot()
+        sample.taken, sample.counters = gpu.gpm_counters.snapshot(gpu.gpm_refresh)
+        links = {metric for link in range(gpu.nvlinks) for metric in (62 + 2 * link, 63 + 2 * link)}
+        sample.metrics = gpu.gpm_metrics | links
+        return sample
+
+    def gpm_mig_sample_get(self, handle: Handle, gpu_instance: int, sample: GpmSample) -> GpmSample:
+        gpu = self._device("gpm_mig_sample_get", handle)
+        if not gpu.gpm:
+            raise error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not gpu.mig_mode[0]:
+            raise error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        mig = next((m for m in gpu.mig if m is not None and m.gpu_instance == gpu_instance), None)
+        if mig is None:
+            raise error(pynvml.NVML_ERROR_NOT_FOUND)
+        sample.taken, sample.counters = mig.gpm_counters.snapshot(gpu.gpm_refresh)
+        sample.metrics = frozenset({2, 3, 5, 10})
         return sample
 
     def gpm_metrics_get(self, first: GpmSample, second: GpmSample,
                         metrics: Sequence[int]) -> dict[int, float | Exception]:
         self._enter("gpm_metrics_get")
         seconds = second.taken - first.taken
-        if seconds <= 0:  # both samples from the same refresh
-            return {m: 0.0 if m in (20, 21) else error(pynvml.NVML_ERROR_INVALID_ARGUMENT) for m in metrics}
-        rates = {20: (second.tx - first.tx) / seconds / MIB, 21: (second.rx - first.rx) / seconds / MIB}
-        return {m: rates[m] if m in rates else error(pynvml.NVML_ERROR_INVALID_ARGUMENT) for m in metrics}
+        result: dict[int, float | Exception] = {}
+        for metric in metrics:
+            if metric not in second.metrics:
+                result[metric] = error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            elif seconds <= 0:  # both samples from the same refresh
+                result[metric] = 0.0
+            else:
+                moved = second.counters.get(metric, 0.0) - first.counters.get(metric, 0.0)
+                result[metric] = moved / seconds
+        return result
 
     # -- every slow interval --
 
@@ -351,6 +415,17 @@ class FakeNvml:
 
     def device_compute_running_processes(self, handle: Handle) -> list[ProcessInfo]:
         return list(self._device("device_compute_running_processes", handle).processes)
+
+    def device_process_utilization(self, handle: Handle, last_seen_us: int) -> list[ProcessUtilization]:
+        gpu = self._device("device_process_utilization", handle)
+        newer = [(ts, shares) for ts, shares in gpu.process_samples if ts > last_seen_us]
+        if not newer:
+            raise error(pynvml.NVML_ERROR_NOT_FOUND)
+        newest = newer[-1][0]
+        pids = sorted({pid for _, shares in newer for pid in shares})
+        return [ProcessUtilization(pid, newest, sum(shares.get(pid, (0, 0))[0] for _, shares in newer) // len(newer),
+                                   sum(shares.get(pid, (0, 0))[1] for _, shares in newer) // len(newer))
+                for pid in pids]
 
     def device_max_mig_device_count(self, handle: Handle) -> int:
         return len(self._device("device_max_mig_device_count", handle).mig)

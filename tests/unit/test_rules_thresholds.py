@@ -31,3 +31,13 @@ def test_a_request_in_flight_is_not_work_waiting() -> None:
     assert th.engine_starved(0.05, True, in_flight=0, pool_wait=0.2)  # requests wait for a context
     assert not th.engine_starved(0.9, True, in_flight=4, pool_wait=0.2, contexts=4)  # the GPU is busy
     assert not th.engine_starved(0.05, False, in_flight=4, pool_wait=0.2, contexts=4)  # the disk is fine
+
+
+def test_sm_activity_decides_idle_where_gpm_measures_it() -> None:
+    """NVML busy 100 % with 1 % of the SMs working (one spinning block, weights crossing PCIe): idle."""
+    assert th.gpu_idle(1.0, 0.01) and not th.gpu_idle(1.0, 0.5)
+    assert th.gpu_idle(0.2, 0.15)  # kernels 20 % of the time: idle by busy, whatever SM activity says
+    assert th.gpu_idle(None, 0.01)  # a GPU in MIG mode has no busy
+    assert th.gpu_idle(0.2, None) and not th.gpu_idle(1.0, None)  # no GPM: NVML busy decides
+    assert th.engine_starved(1.0, True, in_flight=4, pool_wait=0.2, contexts=4, gpu_sm_active=0.01)
+    assert not th.engine_starved(1.0, True, in_flight=4, pool_wait=0.2, contexts=4)

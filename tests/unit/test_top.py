@@ -185,7 +185,7 @@ def test_numbers_fit_six_characters(value: float | None, text: str) -> None:
 
 
 def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float, wait_count: int,
-               gpu_age: float = 0.5, contexts: int = 8) -> str:
+               gpu_age: float = 0.5, contexts: int = 8, sm_active: float | None = None) -> str:
     """GPU and engine series under the names top reads (its constants), with values chosen per sample.
 
     Synthetic on purpose: no GPU and no TensorRT engine can exist on this machine (the nvml and
@@ -228,6 +228,8 @@ def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float,
         f'{top.SMART_HEALTH}{{device="nvme1n1"}} 0',
         f'{top.SMART_HEALTH}{{device="sda"}} 1',
     ]
+    if sm_active is not None:  # GPM: both GPUs' SM-active counters
+        lines += [f"{top.GPU_SM_ACTIVE}{{{gpu0}}} {sm_active}", f"{top.GPU_SM_ACTIVE}{{{gpu1}}} {sm_active * 20}"]
     return "\n".join(lines) + "\n"
 
 
@@ -268,9 +270,30 @@ def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
     screen = render(view, top.UiState(), height=None)
     lines = [line.split() for line in screen.splitlines()]
     assert ["nvme1n1", "200.0", "-", "-", "-", "100.0", "-", "80.0", "-", "saturated+3"] in lines
-    assert ["0", "20.0", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
-    assert ["1", "80.0", "-", "-", "-", "sw_power_cap"] in lines  # listed, no flag
+    assert ["0", "20.0", "-", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
+    assert ["1", "80.0", "-", "-", "-", "-", "sw_power_cap"] in lines  # listed, no flag
     assert ["resnet", "0", "dm-0", "18.0", "50.0", "3.00", "25.0", "25.0", "starved?"] in lines
+
+
+def test_where_gpm_measures_sm_activity_idle_is_judged_on_it_not_on_nvml_busy() -> None:
+    """GPU 0 reads busy 100 % (2 s of 2 s) with SM activity 1 % (a spinning thread, or weights crossing PCIe):
+    idle for its engine, so starved.  GPU 1 busy 100 % with 20 x the SM activity (20 %): working."""
+    before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, sm_active=5.0)))
+    after = top.Snapshot(2.0, top.parse_exposition(exposition(12.0, (10, 60, 90, 100), 1.5, 30, sm_active=5.02)))
+    view = top.compute(before, after)
+    gpu0, gpu1 = view.gpus
+    assert gpu0.busy == pytest.approx(1.0) and gpu0.sm_active == pytest.approx(0.01)
+    assert gpu1.sm_active == pytest.approx(0.2)
+    assert "starved?" in gpu0.flags and "starved?" not in gpu1.flags
+    assert view.engines[0].flags == ["starved?"]  # the engine on GPU 0: its GPU "busy" but no SM working
+    # the same GPU without GPM is judged on busy (100 %): not starved
+    plain_before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10)))
+    plain_after = top.Snapshot(2.0, top.parse_exposition(exposition(12.0, (10, 60, 90, 100), 1.5, 30)))
+    plain = top.compute(plain_before, plain_after)
+    assert plain.gpus[0].sm_active is None and "starved?" not in plain.gpus[0].flags
+    assert plain.engines[0].flags == []
+    lines = [line.split() for line in render(view, top.UiState(), height=None).splitlines()]
+    assert ["0", "100.0", "1.00", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
 
 
 def test_gpu_rates_are_taken_over_the_nvml_sweeps_interval() -> None:
