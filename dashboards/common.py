@@ -40,6 +40,7 @@ from grafana_foundation_sdk.models.dashboard import (
     ValueMap,
     ValueMappingResult,
     VariableHide,
+    VariableOption,
     VariableRefresh,
     VariableSort,
 )
@@ -318,9 +319,9 @@ def hidden(variable: db.QueryVariable) -> db.QueryVariable:
     return variable.hide(VariableHide.HIDE_VARIABLE)
 
 
-def board(uid: str, description: str) -> db.Dashboard:
+def board(uid: str, description: str, title: str = "") -> db.Dashboard:
     """A gpuio dashboard with its uid, title, tags, time settings and links to the other boards."""
-    return (db.Dashboard(c.DASHBOARD_TITLES[uid]).uid(uid).description(description).tags([c.DASHBOARD_TAG])
+    return (db.Dashboard(title or c.DASHBOARD_TITLES[uid]).uid(uid).description(description).tags([c.DASHBOARD_TAG])
             .editable().tooltip(DashboardCursorSync.CROSSHAIR).refresh("30s").time("now-3h", "now")
             .timezone("browser")
             .link(db.DashboardLink("gpuio").type(DashboardLinkType.DASHBOARDS).tags([c.DASHBOARD_TAG])
@@ -341,11 +342,15 @@ def engine_loads_annotation(selector: str) -> db.AnnotationQuery:
 
 def assemble(uid: str, description: str, sections: Iterable[tuple[str, list]],
              variables: Iterable[db.QueryVariable] = (),
-             annotations: Iterable[db.AnnotationQuery] = ()) -> db.Dashboard:
-    """A gpuio board: datasource and node variables, then ``variables``; firing alerts, then
-    ``annotations``; then each (row title, panels) of ``sections``."""
-    dashboard = (board(uid, description).with_variable(datasource_variable()).with_variable(cluster_variable())
-                 .with_variable(node_variable()))
+             annotations: Iterable[db.AnnotationQuery] = (), title: str = "", all_nodes: bool = False) -> db.Dashboard:
+    """A gpuio board: datasource, cluster and node variables (one node, or any and all with ``all_nodes``),
+    then ``variables``; firing alerts, then ``annotations``; then each (row title, panels) of ``sections``."""
+    nodes = node_variable()
+    if all_nodes:
+        nodes = nodes.multi(True).include_all(True).all_value(".+").current(
+            VariableOption(selected=True, text="All", value="$__all"))
+    dashboard = (board(uid, description, title).with_variable(datasource_variable())
+                 .with_variable(cluster_variable()).with_variable(nodes))
     for variable in variables:
         dashboard = dashboard.with_variable(variable)
     dashboard = dashboard.annotation(alerts_annotation())
@@ -364,6 +369,11 @@ _NOT_IN_GRAFANAS_SCHEMA = {"variable": ("auto", "auto_count", "auto_min", "id"),
 def _drop_fields_grafana_does_not_know(model: dict) -> None:
     for name in _NOT_IN_GRAFANAS_SCHEMA["dashboard"]:
         model.pop(name, None)
+    for panel in model.get("panels", []):
+        # The heatmap's tooltip changed shape in Grafana 11 (`show` became `mode`): each version's schema
+        # rejects the other's, and both default it, so the boards leave it to the Grafana that loads them.
+        if panel.get("type") == "heatmap":
+            panel.get("options", {}).pop("tooltip", None)
     for variable in model.get("templating", {}).get("list", []):
         if variable.get("type") != "interval":
             for name in _NOT_IN_GRAFANAS_SCHEMA["variable"]:

@@ -57,7 +57,7 @@ RATE_INTERVAL = "4s"
 # Panels that show only what is wrong or active now: empty on a healthy node (no reason holds a busy GPU's
 # clocks at one instant of a 50 % duty cycle on the H100, for one).
 MAY_BE_EMPTY = {"Saturated disks", "NVMe critical warnings", "Firing alerts", "Work waiting",
-                "Clock event reasons active now"}
+                "Clock event reasons active now", "Nodes ranked by storm", "Cold starts by node and engine"}
 GPUIO_NAME = re.compile(r"(?<![:\w])gpuio_[a-z_]+")
 RECORDED_NAME = re.compile(r"\b[a-z_]+:gpuio_[a-z0-9_]+:[a-z0-9_]+")
 SMART_HOST = os.path.join(LISTINGS, "linux_multiple_devices")  # nvme0, nvme1, bus/0 (sat+megaraid,60)

@@ -53,8 +53,8 @@ def test_generation_is_deterministic() -> None:
 @pytest.mark.parametrize("uid", sorted(BOARDS))
 def test_board_identity_variables_and_links(uid: str) -> None:
     board = BOARDS[uid]
-    assert board["uid"] == uid and uid in c.DASHBOARD_TITLES
-    assert board["title"] == c.DASHBOARD_TITLES[uid]
+    assert board["uid"] == uid and uid in dashboards.TITLES
+    assert board["title"] == dashboards.TITLES[uid]
     assert c.DASHBOARD_TAG in board["tags"]
     variables = {variable["name"]: variable for variable in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
