@@ -53,6 +53,8 @@ def as_grafana_sends(expr: str, scenario: sc.Scenario) -> str:
 
 STATE = panel_expr("Engine x GPU")
 TABLE_STATE = panel_expr("Who starves whom", "state")
+COLOURED = ("GPU busy", "await / limit", "queue / limit", "IO pressure")
+COLUMNS = {column: panel_expr("Who starves whom", column) for column in COLOURED}
 ALERT = 'ALERTS{{alertname="GPUStarvedByDiskIO",alertstate=~"pending|firing",instance="{instance}"}}'
 
 
@@ -61,7 +63,8 @@ def evaluated(name: str) -> dict[str, dict[int, dict[tuple[str, str], float]]]:
     """expression -> minute -> (engine, gpu uuid) -> value, over the scenario named ``name``."""
     scenario = next(make() for make in sc.SCENARIOS if make.__name__ == name)
     exprs = {"state": as_grafana_sends(STATE, scenario), "table": as_grafana_sends(TABLE_STATE, scenario),
-             "alert": ALERT.format(instance=scenario.instance)}
+             "alert": ALERT.format(instance=scenario.instance),
+             **{column: as_grafana_sends(expr, scenario) for column, expr in COLUMNS.items()}}
     times = list(range(0, scenario.minutes * sc.MIN, sc.MIN))
     test = {"rule_files": [os.path.join(sc.HERE, "rules", os.path.basename(f)) for f in sc.RULE_FILES],
             "evaluation_interval": f"{sc.STEP}s",
@@ -82,7 +85,7 @@ def evaluated(name: str) -> dict[str, dict[int, dict[tuple[str, str], float]]]:
         found = re.search(r"time: (\S+?),", line)
         if found and "expr:" in line:
             expr = json.loads(line[line.index("expr: ") + 6:line.index(", time:")])
-            key = next(k for k, v in exprs.items() if v == expr)
+            key = next(k for k, v in exprs.items() if v == expr.replace("\\n", "\n"))
             current = (key, sc.seconds(found.group(1)))
         elif current is not None and line.strip().startswith("got:"):
             for labels, value in SAMPLE.findall(line.strip().removeprefix("got:").strip()):
@@ -130,6 +133,29 @@ def test_the_table_state_column_is_the_timeline(name: str) -> None:
     seen = evaluated(name)
     for t in seen["state"]:
         assert seen["table"][t] == seen["state"][t], t
+
+
+def cell_colour(column: str, value: float) -> str:
+    """The colour the board gives ``value`` in ``column``: its thresholds' last step at or under it."""
+    with open(BOARD, encoding="utf-8") as handle:
+        board = json.load(handle)
+    panel = next(p for p in board["panels"] if p["title"].startswith("Who starves whom"))
+    override = next(o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == column)
+    steps = next(p["value"]["steps"] for p in override["properties"] if p["id"] == "thresholds")
+    return str([step for step in steps if step["value"] is None or value >= step["value"]][-1]["color"])
+
+
+def test_join_table_cells_are_red_in_the_storm_and_green_before_it() -> None:
+    """The cold-start storm on GPUs: every engine's row has its GPU busy, its disk's await and queue (over
+    the NVMe limits) and the node's IO pressure red while it starves; before the storm the storage cells
+    are green (the GPUs were idle then too, with nothing waiting: a red busy cell alone is not starvation,
+    which is why the state column exists)."""
+    seen = evaluated("cold_start_storm")
+    for column in COLOURED:
+        storm, calm = seen[column][30 * sc.MIN], seen[column][10 * sc.MIN]
+        assert len(storm) == 8 and {cell_colour(column, v) for v in storm.values()} == {"red"}, (column, storm)
+        if column != "GPU busy":
+            assert len(calm) == 8 and {cell_colour(column, v) for v in calm.values()} == {"green"}, (column, calm)
 
 
 def test_frozen_nvml_is_stale_data_not_starvation() -> None:
