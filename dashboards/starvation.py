@@ -320,7 +320,7 @@ def engine_panels() -> list:
                                   engines), "{{engine}}")),
         value_table("Engines on this node", "Each engine file a live process loaded: its block device and its GPU "
                     "(gpuio_engine_info), the join the starvation alerts use.",
-                    f"gpuio_engine_info{engines}", ["job"], height=6),
+                    f"gpuio_engine_info{engines}", ["job"], width=12),
     ]
 
 

@@ -86,6 +86,13 @@ def test_panels_use_the_datasource_variable_the_node_and_rate_interval(uid: str)
 
 
 @pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_panels_fit_the_grid(uid: str) -> None:
+    """Every panel inside Grafana's 24 columns (a panel past the edge is moved, and the layout with it)."""
+    assert [panel["title"] for panel in panels(BOARDS[uid])
+            if panel["gridPos"]["x"] + panel["gridPos"]["w"] > 24] == []
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
 def test_divisions_are_guarded(uid: str) -> None:
     """Every ``a / b`` divides by ``(b > 0)``: an idle device has no series rather than NaN."""
     for expr in exprs(BOARDS[uid]):
