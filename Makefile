@@ -92,6 +92,7 @@ unit: venv
 bench: venv system-deps
 	$(PY) bench/scrape_bench.py
 	$(PY) bench/engines_bench.py
+	$(PY) bench/memory_bench.py
 	$(PY) bench/smart_bench.py
 
 # Grafana's dashboard and panel schemas as JSON Schema, from the npm package @grafana/schema (the versions
@@ -126,15 +127,17 @@ soak: venv system-deps
 	$(SUDO) $(PY) bench/soak.py $(ARGS)
 
 # .whl/ for tests/gpu/device_session.sh on a GPU machine without PyPI: requirements-run.txt and pytest as
-# wheels for that machine's Python (GPU_PYTHON, x86_64 manylinux), and Debian's static prometheus binary.
+# wheels for that machine's Python (GPU_PYTHON, x86_64 manylinux), and Debian's static prometheus and
+# node_exporter binaries (the GPU route's dashboards test and benchmarks).
 GPU_PYTHON ?= 3.12
 GPU_PLATFORMS := $(foreach p,manylinux_2_34 manylinux_2_28 manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1,--platform $(p)_x86_64)
 gpu-wheels:
-	@$(MAKE) --no-print-directory debs DEBS=prometheus
+	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-node-exporter"
 	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  $(GPU_PLATFORMS) --dest .whl -r requirements-run.txt pytest iniconfig pluggy packaging
 	xz -T0 -c $$(command -v prometheus) > .whl/prometheus.xz
+	xz -T0 -c $$(command -v prometheus-node-exporter) > .whl/node_exporter.xz
 	@ls .whl | wc -l | xargs printf '%s files in .whl/ for Python $(GPU_PYTHON)\n'
 
 golden: venv

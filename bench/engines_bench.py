@@ -3,15 +3,20 @@
 1. observe() cost, per call: gpuio's Histogram.observe (a bisect and two stores into the process's
    mapped spool file) against prometheus_client's Histogram.observe in its default single-process
    mode (child cached) and in its multiprocess mode (PROMETHEUS_MULTIPROC_DIR).  Each runs in a
-   fresh subprocess (the multiprocess mode is chosen at import); 400 batches of 1,000 calls over a
-   fixed list of latencies spread across the buckets; per-call p50 and p99 over batches.
+   fresh subprocess (the multiprocess mode is chosen at import): 4 rounds, the modes interleaved
+   round by round so that a burst of other work on the machine hits all of them alike, each round
+   100 batches of 1,000 calls over a fixed list of latencies spread across the buckets; per-call
+   p50 and p99 over all batches.
 2. Scrape time with 10, 100 and 1,000 live processes and with 1,000 dead ones, one engine per
    process (10 distinct engine names), every series the library writes (8 histograms, counters,
    gauges, an error reason, an info record).  gpuio: the engines collector's collect() + render,
-   the writers held by a helper process (its locks are what the reader probes), and before every
-   timed scrape the helper observes into every file (untimed), so no file can be served from the
-   reader's cache.  prometheus_client: MultiProcessCollector + generate_latest over the same
-   series for the same number of pids (its files of dead pids are read like live ones).
+   the writers held by a helper process (its locks are what the reader probes), timed twice:
+   "unchanged", nothing observed between scrapes (idle processes: each file costs a lock probe and a
+   header read), and "changed", the helper observes into every file before every timed scrape
+   (untimed), so no file can be served from the reader's cache.  Each run then checks that the
+   collector's totals equal those of a fresh reader.  prometheus_client: MultiProcessCollector +
+   generate_latest over the same series for the same number of pids (its files of dead pids are read
+   like live ones; it reads every file on every scrape, changed or not).
 3. Page-cache residency scan of a big file (default 10 GiB, written in full, half of it cached):
    cachestat, mincore, and util-linux fincore as the peer.
 
@@ -43,7 +48,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get
 
 ENGINES = 10
 BATCH = 1000
-BATCHES = 400
+BATCHES = 100  # per round
+ROUNDS = 4
 
 # --------------------------------------------------------------------------------------------------
 # 1. observe()
@@ -85,21 +91,24 @@ print(json.dumps(per_call))
 
 
 def observe_costs() -> dict[str, list[float]]:
-    results = {}
+    modes = ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer")
+    results: dict[str, list[float]] = {mode: [] for mode in modes}
     script = OBSERVE.replace("REPO", repr(REPO)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
-    for mode in ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer"):
-        directory = tempfile.mkdtemp(prefix="gpuio-bench-observe-")
-        try:
-            output = subprocess.run([sys.executable, "-c", script, mode, directory], check=True,
-                                    capture_output=True, text=True).stdout
-        finally:
-            shutil.rmtree(directory)
-        results[mode] = json.loads(output)
+    for _ in range(ROUNDS):
+        for mode in modes:
+            directory = tempfile.mkdtemp(prefix="gpuio-bench-observe-")
+            try:
+                output = subprocess.run([sys.executable, "-c", script, mode, directory], check=True,
+                                        capture_output=True, text=True).stdout
+            finally:
+                shutil.rmtree(directory)
+            results[mode] += json.loads(output)
     return results
 
 
 def report_observe(results: dict[str, list[float]]) -> None:
-    print("observe() per call (ns), 400 batches of 1,000 calls, each mode in a fresh process")
+    print(f"observe() per call (ns), {ROUNDS} rounds of {BATCHES} batches of {BATCH:,} calls, modes interleaved, "
+          "each in a fresh process")
     print(f"  {'':34s} {'p50':>7s} {'p99':>7s}  {'p50 / gpuio':>11s}")
     base = statistics.median(results["gpuio"])
     names = {"gpuio": "gpuio Histogram.observe", "prometheus": "prometheus_client (single process)",
@@ -206,7 +215,8 @@ def engines_collector_class() -> Any:
         return importlib.import_module("exporter.collectors.engines").EnginesCollector
 
 
-def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[list[float], float | None]:
+def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[dict[str, list[float]], float | None]:
+    from exporter import spool_reader
     from exporter.collect import Context
     from exporter.exposition import render
 
@@ -238,9 +248,14 @@ def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[list[float], fl
             helper.wait()
             fold = timed(scrape, 1)[0]  # the first scrape folds every dead file and removes it
             assert not os.listdir(directory)
-            return timed(scrape, repeats), fold
+            return {"dead": timed(scrape, repeats)}, fold
         scrape()
-        return timed(scrape, repeats, tick), fold
+        runs = {"changed": timed(scrape, repeats, tick), "unchanged": timed(scrape, repeats)}
+        fresh = spool_reader.SpoolReader(directory, remove_dead=False).read()
+        ours = collector.reader.read()
+        if (ours.engines, ours.per_gpu, ours.processes) != (fresh.engines, fresh.per_gpu, fresh.processes):
+            raise SystemExit("the collector's totals differ from a fresh reader's")
+        return runs, fold
     finally:
         if helper.poll() is None:
             helper.kill()
@@ -265,15 +280,19 @@ def prometheus_scrapes(count: int, repeats: int) -> list[float]:
 
 
 def report_scrapes(repeats: int) -> None:
-    print("\nscrape time (ms, p50 over scrapes): engines collector collect()+render vs prometheus_client "
-          "MultiProcessCollector+generate_latest; 10 engines")
-    print(f"  {'processes':>22s} {'gpuio':>9s} {'prometheus_client':>18s} {'gpuio / prom':>13s}")
+    print("\nscrape time (ms, p50 and p99 over scrapes): engines collector collect()+render vs prometheus_client "
+          "MultiProcessCollector+generate_latest; 10 engines; totals checked against a fresh reader")
+    print(f"  {'processes':>24s} {'gpuio p50':>10s} {'p99':>7s} {'prometheus_client p50':>22s} {'p99':>7s} "
+          f"{'gpuio / prom (p50)':>19s}")
     for count, dead in ((10, False), (100, False), (1000, False), (1000, True)):
-        ours, fold = gpuio_scrapes(count, dead, repeats)
-        theirs = prometheus_scrapes(count, repeats)
-        a, b = statistics.median(ours) * 1000, statistics.median(theirs) * 1000
-        label = f"{count} {'dead' if dead else 'live'}"
-        print(f"  {label:>22s} {a:9.2f} {b:18.2f} {a / b:13.3f}")
+        runs, fold = gpuio_scrapes(count, dead, repeats)
+        theirs = sorted(prometheus_scrapes(count, repeats))
+        b, b99 = statistics.median(theirs) * 1000, theirs[-1 - len(theirs) // 100] * 1000
+        for kind, ours in runs.items():
+            ours = sorted(ours)
+            a, a99 = statistics.median(ours) * 1000, ours[-1 - len(ours) // 100] * 1000
+            label = f"{count} {'dead' if dead else 'live, ' + kind}"
+            print(f"  {label:>24s} {a:10.2f} {a99:7.2f} {b:22.2f} {b99:7.2f} {a / b:19.3f}")
         if fold is not None:
             print(f"  {'(first scrape: fold)':>22s} {fold * 1000:9.2f}   "
                   f"(folds and removes all {count} dead files once)")

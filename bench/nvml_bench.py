@@ -102,7 +102,7 @@ def call_groups(nvml: Any, handle: Any) -> list[tuple[str, str, Callable[[], Any
          lambda: [nvml.device_total_ecc_errors(handle, kind, counter) for kind in (0, 1) for counter in (0, 1)]),
         ("10 s", "remapped rows", lambda: nvml.device_remapped_rows(handle)),
         ("10 s", "processes + names", processes),
-        ("10 s", "per-process utilisation (nvmlDeviceGetProcessUtilization)", process_utilization),
+        ("1 s", "per-process utilisation (nvmlDeviceGetProcessUtilization)", process_utilization),
         ("10 s", "MIG mode", lambda: nvml.device_mig_mode(handle)),
     ]
 

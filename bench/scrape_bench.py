@@ -5,9 +5,14 @@ PSI files).  Before every scrape the client rewrites the diskstats file with new
 (untimed), so every device's line changes between scrapes, as on a busy node: no exporter can serve
 a cached answer.  Each exporter gets keep-alive HTTP scrapes from one client, one at a time.
 
+Both run the same collectors (diskstats and pressure; gpuio's others are switched off, as node_exporter's
+are), so the comparison is of the same work.  The rounds of the two exporters are interleaved, so that
+machine noise hits both alike; the p99 column also shows the lowest and highest p99 of the rounds.
+
 Printed: p50/p99 latency per exporter and scrape mode, their ratio (gpuio / node_exporter, lower is
-better), CPU seconds per 1,000 scrapes and RSS of each; then gpuio's time per scrape at 10, 100 and
-1,000 devices, to show it grows linearly.
+better), CPU seconds per 1,000 scrapes and RSS of each, at 10 and 100 devices; the RSS of gpuio with
+its default collectors (NVML loaded where there is a GPU); then gpuio's time per scrape at 10, 100
+and 1,000 devices, to show it grows linearly.
 
     make bench                 # or: .venv/bin/python bench/scrape_bench.py --scrapes 2000
 """
@@ -27,7 +32,10 @@ import time
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VENV_BIN = os.path.join(os.path.dirname(HERE), ".venv", "bin")
+REPO = os.path.dirname(HERE)
+# The exporter of this checkout (and its instrumentation library), run by this Python.
+EXPORTER_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    filter(None, (REPO, os.path.join(REPO, "exporter", "instrument"), os.environ.get("PYTHONPATH"))))}
 NODE_EXPORTER = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
 PROMETHEUS_ACCEPT = (
     "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
@@ -98,7 +106,8 @@ class Exporter:
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        env=EXPORTER_ENV, cwd=REPO)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -128,11 +137,15 @@ class Exporter:
         return 0
 
 
-def gpuio(fixture: Fixture) -> Exporter:
+SAME_COLLECTORS = ("--collector.disable-defaults", "--collector.diskstats", "--collector.pressure")
+
+
+def gpuio(fixture: Fixture, defaults: bool = False) -> Exporter:
     port = free_port()
-    return Exporter("gpuio-exporter", [os.path.join(VENV_BIN, "gpuio-exporter"),
+    return Exporter("gpuio-defaults" if defaults else "gpuio-exporter", [sys.executable, "-m", "exporter",
                                        f"--web.listen-address=127.0.0.1:{port}", f"--path.procfs={fixture.proc}",
-                                       f"--path.sysfs={fixture.sys}", "--log.level=error"], port)
+                                       f"--path.sysfs={fixture.sys}", "--log.level=error",
+                                       *(() if defaults else SAME_COLLECTORS)], port)
 
 
 def node_exporter(fixture: Fixture) -> Exporter:
@@ -175,12 +188,14 @@ def measure(exporter: Exporter, fixture: Fixture, scrapes: int, headers: dict[st
             "rss": exporter.rss_bytes()}
 
 
-def compare(scrapes: int, devices: int) -> None:
+def compare(scrapes: int, devices: int, with_defaults: bool = False) -> None:
     print(f"\n== gpuio-exporter vs node_exporter: {devices} devices, {scrapes} keep-alive scrapes per mode ==")
     print(f"{'mode':<11}{'exporter':<16}{'p50 ms':>9}{'p99 ms':>9}{'CPU s/1000':>12}{'RSS MiB':>9}")
     with tempfile.TemporaryDirectory() as root:
         fixture = Fixture(root, devices)
         exporters = [gpuio(fixture), node_exporter(fixture)]
+        if with_defaults:
+            exporters.append(gpuio(fixture, defaults=True))
         for exporter in exporters:
             exporter.start()
         try:
@@ -195,14 +210,30 @@ def compare(scrapes: int, devices: int) -> None:
                     rounds = results[exporter.name]
                     summary[exporter.name] = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
                     s = summary[exporter.name]
+                    spread = f"{min(r['p99'] for r in rounds) * 1e3:.2f}-{max(r['p99'] for r in rounds) * 1e3:.2f}"
                     print(f"{mode:<11}{exporter.name:<16}{s['p50'] * 1e3:>9.3f}{s['p99'] * 1e3:>9.3f}"
-                          f"{s['cpu_per_1000']:>12.3f}{s['rss'] / 2**20:>9.1f}")
+                          f"{s['cpu_per_1000']:>12.3f}{s['rss'] / 2**20:>9.1f}   (p99 of rounds {spread})")
                 ours, theirs = summary["gpuio-exporter"], summary["node_exporter"]
                 print(f"{mode:<11}{'ratio':<16}{ours['p50'] / theirs['p50']:>9.2f}{ours['p99'] / theirs['p99']:>9.2f}"
                       f"{ours['cpu_per_1000'] / theirs['cpu_per_1000']:>12.2f}{ours['rss'] / theirs['rss']:>9.2f}")
         finally:
             for exporter in exporters:
                 exporter.stop()
+
+
+def default_rss() -> None:
+    """gpuio with its default collectors (NVML loaded where there is a GPU), after a few scrapes."""
+    with tempfile.TemporaryDirectory() as root:
+        fixture = Fixture(root, 10)
+        exporter = gpuio(fixture, defaults=True)
+        exporter.start()
+        try:
+            scrape_latencies(exporter, fixture, 20, {})
+            time.sleep(2)  # a sampler's first sweep (nvml every second)
+            scrape_latencies(exporter, fixture, 20, {})
+            print(f"\nRSS of gpuio-exporter with its default collectors: {exporter.rss_bytes() / 2**20:.1f} MiB")
+        finally:
+            exporter.stop()
 
 
 def scaling(scrapes: int) -> None:
@@ -231,13 +262,17 @@ def scaling(scrapes: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scrapes", type=int, default=2000)
-    parser.add_argument("--devices", type=int, default=10)
+    parser.add_argument("--devices", default="10,100", help="device counts to compare at (comma-separated)")
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--with-defaults", action="store_true",
+                        help="also time gpuio with its default collectors (nvml, smart, engines, ...), interleaved")
     args = parser.parse_args()
     if NODE_EXPORTER is None:
         sys.exit("prometheus-node-exporter is not installed (make system-deps)")
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, node_exporter at {NODE_EXPORTER}")
-    compare(args.scrapes, args.devices)
+    for devices in args.devices.split(","):
+        compare(args.scrapes, int(devices), args.with_defaults)
+    default_rss()
     if not args.skip_scaling:
         scaling(max(200, args.scrapes // 4))
 

@@ -174,10 +174,24 @@ def process_panels() -> list:
                     "--collector.nvml.max-processes): how an engine's process is tied to its GPU.",
                     f"gpuio_gpu_process_memory_used_bytes{g}", ["job"]),
         value_table("GPUs", "Identity of each GPU (gpuio_gpu_info).", f"gpuio_gpu_info{g}", ["job"], height=6),
+        graph("Per-process GPU busy (by engine where one reports)",
+              "Share of time each listed process's kernels ran (NVML per-process utilisation of its last sample "
+              "period, read every interval: an estimate), named by the engine it reports through the spool "
+              "(gpuio_engine_process_info, joined on pid) or else by its process name.", "percentunit",
+              query(f"{rate('gpuio_gpu_process_sm_busy_seconds_total', g)}\n"
+                    f"* on ({c.NODE_LABEL}, pid) group_left (engine) max by ({c.NODE_LABEL}, pid, engine) "
+                    f"(gpuio_engine_process_info{sel()})", f"{PER_GPU} {{{{engine}}}} (pid {{{{pid}}}})"),
+              query(f"{rate('gpuio_gpu_process_sm_busy_seconds_total', g)}\n"
+                    f"unless on ({c.NODE_LABEL}, pid) gpuio_engine_process_info{sel()}",
+                    f"{PER_GPU} {{{{process_name}}}} (pid {{{{pid}}}})")),
         graph("MIG devices: memory", "Memory used and installed per MIG device, where MIG is on.", "bytes",
               query(f"gpuio_gpu_mig_device_memory_used_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} used"),
-              query(f"gpuio_gpu_mig_device_memory_total_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} total"),
-              width=24),
+              query(f"gpuio_gpu_mig_device_memory_total_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} total")),
+        graph("MIG GPU instances: SM and tensor activity (GPM)", "SM activity and tensor-pipe activity of each "
+              "MIG GPU instance (gpu_instance; gpuio_gpu_mig_device_info names its MIG devices).", "percentunit",
+              query(rate("gpuio_gpu_mig_sm_active_seconds_total", g), f"{PER_GPU} GI {{{{gpu_instance}}}} SM"),
+              query(rate("gpuio_gpu_mig_pipe_active_seconds_total", g),
+                    f"{PER_GPU} GI {{{{gpu_instance}}}} {{{{pipe}}}}"), max_value=1, width=24),
     ]
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import resource
 import socket
@@ -244,6 +245,11 @@ class Server(uvicorn.Server):
         await self.lifespan.startup()
         if self.lifespan.should_exit:
             raise SystemExit(3)
+        # Everything built so far lives as long as the process (modules, the app, collectors): out of the
+        # collector's way, so that a full collection during a scrape walks what scrapes made, not the
+        # ~60,000 objects of start-up (each one a ~10 ms pause in the tail of scrape latency).
+        gc.collect()
+        gc.freeze()
         loop = asyncio.get_running_loop()
 
         def make_protocol() -> asyncio.Protocol:

@@ -2,9 +2,12 @@
 
 The telemetry path is answered by a small ASGI function in front of FastAPI.  Why: FastAPI's routing,
 dependency and response machinery cost about as much per request as node_exporter's whole scrape
-(docs/performance.md), and /metrics is the one endpoint hit every few seconds for months.  Everything
-else — the landing page and /healthz — is plain FastAPI, with its /docs, /redoc and /openapi.json
-switched off: the exporter serves only what the README lists (and /docs would load scripts from a CDN).
+(docs/performance.md), and /metrics is the one endpoint hit every few seconds for months.  The
+GETs of the landing page and of /healthz (which Kubernetes probes call every few seconds) are answered
+there too, and the lifespan events start and stop the collectors.  Everything else — a wrong method, an
+unknown path — is plain FastAPI, with its /docs, /redoc and /openapi.json switched off (the exporter
+serves only what the README lists, and /docs would load scripts from a CDN), imported the first time
+such a request comes: FastAPI and pydantic are ~15 MiB of every node's resident memory otherwise.
 """
 
 from __future__ import annotations
@@ -13,13 +16,10 @@ import asyncio
 import html
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, PlainTextResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import __version__
@@ -113,6 +113,13 @@ async def _plain(send: Send, status: int, body: bytes, extra: list[tuple[bytes, 
     await send({"type": "http.response.body", "body": body})
 
 
+async def _as_fastapi_would(send: Send, body: bytes, content_type: bytes) -> None:
+    """A 200 with the headers FastAPI's HTMLResponse or PlainTextResponse sends, in its order."""
+    headers = [(b"content-length", str(len(body)).encode()), (b"content-type", content_type)]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 def landing_page(config: Config, scraper: Scraper) -> str:
     rows = []
     for name, enabled in sorted(config.enabled.items()):
@@ -141,18 +148,12 @@ failed; stale: it failed and its last good data is served.</p>
 """
 
 
-def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = None,
-              auth: BasicAuth | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        scraper.start()
-        try:
-            yield
-        finally:
-            scraper.stop()
+def fastapi_app(config: Config, scraper: Scraper) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The landing page and /healthz as FastAPI serves them, with FastAPI's answers to everything else."""
+    from fastapi import FastAPI
+    from fastapi.responses import HTMLResponse, PlainTextResponse
 
-    api = FastAPI(title="gpuio-exporter", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    api = FastAPI(title="gpuio-exporter", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
 
     @api.get("/", response_class=HTMLResponse)
     def index() -> str:
@@ -162,14 +163,53 @@ def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = N
     def healthz() -> str:
         return "ok\n"
 
+    return api
+
+
+async def _lifespan(scraper: Scraper, receive: Receive, send: Send) -> None:
+    """ASGI lifespan: the collectors start before the first request and stop after the last."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                scraper.start()
+            except Exception as exc:
+                await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
+                raise
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            try:
+                scraper.stop()
+            finally:
+                await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = None,
+              auth: BasicAuth | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     metrics = MetricsEndpoint(scraper, config.max_requests)
     telemetry_path = config.telemetry_path
+    api: list[Callable[[Scope, Receive, Send], Awaitable[None]]] = []  # FastAPI, once a request needs it
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == telemetry_path:
-            await metrics(scope, send)
-        else:
-            await api(scope, receive, send)
+        kind = scope["type"]
+        if kind == "http":
+            path, method = scope["path"], scope["method"]
+            if path == telemetry_path:
+                await metrics(scope, send)
+                return
+            if path == "/healthz" and method == "GET":
+                await _as_fastapi_would(send, b"ok\n", b"text/plain; charset=utf-8")
+                return
+            if path == "/" and method == "GET":
+                await _as_fastapi_would(send, landing_page(config, scraper).encode(), b"text/html; charset=utf-8")
+                return
+        elif kind == "lifespan":
+            await _lifespan(scraper, receive, send)
+            return
+        if not api:  # imported off the event loop: scrapes go on meanwhile
+            api.append(await asyncio.to_thread(fastapi_app, config, scraper))
+        await api[0](scope, receive, send)
 
     # Basic auth and headers wrap everything, the fast path too; without a web config nothing is added.
     # With one, the guard stays even if it has no users or headers yet: a reloaded file may add them.

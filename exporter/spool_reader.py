@@ -9,6 +9,7 @@ processes, and merging everything per engine, per engine and GPU, and per load i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -16,6 +17,8 @@ import hashlib
 import math
 import operator
 import os
+import random
+import resource
 import stat
 import struct
 import threading
@@ -29,6 +32,7 @@ from gpuio.spool import (
     ENGINE_LAYOUT,
     ENGINE_SERIES,
     GAUGES,
+    GENERATION_OFFSET,
     HEADER,
     HEADER_SIZE,
     INFO_STRUCT,
@@ -84,6 +88,7 @@ _per_gpu_values = operator.itemgetter(*PER_GPU_SLOTS)
 # The histogram bucket slots of an ENGINE record: whole counts (OpenMetrics refuses anything else).
 BUCKET_SLOTS = tuple(index for first, sum_index, _ in ENGINE_LAYOUT.histograms.values()
                      for index in range(first, sum_index))
+_bucket_values = operator.itemgetter(*BUCKET_SLOTS)  # at C speed: a scrape of 1,000 changed files checks 141,000
 MAX_VALUE = 2.0**53
 
 
@@ -306,7 +311,7 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
     if kind == KIND_ENGINE:
         if len(values) < ENGINE_LAYOUT.size or not key:
             raise ValueError("short ENGINE record")
-        if not all(map(float.is_integer, (values[index] for index in BUCKET_SLOTS))):
+        if not all(map(float.is_integer, _bucket_values(values))):
             raise ValueError("a histogram bucket that is not a whole count")
         parsed.engines[key] = values[: ENGINE_LAYOUT.size]
         return
@@ -368,6 +373,14 @@ class FileState:
     used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
     uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
     pod_uid: str = ""  # the pod whose volume holds the file (a discovered pod spool directory), else ""
+    # Kept open between reads (up to a cap) so that an unchanged file costs a lock probe and a header read.
+    fd: int | None = None
+    # The inode the directory listing gave when ``fd`` was opened: the name still lists it, so the name
+    # still means this file (compared with the listing's, which on overlayfs is not always st_ino).
+    listed_ino: int | None = None
+    header: bytes = b""  # the header ``parsed`` came with: the same header again means nothing changed
+    recheck_at: float = 0.0  # when to read the whole file even so (monotonic seconds)
+    needs_gpu: bool = False  # ``parsed`` has series without a GPU: the merge asks ``gpu_of`` for this writer
 
 
 @dataclass
@@ -413,6 +426,36 @@ RETAINED_BYTES = 8 << 20  # bytes of live files whose parsed content the reader 
 # A real process's file holds a few engines: a few KiB.  Files above this may take only half of
 # RETAINED_BYTES, so a few big files cannot keep the small ones out.
 SMALL_FILE_BYTES = 64 << 10
+# Live files whose descriptors stay open between reads; the others are opened on every read, as a new
+# file is.  Only from what the open-file limit leaves above FD_ROOM (the server's connections, up to
+# 512, and everything else the exporter opens), and half of that: a low limit keeps none.
+MAX_KEPT_FILES = 4096
+FD_ROOM = 1024
+# A file whose header says nothing changed is still read whole this often (give or take a quarter, so
+# that files first seen together do not all come due on one scrape): a writer's word is trusted for
+# its own series only, and never for longer than this.
+RECHECK_SECONDS = 60.0
+_GENERATION = struct.Struct("<d")
+
+
+def _libc_flock() -> Callable[[int, int], int] | None:
+    """libc's flock, called directly: a refused probe then costs a return value, where fcntl.flock
+    raises an OSError (about half of what a scrape of unchanged files spends per file)."""
+    try:
+        flock = ctypes.CDLL(None, use_errno=True).flock
+    except (OSError, AttributeError):
+        return None
+    flock.argtypes, flock.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return typing.cast("Callable[[int, int], int]", flock)
+
+
+_FLOCK = _libc_flock()
+_PROBE = fcntl.LOCK_EX | fcntl.LOCK_NB
+
+
+def _kept_files_cap() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_KEPT_FILES if soft == resource.RLIM_INFINITY else max(0, min(MAX_KEPT_FILES, (soft - FD_ROOM) // 2))
 
 
 @dataclass
@@ -422,15 +465,15 @@ class ReadBudget:
     read: int
     parse: int
 
-    def spent(self) -> bool:
-        return self.read <= 0 or self.parse <= 0
-
 
 class SpoolReader:
     """Merges a spool directory; keeps the folded totals of exited processes for as long as it runs.
 
-    ``read()`` costs one directory listing plus, per live file, open + pread + flock probe + close;
-    a file whose bytes did not change since the last read is not parsed again.  A dead file costs
+    ``read()`` costs one directory listing plus, per live file, a flock probe and a pread of its
+    header on a descriptor kept open: a writer moves the header's generation up after every change,
+    so the same header means the same content (and the last merge stands when no file changed).  A
+    changed file, a new one, one whose writer does not count generations and, once a minute, every
+    file are read whole (open + pread + flock probe); bytes that did not change are not parsed again.  A dead file costs
     that once: it is folded, then deleted (or tombstoned) and never opened again.
 
     Bounded whatever the writers do: a file is read up to ``max_file_bytes`` at most (a bigger one is
@@ -453,6 +496,7 @@ class SpoolReader:
         self.scrape_read_bytes = SCRAPE_READ_BYTES
         self.scrape_parse_bytes = SCRAPE_PARSE_BYTES
         self.retained_bytes = RETAINED_BYTES
+        self.recheck_seconds = RECHECK_SECONDS
         # Engines whose folded totals are never forgotten (the exporter's exported engines).
         self.protected: set[str] = set()
         self.errors: dict[str, int] = {}
@@ -476,6 +520,13 @@ class SpoolReader:
         self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
         self._per_gpu_pruned_at = 0
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
+        self._kept_cap = _kept_files_cap()
+        self._kept = 0  # descriptors held open by live FileStates
+        self._now = 0.0  # time.monotonic() at the start of this read
+        # Moves whenever what _merge() reads changes (a live file parsed anew, added, folded, forgotten):
+        # the same version and the same GPU answers give the same merge, which is then reused.
+        self._version = 0
+        self._merged: tuple[tuple[object, ...], Totals] | None = None
         # Spool directories found in pods' volumes (exporter.pods.kubelet): directory -> pod UID.  Their
         # files are keyed by absolute path (the main directory's by name), read with the same budgets,
         # and never deleted (the volume is the pod's, mounted read-only): folded, then tombstoned.
@@ -484,12 +535,30 @@ class SpoolReader:
     def set_pod_directories(self, directories: dict[str, str]) -> None:
         """Replace the discovered directories (directory -> pod UID); files of one no longer listed
         are folded at the next read, as files that vanished."""
+        if directories != self.pod_directories:
+            self._version += 1  # the files read change: the last merge may not be reused
         self.pod_directories = dict(directories)
+
+    def close(self) -> None:
+        """Close the descriptors kept open (the reader stays usable: it opens them again)."""
+        with self._lock:
+            for state in self._live.values():
+                self._close_kept(state)
+
+    def __del__(self) -> None:
+        for state in getattr(self, "_live", {}).values():
+            if state.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(state.fd)
+                state.fd = None
 
     # --- the directory -------------------------------------------------------------------------
 
     def read(self) -> Totals:
+        """Everything merged now.  The Totals may be the one an earlier read returned (nothing changed
+        since): callers read it and never modify it."""
         with self._lock:
+            self._now = time.monotonic()
             names = self._list()
             if names is None:
                 return self._with_owners(self._merge())
@@ -502,16 +571,21 @@ class SpoolReader:
             for state in self._live.values():
                 self._retained[state.used > SMALL_FILE_BYTES] += state.used
             self._deferred_now = deferred = 0
+            # The loop a thousand idle writers cost: names bound once, an unchanged live file settled
+            # here (a lock probe and a header read), everything else visited in full.
+            live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
+            unchanged, visited = self._unchanged, ""
             for name in self._visit_order(names):
-                if name in self._tombstones or self._bad.get(name, -1) == self._listed.get(name):
+                if name in tombstones or bad.get(name, -1) == listed.get(name):
                     continue  # folded already, or known bad and not replaced: not even opened
-                if self._budget.spent():
+                if budget.read <= 0 or budget.parse <= 0:
                     deferred += 1
                     continue
-                self._cursor = name
-                self._visit(name)
-            if not deferred:
-                self._cursor = ""
+                visited = name
+                known = live.get(name)
+                if known is None or known.fd is None or not unchanged(name, known, known.fd):
+                    self._visit(name)
+            self._cursor = visited if deferred else ""
             self.deferred_files = deferred + self._deferred_now + self._unlisted
             # Forget tombstones of files someone else removed.  A pod directory's are kept while the pod
             # is: its files are never deleted, and one left out of a capped listing must not be folded
@@ -519,7 +593,20 @@ class SpoolReader:
             self._tombstones = {name for name in self._tombstones if name in names or (
                 os.path.isabs(name) and os.path.dirname(name) in self.pod_directories)}
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
-            return self._with_owners(self._merge())
+            return self._merged_totals()
+
+    def _merged_totals(self) -> Totals:
+        """The merge, reused while no file changed and NVML places the writers that recorded no GPU
+        where it did (the only input of the merge that is not in the files)."""
+        gpus: tuple[str | None, ...] = ()
+        if self.gpu_of is not None:
+            gpu_of = self.gpu_of
+            gpus = tuple(gpu_of(state.parsed.pid, state.parsed.start_ticks) for state in self._live.values()
+                         if state.needs_gpu and state.parsed is not None)
+        key = (self._version, gpus)
+        if self._merged is None or self._merged[0] != key:
+            self._merged = (key, self._with_owners(self._merge()))
+        return dataclasses.replace(self._merged[1], deferred_files=self.deferred_files)
 
     def _visit_order(self, names: set[str]) -> list[str]:
         """Live files first (their values go stale when skipped), then the rest; each group in name
@@ -617,6 +704,13 @@ class SpoolReader:
     @staticmethod
     def _writer_gone(fd: int) -> bool:
         """Probe the writer's lock: granted means no process holds it, so the writer has exited."""
+        if _FLOCK is not None:
+            if _FLOCK(fd, _PROBE) == 0:
+                return True
+            error = ctypes.get_errno()
+            if error in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise OSError(error, os.strerror(error))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -626,20 +720,75 @@ class SpoolReader:
         return True
 
     def _visit(self, name: str) -> None:
+        state = self._live.get(name)
+        fd = None if state is None else self._take_kept(state)
+        if fd is not None and state is not None and state.listed_ino != self._listed.get(name):
+            os.close(fd)  # replaced under the same name: the path opens the new file
+            fd = None
         path = os.path.join(self.directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            if name in self._live:
-                self._vanished(name)
-            return
-        except OSError:
-            self._count_bad(name, (0, 0, 0), "io")
-            return
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except FileNotFoundError:
+                if name in self._live:
+                    self._vanished(name)
+                return
+            except OSError:
+                self._count_bad(name, (0, 0, 0), "io")
+                return
         try:
             self._visit_open(name, path, fd)
         finally:
-            os.close(fd)  # also drops the lock the probe may have taken
+            live = self._live.get(name)
+            if live is not None and live.fd is None and self._kept < self._kept_cap:
+                self._keep(live, fd)  # the state of this very file (_visit_open made it from this fd)
+                live.listed_ino = self._listed.get(name)
+            else:
+                os.close(fd)  # also drops the lock the probe may have taken
+
+    # --- descriptors kept open; files that did not change ---------------------------------------------
+
+    def _take_kept(self, state: FileState) -> int | None:
+        fd, state.fd = state.fd, None
+        if fd is not None:
+            self._kept -= 1
+        return fd
+
+    def _keep(self, state: FileState, fd: int) -> None:
+        state.fd = fd
+        self._kept += 1
+
+    def _close_kept(self, state: FileState) -> None:
+        fd = self._take_kept(state)
+        if fd is not None:
+            os.close(fd)
+
+    def _unchanged(self, name: str, state: FileState, fd: int) -> bool:
+        """Whether a live file is as it was at its last full read: same inode under its name, writer
+        alive, the same header (used bytes, drops, a counted generation), not yet due for a full read.
+        The scrape of a thousand unchanged files is a thousand of these: two syscalls, little else."""
+        if not state.header or self._now >= state.recheck_at or state.listed_ino != self._listed.get(name):
+            return False
+        if _FLOCK is None or _FLOCK(fd, _PROBE) == 0:
+            return False  # gone, or no cheap probe: the full read decides (a lock we got is ours until fd closes)
+        try:
+            header = os.pread(fd, HEADER_SIZE, 0)
+        except OSError:
+            return False
+        self._budget.read -= HEADER_SIZE
+        return header == state.header
+
+    def _remember_header(self, state: FileState, data: bytes) -> None:
+        """The header of the content ``state.parsed`` stands for (read in the same pread, before it).
+        A writer that does not count generations (0) leaves none: its file is read whole every time."""
+        counted = len(data) >= HEADER_SIZE and _GENERATION.unpack_from(data, GENERATION_OFFSET)[0] != 0
+        state.header = data[:HEADER_SIZE] if counted else b""
+        state.recheck_at = self._now + self.recheck_seconds * random.uniform(0.75, 1.25)
+
+    def _make_live(self, name: str, state: FileState) -> None:
+        if self._live.get(name) is not state:
+            self._live[name] = state
+            self._version += 1
 
     def _visit_open(self, name: str, path: str, fd: int) -> None:
         st = os.fstat(fd)
@@ -671,7 +820,7 @@ class SpoolReader:
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if not self._affordable(state, data, digest, gone):
             if state.parsed is not None:
-                self._live[name] = state  # keeps its last values; parsed again when there is room
+                self._make_live(name, state)  # keeps its last values; parsed again when there is room
             return
         parsed = self._parse(state, data, digest, name, identity)
         if parsed is None:
@@ -682,12 +831,13 @@ class SpoolReader:
                 if gone:
                     self._fold_dead(name, path, state)
                 else:
-                    self._live[name] = state
+                    self._make_live(name, state)
             return
+        self._remember_header(state, data)
         if gone:
             self._fold_dead(name, path, state)
         else:
-            self._live[name] = state
+            self._make_live(name, state)
 
     def _affordable(self, state: FileState, data: bytes, digest: bytes, gone: bool) -> bool:
         """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
@@ -745,6 +895,10 @@ class SpoolReader:
             _clamp(state.parsed, parsed)
         state.digest, state.used = digest, len(data)
         state.parsed = parsed
+        state.needs_gpu = (any(not info.gpu_uuid for info in parsed.infos.values())
+                           or any(engine not in parsed.infos for engine in parsed.engines)
+                           or any(not uuid for _, uuid, _ in parsed.loads))
+        self._version += 1
         return parsed
 
     # --- folding -----------------------------------------------------------------------------
@@ -752,6 +906,8 @@ class SpoolReader:
     def _fold_dead(self, name: str, path: str, state: FileState) -> None:
         """The writer is gone: fold its final totals, then remove the file (or tombstone it)."""
         self._live.pop(name, None)
+        self._close_kept(state)
+        self._version += 1
         if state.parsed is not None:
             self._fold(state.parsed)
         self.folded_processes += 1
@@ -772,6 +928,8 @@ class SpoolReader:
         """A live file disappeared without us folding it (another reader, a wiped emptyDir):
         fold what we last saw, so no counter goes backwards."""
         state = self._live.pop(name)
+        self._close_kept(state)
+        self._version += 1
         self._count("vanished")
         if state.parsed is not None:
             self._fold(state.parsed)
@@ -822,6 +980,7 @@ class SpoolReader:
                 for key in [k for k in table if k[0] == engine]:
                     del table[key]
             self.forgotten_engines += 1
+            self._version += 1
 
     # --- errors ------------------------------------------------------------------------------
 

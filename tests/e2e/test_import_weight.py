@@ -46,4 +46,4 @@ def test_importing_it_loads_no_part_of_the_web_stack(module: str) -> None:
 
 
 def test_the_server_does_load_it() -> None:  # the check above can see the web stack
-    assert "fastapi" in loaded_by("exporter.server")
+    assert "uvicorn" in loaded_by("exporter.server")

@@ -80,6 +80,27 @@ def test_only_the_documented_endpoints_are_served(exporter) -> None:
         assert server.get(path)[0] == 200, path
 
 
+def loaded_libraries(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as handle:
+        return handle.read()
+
+
+def test_fastapi_is_loaded_only_when_a_request_needs_it(exporter) -> None:
+    """Scrapes, health checks and the landing page are served without FastAPI and pydantic in memory
+    (pydantic's compiled core shows in the process's mappings once imported); the first request only
+    FastAPI answers loads it, and gets FastAPI's answer."""
+    server = exporter(*FIXTURE)
+    for path in ("/metrics", "/healthz", "/", "/metrics"):
+        assert server.get(path)[0] == 200, path
+    assert server.process is not None
+    assert "pydantic_core" not in loaded_libraries(server.process.pid)
+    status, headers, body = server.get("/no-such-page")
+    assert (status, headers["content-type"], body) == (404, "application/json", b'{"detail":"Not Found"}')
+    assert "pydantic_core" in loaded_libraries(server.process.pid)
+    status, headers, body = server.get("/healthz")
+    assert (status, headers["content-type"], body) == (200, "text/plain; charset=utf-8", b"ok\n")
+
+
 def collector_states(samples: dict) -> dict[str, str]:
     """collector -> the state whose gpuio_scrape_collector_state series is 1 (exactly one must be)."""
     states: dict[str, list[str]] = {}
@@ -109,7 +130,7 @@ def test_absent_sources_are_told_apart_from_ok_ones(exporter, tmp_path) -> None:
         samples = parse_samples(server.scrape())
     assert set(success(samples).values()) == {1}
     states = collector_states(samples)
-    absent = {"engines", "pressure", "smart", "mountstats"}
+    absent = {"engines", "pressure", "smart", "mountstats", "pods"}
     if not shutil.which("nvidia-smi"):
         absent.add("nvml")
     assert {name for name, state in states.items() if state == "absent"} == absent, states

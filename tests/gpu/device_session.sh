@@ -4,7 +4,7 @@
 # Needs python3 with torch; everything else comes from .whl/, made beforehand on a machine with PyPI and
 # Debian's prometheus package by `make gpu-wheels GPU_PYTHON=<the GPU machine's python3 version>`: the
 # wheels of requirements-run.txt (the exporter's pinned runtime dependencies, pySMART's included) and
-# pytest for that Python, and .whl/prometheus.xz (the Debian binary, static).  With prometheus.xz it
+# pytest for that Python, and .whl/prometheus.xz, .whl/node_exporter.xz (the Debian binaries).  With prometheus.xz it
 # also runs the dashboards/rules end-to-end test against a real Prometheus while a PyTorch process keeps
 # the GPU 50 % busy, so the GPU board's panels must return data from a real H100; the SMART replay it
 # relies on is checked first (smart_replay_check.py), so a missing dependency is named, not guessed.
@@ -40,5 +40,11 @@ if [ -f .whl/prometheus.xz ]; then
   worker=$!
   step env PATH=/tmp/gpuio-bin:$PATH python3 -m pytest -q -s -p no:cacheprovider tests/e2e/test_prometheus_rules_dashboards.py
   kill $worker 2>/dev/null; wait $worker 2>/dev/null
+fi
+if [ -f .whl/node_exporter.xz ]; then  # the benchmarks against their peers, on this host
+  mkdir -p /tmp/gpuio-bin && xz -dc .whl/node_exporter.xz > /tmp/gpuio-bin/node_exporter && chmod +x /tmp/gpuio-bin/node_exporter
+  step env PATH=/tmp/gpuio-bin:$PATH python3 bench/scrape_bench.py --scrapes 1200 --with-defaults --skip-scaling
+  step python3 bench/engines_bench.py --skip-residency --scrapes 20
+  step env PATH=/tmp/gpuio-bin:$PATH python3 bench/memory_bench.py
 fi
 exit $status

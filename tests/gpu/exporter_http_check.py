@@ -95,7 +95,7 @@ def main() -> int:
         latencies.sort()
         print(f"300 scrapes over HTTP: p50 {statistics.median(latencies):.2f} ms, "
               f"p99 {latencies[int(len(latencies) * 0.99) - 1]:.2f} ms, max {latencies[-1]:.2f} ms")
-        failures += engine_gpu_from_nvml(url, spool)
+        failures += engine_gpu_from_nvml(url, spool, prefix)
         tools = "import sys; from exporter.cli import tools_main; tools_main(sys.argv[1:])"
         top = subprocess.run([sys.executable, "-c", tools, "top", "--once", f"--url={url}"],
                              capture_output=True, text=True, cwd=REPO, env={**os.environ, "COLUMNS": "100"})
@@ -152,7 +152,7 @@ time.sleep(60)
 """
 
 
-def engine_gpu_from_nvml(url: str, spool: str) -> list[str]:
+def engine_gpu_from_nvml(url: str, spool: str, prefix: list[str]) -> list[str]:
     writer = subprocess.Popen([sys.executable, "-c", SILENT_WRITER, REPO, spool], stdout=subprocess.PIPE, text=True)
     try:
         writer.stdout.readline()
@@ -167,7 +167,7 @@ def engine_gpu_from_nvml(url: str, spool: str) -> list[str]:
                 print(f"engine 'silent' (no GPU recorded by its process {writer.pid}): gpu_uuid "
                       f"{info[0]['gpu_uuid']} from NVML's process list; GPUs {sorted(gpus)}")
                 failures = [] if info[0]["gpu_uuid"] in gpus else ["engine's gpu_uuid is no GPU of gpuio_gpu_info"]
-                return failures + process_join(samples, writer.pid)
+                return failures + process_join(url, samples, writer.pid, prefix)
             time.sleep(0.5)
         return ["engine 'silent' got no gpu_uuid from NVML's process list in 30 s"]
     finally:
@@ -175,16 +175,43 @@ def engine_gpu_from_nvml(url: str, spool: str) -> list[str]:
         writer.wait()
 
 
-def process_join(samples: list, pid: int) -> list[str]:
-    """The engine's writer by pid (gpuio_engine_process_info) and its own GPU busy series, joined on pid."""
-    engines = [labels.get("engine") for name, labels in samples
-               if name == "gpuio_engine_process_info" and labels.get("pid") == str(pid)]
-    busy = [labels for name, labels in samples
-            if name == "gpuio_gpu_process_sm_busy_seconds_total" and labels.get("pid") == str(pid)]
+def process_join(url: str, samples: list, pid: int, prefix: list[str]) -> list[str]:
+    """The engine's writer by pid (gpuio_engine_process_info) and its own GPU busy series, joined on pid.
+
+    The nvml collector lists processes every slow interval (10 s) and serves their busy series from the
+    sweep that lists them; the engines collector may see the pid a moment before the nvml snapshot of
+    that sweep is served, so this looks again for up to two sweeps before judging."""
+    deadline = time.monotonic() + 3.0
+    while True:
+        engines = [labels.get("engine") for name, labels in samples
+                   if name == "gpuio_engine_process_info" and labels.get("pid") == str(pid)]
+        busy = [labels for name, labels in samples
+                if name == "gpuio_gpu_process_sm_busy_seconds_total" and labels.get("pid") == str(pid)]
+        if (engines == ["silent"] and busy) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+        samples = [(family.name, sample.labels) for family in text_string_to_metric_families(scrape(url))
+                   for sample in family.samples]
     print(f"pid {pid}: gpuio_engine_process_info engines {engines}; per-process SM busy series {busy}")
-    if engines != ["silent"] or not busy:
-        return [f"engine 'silent' not joined to its process's GPU series: {engines}, {busy}"]
-    return []
+    if engines == ["silent"] and busy:
+        return []
+    listed = sorted(labels.get("pid") for name, labels in samples if name == "gpuio_gpu_process_memory_used_bytes")
+    with_busy = sorted(labels.get("pid") for name, labels in samples
+                       if name == "gpuio_gpu_process_sm_busy_seconds_total")
+    errors = [(labels, name) for name, labels in samples if name == "gpuio_gpu_nvml_errors_total"]
+    print(f"processes listed {listed}; with a busy series {with_busy}; NVML errors {errors}")
+    print(f"nvmlDeviceGetProcessUtilization as the exporter's user: {direct_process_utilization(prefix)}")
+    return [f"engine 'silent' not joined to its process's GPU series: {engines}, {busy}"]
+
+
+def direct_process_utilization(prefix: list[str]) -> str:
+    """What NVML answers the exporter's user (nobody, no capabilities) when asked directly."""
+    probe = ("import pynvml as n; n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0)\n"
+             "try:\n    print([(s.pid, s.smUtil) for s in n.nvmlDeviceGetProcessUtilization(h, 0)])\n"
+             "except n.NVMLError as e:\n    print(type(e).__name__, e)")
+    done = subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "HOME": "/nonexistent"})
+    return (done.stdout + done.stderr).strip()[-300:]
 
 
 if __name__ == "__main__":

@@ -13,8 +13,14 @@ What each load must show (the collector's counters over a window inside the load
 - ``fp32add``: an FP32 elementwise add over 1 GiB: SM activity high, tensor activity about 0.
 - ``copy``: device-to-device copies: DRAM bandwidth utilisation high; printed beside the bytes the copy
   moved per second (read + write) and the card's peak (memory clock x bus width).
-- ``two processes``: one process busy 60 % of every second, another 20 % in the gap: each process's
-  busy counter reads its own share (and the NVML calls at a 1 s and a 5 s cadence agree).
+- ``two processes``: one process busy 60 % of every 1.7 s, another 20 % in the gap: each process's
+  busy counter reads its own share.  NVML answers per-process utilisation for its last sample period
+  only (200 ms on the H100), and names one process per period (measured: two processes taking 70 ms
+  turns, each period named one of them, with the whole GPU's utilisation), so the collector's figure
+  is a sample held over each interval: right for turns longer than a period, on average.  The cycle is
+  out of step with the sweep (a load in step with it aliases), the check sweeps every 0.5 s for 15 s,
+  and the tolerance is the larger of 0.12 and 2.5 standard errors of that many samples.  It also prints
+  NVML's raw answers polled every 25 ms for a second, and one answer 15 s after the previous call.
 
 It also prints what nvmlGpmMetricsGet costs per number of metrics, which metrics this GPU answers, and
 the NVLink links that are up: the figures behind the collector's cadence and metric set.
@@ -23,6 +29,7 @@ the NVLink links that are up: the figures behind the collector's cadence and met
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -46,7 +53,12 @@ mode, duration = sys.argv[1], float(sys.argv[2])
 phases = [float(value) for value in sys.argv[3:5]] or [0.0, 1.0]
 period, start_at, stop_at = 1.0, phases[0], phases[1]
 torch.cuda.init()
-if mode in ("duty", "bf16", "share"):
+if mode == "share":
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # ~0.2 ms: a turn ends on time
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    step = lambda: a @ b
+    period = 1.7
+elif mode in ("duty", "bf16"):
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     step = lambda: a @ b
@@ -64,7 +76,7 @@ step(); torch.cuda.synchronize()
 print("start", flush=True)
 began, steps = time.time(), 0
 while (now := time.time()) < began + duration:
-    phase = now % period  # on the wall clock: two workers' phases line up
+    phase = now % period / period  # on the wall clock: two workers' phases line up
     if mode in ("duty", "share") and not (start_at <= phase < stop_at):
         time.sleep(0.002)
         continue
@@ -216,17 +228,29 @@ def main() -> int:
             print(f"{'':10} copy moved {moved / 1e9:.0f} GB/s (read + write); card peak "
                   f"{'n/a' if peak is None else f'{peak / 1e9:.0f} GB/s'}: "
                   f"{'' if peak is None else f'{moved / peak:.2f} of peak'}; DRAM counter {measured[load][6]}")
+    spin = measured["spin"]
+    print(f"spin: NVML busy {spin[0]}, SM activity {spin[1]} (one SM of 132: {1 / 132:.4f})")
+
+    def ratio(load: str, column: int) -> float:  # n/a reads as NaN: every comparison with it fails
+        found = measured[load][column]
+        return math.nan if found is None else found
+
+    one_sm = 1 / 132  # one thread block on one SM of an H100 SXM's 132
     expect = [
-        ("duty: SM activity about 0.5", lambda m: 0.3 <= (m["duty"][1] or 0) <= 0.65),
-        ("duty: busy about 0.5", lambda m: 0.35 <= (m["duty"][0] or 0) <= 0.65),
-        ("spin: busy near 1", lambda m: (m["spin"][0] or 0) >= 0.8),
-        ("spin: SM activity near one SM's share", lambda m: (m["spin"][1] or 1) <= 0.05),
-        ("bf16: tensor activity high", lambda m: (m["bf16"][3] or 0) >= 0.6),
-        ("fp32add: tensor near 0, SM high", lambda m: (m["fp32add"][3] or 1) <= 0.05 and (m["fp32add"][1] or 0) >= 0.8),
-        ("copy: DRAM utilisation high", lambda m: (m["copy"][6] or 0) >= 0.5),
+        ("duty: SM activity about 0.5", lambda: 0.3 <= ratio("duty", 1) <= 0.65),
+        ("duty: busy about 0.5", lambda: 0.35 <= ratio("duty", 0) <= 0.65),
+        ("spin: busy near 1", lambda: ratio("spin", 0) >= 0.8),
+        ("spin: SM activity near one SM's share", lambda: one_sm / 3 <= ratio("spin", 1) <= 0.05),
+        ("bf16: tensor activity high", lambda: ratio("bf16", 3) >= 0.6),
+        ("fp32add: tensor near 0", lambda: 0 <= ratio("fp32add", 3) <= 0.05),
+        ("fp32add: SM high", lambda: ratio("fp32add", 1) >= 0.8),
+        ("copy: DRAM utilisation high", lambda: ratio("copy", 6) >= 0.5),
+        *((f"{load}: every activity ratio within 0-1", lambda load=load: all(
+            -0.01 <= ratio(load, column) <= 1.02 for column in range(1, len(columns))))
+          for load in measured),
     ]
     for name, ok in expect:
-        if not ok(measured):
+        if not ok():
             failures.append(name)
     try:
         failures += two_processes(collector, nvml, handle)
@@ -240,41 +264,65 @@ def main() -> int:
 
 
 def two_processes(collector: Any, nvml: PyNvml, handle: Any) -> list[str]:
-    """Two PyTorch processes sharing the GPU 60/20: each one's busy counter reads its share."""
-    first = worker("share", 9.0, 0.0, 0.6)
-    second = worker("share", 9.0, 0.6, 0.8)
-    slow = NVML.ProcessBusy(64)  # the same integration, called every 5 s instead of every 1 s
-    slow.feed(_utilisation(nvml, handle, 0))
+    """Two PyTorch processes sharing the GPU 60/20 in 1.7 s turns: each one's busy counter reads its share."""
+    # Long enough to outlive the window: each worker's clock starts when it is ready (the second one
+    # a few seconds after the first), and a worker that has exited is no longer listed by NVML.
+    first = worker("share", 45.0, 0.0, 0.6)
+    second = worker("share", 45.0, 0.6, 0.8)
     time.sleep(2.0)
     collector.sampler.sample_now()  # lists the two processes
-    slow.feed(_utilisation(nvml, handle, slow.last_seen_us or 0))
+    raw_stream(nvml, handle)
     before, t0 = samples(collector), time.monotonic()
-    slow_before = {pid: list(v) for pid, v in slow.seconds.items()}
-    for _ in range(5):
-        time.sleep(1.0)
+    listed = sorted({dict(ls)["pid"] for (n, ls) in before if n == "gpuio_gpu_process_memory_used_bytes"})
+    called = time.time()
+    sweeps = 30
+    for _ in range(sweeps):
+        time.sleep(0.5)
         samples(collector)
-    raw = _utilisation(nvml, handle, slow.last_seen_us or 0)
-    print("\nraw nvmlDeviceGetProcessUtilization after 5 s: "
-          + "; ".join(f"pid {u.pid} ts {u.timestamp_us} sm {u.sm} mem {u.memory}" for u in raw)
-          + f" (last seen {slow.last_seen_us}, now {int(time.time() * 1e6)})")
-    slow.feed(raw)
     after, t1 = samples(collector), time.monotonic()
-    finish(first)
-    finish(second)
-    failures = []
-    print("\nper process (share of the GPU each one's kernels ran, over 5 s):")
+    late = _utilisation(nvml, handle, int(called * 1e6))
+    print(f"one raw answer {time.time() - called:.1f} s after the previous call: "
+          + ("; ".join(f"pid {u.pid} sm {u.sm} mem {u.memory} ts -{(time.time() * 1e6 - u.timestamp_us) / 1e3:.0f} ms"
+                       for u in late) or "NotFound"))
+    failures = [f"worker {process.pid} exited before the window ended" for process in (first, second)
+                if process.poll() is not None]
+    for process in (first, second):
+        process.terminate()
+    outputs = {process.pid: f"{finish(process) or 'stopped'} (rc {process.returncode})" for process in (first, second)}
+    print(f"\nper process (share of the GPU each one's kernels ran, over {t1 - t0:.1f} s); NVML lists pids {listed}:")
     for process, share in ((first, 0.6), (second, 0.2)):
-        name = "gpuio_gpu_process_sm_busy_seconds_total"
-        rate = rates(before, after, t1 - t0, [(name, {"pid": str(process.pid)})])[0]
-        memory = rates(before, after, t1 - t0, [("gpuio_gpu_process_memory_busy_seconds_total",
-                                                  {"pid": str(process.pid)})])[0]
-        five = (slow.seconds.get(process.pid, [0, 0])[0] - slow_before.get(process.pid, [0, 0])[0]) / (t1 - t0)
-        print(f"  pid {process.pid}: share {share:.1f}; collector (1 s calls) SM busy "
-              f"{'n/a' if rate is None else f'{rate:.3f}'}, memory busy {'n/a' if memory is None else f'{memory:.3f}'}"
-              f"; 5 s calls SM busy {five:.3f}")
-        if rate is None or abs(rate - share) > 0.12:
-            failures.append(f"process {process.pid} at share {share} read {rate}")
+        pid = {"pid": str(process.pid)}
+        rate = rates(before, after, t1 - t0, [("gpuio_gpu_process_sm_busy_seconds_total", pid)])[0]
+        memory = rates(before, after, t1 - t0, [("gpuio_gpu_process_memory_busy_seconds_total", pid)])[0]
+        print(f"  pid {process.pid}: share {share:.1f}; collector SM busy {'n/a' if rate is None else f'{rate:.3f}'}, "
+              f"memory busy {'n/a' if memory is None else f'{memory:.3f}'}   worker: {outputs[process.pid]}")
+        tolerance = max(0.12, 2.5 * math.sqrt(share * (1 - share) / sweeps))  # a sample per sweep
+        if rate is None or abs(rate - share) > tolerance:
+            failures.append(f"process {process.pid} at share {share} read {rate} (tolerance {tolerance:.2f})")
     return failures
+
+
+def raw_stream(nvml: PyNvml, handle: Any) -> None:
+    """NVML's per-process answers polled every 25 ms for a second, each asking for samples newer than
+    the newest seen: how many samples per process an answer holds, and how far apart periods are."""
+    newest, answers, stamps = int(time.time() * 1e6), [], set()
+    for _ in range(40):
+        time.sleep(0.025)
+        answer = _utilisation(nvml, handle, newest)
+        if answer:
+            newest = max(newest, *(u.timestamp_us for u in answer))
+            stamps |= {u.timestamp_us for u in answer}
+            answers.append(answer)
+    per_pid = max((sum(1 for u in answer if u.pid == pid) for answer in answers for pid in {u.pid for u in answer}),
+                  default=0)
+    ordered = sorted(stamps)
+    gaps = [(b - a) / 1e3 for a, b in zip(ordered, ordered[1:], strict=False)]
+    print(f"\nraw nvmlDeviceGetProcessUtilization polled every 25 ms for 1 s: {len(answers)} answers, "
+          f"{len(stamps)} distinct sample times, at most {per_pid} sample(s) per process per answer, "
+          f"periods {sorted(gaps)[len(gaps) // 2] if gaps else 'n/a'} ms apart (median)")
+    for answer in answers[:8]:
+        print("   " + "; ".join(f"pid {u.pid} ts {u.timestamp_us % 10_000_000 / 1e3:.0f} ms sm {u.sm} mem {u.memory}"
+                              for u in answer))
 
 
 def _utilisation(nvml: PyNvml, handle: Any, last_seen_us: int) -> list[ProcessUtilization]:

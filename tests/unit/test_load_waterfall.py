@@ -98,6 +98,29 @@ def test_exporter_serves_the_waterfall_and_prediction(model_file: str, spool: st
     assert 'source="scan"' in text  # root: the exporter measured it itself
 
 
+def test_prediction_adds_the_exact_mean_deserialize_time_not_a_bucket_median(model_file: str, spool: str) -> None:
+    """Two loads that deserialize in about 0.26 s fall in the 0.25-0.5 s bucket, whose interpolated
+    median is 0.375 s: the prediction must add what the loads took (their mean), as a cold load will."""
+    import time
+
+    def slow(data: bytes) -> int:
+        time.sleep(0.26)
+        return len(data)
+
+    _evict(model_file)
+    loads = [gpuio.load(model_file, slow, name="timed").waterfall for _ in range(2)]
+    _evict(model_file)
+    collector = engines_collector(spool, path_include=(os.path.dirname(model_file),))
+    collector.collect()
+    collector.engine_files_now()
+    totals = collector.spool_totals()
+    cold = totals.waterfalls["timed"]
+    throughput = cold[fmt.WATERFALL["cold_device_bytes"]] / cold[fmt.WATERFALL["cold_read_seconds"]]
+    deserialize = sum(w.phases["deserialize"] for w in loads if w is not None) / 2
+    expected = os.path.getsize(model_file) / throughput + deserialize
+    assert collector.predicted_cold_start(totals, "timed") == pytest.approx(expected, rel=0.01)
+
+
 def test_torn_copy_keeps_the_last_good_load(model_file: str, spool: str) -> None:
     gpuio.load(model_file, bytes, name="torn")
     reader = rd.SpoolReader(spool)

@@ -443,29 +443,54 @@ ACTIVITY = {  # fake GPM metric id -> (family, labels): the families computed fr
 
 
 def test_gpm_activity_is_counted_in_seconds_whenever_it_is_read() -> None:
-    """An SM-active counter is NVML's average since the baseline x the baseline's age: 2 s of work with
-    90 % of the SMs busy adds 1.8 SM-active seconds, read after one sweep or after five."""
+    """An SM-active counter adds NVML's average over each window x the window: 0.25 s of work with 90 %
+    of the SMs busy adds 0.225 SM-active seconds, read after one sweep or after five."""
     fake = FakeNvml(h100s(1))
     gpu = fake.gpus[0]
     gpu.gpm_refresh = 0.02
     collector = make(fake)
-    samples = sweep(collector)  # the baseline: the fast counters start at 0
+    samples = sweep(collector)  # the first sample: the fast counters start at 0
     assert value(samples, "gpuio_gpu_sm_active_seconds_total") == 0
     assert value(samples, "gpuio_gpu_gpm_supported") == 1
-    time.sleep(0.1)
-    work = {2: 90 * 2.0, 3: 14 * 2.0, 5: 94 * 2.0, 7: 94 * 2.0, 12: 1 * 2.0, 10: 26 * 2.0, 31: 50 * 2.0}
-    gpu.gpm_counters.add(work)  # percent x seconds, as GPM integrates them
     time.sleep(0.3)
+    work = {2: 90 * 0.25, 3: 14 * 0.25, 5: 94 * 0.25, 7: 94 * 0.25, 12: 1 * 0.25, 10: 26 * 0.25, 31: 50 * 0.25}
+    gpu.gpm_counters.add(work)  # percent x seconds, as GPM integrates them
+    time.sleep(0.05)
     seen = []
     for _ in range(5):
-        time.sleep(0.05)
         samples = sweep(collector)
-        age = 0.4 + 0.05 * (len(seen) + 1)
-        for metric, (name, labels) in ACTIVITY.items():
-            assert value(samples, name, **labels) == pytest.approx(work[metric] / 100, rel=0.02 / age + 0.02), name
+        for metric, (name, labels) in ACTIVITY.items():  # off by at most one refresh over the first window
+            assert value(samples, name, **labels) == pytest.approx(work[metric] / 100, rel=0.02 / 0.35 + 0.02), name
         seen.append(value(samples, "gpuio_gpu_sm_active_seconds_total"))
+        time.sleep(0.05)
     assert seen == sorted(seen)
     assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_sm_activity_is_counted_window_by_window_because_gpm_weighs_it_by_sm_cycles() -> None:
+    """GPM's SM ratios are shares of elapsed SM cycles and the clock follows the load (H100: 345 MHz idle,
+    1980 MHz busy).  An average since a long-lived baseline x its age then over-counts work after idle
+    (measured: an FP32 add read 1.34 SM-active seconds per second) and under-counts light work after
+    heavy (a spinning block read 0).  Window by window, each reads what the SMs did."""
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.gpm_refresh = 0.01
+    gpu.gpm_counters.set_clock(345)
+    collector = make(fake)
+    sweep(collector)
+    time.sleep(0.4)  # idle, at the idle clock
+    gpu.gpm_counters.set_clock(1980)
+    start = value(sweep(collector), "gpuio_gpu_sm_active_seconds_total")
+    time.sleep(0.2)
+    gpu.gpm_counters.add({2: 100 * 0.2})  # 0.2 s with every SM busy
+    time.sleep(0.03)
+    busy = value(sweep(collector), "gpuio_gpu_sm_active_seconds_total") - start
+    assert busy == pytest.approx(0.2, rel=0.15)
+    time.sleep(0.3)
+    gpu.gpm_counters.add({2: 100 / 132 * 0.3})  # 0.3 s of one thread block spinning: 1 SM of 132
+    time.sleep(0.03)
+    spin = value(sweep(collector), "gpuio_gpu_sm_active_seconds_total") - start - busy
+    assert spin == pytest.approx(0.3 / 132, rel=0.2)
 
 
 def test_a_metric_the_gpu_lacks_is_absent_not_an_error_and_not_asked_again() -> None:
@@ -482,7 +507,7 @@ def test_a_metric_the_gpu_lacks_is_absent_not_an_error_and_not_asked_again() -> 
     fake.gpm_metrics_get = lambda first, second, metrics: asked.append(list(metrics)) or real(first, second, metrics)
     time.sleep(0.02)
     samples = sweep(collector)
-    assert asked == [[2, 3, 5, 10, 20, 21]]
+    assert asked == [[2, 3, 5, 10], [20, 21]]  # the activity ratios, then the byte rates
     assert value(samples, "gpuio_gpu_pipe_active_seconds_total", pipe="tensor") >= 0
     assert not has(samples, "gpuio_gpu_pipe_active_seconds_total", pipe="fp32")
     assert not has(samples, "gpuio_gpu_media_active_seconds_total")
@@ -537,12 +562,13 @@ def test_mig_gpu_instances_have_their_own_activity_counters() -> None:
     collector = make(FakeNvml([gpu]))
     sweep(collector)
     time.sleep(0.02)
-    first.gpm_counters.add({2: 80 * 1.0, 5: 60 * 1.0})  # instance 1 works for 1 s; instance 2 idles
-    time.sleep(0.05)
+    time.sleep(0.1)
+    first.gpm_counters.add({2: 80 * 0.1, 5: 60 * 0.1})  # instance 1 works for 0.1 s; instance 2 idles
+    time.sleep(0.02)
     samples = sweep(collector)
-    assert value(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="1") == pytest.approx(0.8, rel=0.3)
+    assert value(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="1") == pytest.approx(0.08, rel=0.3)
     assert value(samples, "gpuio_gpu_mig_pipe_active_seconds_total", gpu_instance="1",
-                 pipe="tensor") == pytest.approx(0.6, rel=0.3)
+                 pipe="tensor") == pytest.approx(0.06, rel=0.3)
     assert value(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="2") == 0
     assert has(samples, "gpuio_gpu_mig_dram_active_seconds_total", gpu_instance="2")
     assert has(samples, "gpuio_gpu_mig_device_info", mig_uuid="MIG-b", gpu_instance="2")  # the join to mig_uuid
@@ -552,28 +578,106 @@ def test_mig_gpu_instances_have_their_own_activity_counters() -> None:
     assert not has(samples, "gpuio_gpu_mig_sm_active_seconds_total", gpu_instance="2")
 
 
-def test_per_process_busy_seconds_integrate_each_process_share_for_the_listed_processes() -> None:
+def now_us() -> int:
+    return int(time.time() * 1e6)  # NVML stamps per-process samples with the wall clock
+
+
+def timed_sweep(collector: NvmlCollector) -> tuple[Samples, float, float]:
+    started = time.time()
+    samples = sweep(collector)
+    return samples, started, time.time()
+
+
+def test_per_process_busy_holds_each_process_last_period_over_the_interval_for_the_listed_processes() -> None:
+    """NVML answers each process's last sample period; the collector counts it over the time since its
+    previous call, for the processes the list shows (cap 2: the third has no series)."""
     fake = FakeNvml(h100s(1))
     gpu = fake.gpus[0]
     gpu.processes = [ProcessInfo(101, 3 * GIB), ProcessInfo(102, 2 * GIB), ProcessInfo(103, GIB)]
     gpu.process_names = {101: "engine-a", 102: "engine-b", 103: "small"}
     collector = make(fake, max_processes=2)
-    now = gpu.add_process_samples(1_000_000, 30, {101: (100, 40)})  # before the exporter: not counted
-    sweep(collector)
-    now = gpu.add_process_samples(now, 12, {101: (75, 30), 102: (25, 5), 103: (10, 0)})  # 2 s
-    samples = sweep(collector)
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101",
-                 process_name="engine-a") == pytest.approx(1.5, rel=0.02)
-    assert value(samples, "gpuio_gpu_process_memory_busy_seconds_total", pid="101") == pytest.approx(0.6, rel=0.02)
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(0.5, rel=0.02)
+    gpu.add_process_samples(now_us(), 1, {101: (100, 40)})  # before the exporter: not counted
+    _, _, first_end = timed_sweep(collector)
+    time.sleep(0.2)
+    gpu.add_process_samples(now_us(), 1, {101: (75, 30), 102: (25, 5), 103: (10, 0)})
+    samples, second_start, second_end = timed_sweep(collector)
+    a = value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101", process_name="engine-a")
+    assert 0.75 * (second_start - first_end) <= a <= 0.75 * (second_end - first_end + 0.01)
+    assert value(samples, "gpuio_gpu_process_memory_busy_seconds_total", pid="101") == pytest.approx(a * 30 / 75)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(a / 3)
     assert not has(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="103")  # left out by the cap
-    samples = sweep(collector)  # nothing new: NotFound, the counters hold
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == pytest.approx(1.5, rel=0.02)
-    gpu.add_process_samples(now, 6, {102: (50, 0)})  # 1 s: 101 idle now
-    samples = sweep(collector)
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == pytest.approx(1.5, rel=0.02)
-    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="102") == pytest.approx(1.0, rel=0.02)
+    time.sleep(0.05)
+    samples = sweep(collector)  # no newer period: NotFound, nothing ran, the counters hold
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == a
     assert not has(samples, "gpuio_gpu_nvml_errors_total")
+
+
+def test_a_process_starting_after_idle_is_counted_from_the_previous_call_not_over_the_idle_stretch() -> None:
+    """NotFound (nothing ran in NVML's last period) is an idle interval.  Holding the first busy period
+    after it over the whole stretch since the last answer counted a process that had just started as
+    busy through seconds of idle."""
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.processes = [ProcessInfo(101, GIB)]
+    collector = make(fake)
+    gpu.add_process_samples(now_us(), 1, {101: (100, 0)})
+    sweep(collector)  # the baseline
+    for _ in range(3):  # idle: three sweeps answered NotFound
+        time.sleep(0.1)
+        sweep(collector)
+    _, idle_start, _ = timed_sweep(collector)
+    time.sleep(0.1)
+    gpu.add_process_samples(now_us(), 1, {101: (100, 0)})  # it runs now
+    samples, _, end = timed_sweep(collector)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") <= end - idle_start
+
+
+def test_per_process_series_stay_through_failed_calls_and_go_only_where_the_driver_lacks_the_call() -> None:
+    """A refusal about the moment (Timeout, NoPermission) is counted and asked again, the series and
+    their values kept (a flickering series breaks rate(), and one refusal must not remove the families
+    until NVML restarts); NotSupported means this GPU or driver lacks it: absent, not zero."""
+    fake = FakeNvml(h100s(1))
+    gpu = fake.gpus[0]
+    gpu.processes = [ProcessInfo(101, GIB)]
+    collector = make(fake)
+    gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_NO_PERMISSION
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == 0
+    assert value(samples, "gpuio_gpu_nvml_errors_total", call="process_utilization", error="NoPermission") == 1
+    del gpu.errors["device_process_utilization"]
+    gpu.add_process_samples(now_us(), 1, {101: (50, 0)})
+    sweep(collector)  # answered now: the baseline
+    time.sleep(0.05)
+    gpu.add_process_samples(now_us(), 1, {101: (50, 0)})
+    before = value(sweep(collector), "gpuio_gpu_process_sm_busy_seconds_total", pid="101")
+    assert before > 0
+    gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_TIMEOUT
+    samples = sweep(collector)
+    assert value(samples, "gpuio_gpu_process_sm_busy_seconds_total", pid="101") == before
+    assert value(samples, "gpuio_gpu_nvml_errors_total", call="process_utilization", error="Timeout") == 1
+    gpu.errors["device_process_utilization"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    samples = sweep(collector)
+    assert not has(samples, "gpuio_gpu_process_sm_busy_seconds_total")
+    assert has(samples, "gpuio_gpu_process_memory_used_bytes", pid="101")
+
+
+def test_process_busy_skips_stale_and_garbage_samples() -> None:
+    """NVML has been seen to return samples older than the timestamp passed and figures above 100 %
+    (nvtop filters both): neither is counted; of several samples of one process the newest counts."""
+    from exporter.collectors.nvml import ProcessBusy
+    from exporter.nvml_device import ProcessUtilization
+
+    busy = ProcessBusy(8)
+    busy.feed([], 100.0)
+    busy.feed([ProcessUtilization(1, 100_500_000, 50, 10)], 101.0)  # 1 s at 50 %
+    assert busy.seconds[1] == pytest.approx([0.5, 0.1])
+    busy.feed([ProcessUtilization(1, 100_500_000, 90, 0),  # the same period again
+               ProcessUtilization(1, 99_000_000, 90, 0),  # older than the previous call
+               ProcessUtilization(2, 101_500_000, 255, 0),  # garbage
+               ProcessUtilization(3, 101_400_000, 20, 0), ProcessUtilization(3, 101_600_000, 40, 0)], 102.0)
+    assert busy.seconds[1] == pytest.approx([0.5, 0.1])
+    assert 2 not in busy.seconds
+    assert busy.seconds[3] == pytest.approx([0.4, 0.0])
 
 
 def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(monkeypatch) -> None:
@@ -589,10 +693,10 @@ def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(mo
     sweep(collector)
     done = 0.0
     for round_ in range(3):
-        time.sleep(0.02)
-        gpu.gpm_counters.add({2: 100 * 1.0, 21: 1024.0})  # 1 SM-active second and 1 GiB each round
-        done += 1.0
-        time.sleep(0.08)  # past GPM's refresh and past GPM_REBASE: the baseline moves at this sweep
+        time.sleep(0.06)
+        gpu.gpm_counters.add({2: 100 * 0.05, 21: 1024.0})  # 0.05 SM-active seconds and 1 GiB each round
+        done += 0.05
+        time.sleep(0.02)  # past GPM's refresh and past GPM_REBASE: the baseline moves at this sweep
         samples = sweep(collector)
         assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done, rel=0.2), round_
     before = value(samples, "gpuio_gpu_pcie_receive_bytes_total")
@@ -602,10 +706,10 @@ def test_activity_counters_carry_over_a_moved_baseline_and_a_new_nvml_session(mo
     gpu.lost = False
     time.sleep(0.02)
     sweep(collector)  # the new session's baseline
+    time.sleep(0.06)
+    gpu.gpm_counters.add({2: 100 * 0.05})
     time.sleep(0.02)
-    gpu.gpm_counters.add({2: 100 * 1.0})
-    time.sleep(0.05)
     samples = sweep(collector)
     assert fake.calls["init"] == 2
-    assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done + 1.0, rel=0.2)
+    assert value(samples, "gpuio_gpu_sm_active_seconds_total") == pytest.approx(done + 0.05, rel=0.2)
     assert value(samples, "gpuio_gpu_pcie_receive_bytes_total") >= before

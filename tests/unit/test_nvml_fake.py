@@ -14,12 +14,20 @@ as measured on an H100 with driver 580 (tests/gpu runs the same collector on the
 - GPM metrics are averages (percent, or MiB/s) between two samples; a sample holds the counters of
   GPM's last internal refresh (every 100 ms, nvml.h; measured: samples 0.04-0.54 s apart are off by up
   to 0.06 s), so the time NVML divides by is not the time between the two calls; GPM's byte counters
-  do not wrap; a metric the GPU lacks fails alone (its own return code); nvmlGpmMigSampleGet samples
+  do not wrap; the SM metrics (SM activity, occupancy, tensor and FP pipes) are shares of elapsed SM
+  *cycles*, so time at a low SM clock weighs less (DCGM documents SM activity as "the ratio of cycles";
+  measured on an H100: averaged over a stretch of idle at 345 MHz and work at 1980 MHz, SM activity x
+  the stretch's length exceeded the time the SMs worked), while DRAM and the byte rates are per time;
+  a metric the GPU lacks fails alone (its own return code); nvmlGpmMigSampleGet samples
   one GPU instance of a GPU in MIG mode (NotFound for an instance that does not exist);
 - nvmlDeviceGetNvLinkState answers per link, InvalidArgument past the last link, NotSupported on a
   GPU without NVLink;
-- nvmlDeviceGetProcessUtilization returns, per process that ran, its utilisation averaged over the
-  samples newer than the timestamp given (NotFound when there is none), stamped with the newest;
+- nvmlDeviceGetProcessUtilization returns one sample per process that had non-zero utilisation in
+  NVML's *last* sample period (nvml.h), with that period's figures and timestamp, if newer than the
+  timestamp given; NotFound otherwise.  Not an average since that timestamp: measured on an H100, two
+  processes taking turns (60 % and 20 % of every second) and a call 5 s after the previous one
+  answered only the process that ran in the last period (and with 70 ms turns each 200 ms period
+  named one of them);
 - nvmlEventSetWait returns queued events one at a time and raises Timeout when none comes in time;
 - on a GPU in MIG mode, utilisation (samples and rates) is NotSupported; MIG slots may be empty (NotFound).
 """
@@ -51,23 +59,43 @@ def error(code: int) -> Exception:
 H100_GPM = frozenset({2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 20, 21, *range(30, 37), *range(40, 47), 50, 60, 61})
 
 
-class GpmCounters:
-    """What GPM integrates: per metric, NVML's unit x seconds (percent-seconds, or MiB), over time."""
+# GPM metrics NVML computes per elapsed SM cycle: SM activity, occupancy, tensor (any, DFMA, HMMA, IMMA),
+# FP64/32/16 pipes.
+SM_CYCLE_METRICS = frozenset({2, 3, 5, 6, 7, 9, 11, 12, 13})
 
-    def __init__(self) -> None:
+
+class GpmCounters:
+    """What GPM integrates: per metric, NVML's unit x seconds (percent-seconds, or MiB), over time; for
+    the SM metrics, unit x SM cycles, with the elapsed cycles at the SM clock of the moment."""
+
+    def __init__(self, clock_mhz: float = 1980.0) -> None:
         self.history: list[tuple[float, dict[int, float]]] = [(0.0, {})]
+        self.clock: list[tuple[float, float]] = [(time.monotonic(), clock_mhz)]  # (from when, SM clock MHz)
+
+    def set_clock(self, mhz: float) -> None:
+        """The SM clock moves now (on an H100: 345 MHz idle, 1980 MHz under load)."""
+        self.clock.append((time.monotonic(), mhz))
 
     def add(self, amounts: dict[int, float]) -> None:
-        """``amounts`` more of each metric now: ``{2: 50 * 2.0}`` is 2 s with half the SMs busy."""
+        """``amounts`` more of each metric now: ``{2: 50 * 2.0}`` is 2 s with half the SMs busy (at the
+        SM clock of now: that many cycles)."""
         totals = dict(self.history[-1][1])
+        clock = self.clock[-1][1]
         for metric, amount in amounts.items():
-            totals[metric] = totals.get(metric, 0.0) + amount
+            totals[metric] = totals.get(metric, 0.0) + amount * (clock if metric in SM_CYCLE_METRICS else 1.0)
         self.history.append((time.monotonic(), totals))
 
-    def snapshot(self, refresh: float) -> tuple[float, dict[int, float]]:
-        """The counters as of GPM's last internal refresh, and when that was."""
+    def cycles(self, at: float) -> float:
+        """Elapsed SM cycles (millions) from the first clock entry to ``at``."""
+        total = 0.0
+        for (start, mhz), (end, _) in zip(self.clock, [*self.clock[1:], (at, 0.0)], strict=True):
+            total += mhz * max(0.0, min(end, at) - start)
+        return total
+
+    def snapshot(self, refresh: float) -> tuple[float, dict[int, float], float]:
+        """The counters as of GPM's last internal refresh, when that was, and the SM cycles by then."""
         tick = time.monotonic() // refresh * refresh
-        return tick, [entry for entry in self.history if entry[0] <= tick][-1][1]
+        return tick, [entry for entry in self.history if entry[0] <= tick][-1][1], self.cycles(tick)
 
 
 @dataclass
@@ -152,6 +180,7 @@ class Handle:
 class GpmSample:
     taken: float = 0.0
     counters: dict[int, float] = field(default_factory=dict)
+    cycles: float = 0.0  # elapsed SM cycles (millions) by ``taken``
     metrics: frozenset[int] = frozenset()  # what the sampled GPU (or instance) answers
 
 
@@ -362,7 +391,7 @@ class FakeNvml:
         gpu = self._device("gpm_sample_get", handle)
         if not gpu.gpm:
             raise error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        sample.taken, sample.counters = gpu.gpm_counters.snapshot(gpu.gpm_refresh)
+        sample.taken, sample.counters, sample.cycles = gpu.gpm_counters.snapshot(gpu.gpm_refresh)
         links = {metric for link in range(gpu.nvlinks) for metric in (62 + 2 * link, 63 + 2 * link)}
         sample.metrics = gpu.gpm_metrics | links
         return sample
@@ -376,23 +405,22 @@ class FakeNvml:
         mig = next((m for m in gpu.mig if m is not None and m.gpu_instance == gpu_instance), None)
         if mig is None:
             raise error(pynvml.NVML_ERROR_NOT_FOUND)
-        sample.taken, sample.counters = mig.gpm_counters.snapshot(gpu.gpm_refresh)
+        sample.taken, sample.counters, sample.cycles = mig.gpm_counters.snapshot(gpu.gpm_refresh)
         sample.metrics = frozenset({2, 3, 5, 10})
         return sample
 
     def gpm_metrics_get(self, first: GpmSample, second: GpmSample,
                         metrics: Sequence[int]) -> dict[int, float | Exception]:
         self._enter("gpm_metrics_get")
-        seconds = second.taken - first.taken
         result: dict[int, float | Exception] = {}
         for metric in metrics:
+            per = second.cycles - first.cycles if metric in SM_CYCLE_METRICS else second.taken - first.taken
             if metric not in second.metrics:
                 result[metric] = error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-            elif seconds <= 0:  # both samples from the same refresh
+            elif per <= 0:  # both samples from the same refresh
                 result[metric] = 0.0
             else:
-                moved = second.counters.get(metric, 0.0) - first.counters.get(metric, 0.0)
-                result[metric] = moved / seconds
+                result[metric] = (second.counters.get(metric, 0.0) - first.counters.get(metric, 0.0)) / per
         return result
 
     # -- every slow interval --
@@ -418,14 +446,14 @@ class FakeNvml:
 
     def device_process_utilization(self, handle: Handle, last_seen_us: int) -> list[ProcessUtilization]:
         gpu = self._device("device_process_utilization", handle)
-        newer = [(ts, shares) for ts, shares in gpu.process_samples if ts > last_seen_us]
-        if not newer:
+        last = gpu.process_samples[-1] if gpu.process_samples else None
+        if last is None or last[0] <= last_seen_us:
             raise error(pynvml.NVML_ERROR_NOT_FOUND)
-        newest = newer[-1][0]
-        pids = sorted({pid for _, shares in newer for pid in shares})
-        return [ProcessUtilization(pid, newest, sum(shares.get(pid, (0, 0))[0] for _, shares in newer) // len(newer),
-                                   sum(shares.get(pid, (0, 0))[1] for _, shares in newer) // len(newer))
-                for pid in pids]
+        timestamp, shares = last
+        ran = [(pid, sm, memory) for pid, (sm, memory) in sorted(shares.items()) if sm or memory]
+        if not ran:
+            raise error(pynvml.NVML_ERROR_NOT_FOUND)
+        return [ProcessUtilization(pid, timestamp, sm, memory) for pid, sm, memory in ran]
 
     def device_max_mig_device_count(self, handle: Handle) -> int:
         return len(self._device("device_max_mig_device_count", handle).mig)
@@ -542,3 +570,25 @@ def test_gpm_rates_are_averages_between_two_refreshes() -> None:
     rate = fake.gpm_metrics_get(first, second, [21])[21]
     assert isinstance(rate, float) and 64 / (second.taken - first.taken) == pytest.approx(rate)
     assert round((second.taken - first.taken) / 0.05) * 0.05 == pytest.approx(second.taken - first.taken)
+
+
+def test_gpm_sm_ratios_are_per_sm_cycle_and_dram_per_second() -> None:
+    """Over idle at 345 MHz then work at 1980 MHz, SM activity (per cycle) reads far above the share of
+    time the SMs worked; DRAM (per second) reads that share."""
+    fake = FakeNvml(h100s(1))
+    fake.init()
+    handle, gpu = fake.device_handle_by_index(0), fake.gpus[0]
+    gpu.gpm_refresh = 0.01
+    gpu.gpm_counters.set_clock(345)
+    first, second = fake.gpm_sample_get(handle, GpmSample()), GpmSample()
+    time.sleep(0.1)
+    gpu.gpm_counters.set_clock(1980)
+    time.sleep(0.1)
+    gpu.gpm_counters.add({2: 100 * 0.1, 10: 100 * 0.1})  # the last 0.1 s: every SM and the DRAM busy
+    time.sleep(0.02)
+    fake.gpm_sample_get(handle, second)
+    rates = fake.gpm_metrics_get(first, second, [2, 10])
+    seconds = second.taken - first.taken
+    assert rates[10] == pytest.approx(100 * 0.1 / seconds)
+    assert rates[2] == pytest.approx(100 * 0.1 * 1980 / (second.cycles - first.cycles))
+    assert rates[2] > 1.5 * rates[10]

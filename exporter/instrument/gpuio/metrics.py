@@ -2,8 +2,9 @@
 
 ``engine("resnet50")`` returns the process's :class:`EngineMetrics` for that engine (created on first
 use, one record in the spool).  Its handles (:class:`Histogram`, :class:`Counter`, :class:`Gauge`)
-are views on doubles in the shared mapping: ``observe`` is a bisect and two stores under the
-process's lock, no syscall.  Everything here is safe to call from many threads.
+are views on doubles in the shared mapping: ``observe`` is a bisect and three stores (bucket, sum and
+the file's generation, which tells the exporter the file changed) under the process's lock, no
+syscall.  Everything here is safe to call from many threads.
 
 Label sets are bounded in the writer already: at most ``MAX_ERROR_REASONS`` distinct error reasons
 per engine (later ones count as ``other``) and a top-K set of layers (see :meth:`add_layer_times`).
@@ -63,8 +64,9 @@ def _clean(text: str, limit: int) -> str:
 class _Slot:
     """Where a handle writes: the spool's values and lock (rebound after a fork).
 
-    The hot paths call the lock's bound ``acquire``/``release`` kept here, not ``with lock:``: on the
-    development VM the with-statement costs ~530 ns a call against ~230 ns (docs/engines.md).
+    The hot paths call the plain lock's bound ``acquire``/``release`` kept here, not ``with lock:``: on
+    the development VM the with-statement costs ~530 ns a call against ~230 ns (docs/engines.md).  So
+    they store the file's generation themselves (``GENERATION``) before releasing.
     """
 
     __slots__ = ("_values", "_lock", "_acquire", "_release")
@@ -73,7 +75,10 @@ class _Slot:
         self._values = file.values
         self._lock = file.lock
         self._acquire = file.lock.acquire
-        self._release = file.lock.release
+        self._release = file.lock.release_quietly
+
+
+GENERATION = fmt.GENERATION_INDEX
 
 
 class Histogram(_Slot):
@@ -90,10 +95,10 @@ class Histogram(_Slot):
         """``observe`` as a closure over this handle's slots: the hot path reads no attribute
         (each costs ~30 ns here, and observe() has a 1 µs budget)."""
         values, first, total, bounds = self._values, self._first, self._sum, self._bounds
-        acquire, release = self._acquire, self._release
+        acquire, release, generation = self._acquire, self._release, GENERATION
 
         def observe(value: float) -> None:
-            """Record one observation: a bisect and two stores into the spool's mapping, no syscall."""
+            """Record one observation: a bisect and three stores into the spool's mapping, no syscall."""
             if value != value:  # NaN would poison the sum forever
                 return
             index = first + bisect_left(bounds, value)  # le semantics: value <= bound
@@ -101,6 +106,7 @@ class Histogram(_Slot):
             try:
                 values[index] += 1.0
                 values[total] += value
+                values[generation] += 1.0
             finally:
                 release()
 
@@ -123,9 +129,11 @@ class Counter(_Slot):
     def inc(self, amount: float = 1.0) -> None:
         if not amount >= 0:  # also refuses NaN
             raise ValueError("counters only go up")
+        values = self._values
         self._acquire()
         try:
-            self._values[self._index] += amount
+            values[self._index] += amount
+            values[GENERATION] += 1.0
         finally:
             self._release()
 
@@ -141,9 +149,11 @@ class Gauge(_Slot):
         self._index = index
 
     def inc(self, amount: float = 1.0) -> None:
+        values = self._values
         self._acquire()
         try:
-            self._values[self._index] += amount
+            values[self._index] += amount
+            values[GENERATION] += 1.0
         finally:
             self._release()
 
@@ -151,7 +161,13 @@ class Gauge(_Slot):
         self.inc(-amount)
 
     def set(self, value: float) -> None:
-        self._values[self._index] = float(value)
+        values = self._values
+        self._acquire()
+        try:
+            values[self._index] = float(value)
+            values[GENERATION] += 1.0
+        finally:
+            self._release()
 
     def value(self) -> float:
         return self._values[self._index]
@@ -167,6 +183,10 @@ class GpuTimer(Protocol):
     def seconds(self) -> float | None: ...
 
 
+_perf_counter = time.perf_counter
+_new_inference = object.__new__
+
+
 class Inference:
     """One timed inference: ``with metrics.infer(batch_size=8): ...`` (enqueue and synchronise inside).
 
@@ -176,20 +196,20 @@ class Inference:
 
     __slots__ = ("_metrics", "_batch", "_timer", "_first", "_start", "_stopped", "latency")
 
-    def __init__(self, metrics: EngineMetrics, batch_size: int | None, timer: GpuTimer | None, first: bool) -> None:
+    def __init__(self, metrics: EngineMetrics, batch_size: int | None = None, timer: GpuTimer | None = None,
+                 first: bool = False) -> None:
         self._metrics = metrics
         self._batch = batch_size
         self._timer = timer
         self._first = first
         self._stopped = False
-        self._start = 0.0
         self.latency: float | None = None
 
     def __enter__(self) -> Inference:
-        self._metrics.in_flight.inc()
+        self._metrics._begin()
         if self._timer is not None:
             self._timer.start()
-        self._start = time.perf_counter()
+        self._start = _perf_counter()
         return self
 
     def enqueued(self) -> None:
@@ -199,14 +219,14 @@ class Inference:
             self._stopped = True
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        elapsed = time.perf_counter() - self._start
+        elapsed = _perf_counter() - self._start
         metrics = self._metrics
-        metrics.in_flight.dec()
         if exc is not None:
+            metrics.in_flight.dec()
             metrics.error(error_reason(exc))
             return
         self.latency = elapsed
-        metrics.inference_seconds.observe(elapsed)
+        metrics._finish(elapsed)
         if self._first:
             metrics.first_inference_seconds.observe(elapsed)
         if self._batch is not None:
@@ -216,6 +236,75 @@ class Inference:
             gpu = self._timer.seconds()
             if gpu is not None:
                 metrics.inference_gpu_seconds.observe(gpu)
+
+
+def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int
+                     ) -> tuple[Callable[[], None], Callable[[float], None], type[Inference]]:
+    """What ``with infer():`` stores on entry and on success, one lock section each: in flight up; then
+    in flight down and the latency observed together (the handles would take the lock twice).  And the
+    class of a plain ``infer()`` (no batch size, GPU timer or first): its ``__enter__`` and ``__exit__``
+    are these steps themselves, closures over the slots (a budget of 1 us leaves no room for a method
+    call or an attribute lookup that can be avoided)."""
+    values, acquire, release, generation = file.values, file.lock.acquire, file.lock.release_quietly, GENERATION
+    in_flight = base + fmt.ENGINE_LAYOUT.gauges["in_flight"]
+    first, total, bounds = fmt.ENGINE_LAYOUT.histograms["inference_seconds"]
+    first, total = base + first, base + total
+    perf_counter = _perf_counter
+
+    def begin() -> None:
+        acquire()
+        try:
+            values[in_flight] += 1.0
+            values[generation] += 1.0
+        finally:
+            release()
+
+    def finish(seconds: float) -> None:
+        index = first + bisect_left(bounds, seconds)  # a clock difference: never NaN
+        acquire()
+        try:
+            values[in_flight] -= 1.0
+            values[index] += 1.0
+            values[total] += seconds
+            values[generation] += 1.0
+        finally:
+            release()
+
+    def enter(self: Inference) -> Inference:
+        acquire()
+        try:
+            values[in_flight] += 1.0
+            values[generation] += 1.0
+        finally:
+            release()
+        self._start = perf_counter()
+        return self
+
+    def exit_(self: Inference, kind: type[BaseException] | None, exc: BaseException | None,
+              tb: TracebackType | None) -> None:
+        seconds = perf_counter() - self._start
+        if exc is not None:
+            metrics.in_flight.dec()
+            metrics.error(error_reason(exc))
+            return
+        self.latency = seconds
+        index = first + bisect_left(bounds, seconds)
+        acquire()
+        try:
+            values[in_flight] -= 1.0
+            values[index] += 1.0
+            values[total] += seconds
+            values[generation] += 1.0
+        finally:
+            release()
+
+    def enqueued(self: Inference) -> None:
+        """No GPU timer to stop."""
+
+    plain = type("Inference", (Inference,), {"__slots__": (), "__enter__": enter, "__exit__": exit_,
+                                             "enqueued": enqueued, "__module__": __name__,
+                                             "__doc__": Inference.__doc__})
+    return begin, finish, plain
 
 
 class EngineMetrics:
@@ -279,6 +368,7 @@ class EngineMetrics:
             setattr(self, name, Counter(file, base + index))
         for name, index in layout.gauges.items():
             setattr(self, name, Gauge(file, base + index))
+        self._begin, self._finish, self._plain_inference = _inference_steps(self, file, base)
         # Labelled records the engine had (a fork's parent file, or none yet) are made again here.
         errors, layers = list(self._errors), list(self._layers)
         self._errors, self._layers = {}, {}
@@ -311,7 +401,16 @@ class EngineMetrics:
     # --- inference -----------------------------------------------------------------------------
 
     def infer(self, batch_size: int | None = None, gpu_timer: GpuTimer | None = None, first: bool = False) -> Inference:
-        return Inference(self, batch_size, gpu_timer, first)
+        # Built without a call to __init__: ~50 ns of a budget of 1 us per inference.  A plain one needs
+        # no more than its latency (its class's steps know the rest).
+        if batch_size is None and gpu_timer is None and not first:
+            inference = _new_inference(self._plain_inference)
+            inference.latency = None
+            return inference
+        inference = _new_inference(Inference)
+        inference._metrics, inference._batch, inference._timer, inference._first = self, batch_size, gpu_timer, first
+        inference._stopped, inference.latency = False, None
+        return inference
 
     def observe_inference(self, seconds: float, batch_size: int | None = None,
                           gpu_seconds: float | None = None) -> None:

@@ -15,6 +15,8 @@ Layout (version 1, little-endian, every value 8-byte aligned)::
      24  u64 used: end of the last      72  64s  process name (argv[0] basename)
              committed record
      32  u32 pid   36 u32 reserved
+    136  f64 generation: moves up after every change of the file's values (0: a writer that does not
+             count them; its reader reads the whole file every time)
     records, appended after the header, never moved or freed:
       0  u32 record size (multiple of 8)   4 u16 kind   6 u16 key length
       8  key (utf-8, zero-padded to 8 bytes), then the payload:
@@ -38,7 +40,9 @@ mapping, under a per-process ``threading.Lock`` (Python threads; there is never 
 because nobody else writes the file).  No syscall: the kernel sees the stores only as dirty pages.
 
 Publication: a record is written in full and only then is ``used`` advanced past it, so a reader
-that honours ``used`` never sees half a record.  Histogram counts are stored per bucket (not
+that honours ``used`` never sees half a record.  Every change of a value is followed, under the same
+lock, by a store that moves ``generation`` up (``SpoolFile.lock`` does it when released): a reader
+that finds the header as it last read it skips the rest of the file.  Histogram counts are stored per bucket (not
 cumulative) and a histogram's count is the sum of its buckets, so an observation is two stores.
 
 Liveness: the writer holds ``flock(LOCK_EX)`` on its file for its whole life; the kernel drops the
@@ -90,6 +94,8 @@ MAX_RECORD_BYTES = 1 << 16
 # offsets into the header (see the module docstring)
 USED_OFFSET = 24
 DROPPED_OFFSET = 64
+GENERATION_OFFSET = 136
+GENERATION_INDEX = GENERATION_OFFSET // 8  # as an index into the file's doubles
 
 KIND_ENGINE = 1
 KIND_ERROR = 2
@@ -254,6 +260,35 @@ def process_start_ticks(pid: int | str = "self", procfs: str = "/proc") -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+class ChangeLock:
+    """The lock that serialises one process's changes to its spool file; releasing it publishes them
+    (moves the header's generation up), so the exporter re-reads exactly the files that changed.
+
+    ``acquire`` is the plain lock's; hot paths that hold it and store the generation themselves may
+    release with ``release_quietly``."""
+
+    __slots__ = ("_values", "acquire", "release_quietly", "locked")
+
+    def __init__(self) -> None:
+        lock = threading.Lock()
+        self.acquire = lock.acquire
+        self.release_quietly = lock.release
+        self.locked = lock.locked
+        self._values: memoryview[float] | None = None
+
+    def release(self) -> None:
+        values = self._values
+        if values is not None:
+            values[GENERATION_INDEX] += 1.0
+        self.release_quietly()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class SpoolFile:
     """One process's spool file, mapped shared; or, when the directory cannot be used, anonymous memory.
 
@@ -263,7 +298,7 @@ class SpoolFile:
 
     def __init__(self, directory: str | None, size: int = DEFAULT_FILE_BYTES) -> None:
         self.size = max(size, HEADER_SIZE + 4096) & ~7
-        self.lock = threading.Lock()  # serialises value updates and record appends within this process
+        self.lock = ChangeLock()  # serialises value updates and record appends within this process
         self.path: str | None = None
         self._fd: int | None = None
         self.instance = secrets.randbits(63)
@@ -271,6 +306,7 @@ class SpoolFile:
         self.start_ticks = process_start_ticks()
         self._map = self._open(directory)
         self.values = memoryview(self._map).cast("d")
+        self.lock._values = self.values
         self.used = HEADER_SIZE
         identity = pod_identity()
         if identity[1] or identity[3]:  # a pod name or UID; CONTAINER_NAME alone is too common to mean a pod
@@ -317,6 +353,7 @@ class SpoolFile:
         comm = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python").encode()[:64]
         HEADER.pack_into(target, 0, MAGIC, VERSION, HEADER_SIZE, self.size, HEADER_SIZE, self.pid, 0,
                          self.start_ticks, time.time(), self.instance, 0, comm)
+        struct.pack_into("<d", target, GENERATION_OFFSET, 1.0)  # not 0: this writer counts its changes
 
     def add_record(self, kind: int, key: str, payload_bytes: int, payload: bytes = b"") -> int | None:
         """Append a record and return the byte offset of its (zeroed) payload, or None when full.
@@ -341,6 +378,7 @@ class SpoolFile:
 
     def close(self) -> None:
         """Unmap and drop the lock; the file stays for the exporter to fold."""
+        self.lock._values = None
         with contextlib.suppress(BufferError, ValueError):
             self.values.release()
             self._map.close()
@@ -365,6 +403,7 @@ class SpoolFile:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+        self.lock._values = None
         with contextlib.suppress(BufferError, ValueError):
             self.values.release()
             self._map.close()
