@@ -34,6 +34,7 @@ from grafana_foundation_sdk.models.dashboard import (
     DataSourceRef,
     DataTransformerConfig,
     DynamicConfigValue,
+    FieldColorModeId,
     MatcherConfig,
     Threshold,
     ThresholdsMode,
@@ -169,13 +170,13 @@ PASSED = states((0, "FAILED", BAD), (1, "passed", OK))
 
 def threshold_lines(panel: timeseries.Panel, thresholds: db.ThresholdsConfig) -> timeseries.Panel:
     """A time series with its limit drawn as a dashed line and the area past it shaded."""
-    return (panel.thresholds(thresholds).color_scheme(db.FieldColor().mode("palette-classic"))
+    return (panel.thresholds(thresholds).color_scheme(db.FieldColor().mode(FieldColorModeId.PALETTE_CLASSIC))
             .thresholds_style(GraphThresholdsStyleConfig().mode(GraphTresholdsStyleMode.DASHED_AND_AREA)))
 
 
 def series_limits(panel: timeseries.Panel, limits: dict[str, db.ThresholdsConfig]) -> timeseries.Panel:
     """A time series whose series (by display name) each have their own limit, drawn as a dashed line."""
-    panel = panel.color_scheme(db.FieldColor().mode("palette-classic"))
+    panel = panel.color_scheme(db.FieldColor().mode(FieldColorModeId.PALETTE_CLASSIC))
     for name, thresholds in limits.items():
         matcher, properties = override(name, thresholds=thresholds.build(),
                                        custom_thresholdsStyle={"mode": GraphTresholdsStyleMode.DASHED.value})
@@ -191,7 +192,7 @@ def timeline(title: str, description: str, *targets: prometheus.Dataquery, mappi
              .legend(VizLegendOptions().display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
                      .show_legend(True))
              .tooltip(VizTooltipOptions().mode(TooltipDisplayMode.SINGLE).sort(SortOrder.NONE))
-             .color_scheme(db.FieldColor().mode("thresholds" if thresholds else "fixed"))
+             .color_scheme(db.FieldColor().mode(FieldColorModeId.THRESHOLDS if thresholds else FieldColorModeId.FIXED))
              .thresholds(thresholds or no_limit()).fill_opacity(80).line_width(0))
     for ref, target in zip("ABCDEFGH", targets, strict=False):
         panel = panel.with_target(target.ref_id(ref))
@@ -203,7 +204,7 @@ def big_number(title: str, description: str, expr: str, unit: str, thresholds: d
     """A stat: the last value of each series, its background coloured by ``thresholds`` or ``mappings``."""
     return (stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit).span(width)
             .height(height).with_target(query(expr, legend)).thresholds(thresholds).mappings(mappings or [])
-            .color_scheme(db.FieldColor().mode("thresholds")).color_mode(BigValueColorMode.BACKGROUND)
+            .color_scheme(db.FieldColor().mode(FieldColorModeId.THRESHOLDS)).color_mode(BigValueColorMode.BACKGROUND)
             .graph_mode(BigValueGraphMode.AREA)
             .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
 

@@ -23,7 +23,7 @@ from grafana_foundation_sdk.models.common import (
     VisibilityMode,
     VizOrientation,
 )
-from grafana_foundation_sdk.models.dashboard import DataTransformerConfig
+from grafana_foundation_sdk.models.dashboard import DataTransformerConfig, FieldColorModeId
 from grafana_foundation_sdk.models.heatmap import HeatmapColorMode, HeatmapColorScale
 
 from deploy.prometheus import config as c
@@ -80,7 +80,7 @@ def ranking(title: str, description: str, expr: str, unit: str, thresholds: db.T
             .span(12).height(8)
             .with_target(prometheus.Dataquery().expr(f"topk(20, {expr})").legend_format("{{" + N + "}}").ref_id("A")
                          .instant())
-            .thresholds(thresholds).color_scheme(db.FieldColor().mode("thresholds"))
+            .thresholds(thresholds).color_scheme(db.FieldColor().mode(FieldColorModeId.THRESHOLDS))
             .display_mode(BarGaugeDisplayMode.GRADIENT).value_mode(BarGaugeValueMode.COLOR)
             .orientation(VizOrientation.HORIZONTAL).show_unfilled(True).min_viz_height(16).min_viz_width(0)
             .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
