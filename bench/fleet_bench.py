@@ -242,6 +242,26 @@ class Exposition(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def evaluations(base: str, samples: int) -> list[dict]:
+    """The rule groups with each group's and rule's evaluation time averaged over ``samples`` evaluations
+    (Prometheus reports the last one only: one sample is at the mercy of whatever else the machine did)."""
+    seen: list[list[dict]] = []
+    last = ""
+    while len(seen) < samples:
+        groups = get(base, "/api/v1/rules")["data"]["groups"]
+        stamp = max(group["lastEvaluation"] for group in groups)
+        if stamp != last:
+            seen.append(groups)
+            last = stamp
+        time.sleep(STEP / 3)
+    merged = seen[-1]
+    for g, group in enumerate(merged):
+        group["evaluationTime"] = statistics.mean(run[g]["evaluationTime"] for run in seen)
+        for r, rule in enumerate(group["rules"]):
+            rule["evaluationTime"] = statistics.mean(run[g]["rules"][r]["evaluationTime"] for run in seen)
+    return merged
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -298,6 +318,7 @@ def main() -> int:
     parser.add_argument("--disks", type=int, default=24)
     parser.add_argument("--history", type=int, default=20, help="minutes of history written as blocks")
     parser.add_argument("--live", type=int, default=3, help="minutes of live scrapes before measuring")
+    parser.add_argument("--samples", type=int, default=4, help="rule evaluations to average")
     parser.add_argument("--storm", type=float, default=0.05, help="share of nodes in a storm")
     parser.add_argument("--keep", help="keep the data here")
     args = parser.parse_args()
@@ -352,15 +373,16 @@ def main() -> int:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(args.live * 60)
-        groups = get(base, "/api/v1/rules")["data"]["groups"]
+        groups = evaluations(base, args.samples)
         up = get(base, "/api/v1/query", query='count(up{job="gpuio"} == 1)')["data"]["result"]
         print(f"live: {up[0]['value'][1] if up else 0} of {args.nodes} nodes scraped for {args.live} min")
         alerts = get(base, "/api/v1/query", query="count by (alertname, alertstate) (ALERTS)")["data"]["result"]
         print("alerts: " + (", ".join(f"{a['metric']['alertname']} {a['metric']['alertstate']} x{a['value'][1]}"
                                       for a in alerts) or "none"))
-        print(f"\n{'group / rule':<92} {'last evaluation':>16}")
+        print(f"\n{'group / rule':<92} {'evaluation':>16}")
         rule_rows: list[tuple[float, str, str]] = []
         errors: dict[str, str] = {}
+        print(f"(mean of the last {args.samples} evaluations)")
         for group in sorted(groups, key=lambda g: -g["evaluationTime"]):
             print(f"{group['name'] + ' (group, ' + str(len(group['rules'])) + ' rules)':<92} "
                   f"{group['evaluationTime'] * 1000:>13.1f} ms")
