@@ -14,7 +14,7 @@ ARGS ?=
 DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak
+.PHONY: grafana-schema gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak
 
 # gpuio (the instrumentation library, exporter/instrument/) is on no index: it is installed from here too.
 $(VENV)/.installed: pyproject.toml exporter/instrument/pyproject.toml
@@ -83,7 +83,7 @@ lint: venv
 	# The Grafana SDK needs 3.11 (StrEnum); the dashboards are generated at build time, not on nodes.
 	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py deploy/generate.py
 
-test: venv system-deps lint
+test: venv system-deps lint grafana-schema
 	$(PY) -m pytest -q -rs tests
 
 unit: venv
@@ -94,6 +94,18 @@ bench: venv system-deps
 	$(PY) bench/engines_bench.py
 	$(PY) bench/memory_bench.py
 	$(PY) bench/smart_bench.py
+
+# Grafana's dashboard and panel schemas as JSON Schema, from the npm package @grafana/schema (the versions
+# pinned in dashboards/schema/package-lock.json), for tests/unit/test_dashboard_schema.py.  Rebuilt only
+# when the lock or the script changes; npm keeps its downloads in its own cache.
+GRAFANA_SCHEMA := dashboards/schema
+$(GRAFANA_SCHEMA)/out/.built: $(GRAFANA_SCHEMA)/package-lock.json $(GRAFANA_SCHEMA)/build.mjs
+	cd $(GRAFANA_SCHEMA) && npm ci --no-audit --no-fund --loglevel=error && node build.mjs
+	touch $@
+
+grafana-schema:
+	@command -v npm >/dev/null || $(MAKE) --no-print-directory debs DEBS="nodejs npm"
+	@$(MAKE) --no-print-directory $(GRAFANA_SCHEMA)/out/.built
 
 # Rules, dashboards and the Kubernetes objects made of them are generated from Python in one pass; the
 # output is checked in and CI fails on drift.  ARGS: e.g. --grafana-url URL --runbook-url TEMPLATE.

@@ -9,7 +9,7 @@ from grafana_foundation_sdk.builders.dashboard import Dashboard
 
 from deploy.prometheus import config
 
-from . import disk_health, disk_io, engines, gpu, starvation
+from . import disk_health, disk_io, engines, fleet, gpu, starvation
 from .common import render
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,7 +21,10 @@ BOARDS: dict[str, Callable[[], Dashboard]] = {
     config.GPU_UID: gpu.build,
     config.ENGINES_UID: engines.build,
     config.DISK_HEALTH_UID: disk_health.build,
+    fleet.FLEET_UID: fleet.build,
 }
+# uid -> title, of every board
+TITLES = {**config.DASHBOARD_TITLES, fleet.FLEET_UID: fleet.FLEET_TITLE}
 
 
 def rendered() -> dict[str, str]:

@@ -10,16 +10,38 @@ import json
 from collections.abc import Iterable
 
 from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
-from grafana_foundation_sdk.builders.common import VizLegendOptions, VizTooltipOptions
+from grafana_foundation_sdk.builders import prometheus, stat, statetimeline, table, timeseries
+from grafana_foundation_sdk.builders.common import (
+    GraphThresholdsStyleConfig,
+    ReduceDataOptions,
+    VizLegendOptions,
+    VizTooltipOptions,
+)
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, SortOrder, TooltipDisplayMode
+from grafana_foundation_sdk.models.common import (
+    BigValueColorMode,
+    BigValueGraphMode,
+    GraphTresholdsStyleMode,
+    LegendDisplayMode,
+    LegendPlacement,
+    SortOrder,
+    TooltipDisplayMode,
+    VisibilityMode,
+)
 from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DashboardLinkType,
     DataSourceRef,
     DataTransformerConfig,
+    DynamicConfigValue,
+    FieldColorModeId,
+    MatcherConfig,
+    Threshold,
+    ThresholdsMode,
+    ValueMap,
+    ValueMappingResult,
     VariableHide,
+    VariableOption,
     VariableRefresh,
     VariableSort,
 )
@@ -28,9 +50,14 @@ from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 from deploy.prometheus import config as c
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-# Every panel query: gpuio's job, the chosen node.  `$__rate_interval` in every rate(): Grafana makes it
-# at least four scrape intervals, so a rate() never sees fewer than two samples.
-NODE = f'{c.SELECTOR},{c.NODE_LABEL}=~"$instance"'
+# The label that names a Prometheus (or a cluster) where one Grafana looks at several, the mixins'
+# convention: set as an external label, or added by the federation or remote-write that gathers them.
+# A matcher `cluster=~".*"` also matches series that have no such label, so one Prometheus needs nothing.
+CLUSTER_LABEL = "cluster"
+CLUSTER = f'{CLUSTER_LABEL}=~"$cluster"'
+# Every panel query: gpuio's job, the chosen cluster and node.  `$__rate_interval` in every rate():
+# Grafana makes it at least four scrape intervals, so a rate() never sees fewer than two samples.
+NODE = f'{c.SELECTOR},{CLUSTER},{c.NODE_LABEL}=~"$instance"'
 DEVICE = f'{NODE},device=~"$device"'
 RATE = "$__rate_interval"
 
@@ -83,6 +110,7 @@ def value_table(title: str, description: str, expr: str, hide: list[str], width:
     """An instant query shown as a table, one row per series, its labels as columns."""
     exclude = {name: True for name in ["Time", "Value", "__name__", *hide]}
     return (table.Panel().title(title).description(description).datasource(DATASOURCE).span(width).height(height)
+            .frame_index(0).show_header(True)
             .with_target(table_query(expr))
             .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": exclude})))
 
@@ -92,14 +120,124 @@ def single_stat(title: str, description: str, expr: str, unit: str, width: int =
             .span(width).height(height).with_target(query(expr)))
 
 
+# --- colours, thresholds, value mappings ------------------------------------------------------------
+OK, INFO, WARN, BAD, UNKNOWN = "green", "blue", "orange", "red", "purple"
+
+
+def limit(value: float, below: bool = False) -> db.ThresholdsConfig:
+    """Green on one side of an alert's limit, red from it on (red *under* it when ``below``).  Pass the
+    number the rule uses (deploy/prometheus/config.py): tests/unit/test_dashboard_thresholds.py checks
+    that each board's limit is a constant of the alert its panel names."""
+    steps = [Threshold(None, BAD), Threshold(value, OK)] if below else [Threshold(None, OK), Threshold(value, BAD)]
+    return db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(steps)
+
+
+def no_limit() -> db.ThresholdsConfig:
+    return db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps([Threshold(None, OK)])
+
+
+def states(*values: tuple[float, str, str]) -> list:
+    """A value mapping of a state series: (value, text, colour) for each value it takes."""
+    return [ValueMap({f"{value:g}": ValueMappingResult(text=text, color=color, index=index)
+                      for index, (value, text, color) in enumerate(values)})]
+
+
+UP = states((0, "down", BAD), (1, "up", OK))
+
+
+def state_set(metric: str, selector: str, by: str, values: list[tuple[str, str]]) -> tuple[str, list]:
+    """A state-set family (one series per state, 1 for the current one) as one series per ``by`` whose
+    value codes the current state (1, 2, ... in the order of ``values``: (state, colour)), and the value
+    mapping that names and colours the codes."""
+    terms = [f'{code} * {metric}{selector[:-1]},state="{state}"}}' for code, (state, _) in enumerate(values, 1)]
+    expr = f"max by ({c.NODE_LABEL}, {by}) (\n  " + "\n  or ".join(terms) + "\n) > 0"
+    return expr, states(*((code, state, colour) for code, (state, colour) in enumerate(values, 1)))
+
+
+# gpuio_scrape_collector_state, its states and their colours (exporter/scrape docs).
+COLLECTOR_STATES = [("ok", OK), ("absent", INFO), ("pending", INFO), ("stale", WARN), ("failing", BAD)]
+
+
+def collector_states(width: int = 12, height: int = 6) -> statetimeline.Panel:
+    expr, mappings = state_set("gpuio_scrape_collector_state", sel(), "collector", COLLECTOR_STATES)
+    return timeline("Collectors", "State of each collector at each scrape: ok; absent (no such source on this "
+                    "node: not a failure); pending (its first background read has not finished); stale (its "
+                    "background data is older than it should be: values shown are old); failing (it failed in "
+                    "this scrape; GpuioCollectorFailing fires when most scrapes fail). A hole: no scrape.",
+                    query(expr, "{{collector}}"), mappings=mappings, width=width, height=height)
+PASSED = states((0, "FAILED", BAD), (1, "passed", OK))
+
+
+def threshold_lines(panel: timeseries.Panel, thresholds: db.ThresholdsConfig) -> timeseries.Panel:
+    """A time series with its limit drawn as a dashed line and the area past it shaded."""
+    return (panel.thresholds(thresholds).color_scheme(db.FieldColor().mode(FieldColorModeId.PALETTE_CLASSIC))
+            .thresholds_style(GraphThresholdsStyleConfig().mode(GraphTresholdsStyleMode.DASHED_AND_AREA)))
+
+
+def series_limits(panel: timeseries.Panel, limits: dict[str, db.ThresholdsConfig]) -> timeseries.Panel:
+    """A time series whose series (by display name) each have their own limit, drawn as a dashed line."""
+    panel = panel.color_scheme(db.FieldColor().mode(FieldColorModeId.PALETTE_CLASSIC))
+    for name, thresholds in limits.items():
+        matcher, properties = override(name, thresholds=thresholds.build(),
+                                       custom_thresholdsStyle={"mode": GraphTresholdsStyleMode.DASHED.value})
+        panel = panel.with_override(matcher, properties)
+    return panel
+
+
+def timeline(title: str, description: str, *targets: prometheus.Dataquery, mappings: list,
+             width: int = 12, height: int = 8, thresholds: db.ThresholdsConfig | None = None) -> statetimeline.Panel:
+    """A state timeline: one lane per series, each value coloured by ``mappings`` (else ``thresholds``)."""
+    panel = (statetimeline.Panel().title(title).description(description).datasource(DATASOURCE).span(width)
+             .height(height).mappings(mappings).show_value(VisibilityMode.NEVER).merge_values(True).row_height(0.9)
+             .legend(VizLegendOptions().display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
+                     .show_legend(True))
+             .tooltip(VizTooltipOptions().mode(TooltipDisplayMode.SINGLE).sort(SortOrder.NONE))
+             .color_scheme(db.FieldColor().mode(FieldColorModeId.THRESHOLDS if thresholds else FieldColorModeId.FIXED))
+             .thresholds(thresholds or no_limit()).fill_opacity(80).line_width(0))
+    for ref, target in zip("ABCDEFGH", targets, strict=False):
+        panel = panel.with_target(target.ref_id(ref))
+    return panel
+
+
+def big_number(title: str, description: str, expr: str, unit: str, thresholds: db.ThresholdsConfig,
+               mappings: list | None = None, width: int = 4, height: int = 4, legend: str = "") -> stat.Panel:
+    """A stat: the last value of each series, its background coloured by ``thresholds`` or ``mappings``."""
+    return (stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit).span(width)
+            .height(height).with_target(query(expr, legend)).thresholds(thresholds).mappings(mappings or [])
+            .color_scheme(db.FieldColor().mode(FieldColorModeId.THRESHOLDS)).color_mode(BigValueColorMode.BACKGROUND)
+            .graph_mode(BigValueGraphMode.AREA)
+            .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
+
+
+def override(field: str, **properties: object) -> tuple[MatcherConfig, list[DynamicConfigValue]]:
+    """Properties for the field (a table column, a series) named ``field``, or matching ``/regex/``."""
+    matcher = "byRegexp" if len(field) > 1 and field.startswith("/") and field.endswith("/") else "byName"
+    return (MatcherConfig(id_val=matcher, options=field),
+            [DynamicConfigValue(id_val=key.replace("_", "."), value=value) for key, value in properties.items()])
+
+
 def datasource_variable() -> db.DatasourceVariable:
     return db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+
+
+def cluster_variable() -> db.QueryVariable:
+    """The cluster (or Prometheus) to look at.  Hidden: with one Prometheus it has one value or none, and
+    "All" (``.*``) matches series without the label; where one Grafana sees several, un-hide it in
+    Grafana's variable settings (or set MULTI_CLUSTER in dashboards/common.py and regenerate)."""
+    variable = (db.QueryVariable("cluster").label("Cluster").datasource(DATASOURCE)
+                .query(f"label_values(gpuio_scrape_collector_success{{{c.SELECTOR}}}, {CLUSTER_LABEL})")
+                .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+                .include_all(True).all_value(".*"))
+    return variable if MULTI_CLUSTER else variable.hide(VariableHide.HIDE_VARIABLE)
+
+
+MULTI_CLUSTER = False
 
 
 def node_variable() -> db.QueryVariable:
     # gpuio_scrape_collector_success exists on every gpuio target, whatever collectors run.
     return (db.QueryVariable("instance").label("Node").datasource(DATASOURCE)
-            .query(f"label_values(gpuio_scrape_collector_success{{{c.SELECTOR}}}, {c.NODE_LABEL})")
+            .query(f"label_values(gpuio_scrape_collector_success{{{c.SELECTOR},{CLUSTER}}}, {c.NODE_LABEL})")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC))
 
 
@@ -123,12 +261,45 @@ GPU = 'gpu=~"$gpu"'
 ENGINE = 'engine=~"$engine"'
 
 
-def gpu_variable() -> db.QueryVariable:
-    return multi_variable("gpu", "GPU", "gpuio_gpu_info")
+def pods_of(metric: str, on: str, pod_info: str) -> str:
+    """``metric`` of the chosen node, narrowed to the chosen namespace and pod where ``pod_info`` (the
+    kubelet's or the processes' word on which pod holds what) names any: a node outside Kubernetes, or
+    one where the pod collector does not run, keeps all of them."""
+    return (f"({metric}{{{NODE}}} and on ({c.NODE_LABEL}, {on}) {pod_info}{{{NODE},{NAMESPACE},{POD}}})"
+            f" or ({metric}{{{NODE}}} unless on ({c.NODE_LABEL}) {pod_info}{{{NODE}}})")
 
 
-def engine_variable() -> db.QueryVariable:
-    return multi_variable("engine", "Engine", "gpuio_engine_info")
+NAMESPACE = 'namespace=~"$namespace"'
+POD = 'pod=~"$pod"'
+GPU_PODS = "gpuio_gpu_pod_info"
+ENGINE_PODS = "gpuio_engine_pod_info"
+
+
+def namespace_variable(pod_info: str) -> db.QueryVariable:
+    """Kubernetes namespaces of the pods on the node (empty, "All", outside Kubernetes)."""
+    return multi_variable("namespace", "Namespace", pod_info)
+
+
+def pod_variable(pod_info: str) -> db.QueryVariable:
+    return (multi_variable("pod", "Pod", pod_info)
+            .query(f"label_values({pod_info}{{{NODE},{NAMESPACE}}}, pod)").sort(VariableSort.ALPHABETICAL_ASC))
+
+
+def gpu_variable(by_pod: bool = False) -> db.QueryVariable:
+    variable = multi_variable("gpu", "GPU", "gpuio_gpu_info")
+    if by_pod:
+        # label_values() takes a series selector only: a query over an expression goes through query_result()
+        variable = (variable.query(f"query_result({pods_of('gpuio_gpu_info', 'uuid', GPU_PODS)})")
+                    .regex('/\\bgpu="([^"]+)"/'))
+    return variable
+
+
+def engine_variable(by_pod: bool = False) -> db.QueryVariable:
+    variable = multi_variable("engine", "Engine", "gpuio_engine_info")
+    if by_pod:
+        variable = (variable.query(f"query_result({pods_of('gpuio_engine_info', 'engine', ENGINE_PODS)})")
+                    .regex('/\\bengine="([^"]+)"/'))
+    return variable
 
 
 def histogram_quantile(q: float, histogram: str, selector: str, by: str = "engine") -> str:
@@ -149,9 +320,9 @@ def hidden(variable: db.QueryVariable) -> db.QueryVariable:
     return variable.hide(VariableHide.HIDE_VARIABLE)
 
 
-def board(uid: str, description: str) -> db.Dashboard:
+def board(uid: str, description: str, title: str = "") -> db.Dashboard:
     """A gpuio dashboard with its uid, title, tags, time settings and links to the other boards."""
-    return (db.Dashboard(c.DASHBOARD_TITLES[uid]).uid(uid).description(description).tags([c.DASHBOARD_TAG])
+    return (db.Dashboard(title or c.DASHBOARD_TITLES[uid]).uid(uid).description(description).tags([c.DASHBOARD_TAG])
             .editable().tooltip(DashboardCursorSync.CROSSHAIR).refresh("30s").time("now-3h", "now")
             .timezone("browser")
             .link(db.DashboardLink("gpuio").type(DashboardLinkType.DASHBOARDS).tags([c.DASHBOARD_TAG])
@@ -172,10 +343,15 @@ def engine_loads_annotation(selector: str) -> db.AnnotationQuery:
 
 def assemble(uid: str, description: str, sections: Iterable[tuple[str, list]],
              variables: Iterable[db.QueryVariable] = (),
-             annotations: Iterable[db.AnnotationQuery] = ()) -> db.Dashboard:
-    """A gpuio board: datasource and node variables, then ``variables``; firing alerts, then
-    ``annotations``; then each (row title, panels) of ``sections``."""
-    dashboard = board(uid, description).with_variable(datasource_variable()).with_variable(node_variable())
+             annotations: Iterable[db.AnnotationQuery] = (), title: str = "", all_nodes: bool = False) -> db.Dashboard:
+    """A gpuio board: datasource, cluster and node variables (one node, or any and all with ``all_nodes``),
+    then ``variables``; firing alerts, then ``annotations``; then each (row title, panels) of ``sections``."""
+    nodes = node_variable()
+    if all_nodes:
+        nodes = nodes.multi(True).include_all(True).all_value(".+").current(
+            VariableOption(selected=True, text="All", value="$__all"))
+    dashboard = (board(uid, description, title).with_variable(datasource_variable())
+                 .with_variable(cluster_variable()).with_variable(nodes))
     for variable in variables:
         dashboard = dashboard.with_variable(variable)
     dashboard = dashboard.annotation(alerts_annotation())
@@ -186,9 +362,30 @@ def assemble(uid: str, description: str, sections: Iterable[tuple[str, list]],
     return dashboard
 
 
+# Fields the SDK writes on every variable that Grafana's schema knows only on interval variables (auto*)
+# or not at all (id), and the dashboard's `style`, which Grafana dropped in 9 (schema 36 still had it).
+_NOT_IN_GRAFANAS_SCHEMA = {"variable": ("auto", "auto_count", "auto_min", "id"), "dashboard": ("style",)}
+
+
+def _drop_fields_grafana_does_not_know(model: dict) -> None:
+    for name in _NOT_IN_GRAFANAS_SCHEMA["dashboard"]:
+        model.pop(name, None)
+    for panel in model.get("panels", []):
+        # The heatmap's tooltip changed shape in Grafana 11 (`show` became `mode`): each version's schema
+        # rejects the other's, and both default it, so the boards leave it to the Grafana that loads them.
+        if panel.get("type") == "heatmap":
+            panel.get("options", {}).pop("tooltip", None)
+    for variable in model.get("templating", {}).get("list", []):
+        if variable.get("type") != "interval":
+            for name in _NOT_IN_GRAFANAS_SCHEMA["variable"]:
+                variable.pop(name, None)
+
+
 def render(dashboard: db.Dashboard) -> str:
-    """Stable JSON text: panels numbered in order, keys sorted, a trailing newline."""
+    """Stable JSON text: panels numbered in order, keys sorted, a trailing newline; only fields Grafana's
+    dashboard schema knows (tests/unit/test_dashboard_schema.py checks it against @grafana/schema)."""
     model = json.loads(JSONEncoder(sort_keys=True).encode(dashboard.build()))
+    _drop_fields_grafana_does_not_know(model)
     number = 1
     for panel in model.get("panels", []):
         panel["id"] = number

@@ -16,17 +16,31 @@ from grafana_foundation_sdk.builders import dashboard as db
 from deploy.prometheus import config as c
 
 from .common import (
+    BAD,
+    INFO,
+    OK,
+    PASSED,
+    WARN,
     assemble,
     graph,
+    limit,
     multi_variable,
     query,
     rate,
     sel,
+    state_set,
+    threshold_lines,
+    timeline,
     value_table,
 )
 
 DEVICE = 'device=~"$device"'
 PER_DEVICE = "{{device}}"
+
+
+POLL_OUTCOME = state_set("gpuio_smart_device_state", sel(DEVICE), "device",
+                         [("ok", OK), ("asleep", INFO), ("unsupported", INFO), ("permission_denied", WARN),
+                          ("timeout", BAD), ("error", BAD)])
 
 
 def overview_panels() -> list:
@@ -35,12 +49,15 @@ def overview_panels() -> list:
         value_table("Disks", "Identity of each disk as smartctl reports it (gpuio_smart_device_info); device joins "
                     "the Disk IO board. rotational 0 is solid state.", f"gpuio_smart_device_info{d}", ["job"],
                     height=6),
-        graph("SMART overall health", "1: the disk's self-assessment passed and no attribute is failing now; "
-              "0: failed (DiskHealthDegrading fires).", "short",
-              query(f"gpuio_smart_health_passed{d}", PER_DEVICE), max_value=1),
-        graph("Last poll outcome", "The state of each disk's last poll (ok, asleep: left asleep by the power-mode "
-              "check and keeping its last values, timeout, error, permission_denied, unsupported).", "short",
-              query(f"gpuio_smart_device_state{d} == 1", f"{PER_DEVICE} {{{{state}}}}")),
+        timeline("SMART overall health", "passed: the disk's self-assessment passed and no attribute is failing "
+                 "now. FAILED: the drive itself predicts failure (DiskHealthDegrading fires). It is the drive's "
+                 "own verdict, not a prediction by gpuio: a passed disk may still be growing bad sectors (see "
+                 "below). A hole: no SMART values (asleep, unsupported or the poll failing: see the next panel).",
+                 query(f"gpuio_smart_health_passed{d}", PER_DEVICE), mappings=PASSED),
+        timeline("Last poll outcome", "Each disk's last poll: ok; asleep (left asleep by the power-mode check, "
+                 "keeping its last values); unsupported (no SMART on this device: not a fault); "
+                 "permission_denied, timeout, error (the values shown are old; GpuioSmartDataStale fires after "
+                 f"{c.SMART_STALE_FOR}).", query(POLL_OUTCOME[0], PER_DEVICE), mappings=POLL_OUTCOME[1]),
     ]
 
 
@@ -115,10 +132,12 @@ def wear_panels() -> list:
 def freshness_panels() -> list:
     d = sel(DEVICE)
     return [
-        graph("Age of the SMART values", f"Seconds since each disk's values were last read. Over "
-              f"{c.SMART_STALE_AFTER_SECONDS} s (and the disk not asleep) fires GpuioSmartDataStale: the health "
-              f"alerts are blind for that disk.", "s",
-              query(f"time() - gpuio_smart_last_success_timestamp_seconds{d}", PER_DEVICE)),
+        threshold_lines(
+            graph("Age of the SMART values", f"Seconds since each disk's values were last read. Over "
+                  f"{c.SMART_STALE_AFTER_SECONDS} s (the red line; and the disk not asleep) GpuioSmartDataStale "
+                  f"fires: the health alerts are blind for that disk. A sleeping disk's age grows by design.", "s",
+                  query(f"time() - gpuio_smart_last_success_timestamp_seconds{d}", PER_DEVICE)),
+            limit(c.SMART_STALE_AFTER_SECONDS)),
         graph("Poll duration", "How long the last poll of each disk took, all its smartctl runs together "
               "(each run has its own timeout).", "s",
               query(f"gpuio_smart_poll_duration_seconds{d}", PER_DEVICE)),

@@ -19,9 +19,11 @@ from .common import (
     device_variable,
     graph,
     guarded_ratio,
+    limit,
     query,
     rate,
     sel,
+    series_limits,
     value_table,
 )
 
@@ -85,12 +87,16 @@ def storm_panels() -> list:
 def pressure_panels() -> list:
     s = sel()
     return [
-        graph("IO pressure (PSI)",
-              "Share of time in which some task waited on IO (some), and in which all non-idle tasks did "
-              "(full), from /proc/pressure/io. No series: the kernel has no PSI (before 4.20, or booted "
-              "without psi=1).", "percentunit",
-              query(rate("gpuio_pressure_io_waiting_seconds_total", s), "io some"),
-              query(rate("gpuio_pressure_io_stalled_seconds_total", s), "io full"), max_value=1),
+        series_limits(graph(
+            "IO pressure (PSI)",
+            "Share of time in which some task waited on IO (some), and in which all non-idle tasks did "
+            f"(full), from /proc/pressure/io. At {c.IO_PRESSURE_SOME:.0%} some or {c.IO_PRESSURE_FULL:.0%} full "
+            "(the dashed lines) a slow disk counts as saturated (DiskIOStorm, NodeGPUStarvedByIO). It is the "
+            "whole node's pressure, not one disk's. No series: the kernel has no PSI (before 4.20, or booted "
+            "without psi=1).", "percentunit",
+            query(rate("gpuio_pressure_io_waiting_seconds_total", s), "io some"),
+            query(rate("gpuio_pressure_io_stalled_seconds_total", s), "io full"), max_value=1),
+            {"io some": limit(c.IO_PRESSURE_SOME), "io full": limit(c.IO_PRESSURE_FULL)}),
         graph("Memory and CPU pressure (PSI)",
               "Memory pressure often shows up as IO (page cache thrashing, reclaim); CPU pressure "
               "slows data loaders.", "percentunit",

@@ -15,15 +15,21 @@ from deploy.prometheus import rules as r
 
 from .common import (
     ENGINE,
+    ENGINE_PODS,
     assemble,
     engine_loads_annotation,
     engine_variable,
     graph,
     guarded_ratio,
     histogram_quantile,
+    limit,
+    namespace_variable,
+    pod_variable,
     query,
     rate,
     sel,
+    series_limits,
+    threshold_lines,
     value_table,
 )
 
@@ -33,12 +39,16 @@ PER_ENGINE = "{{engine}}"
 def load_panels() -> list:
     e = sel(ENGINE)
     return [
-        graph("Cold start: load time and its disk part",
-              f"Mean seconds per load (read + deserialize) and the read part, of the loads that finished in the "
-              f"last {c.ENGINE_LOAD_WINDOW} (recording rules). EngineColdStartSlow fires above "
-              f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s. Read close to the whole: the disk is the bottleneck.", "s",
-              query(f"{r.ENGINE_LOAD}{e}", f"{PER_ENGINE} load"),
-              query(f"{r.ENGINE_LOAD_READ}{e}", f"{PER_ENGINE} read")),
+        threshold_lines(graph(
+            "Cold start: load time and its disk part",
+            f"Mean seconds per load (read + deserialize) and the read part, of the loads that finished in the "
+            f"last {c.ENGINE_LOAD_WINDOW} (recording rules). EngineColdStartSlow fires above "
+            f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s (the red line). Read close to the whole: the disk is the "
+            "bottleneck. A warm load (from the page cache) counts too: a low mean is not proof the disk is fast.",
+            "s",
+            query(f"{r.ENGINE_LOAD}{e}", f"{PER_ENGINE} load"),
+            query(f"{r.ENGINE_LOAD_READ}{e}", f"{PER_ENGINE} read")),
+            limit(c.ENGINE_LOAD_SLOW_SECONDS)),
         graph("Load read and deserialize (p50, p99)", "Per-load time to read the engine file (disk or page cache) "
               "and to deserialize it, from the load histograms.", "s",
               query(histogram_quantile(0.5, "gpuio_engine_load_read_seconds", e), f"{PER_ENGINE} read p50"),
@@ -87,11 +97,14 @@ def pool_panels() -> list:
               "requests wait: the pool is too small or the GPU too slow.", "short",
               query(f"gpuio_engine_pool_contexts{e}", f"{PER_ENGINE} contexts"),
               query(f"gpuio_engine_pool_idle_contexts{e}", f"{PER_ENGINE} idle")),
-        graph("Pool wait (mean, p99)", f"Time a request waited for a free context. The starvation alert counts "
-              f"a mean over {c.ENGINE_POOL_WAIT_SECONDS * 1000:g} ms as work waiting.", "s",
-              query(guarded_ratio("gpuio_engine_pool_wait_seconds_sum", "gpuio_engine_pool_wait_seconds_count", e),
-                    f"{PER_ENGINE} mean"),
-              query(histogram_quantile(0.99, "gpuio_engine_pool_wait_seconds", e), f"{PER_ENGINE} p99")),
+        series_limits(graph(
+            "Pool wait (mean, p99)", f"Time a request waited for a free context. GPUStarvedByDiskIO counts a mean "
+            f"of {c.ENGINE_POOL_WAIT_SECONDS * 1000:g} ms or more (the dashed line on the means) as work waiting; "
+            "waiting alone is not starvation (a busy GPU with a small pool waits too).", "s",
+            query(guarded_ratio("gpuio_engine_pool_wait_seconds_sum", "gpuio_engine_pool_wait_seconds_count", e),
+                  f"{PER_ENGINE} mean"),
+            query(histogram_quantile(0.99, "gpuio_engine_pool_wait_seconds", e), f"{PER_ENGINE} p99")),
+            {"/ mean$/": limit(c.ENGINE_POOL_WAIT_SECONDS)}),
         graph("Warm-up and first inference vs. steady state", "Mean warm-up time of a context before it served, "
               "the mean first (cold) inference of a context, and the steady mean inference: warm-up is what the "
               "pool spends so that requests do not pay the first-inference cost.", "s",
@@ -155,5 +168,6 @@ def build() -> db.Dashboard:
                     "engine files and the disk and GPU behind each.",
                     (("Cold starts", load_panels()), ("Inference", inference_panels()), ("Pool", pool_panels()),
                      ("Engine files", file_panels()), ("Layers", layer_panels()), ("Spool", spool_panels())),
-                    variables=[engine_variable()],
+                    variables=[namespace_variable(ENGINE_PODS), pod_variable(ENGINE_PODS),
+                               engine_variable(by_pod=True)],
                     annotations=[engine_loads_annotation(sel(ENGINE))])

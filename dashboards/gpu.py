@@ -1,8 +1,7 @@
 """gpuio / GPU: NVML state of every GPU of one node (the nvml collector).
 
 Busy time first (the counter integrated from NVML's samples, exact at any scrape interval, beside the
-aliasing utilisation gauge) and what the SMs, pipes and memory really do (GPM, Hopper and newer), then
-what holds a GPU back: memory, heat and power, clocks and the
+aliasing utilisation gauge), then what holds a GPU back: memory, heat and power, clocks and the
 reasons they are held down, the PCIe link and its traffic, errors (Xid, ECC, remapped rows), and
 which processes hold memory on it.  Every series carries ``gpu`` (index) and ``uuid``.
 """
@@ -15,12 +14,20 @@ from deploy.prometheus import config as c
 
 from .common import (
     GPU,
+    GPU_PODS,
+    UP,
     assemble,
     gpu_variable,
     graph,
+    limit,
+    namespace_variable,
+    pod_variable,
     query,
     rate,
     sel,
+    series_limits,
+    threshold_lines,
+    timeline,
     value_table,
 )
 
@@ -30,22 +37,30 @@ PER_GPU = "GPU {{gpu}}"
 def activity_panels() -> list:
     g = sel(GPU)
     return [
-        graph("GPU busy (counter) vs. utilisation gauge",
-              "Busy: rate of gpuio_gpu_busy_seconds_total, the share of time a kernel ran, integrated from every "
-              "NVML sample (exact at any scrape interval). Gauge: NVML's utilisation of its last sample period "
-              "only; it aliases when scrapes are further apart than that period, so trust the busy line.",
-              "percentunit",
-              query(rate("gpuio_gpu_busy_seconds_total", g), f"{PER_GPU} busy"),
-              query(f"gpuio_gpu_utilization_ratio{g}", f"{PER_GPU} gauge"), max_value=1),
-        graph("SM activity, occupancy and tensor pipes (GPM)",
+        threshold_lines(graph(
+            "GPU busy (counter) vs. utilisation gauge",
+            "Busy: rate of gpuio_gpu_busy_seconds_total, the share of time a kernel ran, integrated from every "
+            "NVML sample (exact at any scrape interval). Gauge: NVML's utilisation of its last sample period "
+            "only; it aliases when scrapes are further apart than that period, so trust the busy line. Neither "
+            "is SM activity: a GPU copying an engine's weights in reads 100 % busy with no SM running. "
+            f"Under {c.GPU_BUSY_LOW:.0%} (the shaded band) while work waits on a saturated disk is what "
+            "GPUStarvedByDiskIO fires on; under it with nothing waiting is an idle GPU, not a starved one.",
+            "percentunit",
+            query(rate("gpuio_gpu_busy_seconds_total", g), f"{PER_GPU} busy"),
+            query(f"gpuio_gpu_utilization_ratio{g}", f"{PER_GPU} gauge"), max_value=1),
+            limit(c.GPU_BUSY_LOW, below=True)),
+        series_limits(graph(
+              "SM activity, occupancy and tensor pipes (GPM)",
               "What the SMs do, Hopper and newer (GPM): SM active = share of SMs with a warp resident; occupancy "
               "= resident warps over the SMs' capacity; tensor = share of time the tensor pipes worked. NVML busy "
               "reads 100 % while one thread spins or weights cross PCIe with no SM running; these do not. "
-              f"Starvation alerts count a GPU under {c.GPU_SM_ACTIVE_LOW:.0%} SM active as idle.", "percentunit",
+              f"GPUStarvedByDiskIO counts a GPU under {c.GPU_SM_ACTIVE_LOW:.0%} SM active (the dashed line) as idle, "
+              "with work waiting on saturated storage.", "percentunit",
               query(rate("gpuio_gpu_sm_active_seconds_total", g), f"{PER_GPU} SM active"),
               query(rate("gpuio_gpu_sm_occupancy_seconds_total", g), f"{PER_GPU} occupancy"),
               query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), f"{PER_GPU} tensor"),
               max_value=1),
+              {"/ SM active$/": limit(c.GPU_SM_ACTIVE_LOW, below=True)}),
         graph("Pipes (GPM)", "Share of time each pipe of the SMs worked, averaged over the SMs: tensor by kind "
               "(hmma: fp16/bf16, imma: integer, dfma: fp64) and non-tensor fp64/fp32/fp16. Pipes overlap.",
               "percentunit",
@@ -65,9 +80,13 @@ def activity_panels() -> list:
               "drivers without nvmlDeviceGetMemoryInfo_v2).", "bytes",
               query(f"gpuio_gpu_memory_used_bytes{g}", f"{PER_GPU} used"),
               query(f"gpuio_gpu_memory_total_bytes{g}", f"{PER_GPU} total")),
-        graph("GPUs up", "1 while a GPU answers NVML; 0: lost, reset required or gone from the bus (GPULost). "
-              "The count is what NVML enumerates now.", "short",
-              query(f"gpuio_gpu_up{g}", PER_GPU), query(f"gpuio_gpu_devices{sel()}", "GPUs enumerated")),
+        timeline("GPUs up", "up while a GPU answers NVML; down: lost, reset required or gone from the bus "
+                 f"(GPULost fires after {c.GPU_LOST_FOR}). A GPU gone before the exporter started has no lane "
+                 "at all: compare the count enumerated below with the node's GPUs (GPUMissing).",
+                 query(f"gpuio_gpu_up{g}", PER_GPU), mappings=UP, width=6),
+        graph("GPUs enumerated", "How many GPUs NVML enumerates now. Fewer than the node had in the last "
+              f"{c.GPU_MISSING_WINDOW} fires GPUMissing.", "short",
+              query(f"gpuio_gpu_devices{sel()}", "GPUs enumerated"), width=6),
     ]
 
 
@@ -88,11 +107,13 @@ def thermal_panels() -> list:
               query(f"gpuio_gpu_sm_clock_max_hertz{g}", f"{PER_GPU} SM max"),
               query(f"gpuio_gpu_memory_clock_hertz{g}", f"{PER_GPU} memory"),
               query(f"gpuio_gpu_memory_clock_max_hertz{g}", f"{PER_GPU} memory max")),
-        graph("Clocks held down (share of time, by reason)",
-              f"Rate of the clock-event violation counters. GPUThrottled fires when "
-              f"{', '.join(c.GPU_THROTTLE_REASONS)} hold clocks down for over {c.GPU_THROTTLE_RATIO:.0%} of "
-              f"{c.GPU_THROTTLE_WINDOW}; sw_power_cap on a fully loaded GPU is by design.", "percentunit",
-              query(rate("gpuio_gpu_clocks_event_seconds_total", g), f"{PER_GPU} {{{{reason}}}}")),
+        threshold_lines(graph(
+            "Clocks held down (share of time, by reason)",
+            f"Rate of the clock-event violation counters. GPUThrottled fires when "
+            f"{', '.join(c.GPU_THROTTLE_REASONS)} hold clocks down for over {c.GPU_THROTTLE_RATIO:.0%} (the red "
+            f"line) of {c.GPU_THROTTLE_WINDOW}; sw_power_cap on a fully loaded GPU is by design.", "percentunit",
+            query(rate("gpuio_gpu_clocks_event_seconds_total", g), f"{PER_GPU} {{{{reason}}}}")),
+            limit(c.GPU_THROTTLE_RATIO)),
         graph("Clock event reasons active now", "Each reason that holds clocks down at the last sample (1), "
               "as nvidia-smi's clocks_event_reasons.*.", "short",
               query(f"gpuio_gpu_clocks_event_reason_active{g} == 1", f"{PER_GPU} {{{{reason}}}}")),
@@ -117,10 +138,6 @@ def pcie_panels() -> list:
         graph("PCIe replays", "Link-level retransmissions per second: a steady rate points at a bad riser, "
               "slot or cable.", "short",
               query(rate("gpuio_gpu_pcie_replays_total", g), PER_GPU)),
-        graph("NVLink traffic (GPM)", "Bytes per second over all NVLink links of the GPU (none on a PCIe card); "
-              "per link in gpuio_gpu_nvlink_link_*_bytes_total.", "binBps",
-              query(rate("gpuio_gpu_nvlink_receive_bytes_total", g), f"{PER_GPU} receive"),
-              query(rate("gpuio_gpu_nvlink_transmit_bytes_total", g), f"{PER_GPU} transmit")),
     ]
 
 
@@ -138,11 +155,15 @@ def error_panels() -> list:
               query(f"gpuio_gpu_remapped_rows{g}", f"{PER_GPU} {{{{cause}}}}"),
               query(f"gpuio_gpu_remapped_rows_pending{g}", f"{PER_GPU} pending"),
               query(f"gpuio_gpu_remapped_rows_failure{g}", f"{PER_GPU} failure")),
-        graph("NVML call errors and snapshot age", "NVML calls that failed (other than unsupported), per second "
-              f"by call and error; and the age of the snapshot scrapes serve (GpuioGPUDataStale over "
-              f"{c.GPU_STALE_AFTER_SECONDS} s).", "short",
-              query(rate("gpuio_gpu_nvml_errors_total", g), f"{PER_GPU} {{{{call}}}} {{{{error}}}}"),
-              query(f"gpuio_gpu_snapshot_age_seconds{sel()}", "snapshot age (s)")),
+        graph("NVML call errors", "NVML calls that failed (other than unsupported), per second by call and "
+              "error.", "short",
+              query(rate("gpuio_gpu_nvml_errors_total", g), f"{PER_GPU} {{{{call}}}} {{{{error}}}}"), width=6),
+        threshold_lines(graph(
+            "GPU snapshot age", "Age of the NVML snapshot scrapes serve (the sampler reads every second). Over "
+            f"{c.GPU_STALE_AFTER_SECONDS} s (the red line) the GPU data is stale: a frozen busy counter would "
+            "read as an idle GPU, so no starvation alert judges the node's GPUs and GpuioGPUDataStale fires.",
+            "s", query(f"gpuio_gpu_snapshot_age_seconds{sel()}", "snapshot age"), width=6),
+            limit(c.GPU_STALE_AFTER_SECONDS)),
     ]
 
 
@@ -179,4 +200,4 @@ def build() -> db.Dashboard:
                     "and throttling, PCIe, errors, processes.",
                     (("Activity", activity_panels()), ("Heat, power and clocks", thermal_panels()),
                      ("PCIe", pcie_panels()), ("Errors", error_panels()), ("Processes", process_panels())),
-                    variables=[gpu_variable()])
+                    variables=[namespace_variable(GPU_PODS), pod_variable(GPU_PODS), gpu_variable(by_pod=True)])

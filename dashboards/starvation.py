@@ -1,49 +1,250 @@
 """gpuio / Starvation (on-call): is this node's GPU idle because a disk cannot keep up?
 
-One node, one time axis: GPU busy and SM activity next to the await, queue depth and IO pressure of the
-node's disks, the bytes coming in from disks, PCIe and NVLink, the disks gpuio judges saturated, engine
-latency and in-flight work, and what is firing.  Read it top to bottom at 3 a.m.: GPU idle (few SMs
-working)? work waiting? a disk slow and queued with tasks stalled on IO?
+Read it top to bottom at 3 a.m.  The top row answers in one look: one lane per engine on each GPU,
+coloured by the state the starvation alert judges (ok, loading, waiting for disk, starved, stale data),
+the alerts pending and firing, and a table that draws the join the alert makes: engine -> pod -> GPU ->
+disk and mount, with the GPU's busy share, the disk's await and queue against its class limits, IO
+pressure, loads in progress and page-cache residency, each cell coloured by the alerts' limits and each
+engine and disk linking to its own board.  Below: GPU and disks on one time axis, then the engines.
+
+The states are computed from the same recording rules the alerts fire on (deploy/prometheus), so the
+board and the page cannot disagree: "starved" is GPUStarvedByDiskIO's expression before its `for`.
 """
 
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import table
+from grafana_foundation_sdk.models.dashboard import DataTransformerConfig
 
 from deploy.prometheus import config as c
 from deploy.prometheus import rules as r
 
 from .common import (
+    BAD,
+    CLUSTER,
+    DATASOURCE,
     ENGINE,
     GPU,
+    INFO,
+    NODE,
+    OK,
+    UNKNOWN,
+    UP,
+    WARN,
     assemble,
+    collector_states,
     engine_loads_annotation,
     engine_variable,
     gpu_variable,
     graph,
     guarded_ratio,
     histogram_quantile,
+    limit,
+    override,
     query,
     rate,
     sel,
+    series_limits,
+    states,
+    table_query,
+    threshold_lines,
+    timeline,
     value_table,
 )
+
+# --- the join, per engine on a GPU --------------------------------------------------------------------
+KEY = f"{c.NODE_LABEL}, engine, gpu_uuid"
+# The state of an engine on a GPU, worst first.  Codes, names and colours of the state timeline.
+STARVATION_STATES = ((0, "ok", OK), (1, "loading", INFO), (2, "waiting for disk", WARN), (3, "starved", BAD),
+                     (4, "stale data", UNKNOWN))
+
+
+def _as(code: int, name: str, expr: str) -> str:
+    """``code`` for each engine x GPU of ``expr``, with a label of its own so that ``or`` keeps it."""
+    return f'label_replace({code} * group by ({KEY}) ({expr}), "state", "{name}", "", "")'
+
+
+def engine_gpu_state(engines: str = "") -> str:
+    """One series per engine on a GPU of the chosen node, its value the state code (STARVATION_STATES):
+    ok: the engine is loaded on the GPU; loading: a load of it is in progress; waiting for disk: work
+    waits on it (pool wait, in flight >= contexts, p99 over its normal, a load) while the disk or
+    network mount under its file is saturated; starved: GPUStarvedByDiskIO's condition holds (the GPU
+    is also mostly idle); stale data: the node's GPU data is stale, so none of the above can be judged."""
+    s = sel(*([engines] if engines else []))
+    loaded = f'gpuio_engine_info{s[:-1]},gpu_uuid!=""}}'
+    storage = f"({r.ENGINE_DISK_SATURATED}{sel()} or {r.ENGINE_MOUNT_SLOW}{sel()})"
+    return "\n or ".join([
+        f"max by ({KEY}) (\n 0 * group by ({KEY}) ({loaded})",
+        _as(1, "loading", f"gpuio_engine_loads_in_progress{s} > 0"),
+        _as(2, "waiting", f"{r.WORK_WAITING}{s} and on ({c.NODE_LABEL}, engine) {storage}"),
+        _as(3, "starved", f'label_replace({r.STARVED}{s}, "gpu_uuid", "$1", "uuid", "(.+)")'),
+        _as(4, "stale", f"{loaded} and on ({c.NODE_LABEL}) {r.GPU_STALE}{sel()}"),
+    ]) + "\n)"
+
+
+def engine_rows(engines: str) -> str:
+    """One series (value 1) per engine on a GPU, pod and mount: labels instance, engine, gpu_uuid, device
+    (the block device of the engine file), mountpoint, namespace, pod.  An engine with no pod (outside
+    Kubernetes) or no mount known keeps its row, without those labels."""
+    s = sel(engines)
+    # one engine file per engine on a GPU (a name loaded from two paths on one GPU shows one of them)
+    files = f'topk by ({KEY}) (1, gpuio_engine_info{s[:-1]},gpu_uuid!=""}})'
+    mounts = f"gpuio_engine_mount_info{sel()}"
+    with_mount = (f"({files} * on ({c.NODE_LABEL}, engine, path) group_left (mountpoint) {mounts}"
+                  f" or {files} unless on ({c.NODE_LABEL}, engine, path) {mounts})")
+    pods = f"group by ({KEY}, namespace, pod) (gpuio_engine_pod_info{sel()})"
+    return (f"group by ({KEY}, device, mountpoint, namespace, pod) (\n"
+            f"  {pods} * on ({KEY}) group_left (device, mountpoint) {with_mount}\n"
+            f"  or {with_mount} unless on ({KEY}) {pods}\n)")
+
+
+def per_row(rows: str, value: str, on: str = KEY) -> str:
+    """``value`` (one series per ``on``) on every table row: all columns share the rows' labels."""
+    return f"{rows}\n* on ({on}) group_left ()\n{value}"
+
+
+def _engine_file_max(value: str) -> str:
+    """The max of a per-device recorded value over the whole disks under each engine file, per engine x GPU."""
+    disks = (f'label_replace(gpuio_engine_physical_device_info{sel()}, "device", "$1", "physical_device", "(.+)")')
+    files = f'gpuio_engine_info{sel()[:-1]},gpu_uuid!=""}}'
+    per_file = f"max by ({c.NODE_LABEL}, engine, path) ({disks} * on ({c.NODE_LABEL}, device) group_left () {value})"
+    return f"max by ({KEY}) ({files} * on ({c.NODE_LABEL}, engine, path) group_left () {per_file})"
+
+
+def join_columns(engines: str) -> list[tuple[str, str]]:
+    """(column, expression) of the join table; every expression carries the rows' labels."""
+    rows = engine_rows(engines)
+    busy = f'max by ({KEY}) (label_replace({r.ENGINE_GPU_BUSY}{sel()}, "gpu_uuid", "$1", "uuid", "(.+)"))'
+    gpus = f'label_replace(gpuio_engine_info{sel()[:-1]},gpu_uuid!=""}}, "uuid", "$1", "gpu_uuid", "(.+)")'
+    sm_active = (f"max by ({KEY}) ({gpus} * on ({c.NODE_LABEL}, uuid) group_left () "
+                 f"{rate('gpuio_gpu_sm_active_seconds_total', sel())})")
+    await_ratio = _engine_file_max(f"({r.AWAIT}{sel()} / on ({c.NODE_LABEL}, device) {r.AWAIT_LIMIT}{sel()})")
+    queue_ratio = _engine_file_max(f"({r.QUEUE}{sel()} / on ({c.NODE_LABEL}, device) {r.QUEUE_LIMIT}{sel()})")
+    cached = (f"max by ({KEY}) (gpuio_engine_info{sel()[:-1]},gpu_uuid!=\"\"}} * on ({c.NODE_LABEL}, engine, path) "
+              f"group_left () gpuio_engine_file_cached_ratio{sel()})")
+    return [
+        ("state", per_row(rows, engine_gpu_state(engines))),
+        ("GPU busy", per_row(rows, busy)),
+        ("SM active", per_row(rows, sm_active)),
+        ("await / limit", per_row(rows, await_ratio)),
+        ("queue / limit", per_row(rows, queue_ratio)),
+        ("IO pressure", per_row(rows, f"{r.IO_SOME}{sel()}", on=c.NODE_LABEL)),
+        ("pool wait", per_row(rows, f"max by ({KEY}) ({r.ENGINE_POOL_WAIT}{sel()})")),
+        ("loads", per_row(rows, f"sum by ({KEY}) (gpuio_engine_loads_in_progress{sel()})")),
+        ("cached", per_row(rows, cached)),
+    ]
+
+
+def board_link(title: str, uid: str, variables: str) -> dict:
+    """A data link to another gpuio board keeping the time range, the datasource, cluster and node."""
+    return {"title": title, "targetBlank": False,
+            "url": f"/d/{uid}/{uid}?${{__url_time_range}}&var-datasource=${{datasource}}&var-cluster=${{cluster}}"
+                   f"&var-instance=${{__data.fields.{c.NODE_LABEL}}}&{variables}"}
+
+
+def join_table() -> table.Panel:
+    columns = join_columns(ENGINE)
+    state_names = states(*STARVATION_STATES)
+    panel = (table.Panel().title("Who starves whom: engine -> pod -> GPU -> disk")
+             .description(
+                 "One row per engine on a GPU (and pod, where the pods report it): the join GPUStarvedByDiskIO "
+                 "makes. GPU busy and SM active (GPM, Hopper and newer) red under their limits; await and "
+                 "queue as a share of the disk class's limit "
+                 "(red from 100 %: the disk is slow, or deeply queued, for its class; the worst of the whole "
+                 "disks under the engine file); IO pressure red from the node's limit (it is the node's, not "
+                 "the disk's); pool wait red where it counts as work waiting. A red cell alone is not "
+                 "starvation: the state column is, and it needs the GPU idle, work waiting and the storage "
+                 "saturated at once. loads: loads in progress; cached: share of the engine file in the page "
+                 "cache (1: a restart reads nothing from the disk). Click an engine or a disk for its board.")
+             .datasource(DATASOURCE).span(24).height(8).frame_index(0).show_header(True))
+    for ref, (_, expr) in zip("ABCDEFGHI", columns, strict=True):
+        panel = panel.with_target(table_query(expr, ref))
+    names = {f"Value #{ref}": column for ref, (column, _) in zip("ABCDEFGHI", columns, strict=True)}
+    panel = (panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+             .with_transformation(DataTransformerConfig(id_val="organize", options={
+                 "excludeByName": {"Time": True},
+                 "indexByName": {name: i for i, name in enumerate(
+                     ["engine", "namespace", "pod", "gpu_uuid", "device", "mountpoint", c.NODE_LABEL,
+                      *names])},
+                 "renameByName": names})))
+    cell = {"type": "color-background"}
+    for column, props in (
+        ("state", {"mappings": state_names, "custom_cellOptions": cell}),
+        ("GPU busy", {"unit": "percentunit", "thresholds": limit(c.GPU_BUSY_LOW, below=True).build(),
+                      "custom_cellOptions": cell}),
+        ("SM active", {"unit": "percentunit", "thresholds": limit(c.GPU_SM_ACTIVE_LOW, below=True).build(),
+                       "custom_cellOptions": cell}),
+        ("await / limit", {"unit": "percentunit", "thresholds": limit(1.0).build(), "custom_cellOptions": cell}),
+        ("queue / limit", {"unit": "percentunit", "thresholds": limit(1.0).build(), "custom_cellOptions": cell}),
+        ("IO pressure", {"unit": "percentunit", "thresholds": limit(c.IO_PRESSURE_SOME).build(),
+                         "custom_cellOptions": cell}),
+        ("pool wait", {"unit": "s", "thresholds": limit(c.ENGINE_POOL_WAIT_SECONDS).build(),
+                       "custom_cellOptions": cell}),
+        ("cached", {"unit": "percentunit"}),
+        ("engine", {"links": [board_link("Engine ${__value.raw}", c.ENGINES_UID,
+                                         "var-engine=${__value.raw}")]}),
+        ("device", {"links": [board_link("Disk ${__value.raw}", c.DISK_IO_UID, "var-device=${__value.raw}")]}),
+    ):
+        matcher, properties = override(column, **props)
+        panel = panel.with_override(matcher, properties)
+    return panel
+
+
+ALERT_STATES = states((1, "pending", WARN), (2, "firing", BAD))
+
+
+def alerts_table() -> table.Panel:
+    """Pending and firing alerts of the node: pending is what will page if it holds for its `for`."""
+    expr = (f'ALERTS{{alertstate=~"pending|firing",{CLUSTER},{c.NODE_LABEL}=~"$instance"}}')
+    exclude = {name: True for name in ("Time", "__name__", "job", "Value")}
+    matcher, properties = override("alertstate", custom_cellOptions={"type": "color-background"},
+                                   mappings=[{"type": "value", "options": {
+                                       "pending": {"text": "pending", "color": WARN, "index": 0},
+                                       "firing": {"text": "firing", "color": BAD, "index": 1}}}])
+    return (table.Panel().title("Alerts: pending and firing")
+            .description("Alerts of this node that hold now (Prometheus' ALERTS series), pending ones too: a "
+                         "pending alert has its condition true and waits out its `for` (a storm pages "
+                         f"{c.STORM_PAGE_FOR} after it is seen, starvation {c.STARVED_FOR}). Silenced or "
+                         "inhibited alerts are listed too: Alertmanager, not Prometheus, holds them back.")
+            .datasource(DATASOURCE).span(12).height(8).frame_index(0).show_header(True)
+            .with_target(table_query(expr))
+            .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": exclude}))
+            .with_override(matcher, properties))
+
+
+def top_row() -> list:
+    state = timeline(
+        "Engine x GPU: ok, loading, waiting for disk, starved, stale data",
+        "One lane per engine on each GPU of the node. ok: loaded, nothing waits on storage; loading: a load "
+        "is in progress; waiting for disk: work waits on the engine while the disk or network mount under "
+        "its file is saturated (DiskIOStorm's judgement); starved: the GPU is also under "
+        f"{c.GPU_BUSY_LOW:.0%} busy, GPUStarvedByDiskIO's condition (it pages after {c.STARVED_FOR}); stale "
+        "data: the node's GPU data is stale, nothing can be judged (GpuioGPUDataStale). The colours are the "
+        "alerts' own recording rules, so the board and the page agree. A hole: the engine was not loaded.",
+        query(engine_gpu_state(ENGINE), "{{engine}} on {{gpu_uuid}}"),
+        mappings=states(*STARVATION_STATES), width=12, height=8)
+    return [state, alerts_table(), join_table()]
 
 
 def gpu_panels() -> list:
     return [
-        graph("GPU busy vs. SM and tensor activity",
-              f"Busy: share of time a kernel ran (NVML, integrated from its samples). SM active: share of SMs with "
-              f"a warp resident; tensor: share of time the tensor pipes worked; DRAM: share of peak memory "
-              f"bandwidth (GPM, Hopper and newer). Busy reads 100 % while an engine's weights cross PCIe with no "
-              f"SM running: the starvation alerts count a GPU as idle under {c.GPU_BUSY_LOW:.0%} busy or under "
-              f"{c.GPU_SM_ACTIVE_LOW:.0%} SM active, with work waiting.", "percentunit",
-              query(rate("gpuio_gpu_busy_seconds_total", sel(GPU)), "GPU {{gpu}} busy"),
-              query(rate("gpuio_gpu_sm_active_seconds_total", sel(GPU)), "GPU {{gpu}} SM active"),
-              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), "GPU {{gpu}} tensor"),
-              query(rate("gpuio_gpu_dram_active_seconds_total", sel(GPU)), "GPU {{gpu}} DRAM"), max_value=1),
-        graph("GPU up", "1 while the GPU answers NVML; 0: lost, reset required or gone from the bus.", "short",
-              query(f"gpuio_gpu_up{sel(GPU)}", "GPU {{gpu}}"), max_value=1),
+        series_limits(graph(
+            "GPU busy vs. SM and tensor activity",
+            f"Busy: share of time a kernel ran (NVML, integrated from its samples). SM active: share of SMs with "
+            f"a warp resident; tensor: share of time the tensor pipes worked; DRAM: share of peak memory "
+            f"bandwidth (GPM, Hopper and newer). Busy reads 100 % while an engine's weights cross PCIe with no "
+            f"SM running: GPUStarvedByDiskIO counts a GPU as idle under {c.GPU_BUSY_LOW:.0%} busy or under "
+            f"{c.GPU_SM_ACTIVE_LOW:.0%} SM active (the dashed lines), with work waiting on saturated storage; "
+            "idle with nothing waiting is an idle GPU, not a starved one.", "percentunit",
+            query(rate("gpuio_gpu_busy_seconds_total", sel(GPU)), "GPU {{gpu}} busy"),
+            query(rate("gpuio_gpu_sm_active_seconds_total", sel(GPU)), "GPU {{gpu}} SM active"),
+            query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), "GPU {{gpu}} tensor"),
+            query(rate("gpuio_gpu_dram_active_seconds_total", sel(GPU)), "GPU {{gpu}} DRAM"), max_value=1),
+            {"/ busy$/": limit(c.GPU_BUSY_LOW, below=True), "/ SM active$/": limit(c.GPU_SM_ACTIVE_LOW, below=True)}),
+        timeline("GPU up", f"up while the GPU answers NVML; down: lost, reset required or gone from the bus "
+                 f"(GPULost fires after {c.GPU_LOST_FOR}).", query(f"gpuio_gpu_up{sel(GPU)}", "GPU {{gpu}}"),
+                 mappings=UP, height=6),
         graph("Bytes in: disks vs. PCIe and NVLink", "Read throughput of the node's disks beside the bytes the "
               "GPUs receive over PCIe (host to GPU: engine weights, inputs) and NVLink (GPM, Hopper and newer). "
               "A load that crawls off a disk shows as disk reads and PCIe receive both low while the GPU waits.",
@@ -51,6 +252,7 @@ def gpu_panels() -> list:
               query(rate("gpuio_disk_read_bytes_total", sel()), "disk {{device}} read"),
               query(rate("gpuio_gpu_pcie_receive_bytes_total", sel(GPU)), "GPU {{gpu}} PCIe receive"),
               query(rate("gpuio_gpu_nvlink_receive_bytes_total", sel(GPU)), "GPU {{gpu}} NVLink receive")),
+        collector_states(height=6),
     ]
 
 
@@ -65,10 +267,13 @@ def disk_panels() -> list:
                                   node_disks), "{{device}} w_await")),
         graph("Disk queue size (aqu-sz)", "Requests in flight or queued per device.", "short",
               query(rate("gpuio_disk_io_time_weighted_seconds_total", node_disks), "{{device}}")),
-        graph("IO pressure (PSI)", "Share of time tasks waited on IO (some) or all stalled on it (full).",
-              "percentunit",
-              query(rate("gpuio_pressure_io_waiting_seconds_total", node_disks), "io some"),
-              query(rate("gpuio_pressure_io_stalled_seconds_total", node_disks), "io full"), max_value=1),
+        series_limits(graph(
+            "IO pressure (PSI)", f"Share of time tasks waited on IO (some) or all stalled on it (full). From "
+            f"{c.IO_PRESSURE_SOME:.0%} some or {c.IO_PRESSURE_FULL:.0%} full (the dashed lines) a slow disk counts "
+            "as saturated (DiskIOStorm, GPUStarvedByDiskIO). The node's pressure, not one disk's.", "percentunit",
+            query(rate("gpuio_pressure_io_waiting_seconds_total", node_disks), "io some"),
+            query(rate("gpuio_pressure_io_stalled_seconds_total", node_disks), "io full"), max_value=1),
+            {"io some": limit(c.IO_PRESSURE_SOME), "io full": limit(c.IO_PRESSURE_FULL)}),
         graph("Saturated disks", "Disks slow for their class with a deep queue or IO pressure (what `gpuio top` "
               "flags 'saturated'); the line is the await. Empty is good.", "s",
               query(f"{r.SATURATED}{node_disks}", "{{device}}")),
@@ -102,32 +307,35 @@ def engine_panels() -> list:
         graph("Network storage: NFS READ round trip", f"Mean round trip of an NFS READ per mount (mountstats); "
               f"{c.NFS_READ_RTT_SLOW_SECONDS * 1000:g} ms or more under IO pressure is a slow mount.", "s",
               query(f"{r.NFS_READ_RTT}{sel()}", "{{mountpoint}}")),
-        graph("Engine cold starts", f"Mean load time (read + deserialize) and its read part, of the loads "
-              f"that finished in the last {c.ENGINE_LOAD_WINDOW} (recording rules); EngineColdStartSlow fires "
-              f"above {c.ENGINE_LOAD_SLOW_SECONDS:g} s.", "s",
-              query(f"{r.ENGINE_LOAD}{engines}", "{{engine}} load"),
-              query(f"{r.ENGINE_LOAD_READ}{engines}", "{{engine}} read")),
+        threshold_lines(graph(
+            "Engine cold starts", f"Mean load time (read + deserialize) and its read part, of the loads that "
+            f"finished in the last {c.ENGINE_LOAD_WINDOW} (recording rules); EngineColdStartSlow fires above "
+            f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s (the red line).", "s",
+            query(f"{r.ENGINE_LOAD}{engines}", "{{engine}} load"),
+            query(f"{r.ENGINE_LOAD_READ}{engines}", "{{engine}} read")),
+            limit(c.ENGINE_LOAD_SLOW_SECONDS)),
         graph("Pool wait (mean)", "Mean time a request waited for a free execution context in the engine "
               "pool. No line: no request acquired a context.", "s",
               query(guarded_ratio("gpuio_engine_pool_wait_seconds_sum", "gpuio_engine_pool_wait_seconds_count",
                                   engines), "{{engine}}")),
         value_table("Engines on this node", "Each engine file a live process loaded: its block device and its GPU "
                     "(gpuio_engine_info), the join the starvation alerts use.",
-                    f"gpuio_engine_info{engines}", ["job"], height=6),
+                    f"gpuio_engine_info{engines}", ["job"], width=12),
     ]
 
 
 def build() -> db.Dashboard:
-    firing = value_table("Firing alerts", "Alerts firing for this node now (Prometheus' ALERTS series).",
-                         f'ALERTS{{alertstate="firing",{c.NODE_LABEL}=~"$instance"}}', ["alertstate"], height=6)
-    busy, up, bytes_in = gpu_panels()
+    busy, up, bytes_in, collectors = gpu_panels()
     await_, queue, pressure, saturated = disk_panels()
     # GPU on the left, its disks on the right, one shared crosshair: is the GPU idle while a disk is slow?
-    sections = (("Firing", [firing]),
-                ("GPU vs. disks", [busy, await_, bytes_in, queue, up, pressure, saturated]),
+    sections = (("Now: which engine on which GPU is starved by which disk", top_row()),
+                ("GPU vs. disks", [busy, await_, bytes_in, queue, up, pressure, collectors, saturated]),
                 ("Engines", engine_panels()))
-    return assemble(c.STARVATION_UID, "Is a GPU idle because a disk cannot keep up? GPU, disks, IO pressure and "
+    return assemble(c.STARVATION_UID, "Is a GPU idle because a disk cannot keep up? Engine x GPU states, the "
+                    "engine -> pod -> GPU -> disk join with the alerts' limits, then GPU, disks, IO pressure and "
                     "engines of one node on one time axis.", sections,
-                    variables=[gpu_variable(),
-                               engine_variable()],
+                    variables=[gpu_variable(), engine_variable()],
                     annotations=[engine_loads_annotation(sel(ENGINE))])
+
+
+__all__ = ["build", "engine_gpu_state", "join_columns", "NODE", "STARVATION_STATES"]

@@ -57,7 +57,7 @@ RATE_INTERVAL = "4s"
 # Panels that show only what is wrong or active now: empty on a healthy node (no reason holds a busy GPU's
 # clocks at one instant of a 50 % duty cycle on the H100, for one).
 MAY_BE_EMPTY = {"Saturated disks", "NVMe critical warnings", "Firing alerts", "Work waiting",
-                "Clock event reasons active now"}
+                "Clock event reasons active now", "Nodes ranked by storm", "Cold starts by node and engine"}
 GPUIO_NAME = re.compile(r"(?<![:\w])gpuio_[a-z_]+")
 RECORDED_NAME = re.compile(r"\b[a-z_]+:gpuio_[a-z0-9_]+:[a-z0-9_]+")
 SMART_HOST = os.path.join(LISTINGS, "linux_multiple_devices")  # nvme0, nvme1, bus/0 (sat+megaraid,60)
@@ -181,7 +181,7 @@ def wait_for_scrapes(api: Prometheus, process: subprocess.Popen) -> None:
 def grafana_substitute(expr: str, instance: str) -> str:
     """What Grafana sends for ``expr`` with every variable on "All" and one node chosen."""
     for name, value in (("$__rate_interval", RATE_INTERVAL), ("$instance", instance), ("$device", ".+"),
-                        ("$gpu", ".*"), ("$engine", ".*")):
+                        ("$cluster", ".*"), ("$namespace", ".*"), ("$pod", ".*"), ("$gpu", ".*"), ("$engine", ".*")):
         expr = expr.replace(name, value)
     assert "$" not in expr.replace("$1", ""), f"a variable the test does not know: {expr}"
     return expr
@@ -279,6 +279,19 @@ def test_dashboard_queries_run_and_panels_have_data(prometheus, path: str) -> No
         assert result["status"] == "success", (annotation["name"], result)
     for variable in dashboard["templating"]["list"]:
         if variable["type"] != "query":
+            continue
+        if variable["query"].startswith("query_result("):
+            # query_result(<expr>) with a regex: Grafana runs the instant query, the regex picks each value
+            expr = variable["query"].removeprefix("query_result(").removesuffix(")")
+            result = api.query(grafana_substitute(expr, instance))
+            assert result["status"] == "success", (variable["name"], result)
+            pattern = re.compile(variable["regex"].strip("/"))
+            values = {match.group(1) for series in result["data"]["result"]
+                      for match in [pattern.search(json.dumps(series["metric"], separators=(",", ":"))
+                                                   .replace('":"', '="'))] if match}
+            # the GPUs or engines it lists, where the exporter serves them (no pods here: all of them)
+            if re.search(r"gpuio_[a-z_]+", expr).group(0) in served:  # type: ignore[union-attr]
+                assert values, f"variable {variable['name']} has no values"
             continue
         # label_values(<series selector>, <label>): Grafana asks for the label's values over the selector
         selector, label = variable["query"].removeprefix("label_values(").removesuffix(")").rsplit(", ", 1)

@@ -429,6 +429,43 @@ def test_benign_sequential_read_does_not_page(stack: Stack) -> None:
     assert Webhook.received[already:] == [], "the sequential read paged"
 
 
+# The Starvation board's state codes (dashboards/starvation.py STARVATION_STATES).
+BOARD_STATES = {0: "ok", 1: "loading", 2: "waiting for disk", 3: "starved", 4: "stale data"}
+
+
+def board_expr(title: str, column: str | None = None) -> str:
+    """A Starvation board panel's query (a column of the join table), as Grafana sends it for this node,
+    its recording rules renamed to this stack's variant (rate window RATE_S instead of 1m)."""
+    with open(os.path.join(REPO, "dashboards", "gpuio-starvation.json")) as handle:
+        panel = next(p for p in json.load(handle)["panels"] if p["title"].startswith(title))
+    target = panel["targets"][0]
+    if column is not None:
+        names = next(t for t in panel["transformations"] if t["id"] == "organize")["options"]["renameByName"]
+        ref = next(name for name, renamed in names.items() if renamed == column).removeprefix("Value #")
+        target = next(t for t in panel["targets"] if t["refId"] == ref)
+    expr = re.sub(r"(\b[a-z_]+:gpuio_[a-z0-9_]+:[a-z_]*?)1m\b", rf"\g<1>{VARIANT['RATE_WINDOW']}", target["expr"])
+    for name, value in (("$instance", "127.0.0.1"), ("$cluster", ".*"), ("$engine", ".*"), ("$gpu", ".*"),
+                        ("$__rate_interval", f"{RATE_S}s")):
+        expr = expr.replace(name, value)
+    return expr
+
+
+def starvation_board_during_the_storm(stack: Stack) -> None:
+    """The Starvation board's top row, its panels' own queries against this Prometheus while the storm
+    pages: every engine of the storm has its lane and its row, joined to this loop device; each is
+    loading or waiting for the disk (this machine has no GPU, so nothing can be judged starved), and the
+    engines waiting are those whose work waits while the disk is saturated."""
+    lanes = {json.loads(k)["engine"]: v for k, v in stack.query(board_expr("Engine x GPU")).items()}
+    rows = {json.loads(k)["engine"]: (json.loads(k).get("device"), v)
+            for k, v in stack.query(board_expr("Who starves whom", "state")).items()}
+    stack.report("[storm e2e] Starvation board: " + ", ".join(
+        f"{engine} {BOARD_STATES.get(int(state), state)}" for engine, state in sorted(lanes.items())))
+    assert set(lanes) == set(stack.engines), lanes
+    assert set(lanes.values()) <= {1, 2} and 2 in lanes.values(), lanes
+    assert {engine: state for engine, (_, state) in rows.items()} == lanes
+    assert {device for device, _ in rows.values()} == {stack.device}
+
+
 def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
     already = len(Webhook.received)
     before = ios(stack.device)
@@ -488,6 +525,8 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
     assert paged == [(body["groupLabels"], "page")] * len(paged)
     tickets = [b["groupLabels"] for _, b in Webhook.received[already:] if b["receiver"] == "ticket"]
     stack.report(f"[storm e2e] other notifications during the storm: tickets {tickets or 'none'}")
+
+    starvation_board_during_the_storm(stack)
 
     time.sleep(RECORD_TAIL_S)
     recording = record_storm(stack, wall_start - CALM_RECORDED_S, time.time(), wall_start)

@@ -49,8 +49,8 @@ def test_generation_is_deterministic() -> None:
 @pytest.mark.parametrize("uid", sorted(BOARDS))
 def test_board_identity_variables_and_links(uid: str) -> None:
     board = BOARDS[uid]
-    assert board["uid"] == uid and uid in c.DASHBOARD_TITLES
-    assert board["title"] == c.DASHBOARD_TITLES[uid]
+    assert board["uid"] == uid and uid in dashboards.TITLES
+    assert board["title"] == dashboards.TITLES[uid]
     assert c.DASHBOARD_TAG in board["tags"]
     variables = {variable["name"]: variable for variable in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
@@ -79,6 +79,13 @@ def test_panels_use_the_datasource_variable_the_node_and_rate_interval(uid: str)
             assert f'{c.NODE_LABEL}=~"$instance"' in expr, (panel["title"], expr)
             # raw counters go through rate() over $__rate_interval, never a fixed window
             assert set(RANGE.findall(expr)) <= {"$__rate_interval"}, (panel["title"], expr)
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_panels_fit_the_grid(uid: str) -> None:
+    """Every panel inside Grafana's 24 columns (a panel past the edge is moved, and the layout with it)."""
+    assert [panel["title"] for panel in panels(BOARDS[uid])
+            if panel["gridPos"]["x"] + panel["gridPos"]["w"] > 24] == []
 
 
 @pytest.mark.parametrize("uid", sorted(BOARDS))

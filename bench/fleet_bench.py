@@ -1,0 +1,415 @@
+"""Fleet scale: gpuio's rules and boards on a simulated fleet, timed in a real Prometheus.
+
+    python bench/fleet_bench.py                       # 100 nodes x 8 GPUs x 20 engines x 24 disks
+    python bench/fleet_bench.py --nodes 1000          # the full fleet (about 10x the time, disk and memory)
+
+1. Writes OpenMetrics text of ``--nodes`` nodes, each with ``--gpus`` GPUs, ``--engines`` engines (each on
+   one GPU, its file on the node's first NVMe disk, in one pod) and ``--disks`` disks, sampled every 15 s
+   from ``--history`` minutes ago to ``--ahead`` minutes from now.  The families and label sets are the
+   exporter's own (the engines' histograms with the instrumentation library's real bucket bounds); the
+   values are a calm fleet in which ``--storm`` of the nodes are in a cold-start storm for the last 8
+   minutes (their NVMe saturated, every engine loading from it, their GPUs idle), so that every rule has
+   work to do.  Prints the series per node and per GPU, engine and disk (the cardinality budget).
+2. Turns the text into TSDB blocks with ``promtool tsdb create-blocks-from openmetrics``.
+3. Starts Prometheus on those blocks with gpuio's rules (deploy/prometheus/rules/*.yml, 15 s evaluations):
+   since the samples reach into the future, the rules evaluate on live-looking data.  After a few
+   evaluations it prints each group's and each rule's last evaluation time, slowest first.
+4. Runs every panel query of every board (dashboards/*.json) the way Grafana sends it (one node chosen on
+   the node boards, all nodes on the Fleet board; a range query over the history at a 15 s step for
+   graphs, an instant query for tables and stats), three times, and prints the median wall time, slowest
+   first.
+
+Nothing here is asserted: the figures go in docs/performance.md ("Fleet scale").
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import http.server
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
+
+from gpuio import spool  # noqa: E402  (the instrumentation library: the engines' real histogram layout)
+
+STEP = 15
+COLLECTORS = ("diskstats", "pressure", "nvml", "smart", "engines", "mountstats", "pods")
+COLLECTOR_STATES = ("ok", "pending", "absent", "failing", "stale")
+SMART_STATES = ("ok", "asleep", "timeout", "error", "permission_denied", "unsupported")
+THROTTLE = ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown")
+LOAD_CLASSES = ("cold", "warm", "partial")
+
+
+Value = Callable[[float], float]  # the value at a sample index (0: the first sample of the history)
+
+
+def labels(**pairs: str) -> str:
+    return ",".join(f'{k}="{v}"' for k, v in pairs.items())
+
+
+class Node:
+    """One node's series: name{labels} -> a function of the sample index giving its value."""
+
+    def __init__(self, index: int, gpus: int, engines: int, disks: int, storming: bool, storm_from: int) -> None:
+        self.instance = f"node-{index:04d}:9817"
+        self.series: list[tuple[str, str, Value]] = []  # family, labels without job and instance, value
+        self.counts = {"node": 0, "gpu": 0, "engine": 0, "disk": 0}
+        self.storm_from = storm_from if storming else float("inf")
+        self._node()
+        self._disks(disks)
+        uuids = self._gpus(gpus)
+        self._engines(engines, uuids)
+
+    def add(self, kind: str, family: str, value: Value, **pairs: str) -> None:
+        self.series.append((family, labels(**pairs), value))
+        self.counts[kind] += 1
+
+    def counter(self, rate_calm: float, rate_storm: float) -> Value:
+        """A counter growing at ``rate_calm`` per second, at ``rate_storm`` from the storm on."""
+        begins = self.storm_from
+
+        def value(i: float) -> float:
+            return (rate_calm * min(i, begins) + rate_storm * max(0.0, i - begins)) * STEP
+        return value
+
+    def gauge(self, calm: float, storm_value: float) -> Value:
+        begins = self.storm_from
+        return lambda i: float(storm_value if i >= begins else calm)
+
+    # --- the parts of a node ------------------------------------------------------------------------
+    def _node(self) -> None:
+        self.add("node", "gpuio_pressure_io_waiting_seconds_total", self.counter(0.02, 0.7))
+        self.add("node", "gpuio_pressure_io_stalled_seconds_total", self.counter(0.0, 0.3))
+        self.add("node", "gpuio_pressure_memory_waiting_seconds_total", self.counter(0.0, 0.0))
+        self.add("node", "gpuio_pressure_cpu_waiting_seconds_total", self.counter(0.05, 0.05))
+        self.add("node", "gpuio_gpu_snapshot_age_seconds", self.gauge(0.5, 0.5))
+        self.add("node", "gpuio_mount_engine_loads_in_progress", self.gauge(0, 0), mountpoint="/models")
+        for collector in COLLECTORS:
+            self.add("node", "gpuio_scrape_collector_success", self.gauge(1, 1), collector=collector)
+            self.add("node", "gpuio_scrape_collector_duration_seconds", self.gauge(0.001, 0.001),
+                     collector=collector)
+            for state in COLLECTOR_STATES:
+                self.add("node", "gpuio_scrape_collector_state", self.gauge(state == "ok", state == "ok"),
+                         collector=collector, state=state)
+
+    def _disks(self, disks: int) -> None:
+        for d in range(disks):
+            device = f"nvme{d}n1"
+            stormy = d == 0
+            calm_reads, calm_await, calm_queue = 300.0, 0.0002, 0.1
+            storm = (2000.0, 0.025, 60.0) if stormy else (calm_reads, calm_await, calm_queue)
+            self.add("disk", "gpuio_disk_info", self.gauge(1, 1), device=device, major="259", minor=str(d),
+                     rotational="0")
+            self.add("disk", "gpuio_disk_reads_completed_total", self.counter(calm_reads, storm[0]), device=device)
+            self.add("disk", "gpuio_disk_read_time_seconds_total",
+                     self.counter(calm_reads * calm_await, storm[0] * storm[1]), device=device)
+            self.add("disk", "gpuio_disk_writes_completed_total", self.counter(20, 20), device=device)
+            self.add("disk", "gpuio_disk_write_time_seconds_total", self.counter(20 * 0.0001, 20 * 0.0001),
+                     device=device)
+            self.add("disk", "gpuio_disk_io_time_weighted_seconds_total", self.counter(calm_queue, storm[2]),
+                     device=device)
+            self.add("disk", "gpuio_disk_io_time_seconds_total", self.counter(0.1, 1.0 if stormy else 0.1),
+                     device=device)
+            self.add("disk", "gpuio_disk_read_bytes_total", self.counter(calm_reads * 131072, storm[0] * 131072),
+                     device=device)
+            self.add("disk", "gpuio_disk_written_bytes_total", self.counter(20 * 4096, 20 * 4096), device=device)
+            self.add("disk", "gpuio_disk_engine_loads_in_progress", self.gauge(0, 20 if stormy else 0),
+                     device=device)
+            self.add("disk", "gpuio_disk_engine_load_oldest_in_progress_seconds", self.gauge(0, 90 if stormy else 0),
+                     device=device)
+            self.add("disk", "gpuio_smart_health_passed", self.gauge(1, 1), device=device)
+            self.add("disk", "gpuio_smart_last_success_timestamp_seconds", self.gauge(time.time(), time.time()),
+                     device=device)
+            for state in SMART_STATES:
+                self.add("disk", "gpuio_smart_device_state", self.gauge(state == "ok", state == "ok"), device=device,
+                         state=state)
+
+    def _gpus(self, gpus: int) -> list[str]:
+        uuids = []
+        for g in range(gpus):
+            uuid = f"GPU-{self.instance[5:9]}-{g:04d}"
+            uuids.append(uuid)
+            gpu = {"gpu": str(g), "uuid": uuid}
+            self.add("gpu", "gpuio_gpu_info", self.gauge(1, 1), **gpu, name="NVIDIA H100 80GB HBM3")
+            self.add("gpu", "gpuio_gpu_up", self.gauge(1, 1), **gpu)
+            self.add("gpu", "gpuio_gpu_busy_seconds_total", self.counter(0.85, 0.03), **gpu)
+            self.add("gpu", "gpuio_gpu_sm_active_seconds_total", self.counter(0.7, 0.01), **gpu)
+            self.add("gpu", "gpuio_gpu_utilization_ratio", self.gauge(0.85, 0.03), **gpu)
+            self.add("gpu", "gpuio_gpu_memory_used_bytes", self.gauge(6e10, 1e10), **gpu)
+            self.add("gpu", "gpuio_gpu_memory_total_bytes", self.gauge(8.5e10, 8.5e10), **gpu)
+            self.add("gpu", "gpuio_gpu_pcie_receive_bytes_total", self.counter(1e8, 2e9), **gpu)
+            for reason in THROTTLE:
+                self.add("gpu", "gpuio_gpu_clocks_event_seconds_total", self.counter(0, 0), **gpu, reason=reason)
+        self.add("node", "gpuio_gpu_devices", self.gauge(gpus, gpus))
+        return uuids
+
+    def _engines(self, engines: int, uuids: list[str]) -> None:
+        for e in range(engines):
+            engine, uuid = f"model-{e:02d}", uuids[e % len(uuids)]
+            path = f"/models/{engine}.plan"
+            on = {"engine": engine, "gpu_uuid": uuid}
+            self.add("engine", "gpuio_engine_info", self.gauge(1, 1), engine=engine, path=path, device="nvme0n1",
+                     cuda_device=str(e % len(uuids)), gpu_uuid=uuid, runtime="tensorrt")
+            self.add("engine", "gpuio_engine_physical_device_info", self.gauge(1, 1), engine=engine, path=path,
+                     physical_device="nvme0n1")
+            self.add("engine", "gpuio_engine_mount_info", self.gauge(1, 1), engine=engine, path=path,
+                     mountpoint="/models", fstype="xfs", source="/dev/nvme0n1")
+            self.add("engine", "gpuio_engine_pod_info", self.gauge(1, 1), **on, namespace="serving",
+                     pod=f"{engine}-{self.instance[5:9]}", container="server", pod_uid=f"uid-{e}")
+            self.add("engine", "gpuio_engine_loads_in_progress", self.gauge(0, 1), **on)
+            self.add("engine", "gpuio_engine_predicted_cold_start_seconds", self.gauge(8, 45), engine=engine)
+            self.add("engine", "gpuio_engine_file_cached_ratio", self.gauge(1, 0.1), engine=engine, path=path)
+            self.add("engine", "gpuio_engine_last_load_timestamp_seconds", self.gauge(1, 1), **on)
+            for cls in LOAD_CLASSES:
+                self.add("engine", "gpuio_engine_loads_total", self.counter(0, 0.01 if cls == "cold" else 0),
+                         engine=engine, **{"class": cls})
+            self._spool(on)
+
+    def _spool(self, on: dict[str, str]) -> None:
+        """The families a process reports through the library, with its bucket bounds."""
+        for series in spool.ENGINE_SERIES:
+            if series.type == spool.HISTOGRAM:
+                calm_count, storm_count = (50.0, 2.0) if "inference" in series.name else (0.01, 0.01)
+                typical = series.bounds[len(series.bounds) // 2]
+                for bound in (*series.bounds, "+Inf"):
+                    share = 1.0 if bound == "+Inf" or bound >= typical else 0.0
+                    self.add("engine", series.name + "_bucket", self.counter(calm_count * share, storm_count * share),
+                             **on, le=str(bound))
+                self.add("engine", series.name + "_sum", self.counter(calm_count * typical, storm_count * typical),
+                         **on)
+                self.add("engine", series.name + "_count", self.counter(calm_count, storm_count), **on)
+            elif series.type == spool.COUNTER:
+                self.add("engine", series.name, self.counter(1, 1), **on)
+            else:
+                calm, storm = (4, 4) if "contexts" in series.name else (1, 4)
+                self.add("engine", series.name, self.gauge(calm, storm), **on)
+
+
+def stormy(args: argparse.Namespace) -> int:
+    return max(1, round(args.nodes * args.storm)) if args.storm else 0
+
+
+def fleet(args: argparse.Namespace) -> list[Node]:
+    storm_from = (args.history - 8) * 60 // STEP
+    return [Node(n, args.gpus, args.engines, args.disks, n < stormy(args), storm_from) for n in range(args.nodes)]
+
+
+def write_openmetrics(path: str, nodes: list[Node], samples: int, start: float) -> None:
+    """The history: every series of every node, one sample every STEP seconds from ``start``."""
+    stamps = [f"{start + i * STEP:.0f}" for i in range(samples)]
+    with open(path, "w", buffering=1 << 22) as out:
+        for node in nodes:
+            for family, pairs, value in node.series:
+                name = f'{family}{{job="gpuio",instance="{node.instance}"' + (f",{pairs}}}" if pairs else "}")
+                out.write("".join(f"{name} {value(i):.9g} {stamps[i]}\n" for i in range(samples)))
+        out.write("# EOF\n")
+
+
+class Exposition(http.server.BaseHTTPRequestHandler):
+    """Serves each node's series as an exporter would, at the current time: /metrics?node=<index>."""
+
+    nodes: list[Node] = []
+    start = 0.0
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        node = self.nodes[int(urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["node"][0])]
+        i = (time.time() - self.start) / STEP
+        body = "".join(f"{family}{{{pairs}}} {value(i):.9g}\n" if pairs else f"{family} {value(i):.9g}\n"
+                       for family, pairs, value in node.series).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def evaluations(base: str, samples: int) -> list[dict]:
+    """The rule groups with each group's and rule's evaluation time averaged over ``samples`` evaluations
+    (Prometheus reports the last one only: one sample is at the mercy of whatever else the machine did)."""
+    seen: list[list[dict]] = []
+    last = ""
+    while len(seen) < samples:
+        groups = get(base, "/api/v1/rules")["data"]["groups"]
+        stamp = max(group["lastEvaluation"] for group in groups)
+        if stamp != last:
+            seen.append(groups)
+            last = stamp
+        time.sleep(STEP / 3)
+    merged = seen[-1]
+    for g, group in enumerate(merged):
+        group["evaluationTime"] = statistics.mean(run[g]["evaluationTime"] for run in seen)
+        for r, rule in enumerate(group["rules"]):
+            rule["evaluationTime"] = statistics.mean(run[g]["rules"][r]["evaluationTime"] for run in seen)
+    return merged
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def get(base: str, path: str, **params: str) -> dict:
+    url = f"{base}{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=300) as response:
+        return json.load(response)  # type: ignore[no-any-return]
+
+
+def timed(base: str, path: str, runs: int = 3, **params: str) -> tuple[float, int]:
+    times, count = [], 0
+    for _ in range(runs):
+        began = time.perf_counter()
+        result = get(base, path, **params)
+        times.append(time.perf_counter() - began)
+        assert result["status"] == "success", result
+        count = len(result["data"]["result"])
+    return statistics.median(times), count
+
+
+def substitute(expr: str, instance: str) -> str:
+    for name, value in (("$__rate_interval", "1m"), ("$instance", instance), ("$cluster", ".*"), ("$device", ".+"),
+                        ("$gpu", ".*"), ("$engine", ".*"), ("$namespace", ".*"), ("$pod", ".*")):
+        expr = expr.replace(name, value)
+    return expr
+
+
+def panel_queries(base: str, now: float, history_s: int) -> list[tuple[float, int, str, str]]:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(REPO, "dashboards", "*.json"))):
+        with open(path) as handle:
+            board = json.load(handle)
+        instance = ".+" if board["uid"] == "gpuio-fleet" else "node-0000:9817"
+        for panel in [p for top in board["panels"] for p in (top, *top.get("panels", []))]:
+            for target in panel.get("targets", []):
+                expr = substitute(target["expr"], instance)
+                if target.get("instant") and not target.get("range"):
+                    seconds, count = timed(base, "/api/v1/query", query=expr, time=f"{now:.0f}")
+                else:
+                    seconds, count = timed(base, "/api/v1/query_range", query=expr, start=f"{now - history_s:.0f}",
+                                           end=f"{now:.0f}", step=str(STEP))
+                rows.append((seconds, count, board["uid"], f"{panel['title']} [{target['refId']}]"))
+    return sorted(rows, reverse=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=100)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--engines", type=int, default=20)
+    parser.add_argument("--disks", type=int, default=24)
+    parser.add_argument("--history", type=int, default=20, help="minutes of history written as blocks")
+    parser.add_argument("--live", type=int, default=3, help="minutes of live scrapes before measuring")
+    parser.add_argument("--samples", type=int, default=4, help="rule evaluations to average")
+    parser.add_argument("--storm", type=float, default=0.05, help="share of nodes in a storm")
+    parser.add_argument("--keep", help="keep the data here")
+    args = parser.parse_args()
+    for tool in ("promtool", "prometheus"):
+        if not shutil.which(tool):
+            print(f"{tool} not found (Debian package prometheus)", file=sys.stderr)
+            return 2
+    work = args.keep or tempfile.mkdtemp(prefix="gpuio-fleet-")
+    os.makedirs(work, exist_ok=True)
+    start = (time.time() - args.history * 60) // STEP * STEP
+    nodes = fleet(args)
+    counts = nodes[0].counts
+    per_node = sum(counts.values())
+    print(f"fleet: {args.nodes} nodes x {args.gpus} GPUs x {args.engines} engines x {args.disks} disks, "
+          f"{per_node} series per node, {per_node * args.nodes:,} in all; {stormy(args)} nodes "
+          "in a cold-start storm")
+    print("series per node: " + ", ".join(f"{k} {v}" + (f" ({v / getattr(args, k + 's'):.0f} per {k})"
+                                                         if k != "node" else "") for k, v in counts.items()))
+    # the history, as blocks; it ends a little before now, where the live scrapes take over
+    text = os.path.join(work, "fleet.om")
+    began = time.perf_counter()
+    write_openmetrics(text, nodes, args.history * 60 // STEP - 4, start)
+    size = os.path.getsize(text)
+    data = os.path.join(work, "data")
+    subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", text, data], check=True,
+                   stdout=subprocess.DEVNULL)
+    os.remove(text)
+    print(f"history: {args.history} min at {STEP} s, {size / 1e9:.1f} GB of OpenMetrics -> blocks in "
+          f"{time.perf_counter() - began:.0f} s")
+    # then live: each node served at /metrics?node=N, scraped every STEP seconds as an exporter would be
+    Exposition.nodes, Exposition.start = nodes, start
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    exporter = f"127.0.0.1:{server.server_address[1]}"
+    config = os.path.join(work, "prometheus.yml")
+    rules = sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")))
+    targets = "".join(f"      - targets: ['{exporter}']\n        labels: {{node: '{n}', name: '{node.instance}'}}\n"
+                      for n, node in enumerate(nodes))
+    with open(config, "w") as handle:
+        handle.write(f"global:\n  evaluation_interval: {STEP}s\n  scrape_interval: {STEP}s\n"
+                     "rule_files:\n" + "".join(f"  - {r}\n" for r in rules) +
+                     "scrape_configs:\n  - job_name: gpuio\n    static_configs:\n" + targets +
+                     "    relabel_configs:\n"
+                     "      - {source_labels: [node], target_label: __param_node}\n"
+                     "      - {source_labels: [name], target_label: instance}\n"
+                     "      - {regex: 'node|name', action: labeldrop}\n")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={data}",
+                                   f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=30d",
+                                   "--query.max-samples=200000000"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(args.live * 60)
+        groups = evaluations(base, args.samples)
+        up = get(base, "/api/v1/query", query='count(up{job="gpuio"} == 1)')["data"]["result"]
+        print(f"live: {up[0]['value'][1] if up else 0} of {args.nodes} nodes scraped for {args.live} min")
+        alerts = get(base, "/api/v1/query", query="count by (alertname, alertstate) (ALERTS)")["data"]["result"]
+        print("alerts: " + (", ".join(f"{a['metric']['alertname']} {a['metric']['alertstate']} x{a['value'][1]}"
+                                      for a in alerts) or "none"))
+        print(f"\n{'group / rule':<92} {'evaluation':>16}")
+        rule_rows: list[tuple[float, str, str]] = []
+        errors: dict[str, str] = {}
+        print(f"(mean of the last {args.samples} evaluations)")
+        for group in sorted(groups, key=lambda g: -g["evaluationTime"]):
+            print(f"{group['name'] + ' (group, ' + str(len(group['rules'])) + ' rules)':<92} "
+                  f"{group['evaluationTime'] * 1000:>13.1f} ms")
+            for rule in group["rules"]:
+                name = rule["name"] + (" (alert)" if rule["type"] == "alerting" else "")
+                rule_rows.append((rule["evaluationTime"], name, rule.get("health")))
+                if rule.get("health") != "ok" and rule.get("lastError"):
+                    errors.setdefault(rule["lastError"][:200], name)
+        for seconds, name, health in sorted(rule_rows, reverse=True)[:25]:
+            print(f"  {name[:88]:<90} {seconds * 1000:>13.1f} ms" + ("" if health == "ok" else f" ({health})"))
+        for error, name in errors.items():
+            print(f"  error ({name}): {error}")
+        print(f"  ... {len(rule_rows)} rules in all, together {sum(r[0] for r in rule_rows) * 1000:.0f} ms")
+        rows = panel_queries(base, time.time(), args.history * 60)
+        server.shutdown()
+        print(f"\n{'board / panel [query]':<92} {'median of 3':>12} {'series':>7}")
+        for seconds, count, uid, title in rows[:25]:
+            print(f"{uid + ' / ' + title:<92.92} {seconds * 1000:>9.1f} ms {count:>7}")
+        print(f"... {len(rows)} panel queries in all; median {statistics.median(r[0] for r in rows) * 1000:.1f} ms, "
+              f"total {sum(r[0] for r in rows):.2f} s")
+    finally:
+        prometheus.send_signal(signal.SIGTERM)
+        prometheus.wait(timeout=60)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

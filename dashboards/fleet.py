@@ -1,0 +1,192 @@
+"""gpuio / Fleet: which nodes starve and storm, and where engines cold-start, across the fleet.
+
+The storms gpuio pages on hit many nodes at once (a deploy wave across a cluster, a shared model store
+slowing down): this board looks across every node of the chosen cluster (all nodes by default) where the
+Starvation board looks at one.  Top: how many engines on how many nodes are starved now, how many disks
+storm, how many loads run; then the nodes ranked by starvation and by storm (click one for its
+Starvation board), a heat map of disk saturation across the nodes over time, which engines cold-start
+where, and how long a cold start would take now across the fleet.
+
+Every expression reads recording rules or per-node sums that stay cheap at a thousand nodes: see
+docs/performance.md ("Fleet scale") for the measured query times.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import bargauge, heatmap, prometheus, table
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders.common import ReduceDataOptions
+from grafana_foundation_sdk.models.common import (
+    AxisPlacement,
+    BarGaugeDisplayMode,
+    BarGaugeValueMode,
+    VisibilityMode,
+    VizOrientation,
+)
+from grafana_foundation_sdk.models.dashboard import DataTransformerConfig, FieldColorModeId
+from grafana_foundation_sdk.models.heatmap import HeatmapColorMode, HeatmapColorScale
+
+from deploy.prometheus import config as c
+from deploy.prometheus import rules as r
+
+from .common import (
+    DATASOURCE,
+    assemble,
+    big_number,
+    graph,
+    limit,
+    no_limit,
+    override,
+    query,
+    rate,
+    sel,
+    table_query,
+    threshold_lines,
+)
+
+FLEET_UID = "gpuio-fleet"
+FLEET_TITLE = "gpuio / Fleet"
+N = c.NODE_LABEL
+
+
+def starved_engines() -> str:
+    """Engines on GPUs starved now (GPUStarvedByDiskIO's condition, before its `for`), per node."""
+    return f"count by ({N}) ({r.STARVED}{sel()})"
+
+
+def storm_loads() -> str:
+    """Engine loads waiting on a storming disk (DiskIOStorm's judgement), per node."""
+    return f"sum by ({N}) (gpuio_disk_engine_loads_in_progress{sel()} and on ({N}, device) {r.STORM}{sel()})"
+
+
+def saturation() -> str:
+    """Per node, the worst disk's judged await as a share of its class's limit (1: at the limit)."""
+    return f"max by ({N}) ({r.AWAIT}{sel()} / on ({N}, device) {r.AWAIT_LIMIT}{sel()})"
+
+
+def cold_loads() -> str:
+    """Cold loads (most of the file read from the device) finished per minute, per node and engine."""
+    cold = rate("gpuio_engine_loads_total", sel('class="cold"'))
+    return f"60 * sum by ({N}, engine) ({cold}) > 0"
+
+
+def ranking(title: str, description: str, expr: str, unit: str, thresholds: db.ThresholdsConfig) -> bargauge.Panel:
+    """Nodes as bars, worst first (top 20), each linking to its Starvation board."""
+    link = {"title": "Starvation board of ${__field.labels." + N + "}",
+            "url": f"/d/{c.STARVATION_UID}/{c.STARVATION_UID}?${{__url_time_range}}&var-datasource=${{datasource}}"
+                   f"&var-cluster=${{cluster}}&var-instance=${{__field.labels.{N}}}"}
+    matcher, properties = override("/.*/", links=[link])
+    return (bargauge.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
+            .span(12).height(8)
+            .with_target(prometheus.Dataquery().expr(f"topk(20, {expr})").legend_format("{{" + N + "}}").ref_id("A")
+                         .instant())
+            .thresholds(thresholds).color_scheme(db.FieldColor().mode(FieldColorModeId.THRESHOLDS))
+            .display_mode(BarGaugeDisplayMode.GRADIENT).value_mode(BarGaugeValueMode.COLOR)
+            .orientation(VizOrientation.HORIZONTAL).show_unfilled(True).min_viz_height(16).min_viz_width(0)
+            .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+            .with_override(matcher, properties).min(0))
+
+
+def saturation_heatmap() -> heatmap.Panel:
+    return (heatmap.Panel().title("Disk saturation across nodes").datasource(DATASOURCE).span(24).height(10)
+            .description(
+                "One row per node, one cell per time step: the worst disk's judged await (r_await or w_await, "
+                "with enough requests to judge) as a share of its class's limit (NVMe 5 ms, SSD 10 ms, HDD "
+                "50 ms, network block devices 100 ms). Dark: far under its limit; 100 % and more: slow for its "
+                "class. A column lit across many nodes is a fleet-wide storm (a shared model store, a deploy "
+                "wave); one row lit is one node's disk. Slow alone is not saturated: DiskIOStorm also needs "
+                "a deep queue or IO pressure. No cell: the node's disks completed too few requests to judge.")
+            .with_target(query(saturation(), "{{" + N + "}}"))
+            .calculate(False).unit("percentunit")
+            .color(heatmap.HeatmapColorOptions().mode(HeatmapColorMode.SCHEME).scheme("Oranges")
+                   .scale(HeatmapColorScale.EXPONENTIAL).exponent(0.5).steps(32).reverse(False)
+                   .min(0).max(2))
+            .y_axis(heatmap.YAxisConfig().axis_placement(AxisPlacement.LEFT).reverse(False))
+            .cell_gap(1).show_value(VisibilityMode.NEVER)
+            .show_legend().exemplars_color("rgba(255,0,255,0.7)")
+            .filter_values(heatmap.FilterValueRange().le(1e-9)))
+
+
+def top_row() -> list:
+    return [
+        big_number("Engines starved now", "Engines on GPUs whose GPUStarvedByDiskIO condition holds now "
+                   f"(paging after {c.STARVED_FOR}), across the chosen nodes. 0 is green; it counts engine x "
+                   "GPU pairs, not alerts that paged.", f"sum({starved_engines()}) or vector(0)", "short",
+                   limit(1), width=6),
+        big_number("Nodes with a starved engine", "Nodes with at least one engine whose GPUStarvedByDiskIO "
+                   "condition holds now (see the ranking below).", f"count({starved_engines()}) or vector(0)",
+                   "short", limit(1), width=6),
+        big_number("Disks storming", "Disks DiskIOStorm judges in a storm now: saturated for their class and "
+                   f"at least {c.STORM_BASELINE_FACTOR:g}x their own calm normal.",
+                   f"count({r.STORM}{sel()}) or vector(0)", "short", limit(1), width=6),
+        big_number("Engine loads in progress", "Loads (read + deserialize) started and not finished across "
+                   "the chosen nodes: a cold-start wave while it happens. Many loads on few disks is a storm in "
+                   "the making; many loads spread thin is a deploy going well.",
+                   f"sum(gpuio_engine_loads_in_progress{sel()}) or vector(0)", "short",
+                   no_limit(), width=6),
+    ]
+
+
+def rankings() -> list:
+    return [
+        ranking("Nodes ranked by starvation", "Engines starved now per node (GPUStarvedByDiskIO's condition), "
+                "the 20 worst. Click a bar for the node's Starvation board.", starved_engines(), "short",
+                limit(1)),
+        ranking("Nodes ranked by storm", "Engine loads waiting on a disk in a storm (DiskIOStorm's "
+                "judgement), per node, the 20 worst: the nodes a cold-start storm hurts most. Click a bar for the "
+                "node's Starvation board.", storm_loads(), "short", limit(1)),
+    ]
+
+
+def cold_start_panels() -> list:
+    predicted = f"gpuio_engine_predicted_cold_start_seconds{sel()}"
+    return [
+        graph("Cold starts by node and engine", "Loads that were cold (at least 80 % of the engine file read "
+              "from the device, or not cached when the load began) per minute, by node and engine: which "
+              "engines cold-start where. A cold start is not a fault; many at once on one disk is a storm.",
+              "short", query(cold_loads(), "{{" + N + "}} {{engine}}"), width=12),
+        threshold_lines(graph(
+            "Predicted cold start: fleet median and worst node, by engine",
+            "How long a load of each engine would take now (its file's bytes not in the page cache over the "
+            "read throughput of past cold loads, plus the median deserialize), across the chosen nodes: the "
+            f"median node and the worst one. EngineColdStartSlow fires when the loads that finished took "
+            f"more than {c.ENGINE_LOAD_SLOW_SECONDS:g} s (the red line); a prediction over it says where the "
+            "next restart will be slow, it is not an alert.", "s",
+            query(f"quantile by (engine) (0.5, {predicted})", "{{engine}} median"),
+            query(f"max by (engine) ({predicted})", "{{engine}} worst node"), width=12),
+            limit(c.ENGINE_LOAD_SLOW_SECONDS)),
+    ]
+
+
+def cold_start_table() -> list:
+    predicted = f"gpuio_engine_predicted_cold_start_seconds{sel()}"
+    exclude = {"Time": True}
+    panel = (table.Panel().title("Engines: where they cold-start and how long it would take")
+             .description("Per engine across the chosen nodes: nodes that report it, cold loads per minute now, "
+                          "and the predicted cold start on the median and on the worst node (red from "
+                          f"EngineColdStartSlow's {c.ENGINE_LOAD_SLOW_SECONDS:g} s).")
+             .datasource(DATASOURCE).span(24).height(8).frame_index(0).show_header(True)
+             .with_target(table_query(f"count by (engine) (group by ({N}, engine) (gpuio_engine_info{sel()}))", "A"))
+             .with_target(table_query(f"sum by (engine) ({cold_loads()})", "B"))
+             .with_target(table_query(f"quantile by (engine) (0.5, {predicted})", "C"))
+             .with_target(table_query(f"max by (engine) ({predicted})", "D"))
+             .with_transformation(DataTransformerConfig(id_val="merge", options={}))
+             .with_transformation(DataTransformerConfig(id_val="organize", options={
+                 "excludeByName": exclude,
+                 "renameByName": {"Value #A": "nodes", "Value #B": "cold loads / min",
+                                  "Value #C": "predicted (median node)", "Value #D": "predicted (worst node)"}})))
+    for column in ("predicted (median node)", "predicted (worst node)"):
+        matcher, properties = override(column, unit="s", thresholds=limit(c.ENGINE_LOAD_SLOW_SECONDS).build(),
+                                       custom_cellOptions={"type": "color-background"})
+        panel = panel.with_override(matcher, properties)
+    return [panel]
+
+
+def build() -> db.Dashboard:
+    sections = (("Now", top_row()), ("Nodes", rankings()), ("Disks", [saturation_heatmap()]),
+                ("Cold starts", cold_start_panels() + cold_start_table()))
+    return assemble(FLEET_UID, "Every node of a cluster: starvation and storms ranked by node, disk saturation "
+                    "across nodes over time, where engines cold-start and how long a cold start would take.",
+                    sections, title=FLEET_TITLE, all_nodes=True)
+
+
