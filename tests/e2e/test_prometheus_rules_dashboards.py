@@ -271,6 +271,11 @@ def test_dashboard_queries_run_and_panels_have_data(prometheus, path: str) -> No
             expected.append(panel["title"])
             if not found:
                 empty.append(panel["title"])
+                for expr in exprs:  # what Prometheus holds of the families it reads, to tell why
+                    for family in sorted(set(re.findall(r"gpuio_[a-z_]+", expr))):
+                        held = api.query(f"count_over_time({family}[5m])")["data"]["result"]
+                        print(f"  empty panel {panel['title']!r}: {family}: {len(held)} series, samples "
+                              f"{[series['value'][1] for series in held][:5]}")
     print(f"\n{os.path.basename(path)}: {len(titles)} panels queried, {len(expected)} expected to have data: "
           f"{len(expected) - len(empty)} have; not expected: {sorted(set(titles) - set(expected))}")
     assert empty == [], "panels without data although the exporter serves what they query"
