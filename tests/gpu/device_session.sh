@@ -38,6 +38,9 @@ if [ -f .whl/prometheus.xz ]; then
   mkdir -p /tmp/gpuio-bin && xz -dc .whl/prometheus.xz > /tmp/gpuio-bin/prometheus && chmod +x /tmp/gpuio-bin/prometheus
   echo "$(date +%s)" | python3 tests/gpu/gpu_worker.py duty 1 0.5 90 > "$OUT/worker.log" 2>&1 &
   worker=$!
+  # The worker's CUDA context must exist before the exporter starts: processes are listed every slow
+  # interval (10 s), so one that appears later has its per-process series only from the next listing.
+  sleep 8
   step env PATH=/tmp/gpuio-bin:$PATH python3 -m pytest -q -s -p no:cacheprovider tests/e2e/test_prometheus_rules_dashboards.py
   kill $worker 2>/dev/null; wait $worker 2>/dev/null
 fi
