@@ -57,7 +57,7 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
                "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None,
                "kubelet-pods-dir": pods_dir}
     collector = EnginesCollector(Context(procfs, sysfs, rootfs), options, read_only=True)
-    collector.pod_spools.sample_now()  # the pods' spools, found now (none off a Kubernetes node)
+    collector.find_pod_spools_now()  # the pods' spools (none off a Kubernetes node)
     collector.collect()  # learns the files processes report
     files = collector.engine_files_now()
     totals = collector.spool_totals()

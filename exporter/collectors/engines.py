@@ -394,6 +394,10 @@ class EnginesCollector(Collector):
 
     # --- for gpuio engines: the same reads, on demand -------------------------------------------
 
+    def find_pod_spools_now(self) -> kubelet.Discovery | None:
+        """Scan the kubelet's pods directory on this thread (the scrapes after it read what it found)."""
+        return self.pod_spools.sample_now().value
+
     def spool_totals(self) -> rd.Totals:
         """The spool merged now (a read_only collector leaves exited writers' files in place)."""
         return self.reader.read()
