@@ -171,7 +171,7 @@ def test_once_prints_a_hostile_engine_name_escaped(tmp_path) -> None:
     with terminal escapes and rich markup is printed as visible escapes and literal brackets."""
     pytest.importorskip("exporter.collectors.engines")
     import gpuio
-    from tests.unit.test_engines_cli import HOSTILE_NAME
+    from tests.e2e.test_engines_cli import HOSTILE_NAME
 
     spool = tmp_path / "spool"
     spool.mkdir()
