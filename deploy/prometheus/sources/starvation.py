@@ -52,9 +52,10 @@ def recording_rules(c: Config) -> list[Rule]:
         record(n.ENGINE_POOL_WAIT, f"{rate(c, 'gpuio_engine_pool_wait_seconds_sum')}\n/\n"
                                    f"({rate(c, 'gpuio_engine_pool_wait_seconds_count')} > 0)"),
     ]
+    rules.append(record(n.ENGINE_LATENCY_BUCKETS,
+                        f"sum by ({per_gpu}, le) ({rate(c, 'gpuio_engine_inference_seconds_bucket')})"))
     for q in (0.5, 0.95, 0.99):
-        rule = record(n.ENGINE_LATENCY, f"histogram_quantile({q:g}, sum by ({per_gpu}, le) "
-                                        f"({rate(c, 'gpuio_engine_inference_seconds_bucket')}))")
+        rule = record(n.ENGINE_LATENCY, f"histogram_quantile({q:g}, {n.ENGINE_LATENCY_BUCKETS})")
         rule["labels"] = {"quantile": f"{q:g}"}
         rules.append(rule)
     p99 = f'max without (quantile) ({n.ENGINE_LATENCY}{{quantile="0.99"}})'
