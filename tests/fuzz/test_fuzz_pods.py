@@ -20,8 +20,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import textwrap
 
@@ -35,8 +33,8 @@ from exporter.collectors.engines import EnginesCollector
 from exporter.exposition import render
 from exporter.pods import cgroup, kubelet, wire
 from gpuio import spool
-from tests.conftest import REPO, parse_samples
-from tests.fuzz.test_fuzz_spool import MUTATION, mutate
+from tests.conftest import parse_samples
+from tests.fuzz.test_fuzz_spool import MUTATION, mutate, spool_seed
 
 # --- the pod-resources decoder ------------------------------------------------------------------------
 
@@ -177,24 +175,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def _seed() -> bytes:
-    work = tempfile.mkdtemp(prefix="gpuio-fuzz-pods-seed-")
-    try:
-        engine = os.path.join(work, "model.engine")
-        with open(engine, "wb") as handle:
-            handle.write(b"\1" * 4096)
-        directory = os.path.join(work, "spool")
-        os.mkdir(directory)
-        subprocess.run([sys.executable, "-c", WRITER.format(repo=str(REPO), spool=directory, engine=engine)],
-                       check=True, cwd=work)
-        (name,) = os.listdir(directory)
-        with open(os.path.join(directory, name), "rb") as handle:
-            return handle.read()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-SEED = _seed()
+SEED = spool_seed(WRITER)
 PRISTINE = spool_reader.parse(SEED)
 UID = "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4e5"
 

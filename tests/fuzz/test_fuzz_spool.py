@@ -48,15 +48,17 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def _seed() -> bytes:
-    work = tempfile.mkdtemp(prefix="gpuio-fuzz-spool-seed-")
+def spool_seed(writer: str = WRITER) -> bytes:
+    """The spool file a real instrumented process leaves: ``writer`` (formatted with repo, spool and
+    engine) run as a process of its own against a 4 KiB engine file."""
+    work = tempfile.mkdtemp(prefix="gpuio-fuzz-seed-")
     try:
         engine = os.path.join(work, "model.engine")
         with open(engine, "wb") as handle:
             handle.write(b"\1" * 4096)
         directory = os.path.join(work, "spool")
         os.mkdir(directory)
-        subprocess.run([sys.executable, "-c", WRITER.format(repo=str(REPO), spool=directory, engine=engine)],
+        subprocess.run([sys.executable, "-c", writer.format(repo=str(REPO), spool=directory, engine=engine)],
                        check=True, cwd=work)
         (name,) = os.listdir(directory)
         with open(os.path.join(directory, name), "rb") as handle:
@@ -65,7 +67,7 @@ def _seed() -> bytes:
         shutil.rmtree(work, ignore_errors=True)
 
 
-SEED = _seed()
+SEED = spool_seed()
 USED = struct.unpack_from("<Q", SEED, spool.USED_OFFSET)[0]
 PRISTINE = spool_reader.parse(SEED)
 EDGE_U64 = st.sampled_from([0, 1, 7, 8, 255, 256, USED - 8, USED, USED + 8, len(SEED), 2**31, 2**32 - 1, 2**63,

@@ -288,6 +288,7 @@ def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int
             metrics.error(error_reason(exc))
             return
         self.latency = seconds
+        # finish()'s body written out again: a call more is ~50 ns of the ~1.3 us this path costs.
         index = first + bisect_left(bounds, seconds)
         acquire()
         try:
