@@ -64,18 +64,23 @@ def test_kustomize_builds_valid_objects_in_one_namespace() -> None:
     assert daemonset["spec"]["template"]["spec"]["containers"][0]["image"] == f"{image['newName']}:{image['newTag']}"
 
 
-@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
-def test_smart_component_makes_the_container_root_and_privileged(tmp_path) -> None:
-    # your overlay, elsewhere: the base and the component by relative path (kustomize refuses absolute ones)
-    base = os.path.relpath(HERE, tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+def pod_spec_with_component(overlay, component: str) -> dict:
+    """The DaemonSet's pod spec as a user's overlay elsewhere builds it: the base and one component by
+    relative path (kustomize refuses absolute ones), every object validated against the schemas."""
+    base = os.path.relpath(HERE, overlay)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [base], "components": [os.path.join(base, "components", "smart")]}))
-    built = kustomize(str(tmp_path))
+        "resources": [base], "components": [os.path.join(base, "components", component)]}))
+    built = kustomize(str(overlay))
     for doc in built:
         validate(doc)
     (daemonset,) = [d for d in built if d["kind"] == "DaemonSet"]
-    spec = daemonset["spec"]["template"]["spec"]
+    return daemonset["spec"]["template"]["spec"]
+
+
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_smart_component_makes_the_container_root_and_privileged(tmp_path) -> None:
+    spec = pod_spec_with_component(tmp_path, "smart")
     assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsNonRoot"] is False
     security = spec["containers"][0]["securityContext"]
     assert security["privileged"] is True and set(security["capabilities"]["add"]) == {"SYS_RAWIO", "SYS_ADMIN"}
@@ -83,15 +88,7 @@ def test_smart_component_makes_the_container_root_and_privileged(tmp_path) -> No
 
 @pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
 def test_residency_component_gives_root_cap_fowner_alone(tmp_path) -> None:
-    base = os.path.relpath(HERE, tmp_path)  # kustomize refuses absolute paths
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [base], "components": [os.path.join(base, "components", "residency")]}))
-    built = kustomize(str(tmp_path))
-    for doc in built:
-        validate(doc)
-    (daemonset,) = [d for d in built if d["kind"] == "DaemonSet"]
-    spec = daemonset["spec"]["template"]["spec"]
+    spec = pod_spec_with_component(tmp_path, "residency")
     assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsNonRoot"] is False
     container = spec["containers"][0]
     security = container["securityContext"]
