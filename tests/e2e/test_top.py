@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from exporter import top
+from exporter.top import display
 from tests.conftest import REPO, root
 from tests.unit.test_top import PATH_COLLECTORS, SYS, LiveProcfs, check_scenario, two_samples
 
@@ -35,7 +35,7 @@ def top_output(*args: str, process: bool) -> str:
         assert result.returncode == 0, result.stderr
         return result.stdout
     out = io.StringIO()
-    assert top.main(list(args), out=out) == 0
+    assert display.main(list(args), out=out) == 0
     return out.getvalue()
 
 
@@ -84,7 +84,7 @@ def test_url_reads_a_running_exporter_with_the_same_figures(exporter, tmp_path) 
     server = exporter(f"--path.procfs={live.path}", f"--path.sysfs={SYS}", *PATH_COLLECTORS)
     clock, sleep = two_samples(live)
     out = io.StringIO()
-    assert top.main(["--json", "--url", server.base], clock=clock, sleep=sleep, out=out) == 0
+    assert display.main(["--json", "--url", server.base], clock=clock, sleep=sleep, out=out) == 0
     view = json.loads(out.getvalue())
     assert view["source"] == server.base + "/metrics"
     check_scenario(view)
@@ -112,7 +112,7 @@ def test_url_as_a_process(exporter) -> None:
 ])
 def test_errors_name_the_flag_and_exit_codes(argv: list[str], code: int, message: str, capsys) -> None:
     try:
-        returned = top.main(argv, out=io.StringIO())
+        returned = display.main(argv, out=io.StringIO())
     except SystemExit as exc:  # argparse's own errors
         returned = exc.code
     assert returned == code
@@ -151,7 +151,7 @@ def test_engine_columns_from_a_real_spool(tmp_path) -> None:
         argv = ["--json", "--collector.disable-defaults", "--collector.engines",
                 f"--collector.engines.spool-dir={spool}", "--collector.engines.residency-interval=100ms",
                 f"--collector.engines.path-include={tmp_path}"]  # where the exporter may open engine files
-        assert top.main(argv, clock=lambda: next(times), sleep=sleep, out=out) == 0
+        assert display.main(argv, clock=lambda: next(times), sleep=sleep, out=out) == 0
     finally:
         gpuio.close()
         gpuio.configure(None)

@@ -16,7 +16,8 @@ LIBRARY_FOLDER = os.path.join(REPO, "exporter", "instrument")
 
 # The entry points and the web stack: a collector, the library or a parser never imports these.
 TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.server", "exporter.config",
-       "exporter.webconfig", "exporter.connections", "exporter.top", "exporter.engines_cli"}
+       "exporter.webconfig", "exporter.connections", "exporter.top", "exporter.top.__main__", "exporter.top.data",
+       "exporter.top.iostat", "exporter.top.display", "exporter.engines_cli"}
 
 
 def modules() -> dict[str, str]:
@@ -144,3 +145,13 @@ def test_the_library_ships_the_spool_writer_but_not_its_reader() -> None:
                             if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
     assert "SpoolFile" in defined
     assert defined & {"SpoolReader", "Totals", "FileState", "parse", "parse_header", "WriterGpus"} == set()
+
+
+def test_gpuio_top_reads_data_then_arithmetic_then_screen() -> None:
+    """exporter.top: the screen (display) uses the arithmetic (iostat), which uses the data; never back."""
+    known = modules()
+    names = set(known)
+    layers = ["exporter.top.data", "exporter.top.iostat", "exporter.top.display"]
+    for rank, name in enumerate(layers):
+        above = set(layers[rank + 1:]) | {"exporter.top"}
+        assert imports_of(name, known[name], names) & above == set(), name

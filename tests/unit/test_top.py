@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 from exporter import thresholds as th
-from exporter import top
+from exporter.top import data, display, iostat
 from tests.conftest import catalogued, root
 
 PROC, SYS = root("linux-6.8")
@@ -105,7 +105,7 @@ PATH_COLLECTORS = ["--collector.disable-defaults", "--collector.diskstats", "--c
 def run_top(argv: list[str], live: LiveProcfs) -> str:
     clock, sleep = two_samples(live)
     out = io.StringIO()
-    assert top.main([*argv, *PATH_COLLECTORS], clock=clock, sleep=sleep, out=out) == 0
+    assert display.main([*argv, *PATH_COLLECTORS], clock=clock, sleep=sleep, out=out) == 0
     return out.getvalue()
 
 
@@ -181,7 +181,7 @@ def test_json_takes_filter_and_sort(tmp_path) -> None:
 @pytest.mark.parametrize(("value", "text"), [(None, "-"), (0, "0.00"), (9.994, "9.99"), (9.996, "10.0"),
                                              (999.96, "1000"), (99999.7, "100k"), (1.5e8, "150M")])
 def test_numbers_fit_six_characters(value: float | None, text: str) -> None:
-    assert top.num(value) == text
+    assert display.num(value) == text
 
 
 def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float, wait_count: int,
@@ -194,61 +194,61 @@ def exposition(gpu_busy: float, engine_counts: tuple[int, ...], wait_sum: float,
     gpu0, gpu1 = 'gpu="0",uuid="GPU-aaa"', 'gpu="1",uuid="GPU-bbb"'
     engine = 'engine="resnet"'
     lines = [
-        f'{top.GPU_INFO}{{{gpu0},name="NVIDIA H100"}} 1',
-        f"{top.GPU_UP}{{{gpu0}}} 1",
-        f"{top.GPU_BUSY}{{{gpu0}}} {gpu_busy}",
-        f"{top.GPU_MEMORY_USED}{{{gpu0}}} {40 * 2**30}",
-        f"{top.GPU_MEMORY_TOTAL}{{{gpu0}}} {80 * 2**30}",
-        f"{top.GPU_TEMPERATURE}{{{gpu0}}} 86",
-        f"{top.GPU_POWER}{{{gpu0}}} 312.5",
-        f"{top.GPU_AGE} {gpu_age}",
-        f'{top.GPU_THROTTLE}{{{gpu0},{top.GPU_THROTTLE_REASON_LABEL}="sw_thermal_slowdown"}} 1',
-        f'{top.GPU_THROTTLE}{{{gpu0},{top.GPU_THROTTLE_REASON_LABEL}="gpu_idle"}} 1',
-        f'{top.GPU_THROTTLE}{{{gpu0},{top.GPU_THROTTLE_REASON_LABEL}="hw_slowdown"}} 0',
-        f'{top.GPU_THROTTLE}{{{gpu0},{top.GPU_THROTTLE_REASON_LABEL}="applications_clocks_setting"}} 1',
-        f"{top.GPU_BUSY}{{{gpu1}}} {gpu_busy * 4}",
-        f'{top.GPU_THROTTLE}{{{gpu1},{top.GPU_THROTTLE_REASON_LABEL}="sw_power_cap"}} 1',
-        f'{top.ENGINE_INFO}{{{engine},path="/models/resnet.plan",{top.ENGINE_INFO_DEVICE_LABEL}="dm-0",'
-        f'{top.ENGINE_INFO_GPU_LABEL}="GPU-aaa"}} 1',
-        *(f'{top.ENGINE_LATENCY}_bucket{{{engine},le="{le}"}} {count}'
+        f'{data.GPU_INFO}{{{gpu0},name="NVIDIA H100"}} 1',
+        f"{data.GPU_UP}{{{gpu0}}} 1",
+        f"{data.GPU_BUSY}{{{gpu0}}} {gpu_busy}",
+        f"{data.GPU_MEMORY_USED}{{{gpu0}}} {40 * 2**30}",
+        f"{data.GPU_MEMORY_TOTAL}{{{gpu0}}} {80 * 2**30}",
+        f"{data.GPU_TEMPERATURE}{{{gpu0}}} 86",
+        f"{data.GPU_POWER}{{{gpu0}}} 312.5",
+        f"{data.GPU_AGE} {gpu_age}",
+        f'{data.GPU_THROTTLE}{{{gpu0},{data.GPU_THROTTLE_REASON_LABEL}="sw_thermal_slowdown"}} 1',
+        f'{data.GPU_THROTTLE}{{{gpu0},{data.GPU_THROTTLE_REASON_LABEL}="gpu_idle"}} 1',
+        f'{data.GPU_THROTTLE}{{{gpu0},{data.GPU_THROTTLE_REASON_LABEL}="hw_slowdown"}} 0',
+        f'{data.GPU_THROTTLE}{{{gpu0},{data.GPU_THROTTLE_REASON_LABEL}="applications_clocks_setting"}} 1',
+        f"{data.GPU_BUSY}{{{gpu1}}} {gpu_busy * 4}",
+        f'{data.GPU_THROTTLE}{{{gpu1},{data.GPU_THROTTLE_REASON_LABEL}="sw_power_cap"}} 1',
+        f'{data.ENGINE_INFO}{{{engine},path="/models/resnet.plan",{data.ENGINE_INFO_DEVICE_LABEL}="dm-0",'
+        f'{data.ENGINE_INFO_GPU_LABEL}="GPU-aaa"}} 1',
+        *(f'{data.ENGINE_LATENCY}_bucket{{{engine},le="{le}"}} {count}'
           for le, count in zip(("0.01", "0.02", "0.05", "+Inf"), engine_counts, strict=True)),
-        f"{top.ENGINE_IN_FLIGHT}{{{engine}}} 3",
-        f"{top.ENGINE_POOL_CONTEXTS}{{{engine}}} {contexts}",
-        f"{top.ENGINE_POOL_WAIT}_sum{{{engine}}} {wait_sum}",
-        f"{top.ENGINE_POOL_WAIT}_count{{{engine}}} {wait_count}",
-        f'{top.ENGINE_RESIDENCY}{{{engine},path="/models/resnet.plan"}} 0.25',
-        f'{top.ENGINE_RESIDENCY}{{{engine},path="/models/resnet-int8.plan"}} 0.75',  # the least cached is shown
-        f'{top.ENGINE_INFO}{{{engine},path="/models/resnet-int8.plan",{top.ENGINE_INFO_DEVICE_LABEL}="",'
-        f'{top.ENGINE_INFO_GPU_LABEL}=""}} 1',  # a file only a glob names: no GPU, so not the one shown
-        f'{top.ENGINE_PHYSICAL}{{{engine},path="/models/resnet.plan",physical_device="nvme1n1"}} 1',
+        f"{data.ENGINE_IN_FLIGHT}{{{engine}}} 3",
+        f"{data.ENGINE_POOL_CONTEXTS}{{{engine}}} {contexts}",
+        f"{data.ENGINE_POOL_WAIT}_sum{{{engine}}} {wait_sum}",
+        f"{data.ENGINE_POOL_WAIT}_count{{{engine}}} {wait_count}",
+        f'{data.ENGINE_RESIDENCY}{{{engine},path="/models/resnet.plan"}} 0.25',
+        f'{data.ENGINE_RESIDENCY}{{{engine},path="/models/resnet-int8.plan"}} 0.75',  # the least cached is shown
+        f'{data.ENGINE_INFO}{{{engine},path="/models/resnet-int8.plan",{data.ENGINE_INFO_DEVICE_LABEL}="",'
+        f'{data.ENGINE_INFO_GPU_LABEL}=""}} 1',  # a file only a glob names: no GPU, so not the one shown
+        f'{data.ENGINE_PHYSICAL}{{{engine},path="/models/resnet.plan",physical_device="nvme1n1"}} 1',
         f'gpuio_disk_reads_completed_total{{device="nvme1n1"}} {1000 + gpu_busy * 1000}',
         f'gpuio_disk_read_time_seconds_total{{device="nvme1n1"}} {gpu_busy * 100}',
         f'gpuio_disk_io_time_weighted_seconds_total{{device="nvme1n1"}} {gpu_busy * 400}',
         'gpuio_disk_info{device="nvme1n1",rotational="0"} 1',
-        f'{top.SMART_HEALTH}{{device="nvme1n1"}} 0',
-        f'{top.SMART_HEALTH}{{device="sda"}} 1',
+        f'{data.SMART_HEALTH}{{device="nvme1n1"}} 0',
+        f'{data.SMART_HEALTH}{{device="sda"}} 1',
     ]
     if sm_active is not None:  # GPM: both GPUs' SM-active counters
-        lines += [f"{top.GPU_SM_ACTIVE}{{{gpu0}}} {sm_active}", f"{top.GPU_SM_ACTIVE}{{{gpu1}}} {sm_active * 20}"]
+        lines += [f"{data.GPU_SM_ACTIVE}{{{gpu0}}} {sm_active}", f"{data.GPU_SM_ACTIVE}{{{gpu1}}} {sm_active * 20}"]
     return "\n".join(lines) + "\n"
 
 
 @pytest.mark.parametrize(("contexts", "starved"), [(3, True), (4, False)])
 def test_in_flight_at_the_pool_contexts_is_queueing_a_request_in_flight_is_not(contexts: int, starved: bool) -> None:
     # No pool wait at all (10 acquires, 0 s): only a pool whose every context is busy says work queues.
-    before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, contexts=contexts)))
-    after = top.Snapshot(2.0, top.parse_exposition(exposition(10.4, (10, 60, 90, 100), 1.0, 20, contexts=contexts)))
-    (engine,) = top.compute(before, after).engines
+    before = data.Snapshot(0.0, data.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, contexts=contexts)))
+    after = data.Snapshot(2.0, data.parse_exposition(exposition(10.4, (10, 60, 90, 100), 1.0, 20, contexts=contexts)))
+    (engine,) = iostat.compute(before, after).engines
     assert engine.pool_wait_seconds == 0 and engine.in_flight == 3
     assert engine.flags == (["starved?"] if starved else [])
 
 
 def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
-    before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10)))
+    before = data.Snapshot(0.0, data.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10)))
     # 2 s later: GPU 0 busy 0.4 s (20 %), GPU 1 busy 1.6 s (80 %); the disk under dm-0 did 400 reads of
     # 100 ms each with 80 queued (saturated); the engine saw 100 inferences, waited 0.5 s over 20 acquires.
-    after = top.Snapshot(2.0, top.parse_exposition(exposition(10.4, (10, 60, 90, 100), 1.5, 30)))
-    view = top.compute(before, after)
+    after = data.Snapshot(2.0, data.parse_exposition(exposition(10.4, (10, 60, 90, 100), 1.5, 30)))
+    view = iostat.compute(before, after)
     gpu0, gpu1 = view.gpus
     assert (gpu0.gpu, gpu0.uuid, gpu0.name) == ("0", "GPU-aaa", "NVIDIA H100")
     assert gpu0.busy == pytest.approx(0.2) and gpu1.busy == pytest.approx(0.8)
@@ -267,7 +267,7 @@ def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
     assert engine.pool_wait_seconds == pytest.approx(0.025)
     assert engine.flags == ["starved?"]  # the disk under its file is saturated, its GPU idle, work waits
 
-    screen = render(view, top.UiState(), height=None)
+    screen = render(view, display.UiState(), height=None)
     lines = [line.split() for line in screen.splitlines()]
     assert ["nvme1n1", "200.0", "-", "-", "-", "100.0", "-", "80.0", "-", "saturated+3"] in lines
     assert ["0", "20.0", "-", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
@@ -278,37 +278,37 @@ def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
 def test_where_gpm_measures_sm_activity_idle_is_judged_on_it_not_on_nvml_busy() -> None:
     """GPU 0 reads busy 100 % (2 s of 2 s) with SM activity 1 % (a spinning thread, or weights crossing PCIe):
     idle for its engine, so starved.  GPU 1 busy 100 % with 20 x the SM activity (20 %): working."""
-    before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, sm_active=5.0)))
-    after = top.Snapshot(2.0, top.parse_exposition(exposition(12.0, (10, 60, 90, 100), 1.5, 30, sm_active=5.02)))
-    view = top.compute(before, after)
+    before = data.Snapshot(0.0, data.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, sm_active=5.0)))
+    after = data.Snapshot(2.0, data.parse_exposition(exposition(12.0, (10, 60, 90, 100), 1.5, 30, sm_active=5.02)))
+    view = iostat.compute(before, after)
     gpu0, gpu1 = view.gpus
     assert gpu0.busy == pytest.approx(1.0) and gpu0.sm_active == pytest.approx(0.01)
     assert gpu1.sm_active == pytest.approx(0.2)
     assert "starved?" in gpu0.flags and "starved?" not in gpu1.flags
     assert view.engines[0].flags == ["starved?"]  # the engine on GPU 0: its GPU "busy" but no SM working
     # the same GPU without GPM is judged on busy (100 %): not starved
-    plain_before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10)))
-    plain_after = top.Snapshot(2.0, top.parse_exposition(exposition(12.0, (10, 60, 90, 100), 1.5, 30)))
-    plain = top.compute(plain_before, plain_after)
+    plain_before = data.Snapshot(0.0, data.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10)))
+    plain_after = data.Snapshot(2.0, data.parse_exposition(exposition(12.0, (10, 60, 90, 100), 1.5, 30)))
+    plain = iostat.compute(plain_before, plain_after)
     assert plain.gpus[0].sm_active is None and "starved?" not in plain.gpus[0].flags
     assert plain.engines[0].flags == []
-    lines = [line.split() for line in render(view, top.UiState(), height=None).splitlines()]
+    lines = [line.split() for line in render(view, display.UiState(), height=None).splitlines()]
     assert ["0", "100.0", "1.00", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
 
 
 def test_gpu_rates_are_taken_over_the_nvml_sweeps_interval() -> None:
     """GPU counters move once per NVML sweep: over the sweeps' interval (scrape time - snapshot age)."""
-    before = top.Snapshot(0.0, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, gpu_age=0.2)))
-    after = top.Snapshot(2.0, top.parse_exposition(exposition(10.3, (0, 0, 0, 0), 1.0, 10, gpu_age=0.7)))
-    assert top.compute(before, after).gpus[0].busy == pytest.approx(0.3 / 1.5)
+    before = data.Snapshot(0.0, data.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, gpu_age=0.2)))
+    after = data.Snapshot(2.0, data.parse_exposition(exposition(10.3, (0, 0, 0, 0), 1.0, 10, gpu_age=0.7)))
+    assert iostat.compute(before, after).gpus[0].busy == pytest.approx(0.3 / 1.5)
     # the same sweep served twice (an interval shorter than the collector's): no rate rather than 0 %
-    same = top.Snapshot(0.5, top.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, gpu_age=0.7)))
-    assert top.compute(before, same).gpus[0].busy is None
+    same = data.Snapshot(0.5, data.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10, gpu_age=0.7)))
+    assert iostat.compute(before, same).gpus[0].busy is None
 
 
-def render(view: top.View | None, ui: top.UiState, height: int | None, width: int = 80) -> str:
+def render(view: iostat.View | None, ui: display.UiState, height: int | None, width: int = 80) -> str:
     console = Console(width=width, height=height or 100, record=True, file=io.StringIO(), color_system=None)
-    console.print(top.screen(view, ui, "test", 1.0, width, height, ascii_only=True))
+    console.print(display.screen(view, ui, "test", 1.0, width, height, ascii_only=True))
     return console.export_text()
 
 
@@ -316,9 +316,9 @@ def render(view: top.View | None, ui: top.UiState, height: int | None, width: in
                                                      (1.0, 0.05)])
 def test_histogram_quantile_is_prometheus_interpolation(quantile: float, expected: float) -> None:
     buckets = {0.01: 2.0, 0.02: 2.0, 0.05: 4.0, float("inf"): 4.0}
-    assert top.histogram_quantile(quantile, buckets) == pytest.approx(expected)
-    assert top.histogram_quantile(0.5, {0.1: 0.0, float("inf"): 0.0}) is None  # nothing observed
-    assert top.histogram_quantile(0.5, {0.1: 1.0}) is None  # no +Inf bucket: not a histogram
+    assert iostat.histogram_quantile(quantile, buckets) == pytest.approx(expected)
+    assert iostat.histogram_quantile(0.5, {0.1: 0.0, float("inf"): 0.0}) is None  # nothing observed
+    assert iostat.histogram_quantile(0.5, {0.1: 1.0}) is None  # no +Inf bucket: not a histogram
 
 
 def test_thresholds_judge_by_device_class_and_need_waiting_work() -> None:
@@ -342,73 +342,73 @@ def test_thresholds_judge_by_device_class_and_need_waiting_work() -> None:
     assert th.gpu_throttled(["sw_power_cap", "sync_boost"]) == []
 
 
-def fake_view(disks: int, gpus: int, engines: int) -> top.View:
-    disk_rows = [top.DiskRow(f"sd{i:02d}", True, float(i), 0.0, 0.0, 0.0, None, None, 0.0, i / 100)
+def fake_view(disks: int, gpus: int, engines: int) -> iostat.View:
+    disk_rows = [iostat.DiskRow(f"sd{i:02d}", True, float(i), 0.0, 0.0, 0.0, None, None, 0.0, i / 100)
                  for i in range(disks)]
-    gpu_rows = [top.GpuRow(str(i), f"GPU-{i}", "H100", True, 0.5, 1e9, 8e10, 40.0, 300.0, [])
+    gpu_rows = [iostat.GpuRow(str(i), f"GPU-{i}", "H100", True, 0.5, 1e9, 8e10, 40.0, 300.0, [])
                 for i in range(gpus)]
-    engine_rows = [top.EngineRow(f"engine-{i}", "0", "sda", 0.01, 0.02, 1, 0.0, 1.0) for i in range(engines)]
-    return top.View("test", 1.0, 0.0, top.Pressure(), disk_rows, gpu_rows, engine_rows, [])
+    engine_rows = [iostat.EngineRow(f"engine-{i}", "0", "sda", 0.01, 0.02, 1, 0.0, 1.0) for i in range(engines)]
+    return iostat.View("test", 1.0, 0.0, iostat.Pressure(), disk_rows, gpu_rows, engine_rows, [])
 
 
 def test_screen_fits_80x24_whatever_the_row_counts() -> None:
     for counts in ((30, 8, 20), (3, 0, 0), (40, 0, 0), (2, 8, 1)):
-        text = render(fake_view(*counts), top.UiState(), height=24)
+        text = render(fake_view(*counts), display.UiState(), height=24)
         lines = text.rstrip("\n").split("\n")
         assert len(lines) == 24 and all(len(line) <= 80 for line in lines), counts
         assert lines[-1].startswith("sort disk:flags desc")
-    text = render(fake_view(30, 8, 20), top.UiState(), height=24)
+    text = render(fake_view(30, 8, 20), display.UiState(), height=24)
     assert "+" in text and " more" in text  # the rows that did not fit are counted, not silently cut
     assert text.count("GPU-") == 0 and re.search(r"^gpu\s+busy%", text, re.MULTILINE)
-    lines = render(fake_view(3, 0, 0), top.UiState(), height=24).split("\n")
+    lines = render(fake_view(3, 0, 0), display.UiState(), height=24).split("\n")
     assert "gpus: no gpuio_gpu_* series" in "\n".join(lines)
 
 
 def test_keys_cycle_sort_reverse_focus_filter_pause() -> None:
-    ui, view = top.UiState(), fake_view(3, 2, 0)
+    ui, view = display.UiState(), fake_view(3, 2, 0)
     for key in "ss":
-        top.handle_key(key, ui, view)
+        display.handle_key(key, ui, view)
     assert ui.sort["disk"] == "r/s"
-    top.handle_key("S", ui, view)
+    display.handle_key("S", ui, view)
     assert ui.sort["disk"] == "disk"
-    top.handle_key("r", ui, view)
-    assert [row.device for row in top.arrange(top.TABLES[0], view, ui)] == ["sd02", "sd01", "sd00"]
-    top.handle_key("\t", ui, view)
+    display.handle_key("r", ui, view)
+    assert [row.device for row in display.arrange(display.TABLES[0], view, ui)] == ["sd02", "sd01", "sd00"]
+    display.handle_key("\t", ui, view)
     assert ui.focus == "gpu"
-    top.handle_key("\t", ui, view)
+    display.handle_key("\t", ui, view)
     assert ui.focus == "disk"  # no engine rows: Tab skips that table
     for key in "/sdb":
-        top.handle_key(key, ui, view)
+        display.handle_key(key, ui, view)
     assert ui.editing == "sdb" and ui.filter == "sdb"  # the filter applies while typing
-    top.handle_key("\x7f", ui, view)
-    top.handle_key("\r", ui, view)
+    display.handle_key("\x7f", ui, view)
+    display.handle_key("\r", ui, view)
     assert (ui.editing, ui.filter) == (None, "sd")
     for key in "/x\x1b":
-        top.handle_key(key, ui, view)
+        display.handle_key(key, ui, view)
     assert ui.filter == "sd"  # Esc while typing restores the filter that was there
-    top.handle_key("\x1b", ui, view)
+    display.handle_key("\x1b", ui, view)
     assert ui.filter == ""  # Esc otherwise clears it
-    top.handle_key("p", ui, view)
+    display.handle_key("p", ui, view)
     assert ui.paused
-    assert top.handle_key("q", ui, view) == top.QUIT
-    assert top.split_keys("s\x1b[A\x1bOBq\x1b") == ["s", "q", "\x1b"]  # arrow keys are dropped whole
+    assert display.handle_key("q", ui, view) == display.QUIT
+    assert display.split_keys("s\x1b[A\x1bOBq\x1b") == ["s", "q", "\x1b"]  # arrow keys are dropped whole
 
 
 def test_url_source_accepts_host_port_and_reports_unreachable() -> None:
-    assert top.UrlSource("node:9817").url == "http://node:9817/metrics"
-    assert top.UrlSource("https://node:9817/m").url == "https://node:9817/m"
-    assert top.UrlSource("[::1]:9817").url == "http://[::1]:9817/metrics"
-    secured = top.UrlSource("https://on%40call:s3cret@node:9817")
+    assert data.UrlSource("node:9817").url == "http://node:9817/metrics"
+    assert data.UrlSource("https://node:9817/m").url == "https://node:9817/m"
+    assert data.UrlSource("[::1]:9817").url == "http://[::1]:9817/metrics"
+    secured = data.UrlSource("https://on%40call:s3cret@node:9817")
     assert secured.url == secured.description == "https://node:9817/metrics"  # no password on the screen
     assert secured.headers["Authorization"] == "Basic b25AY2FsbDpzM2NyZXQ="  # on@call:s3cret
-    with pytest.raises(top.SourceError, match="127.0.0.1:1"):
-        top.UrlSource("127.0.0.1:1", timeout=1).sample()
+    with pytest.raises(data.SourceError, match="127.0.0.1:1"):
+        data.UrlSource("127.0.0.1:1", timeout=1).sample()
 
 
 def test_every_metric_top_reads_is_declared() -> None:
-    """The names block of exporter/top.py against the catalogue (docs/metrics.md is generated from it):
+    """The names block of exporter/top/data.py against the catalogue (docs/metrics.md is generated from it):
     a collector that renames a family fails here, not silently as an empty column."""
-    read = {value for name, value in vars(top).items()
+    read = {value for name, value in vars(data).items()
             if name.isupper() and isinstance(value, str) and value.startswith("gpuio_")}
     assert len(read) > 25 and read - catalogued() == set()
 
@@ -417,18 +417,18 @@ def test_every_label_top_reads_is_declared_on_the_family_it_reads_it_from() -> N
     from exporter.catalogue import by_name
 
     reads = {
-        top.GPU_LABEL: (top.GPU_INFO, top.GPU_UP, top.GPU_BUSY, top.GPU_MEMORY_USED, top.GPU_MEMORY_TOTAL,
-                        top.GPU_TEMPERATURE, top.GPU_POWER, top.GPU_THROTTLE),
-        top.GPU_UUID_LABEL: (top.GPU_INFO, top.GPU_UP, top.GPU_BUSY, top.GPU_THROTTLE),
-        top.GPU_THROTTLE_REASON_LABEL: (top.GPU_THROTTLE,),
-        top.ENGINE_LABEL: (top.ENGINE_INFO, top.ENGINE_LATENCY, top.ENGINE_IN_FLIGHT, top.ENGINE_POOL_CONTEXTS,
-                           top.ENGINE_POOL_WAIT, top.ENGINE_RESIDENCY, top.ENGINE_PHYSICAL),
-        top.ENGINE_INFO_DEVICE_LABEL: (top.ENGINE_INFO,),
-        top.ENGINE_INFO_GPU_LABEL: (top.ENGINE_INFO, top.ENGINE_LATENCY, top.ENGINE_IN_FLIGHT),
-        "name": (top.GPU_INFO,),
-        "rotational": (top.DISK_INFO,),
-        "physical_device": (top.DISK_PHYSICAL, top.ENGINE_PHYSICAL),
-        "device": (top.DISK_READS, top.DISK_INFO, top.DISK_PHYSICAL, top.SMART_HEALTH),
+        data.GPU_LABEL: (data.GPU_INFO, data.GPU_UP, data.GPU_BUSY, data.GPU_MEMORY_USED, data.GPU_MEMORY_TOTAL,
+                        data.GPU_TEMPERATURE, data.GPU_POWER, data.GPU_THROTTLE),
+        data.GPU_UUID_LABEL: (data.GPU_INFO, data.GPU_UP, data.GPU_BUSY, data.GPU_THROTTLE),
+        data.GPU_THROTTLE_REASON_LABEL: (data.GPU_THROTTLE,),
+        data.ENGINE_LABEL: (data.ENGINE_INFO, data.ENGINE_LATENCY, data.ENGINE_IN_FLIGHT, data.ENGINE_POOL_CONTEXTS,
+                           data.ENGINE_POOL_WAIT, data.ENGINE_RESIDENCY, data.ENGINE_PHYSICAL),
+        data.ENGINE_INFO_DEVICE_LABEL: (data.ENGINE_INFO,),
+        data.ENGINE_INFO_GPU_LABEL: (data.ENGINE_INFO, data.ENGINE_LATENCY, data.ENGINE_IN_FLIGHT),
+        "name": (data.GPU_INFO,),
+        "rotational": (data.DISK_INFO,),
+        "physical_device": (data.DISK_PHYSICAL, data.ENGINE_PHYSICAL),
+        "device": (data.DISK_READS, data.DISK_INFO, data.DISK_PHYSICAL, data.SMART_HEALTH),
     }
     missing = {(label, family) for label, families in reads.items() for family in families
                if label not in by_name(family).labels}

@@ -1,0 +1,210 @@
+"""`gpuio top`'s data: the families it reads (from their declarations), snapshots of one scrape, and
+the sources that take them (the exporter's own collectors in-process, or a running exporter's URL)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import gzip
+import logging
+import math
+import operator
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gpuio.spool import SERIES
+
+from .. import collect
+from ..collectors import diskstats, engines, nvml, pressure, smart
+
+# --- The families top reads, from their declarations in the collectors (never a copied literal). ---
+# Disks (diskstats collector; node_exporter's node_disk_* semantics).
+DISK_READS = diskstats.READS_COMPLETED.name
+DISK_WRITES = diskstats.WRITES_COMPLETED.name
+DISK_READ_BYTES = diskstats.READ_BYTES.name
+DISK_WRITTEN_BYTES = diskstats.WRITTEN_BYTES.name
+DISK_READ_TIME = diskstats.READ_TIME.name
+DISK_WRITE_TIME = diskstats.WRITE_TIME.name
+DISK_IO_TIME = diskstats.IO_TIME.name
+DISK_IO_TIME_WEIGHTED = diskstats.IO_TIME_WEIGHTED.name
+DISK_INFO = diskstats.INFO_DESC.name  # label rotational: "1", "0" or ""
+DISK_PHYSICAL = diskstats.PHYSICAL_DESC.name  # labels device, physical_device
+# Disk health (smart collector): 1 passed, 0 failed, labelled device.
+SMART_HEALTH = smart.HEALTH.name
+# IO pressure (pressure collector), counters of seconds.
+PSI_IO_SOME = pressure.DESCS[("io", "some")].name
+PSI_IO_FULL = pressure.DESCS[("io", "full")].name
+PSI_MEMORY_SOME = pressure.DESCS[("memory", "some")].name
+PSI_MEMORY_FULL = pressure.DESCS[("memory", "full")].name
+PSI_CPU_SOME = pressure.DESCS[("cpu", "some")].name
+# GPUs (nvml collector), every series labelled gpu (index) and uuid.
+GPU_LABEL, GPU_UUID_LABEL = nvml.GPU  # "gpu" (NVML's index), "uuid"
+GPU_INFO = nvml.INFO_DESC.name  # labels gpu, uuid, name, ...
+GPU_UP = nvml.UP.name
+GPU_BUSY = nvml.BUSY.name
+GPU_SM_ACTIVE = nvml.SM_ACTIVE.name  # GPM (Hopper and newer): where present, "idle" is judged on it
+GPU_MEMORY_USED = nvml.MEMORY_USED.name
+GPU_MEMORY_TOTAL = nvml.MEMORY_TOTAL.name
+GPU_TEMPERATURE = nvml.TEMPERATURE.name
+GPU_POWER = nvml.POWER.name  # NVML's 1 s average (the energy counter is read only every 10 s)
+# Age of the NVML sweep a scrape serves: GPU counters advance once per sweep, so their rates are taken
+# over the sweeps' own interval (scrape time minus age), not the scrapes'.
+GPU_AGE = nvml.AGE.name
+GPU_THROTTLE = nvml.REASON.name  # one 0/1 series per reason
+GPU_THROTTLE_REASON_LABEL = "reason"
+# Clock-event reasons that are no slowdown (an idle GPU, clocks an operator or a display set): not listed.
+# Of those listed, only thresholds.GPU_THROTTLE_REASONS flag a row (sw_power_cap is listed, not flagged).
+GPU_THROTTLE_IGNORED = ("gpu_idle", "applications_clocks_setting", "display_clock_setting")
+# Engines (engines collector), every series labelled engine.
+ENGINE_LABEL = "engine"
+ENGINE_INFO = engines.ENGINE_INFO.name  # labels engine, path, device, gpu_uuid (one series per file and GPU)
+ENGINE_INFO_DEVICE_LABEL = "device"
+ENGINE_INFO_GPU_LABEL = "gpu_uuid"
+ENGINE_LATENCY = SERIES["inference_seconds"].name  # histogram (_bucket, _sum, _count)
+ENGINE_IN_FLIGHT = engines.IN_FLIGHT.name
+ENGINE_POOL_CONTEXTS = engines.POOL_CONTEXTS.name  # execution contexts: in flight at or above them queues
+ENGINE_POOL_WAIT = SERIES["pool_wait_seconds"].name  # histogram
+ENGINE_RESIDENCY = engines.FILE_RATIO.name  # per file (engine, path): the least cached is shown
+ENGINE_PHYSICAL = engines.PHYSICAL_INFO.name  # labels engine, path, physical_device
+# The exporter itself.
+COLLECTOR_SUCCESS = collect.SUCCESS.name
+# ---------------------------------------------------------------------------------------------------
+
+log = logging.getLogger("gpuio.top")
+MIB = 1024.0 * 1024.0  # iostat's "MB" in rMB/s is 2^20 bytes (sectors / 2048)
+GIB = 1024.0**3
+
+Labels = dict[str, str]
+
+
+class SourceError(Exception):
+    """A snapshot could not be taken (exporter unreachable, bad answer); the message is for the screen."""
+
+
+def gpu_key(labels: Labels) -> str | None:
+    return labels.get(GPU_LABEL) or labels.get(GPU_UUID_LABEL)
+
+
+@dataclass
+class Snapshot:
+    """Every sample of one scrape, by sample name, and when it was taken (a monotonic clock)."""
+
+    at: float
+    series: dict[str, list[tuple[Labels, float]]]
+
+    def values(self, name: str, key: str, combine: Callable[[float, float], float] = operator.add) -> dict[str, float]:
+        """``{labels[key]: value}``, the series of the other labels combined (summed by default)."""
+        out: dict[str, float] = {}
+        for labels, value in self.series.get(name, ()):
+            if key in labels and not math.isnan(value):
+                seen = out.get(labels[key])
+                out[labels[key]] = value if seen is None else combine(seen, value)
+        return out
+
+    def per_gpu(self, name: str) -> dict[str, float]:
+        """``{gpu: value}`` of a per-GPU family (the first series of each GPU)."""
+        out: dict[str, float] = {}
+        for labels, value in self.series.get(name, ()):
+            key = gpu_key(labels)
+            if key is not None and key not in out and not math.isnan(value):
+                out[key] = value
+        return out
+
+    def scalar(self, name: str) -> float | None:
+        found = self.series.get(name)
+        return found[0][1] if found else None
+
+    def labels(self, name: str) -> list[Labels]:
+        return [labels for labels, _ in self.series.get(name, ())]
+
+
+def parse_exposition(text: str) -> dict[str, list[tuple[Labels, float]]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series: dict[str, list[tuple[Labels, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return series
+
+
+class Source(Protocol):
+    description: str
+
+    def start(self) -> None: ...
+
+    def sample(self) -> Snapshot: ...
+
+    def close(self) -> None: ...
+
+
+class LocalSource:
+    """This machine, through the exporter's own collectors (its flags decide which, and where)."""
+
+    def __init__(self, config: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        from ..assemble import build_scraper
+
+        # process_* would describe this gpuio top process, not the node.
+        self.scraper = build_scraper(dataclasses.replace(config, disable_exporter_metrics=True))
+        self.clock = clock
+        self.description = "this machine" if config.procfs == "/proc" else f"procfs {config.procfs}"
+
+    def start(self) -> None:
+        self.scraper.start()
+
+    def sample(self) -> Snapshot:
+        from ..exposition import render
+
+        text = render(self.scraper.scrape_sync())
+        return Snapshot(self.clock(), parse_exposition(text))
+
+    def close(self) -> None:
+        self.scraper.stop()
+
+
+class UrlSource:
+    """A running exporter's /metrics (text format; gzip accepted)."""
+
+    def __init__(self, url: str, clock: Callable[[], float] = time.monotonic, timeout: float = 5.0) -> None:
+        parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+        self.headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip", "User-Agent": "gpuio-top"}
+        if parts.username is not None:  # http://user:password@node:9817 (--web.config.file basic auth)
+            user = urllib.parse.unquote(parts.username)
+            password = urllib.parse.unquote(parts.password or "")
+            self.headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        host = parts.hostname or ""
+        netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+        # A bare host:port means the default telemetry path.
+        self.url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path or "/metrics", parts.query, ""))
+        self.clock = clock
+        self.timeout = timeout
+        self.description = self.url  # without the password
+
+    def start(self) -> None:
+        pass
+
+    def sample(self) -> Snapshot:
+        request = urllib.request.Request(self.url, headers=self.headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                body = response.read()
+                if response.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+        except urllib.error.HTTPError as exc:
+            raise SourceError(f"{self.url}: HTTP {exc.code} {exc.reason}") from None
+        except (OSError, EOFError) as exc:
+            raise SourceError(f"{self.url}: {getattr(exc, 'reason', None) or exc}") from None
+        try:
+            return Snapshot(self.clock(), parse_exposition(body.decode("utf-8", errors="replace")))
+        except ValueError as exc:
+            raise SourceError(f"{self.url}: not a Prometheus text exposition ({exc})") from None
+
+    def close(self) -> None:
+        pass
+
+
