@@ -35,17 +35,9 @@ from exporter.pods import cgroup, kubelet, wire
 from gpuio import spool
 from tests.conftest import parse_samples
 from tests.fuzz.test_fuzz_spool import MUTATION, mutate, spool_seed
+from tests.unit.test_pods import varint
 
 # --- the pod-resources decoder ------------------------------------------------------------------------
-
-
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def field(number: int, payload: bytes) -> bytes:

@@ -277,11 +277,11 @@ def test_a_cdi_device_repeating_its_name_keeps_one(generated) -> None:
     CDIDevice of 100,000 names must not become a list of 100,000 strings before the cap applies."""
     pb2, _ = generated
     cdi = b"".join(b"\x0a\x02ab" for _ in range(100_000))  # CDIDevice{name="ab"} x 100,000 in one message
-    claim = b"\x0a" + _varint(len(cdi)) + cdi + pb2.ClaimResource(driver_name="gpu.nvidia.com").SerializeToString()
-    dynamic = b"\x22" + _varint(len(claim)) + claim
-    container = pb2.ContainerResources(name="c").SerializeToString() + b"\x2a" + _varint(len(dynamic)) + dynamic
-    pod = pb2.PodResources(name="p", namespace="n").SerializeToString() + b"\x1a" + _varint(len(container)) + container
-    data = b"\x0a" + _varint(len(pod)) + pod
+    claim = b"\x0a" + varint(len(cdi)) + cdi + pb2.ClaimResource(driver_name="gpu.nvidia.com").SerializeToString()
+    dynamic = b"\x22" + varint(len(claim)) + claim
+    container = pb2.ContainerResources(name="c").SerializeToString() + b"\x2a" + varint(len(dynamic)) + dynamic
+    pod = pb2.PodResources(name="p", namespace="n").SerializeToString() + b"\x1a" + varint(len(container)) + container
+    data = b"\x0a" + varint(len(pod)) + pod
     tracemalloc.start()
     try:
         decoded = wire.decode_list_response(data)
@@ -292,7 +292,8 @@ def test_a_cdi_device_repeating_its_name_keeps_one(generated) -> None:
     assert peak < 4 * len(data)  # a list of 100,000 strings alone is ~6 MB, the answer 0.4 MB
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """A protobuf base-128 varint, as the kubelet's encoder writes it."""
     out = bytearray()
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
