@@ -130,13 +130,14 @@ class ExporterProcess:
     env: dict[str, str] | None = None
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
+    module: str = "exporter"  # tests.e2e.fake_gpu_exporter: the same exporter on fake GPUs (no NVML here)
 
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ExporterProcess:
-        command = [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{self.port}", *self.args]
+        command = [sys.executable, "-m", self.module, f"--web.listen-address=127.0.0.1:{self.port}", *self.args]
         environment = {**os.environ, **(self.env or {})}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         cwd=REPO, env=environment)

@@ -9,8 +9,10 @@ What runs, all real and on loopback:
   requests (an NVMe-sized queue; restored afterwards), so that a deep queue really builds up;
 * engine files on that filesystem, and inference processes that import the instrumentation library
   (gpuio) and cold-load them, again and again (pods crash-looping through a rollout),
-  each naming its GPU (``gpu_uuid``: there is no GPU here, so the processes say which one they would use);
-* gpuio-exporter (diskstats, pressure and the engines collector reading the processes' spool);
+  each naming its GPU (``gpu_uuid``);
+* gpuio-exporter (diskstats, pressure, the engines collector reading the processes' spool, and nvml): there
+  is no GPU here, so its NVML is the fake of tests/unit/test_nvml_fake.py with one idle H100 per engine
+  (tests/e2e/fake_gpu_exporter.py); everything else is the real exporter;
 * Debian's ``prometheus`` with deploy/prometheus/prometheus.yml, changed only where the test must:
   1 s scrape and evaluation, the exporter and Alertmanager ports, the rule files below;
 * the rules: a variant generated from deploy/prometheus/config.py by
@@ -331,10 +333,14 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
 
         alertmanager_process, alertmanager = start_alertmanager(tmp, server.server_port)
         started.append(alertmanager_process)
+        # The GPUs the engines are for, idle (starved of their data) all along: no NVML here, so the
+        # exporter's NVML is the fake (tests/e2e/fake_gpu_exporter.py); the rest is the real exporter.
+        gpus = ",".join(sorted({uuid for _, uuid in engines.values()}))
         exporter = ExporterProcess(["--collector.disable-defaults", "--collector.diskstats", "--collector.pressure",
                                     f"--collector.diskstats.device-include=^{device}$", "--collector.engines",
                                     f"--collector.engines.spool-dir={spool}",
-                                    f"--collector.engines.path={mount_point}/*.engine"]).start()
+                                    f"--collector.engines.path={mount_point}/*.engine", "--collector.nvml"],
+                                   env={"GPUIO_FAKE_GPUS": gpus}, module="tests.e2e.fake_gpu_exporter").start()
         prometheus_process, prometheus = start_prometheus(tmp, rule_files, exporter.port, alertmanager)
         started.append(prometheus_process)
         stack_ = Stack(device, prometheus, alertmanager, report, spool=spool, engines=engines)
@@ -452,18 +458,30 @@ def board_expr(title: str, column: str | None = None) -> str:
 
 def starvation_board_during_the_storm(stack: Stack) -> None:
     """The Starvation board's top row, its panels' own queries against this Prometheus while the storm
-    pages: every engine of the storm has its lane and its row, joined to this loop device; each is
-    loading or waiting for the disk (this machine has no GPU, so nothing can be judged starved), and the
-    engines waiting are those whose work waits while the disk is saturated."""
-    lanes = {json.loads(k)["engine"]: v for k, v in stack.query(board_expr("Engine x GPU")).items()}
-    rows = {json.loads(k)["engine"]: (json.loads(k).get("device"), v)
+    pages: every engine of the storm has its lane and its row, joined to this loop device; the engines'
+    GPUs are idle (fake NVML: no GPU here) while their loads wait on the saturated disk, so each lane turns
+    starved, and where the board says starved GPUStarvedByDiskIO is pending for the same engine on the same
+    GPU, naming the same disk: the board's colours are the alert's."""
+    deadline = time.monotonic() + 2 * RATE_S
+    while True:
+        lanes = {json.loads(k)["engine"]: v for k, v in stack.query(board_expr("Engine x GPU")).items()}
+        if set(lanes) == set(stack.engines) and set(lanes.values()) == {3} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    rows = {json.loads(k)["engine"]: (json.loads(k).get("device"), json.loads(k).get("gpu_uuid"), v)
             for k, v in stack.query(board_expr("Who starves whom", "state")).items()}
+    alerts = {(labels["engine"], labels["uuid"]): labels for labels in map(json.loads, stack.query(
+        'ALERTS{alertname="GPUStarvedByDiskIO",alertstate=~"pending|firing"}'))}
     stack.report("[storm e2e] Starvation board: " + ", ".join(
-        f"{engine} {BOARD_STATES.get(int(state), state)}" for engine, state in sorted(lanes.items())))
+        f"{engine} on {rows.get(engine, ('?', '?'))[1]} {BOARD_STATES.get(int(state), state)}"
+        for engine, state in sorted(lanes.items())))
     assert set(lanes) == set(stack.engines), lanes
-    assert set(lanes.values()) <= {1, 2} and 2 in lanes.values(), lanes
-    assert {engine: state for engine, (_, state) in rows.items()} == lanes
-    assert {device for device, _ in rows.values()} == {stack.device}
+    assert set(lanes.values()) == {3}, lanes
+    assert {engine: state for engine, (_, _, state) in rows.items()} == lanes
+    assert {engine: uuid for engine, (_, uuid, _) in rows.items()} == {n: u for n, (_, u) in stack.engines.items()}
+    assert {device for device, _, _ in rows.values()} == {stack.device}
+    assert set(alerts) == {(name, uuid) for name, (_, uuid) in stack.engines.items()}, alerts
+    assert {labels["device"] for labels in alerts.values()} == {stack.device}, alerts
 
 
 def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
