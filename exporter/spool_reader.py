@@ -379,23 +379,31 @@ def _max_into(previous: list[float], current: list[float], monotonic: int) -> li
 class FileState:
     """What the reader remembers of one live writer's file."""
 
-    name: str
+    # Which file: its inode (another one under the same name is a new file), its owner (the writer,
+    # whose view of engine files the exporter checks), the pod whose volume holds it ("" for the
+    # node's spool directory: the file's path says it, the writer cannot choose it).
     ino: int
+    uid: int = -1
+    pod_uid: str = ""
+    # What it said at its last full read.  ``digest``: of the bytes ``parsed`` came from (unchanged
+    # bytes are not parsed again); ``used``: how many (the reader's memory budget counts them).
     parsed: Parsed | None = None
-    bad_reported: bool = False
-    digest: bytes = b""  # of the bytes ``parsed`` came from: unchanged bytes are not parsed again
-    used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
-    uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
-    pod_uid: str = ""  # the pod whose volume holds the file (a discovered pod spool directory), else ""
-    # Kept open between reads (up to a cap) so that an unchanged file costs a lock probe and a header read.
-    fd: int | None = None
-    # The inode the directory listing gave when ``fd`` was opened: the name still lists it, so the name
-    # still means this file (compared with the listing's, which on overlayfs is not always st_ino).
-    listed_ino: int | None = None
-    header: bytes = b""  # the header ``parsed`` came with: the same header again means nothing changed
-    recheck_at: float = 0.0  # when to read the whole file even so (monotonic seconds)
+    digest: bytes = b""
+    used: int = 0
     needs_gpu: bool = False  # ``parsed`` has series without a GPU: the merge asks ``gpu_of`` for this writer
-    lockers: frozenset[int] | None = None  # pids the kernel's lock table shows holding its lock (None: not looked)
+    bad_reported: bool = False  # damaged since it was understood: counted once
+    # Whether it changed since, cheaply (see SpoolReader._unchanged): a descriptor kept open between
+    # reads (up to a cap), the inode the directory listing gave when it was opened (the name still lists
+    # it, so the name still means this file; compared with the listing's, which on overlayfs is not
+    # always st_ino), the header ``parsed`` came with (the same header again means nothing changed) and
+    # when to read the whole file even so (monotonic seconds).
+    fd: int | None = None
+    listed_ino: int | None = None
+    header: bytes = b""
+    recheck_at: float = 0.0
+    # The pids the kernel's lock table shows holding its lock: which process the header may truthfully
+    # name as its writer (None: not known yet, looked up at the next full read).
+    lockers: frozenset[int] | None = None
 
 
 @dataclass
@@ -508,7 +516,9 @@ class SpoolReader:
         # Where the kernel's lock table is (<procfs>/locks): it says which process holds a file's lock, so
         # which writer a file's header may truthfully name (see _writer).
         self.procfs = procfs
-        self._lock_table: dict[int, frozenset[int]] | None = None  # inode -> lock holders, once per read()
+        # inode -> lock holders, read at most once per read() (None: unreadable this time)
+        self._lock_table: dict[int, frozenset[int]] | None = None
+        self._lock_table_read = False
         # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
         self.gpu_of = gpu_of
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
@@ -531,7 +541,7 @@ class SpoolReader:
         # wholesale (that re-counted every bad file), so it is as big as the bad files present.
         self._bad: dict[str, int] = {}
         self._listed: dict[str, int] = {}  # name -> inode, from the last listing (readdir's d_ino: no stat)
-        self._cursor = ""  # where the last read() ran out of budget: the next one starts after it
+        self._resume_at = ""  # the first file the last read() had no budget for: the next one starts there
         self._budget = ReadBudget(0, 0)
         self._deferred_now = 0
         self._unlisted = 0
@@ -592,7 +602,7 @@ class SpoolReader:
                     self._vanished(name)
             self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
             self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
-            self._lock_table = None
+            self._lock_table_read = False
             self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
             for state in self._live.values():
                 self._retained[state.used > SMALL_FILE_BYTES] += state.used
@@ -600,18 +610,21 @@ class SpoolReader:
             # The loop a thousand idle writers cost: names bound once, an unchanged live file settled
             # here (a lock probe and a header read), everything else visited in full.
             live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
-            unchanged, visited = self._unchanged, ""
+            unchanged, first_deferred = self._unchanged, ""
             for name in self._visit_order(names):
                 if name in tombstones or bad.get(name, -1) == listed.get(name):
                     continue  # folded already, or known bad and not replaced: not even opened
                 if budget.read <= 0 or budget.parse <= 0:
                     deferred += 1
+                    first_deferred = first_deferred or name
                     continue
-                visited = name
                 known = live.get(name)
                 if known is None or known.fd is None or not unchanged(name, known, known.fd):
+                    waiting = self._deferred_now
                     self._visit(name)
-            self._cursor = visited if deferred else ""
+                    if self._deferred_now > waiting:  # too big for what was left: its turn comes first next time
+                        first_deferred = first_deferred or name
+            self._resume_at = first_deferred
             self.deferred_files = deferred + self._deferred_now + self._unlisted
             # Forget tombstones of files someone else removed.  A pod directory's are kept while the pod
             # is: its files are never deleted, and one left out of a capped listing must not be folded
@@ -628,7 +641,7 @@ class SpoolReader:
         gpus: tuple[str | None, ...] = ()
         if self.gpu_of is not None:
             gpu_of = self.gpu_of
-            gpus = tuple(gpu_of(state.parsed.pid, state.parsed.start_ticks) for state in self._live.values()
+            gpus = tuple(gpu_of(*self._writer(state, state.parsed)) for state in self._live.values()
                          if state.needs_gpu and state.parsed is not None)
         key = (self._version, gpus)
         if self._merged is None or self._merged[0] != key:
@@ -637,10 +650,11 @@ class SpoolReader:
 
     def _visit_order(self, names: set[str]) -> list[str]:
         """Live files first (their values go stale when skipped), then the rest; each group in name
-        order, starting after the file where the last read() ran out of budget, so all get their turn."""
+        order, starting at the first file the last read() had no budget left for, so all get their turn
+        (a file that did not fit once goes first next time, not behind the same files again)."""
         def turn(group: list[str]) -> list[str]:
             group.sort()
-            after = [name for name in group if name > self._cursor]
+            after = [name for name in group if name >= self._resume_at]
             return after + group[: len(group) - len(after)]
         return turn([n for n in names if n in self._live]) + turn([n for n in names if n not in self._live])
 
@@ -855,7 +869,7 @@ class SpoolReader:
                     self._fold_dead(name, path, state)
             return
         if state is None:
-            state = FileState(name, st.st_ino, uid=st.st_uid,
+            state = FileState(st.st_ino, uid=st.st_uid,
                               pod_uid=self.pod_directories.get(self._directory_of(name), ""))
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if not self._affordable(state, data, digest, gone):
@@ -881,12 +895,14 @@ class SpoolReader:
                 state.lockers = self._lockers(st.st_ino)
             self._make_live(name, state)
 
-    def _lockers(self, inode: int) -> frozenset[int]:
+    def _lockers(self, inode: int) -> frozenset[int] | None:
         """The pids holding a lock on a file with this inode, from the kernel's lock table (read at most
-        once per read(), up to 4 MiB: ~80,000 locks)."""
-        if self._lock_table is None:
+        once per read(), up to 4 MiB: ~80,000 locks); None when the table could not be read, which says
+        nothing about the writer (asked again at the file's next full read, not taken for "nobody")."""
+        if not self._lock_table_read:
+            self._lock_table_read = True
             self._lock_table = read_lock_table(os.path.join(self.procfs, "locks"))
-        return self._lock_table.get(inode, frozenset())
+        return None if self._lock_table is None else self._lock_table.get(inode, frozenset())
 
     def _writer(self, state: FileState, parsed: Parsed) -> tuple[int, int]:
         """(pid, start ticks) of the file's writer as its header says, where the kernel shows that pid
@@ -1178,18 +1194,18 @@ class SpoolReader:
 MAX_LOCK_TABLE_BYTES = 4 << 20
 
 
-def read_lock_table(path: str) -> dict[int, frozenset[int]]:
+def read_lock_table(path: str) -> dict[int, frozenset[int]] | None:
     """inode -> pids holding a lock on it, from /proc/locks (proc(5)): ``1: FLOCK ADVISORY WRITE 4242
     fe:00:2281097 0 EOF``; a blocked waiter's line (``->``) holds nothing.  Matched by inode alone: the
     device field is the file system's own, which overlayfs may report differently from fstat, and a
-    pid and an inode both matching by chance is not a claim anyone can arrange."""
+    pid and an inode both matching by chance is not a claim anyone can arrange.  None: unreadable."""
     chunks: list[bytes] = []
     try:
         with open(path, "rb", buffering=0) as handle:  # in pieces: read(4 MiB) would allocate 4 MiB at once
             while sum(map(len, chunks)) < MAX_LOCK_TABLE_BYTES and (chunk := handle.read(64 << 10)):
                 chunks.append(chunk)
     except OSError:
-        return {}
+        return None
     text = b"".join(chunks)
     table: dict[int, set[int]] = {}
     for line in text.split(b"\n"):
