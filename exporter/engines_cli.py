@@ -27,6 +27,9 @@ from .pagecache import Unavailable, open_regular, residency
 from .terminal import printable
 
 WARM_CHUNK = 8 << 20
+# Reads of the spool one ``gpuio engines`` may take to walk directories that one read does not list in
+# full (65,536 entries a read: 1,000 reads are 65 million names).
+MAX_LISTING_READS = 1000
 
 
 def _mib(value: float) -> str:
@@ -79,6 +82,10 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
     collector.collect()  # learns the files processes report
     files = collector.engine_files_now()
     totals = collector.spool_totals()
+    for _ in range(MAX_LISTING_READS):  # asked once: the whole of a directory too big for one read
+        if not totals.unfinished_listings:
+            break
+        totals = collector.spool_totals()
     rows = []
     engines = sorted(set(totals.engines) | {engine for engine, _ in files})
     for engine in engines:

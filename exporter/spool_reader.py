@@ -433,16 +433,23 @@ class Totals:
     # engine file only where one of them could have read it (collectors/engines.py)
     info_uids: dict[tuple[str, str], set[int]] = field(default_factory=dict)
     deferred_files: int = 0  # files left for a later scrape: this one's read budget was spent
+    unfinished_listings: int = 0  # directories whose listing goes on at the next scrapes (DirectoryScan)
     # (engine, GPU uuid) -> the pods of the live writers reporting it (PodIdentity of each file)
     pods: dict[tuple[str, str], set[PodIdentity]] = field(default_factory=dict)
 
 
 # What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
 # be, how much of it is "used", how many files it makes and how often it changes them.
-MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (deferred)
-# Names taken from one pod's own spool volume per read: a pod that fills its volume with files cannot
-# take the listing from the other pods (a real pod has a few processes, one file each).
-MAX_POD_DIRECTORY_FILES = 1024
+# Directory entries looked at per read (spool files or not): a directory of millions of names is walked
+# a slice per read, each read going on where the last one stopped (see DirectoryScan), so that a read
+# costs the same bounded time however many names a writer makes, and every name gets its turn.
+MAX_SCANNED_ENTRIES = 65_536  # of the node's spool directory
+# Of the pods' own spool volumes, together, shared evenly among them and at most MAX_POD_DIRECTORY_ENTRIES
+# each: a pod that fills its volume with files cannot take the listing from the other pods (a real pod
+# has a few processes, one file each).
+POD_SCANNED_ENTRIES = 65_536
+MAX_POD_DIRECTORY_ENTRIES = 1024
+MIN_POD_DIRECTORY_ENTRIES = 64
 # Leftover temporary files (a writer that died before renaming its file) opened per read to see whether
 # they may be removed: each costs an open and a lock probe, and a writer can make any number of them.
 MAX_SWEPT_TEMPORARY = 32
@@ -484,6 +491,48 @@ def _kept_files_cap() -> int:
     return MAX_KEPT_FILES if soft == resource.RLIM_INFINITY else max(0, min(MAX_KEPT_FILES, (soft - FD_ROOM) // 2))
 
 
+class DirectoryScan:
+    """One directory's listing, walked a slice per read(): at most ``budget`` entries, the next read going
+    on where this one stopped (the directory stream stays open in between), so that a directory of
+    millions of names costs each read the same bounded time and every name gets its turn.
+
+    A *pass* is one walk through the whole directory, in one read or over several.  Only a finished pass
+    proves that a file is gone (readdir(3) returns every entry that stays in place exactly once per
+    pass); until then the files the reader remembers (live, folded, bad) that this read's slice did not
+    show stand as they were.  ``seen`` keeps which of those earlier slices of the pass showed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stream: typing.Any = None  # os.scandir's iterator, while a pass is under way
+        self.finished = False  # the last slice ended the pass
+        self.seen: dict[str, int] = {}  # remembered names shown by earlier slices of this pass -> inode
+        self.slice_names: list[str] = []  # the spool names of the last slice (the reader fills it in)
+
+    def next_slice(self, budget: int) -> Iterator[os.DirEntry[str]]:
+        """The next ``budget`` entries at most (OSError as os.scandir raises it; the pass then starts over)."""
+        self.finished = False
+        if self._stream is None:
+            self._stream = os.scandir(self.path)
+            self.seen = {}
+        taken = 0
+        try:
+            for entry in self._stream:
+                yield entry
+                taken += 1
+                if taken >= budget:
+                    return
+        except OSError:
+            self.close()
+            raise
+        self.close()
+        self.finished = True
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
 @dataclass
 class ReadBudget:
     """What is left of one read()'s work: bytes read, bytes parsed."""
@@ -499,14 +548,17 @@ class SpoolReader:
     header on a descriptor kept open: a writer moves the header's generation up after every change,
     so the same header means the same content (and the last merge stands when no file changed).  A
     changed file, a new one, one whose writer does not count generations and, once a minute, every
-    file are read whole (open + pread + flock probe); bytes that did not change are not parsed again.  A dead file costs
-    that once: it is folded, then deleted (or tombstoned) and never opened again.
+    file are read whole (open + pread + flock probe); bytes that did not change are not parsed
+    again.  A dead file costs that once: it is folded, then deleted (or tombstoned) and never opened
+    again.
 
-    Bounded whatever the writers do: a file is read up to ``max_file_bytes`` at most (a bigger one is
-    refused, ``oversized``); one read() reads at most SCRAPE_READ_BYTES and parses at most
-    SCRAPE_PARSE_BYTES (files past that keep their last values and are read at a later call, live
-    files first, in turn); the parsed content kept for live files comes from at most RETAINED_BYTES
-    of them; a bad file is counted once for as long as it stays (remembered by name and inode).
+    Bounded whatever the writers do: one read() looks at ``scan_entries`` directory entries at most (a
+    bigger directory is walked over several reads, DirectoryScan); a file is read up to
+    ``max_file_bytes`` at most (a bigger one is refused, ``oversized``); one read() reads at most
+    SCRAPE_READ_BYTES and parses at most SCRAPE_PARSE_BYTES (files past that keep their last values
+    and are read at a later call, live files first, in turn); the parsed content kept for live files
+    comes from at most RETAINED_BYTES of them; a bad file is counted once for as long as it stays
+    (remembered by name and inode).
     """
 
     def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
@@ -541,10 +593,12 @@ class SpoolReader:
         # wholesale (that re-counted every bad file), so it is as big as the bad files present.
         self._bad: dict[str, int] = {}
         self._listed: dict[str, int] = {}  # name -> inode, from the last listing (readdir's d_ino: no stat)
+        self._scans: dict[str, DirectoryScan] = {}  # directory -> its listing, a slice per read
+        self.scan_entries = MAX_SCANNED_ENTRIES
         self._resume_at = ""  # the first file the last read() had no budget for: the next one starts there
         self._budget = ReadBudget(0, 0)
         self._deferred_now = 0
-        self._unlisted = 0
+        self.unfinished_listings = 0  # at the last read(): directories whose pass goes on at the next
         self._sweeps_left = 0
         self._left_out_directories: set[str] = set()  # pod directories that exist but the scan left out
         self._retained = {False: 0, True: 0}
@@ -579,6 +633,9 @@ class SpoolReader:
         with self._lock:
             for state in self._live.values():
                 self._close_kept(state)
+            for scan in self._scans.values():
+                scan.close()
+            self._scans.clear()
 
     def __del__(self) -> None:
         for state in getattr(self, "_live", {}).values():
@@ -586,6 +643,8 @@ class SpoolReader:
                 with contextlib.suppress(OSError):
                     os.close(state.fd)
                 state.fd = None
+        for scan in getattr(self, "_scans", {}).values():
+            scan.close()
 
     # --- the directory -------------------------------------------------------------------------
 
@@ -600,7 +659,6 @@ class SpoolReader:
             for name in list(self._live):
                 if name not in names:
                     self._vanished(name)
-            self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
             self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
             self._lock_table_read = False
             self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
@@ -625,13 +683,8 @@ class SpoolReader:
                     if self._deferred_now > waiting:  # too big for what was left: its turn comes first next time
                         first_deferred = first_deferred or name
             self._resume_at = first_deferred
-            self.deferred_files = deferred + self._deferred_now + self._unlisted
-            # Forget tombstones of files someone else removed.  A pod directory's are kept while the pod
-            # is: its files are never deleted, and one left out of a capped listing must not be folded
-            # twice when it is listed again.
-            self._tombstones = {name for name in self._tombstones if name in names or (
-                os.path.isabs(name) and (os.path.dirname(name) in self.pod_directories
-                                         or os.path.dirname(name) in self._left_out_directories))}
+            self.deferred_files = deferred + self._deferred_now
+            self._note_seen()
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._merged_totals()
 
@@ -646,7 +699,8 @@ class SpoolReader:
         key = (self._version, gpus)
         if self._merged is None or self._merged[0] != key:
             self._merged = (key, self._with_owners(self._merge()))
-        return dataclasses.replace(self._merged[1], deferred_files=self.deferred_files)
+        return dataclasses.replace(self._merged[1], deferred_files=self.deferred_files,
+                                   unfinished_listings=self.unfinished_listings)
 
     def _visit_order(self, names: set[str]) -> list[str]:
         """Live files first (their values go stale when skipped), then the rest; each group in name
@@ -666,22 +720,25 @@ class SpoolReader:
                 for engine, info in state.parsed.infos.items():
                     totals.info_uids.setdefault((engine, info.path), set()).add(state.uid)
         totals.deferred_files = self.deferred_files
+        totals.unfinished_listings = self.unfinished_listings
         return totals
 
     def _list(self) -> set[str] | None:
-        """Every spool file of the main directory (by name) and of the pod directories (by absolute
-        path); None when the main directory is missing or unreadable and no pod directory is known."""
-        self._unlisted = 0
+        """The spool files of this read: the main directory's (by name) and the pod directories' (by
+        absolute path), each directory's next slice (see DirectoryScan) plus its live files; None when
+        the main directory is missing or unreadable and no pod directory is known."""
+        self.unfinished_listings = 0
         self._sweeps_left = MAX_SWEPT_TEMPORARY
         names: set[str] = set()
         listed: dict[str, int] = {}
-        found = self._list_one(self.directory, "", names, listed, MAX_LISTED_FILES)
+        found = self._list_one(self.directory, "", names, listed, self.scan_entries)
         if not found and not self.pod_directories and not any(map(os.path.isabs, self._live)):
             return None  # nothing to list; a pod directory gone last has its files vanish below
         if not found:  # the main directory's files keep their last values, as they did alone
             self._carry(self.directory, names, listed)
+        share = max(MIN_POD_DIRECTORY_ENTRIES, POD_SCANNED_ENTRIES // max(1, len(self.pod_directories)))
         for directory in sorted(self.pod_directories):
-            if self._list_one(directory, directory, names, listed, MAX_POD_DIRECTORY_FILES) is None:
+            if self._list_one(directory, directory, names, listed, min(MAX_POD_DIRECTORY_ENTRIES, share)) is None:
                 self._carry(directory, names, listed)  # unreadable now: not proof that the pod is gone
         # A pod directory the scan no longer hands over (past --collector.engines.max-pod-spools) that
         # still exists: its pod is not gone.  Its live files are read on and its tombstones kept, so that
@@ -691,43 +748,91 @@ class SpoolReader:
                                       if _real_directory(directory)}
         for directory in sorted(self._left_out_directories):
             self._carry(directory, names, listed)
+        self._forget_unread_directories()
         self._listed = listed
         return names
 
     def _list_one(self, directory: str, prefix: str, names: set[str], listed: dict[str, int],
-                  limit: int) -> bool | None:
-        """Add at most ``limit`` of one directory's spool files to ``names`` (keyed by ``prefix``/name);
+                  budget: int) -> bool | None:
+        """Add the spool files of one directory's next slice of at most ``budget`` entries to ``names``
+        (keyed by ``prefix``/name), and its live files the slice did not show while its pass goes on;
         False when it does not exist (any file of it listed before has vanished), None when it could
         not be read."""
-        taken = 0
+        scan = self._scans.get(directory)
+        if scan is None:
+            scan = self._scans[directory] = DirectoryScan(directory)
+        taken: list[str] = []
+        scan.slice_names = taken
         try:
-            with os.scandir(directory) as entries:
-                for entry in entries:
-                    key = os.path.join(prefix, entry.name) if prefix else entry.name
-                    if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                        # A live file is always listed: left out by a cap it would read as vanished
-                        # (folded), and listed again later, counted a second time on top of its fold.
-                        if key not in self._live and (len(names) >= MAX_LISTED_FILES or taken >= limit):
-                            self._unlisted += 1
-                            continue
-                        taken += 1
-                        names.add(key)
-                        listed[key] = entry.inode()
-                    elif (not prefix and self._sweeps_left > 0 and entry.name.startswith(f".{PREFIX}")
-                          and entry.name.endswith(".tmp")):  # a pod's volume is the pod's: never swept
-                        self._sweeps_left -= 1
-                        self._sweep_temporary(key)
-            return True
+            for entry in scan.next_slice(budget):
+                name = entry.name
+                if name.endswith(SUFFIX) and not name.startswith("."):
+                    key = os.path.join(prefix, name) if prefix else name
+                    taken.append(key)
+                    names.add(key)
+                    listed[key] = entry.inode()
+                elif (not prefix and self._sweeps_left > 0 and name.startswith(f".{PREFIX}")
+                      and name.endswith(".tmp")):  # a pod's volume is the pod's: never swept
+                    self._sweeps_left -= 1
+                    self._sweep_temporary(name)
         except FileNotFoundError:
+            del self._scans[directory]
             return False
         except OSError:
+            del self._scans[directory]
             self._count("io")
             return None
+        if scan.finished:
+            self._end_of_pass(scan, names, listed)
+        else:
+            self.unfinished_listings += 1
+            self._carry(directory, names, listed)  # not reached yet this pass: as last seen
+        return True
+
+    def _end_of_pass(self, scan: DirectoryScan, names: set[str], listed: dict[str, int]) -> None:
+        """A directory walked through: a file it remembers that the pass showed is still there; one it
+        did not show is gone (a live one vanishes: read() folds it; a tombstone or a bad file is
+        forgotten: a file put under that name later is a new file)."""
+        directory = scan.path
+        for key, ino in scan.seen.items():  # shown by an earlier slice of the pass
+            if key in self._live:
+                names.add(key)
+                listed[key] = ino
+        if self._tombstones:
+            self._tombstones = {key for key in self._tombstones
+                                if key in names or key in scan.seen or self._directory_of(key) != directory}
+        if self._bad:
+            self._bad = {key: ino for key, ino in self._bad.items()
+                         if listed.get(key, scan.seen.get(key)) == ino or self._directory_of(key) != directory}
+        scan.seen = {}
+
+    def _note_seen(self) -> None:
+        """After the visits of a read: which files the reader remembers (live, folded, bad) the slices of
+        passes still under way showed, for the end of their pass."""
+        for scan in self._scans.values():
+            if not scan.finished:
+                for key in scan.slice_names:
+                    if key in self._live or key in self._tombstones or key in self._bad:
+                        scan.seen[key] = self._listed.get(key, 0)
+                scan.slice_names = []
+
+    def _forget_unread_directories(self) -> None:
+        """Directories no longer read (a pod gone, or its directory gone while left out by the scan):
+        their listings are closed, their tombstones and bad files forgotten.  The node's directory is
+        always read, and a left-out pod directory is carried."""
+        kept = {self.directory, *self.pod_directories, *self._left_out_directories}
+        for directory in [directory for directory in self._scans if directory not in kept]:
+            self._scans.pop(directory).close()
+        if any(self._directory_of(key) not in kept for key in self._tombstones):
+            self._tombstones = {key for key in self._tombstones if self._directory_of(key) in kept}
+        if any(self._directory_of(key) not in kept for key in self._bad):
+            self._bad = {key: ino for key, ino in self._bad.items() if self._directory_of(key) in kept}
 
     def _carry(self, directory: str, names: set[str], listed: dict[str, int]) -> None:
-        """Keep the live files of a directory that could not be listed, as last seen."""
+        """Keep the live files of a directory that could not be listed, or whose listing has not reached
+        them yet, as last seen."""
         for key in self._live:
-            if self._directory_of(key) == directory:
+            if key not in names and self._directory_of(key) == directory:
                 names.add(key)
                 listed[key] = self._listed.get(key, 0)
 
