@@ -659,34 +659,43 @@ class SpoolReader:
             for name in list(self._live):
                 if name not in names:
                     self._vanished(name)
-            self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
-            self._lock_table_read = False
-            self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
-            for state in self._live.values():
-                self._retained[state.used > SMALL_FILE_BYTES] += state.used
-            self._deferred_now = deferred = 0
-            # The loop a thousand idle writers cost: names bound once, an unchanged live file settled
-            # here (a lock probe and a header read), everything else visited in full.
-            live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
-            unchanged, first_deferred = self._unchanged, ""
-            for name in self._visit_order(names):
-                if name in tombstones or bad.get(name, -1) == listed.get(name):
-                    continue  # folded already, or known bad and not replaced: not even opened
-                if budget.read <= 0 or budget.parse <= 0:
-                    deferred += 1
-                    first_deferred = first_deferred or name
-                    continue
-                known = live.get(name)
-                if known is None or known.fd is None or not unchanged(name, known, known.fd):
-                    waiting = self._deferred_now
-                    self._visit(name)
-                    if self._deferred_now > waiting:  # too big for what was left: its turn comes first next time
-                        first_deferred = first_deferred or name
-            self._resume_at = first_deferred
-            self.deferred_files = deferred + self._deferred_now
+            self._start_budgets()
+            self._visit_all(names)
             self._note_seen()
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._merged_totals()
+
+    def _start_budgets(self) -> None:
+        """This read's budgets: bytes read, bytes parsed, and the memory the parsed content of live files
+        already takes (small and big files apart)."""
+        self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
+        self._lock_table_read = False
+        self._retained = {False: 0, True: 0}
+        for state in self._live.values():
+            self._retained[state.used > SMALL_FILE_BYTES] += state.used
+        self._deferred_now = 0
+
+    def _visit_all(self, names: set[str]) -> None:
+        """Every file listed, in turn, while the budgets last: an unchanged live file settled here (a
+        lock probe and a header read), everything else visited in full.  The loop a thousand idle
+        writers cost: names bound once."""
+        live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
+        unchanged, first_deferred, deferred = self._unchanged, "", 0
+        for name in self._visit_order(names):
+            if name in tombstones or bad.get(name, -1) == listed.get(name):
+                continue  # folded already, or known bad and not replaced: not even opened
+            if budget.read <= 0 or budget.parse <= 0:
+                deferred += 1
+                first_deferred = first_deferred or name
+                continue
+            known = live.get(name)
+            if known is None or known.fd is None or not unchanged(name, known, known.fd):
+                waiting = self._deferred_now
+                self._visit(name)
+                if self._deferred_now > waiting:  # too big for what was left: its turn comes first next time
+                    first_deferred = first_deferred or name
+        self._resume_at = first_deferred
+        self.deferred_files = deferred + self._deferred_now
 
     def _merged_totals(self) -> Totals:
         """The merge, reused while no file changed and NVML places the writers that recorded no GPU
@@ -950,6 +959,7 @@ class SpoolReader:
             self._version += 1
 
     def _visit_open(self, name: str, path: str, fd: int) -> None:
+        """Read a file whole: parse what changed, fold it if its writer is gone, else keep it live."""
         st = os.fstat(fd)
         state = self._live.get(name)
         if state is not None and state.ino != st.st_ino:  # replaced under the same name: treat as new
@@ -968,10 +978,9 @@ class SpoolReader:
         if isinstance(data, str):
             if state is None or state.parsed is None:
                 self._count_bad(name, identity, data)
-            else:  # understood before, not now: its last good content stands, and is folded at the end
+            else:
                 self._count_damaged(state, data)
-                if gone:
-                    self._fold_dead(name, path, state)
+                self._keep_last_good(name, path, state, gone)
             return
         if state is None:
             state = FileState(st.st_ino, uid=st.st_uid,
@@ -981,16 +990,10 @@ class SpoolReader:
             if state.parsed is not None:
                 self._make_live(name, state)  # keeps its last values; parsed again when there is room
             return
-        parsed = self._parse(state, data, digest, name, identity)
-        if parsed is None:
+        if self._parse(state, data, digest, name, identity) is None:
             # Never understood: not ours to fold or delete (a foreign version's file, garbage); it stays,
-            # counted once.  Understood before and broken now (truncated by someone): its last good
-            # content is what we fold once the writer is gone.
-            if state.parsed is not None:
-                if gone:
-                    self._fold_dead(name, path, state)
-                else:
-                    self._make_live(name, state)
+            # counted once.  Understood before: see _keep_last_good.
+            self._keep_last_good(name, path, state, gone)
             return
         self._remember_header(state, data)
         if gone:
@@ -998,6 +1001,16 @@ class SpoolReader:
         else:
             if state.lockers is None:
                 state.lockers = self._lockers(st.st_ino)
+            self._make_live(name, state)
+
+    def _keep_last_good(self, name: str, path: str, state: FileState, gone: bool) -> None:
+        """A file understood before and not now (truncated or scribbled on by someone, unreadable): its
+        last good content stands, and is what is folded once the writer is gone."""
+        if state.parsed is None:
+            return
+        if gone:
+            self._fold_dead(name, path, state)
+        else:
             self._make_live(name, state)
 
     def _lockers(self, inode: int) -> frozenset[int] | None:
