@@ -1001,6 +1001,8 @@ class SpoolReader:
         else:
             if state.lockers is None:
                 state.lockers = self._lockers(st.st_ino)
+                if state.lockers is not None:
+                    self._version += 1  # the writer the merge names may change, with the same bytes
             self._make_live(name, state)
 
     def _keep_last_good(self, name: str, path: str, state: FileState, gone: bool) -> None:

@@ -318,3 +318,21 @@ def test_a_lock_table_that_could_not_be_read_is_looked_at_again(tmp_path) -> Non
     metrics.inference_seconds.observe(0.01)  # the file changes: read whole
     assert reader.read().writers["resnet50"] == [(os.getpid(), file.start_ticks)]
     file.close()
+
+
+def test_a_lock_table_read_late_names_the_writer_of_an_unchanged_file_too(tmp_path) -> None:
+    """As above, for a file that does not change: its periodic full read asks the lock table again, and
+    the merge (reused while nothing changed) must show what it said."""
+    spool, proc = tmp_path / "spool", tmp_path / "proc"
+    spool.mkdir()
+    proc.mkdir()
+    file, metrics = writer(str(spool))
+    metrics.inference_seconds.observe(0.01)
+    reader = spool_reader.SpoolReader(str(spool), procfs=str(proc))
+    reader.recheck_seconds = 0.05
+    assert reader.read().writers["resnet50"] == [(os.getpid(), 0)]
+    with open("/proc/locks", "rb") as handle:
+        (proc / "locks").write_bytes(handle.read())
+    time.sleep(0.1)  # past the recheck: read whole, same bytes
+    assert reader.read().writers["resnet50"] == [(os.getpid(), file.start_ticks)]
+    file.close()
