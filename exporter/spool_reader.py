@@ -153,6 +153,8 @@ class EngineInfo:
 
 
 LoadKey = tuple[str, str, tuple[int, int]]  # engine, GPU uuid ("" unknown), st_dev of the file
+# What makes two INFO records one engine file: engine, path, CUDA device, GPU uuid, runtime, st_dev, inode.
+InfoIdentity = tuple[str, str, int, str, str, tuple[int, int], int]
 MountKey = tuple[str, tuple[int, int]]  # engine, st_dev of its file
 
 
@@ -1197,8 +1199,34 @@ class SpoolReader:
     # --- merging -----------------------------------------------------------------------------
 
     def _merge(self) -> Totals:
+        """The folded totals of exited writers plus every live file, per engine, per engine and GPU and per
+        load in progress."""
+        totals = self._folded_copy()
+        infos: dict[InfoIdentity, EngineInfo] = {}
+        mounts_of: dict[str, set[tuple[int, int]]] = {}  # engine -> the st_devs whose mount is kept
+        for state in self._live.values():
+            parsed = state.parsed
+            if parsed is None:
+                continue
+            writer = self._writer(state, parsed)
+            totals.live_files += 1
+            totals.dropped_by_writers += parsed.dropped
+            _add_counts(totals, parsed, writer)
+            for (engine, dev), mount in parsed.mounts.items():
+                kept = mounts_of.setdefault(engine, set())
+                if (engine, dev) in totals.mounts or len(kept) < MAX_MOUNTS_PER_ENGINE:
+                    kept.add(dev)
+                    totals.mounts[(engine, dev)] = mount
+            self._add_infos_and_pods(totals, infos, _pod_of(state, parsed), parsed, writer)
+        for identity, info in infos.items():
+            totals.infos.setdefault(identity[0], []).append(info)
+        self._merge_per_gpu_and_loads(totals)
+        return totals
+
+    def _folded_copy(self) -> Totals:
+        """A Totals to merge live files into: a copy of the exited writers' folded totals."""
         folded = self._folded
-        totals = Totals(
+        return Totals(
             engines={engine: list(values) for engine, values in folded.engines.items()},
             errors=dict(folded.errors),
             layers={key: list(pair) for key, pair in folded.layers.items()},
@@ -1206,51 +1234,26 @@ class SpoolReader:
             waterfalls={engine: list(values) for engine, values in folded.waterfalls.items()},
             dropped_by_writers=folded.dropped_by_writers,
         )
-        distinct: dict[tuple[str, str, int, str, str, tuple[int, int], int], EngineInfo] = {}
-        mounts_of: dict[str, set[tuple[int, int]]] = {}
-        for state in self._live.values():
-            parsed = state.parsed
-            if parsed is None:
-                continue
-            totals.live_files += 1
-            totals.dropped_by_writers += parsed.dropped
-            writer = self._writer(state, parsed)
-            for engine, values in parsed.engines.items():
-                total = totals.engines.get(engine)
-                totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
-                totals.processes[engine] = totals.processes.get(engine, 0) + 1
-                totals.writers.setdefault(engine, []).append(writer)
-            for key, count in parsed.errors.items():
-                totals.errors[key] = totals.errors.get(key, 0.0) + count
-            for key, pair in parsed.layers.items():
-                old = totals.layers.get(key)
-                totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
-            for engine, values in parsed.waterfalls.items():
-                _merge_waterfall(totals.waterfalls, engine, values)
-            for (engine, dev), mount in parsed.mounts.items():
-                if (engine, dev) in totals.mounts or len(mounts_of.setdefault(engine, set())) < MAX_MOUNTS_PER_ENGINE:
-                    mounts_of.setdefault(engine, set()).add(dev)
-                    totals.mounts[(engine, dev)] = mount
-            pod = _pod_of(state, parsed)
+
+    def _add_infos_and_pods(self, totals: Totals, infos: dict[InfoIdentity, EngineInfo], pod: PodIdentity | None,
+                            parsed: Parsed, writer: tuple[int, int]) -> None:
+        """A live file's engine files (one INFO per distinct file and GPU, the latest load), the last load
+        of each engine, and the pod of each (engine, GPU) it reports."""
+        if pod is not None:
+            for engine in parsed.engines.keys() - parsed.infos.keys():
+                totals.pods.setdefault((engine, ""), set()).add(pod)
+        for engine, info in parsed.infos.items():
+            found = self.gpu_of(*writer) if not info.gpu_uuid and self.gpu_of else None
+            if found:
+                info = dataclasses.replace(info, gpu_uuid=found)
             if pod is not None:
-                for engine in parsed.engines.keys() - parsed.infos.keys():
-                    totals.pods.setdefault((engine, ""), set()).add(pod)
-            for engine, info in parsed.infos.items():
-                found = self.gpu_of(*writer) if not info.gpu_uuid and self.gpu_of else None
-                if found:
-                    info = dataclasses.replace(info, gpu_uuid=found)
-                if pod is not None:
-                    totals.pods.setdefault((engine, info.gpu_uuid), set()).add(pod)
-                identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
-                seen = distinct.get(identity)
-                if seen is None or seen.load_time < info.load_time:
-                    distinct[identity] = info
-                if info.load_time > 0:  # 0: loading, never finished a load
-                    totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
-        for identity, info in distinct.items():
-            totals.infos.setdefault(identity[0], []).append(info)
-        self._merge_per_gpu_and_loads(totals)
-        return totals
+                totals.pods.setdefault((engine, info.gpu_uuid), set()).add(pod)
+            identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
+            seen = infos.get(identity)
+            if seen is None or seen.load_time < info.load_time:
+                infos[identity] = info
+            if info.load_time > 0:  # 0: loading, never finished a load
+                totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
 
     # --- per engine and GPU; loads in progress ----------------------------------------------------
 
@@ -1353,6 +1356,22 @@ def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:
     if state.pod_uid:
         return dataclasses.replace(pod or PodIdentity(), pod_uid=state.pod_uid)
     return pod if pod is not None and any(dataclasses.astuple(pod)) else None
+
+
+def _add_counts(totals: Totals, parsed: Parsed, writer: tuple[int, int]) -> None:
+    """A live file's engines (and who reports them), error counts, layer times and waterfalls, added up."""
+    for engine, values in parsed.engines.items():
+        total = totals.engines.get(engine)
+        totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
+        totals.processes[engine] = totals.processes.get(engine, 0) + 1
+        totals.writers.setdefault(engine, []).append(writer)
+    for key, count in parsed.errors.items():
+        totals.errors[key] = totals.errors.get(key, 0.0) + count
+    for key, pair in parsed.layers.items():
+        old = totals.layers.get(key)
+        totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
+    for engine, values in parsed.waterfalls.items():
+        _merge_waterfall(totals.waterfalls, engine, values)
 
 
 def _add_into(table: dict[tuple[str, str], list[float]], key: tuple[str, str], values: typing.Sequence[float]) -> None:
