@@ -452,6 +452,9 @@ MAX_SCANNED_ENTRIES = 65_536  # of the node's spool directory
 POD_SCANNED_ENTRIES = 65_536
 MAX_POD_DIRECTORY_ENTRIES = 1024
 MIN_POD_DIRECTORY_ENTRIES = 64
+# Bad files remembered (name and inode: ~150 bytes each), so that each is counted once and not opened
+# again; a listing walked a slice per read reaches every name, so without a cap junk names would be.
+MAX_BAD_REMEMBERED = 65_536
 # Leftover temporary files (a writer that died before renaming its file) opened per read to see whether
 # they may be removed: each costs an open and a lock probe, and a writer can make any number of them.
 MAX_SWEPT_TEMPORARY = 32
@@ -1190,10 +1193,13 @@ class SpoolReader:
 
     def _count_bad(self, name: str, identity: tuple[int, int, int], reason: str) -> None:
         """Count a bad file once for as long as it stays under that name and inode (read() skips it
-        unopened from then on; a file put in its place is a new file)."""
+        unopened from then on; a file put in its place is a new file).  Up to MAX_BAD_REMEMBERED of them:
+        past that, a bad file is opened and counted again whenever the listing shows it (its errors
+        counter runs on: visible, where remembering every one would let junk names grow memory)."""
         if self._bad.get(name) == identity[0]:
             return
-        self._bad[name] = identity[0]
+        if name in self._bad or len(self._bad) < MAX_BAD_REMEMBERED:
+            self._bad[name] = identity[0]
         self._count(reason)
 
     # --- merging -----------------------------------------------------------------------------

@@ -327,3 +327,20 @@ def test_a_file_gone_while_the_listing_takes_several_reads_is_folded_once_at_the
     assert seen[-1][0] == 2 and reader.errors.get("vanished") == 1 and reader.folded_processes == 1
     for file in writers:
         file.close()
+
+
+def test_bad_files_remembered_are_capped_however_many_the_walk_reaches(tmp_path, monkeypatch) -> None:
+    """The listing reaches every name of the directory in turn, junk included: the bad files remembered
+    (to count each once and not open it again) stop at MAX_BAD_REMEMBERED, and those past it are counted
+    again when seen again (the counter runs on, visibly), rather than growing memory without end."""
+    monkeypatch.setattr(spool_reader, "MAX_BAD_REMEMBERED", 4)
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    for index in range(10):
+        (directory / f"{fmt.PREFIX}junk-{index}{fmt.SUFFIX}").touch()
+    reader = spool_reader.SpoolReader(str(directory))
+    reader.scan_entries = 3
+    for _ in range(8):  # two walks of the directory
+        reader.read()
+    assert len(reader._bad) == 4
+    assert reader.errors["empty"] == 4 + 2 * 6  # 4 remembered, counted once; 6 counted at each walk
