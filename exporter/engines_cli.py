@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -26,6 +27,9 @@ from .pagecache import Unavailable, open_regular, residency
 from .terminal import printable
 
 WARM_CHUNK = 8 << 20
+# Reads of the spool one ``gpuio engines`` may take to walk directories that one read does not list in
+# full (65,536 entries a read: 1,000 reads are 65 million names).
+MAX_LISTING_READS = 1000
 
 
 def _mib(value: float) -> str:
@@ -40,6 +44,23 @@ def _age(timestamp: float | None) -> str:
         if seconds >= size:
             return f"{seconds / size:.1f}{unit} ago"
     return f"{seconds:.0f}s ago"
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON that every parser reads: a number that is not finite (a writer's absurd figures,
+    say 2**53 bytes read in 5e-324 s) becomes null, "no figure", where Python's json would print
+    ``Infinity`` or ``NaN``, which are not JSON."""
+    return json.dumps(_finite(value), indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sysfs: str = "/sys",
@@ -61,6 +82,10 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
     collector.collect()  # learns the files processes report
     files = collector.engine_files_now()
     totals = collector.spool_totals()
+    for _ in range(MAX_LISTING_READS):  # asked once: the whole of a directory too big for one read
+        if not totals.unfinished_listings:
+            break
+        totals = collector.spool_totals()
     rows = []
     engines = sorted(set(totals.engines) | {engine for engine, _ in files})
     for engine in engines:
@@ -189,7 +214,7 @@ def engines_main(argv: Sequence[str]) -> int:
     rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs, include or None,
                        args.kubelet_pods_dir)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json_text(rows))
     elif not rows:
         print(f"no engines: nothing in {printable(args.spool_dir)} and no --path files")
     else:
@@ -322,7 +347,7 @@ def warm_main(argv: Sequence[str]) -> int:
         print(f"evicted: {_mib(total)} MiB, {len(paths) - failed} of {len(paths)} files")
         return 1 if failed else 0
     if args.json:
-        print(json.dumps({"files": results, "bytes": total, "seconds": elapsed}, indent=2))
+        print(json_text({"files": results, "bytes": total, "seconds": elapsed}))
     else:
         print(f"total: {_mib(total)} MiB in {elapsed:.2f} s ({total / 2**20 / elapsed if elapsed else 0:.0f} MiB/s), "
               f"{len(paths) - failed} of {len(paths)} files")

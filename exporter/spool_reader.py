@@ -153,6 +153,8 @@ class EngineInfo:
 
 
 LoadKey = tuple[str, str, tuple[int, int]]  # engine, GPU uuid ("" unknown), st_dev of the file
+# What makes two INFO records one engine file: engine, path, CUDA device, GPU uuid, runtime, st_dev, inode.
+InfoIdentity = tuple[str, str, int, str, str, tuple[int, int], int]
 MountKey = tuple[str, tuple[int, int]]  # engine, st_dev of its file
 
 
@@ -379,23 +381,31 @@ def _max_into(previous: list[float], current: list[float], monotonic: int) -> li
 class FileState:
     """What the reader remembers of one live writer's file."""
 
-    name: str
+    # Which file: its inode (another one under the same name is a new file), its owner (the writer,
+    # whose view of engine files the exporter checks), the pod whose volume holds it ("" for the
+    # node's spool directory: the file's path says it, the writer cannot choose it).
     ino: int
+    uid: int = -1
+    pod_uid: str = ""
+    # What it said at its last full read.  ``digest``: of the bytes ``parsed`` came from (unchanged
+    # bytes are not parsed again); ``used``: how many (the reader's memory budget counts them).
     parsed: Parsed | None = None
-    bad_reported: bool = False
-    digest: bytes = b""  # of the bytes ``parsed`` came from: unchanged bytes are not parsed again
-    used: int = 0  # how many bytes ``parsed`` came from: the reader's memory budget counts them
-    uid: int = -1  # the file's owner: the writer, whose view of engine files the exporter checks
-    pod_uid: str = ""  # the pod whose volume holds the file (a discovered pod spool directory), else ""
-    # Kept open between reads (up to a cap) so that an unchanged file costs a lock probe and a header read.
-    fd: int | None = None
-    # The inode the directory listing gave when ``fd`` was opened: the name still lists it, so the name
-    # still means this file (compared with the listing's, which on overlayfs is not always st_ino).
-    listed_ino: int | None = None
-    header: bytes = b""  # the header ``parsed`` came with: the same header again means nothing changed
-    recheck_at: float = 0.0  # when to read the whole file even so (monotonic seconds)
+    digest: bytes = b""
+    used: int = 0
     needs_gpu: bool = False  # ``parsed`` has series without a GPU: the merge asks ``gpu_of`` for this writer
-    lockers: frozenset[int] | None = None  # pids the kernel's lock table shows holding its lock (None: not looked)
+    bad_reported: bool = False  # damaged since it was understood: counted once
+    # Whether it changed since, cheaply (see SpoolReader._unchanged): a descriptor kept open between
+    # reads (up to a cap), the inode the directory listing gave when it was opened (the name still lists
+    # it, so the name still means this file; compared with the listing's, which on overlayfs is not
+    # always st_ino), the header ``parsed`` came with (the same header again means nothing changed) and
+    # when to read the whole file even so (monotonic seconds).
+    fd: int | None = None
+    listed_ino: int | None = None
+    header: bytes = b""
+    recheck_at: float = 0.0
+    # The pids the kernel's lock table shows holding its lock: which process the header may truthfully
+    # name as its writer (None: not known yet, looked up at the next full read).
+    lockers: frozenset[int] | None = None
 
 
 @dataclass
@@ -425,16 +435,26 @@ class Totals:
     # engine file only where one of them could have read it (collectors/engines.py)
     info_uids: dict[tuple[str, str], set[int]] = field(default_factory=dict)
     deferred_files: int = 0  # files left for a later scrape: this one's read budget was spent
+    unfinished_listings: int = 0  # directories whose listing goes on at the next scrapes (DirectoryScan)
     # (engine, GPU uuid) -> the pods of the live writers reporting it (PodIdentity of each file)
     pods: dict[tuple[str, str], set[PodIdentity]] = field(default_factory=dict)
 
 
 # What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
 # be, how much of it is "used", how many files it makes and how often it changes them.
-MAX_LISTED_FILES = 65_536  # names looked at per read; beyond, the rest wait (deferred)
-# Names taken from one pod's own spool volume per read: a pod that fills its volume with files cannot
-# take the listing from the other pods (a real pod has a few processes, one file each).
-MAX_POD_DIRECTORY_FILES = 1024
+# Directory entries looked at per read (spool files or not): a directory of millions of names is walked
+# a slice per read, each read going on where the last one stopped (see DirectoryScan), so that a read
+# costs the same bounded time however many names a writer makes, and every name gets its turn.
+MAX_SCANNED_ENTRIES = 65_536  # of the node's spool directory
+# Of the pods' own spool volumes, together, shared evenly among them and at most MAX_POD_DIRECTORY_ENTRIES
+# each: a pod that fills its volume with files cannot take the listing from the other pods (a real pod
+# has a few processes, one file each).
+POD_SCANNED_ENTRIES = 65_536
+MAX_POD_DIRECTORY_ENTRIES = 1024
+MIN_POD_DIRECTORY_ENTRIES = 64
+# Bad files remembered (name and inode: ~150 bytes each), so that each is counted once and not opened
+# again; a listing walked a slice per read reaches every name, so without a cap junk names would be.
+MAX_BAD_REMEMBERED = 65_536
 # Leftover temporary files (a writer that died before renaming its file) opened per read to see whether
 # they may be removed: each costs an open and a lock probe, and a writer can make any number of them.
 MAX_SWEPT_TEMPORARY = 32
@@ -476,6 +496,48 @@ def _kept_files_cap() -> int:
     return MAX_KEPT_FILES if soft == resource.RLIM_INFINITY else max(0, min(MAX_KEPT_FILES, (soft - FD_ROOM) // 2))
 
 
+class DirectoryScan:
+    """One directory's listing, walked a slice per read(): at most ``budget`` entries, the next read going
+    on where this one stopped (the directory stream stays open in between), so that a directory of
+    millions of names costs each read the same bounded time and every name gets its turn.
+
+    A *pass* is one walk through the whole directory, in one read or over several.  Only a finished pass
+    proves that a file is gone (readdir(3) returns every entry that stays in place exactly once per
+    pass); until then the files the reader remembers (live, folded, bad) that this read's slice did not
+    show stand as they were.  ``seen`` keeps which of those earlier slices of the pass showed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stream: typing.Any = None  # os.scandir's iterator, while a pass is under way
+        self.finished = False  # the last slice ended the pass
+        self.seen: dict[str, int] = {}  # remembered names shown by earlier slices of this pass -> inode
+        self.slice_names: list[str] = []  # the spool names of the last slice (the reader fills it in)
+
+    def next_slice(self, budget: int) -> Iterator[os.DirEntry[str]]:
+        """The next ``budget`` entries at most (OSError as os.scandir raises it; the pass then starts over)."""
+        self.finished = False
+        if self._stream is None:
+            self._stream = os.scandir(self.path)
+            self.seen = {}
+        taken = 0
+        try:
+            for entry in self._stream:
+                yield entry
+                taken += 1
+                if taken >= budget:
+                    return
+        except OSError:
+            self.close()
+            raise
+        self.close()
+        self.finished = True
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
 @dataclass
 class ReadBudget:
     """What is left of one read()'s work: bytes read, bytes parsed."""
@@ -491,14 +553,17 @@ class SpoolReader:
     header on a descriptor kept open: a writer moves the header's generation up after every change,
     so the same header means the same content (and the last merge stands when no file changed).  A
     changed file, a new one, one whose writer does not count generations and, once a minute, every
-    file are read whole (open + pread + flock probe); bytes that did not change are not parsed again.  A dead file costs
-    that once: it is folded, then deleted (or tombstoned) and never opened again.
+    file are read whole (open + pread + flock probe); bytes that did not change are not parsed
+    again.  A dead file costs that once: it is folded, then deleted (or tombstoned) and never opened
+    again.
 
-    Bounded whatever the writers do: a file is read up to ``max_file_bytes`` at most (a bigger one is
-    refused, ``oversized``); one read() reads at most SCRAPE_READ_BYTES and parses at most
-    SCRAPE_PARSE_BYTES (files past that keep their last values and are read at a later call, live
-    files first, in turn); the parsed content kept for live files comes from at most RETAINED_BYTES
-    of them; a bad file is counted once for as long as it stays (remembered by name and inode).
+    Bounded whatever the writers do: one read() looks at ``scan_entries`` directory entries at most (a
+    bigger directory is walked over several reads, DirectoryScan); a file is read up to
+    ``max_file_bytes`` at most (a bigger one is refused, ``oversized``); one read() reads at most
+    SCRAPE_READ_BYTES and parses at most SCRAPE_PARSE_BYTES (files past that keep their last values
+    and are read at a later call, live files first, in turn); the parsed content kept for live files
+    comes from at most RETAINED_BYTES of them; a bad file is counted once for as long as it stays
+    (remembered by name and inode).
     """
 
     def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
@@ -508,7 +573,9 @@ class SpoolReader:
         # Where the kernel's lock table is (<procfs>/locks): it says which process holds a file's lock, so
         # which writer a file's header may truthfully name (see _writer).
         self.procfs = procfs
-        self._lock_table: dict[int, frozenset[int]] | None = None  # inode -> lock holders, once per read()
+        # inode -> lock holders, read at most once per read() (None: unreadable this time)
+        self._lock_table: dict[int, frozenset[int]] | None = None
+        self._lock_table_read = False
         # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
         self.gpu_of = gpu_of
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
@@ -531,10 +598,12 @@ class SpoolReader:
         # wholesale (that re-counted every bad file), so it is as big as the bad files present.
         self._bad: dict[str, int] = {}
         self._listed: dict[str, int] = {}  # name -> inode, from the last listing (readdir's d_ino: no stat)
-        self._cursor = ""  # where the last read() ran out of budget: the next one starts after it
+        self._scans: dict[str, DirectoryScan] = {}  # directory -> its listing, a slice per read
+        self.scan_entries = MAX_SCANNED_ENTRIES
+        self._resume_at = ""  # the first file the last read() had no budget for: the next one starts there
         self._budget = ReadBudget(0, 0)
         self._deferred_now = 0
-        self._unlisted = 0
+        self.unfinished_listings = 0  # at the last read(): directories whose pass goes on at the next
         self._sweeps_left = 0
         self._left_out_directories: set[str] = set()  # pod directories that exist but the scan left out
         self._retained = {False: 0, True: 0}
@@ -569,6 +638,9 @@ class SpoolReader:
         with self._lock:
             for state in self._live.values():
                 self._close_kept(state)
+            for scan in self._scans.values():
+                scan.close()
+            self._scans.clear()
 
     def __del__(self) -> None:
         for state in getattr(self, "_live", {}).values():
@@ -576,6 +648,8 @@ class SpoolReader:
                 with contextlib.suppress(OSError):
                     os.close(state.fd)
                 state.fd = None
+        for scan in getattr(self, "_scans", {}).values():
+            scan.close()
 
     # --- the directory -------------------------------------------------------------------------
 
@@ -590,37 +664,43 @@ class SpoolReader:
             for name in list(self._live):
                 if name not in names:
                     self._vanished(name)
-            self._bad = {name: ino for name, ino in self._bad.items() if self._listed.get(name) == ino}
-            self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
-            self._lock_table = None
-            self._retained = {False: 0, True: 0}  # bytes behind the parsed content kept: small, big files
-            for state in self._live.values():
-                self._retained[state.used > SMALL_FILE_BYTES] += state.used
-            self._deferred_now = deferred = 0
-            # The loop a thousand idle writers cost: names bound once, an unchanged live file settled
-            # here (a lock probe and a header read), everything else visited in full.
-            live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
-            unchanged, visited = self._unchanged, ""
-            for name in self._visit_order(names):
-                if name in tombstones or bad.get(name, -1) == listed.get(name):
-                    continue  # folded already, or known bad and not replaced: not even opened
-                if budget.read <= 0 or budget.parse <= 0:
-                    deferred += 1
-                    continue
-                visited = name
-                known = live.get(name)
-                if known is None or known.fd is None or not unchanged(name, known, known.fd):
-                    self._visit(name)
-            self._cursor = visited if deferred else ""
-            self.deferred_files = deferred + self._deferred_now + self._unlisted
-            # Forget tombstones of files someone else removed.  A pod directory's are kept while the pod
-            # is: its files are never deleted, and one left out of a capped listing must not be folded
-            # twice when it is listed again.
-            self._tombstones = {name for name in self._tombstones if name in names or (
-                os.path.isabs(name) and (os.path.dirname(name) in self.pod_directories
-                                         or os.path.dirname(name) in self._left_out_directories))}
+            self._start_budgets()
+            self._visit_all(names)
+            self._note_seen()
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._merged_totals()
+
+    def _start_budgets(self) -> None:
+        """This read's budgets: bytes read, bytes parsed, and the memory the parsed content of live files
+        already takes (small and big files apart)."""
+        self._budget = ReadBudget(self.scrape_read_bytes, self.scrape_parse_bytes)
+        self._lock_table_read = False
+        self._retained = {False: 0, True: 0}
+        for state in self._live.values():
+            self._retained[state.used > SMALL_FILE_BYTES] += state.used
+        self._deferred_now = 0
+
+    def _visit_all(self, names: set[str]) -> None:
+        """Every file listed, in turn, while the budgets last: an unchanged live file settled here (a
+        lock probe and a header read), everything else visited in full.  The loop a thousand idle
+        writers cost: names bound once."""
+        live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
+        unchanged, first_deferred, deferred = self._unchanged, "", 0
+        for name in self._visit_order(names):
+            if name in tombstones or bad.get(name, -1) == listed.get(name):
+                continue  # folded already, or known bad and not replaced: not even opened
+            if budget.read <= 0 or budget.parse <= 0:
+                deferred += 1
+                first_deferred = first_deferred or name
+                continue
+            known = live.get(name)
+            if known is None or known.fd is None or not unchanged(name, known, known.fd):
+                waiting = self._deferred_now
+                self._visit(name)
+                if self._deferred_now > waiting:  # too big for what was left: its turn comes first next time
+                    first_deferred = first_deferred or name
+        self._resume_at = first_deferred
+        self.deferred_files = deferred + self._deferred_now
 
     def _merged_totals(self) -> Totals:
         """The merge, reused while no file changed and NVML places the writers that recorded no GPU
@@ -628,19 +708,21 @@ class SpoolReader:
         gpus: tuple[str | None, ...] = ()
         if self.gpu_of is not None:
             gpu_of = self.gpu_of
-            gpus = tuple(gpu_of(state.parsed.pid, state.parsed.start_ticks) for state in self._live.values()
+            gpus = tuple(gpu_of(*self._writer(state, state.parsed)) for state in self._live.values()
                          if state.needs_gpu and state.parsed is not None)
         key = (self._version, gpus)
         if self._merged is None or self._merged[0] != key:
             self._merged = (key, self._with_owners(self._merge()))
-        return dataclasses.replace(self._merged[1], deferred_files=self.deferred_files)
+        return dataclasses.replace(self._merged[1], deferred_files=self.deferred_files,
+                                   unfinished_listings=self.unfinished_listings)
 
     def _visit_order(self, names: set[str]) -> list[str]:
         """Live files first (their values go stale when skipped), then the rest; each group in name
-        order, starting after the file where the last read() ran out of budget, so all get their turn."""
+        order, starting at the first file the last read() had no budget left for, so all get their turn
+        (a file that did not fit once goes first next time, not behind the same files again)."""
         def turn(group: list[str]) -> list[str]:
             group.sort()
-            after = [name for name in group if name > self._cursor]
+            after = [name for name in group if name >= self._resume_at]
             return after + group[: len(group) - len(after)]
         return turn([n for n in names if n in self._live]) + turn([n for n in names if n not in self._live])
 
@@ -652,22 +734,25 @@ class SpoolReader:
                 for engine, info in state.parsed.infos.items():
                     totals.info_uids.setdefault((engine, info.path), set()).add(state.uid)
         totals.deferred_files = self.deferred_files
+        totals.unfinished_listings = self.unfinished_listings
         return totals
 
     def _list(self) -> set[str] | None:
-        """Every spool file of the main directory (by name) and of the pod directories (by absolute
-        path); None when the main directory is missing or unreadable and no pod directory is known."""
-        self._unlisted = 0
+        """The spool files of this read: the main directory's (by name) and the pod directories' (by
+        absolute path), each directory's next slice (see DirectoryScan) plus its live files; None when
+        the main directory is missing or unreadable and no pod directory is known."""
+        self.unfinished_listings = 0
         self._sweeps_left = MAX_SWEPT_TEMPORARY
         names: set[str] = set()
         listed: dict[str, int] = {}
-        found = self._list_one(self.directory, "", names, listed, MAX_LISTED_FILES)
+        found = self._list_one(self.directory, "", names, listed, self.scan_entries)
         if not found and not self.pod_directories and not any(map(os.path.isabs, self._live)):
             return None  # nothing to list; a pod directory gone last has its files vanish below
         if not found:  # the main directory's files keep their last values, as they did alone
             self._carry(self.directory, names, listed)
+        share = max(MIN_POD_DIRECTORY_ENTRIES, POD_SCANNED_ENTRIES // max(1, len(self.pod_directories)))
         for directory in sorted(self.pod_directories):
-            if self._list_one(directory, directory, names, listed, MAX_POD_DIRECTORY_FILES) is None:
+            if self._list_one(directory, directory, names, listed, min(MAX_POD_DIRECTORY_ENTRIES, share)) is None:
                 self._carry(directory, names, listed)  # unreadable now: not proof that the pod is gone
         # A pod directory the scan no longer hands over (past --collector.engines.max-pod-spools) that
         # still exists: its pod is not gone.  Its live files are read on and its tombstones kept, so that
@@ -677,43 +762,91 @@ class SpoolReader:
                                       if _real_directory(directory)}
         for directory in sorted(self._left_out_directories):
             self._carry(directory, names, listed)
+        self._forget_unread_directories()
         self._listed = listed
         return names
 
     def _list_one(self, directory: str, prefix: str, names: set[str], listed: dict[str, int],
-                  limit: int) -> bool | None:
-        """Add at most ``limit`` of one directory's spool files to ``names`` (keyed by ``prefix``/name);
+                  budget: int) -> bool | None:
+        """Add the spool files of one directory's next slice of at most ``budget`` entries to ``names``
+        (keyed by ``prefix``/name), and its live files the slice did not show while its pass goes on;
         False when it does not exist (any file of it listed before has vanished), None when it could
         not be read."""
-        taken = 0
+        scan = self._scans.get(directory)
+        if scan is None:
+            scan = self._scans[directory] = DirectoryScan(directory)
+        taken: list[str] = []
+        scan.slice_names = taken
         try:
-            with os.scandir(directory) as entries:
-                for entry in entries:
-                    key = os.path.join(prefix, entry.name) if prefix else entry.name
-                    if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                        # A live file is always listed: left out by a cap it would read as vanished
-                        # (folded), and listed again later, counted a second time on top of its fold.
-                        if key not in self._live and (len(names) >= MAX_LISTED_FILES or taken >= limit):
-                            self._unlisted += 1
-                            continue
-                        taken += 1
-                        names.add(key)
-                        listed[key] = entry.inode()
-                    elif (not prefix and self._sweeps_left > 0 and entry.name.startswith(f".{PREFIX}")
-                          and entry.name.endswith(".tmp")):  # a pod's volume is the pod's: never swept
-                        self._sweeps_left -= 1
-                        self._sweep_temporary(key)
-            return True
+            for entry in scan.next_slice(budget):
+                name = entry.name
+                if name.endswith(SUFFIX) and not name.startswith("."):
+                    key = os.path.join(prefix, name) if prefix else name
+                    taken.append(key)
+                    names.add(key)
+                    listed[key] = entry.inode()
+                elif (not prefix and self._sweeps_left > 0 and name.startswith(f".{PREFIX}")
+                      and name.endswith(".tmp")):  # a pod's volume is the pod's: never swept
+                    self._sweeps_left -= 1
+                    self._sweep_temporary(name)
         except FileNotFoundError:
+            del self._scans[directory]
             return False
         except OSError:
+            del self._scans[directory]
             self._count("io")
             return None
+        if scan.finished:
+            self._end_of_pass(scan, names, listed)
+        else:
+            self.unfinished_listings += 1
+            self._carry(directory, names, listed)  # not reached yet this pass: as last seen
+        return True
+
+    def _end_of_pass(self, scan: DirectoryScan, names: set[str], listed: dict[str, int]) -> None:
+        """A directory walked through: a file it remembers that the pass showed is still there; one it
+        did not show is gone (a live one vanishes: read() folds it; a tombstone or a bad file is
+        forgotten: a file put under that name later is a new file)."""
+        directory = scan.path
+        for key, ino in scan.seen.items():  # shown by an earlier slice of the pass
+            if key in self._live:
+                names.add(key)
+                listed[key] = ino
+        if self._tombstones:
+            self._tombstones = {key for key in self._tombstones
+                                if key in names or key in scan.seen or self._directory_of(key) != directory}
+        if self._bad:
+            self._bad = {key: ino for key, ino in self._bad.items()
+                         if listed.get(key, scan.seen.get(key)) == ino or self._directory_of(key) != directory}
+        scan.seen = {}
+
+    def _note_seen(self) -> None:
+        """After the visits of a read: which files the reader remembers (live, folded, bad) the slices of
+        passes still under way showed, for the end of their pass."""
+        for scan in self._scans.values():
+            if not scan.finished:
+                for key in scan.slice_names:
+                    if key in self._live or key in self._tombstones or key in self._bad:
+                        scan.seen[key] = self._listed.get(key, 0)
+                scan.slice_names = []
+
+    def _forget_unread_directories(self) -> None:
+        """Directories no longer read (a pod gone, or its directory gone while left out by the scan):
+        their listings are closed, their tombstones and bad files forgotten.  The node's directory is
+        always read, and a left-out pod directory is carried."""
+        kept = {self.directory, *self.pod_directories, *self._left_out_directories}
+        for directory in [directory for directory in self._scans if directory not in kept]:
+            self._scans.pop(directory).close()
+        if any(self._directory_of(key) not in kept for key in self._tombstones):
+            self._tombstones = {key for key in self._tombstones if self._directory_of(key) in kept}
+        if any(self._directory_of(key) not in kept for key in self._bad):
+            self._bad = {key: ino for key, ino in self._bad.items() if self._directory_of(key) in kept}
 
     def _carry(self, directory: str, names: set[str], listed: dict[str, int]) -> None:
-        """Keep the live files of a directory that could not be listed, as last seen."""
+        """Keep the live files of a directory that could not be listed, or whose listing has not reached
+        them yet, as last seen."""
         for key in self._live:
-            if self._directory_of(key) == directory:
+            if key not in names and self._directory_of(key) == directory:
                 names.add(key)
                 listed[key] = self._listed.get(key, 0)
 
@@ -831,6 +964,7 @@ class SpoolReader:
             self._version += 1
 
     def _visit_open(self, name: str, path: str, fd: int) -> None:
+        """Read a file whole: parse what changed, fold it if its writer is gone, else keep it live."""
         st = os.fstat(fd)
         state = self._live.get(name)
         if state is not None and state.ino != st.st_ino:  # replaced under the same name: treat as new
@@ -849,29 +983,22 @@ class SpoolReader:
         if isinstance(data, str):
             if state is None or state.parsed is None:
                 self._count_bad(name, identity, data)
-            else:  # understood before, not now: its last good content stands, and is folded at the end
+            else:
                 self._count_damaged(state, data)
-                if gone:
-                    self._fold_dead(name, path, state)
+                self._keep_last_good(name, path, state, gone)
             return
         if state is None:
-            state = FileState(name, st.st_ino, uid=st.st_uid,
+            state = FileState(st.st_ino, uid=st.st_uid,
                               pod_uid=self.pod_directories.get(self._directory_of(name), ""))
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if not self._affordable(state, data, digest, gone):
             if state.parsed is not None:
                 self._make_live(name, state)  # keeps its last values; parsed again when there is room
             return
-        parsed = self._parse(state, data, digest, name, identity)
-        if parsed is None:
+        if self._parse(state, data, digest, name, identity) is None:
             # Never understood: not ours to fold or delete (a foreign version's file, garbage); it stays,
-            # counted once.  Understood before and broken now (truncated by someone): its last good
-            # content is what we fold once the writer is gone.
-            if state.parsed is not None:
-                if gone:
-                    self._fold_dead(name, path, state)
-                else:
-                    self._make_live(name, state)
+            # counted once.  Understood before: see _keep_last_good.
+            self._keep_last_good(name, path, state, gone)
             return
         self._remember_header(state, data)
         if gone:
@@ -879,14 +1006,28 @@ class SpoolReader:
         else:
             if state.lockers is None:
                 state.lockers = self._lockers(st.st_ino)
+                if state.lockers is not None:
+                    self._version += 1  # the writer the merge names may change, with the same bytes
             self._make_live(name, state)
 
-    def _lockers(self, inode: int) -> frozenset[int]:
+    def _keep_last_good(self, name: str, path: str, state: FileState, gone: bool) -> None:
+        """A file understood before and not now (truncated or scribbled on by someone, unreadable): its
+        last good content stands, and is what is folded once the writer is gone."""
+        if state.parsed is None:
+            return
+        if gone:
+            self._fold_dead(name, path, state)
+        else:
+            self._make_live(name, state)
+
+    def _lockers(self, inode: int) -> frozenset[int] | None:
         """The pids holding a lock on a file with this inode, from the kernel's lock table (read at most
-        once per read(), up to 4 MiB: ~80,000 locks)."""
-        if self._lock_table is None:
+        once per read(), up to 4 MiB: ~80,000 locks); None when the table could not be read, which says
+        nothing about the writer (asked again at the file's next full read, not taken for "nobody")."""
+        if not self._lock_table_read:
+            self._lock_table_read = True
             self._lock_table = read_lock_table(os.path.join(self.procfs, "locks"))
-        return self._lock_table.get(inode, frozenset())
+        return None if self._lock_table is None else self._lock_table.get(inode, frozenset())
 
     def _writer(self, state: FileState, parsed: Parsed) -> tuple[int, int]:
         """(pid, start ticks) of the file's writer as its header says, where the kernel shows that pid
@@ -1052,17 +1193,46 @@ class SpoolReader:
 
     def _count_bad(self, name: str, identity: tuple[int, int, int], reason: str) -> None:
         """Count a bad file once for as long as it stays under that name and inode (read() skips it
-        unopened from then on; a file put in its place is a new file)."""
+        unopened from then on; a file put in its place is a new file).  Up to MAX_BAD_REMEMBERED of them:
+        past that, a bad file is opened and counted again whenever the listing shows it (its errors
+        counter runs on: visible, where remembering every one would let junk names grow memory)."""
         if self._bad.get(name) == identity[0]:
             return
-        self._bad[name] = identity[0]
+        if name in self._bad or len(self._bad) < MAX_BAD_REMEMBERED:
+            self._bad[name] = identity[0]
         self._count(reason)
 
     # --- merging -----------------------------------------------------------------------------
 
     def _merge(self) -> Totals:
+        """The folded totals of exited writers plus every live file, per engine, per engine and GPU and per
+        load in progress."""
+        totals = self._folded_copy()
+        infos: dict[InfoIdentity, EngineInfo] = {}
+        mounts_of: dict[str, set[tuple[int, int]]] = {}  # engine -> the st_devs whose mount is kept
+        for state in self._live.values():
+            parsed = state.parsed
+            if parsed is None:
+                continue
+            writer = self._writer(state, parsed)
+            totals.live_files += 1
+            totals.dropped_by_writers += parsed.dropped
+            _add_counts(totals, parsed, writer)
+            for (engine, dev), mount in parsed.mounts.items():
+                kept = mounts_of.setdefault(engine, set())
+                if (engine, dev) in totals.mounts or len(kept) < MAX_MOUNTS_PER_ENGINE:
+                    kept.add(dev)
+                    totals.mounts[(engine, dev)] = mount
+            self._add_infos_and_pods(totals, infos, _pod_of(state, parsed), parsed, writer)
+        for identity, info in infos.items():
+            totals.infos.setdefault(identity[0], []).append(info)
+        self._merge_per_gpu_and_loads(totals)
+        return totals
+
+    def _folded_copy(self) -> Totals:
+        """A Totals to merge live files into: a copy of the exited writers' folded totals."""
         folded = self._folded
-        totals = Totals(
+        return Totals(
             engines={engine: list(values) for engine, values in folded.engines.items()},
             errors=dict(folded.errors),
             layers={key: list(pair) for key, pair in folded.layers.items()},
@@ -1070,51 +1240,26 @@ class SpoolReader:
             waterfalls={engine: list(values) for engine, values in folded.waterfalls.items()},
             dropped_by_writers=folded.dropped_by_writers,
         )
-        distinct: dict[tuple[str, str, int, str, str, tuple[int, int], int], EngineInfo] = {}
-        mounts_of: dict[str, set[tuple[int, int]]] = {}
-        for state in self._live.values():
-            parsed = state.parsed
-            if parsed is None:
-                continue
-            totals.live_files += 1
-            totals.dropped_by_writers += parsed.dropped
-            writer = self._writer(state, parsed)
-            for engine, values in parsed.engines.items():
-                total = totals.engines.get(engine)
-                totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
-                totals.processes[engine] = totals.processes.get(engine, 0) + 1
-                totals.writers.setdefault(engine, []).append(writer)
-            for key, count in parsed.errors.items():
-                totals.errors[key] = totals.errors.get(key, 0.0) + count
-            for key, pair in parsed.layers.items():
-                old = totals.layers.get(key)
-                totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
-            for engine, values in parsed.waterfalls.items():
-                _merge_waterfall(totals.waterfalls, engine, values)
-            for (engine, dev), mount in parsed.mounts.items():
-                if (engine, dev) in totals.mounts or len(mounts_of.setdefault(engine, set())) < MAX_MOUNTS_PER_ENGINE:
-                    mounts_of.setdefault(engine, set()).add(dev)
-                    totals.mounts[(engine, dev)] = mount
-            pod = _pod_of(state, parsed)
+
+    def _add_infos_and_pods(self, totals: Totals, infos: dict[InfoIdentity, EngineInfo], pod: PodIdentity | None,
+                            parsed: Parsed, writer: tuple[int, int]) -> None:
+        """A live file's engine files (one INFO per distinct file and GPU, the latest load), the last load
+        of each engine, and the pod of each (engine, GPU) it reports."""
+        if pod is not None:
+            for engine in parsed.engines.keys() - parsed.infos.keys():
+                totals.pods.setdefault((engine, ""), set()).add(pod)
+        for engine, info in parsed.infos.items():
+            found = self.gpu_of(*writer) if not info.gpu_uuid and self.gpu_of else None
+            if found:
+                info = dataclasses.replace(info, gpu_uuid=found)
             if pod is not None:
-                for engine in parsed.engines.keys() - parsed.infos.keys():
-                    totals.pods.setdefault((engine, ""), set()).add(pod)
-            for engine, info in parsed.infos.items():
-                found = self.gpu_of(*writer) if not info.gpu_uuid and self.gpu_of else None
-                if found:
-                    info = dataclasses.replace(info, gpu_uuid=found)
-                if pod is not None:
-                    totals.pods.setdefault((engine, info.gpu_uuid), set()).add(pod)
-                identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
-                seen = distinct.get(identity)
-                if seen is None or seen.load_time < info.load_time:
-                    distinct[identity] = info
-                if info.load_time > 0:  # 0: loading, never finished a load
-                    totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
-        for identity, info in distinct.items():
-            totals.infos.setdefault(identity[0], []).append(info)
-        self._merge_per_gpu_and_loads(totals)
-        return totals
+                totals.pods.setdefault((engine, info.gpu_uuid), set()).add(pod)
+            identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
+            seen = infos.get(identity)
+            if seen is None or seen.load_time < info.load_time:
+                infos[identity] = info
+            if info.load_time > 0:  # 0: loading, never finished a load
+                totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
 
     # --- per engine and GPU; loads in progress ----------------------------------------------------
 
@@ -1178,18 +1323,18 @@ class SpoolReader:
 MAX_LOCK_TABLE_BYTES = 4 << 20
 
 
-def read_lock_table(path: str) -> dict[int, frozenset[int]]:
+def read_lock_table(path: str) -> dict[int, frozenset[int]] | None:
     """inode -> pids holding a lock on it, from /proc/locks (proc(5)): ``1: FLOCK ADVISORY WRITE 4242
     fe:00:2281097 0 EOF``; a blocked waiter's line (``->``) holds nothing.  Matched by inode alone: the
     device field is the file system's own, which overlayfs may report differently from fstat, and a
-    pid and an inode both matching by chance is not a claim anyone can arrange."""
+    pid and an inode both matching by chance is not a claim anyone can arrange.  None: unreadable."""
     chunks: list[bytes] = []
     try:
         with open(path, "rb", buffering=0) as handle:  # in pieces: read(4 MiB) would allocate 4 MiB at once
             while sum(map(len, chunks)) < MAX_LOCK_TABLE_BYTES and (chunk := handle.read(64 << 10)):
                 chunks.append(chunk)
     except OSError:
-        return {}
+        return None
     text = b"".join(chunks)
     table: dict[int, set[int]] = {}
     for line in text.split(b"\n"):
@@ -1217,6 +1362,22 @@ def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:
     if state.pod_uid:
         return dataclasses.replace(pod or PodIdentity(), pod_uid=state.pod_uid)
     return pod if pod is not None and any(dataclasses.astuple(pod)) else None
+
+
+def _add_counts(totals: Totals, parsed: Parsed, writer: tuple[int, int]) -> None:
+    """A live file's engines (and who reports them), error counts, layer times and waterfalls, added up."""
+    for engine, values in parsed.engines.items():
+        total = totals.engines.get(engine)
+        totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
+        totals.processes[engine] = totals.processes.get(engine, 0) + 1
+        totals.writers.setdefault(engine, []).append(writer)
+    for key, count in parsed.errors.items():
+        totals.errors[key] = totals.errors.get(key, 0.0) + count
+    for key, pair in parsed.layers.items():
+        old = totals.layers.get(key)
+        totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
+    for engine, values in parsed.waterfalls.items():
+        _merge_waterfall(totals.waterfalls, engine, values)
 
 
 def _add_into(table: dict[tuple[str, str], list[float]], key: tuple[str, str], values: typing.Sequence[float]) -> None:

@@ -211,6 +211,10 @@ SPOOL_ERRORS = Desc("gpuio_engine_spool_errors_total", COUNTER,
 SPOOL_DEFERRED = Desc("gpuio_engine_spool_deferred_files", GAUGE,
                       "Spool files not read at this scrape because its read budget was spent (read at a later "
                       "scrape; live files keep their last values).")
+SPOOL_UNFINISHED = Desc("gpuio_engine_spool_unfinished_listings", GAUGE,
+                        "Spool directories (the node's, pods' volumes) holding more entries than one scrape looks "
+                        "at: their listing goes on at the next scrapes, in turn, so a new file there may wait a "
+                        "few scrapes to be read.")
 WRITER_DROPS = Desc("gpuio_engine_spool_writer_dropped_series_total", COUNTER,
                     "Series processes could not record because their spool file was full.")
 # The waterfall of loads (gpuio.waterfall in the library; WATERFALL records of the spool).
@@ -998,6 +1002,7 @@ class EnginesCollector(Collector):
             Family(SPOOL_FOLDED, [SPOOL_FOLDED.sample("", reader.folded_processes)]),
             Family(SPOOL_ERRORS, errors),
             Family(SPOOL_DEFERRED, [SPOOL_DEFERRED.sample("", totals.deferred_files)]),
+            Family(SPOOL_UNFINISHED, [SPOOL_UNFINISHED.sample("", totals.unfinished_listings)]),
             Family(WRITER_DROPS, [WRITER_DROPS.sample("", totals.dropped_by_writers)]),
             Family(DROPPED, dropped),
         ]

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .. import nvml_device as nv
+from .. import procstat
 from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
@@ -467,6 +468,11 @@ class ProcessBusy:
         del self.seconds[spare]
         return True
 
+    def forget(self, pid: int) -> None:
+        """Forget one process: its pid now names another process, whose seconds start from zero."""
+        self.seconds.pop(pid, None)
+        self.newest_us.pop(pid, None)
+
     def keep(self, pids: set[int]) -> None:
         """Forget the processes that ended (NVML no longer lists them)."""
         for pid in [pid for pid in self.seconds if pid not in pids]:
@@ -540,8 +546,11 @@ class Gpu:
     xid: dict[str, tuple[int, float]] = field(default_factory=dict)
     dropped: int = 0
     dropped_pids: set[int] = field(default_factory=set)
+    # What is remembered of each process the series show (the kept ones), by pid: its name and pod, and
+    # its start time, which tells a new process that got a recycled pid from the one remembered.
     names: dict[int, str] = field(default_factory=dict)
     pods: dict[int, cgroup.PodRef | None] = field(default_factory=dict)  # pid -> its pod (cgroup), kept processes
+    starts: dict[int, int] = field(default_factory=dict)  # pid -> start time (clock ticks since boot; 0 unknown)
     mig_uuids: set[str] = field(default_factory=set)  # its MIG devices at the last slow read
     pids: set[int] = field(default_factory=set)  # every compute process at the last slow read, cap or not
     label_cache: dict[tuple[tuple[str, str], ...], str] = field(default_factory=dict)
@@ -1192,6 +1201,7 @@ class NvmlCollector(Collector):
         dropped_pids = {p.pid for p in dropped}
         gpu.dropped += len(dropped_pids - gpu.dropped_pids)  # each process counted once, when first left out
         gpu.dropped_pids = dropped_pids
+        self._forget_recycled_pids(gpu, {p.pid for p in kept})
         gpu.names = {p.pid: gpu.names.get(p.pid) or self._process_name(p.pid) for p in kept}
         gpu.pods = {p.pid: gpu.pods[p.pid] if p.pid in gpu.pods else cgroup.of_pid(p.pid, self.context.procfs)
                     for p in kept}
@@ -1202,6 +1212,22 @@ class NvmlCollector(Collector):
             used = math.nan if process.used_memory is None else process.used_memory
             readings.append((PROCESS_MEMORY, labels, used))
         return readings
+
+    def _forget_recycled_pids(self, gpu: Gpu, pids: set[int]) -> None:
+        """Forget the name, pod and busy seconds remembered for a pid that now names another process (the
+        old one exited and the kernel gave its pid to a new one between two reads: NVML lists the pid on
+        and on).  Told by the start time in /proc/<pid>/stat, one small read per process shown; an
+        unreadable one (0) proves nothing and forgets nothing."""
+        starts = {pid: procstat.start_ticks(pid, self.context.procfs) for pid in pids}
+        for pid, start in starts.items():
+            known = gpu.starts.get(pid, 0)
+            if start and known and start != known:
+                gpu.names.pop(pid, None)
+                gpu.pods.pop(pid, None)
+                gpu.process_busy.forget(pid)
+            if not start:
+                starts[pid] = known
+        gpu.starts = starts
 
     def _pod_labels(self, gpu: Gpu, ref: cgroup.PodRef | None) -> tuple[tuple[str, str], ...]:
         """namespace, pod and container of a process in a pod (exporter.pods.attribution); nothing for a

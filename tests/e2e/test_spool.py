@@ -137,3 +137,61 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
     assert count(totals.engines["forky"], "inference_seconds") == 3
     assert totals.errors[("forky", "boom")] == 2
     assert reader.folded_processes == 2 and parent_file.strip()
+
+
+@pytest.fixture
+def big_directory(tmp_path):
+    """A directory on tmpfs where there is one (200,000 names cost ~3 s to make there), else tmp_path."""
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else str(tmp_path / "spool")
+    os.makedirs(directory, exist_ok=True)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_directory_of_200000_names_is_walked_a_bounded_slice_a_read_and_in_full_over_a_few(big_directory) -> None:
+    """A writer that fills the spool directory with names must not make every read walk them all: a read
+    looks at ``scan_entries`` entries (65,536) and the next one goes on from there, so the writers made
+    before and after 200,000 junk names are all found within ceil(200,003 / 65,536) = 4 reads, whatever
+    the directory's order, and later passes count nothing twice."""
+    from gpuio import spool as fmt
+    from gpuio.metrics import EngineMetrics
+
+    def made(observations: int) -> fmt.SpoolFile:
+        file = fmt.SpoolFile(big_directory, 64 * 1024)
+        metrics = EngineMetrics("busy", file)
+        for _ in range(observations):
+            metrics.inference_seconds.observe(0.01)
+        return file
+
+    first = made(1)
+    dead = made(10)
+    dead.close()  # exited before the exporter came: folded once, left in place (a tool's reader)
+    for index in range(200_000):
+        os.close(os.open(os.path.join(big_directory, f"junk-{index:06d}"), os.O_CREAT | os.O_WRONLY, 0o644))
+    last = made(100)
+    reader = spool_reader.SpoolReader(big_directory, remove_dead=False)
+    budget = getattr(reader, "scan_entries", 65_536)
+    order = {entry.name: position for position, entry in enumerate(os.scandir(big_directory))}
+    position = {file: order[os.path.basename(str(file.path))] for file in (first, dead, last)}
+    assert max(position.values()) >= budget  # made first and last: one of them is past the first slice
+
+    totals = reader.read()
+    in_first_slice = [n for file, n in ((first, 1), (dead, 10), (last, 100)) if position[file] < budget]
+    assert count(totals.engines.get("busy", [0.0] * LAYOUT.size), "inference_seconds") == sum(in_first_slice)
+    assert totals.unfinished_listings == 1
+    reads = 1
+    while totals.unfinished_listings:
+        totals = reader.read()
+        reads += 1
+    assert reads == -(-len(order) // budget) == 4
+    assert count(totals.engines["busy"], "inference_seconds") == 111
+    assert totals.live_files == 2 and reader.folded_processes == 1
+    for _ in range(2 * reads):  # two more passes: the dead file's totals are not folded again
+        totals = reader.read()
+    assert count(totals.engines["busy"], "inference_seconds") == 111 and reader.folded_processes == 1
+    assert "vanished" not in reader.errors
+    first.close()
+    last.close()

@@ -92,3 +92,34 @@ def test_warm_evict_makes_the_next_load_cold(spool_dir, tmp_path, capsys) -> Non
     assert waterfall is not None and waterfall.load_class == "cold" and waterfall.device_bytes >= 4 << 20
 
 
+
+
+def test_engines_json_is_valid_json_for_an_absurd_throughput(spool_dir, capsys) -> None:
+    """A writer's numbers are its own: 2**53 bytes read in 5e-324 s is an infinite throughput, which
+    Python's json prints as ``Infinity`` (not JSON).  The row says null instead: no figure."""
+    writer = fmt.SpoolFile(spool_dir)
+    engine = metrics.EngineMetrics("absurd", writer)
+    engine.load_read_seconds.observe(5e-324)
+    engine.load_read_bytes.inc(2.0**53)
+    assert engines_main(["--spool-dir", spool_dir, "--json"]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert rows[0]["engine"] == "absurd" and rows[0]["loads"] == 1
+    assert rows[0]["read_mib_per_second"] is None
+    writer.close()
+
+
+def test_engines_walks_a_spool_directory_too_big_for_one_read(spool_dir, monkeypatch, capsys) -> None:
+    """The exporter walks a huge spool directory a slice per scrape; ``gpuio engines`` is asked once, so
+    it reads on until the whole directory was walked: every writer is listed."""
+    from exporter import spool_reader
+
+    monkeypatch.setattr(spool_reader, "MAX_SCANNED_ENTRIES", 2)
+    writers = [fmt.SpoolFile(spool_dir) for _ in range(5)]
+    for file in writers:
+        metrics.EngineMetrics("sliced", file).inference_seconds.observe(0.01)
+    assert engines_main(["--spool-dir", spool_dir, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["engine"] == "sliced" and rows[0]["processes"] == 5 and rows[0]["inferences"] == 5
+    for file in writers:
+        file.close()

@@ -214,13 +214,12 @@ def test_an_engine_on_more_gpus_than_the_cap_is_counted_not_a_crash(tmp_path) ->
 
 
 def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_path, monkeypatch) -> None:
-    """Each pod directory gives at most MAX_POD_DIRECTORY_FILES names a read (the rest of that pod's files
-    wait, counted as deferred), so a pod listed first cannot take the whole listing from the others."""
+    """Each pod directory gives at most MAX_POD_DIRECTORY_ENTRIES entries a read (the rest of that pod's
+    files at the next reads, in turn), so a pod listed first cannot take the whole listing from the others."""
     from exporter import spool_reader
     from gpuio.metrics import EngineMetrics
 
-    monkeypatch.setattr(spool_reader, "MAX_LISTED_FILES", 10)
-    monkeypatch.setattr(spool_reader, "MAX_POD_DIRECTORY_FILES", 5)
+    monkeypatch.setattr(spool_reader, "MAX_POD_DIRECTORY_ENTRIES", 5)
     pods = str(tmp_path / "pods")
     crowded, quiet = pod_spool(pods, UID_B), pod_spool(pods, UID_A)  # UID_B's directory is listed first
     files = []
@@ -235,7 +234,13 @@ def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_pat
     text = scrape(collector)
     assert 'gpuio_engine_inference_seconds_count{engine="victim",gpu_uuid=""} 1' in text
     assert 'gpuio_engine_inference_seconds_count{engine="crowd",gpu_uuid=""} 5' in text
-    assert "gpuio_engine_spool_deferred_files 7" in text
+    assert "gpuio_engine_spool_unfinished_listings 1" in text
+    text = scrape(collector)
+    assert 'gpuio_engine_inference_seconds_count{engine="crowd",gpu_uuid=""} 10' in text
+    text = scrape(collector)  # the last 2 entries: the crowded pod's listing is through
+    assert 'gpuio_engine_inference_seconds_count{engine="crowd",gpu_uuid=""} 12' in text
+    assert "gpuio_engine_spool_unfinished_listings 0" in text
+    assert 'gpuio_engine_inference_seconds_count{engine="victim",gpu_uuid=""} 1' in text
     for file in [*files, victim]:
         file.close()
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from exporter.collect import Context, Scraper
 from exporter.collectors.pods import PodsCollector
 from exporter.exposition import render
 from exporter.nvml_device import ProcessInfo
 from tests.conftest import parse_samples
-from tests.unit.test_nvml_collector import make, value
+from tests.unit.test_nvml_collector import make, now_us, value
 from tests.unit.test_nvml_fake import FakeNvml, h100s
 from tests.unit.test_pods import FIXTURES, generated, kubelet  # noqa: F401  (fixtures)
 
@@ -179,3 +180,53 @@ def test_a_writer_cannot_name_its_processes_after_another_pod(tmp_path, generate
     assert named["101"] == ("serving", "detector")  # the kubelet's one holder of GPU 0
     # ranker-b has one UID: of two pods claiming it, neither is believed, and neither sharer is guessed.
     assert named["102"] == named["103"] == (None, None)
+
+
+def write_stat(procfs: str, pid: int, name: str, start_ticks: int) -> None:
+    """/proc/<pid>/stat as the kernel writes it: field 22 is the start time, in clock ticks since boot."""
+    fields = ["S", "1", str(pid), str(pid), *["0"] * 15, str(start_ticks), *["0"] * 30]
+    with open(os.path.join(procfs, str(pid), "stat"), "w") as handle:
+        handle.write(f"{pid} ({name}) {' '.join(fields)}\n")
+
+
+def test_a_reused_pid_is_a_new_process_with_its_own_name_pod_and_busy_time(tmp_path, generated, kubelet) -> None:  # noqa: F811
+    """A process exits and the kernel hands its pid to the next one between two sweeps: NVML lists the
+    same pid on and on.  The new process gets its own name and pod (none here: a host process), not the
+    old one's, and its busy seconds start from zero: the exporter tells them apart by start time."""
+    pb2, _ = generated
+    server, socket_path = kubelet
+    fake = FakeNvml(h100s(1))
+    gpu0 = fake.gpus[0].uuid
+    server.answer = pb2.ListPodResourcesResponse(pod_resources=[pb2.PodResources(
+        name="detector", namespace="serving", containers=[pb2.ContainerResources(
+            name="server", devices=[pb2.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=[gpu0])])])])
+    fake.gpus[0].processes = [ProcessInfo(101, 1 << 30)]
+    fake.gpus[0].process_names = {101: "triton"}
+    procfs = procfs_with(tmp_path, {101: "v2-systemd-containerd-burstable"})
+    write_stat(procfs, 101, "triton", 5_000)
+    context = Context(procfs=procfs)
+    pods = PodsCollector(context, {"pod-resources-socket": socket_path, "pod-resources-interval": 60.0,
+                                   "pod-resources-timeout": 2.0})
+    pods.poller.poll()
+    nvml = make(fake)
+    nvml.context = context
+    nvml.sampler.sample_now()  # the baseline of the busy seconds
+    time.sleep(0.1)
+    fake.gpus[0].add_process_samples(now_us(), 1, {101: (100, 50)})
+    nvml.sampler.sample_now()
+    memory, busy = "gpuio_gpu_process_memory_used_bytes", "gpuio_gpu_process_sm_busy_seconds_total"
+    samples = parse_samples(render(nvml.collect()))
+    assert value(samples, memory, pid="101", process_name="triton", pod="detector") == 1 << 30
+    assert value(samples, busy, pid="101", process_name="triton") > 0
+    # pid 101 exits; the next process the kernel starts gets pid 101 again: a host process, another name.
+    with open(os.path.join(FIXTURES, "v2-host-session.cgroup")) as handle:
+        (tmp_path / "proc" / "101" / "cgroup").write_text(handle.read())
+    write_stat(procfs, 101, "Xorg", 9_000)
+    fake.gpus[0].process_names = {101: "Xorg"}
+    fake.gpus[0].processes = [ProcessInfo(101, 1 << 20)]
+    nvml.sampler.sample_now()
+    samples = parse_samples(render(nvml.collect()))
+    series = [dict(ls) for (n, ls), _ in samples.items() if n == memory]
+    assert series == [{"gpu": "0", "uuid": gpu0, "pid": "101", "process_name": "Xorg"}]
+    nvml.sampler.sample_now()  # nothing ran since: the new process has been busy for no time at all
+    assert value(parse_samples(render(nvml.collect())), busy, pid="101", process_name="Xorg") == 0

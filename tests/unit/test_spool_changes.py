@@ -279,3 +279,60 @@ def test_a_plain_infer_and_one_with_options_record_the_same(tmp_path) -> None:
         raise TimeoutError
     assert metrics.errors() == {"timeout": 1} and metrics.in_flight.value() == 0
     file.close()
+
+
+def test_a_changed_file_too_big_for_what_is_left_of_the_parse_budget_gets_its_turn(tmp_path) -> None:
+    """Two writers that change before every read; the first in visiting order leaves less of the parse
+    budget than the second needs, but more than nothing.  The second must not wait behind the first
+    for ever: it goes first at the next read."""
+    writers = sorted((writer(str(tmp_path), f"engine{n}") for n in range(2)), key=lambda pair: str(pair[0].path))
+    for number, (_, metrics) in enumerate(writers):
+        for layer in range(40):  # bigger files: a few KiB each
+            metrics.error(f"reason{number}-{layer}")
+        metrics.inference_seconds.observe(0.01)
+    reader = spool_reader.SpoolReader(str(tmp_path))
+    assert reader.read().live_files == 2
+    reader.scrape_parse_bytes = max(file.used for file, _ in writers) + 1  # one file a read, never both
+    for _ in range(3):
+        for _, metrics in writers:
+            metrics.inference_seconds.observe(0.01)
+        totals = reader.read()
+    # 4 observations each by now: every file parsed at least every other read, neither stuck at 1
+    assert min(inferences(totals.engines[f"engine{n}"]) for n in range(2)) >= 3
+    for file, _ in writers:
+        file.close()
+
+
+def test_a_lock_table_that_could_not_be_read_is_looked_at_again(tmp_path) -> None:
+    """Which process a file's header may name is what the kernel's lock table says: a table that could
+    not be read (here: not there yet) says nothing, and the next full read of the file asks again."""
+    spool, proc = tmp_path / "spool", tmp_path / "proc"
+    spool.mkdir()
+    proc.mkdir()
+    file, metrics = writer(str(spool))
+    metrics.inference_seconds.observe(0.01)
+    reader = spool_reader.SpoolReader(str(spool), procfs=str(proc))
+    assert reader.read().writers["resnet50"] == [(os.getpid(), 0)]  # not shown holding the lock: no claim
+    with open("/proc/locks", "rb") as handle:  # the kernel's, with this process's lock on the file
+        (proc / "locks").write_bytes(handle.read())
+    metrics.inference_seconds.observe(0.01)  # the file changes: read whole
+    assert reader.read().writers["resnet50"] == [(os.getpid(), file.start_ticks)]
+    file.close()
+
+
+def test_a_lock_table_read_late_names_the_writer_of_an_unchanged_file_too(tmp_path) -> None:
+    """As above, for a file that does not change: its periodic full read asks the lock table again, and
+    the merge (reused while nothing changed) must show what it said."""
+    spool, proc = tmp_path / "spool", tmp_path / "proc"
+    spool.mkdir()
+    proc.mkdir()
+    file, metrics = writer(str(spool))
+    metrics.inference_seconds.observe(0.01)
+    reader = spool_reader.SpoolReader(str(spool), procfs=str(proc))
+    reader.recheck_seconds = 0.05
+    assert reader.read().writers["resnet50"] == [(os.getpid(), 0)]
+    with open("/proc/locks", "rb") as handle:
+        (proc / "locks").write_bytes(handle.read())
+    time.sleep(0.1)  # past the recheck: read whole, same bytes
+    assert reader.read().writers["resnet50"] == [(os.getpid(), file.start_ticks)]
+    file.close()

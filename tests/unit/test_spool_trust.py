@@ -237,16 +237,16 @@ def test_a_live_file_that_turns_oversized_keeps_its_last_values_and_is_folded_wh
     assert sum(totals.engines["resnet50"][: LAYOUT.monotonic_prefix]) > 0
 
 
-def test_junk_names_past_the_listing_cap_cannot_make_a_live_file_count_twice(tmp_path, monkeypatch) -> None:
-    """The listing takes at most MAX_LISTED_FILES names.  A writer that fills the directory with empty
-    files pushed a live writer's file out of the listing: read as vanished, its totals were folded; listed
-    again, its totals were counted again on top (its counters doubled at each round)."""
-    monkeypatch.setattr(spool_reader, "MAX_LISTED_FILES", 5)
+def test_junk_names_past_the_listing_slice_cannot_make_a_live_file_count_twice(tmp_path) -> None:
+    """A read looks at a slice of the directory's entries (``scan_entries``).  A writer that fills the
+    directory with empty files must not push a live writer's file out of the listing: read as vanished,
+    its totals would be folded; listed again, counted again on top (its counters doubled at each round)."""
     directory = tmp_path / "spool"
     directory.mkdir()
     victim = fmt.SpoolFile(str(directory))
     EngineMetrics("victim", victim).inference_seconds.observe(0.001)
     reader = spool_reader.SpoolReader(str(directory))
+    reader.scan_entries = 5
     counts = []
     junk = [directory / f"{fmt.PREFIX}junk-{index}{fmt.SUFFIX}" for index in range(300)]
     try:
@@ -293,3 +293,54 @@ def test_temporary_files_are_swept_a_few_a_read_and_never_in_a_pods_volume(tmp_p
     for _ in range(500 // spool_reader.MAX_SWEPT_TEMPORARY + 1):
         reader.read()
     assert os.listdir(directory) == []  # all of them in the end
+
+
+def test_a_file_gone_while_the_listing_takes_several_reads_is_folded_once_at_the_end_of_the_pass(tmp_path) -> None:
+    """Only a listing walked through proves a file gone: a live writer's file that disappears (another
+    reader took it) keeps its last values while the pass goes on, is folded once when the pass ends
+    without it, and nothing else is taken for gone on the way."""
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    writers = [fmt.SpoolFile(str(directory)) for _ in range(3)]
+    for file in writers:
+        EngineMetrics("steady", file).inference_seconds.observe(0.001)
+    for index in range(20):
+        (directory / f"junk-{index}").touch()
+    reader = spool_reader.SpoolReader(str(directory))
+    reader.scan_entries = 5  # 23 entries: 5 reads a pass
+    reads = 0
+    while True:  # one pass to find them all
+        totals = reader.read()
+        reads += 1
+        if not totals.unfinished_listings and totals.live_files == 3:
+            break
+        assert reads <= 10
+    gone = writers[0]
+    assert gone.path is not None
+    os.unlink(gone.path)  # its writer lives on, its file is gone
+    seen = []
+    for _ in range(6):  # more than a pass
+        totals = reader.read()
+        seen.append((totals.live_files, spool_reader.histogram_count_and_sum(totals.engines["steady"],
+                                                                             "inference_seconds")[0]))
+    assert {count for _, count in seen} == {3.0}  # as last seen, then folded: never twice, never lost
+    assert seen[-1][0] == 2 and reader.errors.get("vanished") == 1 and reader.folded_processes == 1
+    for file in writers:
+        file.close()
+
+
+def test_bad_files_remembered_are_capped_however_many_the_walk_reaches(tmp_path, monkeypatch) -> None:
+    """The listing reaches every name of the directory in turn, junk included: the bad files remembered
+    (to count each once and not open it again) stop at MAX_BAD_REMEMBERED, and those past it are counted
+    again when seen again (the counter runs on, visibly), rather than growing memory without end."""
+    monkeypatch.setattr(spool_reader, "MAX_BAD_REMEMBERED", 4)
+    directory = tmp_path / "spool"
+    directory.mkdir()
+    for index in range(10):
+        (directory / f"{fmt.PREFIX}junk-{index}{fmt.SUFFIX}").touch()
+    reader = spool_reader.SpoolReader(str(directory))
+    reader.scan_entries = 3
+    for _ in range(8):  # two walks of the directory
+        reader.read()
+    assert len(reader._bad) == 4
+    assert reader.errors["empty"] == 4 + 2 * 6  # 4 remembered, counted once; 6 counted at each walk
