@@ -123,8 +123,9 @@ soak: venv system-deps
 	$(SUDO) $(PY) bench/soak.py $(ARGS)
 
 # .whl/ for tests/gpu/device_session.sh on a GPU machine without PyPI: requirements-run.txt and pytest as
-# wheels for that machine's Python (GPU_PYTHON, x86_64 manylinux), and Debian's static prometheus and
-# node_exporter binaries (the GPU route's dashboards test and benchmarks).
+# wheels for that machine's Python (GPU_PYTHON, x86_64 manylinux), and Debian's static prometheus, promtool
+# and node_exporter binaries (the GPU route's dashboards test and benchmarks; bench/fleet_bench.py on a
+# bigger host).
 GPU_PYTHON ?= 3.12
 GPU_PLATFORMS := $(foreach p,manylinux_2_34 manylinux_2_28 manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1,--platform $(p)_x86_64)
 gpu-wheels:
@@ -133,6 +134,7 @@ gpu-wheels:
 	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  $(GPU_PLATFORMS) --dest .whl -r requirements-run.txt pytest iniconfig pluggy packaging
 	xz -T0 -c $$(command -v prometheus) > .whl/prometheus.xz
+	xz -T0 -c $$(command -v promtool) > .whl/promtool.xz
 	xz -T0 -c $$(command -v prometheus-node-exporter) > .whl/node_exporter.xz
 	@ls .whl | wc -l | xargs printf '%s files in .whl/ for Python $(GPU_PYTHON)\n'
 

@@ -1,7 +1,9 @@
 """Fleet scale: gpuio's rules and boards on a simulated fleet, timed in a real Prometheus.
 
     python bench/fleet_bench.py                       # 100 nodes x 8 GPUs x 20 engines x 24 disks
-    python bench/fleet_bench.py --nodes 1000          # the full fleet (about 10x the time, disk and memory)
+    python bench/fleet_bench.py --nodes 1000 --history 16 --live 2 --samples 2 --query-runs 1
+                                                      # the full fleet: ~4 M series, a host with 16 cores and
+                                                      # 64 GiB; the history is written by --jobs processes
 
 1. Writes OpenMetrics text of ``--nodes`` nodes, each with ``--gpus`` GPUs, ``--engines`` engines (each on
    one GPU, its file on the node's first NVMe disk, in one pod) and ``--disks`` disks, sampled every 15 s
@@ -28,6 +30,7 @@ import argparse
 import glob
 import http.server
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -221,6 +224,33 @@ def write_openmetrics(path: str, nodes: list[Node], samples: int, start: float) 
         out.write("# EOF\n")
 
 
+_FLEET: list[Node] = []  # the nodes, for the forked writers (their value functions cannot be pickled)
+
+
+def _write_blocks(job: tuple[int, int, str, str, int, float]) -> int:
+    """One share of the nodes as OpenMetrics, turned into blocks in ``data`` and deleted: returns its size.
+    Shares run in parallel, each its own promtool: their blocks overlap in time, which Prometheus merges."""
+    first, last, work, data, samples, start = job
+    text = os.path.join(work, f"fleet-{first}.om")
+    write_openmetrics(text, _FLEET[first:last], samples, start)
+    size = os.path.getsize(text)
+    subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", text, data], check=True,
+                   stdout=subprocess.DEVNULL)
+    os.remove(text)
+    return size
+
+
+def write_history(nodes: list[Node], work: str, data: str, samples: int, start: float, jobs: int) -> int:
+    """The history of every node as TSDB blocks in ``data``, written by ``jobs`` processes; returns the
+    bytes of OpenMetrics written (never all on disk at once: each share is deleted once converted)."""
+    _FLEET[:] = nodes
+    shares = max(1, min(len(nodes), jobs * 4))  # several shares per process: the last ones finish together
+    bounds = [len(nodes) * k // shares for k in range(shares + 1)]
+    work_list = [(a, b, work, data, samples, start) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return sum(pool.map(_write_blocks, work_list, chunksize=1))
+
+
 class Exposition(http.server.BaseHTTPRequestHandler):
     """Serves each node's series as an exporter would, at the current time: /metrics?node=<index>."""
 
@@ -292,7 +322,7 @@ def substitute(expr: str, instance: str) -> str:
     return expr
 
 
-def panel_queries(base: str, now: float, history_s: int) -> list[tuple[float, int, str, str]]:
+def panel_queries(base: str, now: float, history_s: int, runs: int) -> list[tuple[float, int, str, str]]:
     rows = []
     for path in sorted(glob.glob(os.path.join(REPO, "dashboards", "*.json"))):
         with open(path) as handle:
@@ -302,10 +332,10 @@ def panel_queries(base: str, now: float, history_s: int) -> list[tuple[float, in
             for target in panel.get("targets", []):
                 expr = substitute(target["expr"], instance)
                 if target.get("instant") and not target.get("range"):
-                    seconds, count = timed(base, "/api/v1/query", query=expr, time=f"{now:.0f}")
+                    seconds, count = timed(base, "/api/v1/query", runs, query=expr, time=f"{now:.0f}")
                 else:
-                    seconds, count = timed(base, "/api/v1/query_range", query=expr, start=f"{now - history_s:.0f}",
-                                           end=f"{now:.0f}", step=str(STEP))
+                    seconds, count = timed(base, "/api/v1/query_range", runs, query=expr,
+                                           start=f"{now - history_s:.0f}", end=f"{now:.0f}", step=str(STEP))
                 rows.append((seconds, count, board["uid"], f"{panel['title']} [{target['refId']}]"))
     return sorted(rows, reverse=True)
 
@@ -321,6 +351,9 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=4, help="rule evaluations to average")
     parser.add_argument("--storm", type=float, default=0.05, help="share of nodes in a storm")
     parser.add_argument("--keep", help="keep the data here")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="processes writing the history (default: one per CPU)")
+    parser.add_argument("--query-runs", type=int, default=3, help="runs of each panel query (the median is shown)")
     args = parser.parse_args()
     for tool in ("promtool", "prometheus"):
         if not shutil.which(tool):
@@ -338,16 +371,11 @@ def main() -> int:
     print("series per node: " + ", ".join(f"{k} {v}" + (f" ({v / getattr(args, k + 's'):.0f} per {k})"
                                                          if k != "node" else "") for k, v in counts.items()))
     # the history, as blocks; it ends a little before now, where the live scrapes take over
-    text = os.path.join(work, "fleet.om")
     began = time.perf_counter()
-    write_openmetrics(text, nodes, args.history * 60 // STEP - 4, start)
-    size = os.path.getsize(text)
     data = os.path.join(work, "data")
-    subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", text, data], check=True,
-                   stdout=subprocess.DEVNULL)
-    os.remove(text)
+    size = write_history(nodes, work, data, args.history * 60 // STEP - 4, start, args.jobs)
     print(f"history: {args.history} min at {STEP} s, {size / 1e9:.1f} GB of OpenMetrics -> blocks in "
-          f"{time.perf_counter() - began:.0f} s")
+          f"{time.perf_counter() - began:.0f} s ({args.jobs} processes)")
     # then live: each node served at /metrics?node=N, scraped every STEP seconds as an exporter would be
     Exposition.nodes, Exposition.start = nodes, start
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
@@ -396,9 +424,9 @@ def main() -> int:
         for error, name in errors.items():
             print(f"  error ({name}): {error}")
         print(f"  ... {len(rule_rows)} rules in all, together {sum(r[0] for r in rule_rows) * 1000:.0f} ms")
-        rows = panel_queries(base, time.time(), args.history * 60)
+        rows = panel_queries(base, time.time(), args.history * 60, args.query_runs)
         server.shutdown()
-        print(f"\n{'board / panel [query]':<92} {'median of 3':>12} {'series':>7}")
+        print(f"\n{'board / panel [query]':<92} {'median of ' + str(args.query_runs):>12} {'series':>7}")
         for seconds, count, uid, title in rows[:25]:
             print(f"{uid + ' / ' + title:<92.92} {seconds * 1000:>9.1f} ms {count:>7}")
         print(f"... {len(rows)} panel queries in all; median {statistics.median(r[0] for r in rows) * 1000:.1f} ms, "

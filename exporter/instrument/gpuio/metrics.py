@@ -3,8 +3,8 @@
 ``engine("resnet50")`` returns the process's :class:`EngineMetrics` for that engine (created on first
 use, one record in the spool).  Its handles (:class:`Histogram`, :class:`Counter`, :class:`Gauge`)
 are views on doubles in the shared mapping: ``observe`` is a bisect and three stores (bucket, sum and
-the file's generation, which tells the exporter the file changed) under the process's lock, no
-syscall.  Everything here is safe to call from many threads.
+the file's generation, which tells the exporter the file changed), no syscall; see STORES_ARE_ATOMIC
+for why the hot paths need no lock on CPython.  Everything here is safe to call from many threads.
 
 Label sets are bounded in the writer already: at most ``MAX_ERROR_REASONS`` distinct error reasons
 per engine (later ones count as ``other``) and a top-K set of layers (see :meth:`add_layer_times`).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from bisect import bisect_left
@@ -61,12 +62,25 @@ def _clean(text: str, limit: int) -> str:
     return raw.decode("utf-8", "ignore")
 
 
+# Whether the hot paths (observe(), `with infer():`) may store without the process's lock.  On CPython
+# with its GIL (3.10 and later) another thread runs, and a signal handler runs, only where the eval loop
+# checks its "eval breaker": on entering a function, on a backward jump and after a call.  A run of
+# `values[i] += x` on a memoryview of doubles is subscripts and a float add, C code throughout, with none
+# of those points inside: no other thread can come between a read and its write, so no increment is
+# lost (tests/unit/test_instrument_threads.py hammers it from many threads with switches forced every
+# microsecond, next to a deliberately split read-call-write that does lose updates).  The lock and its
+# two calls were ~150 ns of observe()'s ~490 ns.  Without a GIL (the free-threaded build) nothing makes
+# a read-modify-write indivisible, so there the hot paths take the lock; so do other interpreters.
+STORES_ARE_ATOMIC = (sys.implementation.name == "cpython" and sys.version_info >= (3, 10)
+                     and getattr(sys, "_is_gil_enabled", lambda: True)())
+
+
 class _Slot:
     """Where a handle writes: the spool's values and lock (rebound after a fork).
 
-    The hot paths call the plain lock's bound ``acquire``/``release`` kept here, not ``with lock:``
-    (around observe()'s stores: 446 ns against 304, bench/engines_bench.py).  So they store the file's
-    generation themselves (``GENERATION``) before releasing.
+    Where they take the lock, the hot paths call the plain lock's bound ``acquire``/``release`` kept
+    here, not ``with lock:`` (around observe()'s stores: 446 ns against 304, bench/engines_bench.py), so
+    they store the file's generation themselves (``GENERATION``) before releasing.
     """
 
     __slots__ = ("_values", "_lock", "_acquire", "_release")
@@ -84,16 +98,32 @@ GENERATION = fmt.GENERATION_INDEX
 class Histogram(_Slot):
     __slots__ = ("_first", "_sum", "_bounds", "observe")
 
-    def __init__(self, file: fmt.SpoolFile, first: int, bounds: tuple[float, ...]) -> None:
+    def __init__(self, file: fmt.SpoolFile, first: int, bounds: tuple[float, ...], atomic_stores: bool) -> None:
         super().__init__(file)
         self._first = first
         self._sum = first + len(bounds) + 1
         self._bounds = bounds
-        self.observe: Callable[[float], None] = self._observer()
+        self.observe: Callable[[float], None] = self._observer() if atomic_stores else self._locked_observer()
 
     def _observer(self) -> Callable[[float], None]:
         """``observe`` as a closure over this handle's slots: the hot path reads no attribute
-        (each costs ~30 ns here, and observe() has a 1 µs budget)."""
+        (each costs ~30 ns here, and observe() has a 500 ns budget).  Its stores are one run with no
+        call in between (STORES_ARE_ATOMIC)."""
+        values, first, total, bounds, generation = self._values, self._first, self._sum, self._bounds, GENERATION
+
+        def observe(value: float) -> None:
+            """Record one observation: a bisect and three stores into the spool's mapping, no syscall."""
+            if value != value:  # NaN would poison the sum forever
+                return
+            index = first + bisect_left(bounds, value)  # le semantics: value <= bound
+            values[index] += 1.0
+            values[total] += value
+            values[generation] += 1.0
+
+        return observe
+
+    def _locked_observer(self) -> Callable[[float], None]:
+        """``observe`` for an interpreter without the GIL's guarantee: the same stores under the lock."""
         values, first, total, bounds = self._values, self._first, self._sum, self._bounds
         acquire, release, generation = self._acquire, self._release, GENERATION
 
@@ -238,13 +268,14 @@ class Inference:
                 metrics.inference_gpu_seconds.observe(gpu)
 
 
-def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int
+def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int, atomic_stores: bool
                      ) -> tuple[Callable[[], None], Callable[[float], None], type[Inference]]:
     """What ``with infer():`` stores on entry and on success, one lock section each: in flight up; then
     in flight down and the latency observed together (the handles would take the lock twice).  And the
-    class of a plain ``infer()`` (no batch size, GPU timer or first): its ``__enter__`` and ``__exit__``
-    are these steps themselves, closures over the slots (a budget of 1 us leaves no room for a method
-    call or an attribute lookup that can be avoided)."""
+    class of a plain ``infer()`` (no batch size, GPU timer or first): where stores are atomic
+    (STORES_ARE_ATOMIC), its ``__enter__`` and ``__exit__`` are closures over the slots that store
+    without the lock (a budget of 1 us leaves no room for a method call, a lock or an attribute lookup
+    that can be avoided); elsewhere it is :class:`Inference` itself, whose steps take the lock."""
     values, acquire, release, generation = file.values, file.lock.acquire, file.lock.release_quietly, GENERATION
     in_flight = base + fmt.ENGINE_LAYOUT.gauges["in_flight"]
     first, total, bounds = fmt.ENGINE_LAYOUT.histograms["inference_seconds"]
@@ -270,13 +301,12 @@ def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int
         finally:
             release()
 
+    if not atomic_stores:
+        return begin, finish, Inference
+
     def enter(self: Inference) -> Inference:
-        acquire()
-        try:
-            values[in_flight] += 1.0
-            values[generation] += 1.0
-        finally:
-            release()
+        values[in_flight] += 1.0
+        values[generation] += 1.0
         self._start = perf_counter()
         return self
 
@@ -288,16 +318,11 @@ def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int
             metrics.error(error_reason(exc))
             return
         self.latency = seconds
-        # finish()'s body written out again: a call more is ~50 ns of the ~1.3 us this path costs.
-        index = first + bisect_left(bounds, seconds)
-        acquire()
-        try:
-            values[in_flight] -= 1.0
-            values[index] += 1.0
-            values[total] += seconds
-            values[generation] += 1.0
-        finally:
-            release()
+        index = first + bisect_left(bounds, seconds)  # a clock difference: never NaN
+        values[in_flight] -= 1.0
+        values[index] += 1.0
+        values[total] += seconds
+        values[generation] += 1.0
 
     def enqueued(self: Inference) -> None:
         """No GPU timer to stop."""
@@ -364,12 +389,12 @@ class EngineMetrics:
         base = offset // 8
         # One attribute per declared series (fmt.ENGINE_SERIES), named by its slot, at its place in the record.
         for name, (first, _, bounds) in layout.histograms.items():
-            setattr(self, name, Histogram(file, base + first, bounds))
+            setattr(self, name, Histogram(file, base + first, bounds, STORES_ARE_ATOMIC))
         for name, index in layout.counters.items():
             setattr(self, name, Counter(file, base + index))
         for name, index in layout.gauges.items():
             setattr(self, name, Gauge(file, base + index))
-        self._begin, self._finish, self._plain_inference = _inference_steps(self, file, base)
+        self._begin, self._finish, self._plain_inference = _inference_steps(self, file, base, STORES_ARE_ATOMIC)
         # Labelled records the engine had (a fork's parent file, or none yet) are made again here.
         errors, layers = list(self._errors), list(self._layers)
         self._errors, self._layers = {}, {}
@@ -404,8 +429,9 @@ class EngineMetrics:
     def infer(self, batch_size: int | None = None, gpu_timer: GpuTimer | None = None, first: bool = False) -> Inference:
         # Built without a call to __init__: ~50 ns of a budget of 1 us per inference.  A plain one needs
         # no more than its latency (its class's steps know the rest).
-        if batch_size is None and gpu_timer is None and not first:
-            inference = _new_inference(self._plain_inference)
+        plain = self._plain_inference
+        if batch_size is None and gpu_timer is None and not first and plain is not Inference:
+            inference = _new_inference(plain)
             inference.latency = None
             return inference
         inference = _new_inference(Inference)

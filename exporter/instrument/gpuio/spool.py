@@ -36,12 +36,16 @@ Layout (version 1, little-endian, every value 8-byte aligned)::
                  namespace, pod, container and pod UID as utf-8; key "pod" (pod_identity())
 
 Hot path: an observation is one bisect and two stores of doubles into the process's MAP_SHARED
-mapping, under a per-process ``threading.Lock`` (Python threads; there is never a cross-process lock
-because nobody else writes the file).  No syscall: the kernel sees the stores only as dirty pages.
+mapping (plus the generation below).  Python threads of the process never lose each other's
+increments: on CPython with its GIL the hot paths' read-modify-writes cannot be interleaved
+(``gpuio.metrics.STORES_ARE_ATOMIC`` says why), elsewhere they take a per-process ``threading.Lock``;
+there is never a cross-process lock because nobody else writes the file.  No syscall: the kernel sees
+the stores only as dirty pages.
 
 Publication: a record is written in full and only then is ``used`` advanced past it, so a reader
-that honours ``used`` never sees half a record.  Every change of a value is followed, under the same
-lock, by a store that moves ``generation`` up (``SpoolFile.lock`` does it when released): a reader
+that honours ``used`` never sees half a record.  Every change of a value is followed by a store that
+moves ``generation`` up (``SpoolFile.lock`` does it when released; the hot paths store it with their
+values): a reader
 that finds the header as it last read it skips the rest of the file.  Histogram counts are stored per bucket (not
 cumulative) and a histogram's count is the sum of its buckets, so an observation is two stores.
 
