@@ -31,13 +31,13 @@ def switching_every_microsecond() -> Iterator[None]:
     sys.setswitchinterval(interval)
 
 
-def hammer(work: Callable[[int], None]) -> None:
-    """``work(thread)`` PER_THREAD times on each of THREADS threads, all started together."""
+def hammer(work: Callable[[int], None], per_thread: int = PER_THREAD) -> None:
+    """``work(thread)`` ``per_thread`` times on each of THREADS threads, all started together."""
     start = threading.Barrier(THREADS)
 
     def run(thread: int) -> None:
         start.wait()
-        for _ in range(PER_THREAD):
+        for _ in range(per_thread):
             work(thread)
 
     threads = [threading.Thread(target=run, args=(thread,)) for thread in range(THREADS)]
@@ -60,8 +60,10 @@ def test_the_harness_catches_an_increment_another_thread_can_enter(spool_dir, sw
         noop()  # a call: where CPython may switch threads
         values[slot] = before + 1.0
 
-    hammer(split_increment)
-    assert values[slot] < THREADS * PER_THREAD
+    # More tries than the library gets below: a switch must land in the split's window while another
+    # thread is in its own, and threads started together still run alone for a while.
+    hammer(split_increment, per_thread=10 * PER_THREAD)
+    assert values[slot] < THREADS * 10 * PER_THREAD
 
 
 @pytest.mark.parametrize("atomic_stores", [True, False], ids=["without the lock", "under the lock"])

@@ -66,7 +66,8 @@ def _clean(text: str, limit: int) -> str:
 # with its GIL (3.10 and later) another thread runs, and a signal handler runs, only where the eval loop
 # checks its "eval breaker": on entering a function, on a backward jump and after a call.  A run of
 # `values[i] += x` on a memoryview of doubles is subscripts and a float add, C code throughout, with none
-# of those points inside: no other thread can come between a read and its write, so no increment is
+# of those points inside (observe() makes a value that is not a float one first: a float subclass's
+# own addition could run Python code): no other thread can come between a read and its write, so no increment is
 # lost (tests/unit/test_instrument_threads.py hammers it from many threads with switches forced every
 # microsecond, next to a deliberately split read-call-write that does lose updates).  The lock and its
 # two calls were ~150 ns of observe()'s ~490 ns.  Without a GIL (the free-threaded build) nothing makes
@@ -113,6 +114,10 @@ class Histogram(_Slot):
 
         def observe(value: float) -> None:
             """Record one observation: a bisect and three stores into the spool's mapping, no syscall."""
+            if value.__class__ is not float:
+                # An int, or a float subclass whose arithmetic may run Python code: added as it is, that
+                # code would run between the read of the sum and its store, where a thread can switch.
+                value = float(value)
             if value != value:  # NaN would poison the sum forever
                 return
             index = first + bisect_left(bounds, value)  # le semantics: value <= bound
