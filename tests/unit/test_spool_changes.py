@@ -303,18 +303,31 @@ def test_a_changed_file_too_big_for_what_is_left_of_the_parse_budget_gets_its_tu
         file.close()
 
 
-def test_a_lock_table_that_could_not_be_read_is_looked_at_again(tmp_path) -> None:
-    """Which process a file's header may name is what the kernel's lock table says: a table that could
-    not be read (here: not there yet) says nothing, and the next full read of the file asks again."""
+def reader_before_the_lock_table(tmp_path, recheck_seconds: float = spool_reader.RECHECK_SECONDS
+                                 ) -> tuple[spool_reader.SpoolReader, object, object, object]:
+    """A writer's file read once while the reader's lock table (its procfs) does not exist yet: the
+    header's process is not claimed.  Returns the reader, the file, its metrics and the procfs folder."""
     spool, proc = tmp_path / "spool", tmp_path / "proc"
     spool.mkdir()
     proc.mkdir()
     file, metrics = writer(str(spool))
     metrics.inference_seconds.observe(0.01)
     reader = spool_reader.SpoolReader(str(spool), procfs=str(proc))
+    reader.recheck_seconds = recheck_seconds
     assert reader.read().writers["resnet50"] == [(os.getpid(), 0)]  # not shown holding the lock: no claim
+    return reader, file, metrics, proc
+
+
+def show_lock_table(proc) -> None:
     with open("/proc/locks", "rb") as handle:  # the kernel's, with this process's lock on the file
         (proc / "locks").write_bytes(handle.read())
+
+
+def test_a_lock_table_that_could_not_be_read_is_looked_at_again(tmp_path) -> None:
+    """Which process a file's header may name is what the kernel's lock table says: a table that could
+    not be read (here: not there yet) says nothing, and the next full read of the file asks again."""
+    reader, file, metrics, proc = reader_before_the_lock_table(tmp_path)
+    show_lock_table(proc)
     metrics.inference_seconds.observe(0.01)  # the file changes: read whole
     assert reader.read().writers["resnet50"] == [(os.getpid(), file.start_ticks)]
     file.close()
@@ -323,16 +336,8 @@ def test_a_lock_table_that_could_not_be_read_is_looked_at_again(tmp_path) -> Non
 def test_a_lock_table_read_late_names_the_writer_of_an_unchanged_file_too(tmp_path) -> None:
     """As above, for a file that does not change: its periodic full read asks the lock table again, and
     the merge (reused while nothing changed) must show what it said."""
-    spool, proc = tmp_path / "spool", tmp_path / "proc"
-    spool.mkdir()
-    proc.mkdir()
-    file, metrics = writer(str(spool))
-    metrics.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(str(spool), procfs=str(proc))
-    reader.recheck_seconds = 0.05
-    assert reader.read().writers["resnet50"] == [(os.getpid(), 0)]
-    with open("/proc/locks", "rb") as handle:
-        (proc / "locks").write_bytes(handle.read())
+    reader, file, _, proc = reader_before_the_lock_table(tmp_path, recheck_seconds=0.05)
+    show_lock_table(proc)
     time.sleep(0.1)  # past the recheck: read whole, same bytes
     assert reader.read().writers["resnet50"] == [(os.getpid(), file.start_ticks)]
     file.close()
