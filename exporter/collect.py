@@ -41,7 +41,7 @@ CHEAP_SECONDS = 0.001
 STALL_SECONDS = 0.05
 # The longest the event loop thread blocks waiting for a batch of collectors that usually finishes this
 # fast, instead of awaiting it (see BatchDone); the floor covers the hand-off itself for the cheapest.
-QUICK_WAIT_SECONDS = 0.005
+QUICK_WAIT_SECONDS = 0.002
 QUICK_WAIT_FLOOR = 0.001
 
 
