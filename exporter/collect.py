@@ -9,7 +9,8 @@ is judged against the time budget on its own, so a slow or hung source fails onl
 (node_exporter runs its collectors concurrently too).  Collectors that took under a millisecond last
 time share one worker, one after another (a thread hand-off costs more than reading /proc/diskstats);
 one that then hangs gets the ones behind it moved to another worker within STALL_SECONDS.  The event
-loop waits at most the budget.  A collector that raises or is still running when the budget ends is
+loop waits at most the budget (and holds its thread for a batch that is usually that fast, at most
+QUICK_WAIT_SECONDS: see BatchDone).  A collector that raises or is still running when the budget ends is
 reported with ``gpuio_scrape_collector_success 0`` and a log line; the rest of the scrape is served.
 A collector stuck in a hung read is marked busy and skipped (success 0) until it returns, so a hang
 costs one thread, never one thread per scrape.
