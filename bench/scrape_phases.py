@@ -1,7 +1,9 @@
 """Where one scrape's time goes, in process, at p50 and p99: the collectors on their worker threads
 (with the hand-off to and from the event loop), rendering the text, rendering it gzipped; and whether
 the slowest scrapes are the ones a garbage collection ran in.  Then the same collectors called
-directly on one thread, one after the other: the difference is what the isolation's hand-off costs.
+directly on one thread, one after the other: the difference is what the isolation's hand-off costs;
+and how often the process's threads blocked (slept and were woken) per scrape in the collectors'
+phase, which is what the hand-off is made of.
 
 The fixture is the scrape benchmark's (N disks whose diskstats change before every scrape, PSI
 files), the collectors are the same two (diskstats and pressure), and the garbage collector is frozen
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import shutil
@@ -36,6 +39,16 @@ from exporter.exposition import GzipRenderer, render  # noqa: E402
 PHASES = ("collectors on threads, with the hand-off", "render text", "render gzipped", "all three")
 
 
+def blocked_count() -> int:
+    """How often this process's threads blocked (voluntary context switches, summed over its threads):
+    each is a sleep and a wake-up, the hand-off's cost that wall-clock time on a busy machine blurs."""
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/status") as status:
+            total += sum(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1000
@@ -56,6 +69,8 @@ def main() -> None:
         collections = [0]
         gc.callbacks.append(lambda phase, info: collections.__setitem__(0, collections[0] + (phase == "start")))
 
+        blocked = [0]  # voluntary context switches during the scrapes' collector phase
+
         async def scrapes() -> list[tuple[float, ...]]:
             for _ in range(50):
                 render(await scraper.scrape(None))
@@ -66,15 +81,18 @@ def main() -> None:
             for _ in range(args.scrapes):
                 fixture.tick()  # untimed
                 before = collections[0]
+                switches = blocked_count()
                 start = clock()
                 families = await scraper.scrape(None)
                 collected = clock()
+                blocked[0] += blocked_count() - switches  # untimed
+                rendering = clock()
                 render(families).encode()
                 rendered = clock()
                 gzip.compress(families, False)
                 zipped = clock()
-                rows.append((collected - start, rendered - collected, zipped - rendered, zipped - start,
-                             collections[0] - before))
+                rows.append((collected - start, rendered - rendering, zipped - rendered,
+                             zipped - rendering + collected - start, collections[0] - before))
             return rows
 
         rows = asyncio.run(scrapes())
@@ -95,6 +113,7 @@ def main() -> None:
         print(f"  {name:46s} {percentile(times, 0.5):7.3f} {percentile(times, 0.99):7.3f}")
     print(f"  {'the collectors called directly on one thread':46s} {percentile(direct, 0.5):7.3f} "
           f"{percentile(direct, 0.99):7.3f}")
+    print(f"  threads blocked (sleep and wake-up) per scrape in the collectors' phase: {blocked[0] / len(rows):.2f}")
     slowest = sorted(rows, key=lambda row: row[3])[-max(1, len(rows) // 100):]
     print(f"  scrapes a garbage collection ran in: {sum(1 for row in rows if row[4])} of {len(rows)}; "
           f"of the slowest 1%: {sum(1 for row in slowest if row[4])} of {len(slowest)}")

@@ -9,7 +9,8 @@ is judged against the time budget on its own, so a slow or hung source fails onl
 (node_exporter runs its collectors concurrently too).  Collectors that took under a millisecond last
 time share one worker, one after another (a thread hand-off costs more than reading /proc/diskstats);
 one that then hangs gets the ones behind it moved to another worker within STALL_SECONDS.  The event
-loop waits at most the budget.  A collector that raises or is still running when the budget ends is
+loop waits at most the budget (and holds its thread for a batch that is usually that fast, at most
+QUICK_WAIT_SECONDS: see BatchDone).  A collector that raises or is still running when the budget ends is
 reported with ``gpuio_scrape_collector_success 0`` and a log line; the rest of the scrape is served.
 A collector stuck in a hung read is marked busy and skipped (success 0) until it returns, so a hang
 costs one thread, never one thread per scrape.
@@ -21,11 +22,9 @@ import asyncio
 import collections
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -41,6 +40,10 @@ log = logging.getLogger("gpuio.collect")
 CHEAP_SECONDS = 0.001
 # A collector not started after this long waits behind a slow or hung one: another worker takes it.
 STALL_SECONDS = 0.05
+# The longest the event loop thread blocks waiting for a batch of collectors that usually finishes this
+# fast, instead of awaiting it (see BatchDone); the floor covers the hand-off itself for the cheapest.
+QUICK_WAIT_SECONDS = 0.002
+QUICK_WAIT_FLOOR = 0.001
 
 
 class GpuProcesses:
@@ -178,6 +181,10 @@ class Collector:
         """Stop background sampling."""
 
 
+# What a worker call may hand back for the worker to call once it is idle again (or None).
+FollowUp = Callable[[], object] | None
+
+
 class DaemonWorkers:
     """Daemon threads running submitted calls, started on demand up to ``limit``, kept once started.
 
@@ -186,12 +193,17 @@ class DaemonWorkers:
     shutting down.  A thread is started whenever a call finds none idle, so a thread held by a hung
     collector never makes the others wait for one; ``limit`` only bounds a pathological pile-up
     (then calls queue, and the scrapes waiting on them time out as they would have before).
+
+    Each idle thread waits on a lock of its own, and a call is handed to one of them: only that thread
+    wakes.  (Idle threads sharing one queue.SimpleQueue wake each other on every get: the waker then
+    wants the GIL while the worker runs the collectors, and waits for it up to the switch interval.)
+    The thread idle last takes the next call.
     """
 
     def __init__(self, limit: int) -> None:
-        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a call, less calls queued for them
+        self._idle: list[_WorkerSlot] = []  # the last one idle at the end
+        self._queued: collections.deque[Call] = collections.deque()  # only once ``limit`` threads are busy
         self._threads = 0
         self._limit = limit
 
@@ -199,30 +211,69 @@ class DaemonWorkers:
     def threads(self) -> int:
         return self._threads
 
-    def submit(self, function: Callable[..., Any], *args: Any) -> Future[Any]:
-        future: Future[Any] = Future()
+    def submit(self, function: Callable[..., FollowUp], *args: Any) -> None:
+        """Run ``function(*args)`` on a worker; if it returns a callable, the worker calls that once it is
+        idle again (see :meth:`_work`)."""
         with self._lock:
-            self._idle -= 1
-            start = self._idle < 0 and self._threads < self._limit
-            if start:  # the new thread takes this call
-                self._idle += 1
+            if self._idle:
+                slot = self._idle.pop()
+            elif self._threads < self._limit:
                 self._threads += 1
-                name = f"gpuio-scrape-{self._threads}"
-        self._calls.put((future, function, args))
-        if start:
-            threading.Thread(target=self._work, name=name, daemon=True).start()
-        return future
+                slot = _WorkerSlot()
+                threading.Thread(target=self._work, args=(slot,), name=f"gpuio-scrape-{self._threads}",
+                                 daemon=True).start()
+            else:
+                self._queued.append((function, args))
+                return
+        slot.hand((function, args))
 
-    def _work(self) -> None:
+    def _work(self, slot: _WorkerSlot) -> None:
         while True:
-            future, function, args = self._calls.get()
-            if future.set_running_or_notify_cancel():
+            function, args = slot.take()
+            follow_up: FollowUp = None
+            try:
+                follow_up = function(*args)
+            except Exception:  # the calls report their own failures; this one must not end the worker
+                log.exception("scrape worker call failed")
+            self._rest(slot)
+            # Last, right before this thread blocks: the thread it wakes (the scrape waiting for its
+            # batch) then finds the GIL about to be free instead of sleeping again until this one lets go,
+            # and finds this worker idle for its next scrape.
+            if follow_up is not None:
                 try:
-                    future.set_result(function(*args))
-                except BaseException as exc:  # handed to the awaiting scrape, which reports it
-                    future.set_exception(exc)
-            with self._lock:
-                self._idle += 1
+                    follow_up()
+                except Exception:
+                    log.exception("scrape worker call failed")
+
+    def _rest(self, slot: _WorkerSlot) -> None:
+        """Hand the worker the next queued call, or put it on the idle list."""
+        with self._lock:
+            if self._queued:
+                slot.hand(self._queued.popleft())
+            else:
+                self._idle.append(slot)
+
+
+Call = tuple[Callable[..., FollowUp], tuple[Any, ...]]
+
+
+class _WorkerSlot:
+    """One worker thread's mailbox: a call and a lock released when there is one."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Lock()
+        self._ready.acquire()
+        self._call: Call | None = None
+
+    def hand(self, call: Call) -> None:
+        self._call = call
+        self._ready.release()
+
+    def take(self) -> Call:
+        self._ready.acquire()
+        call, self._call = self._call, None
+        assert call is not None
+        return call
 
 
 class Batch:
@@ -244,21 +295,65 @@ class Batch:
         self.initial_workers = len(slow) + (1 if cheap else 0)
         self.outcomes: dict[str, Outcome] = {}
         self._unfinished = len(selected)
-        self._on_done = on_done  # called once, by the worker that finishes the last collector
+        self.on_done = on_done  # called once, by the worker that finishes the last collector
         self._lock = threading.Lock()
 
-    def finish(self, state: CollectorState, outcome: Outcome) -> None:
+    def finish(self, state: CollectorState, outcome: Outcome) -> bool:
+        """Record one collector's outcome; True for the last one: the caller then calls :attr:`on_done`."""
         self.outcomes[state.collector.name] = outcome
         with self._lock:
             self._unfinished -= 1
-            last = self._unfinished == 0
-        if last:
-            self._on_done()
+            return self._unfinished == 0
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+class BatchDone:
+    """How a worker tells the event loop that a batch finished: first through a threading.Event the loop
+    thread may wait on for a moment (:meth:`wait_briefly`), then, once the scrape awaits, through the loop.
+
+    Why: waking an event loop from another thread is a write to its self-pipe and a return from epoll,
+    one more thread wake-up per scrape than waking a thread blocked on a lock, and on a VM each wake-up
+    can cost a virtual CPU's.  A batch of cheap collectors is usually done within a millisecond, so the
+    loop thread waits for it there, GIL released, and awaits (with all the deadline and hang handling)
+    only the batch that is not.  The loop is woken through its self-pipe only if it is awaiting.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        # Held until the batch is done: a bare lock, one waiter, one wake-up (a threading.Event's condition
+        # variable makes the woken thread take the condition's lock too, often while the setter holds it).
+        self._pending = threading.Lock()
+        self._pending.acquire()
+        self._finished = False
+        self._lock = threading.Lock()  # orders set() against future(): the awaiting scrape is always woken
+        self._future: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        """Called once, by the worker that finishes the batch's last collector."""
+        with self._lock:
+            self._finished = True
+            future = self._future
+        self._pending.release()
+        if future is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: no scrape is waiting any more
+                self._loop.call_soon_threadsafe(_resolve, future)
+
+    def wait_briefly(self, timeout: float) -> bool:
+        """Block the loop thread up to ``timeout`` seconds for the batch; True if it finished."""
+        return timeout > 0 and self._pending.acquire(timeout=timeout)
+
+    def future(self) -> asyncio.Future[None]:
+        """A future the loop resolves when the batch finishes (at once if it has)."""
+        with self._lock:
+            if self._future is None:
+                self._future = self._loop.create_future()
+                if self._finished:
+                    self._future.set_result(None)
+            return self._future
 
 
 REGISTRY: dict[str, type[Collector]] = {}
@@ -368,6 +463,7 @@ class Scraper:
         self._build_sample = BUILD_INFO.sample(build_labels, 1)
         # Enough for every collector of a few scrapes in flight, plus one thread per hung collector.
         self._workers = DaemonWorkers(max(16, 4 * len(self.states)))
+        self._in_flight = 0  # scrapes on the event loop; only its thread changes it
 
     @property
     def names(self) -> list[str]:
@@ -386,9 +482,32 @@ class Scraper:
 
     async def scrape(self, names: list[str] | None = None) -> list[Family]:
         selected = [self.states[n] for n in (names or self.states)]
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        batch = self._start(selected, lambda: loop.call_soon_threadsafe(_resolve, done))
+        signal = BatchDone(asyncio.get_running_loop())
+        wait = self._quick_wait(selected)
+        self._in_flight += 1
+        try:
+            batch = self._start(selected, signal.set)
+            if not signal.wait_briefly(wait):
+                await self._await(batch, signal.future())
+        finally:
+            self._in_flight -= 1
+        return self._assemble(selected, dict(batch.outcomes))
+
+    def _quick_wait(self, selected: list[CollectorState]) -> float:
+        """How long the loop thread may block for this batch instead of awaiting it: twice what the
+        collectors took last time, at most QUICK_WAIT_SECONDS, and not at all while another scrape is in
+        flight (its answer must not wait for ours) or when one has no history or was slow (a hung source
+        costs at most one such wait: its timeout is its last duration from then on)."""
+        if self._in_flight:
+            return 0.0
+        took = 0.0
+        for state in selected:
+            if state.last_duration is None:
+                return 0.0
+            took += state.last_duration
+        return 0.0 if took > QUICK_WAIT_SECONDS / 2 else max(2 * took, QUICK_WAIT_FLOOR)
+
+    async def _await(self, batch: Batch, done: asyncio.Future[None]) -> None:
         while not done.done():
             wait = min(batch.deadline - time.monotonic(), self._stall)
             if wait <= 0:
@@ -397,7 +516,6 @@ class Scraper:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(done), timeout=wait)
             self._watch(batch)
-        return self._assemble(selected, dict(batch.outcomes))
 
     def scrape_settled(self, timeout: float) -> list[Family]:
         """One scrape once no collector is pending (its first background sample done), or at ``timeout``
@@ -436,13 +554,17 @@ class Scraper:
         if batch.pending and time.monotonic() < batch.deadline:
             self._workers.submit(self._drain, batch)
 
-    def _drain(self, batch: Batch) -> None:
-        while time.monotonic() < batch.deadline:
+    def _drain(self, batch: Batch) -> FollowUp:
+        """Run the batch's collectors not started yet; the batch's on_done if this worker finished it last
+        (the worker calls it once idle: see DaemonWorkers._work)."""
+        while batch.pending and time.monotonic() < batch.deadline:
             try:
                 state = batch.pending.popleft()
-            except IndexError:
-                return
-            batch.finish(state, self._run_one(state, batch.deadline))
+            except IndexError:  # another worker took the last one
+                return None
+            if batch.finish(state, self._run_one(state, batch.deadline)):
+                return batch.on_done
+        return None
 
     def _run_one(self, state: CollectorState, deadline: float) -> Outcome:
         # A second scrape in flight waits for the first to finish this collector (collectors keep

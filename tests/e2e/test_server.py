@@ -1,5 +1,6 @@
 """The real server over HTTP: formats, compression, filtering, errors, landing page, isolation."""
 
+import concurrent.futures
 import gzip
 import json
 import os
@@ -235,6 +236,30 @@ def test_a_source_that_hangs_after_being_fast_fails_only_its_own_collector(expor
         assert success(samples) == {"diskstats": 0, "pressure": 1}
         assert samples[("gpuio_pressure_io_waiting_seconds_total", frozenset())] == 2.0
     with open(proc / "diskstats", "w"):  # a writer at last: the hung open returns, the read sees EOF
+        pass
+    server.stop()
+
+
+def test_healthz_answers_while_a_scrape_waits_for_a_source_that_hung_after_being_fast(exporter, tmp_path) -> None:
+    """Fast collectors are waited for on the event loop's thread for a moment: when one then hangs, the
+    loop must still answer other requests (here /healthz) while that scrape waits out its budget."""
+    proc = tmp_path / "proc"
+    (proc / "pressure").mkdir(parents=True)
+    (proc / "diskstats").write_text("   8       0 sda 1 0 8 1 0 0 0 0 0 1 1\n")
+    (proc / "pressure" / "io").write_text("some avg10=0 avg60=0 avg300=0 total=2000000\n")
+    server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}", "--collector.timeout=2s",
+                      *ONLY_PATH_COLLECTORS)
+    for _ in range(5):
+        assert success(parse_samples(server.scrape())) == {"diskstats": 1, "pressure": 1}
+    (proc / "diskstats").unlink()
+    os.mkfifo(proc / "diskstats")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hung_scrape = pool.submit(server.scrape)
+        time.sleep(0.2)  # the scrape is in, its diskstats read blocked
+        assert server.get("/healthz")[0] == 200
+        assert not hung_scrape.done()  # answered while the scrape still waited, not after it
+        assert success(parse_samples(hung_scrape.result())) == {"diskstats": 0, "pressure": 1}
+    with open(proc / "diskstats", "w"):  # a writer at last: the hung open returns
         pass
     server.stop()
 

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import threading
 
+from exporter import collect
 from exporter.collect import Collector, Context, Pending, Scraper, StaleData
 from exporter.exposition import GAUGE, Desc, Family, render
 from exporter.sampler import PeriodicSampler
@@ -107,6 +108,94 @@ def test_scrape_sync_keeps_the_budget_too() -> None:
     assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "hung")}))] == 0
     assert samples[("gpuio_scrape_collector_success", frozenset({("collector", "fine")}))] == 1
     hung.open.set()
+
+
+def sleeps_and_wakes(thread: threading.Thread) -> int:
+    """How often the kernel switched a thread out because it blocked (its voluntary context switches)."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+
+
+class Together(Gate):
+    """Its first collect() returns once every collector sharing ``meet`` is running: one thread each."""
+
+    def __init__(self, name: str, meet: threading.Barrier) -> None:
+        super().__init__(name)
+        self.meet: threading.Barrier | None = meet
+
+    def collect(self) -> list[Family]:
+        if self.meet is not None:
+            self.meet.wait(timeout=5)
+            self.meet = None
+        return super().collect()
+
+
+def test_a_scrape_of_cheap_collectors_wakes_one_worker_not_every_idle_one() -> None:
+    """Four workers exist (the first scrape runs each collector, no history yet, on its own); then every
+    collector is cheap and a scrape needs one.  The other three must sleep through the scrapes: woken
+    for nothing, each would then want the GIL while the busy worker runs the collectors."""
+    meet = threading.Barrier(4)
+    scraper = Scraper([Together(name, meet) for name in ("one", "two", "three", "four")], 1.0, "")
+    successes(scraper)
+    workers = [t for t in threading.enumerate() if t.name.startswith("gpuio-scrape-")][-scraper._workers.threads:]
+    assert len(workers) == 4
+    before = [sleeps_and_wakes(t) for t in workers]
+    for _ in range(100):
+        assert successes(scraper) == {"one": 1, "two": 1, "three": 1, "four": 1}
+    woken = sorted(sleeps_and_wakes(t) - b for t, b in zip(workers, before, strict=True))
+    print(f"times each worker blocked over 100 scrapes: {woken}")
+    assert sum(woken[:-1]) < 20  # all but the busiest: about none, not two per scrape
+
+
+def without_durations(families: list[Family]) -> dict:
+    return {key: value for key, value in parse_samples(render(families)).items()
+            if key[0] != "gpuio_scrape_collector_duration_seconds"}
+
+
+def test_the_loop_waiting_briefly_serves_the_same_scrape_as_awaiting(monkeypatch) -> None:
+    """A batch done within the brief wait is served as the awaited one would be."""
+    waits: list[bool] = []
+    wait_briefly = collect.BatchDone.wait_briefly
+    monkeypatch.setattr(collect.BatchDone, "wait_briefly",
+                        lambda self, timeout: waits.append(wait_briefly(self, timeout)) or waits[-1])
+    scraper = Scraper([Fixed("data"), Gate("gate")], 1.0, "")
+
+    async def quick_then_awaited() -> tuple[list[Family], list[Family]]:
+        await scraper.scrape()  # history: both cheap
+        quick = await scraper.scrape()
+        monkeypatch.setattr(collect, "QUICK_WAIT_SECONDS", 0.0)
+        return quick, await scraper.scrape()
+
+    quick, awaited = asyncio.run(quick_then_awaited())
+    assert waits == [False, True, False]  # no history, done within the wait, no wait allowed
+    assert without_durations(quick) == without_durations(awaited)
+
+
+def test_a_collector_that_hangs_after_being_fast_holds_the_loop_one_brief_wait_at_most() -> None:
+    """The loop thread waits synchronously only for a batch that was fast: when a collector then hangs,
+    the loop serves other work (here: a ticker, as it would /healthz) while the scrape waits out its
+    budget, and the hung collector fails alone."""
+    hung, fine = Gate("hung"), Gate("fine")
+    scraper = Scraper([hung, fine], 0.3, "")
+
+    async def scrape_while_ticking() -> tuple[dict[str, float], int]:
+        for _ in range(3):
+            await scraper.scrape()
+        hung.open.clear()
+        ticks = 0
+        scrape = asyncio.ensure_future(scraper.scrape())
+        while not scrape.done():
+            ticks += 1
+            await asyncio.sleep(0.01)
+        samples = parse_samples(render(scrape.result()))
+        return {dict(labels)["collector"]: value for (name, labels), value in samples.items()
+                if name == "gpuio_scrape_collector_success"}, ticks
+
+    success, ticks = asyncio.run(scrape_while_ticking())
+    hung.open.set()
+    assert success == {"hung": 0, "fine": 1}
+    print(f"ticks of the loop while the scrape waited for a hung collector: {ticks}")
+    assert ticks >= 10  # the 0.3 s budget is 30 ticks; a loop held for the budget would tick once
 
 
 class FirstSweep(Collector):
