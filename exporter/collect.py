@@ -312,7 +312,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 class BatchDone:
-    """How a worker tells the event loop that a batch finished: first through a threading.Event the loop
+    """How a worker tells the event loop that a batch finished: first through a lock the loop
     thread may wait on for a moment (:meth:`wait_briefly`), then, once the scrape awaits, through the loop.
 
     Why: waking an event loop from another thread is a write to its self-pipe and a return from epoll,
