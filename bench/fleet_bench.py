@@ -66,8 +66,10 @@ def labels(**pairs: str) -> str:
 class Node:
     """One node's series: name{labels} -> a function of the sample index giving its value."""
 
-    def __init__(self, index: int, gpus: int, engines: int, disks: int, storming: bool, storm_from: int) -> None:
+    def __init__(self, index: int, gpus: int, engines: int, disks: int, storming: bool, storm_from: int,
+                 calm_loads: float = 0.01) -> None:
         self.instance = f"node-{index:04d}:9817"
+        self.calm_loads = calm_loads  # loads each engine finishes per second on a calm node
         self.series: list[tuple[str, str, Value]] = []  # family, labels without job and instance, value
         self.counts = {"node": 0, "gpu": 0, "engine": 0, "disk": 0}
         self.storm_from = storm_from if storming else float("inf")
@@ -186,6 +188,8 @@ class Node:
         for series in spool.ENGINE_SERIES:
             if series.type == spool.HISTOGRAM:
                 calm_count, storm_count = (50.0, 2.0) if "inference" in series.name else (0.01, 0.01)
+                if series.name.startswith("gpuio_engine_load_"):
+                    calm_count = self.calm_loads
                 typical = series.bounds[len(series.bounds) // 2]
                 for bound in (*series.bounds, "+Inf"):
                     share = 1.0 if bound == "+Inf" or bound >= typical else 0.0
@@ -207,7 +211,8 @@ def stormy(args: argparse.Namespace) -> int:
 
 def fleet(args: argparse.Namespace) -> list[Node]:
     storm_from = (args.history - 8) * 60 // STEP
-    return [Node(n, args.gpus, args.engines, args.disks, n < stormy(args), storm_from) for n in range(args.nodes)]
+    return [Node(n, args.gpus, args.engines, args.disks, n < stormy(args), storm_from, args.calm_loads)
+            for n in range(args.nodes)]
 
 
 def write_openmetrics(path: str, nodes: list[Node], samples: int, start: float) -> None:
@@ -321,6 +326,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=4, help="rule evaluations to average")
     parser.add_argument("--storm", type=float, default=0.05, help="share of nodes in a storm")
     parser.add_argument("--keep", help="keep the data here")
+    parser.add_argument("--calm-loads", type=float, default=0.01,
+                        help="loads each engine finishes per second on a calm node (0: engines load only in a storm)")
     args = parser.parse_args()
     for tool in ("promtool", "prometheus"):
         if not shutil.which(tool):
