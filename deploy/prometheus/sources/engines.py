@@ -37,14 +37,13 @@ def recording_rules(c: Config) -> list[Rule]:
         "# alike, give the same mean.",
     ])
     return [
-        # Loads finished per second over the last minute, and the seconds and bytes they took, in the
-        # minutes in which one finished.
+        # Loads finished per second over the last minute, and the seconds (read, then read + deserialize)
+        # and bytes they took, in the minutes in which one finished.
         record(finished, f"{per_minute('gpuio_engine_load_read_seconds_count')} > 0"),
-        record(n.ENGINE_LOAD_SECONDS_RATE, f"({per_minute('gpuio_engine_load_read_seconds_sum')}\n"
-                                           f" + {per_minute('gpuio_engine_load_deserialize_seconds_sum')})\n"
-                                           f"and {finished}"),
         record(n.ENGINE_LOAD_READ_SECONDS_RATE, f"{per_minute('gpuio_engine_load_read_seconds_sum')}\n"
                                                 f"and {finished}"),
+        record(n.ENGINE_LOAD_SECONDS_RATE, f"{n.ENGINE_LOAD_READ_SECONDS_RATE}\n"
+                                           f"+ {per_minute('gpuio_engine_load_deserialize_seconds_sum')}"),
         record(n.ENGINE_LOAD_READ_BYTES_RATE, f"{per_minute('gpuio_engine_load_read_bytes_total')}\n"
                                               f"and {finished}"),
         # Cold starts that finished in the window: mean seconds per load (read + deserialize), the
