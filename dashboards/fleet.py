@@ -38,7 +38,6 @@ from .common import (
     no_limit,
     override,
     query,
-    rate,
     sel,
     table_query,
     threshold_lines,
@@ -65,9 +64,9 @@ def saturation() -> str:
 
 
 def cold_loads() -> str:
-    """Cold loads (most of the file read from the device) finished per minute, per node and engine."""
-    cold = rate("gpuio_engine_loads_total", sel('class="cold"'))
-    return f"60 * sum by ({N}, engine) ({cold}) > 0"
+    """Cold loads (most of the file read from the device) finished per minute, per node and engine: from
+    the recorded per-engine rate, not a rate over every engine's load counters of every node."""
+    return f"60 * sum by ({N}, engine) ({r.ENGINE_COLD_LOADS}{sel()}) > 0"
 
 
 def ranking(title: str, description: str, expr: str, unit: str, thresholds: db.ThresholdsConfig) -> bargauge.Panel:

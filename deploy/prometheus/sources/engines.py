@@ -10,24 +10,67 @@ from .templates import figure
 
 
 def recording_rules(c: Config) -> list[Rule]:
+    """Per minute, what the loads that finished in it took (recorded only in such minutes, so an engine
+    that loads nothing costs no series); the means over ENGINE_LOAD_WINDOW sum those minutes.  A
+    sum over time of a few recorded samples replaces ENGINE_LOAD_WINDOW of raw histogram samples per
+    engine in each mean: at fleet scale the cheapest way to keep them (docs/performance.md)."""
     n = names(c)
     sel = c.selector()
-    lw = c.ENGINE_LOAD_WINDOW
+    w = c.RATE_WINDOW
+    finished = n.ENGINE_LOADS_FINISHED
+    cold = c.selector('class="cold"')
 
-    def increase(metric: str) -> str:
-        return f"increase({metric}{sel}[{lw}])"
+    def per_minute(metric: str) -> str:
+        return f"rate({metric}{sel}[{w}])"
 
+    # Rate windows of RATE_WINDOW ending in the last ENGINE_LOAD_WINDOW - RATE_WINDOW cover exactly the
+    # raw samples of the last ENGINE_LOAD_WINDOW.
+    span = duration(seconds(c.ENGINE_LOAD_WINDOW) - seconds(w))
+
+    def over_window(recorded: str) -> str:
+        return f"sum_over_time({recorded}[{span}])"
+
+    approximation = "\n".join([
+        f"# The mean of the loads that finished in the last {c.ENGINE_LOAD_WINDOW}, from the {w} rates above:",
+        f"# a load that finished in the window's first or last {w} weighs less (down to 0 at its edges)",
+        f"# than with increase() over {c.ENGINE_LOAD_WINDOW} of the raw series; one load alone, or loads",
+        "# alike, give the same mean.",
+    ])
     return [
+        # Loads finished per second over the last minute, and the seconds (read, then read + deserialize)
+        # and bytes they took, in the minutes in which one finished.
+        record(finished, f"{per_minute('gpuio_engine_load_read_seconds_count')} > 0"),
+        record(n.ENGINE_LOAD_READ_SECONDS_RATE, f"{per_minute('gpuio_engine_load_read_seconds_sum')}\n"
+                                                f"and {finished}"),
+        record(n.ENGINE_LOAD_SECONDS_RATE, f"{n.ENGINE_LOAD_READ_SECONDS_RATE}\n"
+                                           f"+ {per_minute('gpuio_engine_load_deserialize_seconds_sum')}"),
+        record(n.ENGINE_LOAD_READ_BYTES_RATE, f"{per_minute('gpuio_engine_load_read_bytes_total')}\n"
+                                              f"and {finished}"),
         # Cold starts that finished in the window: mean seconds per load (read + deserialize), the
         # read (disk) part, and the read throughput.
-        record(n.ENGINE_LOAD, f"({increase('gpuio_engine_load_read_seconds_sum')}\n"
-                              f" + {increase('gpuio_engine_load_deserialize_seconds_sum')})\n"
-                              f"/\n({increase('gpuio_engine_load_read_seconds_count')} > 0)"),
-        record(n.ENGINE_LOAD_READ, f"{increase('gpuio_engine_load_read_seconds_sum')}\n"
-                                   f"/\n({increase('gpuio_engine_load_read_seconds_count')} > 0)"),
-        record(n.ENGINE_LOAD_THROUGHPUT, f"{increase('gpuio_engine_load_read_bytes_total')}\n"
-                                         f"/\n({increase('gpuio_engine_load_read_seconds_sum')} > 0)"),
+        record(n.ENGINE_LOAD, f"{approximation}\n{over_window(n.ENGINE_LOAD_SECONDS_RATE)}\n"
+                              f"/\n{over_window(finished)}"),
+        record(n.ENGINE_LOAD_READ, f"{over_window(n.ENGINE_LOAD_READ_SECONDS_RATE)}\n/\n{over_window(finished)}"),
+        record(n.ENGINE_LOAD_THROUGHPUT, f"{over_window(n.ENGINE_LOAD_READ_BYTES_RATE)}\n"
+                                         f"/\n({over_window(n.ENGINE_LOAD_READ_SECONDS_RATE)} > 0)"),
+        # Cold loads finished per second, per node and engine, where there were some: what the Fleet board
+        # shows across every node (a rate over every engine's load counters there would cost the most).
+        record(n.ENGINE_COLD_LOADS, f"sum without (class) (rate(gpuio_engine_loads_total{cold}[{w}])) > 0"),
     ]
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def seconds(window: str) -> int:
+    """A Prometheus duration of one unit ("15m") in seconds."""
+    return int(window[:-1]) * _UNITS[window[-1]]
+
+
+def duration(total: int) -> str:
+    """Seconds as a Prometheus duration in the largest unit that divides them ("14m")."""
+    unit = next(unit for unit in ("d", "h", "m", "s") if total % _UNITS[unit] == 0)
+    return f"{total // _UNITS[unit]}{unit}"
 
 
 def alerts(c: Config) -> list[Rule]:

@@ -206,6 +206,29 @@ class Names:
     def STARVED(self) -> str:
         return f"instance_engine_gpu:gpuio_engine_starved_gpu_busy:rate{self.W}"
 
+    # The 1-minute rates of the load histograms, recorded only in the minutes in which a load finished:
+    # the 15-minute means below are sums over time of these.
+    @property
+    def ENGINE_LOADS_FINISHED(self) -> str:
+        return f"instance_engine:gpuio_engine_load_read_seconds_count:rate{self.W}"
+
+    @property
+    def ENGINE_LOAD_SECONDS_RATE(self) -> str:
+        return f"instance_engine:gpuio_engine_load_seconds_sum:rate{self.W}"
+
+    @property
+    def ENGINE_LOAD_READ_SECONDS_RATE(self) -> str:
+        return f"instance_engine:gpuio_engine_load_read_seconds_sum:rate{self.W}"
+
+    @property
+    def ENGINE_LOAD_READ_BYTES_RATE(self) -> str:
+        return f"instance_engine:gpuio_engine_load_read_bytes:rate{self.W}"
+
+    # Cold loads finished per second, per node and engine (only where there were some): the Fleet board.
+    @property
+    def ENGINE_COLD_LOADS(self) -> str:
+        return f"instance_engine:gpuio_engine_cold_loads:rate{self.W}"
+
     @property
     def ENGINE_LOAD(self) -> str:
         return f"instance_engine:gpuio_engine_load_seconds:mean{self.c.ENGINE_LOAD_WINDOW}"
