@@ -203,8 +203,9 @@ def report_breakdown() -> None:
           f" + three memoryview read-modify-writes {results['stores'] - call:.0f} (sum "
           f"{results['bisect'] + results['stores'] - call:.0f}; no lock: gpuio.metrics.STORES_ARE_ATOMIC is "
           f"{results['atomic'] > 0})")
+    with_lock = results["with_lock"] - results["stores"]
     print(f"  what the lock adds where it is taken (an interpreter without the GIL): bound acquire/release "
-          f"{results['lock'] - call:.0f}, `with lock:` around the stores {results['with_lock'] - results['stores']:.0f}; "
+          f"{results['lock'] - call:.0f}, `with lock:` around the stores {with_lock:.0f}; "
           f"time.perf_counter() {results['perf_counter'] - call:.0f}")
 
 
