@@ -218,24 +218,30 @@ def test_a_hung_source_costs_one_budget_then_is_skipped_and_the_rest_is_served(e
     assert "collector failed" in log and "collector=diskstats" in log
 
 
-def test_a_source_that_hangs_after_being_fast_fails_only_its_own_collector(exporter, tmp_path) -> None:
-    """diskstats reads a real file for a few scrapes (so it counts as cheap and shares a worker with
-    pressure), then /proc/diskstats becomes a FIFO with no writer, as a procfs that hangs mid-life."""
+def diskstats_that_hangs_after_being_fast(exporter, tmp_path, timeout: str):
+    """An exporter whose diskstats reads a real file for a few scrapes (so it counts as cheap: it shares
+    a worker with pressure, and the loop waits for them briefly), then finds /proc/diskstats a FIFO with
+    no writer, as a procfs that hangs mid-life.  Returns the exporter and the FIFO's path."""
     proc = tmp_path / "proc"
     (proc / "pressure").mkdir(parents=True)
     (proc / "diskstats").write_text("   8       0 sda 1 0 8 1 0 0 0 0 0 1 1\n")
     (proc / "pressure" / "io").write_text("some avg10=0 avg60=0 avg300=0 total=2000000\n")
-    server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}", "--collector.timeout=500ms",
+    server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}", f"--collector.timeout={timeout}",
                       *ONLY_PATH_COLLECTORS)
     for _ in range(5):
         assert success(parse_samples(server.scrape())) == {"diskstats": 1, "pressure": 1}
     (proc / "diskstats").unlink()
     os.mkfifo(proc / "diskstats")
+    return server, proc / "diskstats"
+
+
+def test_a_source_that_hangs_after_being_fast_fails_only_its_own_collector(exporter, tmp_path) -> None:
+    server, fifo = diskstats_that_hangs_after_being_fast(exporter, tmp_path, "500ms")
     for _ in range(3):
         samples = parse_samples(server.scrape())
         assert success(samples) == {"diskstats": 0, "pressure": 1}
         assert samples[("gpuio_pressure_io_waiting_seconds_total", frozenset())] == 2.0
-    with open(proc / "diskstats", "w"):  # a writer at last: the hung open returns, the read sees EOF
+    with open(fifo, "w"):  # a writer at last: the hung open returns, the read sees EOF
         pass
     server.stop()
 
@@ -243,23 +249,14 @@ def test_a_source_that_hangs_after_being_fast_fails_only_its_own_collector(expor
 def test_healthz_answers_while_a_scrape_waits_for_a_source_that_hung_after_being_fast(exporter, tmp_path) -> None:
     """Fast collectors are waited for on the event loop's thread for a moment: when one then hangs, the
     loop must still answer other requests (here /healthz) while that scrape waits out its budget."""
-    proc = tmp_path / "proc"
-    (proc / "pressure").mkdir(parents=True)
-    (proc / "diskstats").write_text("   8       0 sda 1 0 8 1 0 0 0 0 0 1 1\n")
-    (proc / "pressure" / "io").write_text("some avg10=0 avg60=0 avg300=0 total=2000000\n")
-    server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}", "--collector.timeout=2s",
-                      *ONLY_PATH_COLLECTORS)
-    for _ in range(5):
-        assert success(parse_samples(server.scrape())) == {"diskstats": 1, "pressure": 1}
-    (proc / "diskstats").unlink()
-    os.mkfifo(proc / "diskstats")
+    server, fifo = diskstats_that_hangs_after_being_fast(exporter, tmp_path, "2s")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         hung_scrape = pool.submit(server.scrape)
         time.sleep(0.2)  # the scrape is in, its diskstats read blocked
         assert server.get("/healthz")[0] == 200
         assert not hung_scrape.done()  # answered while the scrape still waited, not after it
         assert success(parse_samples(hung_scrape.result())) == {"diskstats": 0, "pressure": 1}
-    with open(proc / "diskstats", "w"):  # a writer at last: the hung open returns
+    with open(fifo, "w"):  # a writer at last: the hung open returns
         pass
     server.stop()
 
