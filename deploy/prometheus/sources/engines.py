@@ -4,6 +4,7 @@ GpuioEngineSpoolErrors."""
 from __future__ import annotations
 
 from ..config import ENGINES_UID, WARNING, Config
+from ..durations import duration, seconds
 from .base import Rule, alert, board, record
 from .names import names
 from .templates import figure
@@ -57,20 +58,6 @@ def recording_rules(c: Config) -> list[Rule]:
         # shows across every node (a rate over every engine's load counters there would cost the most).
         record(n.ENGINE_COLD_LOADS, f"sum without (class) (rate(gpuio_engine_loads_total{cold}[{w}])) > 0"),
     ]
-
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def seconds(window: str) -> int:
-    """A Prometheus duration of one unit ("15m") in seconds."""
-    return int(window[:-1]) * _UNITS[window[-1]]
-
-
-def duration(total: int) -> str:
-    """Seconds as a Prometheus duration in the largest unit that divides them ("14m")."""
-    unit = next(unit for unit in ("d", "h", "m", "s") if total % _UNITS[unit] == 0)
-    return f"{total // _UNITS[unit]}{unit}"
 
 
 def alerts(c: Config) -> list[Rule]:
