@@ -17,7 +17,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: grafana-schema gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak
 
 # gpuio (the instrumentation library, exporter/instrument/) is on no index: it is installed from here too.
-$(VENV)/.installed: pyproject.toml exporter/instrument/pyproject.toml
+# Its optional C hot path (gpuio/_hotpath.c) is compiled in place by the editable install.
+$(VENV)/.installed: pyproject.toml exporter/instrument/pyproject.toml exporter/instrument/setup.py \
+		exporter/instrument/gpuio/_hotpath.c
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e ./exporter/instrument -e '.[dev]'
@@ -136,6 +138,10 @@ gpu-wheels:
 	xz -T0 -c $$(command -v prometheus) > .whl/prometheus.xz
 	xz -T0 -c $$(command -v promtool) > .whl/promtool.xz
 	xz -T0 -c $$(command -v prometheus-node-exporter) > .whl/node_exporter.xz
+	# gpuio's C hot path, an abi3 build (any CPython >= 3.11): tests/gpu/device_session.sh puts it beside
+	# the source it was built from.
+	rm -rf .whl/gpuio-build && $(PYTHON) -m pip wheel $(PIP_QUIET) --no-deps -w .whl/gpuio-build ./exporter/instrument
+	unzip -p .whl/gpuio-build/gpuio-*.whl gpuio/_hotpath.abi3.so > .whl/_hotpath.abi3.so && rm -rf .whl/gpuio-build
 	@ls .whl | wc -l | xargs printf '%s files in .whl/ for Python $(GPU_PYTHON)\n'
 
 golden: venv
@@ -146,4 +152,4 @@ metrics-doc: venv
 	$(PY) -m exporter.catalogue --write docs/metrics.md
 
 clean:
-	rm -rf $(VENV) $(RUN_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(RUN_VENV) .pytest_cache .mypy_cache .ruff_cache exporter/instrument/build exporter/instrument/gpuio/*.so

@@ -64,6 +64,9 @@ OBSERVE = r"""
 import json, os, random, sys, time
 sys.path.insert(0, REPO)
 mode = sys.argv[1]
+if mode.startswith("gpuio-python"):  # the stores written in Python, where the C ones are built too
+    os.environ["GPUIO_HOT_PATH"] = "python"
+    mode = mode.replace("gpuio-python", "gpuio")
 from gpuio.spool import LATENCY_BOUNDS
 random.seed(1)
 values = [random.choice(LATENCY_BOUNDS) * random.uniform(0.5, 1.0) for _ in range(BATCH)]
@@ -98,13 +101,24 @@ for _ in range(BATCHES):
     for value in values:
         observe(value)
     per_call.append((clock() - start) / BATCH)
-print(json.dumps(per_call))
+hot_path = sys.modules["gpuio.metrics"].HOT_PATH if "gpuio.metrics" in sys.modules else None
+print(json.dumps({"per_call": per_call, "hot_path": hot_path}))
 """
 
 
+MODES = {"gpuio": "gpuio Histogram.observe", "gpuio-python": "gpuio observe, Python stores",
+         "prometheus": "prometheus_client (single process)",
+         "prometheus-multiprocess": "prometheus_client multiprocess",
+         "gpuio-infer": "gpuio `with infer():` (whole wrapper)",
+         "gpuio-python-infer": "gpuio `with infer():`, Python stores",
+         "prometheus-infer": "prometheus_client in flight + .time()"}
+
+
 def observe_costs() -> dict[str, list[float]]:
-    modes = ("gpuio", "prometheus", "prometheus-multiprocess", "gpuio-infer", "prometheus-infer")
+    """Per-call nanoseconds of every mode; also, under "hot path", which stores gpuio used (C or Python)."""
+    modes = tuple(MODES)
     results: dict[str, list[float]] = {mode: [] for mode in modes}
+    hot_paths: set[str] = set()
     script = OBSERVE.replace("REPO", repr(REPO)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
     for _ in range(ROUNDS):
         for mode in modes:
@@ -114,20 +128,20 @@ def observe_costs() -> dict[str, list[float]]:
                                         capture_output=True, text=True).stdout
             finally:
                 shutil.rmtree(directory)
-            results[mode] += json.loads(output)
-    return results
+            measured = json.loads(output)
+            results[mode] += measured["per_call"]
+            if mode in ("gpuio", "gpuio-infer"):
+                hot_paths.add(measured["hot_path"])
+    return {**results, "hot path": sorted(hot_paths)}
 
 
-def report_observe(results: dict[str, list[float]]) -> None:
+def report_observe(results: dict[str, Any]) -> None:
     print(f"observe() per call (ns), {ROUNDS} rounds of {BATCHES} batches of {BATCH:,} calls, modes interleaved, "
-          "each in a fresh process")
+          f"each in a fresh process; gpuio's stores: {', '.join(results['hot path'])} "
+          "(gpuio.metrics.HOT_PATH; \"Python\" rows: GPUIO_HOT_PATH=python)")
     print(f"  {'':38s} {'p50':>7s} {'p99':>7s}  {'p50 / gpuio':>11s}")
     base = statistics.median(results["gpuio"])
-    names = {"gpuio": "gpuio Histogram.observe", "prometheus": "prometheus_client (single process)",
-             "prometheus-multiprocess": "prometheus_client multiprocess",
-             "gpuio-infer": "gpuio `with infer():` (whole wrapper)",
-             "prometheus-infer": "prometheus_client in flight + .time()"}
-    for mode, label in names.items():
+    for mode, label in MODES.items():
         values = sorted(results[mode])
         p50, p99 = statistics.median(values), values[int(len(values) * 0.99) - 1]
         print(f"  {label:38s} {p50:7.0f} {p99:7.0f}  {p50 / base:11.2f}")
@@ -187,17 +201,18 @@ print(json.dumps(results))
 
 
 def report_breakdown() -> None:
-    """Where observe()'s time goes: each step of it alone, in one process, interleaved batch by batch."""
+    """Where the Python observe()'s time goes: each step of it alone, in one process, interleaved batch by batch."""
     script = BREAKDOWN.replace("REPO", repr(LIBRARY)).replace("BATCHES", str(BATCHES)).replace("BATCH", str(BATCH))
     directory = tempfile.mkdtemp(prefix="gpuio-bench-breakdown-")
     try:
         output = subprocess.run([sys.executable, "-c", script, directory], check=True, capture_output=True,
-                                text=True).stdout
+                                text=True, env={**os.environ, "GPUIO_HOT_PATH": "python"}).stdout
     finally:
         shutil.rmtree(directory)
     results = {name: statistics.median(times) for name, times in json.loads(output).items()}
     call = results["call"]
-    print("\nwhere observe() goes (ns per call, p50 of batches; each step alone, call overhead subtracted):")
+    print("\nwhere the Python observe() goes, the one used where gpuio._hotpath is not built (ns per call, p50 of "
+          "batches; each step alone, call overhead subtracted):")
     print(f"  observe() whole {results['observe']:.0f} = a Python call {call:.0f}"
           f" + bisect {results['bisect'] - call:.0f}"
           f" + three memoryview read-modify-writes {results['stores'] - call:.0f} (sum "

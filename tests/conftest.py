@@ -5,9 +5,11 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -175,6 +177,16 @@ class ExporterProcess:
             self.process.kill()
             output, _ = self.process.communicate()
         return output or ""
+
+
+def c_path_can_be_built() -> bool:
+    """Where the library's setup.py builds gpuio._hotpath (CPython 3.11+ with its GIL, a C compiler,
+    Python's headers): a test of the C hot path fails there rather than skips when it is missing."""
+    from gpuio.metrics import STORES_ARE_ATOMIC
+
+    include = sysconfig.get_config_var("INCLUDEPY")
+    return (STORES_ARE_ATOMIC and sys.version_info >= (3, 11) and shutil.which("cc") is not None
+            and include is not None and os.path.exists(os.path.join(include, "Python.h")))
 
 
 @pytest.fixture

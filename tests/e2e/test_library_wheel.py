@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from exporter.spool_reader import SpoolReader, histogram_count_and_sum
-from tests.conftest import LIBRARY, REPO
+from tests.conftest import LIBRARY, REPO, c_path_can_be_built
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +37,7 @@ def run(*command: str, cwd: str, env: dict[str, str] | None = None) -> str:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     source = out / "source"  # a copy: pip builds in the tree, and the checkout stays clean
-    shutil.copytree(LIBRARY, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    shutil.copytree(LIBRARY, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so"))
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(source), cwd=str(out))
     (built,) = glob.glob(str(out / "gpuio-*.whl"))
     return Path(built)
@@ -81,6 +81,21 @@ def test_it_imports_there_with_the_standard_library_only(bare: Path) -> None:
     assert where.startswith(str(bare))  # the installed copy, not this checkout's
     # __main__ is the -c script; _distutils_hack is setuptools' start-up shim, present in any venv.
     assert set(outside) - {"__main__", "_distutils_hack"} == {"gpuio"}
+
+
+def test_the_c_hot_path_is_built_into_the_wheel_where_it_can_be(wheel: Path, bare: Path) -> None:
+    """pip compiles gpuio/_hotpath.c where there is a C compiler and CPython >= 3.11's headers, as one
+    abi3 file, and the installed library uses it; where it cannot, the build still succeeds and the
+    library stores in Python."""
+    with zipfile.ZipFile(wheel) as archive:
+        built = [name for name in archive.namelist() if name.startswith("gpuio/_hotpath") and name.endswith(".so")]
+    hot_path = run(str(bare / "bin" / "python"), "-c", "import gpuio; print(gpuio.describe()['hot_path'])",
+                   cwd=str(bare.parent), env=clean_env()).strip()
+    if c_path_can_be_built():
+        assert built == ["gpuio/_hotpath.abi3.so"] and "-cp311-abi3-" in wheel.name
+        assert hot_path == "c"
+    else:
+        assert built == [] and hot_path in ("python", "locked")
 
 
 def documented_example() -> str:

@@ -139,6 +139,43 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
     assert reader.folded_processes == 2 and parent_file.strip()
 
 
+@pytest.mark.parametrize("hot_path", ["c", "python"])
+def test_a_handle_kept_across_fork_does_not_write_the_parents_file(tmp_path, hot_path: str) -> None:
+    """The spool is a MAP_SHARED mapping: a handle taken before fork() and used in the child would add the
+    child's observations to the parent's file.  It raises instead; the child's own handles work."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {REPO!r})
+        import gpuio
+        from gpuio import metrics as m
+        assert m.HOT_PATH == {hot_path!r} or (m._hotpath is None and {hot_path!r} == "c"), m.HOT_PATH
+        gpuio.configure({str(tmp_path)!r})
+        metrics = gpuio.engine("forky")
+        kept = metrics.inference_seconds.observe
+        kept(0.01)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                kept(0.01)
+            except ValueError:
+                pass
+            else:
+                os._exit(3)
+            metrics.inference_seconds.observe(0.01)
+            with metrics.infer():
+                pass
+            os._exit(0 if metrics.inference_seconds.count() == 2 else 4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        kept(0.01)  # the parent's handle still writes the parent's file
+        assert metrics.inference_seconds.count() == 2, metrics.inference_seconds.count()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                   env={**os.environ, "GPUIO_HOT_PATH": hot_path})
+    totals = spool_reader.SpoolReader(str(tmp_path)).read()
+    assert count(totals.engines["forky"], "inference_seconds") == 4  # parent 2, child 2
+
+
 @pytest.fixture
 def big_directory(tmp_path):
     """A directory on tmpfs where there is one (200,000 names cost ~3 s to make there), else tmp_path."""

@@ -14,6 +14,7 @@ mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD:$PWD/exporter/instrument
+  [ -f .whl/_hotpath.abi3.so ] && cp .whl/_hotpath.abi3.so exporter/instrument/gpuio/  # gpuio's C hot path
 else
   export PYTHONPATH=$PWD:$PWD/exporter/instrument
 fi

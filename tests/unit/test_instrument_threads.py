@@ -1,6 +1,6 @@
 """Many threads on one engine lose nothing: observe() and ``with infer():`` store without the process's
 lock where CPython's GIL makes a read-modify-write of the spool indivisible (gpuio.metrics.STORES_ARE_ATOMIC),
-and with it elsewhere.
+in C (gpuio/_hotpath.c) or in Python, and with it elsewhere: each of the three paths (HOT_PATH) is tried.
 
 Thread switches are forced every microsecond, so a read-modify-write that another thread can enter
 loses increments within a few thousand tries: ``split_increment`` below, a read and a write with a call
@@ -18,6 +18,7 @@ import pytest
 import gpuio
 from gpuio import metrics
 from gpuio import spool as fmt
+from tests.conftest import c_path_can_be_built
 
 THREADS = 8
 PER_THREAD = 5_000
@@ -66,15 +67,25 @@ def test_the_harness_catches_an_increment_another_thread_can_enter(spool_dir, sw
     assert values[slot] < THREADS * 10 * PER_THREAD
 
 
-@pytest.mark.parametrize("atomic_stores", [True, False], ids=["without the lock", "under the lock"])
-def test_observe_and_infer_from_many_threads_lose_nothing(spool_dir, switching_every_microsecond, monkeypatch,
-                                                          atomic_stores: bool) -> None:
-    if atomic_stores and not metrics.STORES_ARE_ATOMIC:
-        pytest.skip("this interpreter has no GIL: the hot paths always take the lock")
-    monkeypatch.setattr(metrics, "STORES_ARE_ATOMIC", atomic_stores)
-    engine = gpuio.engine(f"threads-{atomic_stores}")
+def variant(engine: metrics.EngineMetrics) -> str:
+    """Which hot path ``engine`` was bound with, from what its handles are."""
     plain = engine.infer()
-    assert (type(plain) is metrics.Inference) is not atomic_stores  # the variant under test is the one bound
+    if type(plain).__module__ == "gpuio._hotpath":
+        return "c"
+    return "locked" if type(plain) is metrics.Inference else "python"
+
+
+@pytest.mark.parametrize("hot_path", ["c", "python", "locked"])
+def test_observe_and_infer_from_many_threads_lose_nothing(spool_dir, switching_every_microsecond, monkeypatch,
+                                                          hot_path: str) -> None:
+    if hot_path != "locked" and not metrics.STORES_ARE_ATOMIC:
+        pytest.skip("this interpreter has no GIL: the hot paths always take the lock")
+    if hot_path == "c" and metrics._hotpath is None:
+        assert not c_path_can_be_built(), "gpuio._hotpath is not built: pip install -e ./exporter/instrument"
+        pytest.skip("gpuio._hotpath cannot be built here")
+    monkeypatch.setattr(metrics, "HOT_PATH", hot_path)
+    engine = gpuio.engine(f"threads-{hot_path}")
+    assert variant(engine) == hot_path  # the variant under test is the one bound
     generation = metrics.spool_file().values[fmt.GENERATION_INDEX]
 
     def work(thread: int) -> None:

@@ -21,16 +21,16 @@ TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.serve
 
 
 def modules() -> dict[str, str]:
-    """Every module of both packages, name -> path."""
+    """Every module of both packages, name -> path (a C extension's module -> its .c source: it imports none)."""
     found = {}
     for root, package in PACKAGES:
         for folder, folders, files in os.walk(os.path.join(root, package)):
             if folder == os.path.join(REPO, "exporter"):
                 folders.remove("instrument")  # the library's project folder: walked as gpuio
             for name in files:
-                if name.endswith(".py"):
+                if name.endswith((".py", ".c")):
                     path = os.path.join(folder, name)
-                    parts = os.path.relpath(path, root)[:-3].split(os.sep)
+                    parts = os.path.splitext(os.path.relpath(path, root))[0].split(os.sep)
                     if parts[-1] == "__init__":
                         parts.pop()
                     found[".".join(parts)] = path
@@ -78,7 +78,7 @@ def imports_of(name: str, path: str, known: set[str]) -> set[str]:
 
 def graph() -> dict[str, set[str]]:
     found = modules()
-    return {name: imports_of(name, path, set(found)) for name, path in found.items()}
+    return {name: imports_of(name, path, set(found)) if path.endswith(".py") else set() for name, path in found.items()}
 
 
 def cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -139,7 +139,7 @@ def test_the_spool_reader_never_calls_up_into_a_collector() -> None:
 def test_the_library_ships_the_spool_writer_but_not_its_reader() -> None:
     defined: set[str] = set()
     for name, path in modules().items():
-        if name.split(".")[0] == "gpuio":
+        if name.split(".")[0] == "gpuio" and path.endswith(".py"):
             with open(path, encoding="utf-8") as file:
                 defined |= {node.name for node in ast.parse(file.read()).body
                             if isinstance(node, (ast.ClassDef, ast.FunctionDef))}

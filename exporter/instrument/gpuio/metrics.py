@@ -4,7 +4,8 @@
 use, one record in the spool).  Its handles (:class:`Histogram`, :class:`Counter`, :class:`Gauge`)
 are views on doubles in the shared mapping: ``observe`` is a bisect and three stores (bucket, sum and
 the file's generation, which tells the exporter the file changed), no syscall; see STORES_ARE_ATOMIC
-for why the hot paths need no lock on CPython.  Everything here is safe to call from many threads.
+for why the hot paths need no lock on CPython, and HOT_PATH for the C version of observe() and of a
+plain ``with infer():``.  Everything here is safe to call from many threads.
 
 Label sets are bounded in the writer already: at most ``MAX_ERROR_REASONS`` distinct error reasons
 per engine (later ones count as ``other``) and a top-K set of layers (see :meth:`add_layer_times`).
@@ -76,6 +77,21 @@ STORES_ARE_ATOMIC = (sys.implementation.name == "cpython" and sys.version_info >
                      and getattr(sys, "_is_gil_enabled", lambda: True)())
 
 
+try:  # the two hot paths in C (gpuio/_hotpath.c), where the package was built with a C compiler
+    from . import _hotpath
+except ImportError:
+    _hotpath = None  # type: ignore[assignment]
+
+# How observe() and a plain `with infer():` store: "c" (_hotpath: the same stores, ~35 and ~250 ns here),
+# "python" (closures that store without the lock: ~400 ns and ~1.2 us), or "locked" (under the process's
+# lock, for interpreters without STORES_ARE_ATOMIC).  C needs STORES_ARE_ATOMIC too: its stores are
+# indivisible only because it holds the GIL.  GPUIO_HOT_PATH=python picks the Python stores where C is
+# built (bench/engines_bench.py compares them).
+HOT_PATH = ("locked" if not STORES_ARE_ATOMIC
+            else "c" if _hotpath is not None and os.environ.get("GPUIO_HOT_PATH", "c") != "python"
+            else "python")
+
+
 class _Slot:
     """Where a handle writes: the spool's values and lock (rebound after a fork).
 
@@ -99,12 +115,18 @@ GENERATION = fmt.GENERATION_INDEX
 class Histogram(_Slot):
     __slots__ = ("_first", "_sum", "_bounds", "observe")
 
-    def __init__(self, file: fmt.SpoolFile, first: int, bounds: tuple[float, ...], atomic_stores: bool) -> None:
+    def __init__(self, file: fmt.SpoolFile, first: int, bounds: tuple[float, ...], hot_path: str) -> None:
         super().__init__(file)
         self._first = first
         self._sum = first + len(bounds) + 1
         self._bounds = bounds
-        self.observe: Callable[[float], None] = self._observer() if atomic_stores else self._locked_observer()
+        self.observe: Callable[[float], None]
+        if hot_path == "c":
+            self.observe = _hotpath.Observer(file.values, first, GENERATION, bounds).observe
+        elif hot_path == "python":
+            self.observe = self._observer()
+        else:
+            self.observe = self._locked_observer()
 
     def _observer(self) -> Callable[[float], None]:
         """``observe`` as a closure over this handle's slots: the hot path reads no attribute
@@ -218,6 +240,23 @@ class GpuTimer(Protocol):
     def seconds(self) -> float | None: ...
 
 
+class TimedInference(Protocol):
+    """What ``infer()`` returns for a with statement: an :class:`Inference`, or for a plain ``infer()``
+    where ``HOT_PATH`` is "c", C's equivalent (gpuio._hotpath.Timed)."""
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds the inference took, once it completed; else None."""
+
+    def __enter__(self) -> TimedInference: ...
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
+
+    def enqueued(self) -> None:
+        """Mark the end of the GPU work on the stream (call right after the enqueue, before synchronising)."""
+
+
 _perf_counter = time.perf_counter
 _new_inference = object.__new__
 
@@ -273,14 +312,15 @@ class Inference:
                 metrics.inference_gpu_seconds.observe(gpu)
 
 
-def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int, atomic_stores: bool
-                     ) -> tuple[Callable[[], None], Callable[[float], None], type[Inference]]:
+def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int, hot_path: str
+                     ) -> tuple[Callable[[], None], Callable[[float], None], Callable[[], TimedInference] | None]:
     """What ``with infer():`` stores on entry and on success, one lock section each: in flight up; then
-    in flight down and the latency observed together (the handles would take the lock twice).  And the
-    class of a plain ``infer()`` (no batch size, GPU timer or first): where stores are atomic
-    (STORES_ARE_ATOMIC), its ``__enter__`` and ``__exit__`` are closures over the slots that store
-    without the lock (a budget of 1 us leaves no room for a method call, a lock or an attribute lookup
-    that can be avoided); elsewhere it is :class:`Inference` itself, whose steps take the lock."""
+    in flight down and the latency observed together (the handles would take the lock twice).  And what
+    makes a plain ``infer()`` (no batch size, GPU timer or first) where stores are atomic
+    (STORES_ARE_ATOMIC): C's (``HOT_PATH`` "c"), or an :class:`Inference` of a class whose ``__enter__``
+    and ``__exit__`` are closures over the slots that store without the lock (a budget of 1 us leaves
+    no room for a method call, a lock or an attribute lookup that can be avoided); None where the
+    steps take the lock."""
     values, acquire, release, generation = file.values, file.lock.acquire, file.lock.release_quietly, GENERATION
     in_flight = base + fmt.ENGINE_LAYOUT.gauges["in_flight"]
     first, total, bounds = fmt.ENGINE_LAYOUT.histograms["inference_seconds"]
@@ -306,8 +346,14 @@ def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int, ato
         finally:
             release()
 
-    if not atomic_stores:
-        return begin, finish, Inference
+    def failed(exc: BaseException) -> None:
+        metrics.in_flight.dec()
+        metrics.error(error_reason(exc))
+
+    if hot_path == "locked":
+        return begin, finish, None
+    if hot_path == "c":
+        return begin, finish, _hotpath.Inferences(values, in_flight, first, generation, bounds, failed).infer
 
     def enter(self: Inference) -> Inference:
         values[in_flight] += 1.0
@@ -319,8 +365,7 @@ def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int, ato
               tb: TracebackType | None) -> None:
         seconds = perf_counter() - self._start
         if exc is not None:
-            metrics.in_flight.dec()
-            metrics.error(error_reason(exc))
+            failed(exc)
             return
         self.latency = seconds
         index = first + bisect_left(bounds, seconds)  # a clock difference: never NaN
@@ -335,7 +380,13 @@ def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int, ato
     plain = type("Inference", (Inference,), {"__slots__": (), "__enter__": enter, "__exit__": exit_,
                                              "enqueued": enqueued, "__module__": __name__,
                                              "__doc__": Inference.__doc__})
-    return begin, finish, plain
+
+    def new_plain() -> Inference:
+        inference: Inference = _new_inference(plain)  # no call to __init__: its class's steps know the rest
+        inference.latency = None
+        return inference
+
+    return begin, finish, new_plain
 
 
 class EngineMetrics:
@@ -394,12 +445,12 @@ class EngineMetrics:
         base = offset // 8
         # One attribute per declared series (fmt.ENGINE_SERIES), named by its slot, at its place in the record.
         for name, (first, _, bounds) in layout.histograms.items():
-            setattr(self, name, Histogram(file, base + first, bounds, STORES_ARE_ATOMIC))
+            setattr(self, name, Histogram(file, base + first, bounds, HOT_PATH))
         for name, index in layout.counters.items():
             setattr(self, name, Counter(file, base + index))
         for name, index in layout.gauges.items():
             setattr(self, name, Gauge(file, base + index))
-        self._begin, self._finish, self._plain_inference = _inference_steps(self, file, base, STORES_ARE_ATOMIC)
+        self._begin, self._finish, self._plain_inference = _inference_steps(self, file, base, HOT_PATH)
         # Labelled records the engine had (a fork's parent file, or none yet) are made again here.
         errors, layers = list(self._errors), list(self._layers)
         self._errors, self._layers = {}, {}
@@ -431,14 +482,13 @@ class EngineMetrics:
 
     # --- inference -----------------------------------------------------------------------------
 
-    def infer(self, batch_size: int | None = None, gpu_timer: GpuTimer | None = None, first: bool = False) -> Inference:
-        # Built without a call to __init__: ~50 ns of a budget of 1 us per inference.  A plain one needs
-        # no more than its latency (its class's steps know the rest).
-        plain = self._plain_inference
-        if batch_size is None and gpu_timer is None and not first and plain is not Inference:
-            inference = _new_inference(plain)
-            inference.latency = None
-            return inference
+    def infer(self, batch_size: int | None = None, gpu_timer: GpuTimer | None = None,
+              first: bool = False) -> TimedInference:
+        if batch_size is None and gpu_timer is None and not first:
+            plain = self._plain_inference  # where stores are atomic: fewer steps (see _inference_steps)
+            if plain is not None:
+                return plain()
+        # Built without a call to __init__: ~50 ns of a budget of 1 us per inference.
         inference = _new_inference(Inference)
         inference._metrics, inference._batch, inference._timer, inference._first = self, batch_size, gpu_timer, first
         inference._stopped, inference.latency = False, None
@@ -815,6 +865,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def describe() -> dict[str, Any]:
-    """Where this process reports: the spool file (None: nowhere) and its engines."""
+    """Where this process reports: the spool file (None: nowhere), its engines, and how the hot paths
+    store (``HOT_PATH``: "c", "python" or "locked")."""
     file = _spool
-    return {"spool": None if file is None else file.path, "engines": sorted(_engines)}
+    return {"spool": None if file is None else file.path, "engines": sorted(_engines), "hot_path": HOT_PATH}

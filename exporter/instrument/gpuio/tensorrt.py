@@ -22,7 +22,7 @@ from typing import Any
 from . import gpu
 from . import waterfall as wf
 from .load import Loaded, engine_name, finish_waterfall, read_and_deserialize
-from .metrics import EngineMetrics, EnqueueError, GpuTimer, Inference, engine
+from .metrics import EngineMetrics, EnqueueError, GpuTimer, TimedInference, engine
 from .pool import EnginePool
 
 MODULES = ("tensorrt", "tensorrt_lean", "tensorrt_lean_bindings")
@@ -267,7 +267,7 @@ class TensorRTRunner:
         """Run one inference; returns its latency in seconds.  ``record=False`` (warm-up) records nothing."""
         handle = gpu.stream_handle(stream)
         profiled = record and self.profiler is not None and self.profiler.should_sample()
-        call: Inference | None = self.metrics.infer(batch_size, gpu_timer) if record else None
+        call: TimedInference | None = self.metrics.infer(batch_size, gpu_timer) if record else None
         start = time.perf_counter()
         if call is not None:
             call.__enter__()

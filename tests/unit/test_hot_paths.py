@@ -1,0 +1,175 @@
+"""observe() and ``with infer():`` store the same doubles whichever hot path is bound: C (gpuio/_hotpath.c),
+Python without the lock, or Python under the lock (gpuio.metrics.HOT_PATH).
+
+Each test runs the same calls through every path into a spool file of its own and compares the files'
+doubles, so a C store that lands one slot off, converts a value differently or forgets the generation
+fails here.  Thread safety of each path is tests/unit/test_instrument_threads.py's.
+"""
+
+from __future__ import annotations
+
+import fractions
+import math
+import mmap
+import os
+
+import pytest
+
+from gpuio import metrics
+from gpuio import spool as fmt
+from gpuio.metrics import EngineMetrics
+from tests.conftest import c_path_can_be_built
+
+PATHS = ["c", "python", "locked"]
+
+
+def usable(hot_path: str) -> None:
+    if hot_path != "locked" and not metrics.STORES_ARE_ATOMIC:
+        pytest.skip("this interpreter has no GIL: the hot paths always take the lock")
+    if hot_path == "c" and metrics._hotpath is None:
+        assert not c_path_can_be_built(), "gpuio._hotpath is not built: pip install -e ./exporter/instrument"
+        pytest.skip("gpuio._hotpath cannot be built here")
+
+
+def bound(tmp_path, monkeypatch, hot_path: str) -> tuple[fmt.SpoolFile, EngineMetrics]:
+    usable(hot_path)
+    monkeypatch.setattr(metrics, "HOT_PATH", hot_path)
+    directory = tmp_path / hot_path
+    directory.mkdir()
+    file = fmt.SpoolFile(str(directory), 64 * 1024)
+    return file, EngineMetrics("resnet50", file)
+
+
+def doubles(file: fmt.SpoolFile) -> list[float]:
+    """The file's doubles after the header (the records), NaN-safe for comparing."""
+    return [value for value in file.values[fmt.HEADER_SIZE // 8:]]
+
+
+class Subclass(float):
+    def __add__(self, other: object) -> float:  # what a float subclass may do: run Python code on addition
+        return float(self) + float(other)  # type: ignore[arg-type]
+
+
+# Bounds exactly (le semantics), between them, negative, huge, NaN (dropped), ints, bools, a float
+# subclass, a Fraction: every kind of value a caller passes.  The infinities go to histograms of their
+# own (one in a sum makes it infinite, and the two together NaN, which would hide a wrong sum).
+VALUES = [0.0, 0.00005, 0.0000501, 0.001, 0.0025, 1.0, 7.5, 60.0, 1e9, -1.0, math.nan, 3, True,
+          Subclass(0.01), fractions.Fraction(1, 4)]
+
+
+def observed_through(directory, monkeypatch, hot_path: str) -> list[float]:
+    file, engine = bound(directory, monkeypatch, hot_path)
+    generation = file.values[fmt.GENERATION_INDEX]
+    for value in VALUES:
+        engine.inference_seconds.observe(value)
+        engine.batch_size.observe(value)
+    engine.warmup_seconds.observe(math.inf)
+    engine.first_inference_seconds.observe(-math.inf)
+    return doubles(file) + [file.values[fmt.GENERATION_INDEX] - generation]
+
+
+@pytest.mark.parametrize("hot_path", PATHS)
+def test_observe_stores_what_the_python_path_stores(tmp_path, monkeypatch, hot_path: str) -> None:
+    usable("python")
+    (tmp_path / "expected").mkdir()
+    expected = observed_through(tmp_path / "expected", monkeypatch, "python")
+    got = observed_through(tmp_path, monkeypatch, hot_path)
+    assert [repr(value) for value in got] == [repr(value) for value in expected]
+    assert got[-1] == 2 * (len(VALUES) - 1) + 2  # every observation but NaN moved the generation once
+
+
+@pytest.mark.parametrize("hot_path", PATHS)
+def test_observe_refuses_what_is_not_a_number(tmp_path, monkeypatch, hot_path: str) -> None:
+    file, engine = bound(tmp_path, monkeypatch, hot_path)
+    before = doubles(file)
+    with pytest.raises(TypeError):
+        engine.inference_seconds.observe(None)  # type: ignore[arg-type]
+    assert doubles(file) == before  # nothing stored
+
+
+@pytest.mark.parametrize("hot_path", PATHS)
+def test_an_inference_moves_in_flight_latency_and_generation(tmp_path, monkeypatch, hot_path: str) -> None:
+    file, engine = bound(tmp_path, monkeypatch, hot_path)
+    generation = file.values[fmt.GENERATION_INDEX]
+    call = engine.infer()
+    assert call.latency is None
+    with call as entered:
+        assert entered is call
+        assert engine.in_flight.value() == 1
+        assert file.values[fmt.GENERATION_INDEX] == generation + 1
+        call.enqueued()  # no GPU timer: nothing to stop
+    assert engine.in_flight.value() == 0
+    assert call.latency is not None and 0 <= call.latency < 1
+    assert engine.inference_seconds.count() == 1
+    assert engine.inference_seconds.total() == pytest.approx(call.latency, abs=1e-6)
+    bucket = next(index for index, bound in enumerate(fmt.LATENCY_BOUNDS) if call.latency <= bound)
+    histogram = engine.inference_seconds
+    assert [histogram._values[histogram._first + index] for index in range(len(fmt.LATENCY_BOUNDS) + 1)] == [
+        1.0 if index == bucket else 0.0 for index in range(len(fmt.LATENCY_BOUNDS) + 1)]
+    assert file.values[fmt.GENERATION_INDEX] == generation + 2
+
+
+@pytest.mark.parametrize("hot_path", PATHS)
+def test_an_inference_that_raises_counts_an_error_and_no_latency(tmp_path, monkeypatch, hot_path: str) -> None:
+    file, engine = bound(tmp_path, monkeypatch, hot_path)
+    call = engine.infer()
+    with pytest.raises(MemoryError), call:
+        assert engine.in_flight.value() == 1
+        raise MemoryError
+    assert call.latency is None
+    assert engine.in_flight.value() == 0 and engine.inference_seconds.count() == 0
+    assert engine.errors() == {"out_of_memory": 1}
+
+
+def test_a_c_inference_is_entered_once(tmp_path, monkeypatch) -> None:
+    """C's inference object refuses what would unbalance in flight (the Python one cannot be misused so
+    without calling its dunder methods by hand)."""
+    file, engine = bound(tmp_path, monkeypatch, "c")
+    call = engine.infer()
+    with pytest.raises(RuntimeError, match="without __enter__"):
+        call.__exit__(None, None, None)
+    with call, pytest.raises(RuntimeError, match="entered once"), call:
+        pass
+    with pytest.raises(RuntimeError, match="entered once"), call:
+        pass
+    assert engine.in_flight.value() == 0 and engine.inference_seconds.count() == 1
+
+
+def test_c_handles_check_what_they_are_given(tmp_path) -> None:
+    usable("c")
+    hotpath = metrics._hotpath
+    buffer = mmap.mmap(-1, 4096)
+    values = memoryview(buffer).cast("d")
+    with pytest.raises(IndexError):
+        hotpath.Observer(values, 500, 17, fmt.LATENCY_BOUNDS)  # its sum would lie past the 512 doubles
+    with pytest.raises(IndexError):
+        hotpath.Inferences(values, 40, 60, 4096, fmt.LATENCY_BOUNDS, print)  # generation outside
+    with pytest.raises(ValueError, match="increasing"):
+        hotpath.Observer(values, 40, 17, (1.0, 0.5))
+    with pytest.raises(TypeError, match="doubles"):
+        hotpath.Observer(memoryview(buffer), 40, 17, fmt.LATENCY_BOUNDS)  # bytes, not doubles
+    with pytest.raises(BufferError, match="not writable"):
+        hotpath.Observer(memoryview(bytes(4096)).cast("d"), 40, 17, fmt.LATENCY_BOUNDS)  # read-only
+    with pytest.raises(TypeError, match="callable"):
+        hotpath.Inferences(values, 40, 60, 17, fmt.LATENCY_BOUNDS, None)
+    observer = hotpath.Observer(values, 40, 17, fmt.LATENCY_BOUNDS)
+    with pytest.raises(TypeError, match="once"):
+        observer.__init__(values, 40, 17, fmt.LATENCY_BOUNDS)
+    observer.observe(0.001)
+    # While a handle lives the mapping cannot be closed under it (a store would fault): closing refuses.
+    with pytest.raises(BufferError):
+        values.release()
+    del observer
+    values.release()
+    buffer.close()
+
+
+def test_every_path_is_available_where_it_can_be() -> None:
+    """The default is the fastest path this interpreter has (C where built: ``pip install`` builds it)."""
+    if not metrics.STORES_ARE_ATOMIC:
+        assert metrics.HOT_PATH == "locked"
+    elif metrics._hotpath is not None:
+        chosen = metrics.HOT_PATH
+        assert chosen == ("python" if os.environ.get("GPUIO_HOT_PATH") == "python" else "c")
+    else:
+        assert not c_path_can_be_built() and metrics.HOT_PATH == "python"
