@@ -141,7 +141,8 @@ gpu-wheels:
 	# gpuio's C hot path, an abi3 build (any CPython >= 3.11): tests/gpu/device_session.sh puts it beside
 	# the source it was built from.
 	rm -rf .whl/gpuio-build && $(PYTHON) -m pip wheel $(PIP_QUIET) --no-deps -w .whl/gpuio-build ./exporter/instrument
-	unzip -p .whl/gpuio-build/gpuio-*.whl gpuio/_hotpath.abi3.so > .whl/_hotpath.abi3.so && rm -rf .whl/gpuio-build
+	unzip -p .whl/gpuio-build/gpuio-*.whl gpuio/_hotpath.abi3.so > .whl/_hotpath.abi3.so
+	rm -rf .whl/gpuio-build exporter/instrument/build
 	@ls .whl | wc -l | xargs printf '%s files in .whl/ for Python $(GPU_PYTHON)\n'
 
 golden: venv

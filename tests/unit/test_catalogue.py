@@ -102,6 +102,8 @@ def _sources() -> dict[str, str]:
     found = {}
     for folder in (os.path.join(REPO, "exporter"), os.path.join(LIBRARY, "gpuio")):
         for path in glob.glob(os.path.join(folder, "**", "*.py"), recursive=True):
+            if path.startswith(os.path.join(LIBRARY, "build") + os.sep):  # a wheel build's copies
+                continue
             with open(path, encoding="utf-8") as file:
                 found[os.path.relpath(path, REPO)] = file.read()
     return found
