@@ -47,21 +47,24 @@ QUICK_WAIT_FLOOR = 0.001
 
 
 class GpuProcesses:
-    """Which GPU each compute process is on, as the nvml collector last read it (pid -> GPU UUID).
+    """Which GPU each compute process is on, as the nvml collector last read it: (pid, start time) -> GPU UUID.
 
     The engines collector uses it for an inference process that did not say which GPU it uses (the
-    library learns the UUID only through torch, or pycuda with NVML).  Replaced whole on each update,
-    so readers on other threads see one sweep or the next, never half of one.
+    library learns the UUID only through torch, or pycuda with NVML).  Keyed by the start time too
+    (clock ticks since boot, from /proc/<pid>/stat at the sweep): a process that got the pid of one
+    that exited since the sweep is another key, and does not inherit that GPU.  A process whose start
+    time this exporter's procfs does not show (another pid namespace) is not listed.  Replaced whole
+    on each update, so readers on other threads see one sweep or the next, never half of one.
     """
 
     def __init__(self) -> None:
-        self._by_pid: dict[int, str] = {}
+        self._by_process: dict[tuple[int, int], str] = {}
 
-    def update(self, by_pid: dict[int, str]) -> None:
-        self._by_pid = dict(by_pid)
+    def update(self, by_process: dict[tuple[int, int], str]) -> None:
+        self._by_process = {key: uuid for key, uuid in by_process.items() if key[1] > 0}
 
-    def get(self, pid: int) -> str | None:
-        return self._by_pid.get(pid)
+    def get(self, pid: int, start_ticks: int) -> str | None:
+        return self._by_process.get((pid, start_ticks))
 
 
 @dataclass(frozen=True)

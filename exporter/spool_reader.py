@@ -109,19 +109,19 @@ def counter(values: typing.Sequence[float], name: str) -> float:
 class WriterGpus:
     """The GPU NVML lists a spool writer on, for a writer that recorded none: pid -> GPU, one way.
 
-    ``gpu_of_pid`` is what the nvml collector last saw (pid -> GPU UUID).  A pid counts only when this
-    exporter's procfs shows that very process (same start time): a writer in another pid namespace
-    (a pod without hostPID) has a pid that means another process here, or none, and NVML reports
-    host pids.
+    ``gpu_of_process`` is what the nvml collector last saw ((pid, start ticks) -> GPU UUID, the start
+    time read from this exporter's procfs at its sweep).  A pid counts only when this exporter's procfs
+    shows that very process now as well (same start time): a writer in another pid namespace (a pod
+    without hostPID) has a pid that means another process here, or none, and NVML reports host pids.
     """
 
-    def __init__(self, gpu_of_pid: Callable[[int], str | None], procfs: str = "/proc") -> None:
-        self.gpu_of_pid = gpu_of_pid
+    def __init__(self, gpu_of_process: Callable[[int, int], str | None], procfs: str = "/proc") -> None:
+        self.gpu_of_process = gpu_of_process
         self.procfs = procfs
         self._same_process: dict[tuple[int, int], bool] = {}  # (pid, start ticks) -> our /proc shows it
 
     def __call__(self, pid: int, start_ticks: int) -> str | None:
-        uuid = self.gpu_of_pid(pid)
+        uuid = self.gpu_of_process(pid, start_ticks)
         if uuid is None:
             return None
         return uuid if self.same_process(pid, start_ticks) else None

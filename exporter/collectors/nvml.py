@@ -545,14 +545,15 @@ class Gpu:
     reasons_supported: int = 0x1FF
     xid: dict[str, tuple[int, float]] = field(default_factory=dict)
     dropped: int = 0
-    dropped_pids: set[int] = field(default_factory=set)
+    dropped_processes: set[tuple[int, int]] = field(default_factory=set)  # (pid, start time) left out by the cap
     # What is remembered of each process the series show (the kept ones), by pid: its name and pod, and
     # its start time, which tells a new process that got a recycled pid from the one remembered.
     names: dict[int, str] = field(default_factory=dict)
     pods: dict[int, cgroup.PodRef | None] = field(default_factory=dict)  # pid -> its pod (cgroup), kept processes
     starts: dict[int, int] = field(default_factory=dict)  # pid -> start time (clock ticks since boot; 0 unknown)
     mig_uuids: set[str] = field(default_factory=set)  # its MIG devices at the last slow read
-    pids: set[int] = field(default_factory=set)  # every compute process at the last slow read, cap or not
+    # Every compute process at the last slow read, cap or not: pid -> start time (0 where /proc shows none).
+    started: dict[int, int] = field(default_factory=dict)
     label_cache: dict[tuple[tuple[str, str], ...], str] = field(default_factory=dict)
 
     def attach(self, index: int, handle: Any) -> None:
@@ -753,8 +754,8 @@ class NvmlCollector(Collector):
                     for gpu in session.gpus:
                         self._read(gpu, slow)
                     if slow:
-                        self.context.gpu_processes.update(
-                            {pid: gpu.uuid for gpu in session.gpus if gpu.up for pid in gpu.pids})
+                        self.context.gpu_processes.update({(pid, start): gpu.uuid for gpu in session.gpus
+                                                           if gpu.up for pid, start in gpu.started.items()})
                         self.context.pods.set_mig_parents(
                             {mig: gpu.uuid for gpu in session.gpus if gpu.up for mig in gpu.mig_uuids})
                 return self._render()
@@ -1194,14 +1195,16 @@ class NvmlCollector(Collector):
                                gpu.handle)
         if processes is None:
             return []
-        gpu.pids = {p.pid for p in processes}
-        gpu.process_busy.keep(gpu.pids)
+        # One small read of /proc/<pid>/stat per process: its start time tells a recycled pid's new
+        # process from the one remembered under that pid.
+        gpu.started = {p.pid: procstat.start_ticks(p.pid, self.context.procfs) for p in processes}
+        gpu.process_busy.keep(set(gpu.started))
         processes = sorted(processes, key=lambda p: (-(p.used_memory or 0), p.pid))
         kept, dropped = processes[: self._max_processes], processes[self._max_processes :]
-        dropped_pids = {p.pid for p in dropped}
-        gpu.dropped += len(dropped_pids - gpu.dropped_pids)  # each process counted once, when first left out
-        gpu.dropped_pids = dropped_pids
-        self._forget_recycled_pids(gpu, {p.pid for p in kept})
+        dropped_processes = {(p.pid, gpu.started[p.pid]) for p in dropped}
+        gpu.dropped += len(dropped_processes - gpu.dropped_processes)  # each counted once, when first left out
+        gpu.dropped_processes = dropped_processes
+        self._forget_recycled_pids(gpu, {p.pid: gpu.started[p.pid] for p in kept})
         gpu.names = {p.pid: gpu.names.get(p.pid) or self._process_name(p.pid) for p in kept}
         gpu.pods = {p.pid: gpu.pods[p.pid] if p.pid in gpu.pods else cgroup.of_pid(p.pid, self.context.procfs)
                     for p in kept}
@@ -1213,12 +1216,12 @@ class NvmlCollector(Collector):
             readings.append((PROCESS_MEMORY, labels, used))
         return readings
 
-    def _forget_recycled_pids(self, gpu: Gpu, pids: set[int]) -> None:
+    def _forget_recycled_pids(self, gpu: Gpu, starts: dict[int, int]) -> None:
         """Forget the name, pod and busy seconds remembered for a pid that now names another process (the
         old one exited and the kernel gave its pid to a new one between two reads: NVML lists the pid on
-        and on).  Told by the start time in /proc/<pid>/stat, one small read per process shown; an
+        and on).  Told by the start time (``starts``: pid -> start ticks of each process shown); an
         unreadable one (0) proves nothing and forgets nothing."""
-        starts = {pid: procstat.start_ticks(pid, self.context.procfs) for pid in pids}
+        starts = dict(starts)
         for pid, start in starts.items():
             known = gpu.starts.get(pid, 0)
             if start and known and start != known:

@@ -48,7 +48,7 @@ def test_a_writer_cannot_claim_another_process_as_its_own(spool_dir, tmp_path) -
         fmt.HEADER.pack_into(hostile._map, 0, *fields)
         metrics.EngineMetrics("impostor", hostile).inference_seconds.observe(0.001)
         target = collector(spool_dir)
-        target.context.gpu_processes.update({victim.pid: "GPU-of-the-victim"})
+        target.context.gpu_processes.update({(victim.pid, start): "GPU-of-the-victim"})
         samples = parse_samples(scrape(target))
         hostile.close()
     finally:

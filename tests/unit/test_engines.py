@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 import gpuio
+from exporter import procstat
 from exporter.blockdev import PathDevices
 from exporter.collect import REGISTRY, Absent, Context
 from exporter.collectors import engines  # noqa: F401  (registers the collector)
@@ -242,22 +243,27 @@ def test_the_gpu_of_a_writer_that_did_not_say_comes_from_the_nvml_process_list(s
 
     assert info_uuid(collector(spool_dir)) == ""  # NVML lists nothing yet
     target = collector(spool_dir)
-    target.context.gpu_processes.update({os.getpid(): "GPU-from-nvml", os.getpid() + 1: "GPU-other"})
+    me = (os.getpid(), procstat.start_ticks())
+    target.context.gpu_processes.update({me: "GPU-from-nvml", (os.getpid() + 1, me[1]): "GPU-other"})
     assert info_uuid(target) == "GPU-from-nvml"
+    # NVML listed this pid for a process that has since exited (another start time): not lent to the writer.
+    recycled = collector(spool_dir)
+    recycled.context.gpu_processes.update({(os.getpid(), me[1] - 1): "GPU-of-the-old-process"})
+    assert info_uuid(recycled) == ""
     # Another pid namespace: the exporter's /proc shows a different process under that pid.
     fake_proc = tmp_path / "proc" / str(os.getpid())
     fake_proc.mkdir(parents=True)
     fake_proc.joinpath("stat").write_text(f"{os.getpid()} (other) S " + " ".join(["1"] * 18) + " 12345 0 0\n")
     elsewhere = collector(spool_dir)
     elsewhere.context = Context(procfs=str(tmp_path / "proc"))
-    elsewhere.context.gpu_processes.update({os.getpid(): "GPU-from-nvml"})
+    elsewhere.context.gpu_processes.update({me: "GPU-from-nvml"})
     assert info_uuid(elsewhere) == ""
 
 
 def test_a_gpu_the_writer_named_is_kept(spool_dir, tmp_path) -> None:
     busy_engine(tmp_path)  # loads with gpu_uuid="GPU-5a1e"
     target = collector(spool_dir)
-    target.context.gpu_processes.update({os.getpid(): "GPU-from-nvml"})
+    target.context.gpu_processes.update({(os.getpid(), procstat.start_ticks()): "GPU-from-nvml"})
     samples = parse_samples(scrape(target))
     assert {dict(ls)["gpu_uuid"] for (name, ls), _ in samples.items() if name == "gpuio_engine_info"} == {"GPU-5a1e"}
 

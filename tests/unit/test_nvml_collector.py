@@ -387,19 +387,50 @@ def test_flags_and_environment_reach_the_collector() -> None:
         parse_args(["--collector.nvml.max-processes=0"], environ={})
 
 
-def test_slow_sweeps_tell_the_engines_collector_which_gpu_each_process_is_on() -> None:
+def write_stat(procfs, pid: int, start_ticks: int) -> None:
+    """/proc/<pid>/stat as the kernel writes it, with ``start_ticks`` in field 22 (starttime)."""
+    folder = procfs / str(pid)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "stat").write_text(f"{pid} (worker) S " + " ".join(["1"] * 18) + f" {start_ticks} 0 0\n")
+
+
+def test_slow_sweeps_tell_the_engines_collector_which_gpu_each_process_is_on(tmp_path) -> None:
+    procfs = tmp_path / "proc"
+    for pid in (101, 102, 103, 201):
+        write_stat(procfs, pid, 5000 + pid)
     fake = FakeNvml(h100s(2))
-    fake.gpus[0].processes = [ProcessInfo(pid, GIB) for pid in (101, 102, 103)]
+    fake.gpus[0].processes = [ProcessInfo(pid, GIB) for pid in (101, 102, 103, 999)]  # 999: no /proc entry
     fake.gpus[1].processes = [ProcessInfo(201, GIB)]
     collector = make(fake, max_processes=1)
+    collector.context = Context(procfs=str(procfs))
     sweep(collector)
     table = collector.context.gpu_processes
     uuids = [gpu.uuid for gpu in fake.gpus]
-    # every process, also those the series' cap leaves out
-    assert [table.get(pid) for pid in (101, 102, 103, 201, 999)] == [uuids[0]] * 3 + [uuids[1], None]
+    # every process, also those the series' cap leaves out; one whose start time is unknown is not listed
+    assert [table.get(pid, 5000 + pid) for pid in (101, 102, 103, 201)] == [uuids[0]] * 3 + [uuids[1]]
+    assert table.get(999, 0) is None and table.get(999, 5999) is None
+    # 201 exited and its pid went to a process started later, which NVML lists on the other GPU
+    write_stat(procfs, 201, 9000)
     fake.gpus[1].processes = []
+    fake.gpus[0].processes.append(ProcessInfo(201, GIB))
     sweep(collector)
-    assert table.get(201) is None and table.get(101) == uuids[0]
+    assert table.get(201, 5201) is None and table.get(201, 9000) == uuids[0] and table.get(101, 5101) == uuids[0]
+
+
+def test_a_recycled_pid_left_out_by_the_cap_is_counted_again(tmp_path) -> None:
+    """gpuio_gpu_processes_dropped_total counts each process once, when first left out: a new process
+    with an old pid is another process."""
+    procfs = tmp_path / "proc"
+    for pid in (101, 102):
+        write_stat(procfs, pid, 100)
+    fake = FakeNvml(h100s(1))
+    fake.gpus[0].processes = [ProcessInfo(101, 2 * GIB), ProcessInfo(102, GIB)]
+    collector = make(fake, max_processes=1)
+    collector.context = Context(procfs=str(procfs))
+    assert value(sweep(collector), "gpuio_gpu_processes_dropped_total") == 1
+    assert value(sweep(collector), "gpuio_gpu_processes_dropped_total") == 1  # the same process: not again
+    write_stat(procfs, 102, 700)  # 102 exited; a new process got its pid
+    assert value(sweep(collector), "gpuio_gpu_processes_dropped_total") == 2
 
 
 # -- GPM activity, MIG, per-process utilisation --
