@@ -152,6 +152,15 @@ def test_c_handles_check_what_they_are_given(tmp_path) -> None:
         hotpath.Observer(memoryview(bytes(4096)).cast("d"), 40, 17, fmt.LATENCY_BOUNDS)  # read-only
     with pytest.raises(TypeError, match="callable"):
         hotpath.Inferences(values, 40, 60, 17, fmt.LATENCY_BOUNDS, None)
+    with pytest.raises(TypeError, match="not initialised"):
+        hotpath.Observer.__new__(hotpath.Observer).observe(1.0)  # made without __init__: no buffer to store into
+    failed = hotpath.Observer.__new__(hotpath.Observer)
+    with pytest.raises(IndexError):
+        failed.__init__(values, 40, 4096, fmt.LATENCY_BOUNDS)
+    with pytest.raises(TypeError, match="not initialised"):
+        failed.observe(1.0)  # an __init__ that failed holds nothing and stores nothing
+    with pytest.raises(TypeError, match="not initialised"):
+        hotpath.Inferences.__new__(hotpath.Inferences).infer()
     observer = hotpath.Observer(values, 40, 17, fmt.LATENCY_BOUNDS)
     with pytest.raises(TypeError, match="once"):
         observer.__init__(values, 40, 17, fmt.LATENCY_BOUNDS)

@@ -61,6 +61,15 @@ doubles_open(Doubles *doubles, PyObject *values)
     return 0;
 }
 
+static void
+doubles_close(Doubles *doubles)
+{
+    if (doubles->values != NULL) {
+        PyBuffer_Release(&doubles->view);
+        doubles->values = NULL;
+    }
+}
+
 static int
 doubles_check_index(const Doubles *doubles, Py_ssize_t index, const char *what)
 {
@@ -74,6 +83,10 @@ doubles_check_index(const Doubles *doubles, Py_ssize_t index, const char *what)
 static int
 doubles_usable(const Doubles *doubles)
 {
+    if (doubles->values == NULL) {  /* made by __new__ without __init__ */
+        PyErr_SetString(PyExc_TypeError, "this gpuio handle was not initialised");
+        return 0;
+    }
     if (doubles->epoch != fork_epoch) {
         PyErr_SetString(PyExc_ValueError,
                         "this gpuio handle belongs to the parent process's spool; after fork() get it again "
@@ -96,6 +109,7 @@ bounds_open(Bounds *bounds, PyObject *sequence)
     if (tuple == NULL)
         return -1;
     Py_ssize_t count = PyTuple_Size(tuple);
+    PyMem_Free(bounds->bounds);  /* an __init__ that failed before may have left some */
     bounds->bounds = PyMem_Malloc(sizeof(double) * (size_t)(count > 0 ? count : 1));
     if (bounds->bounds == NULL) {
         Py_DECREF(tuple);
@@ -118,6 +132,24 @@ bounds_open(Bounds *bounds, PyObject *sequence)
     }
     Py_DECREF(tuple);
     return 0;
+}
+
+/* The doubles and bounds of a histogram whose buckets start at ``first``, its sum's index in ``total``;
+ * every index it stores at is checked to lie inside the buffer.  On failure no buffer is held. */
+static int
+histogram_open(Doubles *doubles, Bounds *bounds, PyObject *values, PyObject *bound_sequence, Py_ssize_t first,
+               Py_ssize_t generation, Py_ssize_t *total)
+{
+    if (bounds_open(bounds, bound_sequence) < 0 || doubles_open(doubles, values) < 0)
+        return -1;
+    if (doubles_check_index(doubles, first, "first bucket") == 0) {
+        *total = first + bounds->count + 1;  /* buckets, the +Inf one included, then the sum */
+        if (doubles_check_index(doubles, *total, "sum") == 0
+            && doubles_check_index(doubles, generation, "generation") == 0)
+            return 0;
+    }
+    doubles_close(doubles);
+    return -1;
 }
 
 /* bisect.bisect_left: how many bounds are below the value (le semantics: value <= bound is in it). */
@@ -168,17 +200,10 @@ Observer_init(PyObject *self_object, PyObject *args, PyObject *kwargs)
     }
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnO", keywords, &values, &first, &generation, &bounds))
         return -1;
-    if (bounds_open(&self->bounds, bounds) < 0)
-        return -1;
-    if (doubles_open(&self->doubles, values) < 0)
+    if (histogram_open(&self->doubles, &self->bounds, values, bounds, first, generation, &self->total) < 0)
         return -1;
     self->first = first;
-    self->total = first + self->bounds.count + 1;  /* buckets, the +Inf one included, then the sum */
     self->generation = generation;
-    if (doubles_check_index(&self->doubles, first, "first bucket") < 0
-        || doubles_check_index(&self->doubles, self->total, "sum") < 0
-        || doubles_check_index(&self->doubles, generation, "generation") < 0)
-        return -1;
     return 0;
 }
 
@@ -213,8 +238,7 @@ Observer_dealloc(PyObject *self_object)
 {
     Observer *self = (Observer *)self_object;
     PyTypeObject *type = Py_TYPE(self_object);
-    if (self->doubles.values != NULL)
-        PyBuffer_Release(&self->doubles.view);
+    doubles_close(&self->doubles);
     PyMem_Free(self->bounds.bounds);
     freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
     free(self_object);
@@ -278,19 +302,15 @@ Inferences_init(PyObject *self_object, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_TypeError, "failed must be callable");
         return -1;
     }
-    if (bounds_open(&self->bounds, bounds) < 0)
+    if (histogram_open(&self->doubles, &self->bounds, values, bounds, first, generation, &self->total) < 0)
         return -1;
-    if (doubles_open(&self->doubles, values) < 0)
+    if (doubles_check_index(&self->doubles, in_flight, "in flight") < 0) {
+        doubles_close(&self->doubles);
         return -1;
+    }
     self->in_flight = in_flight;
     self->first = first;
-    self->total = first + self->bounds.count + 1;
     self->generation = generation;
-    if (doubles_check_index(&self->doubles, in_flight, "in flight") < 0
-        || doubles_check_index(&self->doubles, first, "first bucket") < 0
-        || doubles_check_index(&self->doubles, self->total, "sum") < 0
-        || doubles_check_index(&self->doubles, generation, "generation") < 0)
-        return -1;
     Py_INCREF(failed);
     self->failed = failed;
     return 0;
@@ -339,8 +359,7 @@ Inferences_dealloc(PyObject *self_object)
     PyTypeObject *type = Py_TYPE(self_object);
     PyObject_GC_UnTrack(self_object);
     Inferences_clear(self_object);
-    if (self->doubles.values != NULL)
-        PyBuffer_Release(&self->doubles.view);
+    doubles_close(&self->doubles);
     PyMem_Free(self->bounds.bounds);
     Py_XDECREF((PyObject *)self->timed_type);
     freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
