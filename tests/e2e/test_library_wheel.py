@@ -98,6 +98,27 @@ def test_the_c_hot_path_is_built_into_the_wheel_where_it_can_be(wheel: Path, bar
         assert built == [] and hot_path in ("python", "locked")
 
 
+def test_without_a_c_compiler_the_wheel_is_pure_python_and_works(tmp_path: Path) -> None:
+    """A slim image has no compiler: pip still builds gpuio (the C file is optional), the wheel says it
+    is pure Python (py3-none-any), and the library stores in Python."""
+    source = tmp_path / "source"
+    shutil.copytree(LIBRARY, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so"))
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(source),
+        cwd=str(tmp_path), env={**os.environ, "CC": str(tmp_path / "no-such-compiler")})
+    (built,) = glob.glob(str(tmp_path / "gpuio-*.whl"))
+    assert built.endswith("-py3-none-any.whl")
+    with zipfile.ZipFile(built) as archive:
+        assert not [name for name in archive.namelist() if name.endswith(".so")]
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", str(venv), cwd=str(tmp_path))
+    run(str(venv / "bin" / "python"), "-m", "pip", "install", "--no-index", "--quiet", built, cwd=str(tmp_path),
+        env=clean_env())
+    code = ("import gpuio; gpuio.configure('-'); e = gpuio.engine('e'); e.inference_seconds.observe(0.5)\n"
+            "with e.infer(): pass\nprint(gpuio.describe()['hot_path'], e.inference_seconds.count())")
+    output = run(str(venv / "bin" / "python"), "-c", code, cwd=str(tmp_path), env=clean_env())
+    assert output.split() == ["python", "2.0"]
+
+
 def documented_example() -> str:
     """The python block of docs/engines.md's installation section, as written there."""
     with open(DOCS, encoding="utf-8") as file:
