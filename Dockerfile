@@ -26,6 +26,8 @@ COPY pyproject.toml README.md ./
 COPY exporter/ exporter/
 # A regular install (not editable): the environment holds copies and byte-code, nothing points at /src.
 # gpuio, the instrumentation library the exporter reads the spool format from, is its own distribution.
+# Its optional C hot path is for inference processes and needs a compiler, which this image lacks: pip
+# warns that it skipped it, and the exporter, which only reads the spool, does not use it.
 RUN /opt/gpuio/bin/pip install ./exporter/instrument . \
  && /opt/gpuio/bin/pip uninstall --yes pip
 
