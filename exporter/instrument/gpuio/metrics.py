@@ -82,11 +82,11 @@ try:  # the two hot paths in C (gpuio/_hotpath.c), where the package was built w
 except ImportError:
     _hotpath = None  # type: ignore[assignment]
 
-# How observe() and a plain `with infer():` store: "c" (_hotpath: the same stores, ~80 and ~350 ns a call
-# in bench/engines_bench.py), "python" (closures that store without the lock: ~400 ns and ~1.3 us), or
-# "locked" (under the process's lock, for interpreters without STORES_ARE_ATOMIC).  C needs STORES_ARE_ATOMIC too: its stores are
-# indivisible only because it holds the GIL.  GPUIO_HOT_PATH=python picks the Python stores where C is
-# built (bench/engines_bench.py compares them).
+# How observe() and a plain `with infer():` store: "c" (_hotpath: the same stores, ~80 and ~350 ns a
+# call in bench/engines_bench.py), "python" (closures that store without the lock: ~400 ns and ~1.3 us),
+# or "locked" (under the process's lock, for interpreters without STORES_ARE_ATOMIC).  C needs
+# STORES_ARE_ATOMIC too: its stores are indivisible only because it holds the GIL.  GPUIO_HOT_PATH=python
+# picks the Python stores where C is built (bench/engines_bench.py compares them).
 HOT_PATH = ("locked" if not STORES_ARE_ATOMIC
             else "c" if _hotpath is not None and os.environ.get("GPUIO_HOT_PATH", "c") != "python"
             else "python")
