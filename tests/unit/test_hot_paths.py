@@ -9,6 +9,7 @@ fails here.  Thread safety of each path is tests/unit/test_instrument_threads.py
 from __future__ import annotations
 
 import fractions
+import gc
 import math
 import mmap
 import os
@@ -182,3 +183,75 @@ def test_every_path_is_available_where_it_can_be() -> None:
         assert chosen == ("python" if os.environ.get("GPUIO_HOT_PATH") == "python" else "c")
     else:
         assert not c_path_can_be_built() and metrics.HOT_PATH == "python"
+
+
+def test_an_init_re_entered_from_python_code_it_runs_neither_corrupts_nor_leaks() -> None:
+    """__init__ runs Python code (a bound's __float__, an index's __index__) before it stores anything:
+    code that calls __init__ again from there must not make the outer call write past its bounds array
+    or keep a buffer export nobody releases (the mapping could then never be closed)."""
+    usable("c")
+    hotpath = metrics._hotpath
+    buffer = mmap.mmap(-1, 800)  # 100 doubles
+    values = memoryview(buffer).cast("d")
+
+    def exercise() -> None:  # its handles go with its frame
+        observer = hotpath.Observer.__new__(hotpath.Observer)
+
+        class ShrinksTheBounds:
+            def __float__(self) -> float:
+                observer.__init__(values, 0, 99, [1.0])  # a one-bound array in place of the outer call's
+                return 2.0
+
+        with pytest.raises(IndexError):  # the outer call's own 10,000 bounds do not fit 100 doubles
+            observer.__init__(values, 0, 99, [0.5, ShrinksTheBounds()] + [float(i) for i in range(3, 10_000)])
+
+        class InitialisesFirst:
+            def __index__(self) -> int:
+                observer.__init__(values, 0, 99, [1.0])
+                return 0
+
+        inferences = hotpath.Inferences.__new__(hotpath.Inferences)
+
+        class InitialisesInferencesFirst:
+            def __index__(self) -> int:
+                inferences.__init__(values, 50, 10, 63, (1.0,), print)
+                return 50
+
+        with pytest.raises(TypeError, match="initialised once"):
+            hotpath.Observer.__init__(observer, values, InitialisesFirst(), 99, [1.0])
+        with pytest.raises(TypeError, match="initialised once"):
+            inferences.__init__(values, InitialisesInferencesFirst(), 10, 63, (1.0,), print)
+        observer.observe(0.5)  # the inner __init__ won, whole: bucket 0, sum at 2, generation 99
+        assert (values[0], values[2], values[99]) == (1.0, 0.5, 1.0)
+
+    exercise()
+    gc.collect()  # the helper classes above are cycles (a class refers to itself)
+    values.release()  # BufferError if an export was never released
+    buffer.close()
+
+
+def test_a_cycle_through_an_inference_is_collected() -> None:
+    """An error callback that keeps the last exception closes a cycle (exception -> traceback -> frame ->
+    inference -> engine -> callback): the collector must see through the inference to free it, and the
+    buffer export with it."""
+    usable("c")
+    buffer = mmap.mmap(-1, 800)
+    values = memoryview(buffer).cast("d")
+
+    class KeepsTheLastError:
+        def __call__(self, exc: BaseException) -> None:
+            self.last = exc
+
+    def fail_once() -> None:
+        inferences = metrics._hotpath.Inferences(values, 60, 10, 63, (0.1, 1.0), KeepsTheLastError())
+        try:
+            with inferences.infer() as call:  # the frame (in the exception's traceback) holds the inference
+                assert call.latency is None
+                raise KeyError("kept")
+        except KeyError:
+            pass
+
+    fail_once()
+    gc.collect()
+    values.release()  # BufferError if the cycle (and its export) leaked
+    buffer.close()

@@ -16,7 +16,10 @@
  * unmapped while it can still be written (SpoolFile.close() then leaves it mapped until the last
  * handle is gone).  After fork() the child must not write its parent's file through a handle made
  * before the fork (the mapping is MAP_SHARED): such a handle raises, as the Python one does once the
- * child has dropped the parent's mapping.
+ * child has dropped the parent's mapping.  __init__ may run Python code (a bound's __float__, an
+ * index's __index__) that calls __init__ again: it builds everything in locals and stores into the
+ * object only after the last such call.  Timed takes part in garbage collection: an error callback that
+ * keeps the exception makes a cycle through it.
  *
  * Limited API 3.11 (abi3): one build serves CPython 3.11 and later.
  */
@@ -105,33 +108,35 @@ typedef struct {
 static int
 bounds_open(Bounds *bounds, PyObject *sequence)
 {
+    /* Python code can run below (__float__, an iterator): fill a fresh array, give it to ``bounds`` at the end. */
     PyObject *tuple = PySequence_Tuple(sequence);
     if (tuple == NULL)
         return -1;
     Py_ssize_t count = PyTuple_Size(tuple);
-    PyMem_Free(bounds->bounds);  /* an __init__ that failed before may have left some */
-    bounds->bounds = PyMem_Malloc(sizeof(double) * (size_t)(count > 0 ? count : 1));
-    if (bounds->bounds == NULL) {
+    double *array = PyMem_Malloc(sizeof(double) * (size_t)(count > 0 ? count : 1));
+    if (array == NULL) {
         Py_DECREF(tuple);
         PyErr_NoMemory();
         return -1;
     }
-    bounds->count = count;
     for (Py_ssize_t i = 0; i < count; i++) {
         double bound = PyFloat_AsDouble(PyTuple_GetItem(tuple, i));
-        if (bound == -1.0 && PyErr_Occurred()) {
-            Py_DECREF(tuple);
-            return -1;
-        }
-        if (i > 0 && !(bound > bounds->bounds[i - 1])) {
-            Py_DECREF(tuple);
+        if (bound == -1.0 && PyErr_Occurred())
+            goto fail;
+        if (i > 0 && !(bound > array[i - 1])) {
             PyErr_SetString(PyExc_ValueError, "histogram bounds must be increasing");
-            return -1;
+            goto fail;
         }
-        bounds->bounds[i] = bound;
+        array[i] = bound;
     }
     Py_DECREF(tuple);
+    bounds->bounds = array;
+    bounds->count = count;
     return 0;
+fail:
+    Py_DECREF(tuple);
+    PyMem_Free(array);
+    return -1;
 }
 
 /* The doubles and bounds of a histogram whose buckets start at ``first``, its sum's index in ``total``;
@@ -140,8 +145,12 @@ static int
 histogram_open(Doubles *doubles, Bounds *bounds, PyObject *values, PyObject *bound_sequence, Py_ssize_t first,
                Py_ssize_t generation, Py_ssize_t *total)
 {
-    if (bounds_open(bounds, bound_sequence) < 0 || doubles_open(doubles, values) < 0)
+    if (bounds_open(bounds, bound_sequence) < 0)
         return -1;
+    if (doubles_open(doubles, values) < 0) {
+        PyMem_Free(bounds->bounds);
+        return -1;
+    }
     if (doubles_check_index(doubles, first, "first bucket") == 0) {
         *total = first + bounds->count + 1;  /* buckets, the +Inf one included, then the sum */
         if (doubles_check_index(doubles, *total, "sum") == 0
@@ -149,6 +158,7 @@ histogram_open(Doubles *doubles, Bounds *bounds, PyObject *values, PyObject *bou
             return 0;
     }
     doubles_close(doubles);
+    PyMem_Free(bounds->bounds);
     return -1;
 }
 
@@ -192,16 +202,25 @@ Observer_init(PyObject *self_object, PyObject *args, PyObject *kwargs)
 {
     Observer *self = (Observer *)self_object;
     PyObject *values, *bounds;
-    Py_ssize_t first, generation;
+    Py_ssize_t first, generation, total;
+    Doubles doubles = {0};
+    Bounds parsed = {0};
     static char *keywords[] = {"values", "first", "generation", "bounds", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnO", keywords, &values, &first, &generation, &bounds))
+        return -1;
+    if (histogram_open(&doubles, &parsed, values, bounds, first, generation, &total) < 0)
+        return -1;
+    /* Checked after the last Python code (__index__, __float__, an iterator may have called __init__). */
     if (self->doubles.values != NULL) {
+        doubles_close(&doubles);
+        PyMem_Free(parsed.bounds);
         PyErr_SetString(PyExc_TypeError, "an Observer is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnO", keywords, &values, &first, &generation, &bounds))
-        return -1;
-    if (histogram_open(&self->doubles, &self->bounds, values, bounds, first, generation, &self->total) < 0)
-        return -1;
+    PyMem_Free(self->bounds.bounds);
+    self->doubles = doubles;
+    self->bounds = parsed;
+    self->total = total;
     self->first = first;
     self->generation = generation;
     return 0;
@@ -289,12 +308,10 @@ Inferences_init(PyObject *self_object, PyObject *args, PyObject *kwargs)
 {
     Inferences *self = (Inferences *)self_object;
     PyObject *values, *bounds, *failed;
-    Py_ssize_t in_flight, first, generation;
+    Py_ssize_t in_flight, first, generation, total;
+    Doubles doubles = {0};
+    Bounds parsed = {0};
     static char *keywords[] = {"values", "in_flight", "first", "generation", "bounds", "failed", NULL};
-    if (self->doubles.values != NULL) {
-        PyErr_SetString(PyExc_TypeError, "an Inferences is initialised once");
-        return -1;
-    }
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnnOO", keywords, &values, &in_flight, &first, &generation,
                                      &bounds, &failed))
         return -1;
@@ -302,12 +319,19 @@ Inferences_init(PyObject *self_object, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_TypeError, "failed must be callable");
         return -1;
     }
-    if (histogram_open(&self->doubles, &self->bounds, values, bounds, first, generation, &self->total) < 0)
+    if (histogram_open(&doubles, &parsed, values, bounds, first, generation, &total) < 0)
         return -1;
-    if (doubles_check_index(&self->doubles, in_flight, "in flight") < 0) {
-        doubles_close(&self->doubles);
+    if (doubles_check_index(&doubles, in_flight, "in flight") < 0 || self->doubles.values != NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "an Inferences is initialised once");
+        doubles_close(&doubles);
+        PyMem_Free(parsed.bounds);
         return -1;
     }
+    PyMem_Free(self->bounds.bounds);
+    self->doubles = doubles;
+    self->bounds = parsed;
+    self->total = total;
     self->in_flight = in_flight;
     self->first = first;
     self->generation = generation;
@@ -437,6 +461,10 @@ Timed_exit(PyObject *self_object, PyObject *const *args, Py_ssize_t nargs)
     self->entered = 2;
     seconds -= self->start;
     if (args[1] != Py_None) {
+        if (inferences->failed == NULL) {  /* cleared by the collector */
+            PyErr_SetString(PyExc_RuntimeError, "this inference's engine is gone");
+            return NULL;
+        }
         PyObject *result = PyObject_CallFunctionObjArgs(inferences->failed, args[1], NULL);
         if (result == NULL)
             return NULL;
@@ -473,11 +501,20 @@ Timed_latency(PyObject *self_object, void *closure)
     return self->latency;
 }
 
+static int
+Timed_traverse(PyObject *self_object, visitproc visit, void *arg)
+{
+    Py_VISIT((PyObject *)((Timed *)self_object)->inferences);
+    Py_VISIT(Py_TYPE(self_object));
+    return 0;
+}
+
 static void
 Timed_dealloc(PyObject *self_object)
 {
     Timed *self = (Timed *)self_object;
     PyTypeObject *type = Py_TYPE(self_object);
+    PyObject_GC_UnTrack(self_object);
     Py_XDECREF(self->latency);
     Py_XDECREF((PyObject *)self->inferences);
     freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
@@ -501,13 +538,15 @@ static PyGetSetDef Timed_getset[] = {
 static PyType_Slot Timed_slots[] = {
     {Py_tp_doc, "One timed inference: `with metrics.infer(): ...` (enqueue and synchronise inside)."},
     {Py_tp_dealloc, Timed_dealloc},
+    {Py_tp_traverse, Timed_traverse},
     {Py_tp_methods, Timed_methods},
     {Py_tp_getset, Timed_getset},
     {0, NULL},
 };
 
 static PyType_Spec Timed_spec = {
-    "gpuio._hotpath.Timed", sizeof(Timed), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, Timed_slots,
+    "gpuio._hotpath.Timed", sizeof(Timed), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_HAVE_GC, Timed_slots,
 };
 
 /* ---------------------------------------------------------------------------------------------- */
