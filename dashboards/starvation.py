@@ -3,7 +3,7 @@
 Read it top to bottom at 3 a.m.  The top row answers in one look: one lane per engine on each GPU,
 coloured by the state the starvation alert judges (ok, loading, waiting for disk, starved, stale data),
 the alerts pending and firing, and a table that draws the join the alert makes: engine -> pod -> GPU ->
-disk and mount, with the GPU's busy share, the disk's await and queue against its class limits, IO
+disk and mount, with the GPU's activity against its calm normal, the disk's await and queue against its class limits, IO
 pressure, loads in progress and page-cache residency, each cell coloured by the alerts' limits and each
 engine and disk linking to its own board.  Below: GPU and disks on one time axis, then the engines.
 
@@ -19,6 +19,7 @@ from grafana_foundation_sdk.models.dashboard import DataTransformerConfig
 
 from deploy.prometheus import config as c
 from deploy.prometheus import rules as r
+from deploy.prometheus.sources.base import CRASH_LOOPING
 
 from .common import (
     BAD,
@@ -67,7 +68,8 @@ def _as(code: int, name: str, expr: str) -> str:
 
 def engine_gpu_state(engines: str = "") -> str:
     """One series per engine on a GPU of the chosen node, its value the state code (STARVATION_STATES):
-    ok: the engine is loaded on the GPU; loading: a load of it is in progress; waiting for disk: work
+    ok: the engine is loaded on the GPU; loading: a load of it is in progress (or its loads are abandoned
+    again and again: a crash loop, between attempts too); waiting for disk: work
     waits on it (pool wait, in flight >= contexts, p99 over its normal, a load) while the disk or
     network mount under its file is saturated; starved: GPUStarvedByDiskIO's condition holds (the GPU
     is also mostly idle); stale data: the node's GPU data is stale, so none of the above can be judged."""
@@ -76,7 +78,8 @@ def engine_gpu_state(engines: str = "") -> str:
     storage = f"({r.ENGINE_DISK_SATURATED}{sel()} or {r.ENGINE_MOUNT_SLOW}{sel()})"
     return "\n or ".join([
         f"max by ({KEY}) (\n 0 * group by ({KEY}) ({loaded})",
-        _as(1, "loading", f"gpuio_engine_loads_in_progress{s} > 0"),
+        _as(1, "loading", f"gpuio_engine_loads_in_progress{s} > 0 or "
+                          f'{r.WORK_WAITING}{s[:-1]},reason="{CRASH_LOOPING}"}}'),
         _as(2, "waiting", f"{r.WORK_WAITING}{s} and on ({c.NODE_LABEL}, engine) {storage}"),
         _as(3, "starved", f'label_replace({r.STARVED}{s}, "gpu_uuid", "$1", "uuid", "(.+)")'),
         _as(4, "stale", f"{loaded} and on ({c.NODE_LABEL}) {r.GPU_STALE}{sel()}"),
@@ -115,18 +118,17 @@ def _engine_file_max(value: str) -> str:
 def join_columns(engines: str) -> list[tuple[str, str]]:
     """(column, expression) of the join table; every expression carries the rows' labels."""
     rows = engine_rows(engines)
-    busy = f'max by ({KEY}) (label_replace({r.ENGINE_GPU_BUSY}{sel()}, "gpu_uuid", "$1", "uuid", "(.+)"))'
-    gpus = f'label_replace(gpuio_engine_info{sel()[:-1]},gpu_uuid!=""}}, "uuid", "$1", "gpu_uuid", "(.+)")'
-    sm_active = (f"max by ({KEY}) ({gpus} * on ({c.NODE_LABEL}, uuid) group_left () "
-                 f"{rate('gpuio_gpu_sm_active_seconds_total', sel())})")
+    activity = f"label_replace({r.ENGINE_GPU_ACTIVITY}{sel()}, \"gpu_uuid\", \"$1\", \"uuid\", \"(.+)\")"
+    of_calm = (f"max by ({KEY}) ({activity} / on ({c.NODE_LABEL}, uuid) group_left () "
+               f"{r.GPU_ACTIVITY_BASELINE}{sel()})")
     await_ratio = _engine_file_max(f"({r.AWAIT}{sel()} / on ({c.NODE_LABEL}, device) {r.AWAIT_LIMIT}{sel()})")
     queue_ratio = _engine_file_max(f"({r.QUEUE}{sel()} / on ({c.NODE_LABEL}, device) {r.QUEUE_LIMIT}{sel()})")
     cached = (f"max by ({KEY}) (gpuio_engine_info{sel()[:-1]},gpu_uuid!=\"\"}} * on ({c.NODE_LABEL}, engine, path) "
               f"group_left () gpuio_engine_file_cached_ratio{sel()})")
     return [
         ("state", per_row(rows, engine_gpu_state(engines))),
-        ("GPU busy", per_row(rows, busy)),
-        ("SM active", per_row(rows, sm_active)),
+        ("GPU activity", per_row(rows, f"max by ({KEY}) ({activity})")),
+        ("of its calm", per_row(rows, of_calm)),
         ("await / limit", per_row(rows, await_ratio)),
         ("queue / limit", per_row(rows, queue_ratio)),
         ("IO pressure", per_row(rows, f"{r.IO_SOME}{sel()}", on=c.NODE_LABEL)),
@@ -149,7 +151,9 @@ def join_table() -> table.Panel:
     panel = (table.Panel().title("Who starves whom: engine -> pod -> GPU -> disk")
              .description(
                  "One row per engine on a GPU (and pod, where the pods report it): the join GPUStarvedByDiskIO "
-                 "makes. GPU busy and SM active (GPM, Hopper and newer) red under their limits; await and "
+                 "makes. GPU activity (SM activity where GPM measures it, else NVML busy; a MIG device's GPU "
+                 f"instance) red under {c.GPU_SM_ACTIVE_LOW:.0%}, and as a share of its calm normal red under "
+                 f"{c.GPU_ACTIVITY_DROP:.0%}: the GPU lost its work; await and "
                  "queue as a share of the disk class's limit "
                  "(red from 100 %: the disk is slow, or deeply queued, for its class; the worst of the whole "
                  "disks under the engine file); IO pressure red from the node's limit (it is the node's, not "
@@ -171,10 +175,10 @@ def join_table() -> table.Panel:
     cell = {"type": "color-background"}
     for column, props in (
         ("state", {"mappings": state_names, "custom_cellOptions": cell}),
-        ("GPU busy", {"unit": "percentunit", "thresholds": limit(c.GPU_BUSY_LOW, below=True).build(),
-                      "custom_cellOptions": cell}),
-        ("SM active", {"unit": "percentunit", "thresholds": limit(c.GPU_SM_ACTIVE_LOW, below=True).build(),
-                       "custom_cellOptions": cell}),
+        ("GPU activity", {"unit": "percentunit", "thresholds": limit(c.GPU_SM_ACTIVE_LOW, below=True).build(),
+                          "custom_cellOptions": cell}),
+        ("of its calm", {"unit": "percentunit", "thresholds": limit(c.GPU_ACTIVITY_DROP, below=True).build(),
+                         "custom_cellOptions": cell}),
         ("await / limit", {"unit": "percentunit", "thresholds": limit(1.0).build(), "custom_cellOptions": cell}),
         ("queue / limit", {"unit": "percentunit", "thresholds": limit(1.0).build(), "custom_cellOptions": cell}),
         ("IO pressure", {"unit": "percentunit", "thresholds": limit(c.IO_PRESSURE_SOME).build(),
@@ -217,9 +221,10 @@ def top_row() -> list:
     state = timeline(
         "Engine x GPU: ok, loading, waiting for disk, starved, stale data",
         "One lane per engine on each GPU of the node. ok: loaded, nothing waits on storage; loading: a load "
-        "is in progress; waiting for disk: work waits on the engine while the disk or network mount under "
-        "its file is saturated (DiskIOStorm's judgement); starved: the GPU is also under "
-        f"{c.GPU_BUSY_LOW:.0%} busy, GPUStarvedByDiskIO's condition (it pages after {c.STARVED_FOR}); stale "
+        "is in progress, or its loads die unfinished again and again (a crash loop); waiting for disk: work "
+        "waits on the engine while the disk or network mount under its file is saturated (DiskIOStorm's "
+        f"judgement); starved: the GPU also lost its work (mostly idle, or under {c.GPU_ACTIVITY_DROP:.0%} of "
+        f"its calm activity), GPUStarvedByDiskIO's condition (it pages after {c.STARVED_FOR}); stale "
         "data: the node's GPU data is stale, nothing can be judged (GpuioGPUDataStale). The colours are the "
         "alerts' own recording rules, so the board and the page agree. A hole: the engine was not loaded.",
         query(engine_gpu_state(ENGINE), "{{engine}} on {{gpu_uuid}}"),
@@ -235,8 +240,9 @@ def gpu_panels() -> list:
             f"a warp resident; tensor: share of time the tensor pipes worked; DRAM: share of peak memory "
             f"bandwidth (GPM, Hopper and newer). Busy reads 100 % while an engine's weights cross PCIe with no "
             f"SM running: GPUStarvedByDiskIO counts a GPU as idle under {c.GPU_BUSY_LOW:.0%} busy or under "
-            f"{c.GPU_SM_ACTIVE_LOW:.0%} SM active (the dashed lines), with work waiting on saturated storage; "
-            "idle with nothing waiting is an idle GPU, not a starved one.", "percentunit",
+            f"{c.GPU_SM_ACTIVE_LOW:.0%} SM active (the dashed lines), or as having lost its work under "
+            f"{c.GPU_ACTIVITY_DROP:.0%} of its calm activity, with work waiting on saturated storage; idle "
+            "with nothing waiting is an idle GPU, not a starved one.", "percentunit",
             query(rate("gpuio_gpu_busy_seconds_total", sel(GPU)), "GPU {{gpu}} busy"),
             query(rate("gpuio_gpu_sm_active_seconds_total", sel(GPU)), "GPU {{gpu}} SM active"),
             query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), "GPU {{gpu}} tensor"),

@@ -438,6 +438,10 @@ class Totals:
     unfinished_listings: int = 0  # directories whose listing goes on at the next scrapes (DirectoryScan)
     # (engine, GPU uuid) -> the pods of the live writers reporting it (PodIdentity of each file)
     pods: dict[tuple[str, str], set[PodIdentity]] = field(default_factory=dict)
+    # (engine, GPU uuid) -> loads that were in progress when their writer exited (folded only): a process
+    # killed while loading (a startup probe, OOM) never finishes its load, and a crash-looping cold start
+    # is one such load per attempt.  The evidence that survives the processes (docs/engines.md).
+    abandoned: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 # What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
@@ -610,6 +614,7 @@ class SpoolReader:
         self._folded = Totals()
         self._folded_touched: dict[str, float] = {}
         self._folded_per_gpu: dict[tuple[str, str], list[float]] = {}
+        self._folded_abandoned: dict[tuple[str, str], float] = {}
         self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
         self._per_gpu_pruned_at = 0
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
@@ -1239,6 +1244,7 @@ class SpoolReader:
             last_load=dict(folded.last_load),
             waterfalls={engine: list(values) for engine, values in folded.waterfalls.items()},
             dropped_by_writers=folded.dropped_by_writers,
+            abandoned=dict(self._folded_abandoned),
         )
 
     def _add_infos_and_pods(self, totals: Totals, infos: dict[InfoIdentity, EngineInfo], pod: PodIdentity | None,
@@ -1301,23 +1307,34 @@ class SpoolReader:
                           for key, group in groups.items()}
 
     def _fold_per_gpu(self, parsed: Parsed) -> None:
-        """An exited writer's per-GPU counts stay under the GPU it had while alive (gauges zeroed).
-        Bounded: past max_folded_engines * 4 keys, new GPUs of an engine fold into its "" series, and
-        engines forgotten by the engine cap are forgotten here too."""
+        """An exited writer's per-GPU counts stay under the GPU it had while alive (gauges zeroed), and
+        its loads still in progress count as abandoned there.  Bounded: past max_folded_engines * 4 keys,
+        new GPUs of an engine fold into its "" series, and engines forgotten by the engine cap are
+        forgotten here too."""
         folded = self._folded_per_gpu
         for engine, values in parsed.engines.items():
-            info = parsed.infos.get(engine)
-            uuid = (info.gpu_uuid if info else "") or self._gpu_seen.get((parsed.instance, engine), "")
-            if (engine, uuid) not in folded and len(folded) >= self.max_folded_engines * 4:
-                uuid = ""
             kept = list(_per_gpu_values(values))
             for index in PER_GPU_LAYOUT.gauges.values():
                 kept[index] = 0.0
-            _add_into(folded, (engine, uuid), kept)
+            _add_into(folded, (engine, self._folded_gpu(parsed, engine, "")), kept)
+        abandoned = self._folded_abandoned
+        for (engine, uuid, _), (in_progress, _, _) in parsed.loads.items():
+            if in_progress >= 1:  # whole loads only: the slot is a count the writer moves by one
+                key = (engine, self._folded_gpu(parsed, engine, uuid))
+                abandoned[key] = abandoned.get(key, 0.0) + float(int(in_progress))
         if self._per_gpu_pruned_at != self.forgotten_engines:
             self._per_gpu_pruned_at = self.forgotten_engines
-            for key in [key for key in folded if key[0] not in self._folded.engines]:
-                del folded[key]
+            for table in (folded, abandoned):
+                for key in [key for key in table if key[0] not in self._folded.engines]:
+                    del table[key]
+
+    def _folded_gpu(self, parsed: Parsed, engine: str, recorded: str) -> str:
+        """The GPU an exited writer's ``engine`` folds under: the one it recorded (for a load, on the load
+        itself), else the one its INFO or NVML gave while it lived; "" once the folded keys are at their cap."""
+        info = parsed.infos.get(engine)
+        uuid = recorded or (info.gpu_uuid if info else "") or self._gpu_seen.get((parsed.instance, engine), "")
+        known = (engine, uuid) in self._folded_per_gpu or (engine, uuid) in self._folded_abandoned
+        return uuid if known or len(self._folded_per_gpu) < self.max_folded_engines * 4 else ""
 
 
 MAX_LOCK_TABLE_BYTES = 4 << 20

@@ -194,11 +194,37 @@ class Config:
     # Work waits on an engine on one GPU (judged per engine and GPU, never "a request is in flight"):
     # requests waiting this long (mean) for a pool context, or as many inferences in flight as the pool has
     # contexts, or p99 latency at least ENGINE_LATENCY_FACTOR x its calm median (learned, like the disk
-    # baselines, only while the engine's storage was not saturated), or a load of the engine in progress.
+    # baselines, only while the engine's storage was not saturated), or a load of the engine in progress
+    # (or crash-looping: LOAD_CRASH_LOOP_WINDOW below).
     ENGINE_POOL_WAIT_SECONDS: float = thresholds.ENGINE_POOL_WAIT_SECONDS
     ENGINE_LATENCY_FACTOR: float = 2.0
+    # A GPU has lost its work when it is mostly idle (GPU_BUSY_LOW, GPU_SM_ACTIVE_LOW) or its activity (SM
+    # activity where GPM measures it, else NVML busy; a MIG device: its GPU instance's SM activity) fell
+    # below this share of its calm normal: the median over BASELINE_WINDOW of the evaluations with no
+    # saturated disk or slow mount on the node, held for BASELINE_HOLD.  A storm rarely stops a GPU dead;
+    # it takes most of its throughput (measured on an H200: SM activity 0.90 -> 0.34 with every pool full).
+    GPU_ACTIVITY_DROP: float = 0.5
     STARVED_FOR: str = "5m"
     NODE_STARVED_FOR: str = "10m"
+
+    # --- churn: processes crash-loop, restart, get replaced ----------------------------------------------
+    # An engine's file and GPU outlive its processes by this long in the joins the alerts make, so that a
+    # process restarting (a crash loop's back-off reaches 5 minutes) does not make its engine vanish.
+    ENGINE_HOLD: str = "10m"
+    # Loads of an engine on one GPU abandoned at least twice within this window (their process exited while
+    # loading: killed by its startup probe, out of memory) mean the engine cannot come up: work waits on it
+    # although, between attempts, no load is in progress.  Longer than two attempts at the longest back-off.
+    LOAD_CRASH_LOOP_WINDOW: str = "15m"
+    # After a load is abandoned, its replacement has this long to start loading before the engine stops
+    # counting as loading (the first attempts of a crash loop restart within seconds; a drained pod never).
+    # Shorter than STORM_PAGE_FOR, so a pod killed once while loading pages nobody.
+    LOAD_RESTART_GRACE: str = "1m"
+    # A scrape gap (the exporter restarting, OOM-killed or upgraded, its node unreachable) resolves no firing
+    # alert of a storm and starts no second one: while the node's exporter has not been up without a break
+    # for GAP_SETTLE (its rate windows refilled), a storm or starvation alert that was firing keeps firing
+    # on its last judgement, for up to GAP_HOLD.  Longer gaps: GpuioExporterDown.
+    GAP_SETTLE: str = "2m"
+    GAP_HOLD: str = "10m"
 
     # --- engine loads ----------------------------------------------------------------------------------
     # A cold start (read + deserialize, the mean of the loads that finished in ENGINE_LOAD_WINDOW) slower

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import yaml
@@ -86,6 +86,11 @@ def age(phases: Iterable[tuple[float, bool]]) -> str:
     return compress(values)
 
 
+# Not a number: no sample ("_"), or a staleness marker ("stale": what Prometheus writes for every series
+# of a target whose scrape failed, and for a series a target stopped serving).
+MISSING = ("_", "stale")
+
+
 def compress(values: list[str]) -> str:
     """promtool's expanding notation: runs of equal values as ``vxN``, runs growing by a constant step as
     ``a+bxN`` (N+1 values each); the rest one by one."""
@@ -94,13 +99,15 @@ def compress(values: list[str]) -> str:
     while i < len(values):
         run = same_run(values, i)
         step, growing = linear_run(values, i)
-        if values[i] != "_" and growing > run and growing >= 3:
+        if values[i] not in MISSING and growing > run and growing >= 3:
             sign = "+" if step >= 0 else "-"
             out.append(f"{values[i]}{sign}{abs(step):.12g}x{growing - 1}")
             i += growing
             continue
         if values[i] == "_":
             out.append(f"_x{run}" if run > 1 else "_")
+        elif values[i] == "stale":  # no expanding notation for it
+            out += ["stale"] * run
         else:
             out.append(f"{values[i]}x{run - 1}" if run > 1 else values[i])
         i += run
@@ -116,19 +123,19 @@ def same_run(values: list[str], i: int) -> int:
 
 def linear_run(values: list[str], i: int) -> tuple[float, int]:
     """(step, length) of the run from ``i`` whose values grow by one constant step."""
-    if i + 1 >= len(values) or "_" in (values[i], values[i + 1]):
+    if i + 1 >= len(values) or values[i] in MISSING or values[i + 1] in MISSING:
         return 0.0, 1
     first, step = float(values[i]), float(values[i + 1]) - float(values[i])
     j = i + 1
-    while j + 1 < len(values) and values[j + 1] != "_" and \
+    while j + 1 < len(values) and values[j + 1] not in MISSING and \
             abs(float(values[j + 1]) - (first + (j + 1 - i) * step)) <= 1e-9 * max(1.0, abs(float(values[j + 1]))):
         j += 1
     return step, j - i + 1
 
 
-def selector(name: str, **labels: str) -> str:
+def selector(metric: str, /, **labels: str) -> str:
     inner = ",".join(f'{key}="{value}"' for key, value in labels.items())
-    return f"{name}{{{inner}}}"
+    return f"{metric}{{{inner}}}"
 
 
 @dataclass
@@ -144,6 +151,10 @@ class Fire:
     end: int | None = None
     exact: bool = False
     names: tuple[str, ...] = ()  # what its summary + description must name (checked by the probe)
+    # Firing without a break from this time (seconds) to ``end`` (or the scenario's end): one open alert
+    # through the churn, never resolved and fired again (checked at every evaluation by the probe, and in
+    # the promtool test by counting its ALERTS samples over that span).
+    steady_from: int | None = None
 
 
 @dataclass
@@ -164,9 +175,21 @@ class Scenario:
     def instance(self) -> str:
         return f"{self.name}:9817"
 
-    def add(self, name: str, values: str, **labels: str) -> None:
-        self.series.append({"series": selector(name, job="gpuio", instance=self.instance, **labels),
+    def add(self, metric: str, values: str, /, **labels: str) -> None:
+        self.series.append({"series": selector(metric, job="gpuio", instance=self.instance, **labels),
                             "values": values})
+
+    def scraped(self, up: str | None = None, process_start: str | None = None) -> None:
+        """Prometheus' own ``up`` of the node's target and the exporter's process start time: scraped
+        without a break by one process since the start, unless a scenario says otherwise (a restart)."""
+        self.add("up", up or gauge([(self.minutes, 1)]))
+        self.add("process_start_time_seconds", process_start or gauge([(self.minutes, 0)]))
+
+    def input_series(self) -> list[dict[str, str]]:
+        """The scenario's series, with the target's ``up`` and start time where it set none."""
+        if not any(series["series"].startswith("up{") for series in self.series):
+            self.scraped()
+        return self.series
 
     # --- building blocks -------------------------------------------------------------------------
     def disk(self, device: str, rotational: str, phases: list[tuple],
@@ -566,6 +589,411 @@ def network_block_device() -> Scenario:
     return s
 
 
+# --- churn: crash loops, MIG, reloads, restarts, drains; and GPUs that lose most of their work ---------
+Sample = float | str | None  # a value, "stale", or None: no sample
+
+
+def samples(values: Iterable[Sample]) -> str:
+    """promtool values of one sample per scrape."""
+    return compress(["_" if v is None else v if isinstance(v, str) else f"{v:.6g}" for v in values])
+
+
+def totals(rates: Iterable[float | None], reset_at: Iterable[int] = ()) -> list[float | None]:
+    """A counter's samples from its per-second rate at each scrape (None: no sample, the counter still
+    counts, as the kernel's do while nobody scrapes them); restarting from 0 at ``reset_at``."""
+    out: list[float | None] = []
+    total, resets = 0.0, set(reset_at)
+    for index, rate in enumerate(rates):
+        if index in resets:
+            total = 0.0
+        out.append(None if rate is None else total)
+        total += (rate or 0.0) * STEP
+    return out
+
+
+def gap(values: Sequence[Sample], first: int, length: int) -> list[Sample]:
+    """``values`` with a scrape gap: a staleness marker at its first scrape (what Prometheus writes for
+    every series of a target whose scrape fails), then no samples."""
+    return [values[i] if not first <= i < first + length else "stale" if i == first else None
+            for i in range(len(values))]
+
+
+@dataclass
+class CrashLoop:
+    """Pods killed by their startup probe while cold-loading: each attempt loads for LOADING scrapes (its
+    load first seen AGE0 seconds old), then its process is gone for GAP scrapes (the replacement starting),
+    and the exporter counts the abandoned load when it folds the dead process's file."""
+
+    LOADING = 5
+    GAP = 1
+    AGE0 = 10
+
+    start: int  # scrape index of the first attempt
+    end: int  # scrape index after the last
+
+    def loading(self, i: int) -> bool:
+        return self.start <= i < self.end and (i - self.start) % (self.LOADING + self.GAP) < self.LOADING
+
+    def age(self, i: int) -> float:
+        return self.AGE0 + STEP * ((i - self.start) % (self.LOADING + self.GAP)) if self.loading(i) else 0.0
+
+    def abandoned(self, i: int) -> float:
+        """Loads abandoned by scrape ``i``: one at each attempt's first gap scrape."""
+        cycle = self.LOADING + self.GAP
+        if i < self.start + self.LOADING:
+            return 0.0
+        return float(min((i - self.start - self.LOADING) // cycle + 1, (self.end - self.start + self.GAP) // cycle))
+
+
+def crash_looping_engines(s: Scenario, count: int, physical: tuple[str, ...], storm: range,
+                          device: str = "") -> list[str]:
+    """``count`` engines whose pods crash-loop through ``storm`` (scrape indexes), one per GPU, the attempts
+    of engine i shifted by i scrapes; their files on ``device`` over the whole disks ``physical``.  The
+    GPUs idle all along (nothing is loaded, no request is served); before the storm the node had no engine."""
+    total = steps(s.minutes)
+    engines = []
+    loads_per_disk = [0.0] * total
+    oldest_per_disk = [0.0] * total
+    for index in range(count):
+        engine, loop = f"ranker-{index}", CrashLoop(storm.start + index, storm.stop)
+        uuid = s.gpu(index, [(s.minutes, 0.02)])
+        engines.append(engine)
+        path = f"/models/{engine}.plan"
+        live = [1.0 if loop.loading(i) else ("stale" if loop.start <= i < loop.end else None) for i in range(total)]
+        # a live process reports the engine's file; between attempts nobody does (the exporter stops serving it)
+        live = [v if v != "stale" or (i > 0 and live[i - 1] == 1.0) else None for i, v in enumerate(live)]
+        s.add("gpuio_engine_info", samples(live), engine=engine, path=path, device=device or physical[0],
+              cuda_device="0", gpu_uuid=uuid, runtime="tensorrt")
+        for disk in physical:
+            s.add("gpuio_engine_physical_device_info", samples(live), engine=engine, path=path, physical_device=disk)
+        known = range(loop.start, total)  # the engine x GPU pair is served from its first load on (folded after)
+        labels = {"engine": engine, "gpu_uuid": uuid}
+        s.add("gpuio_engine_loads_in_progress",
+              samples(float(loop.loading(i)) if i in known else None for i in range(total)), **labels)
+        s.add("gpuio_engine_load_oldest_in_progress_seconds",
+              samples(loop.age(i) if i in known else None for i in range(total)), **labels)
+        s.add("gpuio_engine_loads_abandoned_total",
+              samples(loop.abandoned(i) if i in known else None for i in range(total)), **labels)
+        for i in range(total):
+            loads_per_disk[i] += float(loop.loading(i))
+            oldest_per_disk[i] = max(oldest_per_disk[i], loop.age(i))
+    for disk in physical:
+        s.add("gpuio_disk_engine_loads_in_progress", samples(loads_per_disk), device=disk)
+        s.add("gpuio_disk_engine_load_oldest_in_progress_seconds", samples(oldest_per_disk), device=disk)
+    return engines
+
+
+def crash_loop() -> Scenario:
+    """The storm the product exists for: a rollout's pods are killed by their startup probe every 90 s
+    because loading takes too long, each replacement starting again 15 s later, for 20 minutes; all eight
+    GPUs idle.  No process lives through a cycle: only the engines' identity and their abandoned loads
+    say that work waits."""
+    s = Scenario("crash-loop", "page", "8 pods crash-loop cold-loading from nvme0n1 (killed every 90 s) for 20 min",
+                 minutes=45, storm_start=20 * MIN)
+    s.disk("nvme0n1", "0", [(20, *CALM_SSD), (20, 2000, 0.025, 60, 1.0), (5, *CALM_SSD)])
+    s.psi([(20, 0.01, 0.0), (20, 0.7, 0.3), (5, 0.01, 0.0)])
+    s.nvml()
+    end = 40 * MIN
+    engines = crash_looping_engines(s, 8, ("nvme0n1",), range(steps(20), steps(40)))
+    churn_fires(s, engines, ("nvme0n1",), end)
+    return s
+
+
+def crash_loop_md() -> Scenario:
+    """The crash loop on LVM over an md RAID1 of two NVMe disks: engine files on dm-0, whose whole disks are
+    both mirror members; both saturate (the reads are spread over them)."""
+    s = Scenario("crash-loop-md", "page", "the crash loop on LVM over md RAID1 of nvme0n1 + nvme1n1",
+                 minutes=45, storm_start=20 * MIN)
+    for disk, storm_await in (("nvme0n1", 0.025), ("nvme1n1", 0.024)):
+        s.disk(disk, "0", [(20, *CALM_SSD), (20, 1000, storm_await, 30, 1.0), (5, *CALM_SSD)])
+    s.psi([(20, 0.01, 0.0), (20, 0.7, 0.3), (5, 0.01, 0.0)])
+    s.nvml()
+    end = 40 * MIN
+    engines = crash_looping_engines(s, 8, ("nvme0n1", "nvme1n1"), range(steps(20), steps(40)), device="dm-0")
+    churn_fires(s, engines, ("nvme0n1", "nvme1n1"), end)
+    return s
+
+
+def churn_fires(s: Scenario, engines: list[str], disks: tuple[str, ...], end: int) -> None:
+    """What the crash loop must page, once per storm: the storm on each disk, each engine on its GPU."""
+    start = s.storm_start + FIRST_STORM
+    # one disk storms from the storm's second scrape; two mirror members share the reads (half the queue
+    # each) and pass the queue limit a scrape later
+    storming = start if len(disks) == 1 else s.storm_start + FIRST_STORM_PSI_HALF
+    page = storming + seconds(c.STORM_PAGE_FOR)
+    for disk in disks:
+        s.fires.append(Fire("DiskIOStorm", c.CRITICAL, {"device": disk}, page, end + MIN, exact=True,
+                            names=(disk, *engines, "GPU 0", "GPU 7"), steady_from=page))
+        s.fires.append(Fire("DiskIOStorm", c.WARNING, {"device": disk}, storming + seconds(c.STORM_FOR), end + MIN,
+                            exact=True))
+    for index, engine in enumerate(engines):
+        # engine i's first attempt starts i scrapes into the storm; its first load is over 60 s old at its
+        # fifth scrape; it is starved from its first loading scrape on, paged STARVED_FOR later
+        first = s.storm_start + index * STEP
+        s.fires.append(Fire("EngineColdStartSlow", c.WARNING, {"engine": engine}, first + 4 * STEP, end + MIN,
+                            exact=True, steady_from=first + 4 * STEP))
+        # starved once it loads and the disk is saturated (the storm's second scrape)
+        paged = max(first, start) + seconds(c.STARVED_FOR)
+        s.fires.append(Fire("GPUStarvedByDiskIO", c.CRITICAL, {
+            "engine": engine, "path": f"/models/{engine}.plan", "gpu": str(index), "uuid": f"GPU-{s.name}-{index}",
+            "device": disks[0]}, paged, end + MIN, exact=True,
+            names=(engine, f"GPU {index}", disks[0], "loads abandoned") if index == 0 else (), steady_from=paged))
+
+
+def mig_starved() -> Scenario:
+    """Seven 1g.10gb MIG devices of one H100 each serve an engine; a storm on nvme0n1 starves the engine of
+    one of them (its pool full, p99 3.5 s, its GPU instance's SM activity 50 % -> 4 %) while six stay busy."""
+    s = Scenario("mig-starved", "page", "1 of 7 MIG 1g.10gb instances starves (SM 50 % -> 4 %, pool full)",
+                 minutes=75, storm_start=40 * MIN)
+    s.disk("nvme0n1", "0", [(40, *CALM_SSD), (35, 2500, 0.020, 50, 1.0)])
+    s.psi([(40, 0.02, 0.0), (35, 0.5, 0.05)])
+    s.nvml()
+    parent = "GPU-mig-parent"
+    whole = gauge([(s.minutes, 1)])
+    s.add("gpuio_gpu_processes", gauge([(s.minutes, 7)]), gpu="0", uuid=parent)
+    s.add("gpuio_gpu_mig_enabled", whole, gpu="0", uuid=parent)
+    for k in range(7):
+        instance, mig = str(7 + k), f"MIG-mig-starved-{k}"
+        starving = k == 3
+        s.add("gpuio_gpu_mig_device_info", whole, gpu="0", uuid=parent, mig_uuid=mig, gpu_instance=instance,
+              compute_instance="0", name="1g.10gb")
+        s.add("gpuio_gpu_mig_sm_active_seconds_total", counter([(40, 0.5), (35, 0.04 if starving else 0.5)]),
+              gpu="0", uuid=parent, gpu_instance=instance)
+        engine = f"embedder-{k}"
+        s.engine_file(engine, mig, device="nvme0n1")
+        s.serving(engine, mig, in_flight=[(40, 2), (35, 4 if starving else 2)], contexts=4, requests=[(75, 20)],
+                  pool_wait=[(40, 0.001), (35, 0.4 if starving else 0.001)],
+                  latency=[(40, (0.3, 0.99, 1, 1, 1)), (35, (0, 0, 0, 0, 1) if starving else (0.3, 0.99, 1, 1, 1))])
+    start = s.storm_start + FIRST_STORM_PSI_HALF
+    s.fires = [
+        Fire("GPUStarvedByDiskIO", c.CRITICAL, {
+            "engine": "embedder-3", "path": "/models/embedder-3.plan", "gpu": "0", "uuid": "MIG-mig-starved-3",
+            "gpu_instance": "10", "device": "nvme0n1"}, start + seconds(c.STARVED_FOR), exact=True,
+             names=("embedder-3", "GPU 0 MIG instance 10", "nvme0n1")),
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), exact=True,
+             names=("nvme0n1", "1 engine(s) starving", "embedder-3 on GPU 0 MIG instance 10")),
+        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + seconds(c.STORM_FOR), exact=True),
+    ]
+    return s
+
+
+def blue_green() -> Scenario:
+    """A blue/green reload: each engine's new generation cold-loads 4 GB from a saturated nvme0n1 beside the
+    old one, which keeps its GPU 85 % busy; no request waits.  The storm is a ticket, the slow loads are
+    tickets; nothing pages however long the rollout."""
+    s = Scenario("blue-green", "ticket", "new generations cold-load 4 GB each from a saturated nvme0n1 while the "
+                 "old keep the GPUs 85 % busy, no request waiting", minutes=90, storm_start=40 * MIN)
+    s.disk("nvme0n1", "0", [(40, *CALM_SSD), (45, 2000, 0.030, 60, 1.0), (5, *CALM_SSD)])
+    s.psi([(40, 0.02, 0.0), (45, 0.6, 0.15), (5, 0.02, 0.0)])
+    s.nvml()
+    for i in range(4):
+        # GPM: SM activity 85 % all along; NVML busy near 100 %
+        uuid = s.gpu(i, [(s.minutes, 0.99)])
+        s.add("gpuio_gpu_sm_active_seconds_total", counter([(s.minutes, 0.85)]), gpu=str(i), uuid=uuid)
+        engine = f"llm-{i}"
+        s.engine_file(engine, uuid, device="nvme0n1")
+        # generation after generation, 10 minutes each, one GPU after the other
+        loading = [(40.0 + i * 2, False), (10.0, True), (2.0, False), (10.0, True), (28.0 - i * 2, False)]
+        s.loads(engine, uuid, loading)
+        s.serving(engine, uuid, in_flight=[(s.minutes, 2)], contexts=4, requests=[(s.minutes, 40)],
+                  pool_wait=[(s.minutes, 0.001)], latency=[(s.minutes, (0.3, 0.99, 1, 1, 1))])
+    in_progress = [(40, 0), (2, 1), (2, 2), (2, 3), (6, 4), (2, 3), (2, 2), (2, 3), (2, 4), (6, 4), (2, 3), (2, 2),
+                   (2, 1), (18, 0)]
+    s.add("gpuio_disk_engine_loads_in_progress", gauge(in_progress), device="nvme0n1")
+    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, s.storm_start + FIRST_STORM + seconds(c.STORM_FOR),
+                    s.storm_start + 45 * MIN + MIN, exact=True)]
+    s.only_listed = True  # the slow loads' tickets (EngineColdStartSlow) open and close with each generation
+    return s
+
+
+def exporter_restart() -> Scenario:
+    """The exporter restarts in the middle of a cold-start storm: no scrape for 2 minutes (up 0, every
+    series stale), then a new process (its start time, its GPU busy counters from 0; the kernel's disk and
+    IO-pressure counters and the inference processes' spool went on).  The page neither resolves nor
+    fires a second time."""
+    s = Scenario("exporter-restart", "page", "exporter restarts 10 min into a cold-start storm (2 min without "
+                 "scrapes, GPU counters from 0)", minutes=50, storm_start=20 * MIN)
+    total = steps(s.minutes)
+    down, length = steps(30), steps(2)
+    back = down + length
+
+    def phases(calm: float, storm: float) -> list[float]:
+        return [calm if i < steps(20) or i >= steps(45) else storm for i in range(total)]
+
+    def add(name: str, values: Sequence[Sample], **labels: str) -> None:
+        s.add(name, samples(gap(values, down, length)), **labels)
+
+    reads, await_, queue = phases(1500, 2000), phases(0.0005, 0.025), phases(0.75, 60)
+    add("gpuio_disk_info", [1.0] * total, device="nvme0n1", rotational="0")
+    add("gpuio_disk_reads_completed_total", totals(reads), device="nvme0n1")
+    add("gpuio_disk_read_time_seconds_total", totals([r * a for r, a in zip(reads, await_, strict=True)]),
+        device="nvme0n1")
+    add("gpuio_disk_io_time_weighted_seconds_total", totals(queue), device="nvme0n1")
+    add("gpuio_disk_io_time_seconds_total", totals(phases(0.08, 1.0)), device="nvme0n1")
+    add("gpuio_pressure_io_waiting_seconds_total", totals(phases(0.01, 0.7)))
+    add("gpuio_pressure_io_stalled_seconds_total", totals(phases(0.0, 0.3)))
+    add("gpuio_gpu_snapshot_age_seconds", [0.5] * total)
+    add("gpuio_scrape_collector_success", [1.0] * total, collector="nvml")
+    loading = [1.0 if steps(20) <= i < steps(45) else 0.0 for i in range(total)]
+    for i in range(4):
+        uuid, engine = f"GPU-{s.name}-{i}", f"ranker-{i}"
+        add("gpuio_gpu_busy_seconds_total", totals([0.02] * total, reset_at=[back]), gpu=str(i), uuid=uuid)
+        add("gpuio_gpu_processes", [1.0] * total, gpu=str(i), uuid=uuid)
+        path = f"/models/{engine}.plan"
+        add("gpuio_engine_info", [1.0] * total, engine=engine, path=path, device="nvme0n1", cuda_device="0",
+            gpu_uuid=uuid, runtime="tensorrt")
+        add("gpuio_engine_physical_device_info", [1.0] * total, engine=engine, path=path, physical_device="nvme0n1")
+        add("gpuio_engine_loads_in_progress", loading, engine=engine, gpu_uuid=uuid)
+        add("gpuio_engine_load_oldest_in_progress_seconds",
+            [STEP * (i - steps(20)) if loading[i] else 0.0 for i in range(total)], engine=engine, gpu_uuid=uuid)
+    add("gpuio_disk_engine_loads_in_progress", [4 * v for v in loading], device="nvme0n1")
+    s.scraped(up=samples([0.0 if down <= i < back else 1.0 for i in range(total)]),
+              process_start=samples(gap([0.0 if i < back else back * STEP - 5.0 for i in range(total)], down, length)))
+    start = s.storm_start + FIRST_STORM
+    end = 45 * MIN
+    page = start + seconds(c.STORM_PAGE_FOR)
+    starved = start + seconds(c.STARVED_FOR)
+    s.fires = [
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, page, end + MIN, exact=True, steady_from=page),
+        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + seconds(c.STORM_FOR), end + MIN, exact=True,
+             steady_from=start + seconds(c.STORM_FOR)),
+    ]
+    for i in range(4):
+        s.fires.append(Fire("GPUStarvedByDiskIO", c.CRITICAL, {
+            "engine": f"ranker-{i}", "path": f"/models/ranker-{i}.plan", "gpu": str(i), "uuid": f"GPU-{s.name}-{i}",
+            "device": "nvme0n1"}, starved, end + MIN, exact=True, steady_from=starved))
+        s.fires.append(Fire("EngineColdStartSlow", c.WARNING, {"engine": f"ranker-{i}"}, s.storm_start + 75,
+                            end + MIN, exact=True, steady_from=s.storm_start + 75))
+    s.only_listed = True  # while the node is unscraped, what its exporter's own alerts say is its business
+    return s
+
+
+def node_drain() -> Scenario:
+    """A backup saturates the disk (a ticket); at 30m the node is drained: four serving pods are evicted,
+    two of them in the middle of loading a new version, and the GPUs go idle.  Loads abandoned once, never
+    retried: no crash loop, no starvation, no page."""
+    s = Scenario("node-drain", "ticket", "node drained during a backup storm: 4 pods evicted, 2 of them mid-load",
+                 minutes=45, storm_start=20 * MIN)
+    s.disk("nvme0n1", "0", [(20, *CALM_SSD), (25, 1500, 0.020, 80, 1.0)])
+    s.psi([(20, 0.02, 0.0), (25, 0.5, 0.3)])
+    s.nvml()
+    total = steps(s.minutes)
+    drained = steps(30)
+    for i in range(4):
+        uuid = s.gpu(i, [(30, 0.8), (15, 0.0)], processes=1)
+        engine = f"bert-{i}"
+        path = f"/models/{engine}.plan"
+        live: list[Sample] = [1.0 if j < drained else "stale" if j == drained else None for j in range(total)]
+        s.add("gpuio_engine_info", samples(live), engine=engine, path=path, device="nvme0n1", cuda_device="0",
+              gpu_uuid=uuid, runtime="tensorrt")
+        s.add("gpuio_engine_physical_device_info", samples(live), engine=engine, path=path, physical_device="nvme0n1")
+        s.serving(engine, uuid, in_flight=[(30, 2), (15, 0)], contexts=4, requests=[(30, 40), (15, 0)],
+                  pool_wait=[(45, 0.001)], latency=[(45, (0.3, 0.99, 1, 1, 1))])
+        reloading = i < 2  # a new version loading beside the serving one when the eviction came
+        s.loads(engine, uuid, [(29, False), (1, reloading), (15, False)])
+        s.add("gpuio_engine_loads_abandoned_total", samples(float(reloading and j >= drained) for j in range(total)),
+              engine=engine, gpu_uuid=uuid)
+    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"},
+                    s.storm_start + FIRST_STORM + seconds(c.STORM_FOR), exact=True)]
+    return s
+
+
+# A GPU that loses most of its work (measured on an H200 during a real storm on its virtio disk, vda:
+# reads 0.86 ms -> 156-189 ms, queue 0.08 -> ~200, PSI full 0.85; SM activity 0.905 -> 0.31-0.36, NVML busy
+# 0.99 -> 0.34-0.40, every engine's pool full).  vda: sysfs calls it rotational.
+VDA_CALM = (400.0, 0.00086, 0.08, 0.08)
+VDA_STORM = (1300.0, 0.170, 200.0, 1.0)
+
+
+def drop_case(name: str, expected: str, what: str, calm_sm: float, storm_sm: float, waiting: bool,
+              psi_full: float = 0.84, calm_minutes: int = 40) -> Scenario:
+    """Four engines on one GPU (a pool of 2 contexts each), the GPU's SM activity ``calm_sm`` then
+    ``storm_sm`` during a storm on vda; ``waiting``: every pool full during the storm (requests read their
+    input from the disk inside the pool), else the load merely fell (fewer requests, pools half free)."""
+    minutes = calm_minutes + 20
+    s = Scenario(name, expected, what, minutes=minutes, storm_start=calm_minutes * MIN)
+    s.disk("vda", "1", [(calm_minutes, *VDA_CALM), (20, *VDA_STORM)])
+    s.psi([(calm_minutes, 0.01, 0.005), (20, 0.9, psi_full)])
+    s.nvml()
+    uuid = s.gpu(0, [(calm_minutes, min(1.0, calm_sm + 0.09)), (20, min(1.0, storm_sm + 0.05))], processes=4)
+    s.add("gpuio_gpu_sm_active_seconds_total", counter([(calm_minutes, calm_sm), (20, storm_sm)]), gpu="0", uuid=uuid)
+    for k in range(4):
+        engine = f"matmul-{k}"
+        s.engine_file(engine, uuid, device="vda")
+        storm_in_flight = 2 if waiting else 1
+        s.serving(engine, uuid, in_flight=[(calm_minutes, 2 if calm_sm < 0.5 else 1.6), (20, storm_in_flight)],
+                  contexts=2, requests=[(calm_minutes, 20), (20, 8 if waiting else 4)],
+                  pool_wait=[(calm_minutes, 0.0005), (20, 0.4 if waiting else 0.0005)],
+                  latency=[(calm_minutes, (0.2, 0.9, 1, 1, 1)), (20, (0, 0, 0.2, 0.9, 1) if waiting
+                                                                    else (0.2, 0.9, 1, 1, 1))])
+    return s
+
+
+def activity_drop() -> Scenario:
+    """Issue of a real H200: SM activity 0.90 -> 0.34 while every engine's pool is full of requests reading
+    their input from the stormed disk.  Not idle by any absolute floor, yet starved: it lost two thirds of
+    its work.  The page names the engines, the GPU and the disk, and counts the starved engines."""
+    s = drop_case("activity-drop", "page", "GPU SM activity 0.90 -> 0.34 while every pool is full on stormed vda",
+                  0.905, 0.34, waiting=True)
+    engines = [f"matmul-{k}" for k in range(4)]
+    s.fires = [Fire("GPUStarvedByDiskIO", c.CRITICAL, {
+        "engine": engine, "path": f"/models/{engine}.plan", "gpu": "0", "uuid": f"GPU-{s.name}-0", "device": "vda"},
+        s.storm_start + seconds(c.STARVED_FOR) + MIN, names=(engine, "GPU 0", "vda", "its calm normal: 90.5%"))
+        for engine in engines]
+    s.fires += [
+        # the pools are full and all tasks stall on IO (PSI full 0.84) from the storm's second scrape
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, s.storm_start + FIRST_STORM + seconds(c.STORM_PAGE_FOR),
+             exact=True, names=("vda", "4 engine(s) starving their GPU", *engines)),
+        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + seconds(c.STORM_FOR) + MIN),
+    ]
+    return s
+
+
+def activity_fell() -> Scenario:
+    """The same drop with nothing waiting: fewer requests came (pools half free, no pool wait, latency as
+    calm).  An idle GPU, not a starved one: the storm stays a ticket."""
+    s = drop_case("activity-fell", "ticket", "the same drop, fewer requests: pools half free, nothing waits",
+                  0.905, 0.34, waiting=False)
+    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + seconds(c.STORM_FOR) + MIN)]
+    return s
+
+
+def always_low() -> Scenario:
+    """A GPU that always worked at 0.35 (its pools always full: the model is bound elsewhere) through a storm
+    with less IO pressure: its work did not fall, so it is not starved; the storm is a ticket."""
+    s = drop_case("always-0.35", "ticket", "GPU always at SM 0.35 with full pools; storm on vda, PSI full 0.15",
+                  0.35, 0.34, waiting=True, psi_full=0.15)
+    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + seconds(c.STORM_FOR) + MIN)]
+    return s
+
+
+def no_calm_baseline() -> Scenario:
+    """A node that storms from its first minutes: no GPU has a calm normal, so the absolute floors decide.
+    GPU 0 at SM 0.35 (busy 0.4) is not idle by them; GPU 1 at SM 0.05 is, and both pools are full."""
+    s = Scenario("no-calm-baseline", "page", "storm from the start; GPU 0 at SM 0.35, GPU 1 at 0.05, pools full",
+                 minutes=25, storm_start=0)
+    s.disk("vda", "1", [(25, *VDA_STORM)])
+    s.psi([(25, 0.9, 0.84)])
+    s.nvml()
+    for i, sm in enumerate((0.35, 0.05)):
+        uuid = s.gpu(i, [(25, sm + 0.05)])
+        s.add("gpuio_gpu_sm_active_seconds_total", counter([(25, sm)]), gpu=str(i), uuid=uuid)
+        engine = f"matmul-{i}"
+        s.engine_file(engine, uuid, device="vda")
+        s.serving(engine, uuid, in_flight=[(25, 2)], contexts=2, requests=[(25, 8)], pool_wait=[(25, 0.4)],
+                  latency=[(25, (0, 0, 0.2, 0.9, 1))])
+    s.fires = [
+        Fire("GPUStarvedByDiskIO", c.CRITICAL, {"engine": "matmul-1", "path": "/models/matmul-1.plan", "gpu": "1",
+                                                 "uuid": "GPU-no-calm-baseline-1", "device": "vda"},
+             seconds(c.STARVED_FOR) + MIN, names=("matmul-1", "GPU 1", "none learned")),
+        # the storm holds from the second scrape (the first rate)
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, STEP + seconds(c.STORM_PAGE_FOR), exact=True,
+             names=("vda", "matmul-1", "GPU 1")),
+        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, seconds(c.STORM_FOR) + MIN),
+    ]
+    return s
+
+
 RECORDING = os.path.join(HERE, "tests", "recorded", "cold-start-storm.json")
 DILATION = 15  # a recording's 1 s samples replayed as 15 s scrapes
 
@@ -604,7 +1032,9 @@ def recorded_storm() -> Scenario:
 
 SCENARIOS = [cold_start_storm, long_storm, rolling_deploy, rolling_deploy_saturating, counter_reset, unplug_and_loop,
              one_of_eight, backup_light_traffic, drained_replica, frozen_nvml, nfs_engine, fuse_cold_start,
-             nvme_busy_fast, network_block_device, recorded_storm]
+             nvme_busy_fast, network_block_device, recorded_storm,
+             crash_loop, crash_loop_md, mig_starved, blue_green, exporter_restart, node_drain,
+             activity_drop, activity_fell, always_low, no_calm_baseline]
 
 
 # --- promtool tests --------------------------------------------------------------------------------
@@ -644,19 +1074,43 @@ def test_group(scenario: Scenario) -> dict:
     else:
         checks = [{"expr": query, "eval_time": duration(t),
                    "exp_samples": alerts_series(scenario, firing_at(scenario, t))} for t in checkpoints(scenario)]
+    if scenario.expected != "page":  # no page at any evaluation, however short
+        end = scenario.minutes * MIN - STEP
+        paged = selector("ALERTS", alertstate="firing", instance=scenario.instance, severity=c.CRITICAL)
+        checks.append({"expr": f"count_over_time({paged}[{duration(end)}])", "eval_time": duration(end),
+                       "exp_samples": []})
     for fire in scenario.fires:
-        if not fire.exact:
-            continue
         one = selector("ALERTS", alertstate="firing", instance=scenario.instance, alertname=fire.alertname,
                        severity=fire.severity, **fire.labels)
+        if fire.steady_from is not None:
+            checks.append(steady_check(scenario, fire, one))
+        if not fire.exact:
+            continue
         checks.append({"expr": one, "eval_time": duration(fire.start - STEP), "exp_samples": []})
         checks.append({"expr": one, "eval_time": duration(fire.start), "exp_samples": alerts_series(scenario, [fire])})
     return {"name": f"{scenario.name}: {scenario.what} (expected: {scenario.expected})", "interval": f"{STEP}s",
-            "input_series": scenario.series, "promql_expr_test": checks}
+            "input_series": scenario.input_series(), "promql_expr_test": checks}
 
 
-def built() -> list[Scenario]:
-    return [make() for make in SCENARIOS]
+def steady_until(scenario: Scenario, fire: Fire) -> int:
+    return (fire.end if fire.end is not None else scenario.minutes * MIN) - MIN
+
+
+def steady_check(scenario: Scenario, fire: Fire, one: str) -> dict:
+    """The alert fired at every evaluation from ``steady_from`` on: its ALERTS series has a sample at each
+    (a resolve would leave holes: a pending alert writes alertstate="pending", a resolved one nothing)."""
+    until = steady_until(scenario, fire)
+    span = until - (fire.steady_from or 0)
+    labels = {"alertname": fire.alertname, "alertstate": "firing", "instance": scenario.instance, "job": "gpuio",
+              "severity": fire.severity, **fire.labels}
+    return {"expr": f"count_over_time({one}[{duration(span)}]) >= bool {span // STEP}", "eval_time": duration(until),
+            "exp_samples": [{"labels": selector("", **labels), "value": 1}]}
+
+
+def built(only: Iterable[str] = ()) -> list[Scenario]:
+    scenarios = [make() for make in SCENARIOS]
+    wanted = set(only)
+    return [scenario for scenario in scenarios if not wanted or scenario.name in wanted]
 
 
 def render() -> str:
@@ -676,7 +1130,7 @@ def probe(scenario: Scenario, directory: str) -> dict[int, list[dict[str, str]]]
     times = range(0, scenario.minutes * MIN, STEP)
     test = {"rule_files": [os.path.join(HERE, "rules", os.path.basename(f)) for f in RULE_FILES],
             "evaluation_interval": f"{STEP}s",
-            "tests": [{"interval": f"{STEP}s", "input_series": scenario.series,
+            "tests": [{"interval": f"{STEP}s", "input_series": scenario.input_series(),
                        "promql_expr_test": [{"expr": query, "eval_time": duration(t), "exp_samples": []}
                                             for t in times]}]}
     path = os.path.join(directory, f"{scenario.name}.yml")
@@ -699,7 +1153,7 @@ def rendered_annotations(scenario: Scenario, fire: Fire, t: int, directory: str)
     """The summary and description of ``fire`` at ``t``, as promtool renders them."""
     test = {"rule_files": [os.path.join(HERE, "rules", os.path.basename(f)) for f in RULE_FILES],
             "evaluation_interval": f"{STEP}s",
-            "tests": [{"interval": f"{STEP}s", "input_series": scenario.series,
+            "tests": [{"interval": f"{STEP}s", "input_series": scenario.input_series(),
                        "alert_rule_test": [{"alertname": fire.alertname, "eval_time": duration(t), "exp_alerts": []}]}]}
     path = os.path.join(directory, f"{scenario.name}-annotations.yml")
     with open(path, "w") as handle:
@@ -749,12 +1203,38 @@ def fired(seen: dict[int, list[dict[str, str]]], origin: int) -> str:
         or "nothing"
 
 
-def table() -> tuple[list[str], bool]:
-    lines = ["| scenario | what | expected | got | first page (from storm start) | bound | names | fired |",
-             "|---|---|---|---|---|---|---|---|"]
+Identity = tuple[tuple[str, str], ...]  # an alert's labels, sorted
+
+
+def openings(seen: dict[int, list[dict[str, str]]]) -> dict[Identity, int]:
+    """How many times each page (critical alert, by its labels) went from not firing to firing."""
+    count: dict[Identity, int] = {}
+    before: set[Identity] = set()
+    for t in sorted(seen):
+        now = {tuple(sorted(a.items())) for a in seen[t] if a.get("severity") == c.CRITICAL}
+        for key in now - before:
+            count[key] = count.get(key, 0) + 1
+        before = now
+    return count
+
+
+def pages_cell(seen: dict[int, list[dict[str, str]]]) -> tuple[str, int]:
+    """"N page(s) in G group(s), R re-fired": alerts that paged, the Alertmanager groups (node and alertname:
+    one notification each when they fire together) and how many resolved and fired again."""
+    opened = openings(seen)
+    if not opened:
+        return "-", 0
+    groups: set[str] = {dict(key)["alertname"] for key in opened}
+    refired = sum(n - 1 for n in opened.values())
+    return f"{len(opened)} in {len(groups)} group(s), {refired} re-fired", refired
+
+
+def table(only: Iterable[str] = ()) -> tuple[list[str], bool]:
+    lines = ["| scenario | what | expected | got | first page (from storm start) | bound | names | pages | fired |",
+             "|---|---|---|---|---|---|---|---|---|"]
     ok = True
     with tempfile.TemporaryDirectory() as directory:
-        for scenario in built():
+        for scenario in built(only):
             seen = probe(scenario, directory)
             got = outcome(seen)
             pages = [f for f in scenario.fires if f.severity == c.CRITICAL]
@@ -775,9 +1255,15 @@ def table() -> tuple[list[str], bool]:
                            and name not in rendered_annotations(scenario, f, first(seen, f) or at, directory)]
                 named = "all" if not missing else "missing " + ", ".join(missing)
                 ok &= not missing
-            ok &= got == scenario.expected
+            for fire in scenario.fires:
+                if fire.steady_from is not None and not throughout(seen, fire, fire.steady_from,
+                                                                   steady_until(scenario, fire)):
+                    named += f"; {fire.alertname} {fire.labels} NOT steady"
+                    ok = False
+            paged, refired = pages_cell(seen)
+            ok &= got == scenario.expected and refired == 0
             lines.append(f"| {scenario.name} | {scenario.what} | {scenario.expected} | {got} | {latency} | {bound} | "
-                         f"{named} | {fired(seen, scenario.storm_start)} |")
+                         f"{named} | {paged} | {fired(seen, scenario.storm_start)} |")
     return lines, ok
 
 
@@ -785,13 +1271,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.prometheus.scenarios", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help=f"regenerate {os.path.relpath(TESTS_FILE)}")
+    parser.add_argument("only", nargs="*", metavar="SCENARIO", help="only these scenarios (the table)")
     args = parser.parse_args(argv)
     if args.write:
         with open(TESTS_FILE, "w") as handle:
             handle.write(render())
         print(f"wrote {TESTS_FILE}")
         return 0
-    lines, ok = table()
+    lines, ok = table(args.only)
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -149,6 +149,10 @@ LOAD_PROGRESS_BYTES = Desc("gpuio_engine_load_in_progress_read_bytes", GAUGE,
 LOAD_OLDEST = Desc("gpuio_engine_load_oldest_in_progress_seconds", GAUGE,
                    "Age of the engine's oldest load in progress on the GPU; 0 when none is in progress.",
                    labels=ENGINE_GPU, unit="seconds")
+LOADS_ABANDONED = Desc("gpuio_engine_loads_abandoned_total", COUNTER,
+                       "Loads of the engine on the GPU that never finished because their process exited while "
+                       "loading (killed by a startup or liveness probe, out of memory, a crash): a crash-looping "
+                       "cold start counts one per attempt.", labels=ENGINE_GPU)
 DISK_LOADS = Desc("gpuio_disk_engine_loads_in_progress", GAUGE,
                   "Engine loads in progress from files on the disk (a whole disk under the files' device stack; 0 "
                   "for every disk holding an engine file).", labels=("device",))
@@ -547,7 +551,8 @@ class EnginesCollector(Collector):
         at most MAX_GPUS_PER_ENGINE per engine (GPU uuids come from writers: untrusted)."""
         wanted = set(engines)
         by_engine: dict[str, set[str]] = {}
-        for engine, uuid in list(totals.per_gpu) + [(engine, uuid) for engine, uuid, _ in totals.loads]:
+        loading = [(engine, uuid) for engine, uuid, _ in totals.loads]
+        for engine, uuid in [*totals.per_gpu, *loading, *totals.abandoned]:
             if engine in wanted:
                 by_engine.setdefault(engine, set()).add(uuid)
         pairs: list[tuple[str, str]] = []
@@ -615,6 +620,10 @@ class EnginesCollector(Collector):
         families = [Family(desc, [desc.sample(label_string({"engine": engine, "gpu_uuid": uuid}), values[index])
                                   for (engine, uuid), values in per_pair.items()])
                     for desc, index in ((LOADS, 0), (LOAD_PROGRESS_BYTES, 2), (LOAD_OLDEST, 1))]
+        # Every pair at 0 until a load of it is abandoned: rate() and increase() see the first one.
+        families.append(Family(LOADS_ABANDONED, [
+            LOADS_ABANDONED.sample(label_string({"engine": engine, "gpu_uuid": uuid}),
+                                   totals.abandoned.get((engine, uuid), 0.0)) for engine, uuid in per_pair]))
         for desc, index, table, label in ((DISK_LOADS, 0, per_disk, "device"),
                                           (DISK_LOAD_OLDEST, 1, per_disk, "device"),
                                           (MOUNT_LOADS, 0, per_mount, "mountpoint"),

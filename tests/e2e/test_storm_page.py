@@ -71,7 +71,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.root]
 
 
 # Production: RATE_WINDOW 1m, BASELINE_WINDOW 1h, STORM_FOR 5m, STORM_PAGE_FOR 2m at a 15 s scrape interval.
-VARIANT = {"RATE_WINDOW": "10s", "BASELINE_WINDOW": "2m", "STORM_FOR": "10s", "STORM_PAGE_FOR": "10s"}
+VARIANT = {"RATE_WINDOW": "10s", "BASELINE_WINDOW": "2m", "STORM_FOR": "10s", "STORM_PAGE_FOR": "10s", "GAP_SETTLE": "20s"}
 RATE_S, FOR_S = 10, 10
 BACKING_MIB = 512
 LOADERS = 6  # inference processes cold-loading during the storm

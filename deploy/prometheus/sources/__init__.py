@@ -8,7 +8,7 @@
     starvation.py  engine -> GPU -> storage joins, work waiting; GPUStarvedByDiskIO, NodeGPUStarvedByIO
     engines.py     engine loads, the spool; EngineColdStartSlow, GpuioEngineSpoolErrors
     smart.py       disk health; DiskHealthDegrading, GpuioSmartDataStale
-    exporter.py    the exporter itself; GpuioExporterDown, GpuioCollectorFailing
+    exporter.py    the exporter itself: its data unbroken (scrape gaps); GpuioExporterDown, GpuioCollectorFailing
 
     names.py       recording-rule names (they carry the config's windows) and shared joins
     base.py        record(), alert() - the one way to write an alert: severity, runbook, dashboard link
@@ -39,9 +39,11 @@ def rule_files(c: Config = DEFAULT) -> dict[str, dict[str, Any]]:
     return {
         "starvation": {"groups": [
             {"name": "gpuio.starvation", "rules": [
-                *pressure.recording_rules(c), *disk.recording_rules(c), *gpu.recording_rules(c),
-                *mounts.recording_rules(c), *starvation.recording_rules(c),
+                *exporter.recording_rules(c), *pressure.recording_rules(c), *disk.recording_rules(c),
+                *gpu.recording_rules(c), *mounts.recording_rules(c), *starvation.recording_rules(c),
+                *disk.page_rules(c), *mounts.page_rules(c), *engines.load_slow_rules(c),
                 *disk.alerts(c), *mounts.alerts(c), *starvation.alerts(c), gpu.data_stale_alert(c),
+                engines.cold_start_alert(c),
             ]},
         ]},
         "gpu": {"groups": [

@@ -46,6 +46,61 @@ def alert(c: Config, name: str, expr: str, duration: str | None, severity: str, 
     return rule
 
 
+def held_through_gaps(c: Config, condition: str, name: str, severity: str) -> str:
+    """An alert's expression that a scrape gap cannot resolve: ``condition`` (a recording rule), or, while
+    the node's exporter has not been up without a break for GAP_SETTLE, the last value of ``condition``
+    within GAP_HOLD for an alert ``name`` of ``severity`` that is firing now.  A firing storm outlives
+    its exporter's restart; a resolved one is not revived by it (only a firing alert is held); a node
+    that stays away resolves after GAP_HOLD (GpuioExporterDown says why)."""
+    n = names(c)
+    firing = f'ALERTS{{alertname="{name}",alertstate="firing",severity="{severity}",{c.SELECTOR}}}'
+    return "\n".join([
+        condition,
+        "# through a scrape gap (the exporter restarting, its node unreachable): firing on its last judgement",
+        "or",
+        "(",
+        f"  last_over_time({condition}[{c.GAP_HOLD}])",
+        f"  and ignoring (alertname, alertstate, severity) {firing}",
+        f"  unless on ({c.NODE_LABEL}) {n.SCRAPES_UNBROKEN}",
+        ")",
+    ])
+
+
+def learned(c: Config, calm: str, every: str, subquery: bool = False) -> str:
+    """The median of the recorded ``calm`` over BASELINE_WINDOW, where it has a sample in at least
+    BASELINE_MIN_COVERAGE of the evaluations (``every``: a recorded series with a sample at each one, so its
+    count is the number of evaluations at any interval; ``subquery``: an expression, counted through a
+    subquery).  With less calm evidence there is no normal."""
+    window = c.BASELINE_WINDOW
+    evaluations = f"({every})[{window}:]" if subquery else f"{every}[{window}]"
+    return (f"quantile_over_time(0.5, {calm}[{window}])\n"
+            f"and\n"
+            f"count_over_time({calm}[{window}])\n"
+            f"  >= {c.BASELINE_MIN_COVERAGE:g} * count_over_time({evaluations})")
+
+
+def held(c: Config, info: str) -> str:
+    """An engine's info series held for ENGINE_HOLD after its last process: its file, disk, mount and GPU
+    stay joined while a crash-looping pod restarts (between attempts no live process reports it)."""
+    return f"last_over_time({info}[{c.ENGINE_HOLD}])"
+
+
+def engine_disks(c: Config) -> str:
+    """The whole disks under each engine file (held), labelled ``device`` as the disk series are."""
+    info = held(c, "gpuio_engine_physical_device_info" + c.selector())
+    return f'label_replace({info}, "device", "$1", "physical_device", "(.+)")'
+
+
+def engine_mounts(c: Config) -> str:
+    """The mount under each engine file (held)."""
+    return held(c, "gpuio_engine_mount_info" + c.selector())
+
+
+# The reasons of work waiting that are loads (the engine cannot serve yet), not requests queueing.
+LOADING, CRASH_LOOPING = "loading", "loads abandoned"
+LOAD_REASONS = f"{LOADING}|{CRASH_LOOPING}"
+
+
 def rate(c: Config, metric: str, *matchers: str) -> str:
     return f"rate({metric}{c.selector(*matchers)}[{c.RATE_WINDOW}])"
 

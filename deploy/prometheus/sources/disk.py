@@ -8,7 +8,7 @@ from collections.abc import Callable
 from exporter import thresholds
 
 from ..config import CRITICAL, DEVICE_NAME_CLASSES, DISK_CLASSES, DISK_IO_UID, WARNING, Config
-from .base import Rule, alert, board, indent, rate, record
+from .base import LOAD_REASONS, Rule, alert, board, engine_disks, held_through_gaps, indent, learned, rate, record
 from .names import names
 from .pressure import io_pressure_high
 from .templates import COUNT, device_figure, engines_on, gpus_on, label_of, node_figure, starved_count, starved_on
@@ -57,22 +57,14 @@ def recording_rules(c: Config) -> list[Rule]:
         # No median for a device with calm evidence in less than BASELINE_MIN_COVERAGE of the window's
         # evaluations (QUEUE has a sample at every evaluation, so its count is the number of
         # evaluations at any interval): the alerts then fall back to the class limits.
-        record(n.AWAIT_LEARNED, learned(c, n.CALM_AWAIT)),
-        record(n.QUEUE_LEARNED, learned(c, n.CALM_QUEUE)),
+        record(n.AWAIT_LEARNED, learned(c, n.CALM_AWAIT, n.QUEUE)),
+        record(n.QUEUE_LEARNED, learned(c, n.CALM_QUEUE, n.QUEUE)),
         # Held through a storm: the last calm median, for up to BASELINE_HOLD.
         record(n.AWAIT_BASELINE, f"last_over_time({n.AWAIT_LEARNED}[{c.BASELINE_HOLD}])"),
         record(n.QUEUE_BASELINE, f"last_over_time({n.QUEUE_LEARNED}[{c.BASELINE_HOLD}])"),
         # The storm (DiskIOStorm's condition before its `for`; value: the await).
         record(n.STORM, storm_expr(c)),
     ]
-
-
-def learned(c: Config, calm: str) -> str:
-    n = names(c)
-    return (f"quantile_over_time(0.5, {calm}[{n.B}])\n"
-            f"and\n"
-            f"count_over_time({calm}[{n.B}])\n"
-            f"  >= {c.BASELINE_MIN_COVERAGE:g} * count_over_time({n.QUEUE}[{n.B}])")
 
 
 def direction(await_rule: str, ops_rule: str, guard: str, name: str) -> str:
@@ -114,21 +106,30 @@ def storm_expr(c: Config) -> str:
 
 
 def disk_victims(c: Config) -> str:
-    """Per disk: who the storm hurts.  Engine loads in progress from it, engines on it starving their
-    GPUs, or engines on it queueing work while all of the node's tasks stall on IO (PSI full)."""
+    """Per disk: who the storm hurts.  Engines on it whose loads are waited for (loading or crash-looping
+    on a device that is not busy serving), engines on it starving their GPUs, or engines on it queueing
+    requests while all of the node's tasks stall on IO (PSI full).  A load beside a busy generation of
+    the same engine (a blue/green or rolling reload) hurts nobody yet."""
     n = names(c)
-    sel = c.selector()
-    on_disk = f'label_replace(gpuio_engine_physical_device_info{sel}, "device", "$1", "physical_device", "(.+)")'
+    per_disk = f"count by (job, {c.NODE_LABEL}, device)"
     return "\n".join([
-        f"gpuio_disk_engine_loads_in_progress{sel} > 0",
+        f"{per_disk} ({engine_disks(c)} and on ({c.NODE_LABEL}, engine) {n.LOADS_WAITED_FOR})",
         f"or {n.ON_DEVICE}",
-        f'count by (job, {c.NODE_LABEL}, device) ({n.STARVED}{{device!=""}})',
+        f'{per_disk} ({n.STARVED}{{device!=""}})',
         f"or {n.ON_DEVICE}",
         "(",
-        f"  count by (job, {c.NODE_LABEL}, device) ({on_disk} and on ({c.NODE_LABEL}, engine) {n.WORK_WAITING})",
+        f"  {per_disk} ({engine_disks(c)}",
+        f'    and on ({c.NODE_LABEL}, engine) {n.WORK_WAITING}{{reason!~"{LOAD_REASONS}"}})',
         f"  and {n.ON_NODE} ({n.IO_FULL} >= {c.STORM_PAGE_IO_FULL:g})",
         ")",
     ])
+
+
+def page_rules(c: Config) -> list[Rule]:
+    """DiskIOStorm's paging condition, recorded (after the starvation rules it reads) so that the alert can
+    hold it through a scrape gap.  Value: the await."""
+    n = names(c)
+    return [record(n.STORM_PAGE, f"{n.STORM}\nand {n.ON_DEVICE}\n(\n{indent(disk_victims(c))}\n)")]
 
 
 def alerts(c: Config) -> list[Rule]:
@@ -154,7 +155,7 @@ def alerts(c: Config) -> list[Rule]:
     this_disk = board(DISK_IO_UID, device="{{ $labels.device }}")
     return [
         alert(
-            c, "DiskIOStorm", n.STORM, c.STORM_FOR, WARNING,
+            c, "DiskIOStorm", held_through_gaps(c, n.STORM, "DiskIOStorm", WARNING), c.STORM_FOR, WARNING,
             f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}}: requests wait "
             f"{{{{ $value | humanizeDuration }}}}, far above its normal.",
             f"{figures} Engine loads from this disk that finished in the last {c.STORM_ENGINE_LOADS_WINDOW}: "
@@ -162,8 +163,7 @@ def alerts(c: Config) -> list[Rule]:
             f"while engine loads wait on the disk or engines on it starve their GPUs.",
             this_disk),
         alert(
-            c, "DiskIOStorm", f"{n.STORM}\nand {n.ON_DEVICE}\n(\n{indent(disk_victims(c))}\n)", c.STORM_PAGE_FOR,
-            CRITICAL,
+            c, "DiskIOStorm", held_through_gaps(c, n.STORM_PAGE, "DiskIOStorm", CRITICAL), c.STORM_PAGE_FOR, CRITICAL,
             f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}} hurts serving: {loads_waiting} engine "
             f"load(s) waiting, {starved_count(c, 'device')} engine(s) starving their GPU.",
             f"{figures} Engine loads waiting on this disk: {loads_waiting} (oldest in progress for {oldest}). "

@@ -1,11 +1,11 @@
-"""Engine loads and the engine spool (engines collector): cold-start time and EngineColdStartSlow,
-GpuioEngineSpoolErrors."""
+"""Engine loads and the engine spool (engines collector): cold-start time and EngineColdStartSlow (which
+the starvation group evaluates), GpuioEngineSpoolErrors."""
 
 from __future__ import annotations
 
 from ..config import ENGINES_UID, WARNING, Config
 from ..durations import duration, seconds
-from .base import Rule, alert, board, record
+from .base import Rule, alert, board, held_through_gaps, record
 from .names import names
 from .templates import figure
 
@@ -60,10 +60,40 @@ def recording_rules(c: Config) -> list[Rule]:
     ]
 
 
+def load_slow_rules(c: Config) -> list[Rule]:
+    """EngineColdStartSlow's condition (value: seconds), recorded in the group of the starvation rules it
+    reads (its crash-loop part judges "loads abandoned" at the same evaluation)."""
+    return [record(names(c).ENGINE_LOAD_SLOW, load_slow(c))]
+
+
+def load_slow(c: Config) -> str:
+    """Engines whose loads are slow: those that finished in ENGINE_LOAD_WINDOW took over ENGINE_LOAD_SLOW_SECONDS
+    (mean), one in progress has run that long, or, where loads were abandoned in LOAD_CRASH_LOOP_WINDOW (a
+    crash loop), one ran that long before its process was killed: the alert stays one open alert through
+    the attempts instead of resolving each time a process dies."""
+    n = names(c)
+    sel = c.selector()
+    slow = f"{c.ENGINE_LOAD_SLOW_SECONDS:g}"
+    oldest = f"gpuio_engine_load_oldest_in_progress_seconds{sel}"
+    by_engine = f"max by (job, {c.NODE_LABEL}, engine)"
+    return "\n".join([
+        f"{n.ENGINE_LOAD} > {slow}",
+        "or",
+        "# a load still in progress for longer than that (the loads of a cold-start storm, while it lasts)",
+        f"{by_engine} ({oldest}) > {slow}",
+        "or",
+        "# loads abandoned (their processes killed while loading, as in a crash loop): the longest load",
+        f"# of the last {c.LOAD_CRASH_LOOP_WINDOW}",
+        f"{by_engine} (",
+        f"  max_over_time({oldest}[{c.LOAD_CRASH_LOOP_WINDOW}])",
+        f"  and on ({c.NODE_LABEL}, engine, gpu_uuid) {n.ENGINE_LOADS_ABANDONED}",
+        f") > {slow}",
+    ])
+
+
 def alerts(c: Config) -> list[Rule]:
     n = names(c)
     sel = c.selector()
-    engine_labels = (c.NODE_LABEL, "engine")
     w = c.SPOOL_ERRORS_WINDOW
     spool = "\n".join([
         f"gpuio_engine_spool_errors_total{sel} - gpuio_engine_spool_errors_total{sel} offset {w} > 0",
@@ -71,24 +101,7 @@ def alerts(c: Config) -> list[Rule]:
         "# a reason seen for the first time: its series starts at 1",
         f"(gpuio_engine_spool_errors_total{sel} unless gpuio_engine_spool_errors_total{sel} offset {w})",
     ])
-    cold = "\n".join([
-        f"{n.ENGINE_LOAD} > {c.ENGINE_LOAD_SLOW_SECONDS:g}",
-        "or",
-        "# a load still in progress for longer than that (the loads of a cold-start storm, while it lasts)",
-        f"max by (job, {c.NODE_LABEL}, engine) (gpuio_engine_load_oldest_in_progress_seconds{sel})",
-        f"  > {c.ENGINE_LOAD_SLOW_SECONDS:g}",
-    ])
     return [
-        alert(
-            c, "EngineColdStartSlow", cold, None, WARNING,
-            f"Engine {{{{ $labels.engine }}}} at {n.NODE} takes {{{{ $value | humanizeDuration }}}} to load.",
-            f"Loads of engine {{{{ $labels.engine }}}} at {n.NODE} take {{{{ $value | humanizeDuration }}}} "
-            f"(the mean of those that finished in the last {c.ENGINE_LOAD_WINDOW}, or the oldest still in "
-            f"progress; over {c.ENGINE_LOAD_SLOW_SECONDS:g}s); reading the file took "
-            f"{figure(n.ENGINE_LOAD_READ, engine_labels, 'humanizeDuration', '?')} of it, at "
-            f"{figure(n.ENGINE_LOAD_THROUGHPUT, engine_labels, 'humanize1024', '?')}B/s. The rest is "
-            f"deserialization. Until loads finish, the GPU behind them waits.",
-            board(ENGINES_UID, engine="{{ $labels.engine }}")),
         alert(
             c, "GpuioEngineSpoolErrors", spool, None, WARNING,
             f"gpuio at {n.NODE} skips damaged engine spool files ({{{{ $labels.reason }}}}).",
@@ -96,3 +109,21 @@ def alerts(c: Config) -> list[Rule]:
             f"not read in the last {w} (reason {{{{ $labels.reason }}}}): the engine metrics of those "
             f"inference processes are missing or incomplete.", board(ENGINES_UID)),
     ]
+
+
+def cold_start_alert(c: Config) -> Rule:
+    """EngineColdStartSlow (in the starvation group, beside its recorded condition)."""
+    n = names(c)
+    engine_labels = (c.NODE_LABEL, "engine")
+    return alert(
+            c, "EngineColdStartSlow", held_through_gaps(c, n.ENGINE_LOAD_SLOW, "EngineColdStartSlow", WARNING), None,
+            WARNING,
+            f"Engine {{{{ $labels.engine }}}} at {n.NODE} takes {{{{ $value | humanizeDuration }}}} to load.",
+            f"Loads of engine {{{{ $labels.engine }}}} at {n.NODE} take {{{{ $value | humanizeDuration }}}} "
+            f"(the mean of those that finished in the last {c.ENGINE_LOAD_WINDOW}, the oldest still in "
+            f"progress, or, where loads were abandoned (their processes killed while loading), the longest of the "
+            f"last {c.LOAD_CRASH_LOOP_WINDOW}; over {c.ENGINE_LOAD_SLOW_SECONDS:g}s); reading the file took "
+            f"{figure(n.ENGINE_LOAD_READ, engine_labels, 'humanizeDuration', '?')} of it, at "
+            f"{figure(n.ENGINE_LOAD_THROUGHPUT, engine_labels, 'humanize1024', '?')}B/s. The rest is "
+            f"deserialization. Until loads finish, the GPU behind them waits.",
+            board(ENGINES_UID, engine="{{ $labels.engine }}"))

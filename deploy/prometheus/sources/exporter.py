@@ -1,9 +1,26 @@
-"""The exporter itself: GpuioExporterDown and GpuioCollectorFailing."""
+"""The exporter itself: whether its data is unbroken, GpuioExporterDown and GpuioCollectorFailing."""
 
 from __future__ import annotations
 
 from ..config import STARVATION_UID, WARNING, Config
-from .base import Rule, alert, board
+from ..durations import seconds
+from .base import Rule, alert, board, record
+from .names import names
+
+
+def recording_rules(c: Config) -> list[Rule]:
+    """Nodes whose exporter has been scraped without a break for GAP_SETTLE, by the same process: every
+    rate window there holds data of one run.  After a gap (a failed scrape writes up 0; a new exporter
+    process, or a new target of a DaemonSet's replaced pod, starts its own series) the storm alerts hold
+    their last judgement until this is true again (base.py held_through_gaps)."""
+    n = names(c)
+    sel = c.selector()
+    settle = c.GAP_SETTLE
+    return [record(n.SCRAPES_UNBROKEN, "\n".join([
+        f"min by (job, {c.NODE_LABEL}) (min_over_time(up{sel}[{settle}])) == 1",
+        f"and on ({c.NODE_LABEL})",
+        f"min by ({c.NODE_LABEL}) (time() - process_start_time_seconds{sel}) >= {seconds(settle):g}",
+    ]))]
 
 
 def alerts(c: Config) -> list[Rule]:

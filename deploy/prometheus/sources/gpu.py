@@ -19,8 +19,22 @@ def recording_rules(c: Config) -> list[Rule]:
         f"  1 - min_over_time({n.NVML_SUCCESS}[{n.W}]) > 0",
         ")",
     ])
+    mig = "\n".join([
+        f"max by (job, {c.NODE_LABEL}, gpu, uuid, gpu_instance) (",
+        "  label_replace(",
+        f"    gpuio_gpu_mig_device_info{sel}",
+        f"    * on ({c.NODE_LABEL}, uuid, gpu_instance) group_left ()",
+        f"    {rate(c, 'gpuio_gpu_mig_sm_active_seconds_total')},",
+        '    "uuid", "$1", "mig_uuid", "(.+)"',
+        "  )",
+        ")",
+    ])
     return [
         record(n.GPU_BUSY, rate(c, "gpuio_gpu_busy_seconds_total")),
+        # What each device engines run on does, one series per GPU and per MIG device (``uuid``: what the
+        # engines report): SM activity where GPM measures it (busy reads 100 % with one block spinning),
+        # else NVML busy; a MIG device has only its GPU instance's SM activity (NVML has no busy for it).
+        record(n.GPU_ACTIVITY, f'{rate(c, "gpuio_gpu_sm_active_seconds_total")}\nor\n{n.GPU_BUSY}\nor\n{mig}'),
         # Mostly idle: NVML busy low, or few SMs working where GPM measures it (busy reads 100 % while
         # one thread spins or weights cross PCIe).  Value: the busy ratio, else the SM activity.
         record(n.GPU_IDLE, f'{n.GPU_BUSY} < {c.GPU_BUSY_LOW:g}\nor\n'

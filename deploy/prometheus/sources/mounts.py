@@ -4,7 +4,7 @@ mount is slow", and MountIOStorm."""
 from __future__ import annotations
 
 from ..config import CRITICAL, STARVATION_UID, WARNING, Config
-from .base import Rule, alert, board, indent, record
+from .base import Rule, alert, board, engine_mounts, held_through_gaps, indent, record
 from .names import names
 from .pressure import io_pressure_high
 from .templates import COUNT, engines_on, figure, gpus_on, label_of, node_figure, starved_count, starved_on
@@ -45,12 +45,30 @@ def recording_rules(c: Config) -> list[Rule]:
     ]
 
 
+def mount_victims(c: Config) -> str:
+    """Per mount: engines on it whose loads are waited for (loading or crash-looping on a device that is not
+    busy serving), or engines on it starving their GPUs."""
+    n = names(c)
+    per_mount = f"count by (job, {c.NODE_LABEL}, mountpoint)"
+    return "\n".join([
+        f"{per_mount} ({engine_mounts(c)} and on ({c.NODE_LABEL}, engine) {n.LOADS_WAITED_FOR})",
+        f"or on ({c.NODE_LABEL}, mountpoint)",
+        f'{per_mount} ({n.STARVED}{{mountpoint!=""}})',
+    ])
+
+
+def page_rules(c: Config) -> list[Rule]:
+    """MountIOStorm's paging condition, recorded after the starvation rules it reads.  Value: as MOUNT_SLOW."""
+    n = names(c)
+    return [record(n.MOUNT_STORM_PAGE,
+                   f"{n.MOUNT_SLOW}\nand on ({c.NODE_LABEL}, mountpoint)\n(\n{indent(mount_victims(c))}\n)")]
+
+
 def alerts(c: Config) -> list[Rule]:
     n = names(c)
     node = f"$labels.{c.NODE_LABEL}"
     mount = (c.NODE_LABEL, "mountpoint")
     info = "gpuio_engine_mount_info"
-    sel = c.selector()
     loads_waiting = figure("gpuio_mount_engine_loads_in_progress", mount, COUNT, "0")
     oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "-")
     fstype = label_of("gpuio_mount_info", "fstype", mount, "?")
@@ -60,18 +78,13 @@ def alerts(c: Config) -> list[Rule]:
                f"{figure(n.NFS_READ_BYTES, mount, 'humanize1024', 'n/a')}B/s; the oldest engine load in progress on "
                f"it started {oldest} ago; tasks on the node waited on IO "
                f"{node_figure(c, n.IO_SOME, 'humanizePercentage', 'n/a (no PSI)')} of the time.")
-    victims = "\n".join([
-        f"gpuio_mount_engine_loads_in_progress{sel} > 0",
-        f"or on ({c.NODE_LABEL}, mountpoint)",
-        f'count by (job, {c.NODE_LABEL}, mountpoint) ({n.STARVED}{{mountpoint!=""}})',
-    ])
     on_call = board(STARVATION_UID)
     return [
-        alert(c, "MountIOStorm", n.MOUNT_SLOW, c.STORM_FOR, WARNING,
+        alert(c, "MountIOStorm", held_through_gaps(c, n.MOUNT_SLOW, "MountIOStorm", WARNING), c.STORM_FOR, WARNING,
               f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow.",
               f"{figures} This ticket is the slow mount itself; it pages (the same alert, severity critical) "
               f"while engine loads wait on it or engines on it starve their GPUs.", on_call),
-        alert(c, "MountIOStorm", f"{n.MOUNT_SLOW}\nand on ({c.NODE_LABEL}, mountpoint)\n(\n{indent(victims)}\n)",
+        alert(c, "MountIOStorm", held_through_gaps(c, n.MOUNT_STORM_PAGE, "MountIOStorm", CRITICAL),
               c.STORM_PAGE_FOR, CRITICAL,
               f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow and hurts serving: "
               f"{loads_waiting} engine load(s) waiting, {starved_count(c, 'mountpoint')} engine(s) starving their GPU.",

@@ -132,6 +132,11 @@ class Names:
     def STORM(self) -> str:
         return f"instance_device:gpuio_disk_storm_await_seconds:max_rate{self.W}"
 
+    # The storm while it hurts serving: DiskIOStorm's paging condition.
+    @property
+    def STORM_PAGE(self) -> str:
+        return f"instance_device:gpuio_disk_storm_page_await_seconds:max_rate{self.W}"
+
     @property
     def GPU_BUSY(self) -> str:
         return f"instance_gpu:gpuio_gpu_busy_seconds:rate{self.W}"
@@ -140,6 +145,35 @@ class Names:
     @property
     def GPU_IDLE(self) -> str:
         return f"instance_gpu:gpuio_gpu_idle_activity:rate{self.W}"
+
+    # What each device an engine can run on does: a whole GPU (SM activity where GPM measures it, else NVML
+    # busy) or a MIG device (its GPU instance's SM activity, ``uuid`` the MIG UUID engines report).
+    @property
+    def GPU_ACTIVITY(self) -> str:
+        return f"instance_gpu:gpuio_gpu_activity:rate{self.W}"
+
+    # Its activity in the evaluations with no saturated disk or slow mount on the node, the median, held.
+    @property
+    def GPU_CALM_ACTIVITY(self) -> str:
+        return f"instance_gpu:gpuio_gpu_calm_activity:rate{self.W}"
+
+    @property
+    def GPU_ACTIVITY_LEARNED(self) -> str:
+        return f"instance_gpu:gpuio_gpu_calm_activity:median{self.B}"
+
+    @property
+    def GPU_ACTIVITY_BASELINE(self) -> str:
+        return f"instance_gpu:gpuio_gpu_calm_activity:median{self.B}_held{self.c.BASELINE_HOLD}"
+
+    # Devices that lost their work: mostly idle, or far below their calm normal.  Value: the activity.
+    @property
+    def GPU_ACTIVITY_LOST(self) -> str:
+        return f"instance_gpu:gpuio_gpu_activity_lost:rate{self.W}"
+
+    # Nodes whose exporter has been up without a break for GAP_SETTLE: their rate windows hold no gap.
+    @property
+    def SCRAPES_UNBROKEN(self) -> str:
+        return f"instance:gpuio_exporter_up:unbroken{self.c.GAP_SETTLE}"
 
     @property
     def GPU_STALE(self) -> str:
@@ -155,9 +189,11 @@ class Names:
                 f'$labels.{self.c.NODE_LABEL} | query }}}}{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}none'
                 f"{{{{ end }}}}")
 
+    # Each engine file's device (GPU or MIG device) and its activity; the engine's file and GPU are held for
+    # ENGINE_HOLD after its last process, so a crash loop's restarts do not break the join.
     @property
-    def ENGINE_GPU_BUSY(self) -> str:
-        return f"instance_engine_gpu:gpuio_gpu_busy_seconds:rate{self.W}"
+    def ENGINE_GPU_ACTIVITY(self) -> str:
+        return f"instance_engine_gpu:gpuio_gpu_activity:rate{self.W}"
 
     @property
     def ENGINE_DISK_SATURATED(self) -> str:
@@ -199,6 +235,15 @@ class Names:
         return f"instance_engine_gpu:gpuio_engine_inference_calm_p99_seconds:median{self.B}_held{self.c.BASELINE_HOLD}"
 
     @property
+    def ENGINE_LOADS_ABANDONED(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_loads_abandoned:increase{self.c.LOAD_CRASH_LOOP_WINDOW}"
+
+    # Engines loading (or crash-looping) on a device that is not busy serving: what a storm page counts.
+    @property
+    def LOADS_WAITED_FOR(self) -> str:
+        return f"instance_engine_gpu:gpuio_engine_loads_waited_for:rate{self.W}"
+
+    @property
     def WORK_WAITING(self) -> str:
         return f"instance_engine_gpu:gpuio_engine_work_waiting:rate{self.W}"
 
@@ -229,6 +274,11 @@ class Names:
     def ENGINE_COLD_LOADS(self) -> str:
         return f"instance_engine:gpuio_engine_cold_loads:rate{self.W}"
 
+    # EngineColdStartSlow's condition.
+    @property
+    def ENGINE_LOAD_SLOW(self) -> str:
+        return f"instance_engine:gpuio_engine_load_slow_seconds:max{self.c.LOAD_CRASH_LOOP_WINDOW}"
+
     @property
     def ENGINE_LOAD(self) -> str:
         return f"instance_engine:gpuio_engine_load_seconds:mean{self.c.ENGINE_LOAD_WINDOW}"
@@ -252,6 +302,10 @@ class Names:
     @property
     def MOUNT_SLOW(self) -> str:
         return f"instance_mountpoint:gpuio_mount_slow:max_rate{self.W}"
+
+    @property
+    def MOUNT_STORM_PAGE(self) -> str:
+        return f"instance_mountpoint:gpuio_mount_slow_page:max_rate{self.W}"
 
     @property
     def IO_SOME(self) -> str:

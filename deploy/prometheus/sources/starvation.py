@@ -4,27 +4,68 @@ alerts built on them (GPUStarvedByDiskIO per engine, NodeGPUStarvedByIO for GPUs
 from __future__ import annotations
 
 from ..config import CRITICAL, STARVATION_UID, WARNING, Config
-from .base import Rule, alert, board, rate, reason, record
+from .base import (
+    CRASH_LOOPING,
+    LOAD_REASONS,
+    LOADING,
+    Rule,
+    alert,
+    board,
+    engine_disks,
+    engine_mounts,
+    held,
+    held_through_gaps,
+    learned,
+    rate,
+    reason,
+    record,
+)
 from .names import names
-from .templates import COUNT, GPU_NAME, ONE_DECIMAL, engine_gpu_figure, figure, node_figure
+from .templates import COUNT, DEVICE_NAME, GPU_NAME, ONE_DECIMAL, engine_gpu_figure, figure, node_figure
 
 
 def recording_rules(c: Config) -> list[Rule]:
-    n = names(c)
-    sel = c.selector()
-    per_gpu = f"job, {c.NODE_LABEL}, engine, gpu_uuid"
+    return [*gpu_calm_rules(c), *engine_join_rules(c), *latency_rules(c), *waiting_rules(c)]
 
-    busy = "\n".join([
-        f"max by (job, {c.NODE_LABEL}, engine, path, gpu, uuid) (",
-        f'  label_replace(gpuio_engine_info{n.WITH_GPU}, "uuid", "$1", "gpu_uuid", "(.+)")',
-        f"  * on ({c.NODE_LABEL}, uuid) group_left (gpu)",
-        f"  {n.GPU_BUSY}",
+
+def gpu_calm_rules(c: Config) -> list[Rule]:
+    """Each device's calm activity, its normal and "lost its work" (GPU_ACTIVITY_DROP)."""
+    n = names(c)
+    storming = f"({n.SATURATED} or {n.MOUNT_SLOW} or {n.GPU_STALE})"
+    lost = "\n".join([
+        f"{n.GPU_ACTIVITY} < {c.GPU_ACTIVITY_DROP:g} * {n.GPU_ACTIVITY_BASELINE}",
+        "or",
+        "# mostly idle: whole GPUs by NVML busy or SM activity, MIG devices by their SM activity",
+        f"{n.GPU_ACTIVITY} and on ({c.NODE_LABEL}, uuid) {n.GPU_IDLE}",
+        "or",
+        f'{n.GPU_ACTIVITY}{{gpu_instance!=""}} < {c.GPU_SM_ACTIVE_LOW:g}',
+    ])
+    return [
+        # The activity of the evaluations in which no disk of the node was saturated, no mount slow and the
+        # GPU data fresh: a storm never becomes the activity it is compared with.
+        record(n.GPU_CALM_ACTIVITY, f"{n.GPU_ACTIVITY}\nunless on ({c.NODE_LABEL})\n{storming}"),
+        record(n.GPU_ACTIVITY_LEARNED, learned(c, n.GPU_CALM_ACTIVITY, n.GPU_ACTIVITY)),
+        record(n.GPU_ACTIVITY_BASELINE, f"last_over_time({n.GPU_ACTIVITY_LEARNED}[{c.BASELINE_HOLD}])"),
+        # Lost its work: below GPU_ACTIVITY_DROP of its calm normal, or mostly idle (the absolute floors
+        # alone decide for a device with no calm normal).  Value: the activity.
+        record(n.GPU_ACTIVITY_LOST, lost),
+    ]
+
+
+def engine_join_rules(c: Config) -> list[Rule]:
+    """engine -> device (GPU or MIG device) and its activity; engine -> the saturated disk or slow mount."""
+    n = names(c)
+    activity = "\n".join([
+        f"max by (job, {c.NODE_LABEL}, engine, path, gpu, uuid, gpu_instance) (",
+        f'  label_replace({held(c, "gpuio_engine_info" + n.WITH_GPU)}, "uuid", "$1", "gpu_uuid", "(.+)")',
+        f"  * on ({c.NODE_LABEL}, uuid) group_left (gpu, gpu_instance)",
+        f"  {n.GPU_ACTIVITY}",
         ")",
     ])
     disk = "\n".join([
         f"topk by (job, {c.NODE_LABEL}, engine, path) (1,",
         f"  max by (job, {c.NODE_LABEL}, engine, path, device) (",
-        f'    label_replace(gpuio_engine_physical_device_info{sel}, "device", "$1", "physical_device", "(.+)")',
+        f"    {engine_disks(c)}",
         f"    * on ({c.NODE_LABEL}, device) group_left ()",
         f"    {n.SATURATED}",
         "  )",
@@ -33,75 +74,106 @@ def recording_rules(c: Config) -> list[Rule]:
     mount = "\n".join([
         f"topk by (job, {c.NODE_LABEL}, engine, path) (1,",
         f"  max by (job, {c.NODE_LABEL}, engine, path, mountpoint) (",
-        f"    gpuio_engine_mount_info{sel}",
+        f"    {engine_mounts(c)}",
         f"    * on ({c.NODE_LABEL}, mountpoint) group_left ()",
         f"    {n.MOUNT_SLOW}",
         "  )",
         ")",
     ])
-    storage_slow = f"({n.ENGINE_DISK_SATURATED} or {n.ENGINE_MOUNT_SLOW})"
-    rules = [
-        # Each engine file's GPU and its busy ratio (one series per engine, path and GPU).
-        record(n.ENGINE_GPU_BUSY, busy),
+    return [
+        # Each engine file's device and its activity (one series per engine, path and device).
+        record(n.ENGINE_GPU_ACTIVITY, activity),
         # The worst saturated disk under each engine file, named in `device`; none while no disk is.
         record(n.ENGINE_DISK_SATURATED, disk),
         # The slow network or FUSE mount under each engine file, named in `mountpoint`.
         record(n.ENGINE_MOUNT_SLOW, mount),
-        # Per engine and GPU (the writer's GPU, gpu_uuid): one replica's queue is not another's.
+    ]
+
+
+def latency_rules(c: Config) -> list[Rule]:
+    """Per engine and GPU (the writer's GPU, gpu_uuid: one replica's queue is not another's): in flight,
+    pool wait, latency quantiles and the engine's calm p99."""
+    n = names(c)
+    sel = c.selector()
+    per_gpu = f"job, {c.NODE_LABEL}, engine, gpu_uuid"
+    rules = [
         record(n.ENGINE_IN_FLIGHT, f"avg_over_time(gpuio_engine_inferences_in_flight{sel}[{n.W}])"),
         record(n.ENGINE_POOL_WAIT, f"{rate(c, 'gpuio_engine_pool_wait_seconds_sum')}\n/\n"
                                    f"({rate(c, 'gpuio_engine_pool_wait_seconds_count')} > 0)"),
+        record(n.ENGINE_LATENCY_BUCKETS,
+               f"sum by ({per_gpu}, le) ({rate(c, 'gpuio_engine_inference_seconds_bucket')})"),
     ]
-    rules.append(record(n.ENGINE_LATENCY_BUCKETS,
-                        f"sum by ({per_gpu}, le) ({rate(c, 'gpuio_engine_inference_seconds_bucket')})"))
     for q in (0.5, 0.95, 0.99):
         rule = record(n.ENGINE_LATENCY, f"histogram_quantile({q:g}, {n.ENGINE_LATENCY_BUCKETS})")
         rule["labels"] = {"quantile": f"{q:g}"}
         rules.append(rule)
-    p99 = f'max without (quantile) ({n.ENGINE_LATENCY}{{quantile="0.99"}})'
-    rules += [
+    storage_slow = f"({n.ENGINE_DISK_SATURATED} or {n.ENGINE_MOUNT_SLOW})"
+    return rules + [
         # The engine's normal p99, from evaluations in which its storage was not slow (held like the
         # disk baselines): a storm never becomes the latency it is compared with.
-        record(n.ENGINE_LATENCY_CALM, f"{p99}\nunless on ({c.NODE_LABEL}, engine)\n{storage_slow}"),
-        record(n.ENGINE_LATENCY_LEARNED, learned_from(c, n.ENGINE_LATENCY_CALM, p99)),
+        record(n.ENGINE_LATENCY_CALM, f"{p99(c)}\nunless on ({c.NODE_LABEL}, engine)\n{storage_slow}"),
+        record(n.ENGINE_LATENCY_LEARNED, learned(c, n.ENGINE_LATENCY_CALM, p99(c), subquery=True)),
         record(n.ENGINE_LATENCY_BASELINE, f"last_over_time({n.ENGINE_LATENCY_LEARNED}[{c.BASELINE_HOLD}])"),
+    ]
+
+
+def p99(c: Config) -> str:
+    return f'max without (quantile) ({names(c).ENGINE_LATENCY}{{quantile="0.99"}})'
+
+
+def waiting_rules(c: Config) -> list[Rule]:
+    """Work waiting per engine and GPU, by reason; loads waited for; starved."""
+    n = names(c)
+    sel = c.selector()
+    abandoned = f"gpuio_engine_loads_abandoned_total{sel}"
+    # "loads abandoned": at least two loads died unfinished in LOAD_CRASH_LOOP_WINDOW (increase() of a
+    # counter stepping by one reads ~1.0 per load: 1.5 means two), or one did within LOAD_RESTART_GRACE
+    # (the first attempts of a crash loop restart within seconds).
+    crash_looping = (f"{n.ENGINE_LOADS_ABANDONED} >= 1.5\n  or\n"
+                     f"  increase({abandoned}[{c.LOAD_RESTART_GRACE}]) > 0")
+    waiting = "\nor\n".join([
+        reason(f"{n.ENGINE_POOL_WAIT} >= {c.ENGINE_POOL_WAIT_SECONDS:g}", "pool wait"),
+        reason(f"{n.ENGINE_IN_FLIGHT}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid)\n"
+               f"(gpuio_engine_pool_contexts{sel} > 0)", "in flight >= contexts"),
+        reason(f"{p99(c)}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid) "
+               f"({c.ENGINE_LATENCY_FACTOR:g} * {n.ENGINE_LATENCY_BASELINE})",
+               f"p99 latency >= {c.ENGINE_LATENCY_FACTOR:g}x its normal"),
+        reason(f"gpuio_engine_loads_in_progress{sel} > 0", LOADING),
+        reason(crash_looping, CRASH_LOOPING),
+    ])
+    loads = f'max without (reason) ({n.WORK_WAITING}{{reason=~"{LOAD_REASONS}"}})'
+    busy = f"({n.GPU_ACTIVITY} unless on ({c.NODE_LABEL}, uuid) {n.GPU_ACTIVITY_LOST})"
+    starved_on = "\n".join([
+        f"  (0 * {n.ENGINE_GPU_ACTIVITY} + on ({c.NODE_LABEL}, uuid) group_left () {n.GPU_ACTIVITY_LOST})",
+        "  + on ({node}, engine, path) group_left ({label}) (0 * {storage})",
+    ])
+    return [
+        # Loads of each engine on each GPU abandoned within LOAD_CRASH_LOOP_WINDOW (processes that exited
+        # while loading), where there were some.
+        record(n.ENGINE_LOADS_ABANDONED, f"increase({abandoned}[{c.LOAD_CRASH_LOOP_WINDOW}]) > 0"),
         # Work queueing for an engine on one GPU, one series per reason.  Never "a request is in
         # flight": a spare replica serving a request now and then is idle, not starved.
-        record(n.WORK_WAITING, "\nor\n".join([
-            reason(f"{n.ENGINE_POOL_WAIT} >= {c.ENGINE_POOL_WAIT_SECONDS:g}", "pool wait"),
-            reason(f"{n.ENGINE_IN_FLIGHT}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid)\n"
-                   f"(gpuio_engine_pool_contexts{sel} > 0)", "in flight >= contexts"),
-            reason(f"{p99}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid) "
-                   f"({c.ENGINE_LATENCY_FACTOR:g} * {n.ENGINE_LATENCY_BASELINE})",
-                   f"p99 latency >= {c.ENGINE_LATENCY_FACTOR:g}x its normal"),
-            reason(f"gpuio_engine_loads_in_progress{sel} > 0", "loading"),
-        ])),
-        # Starved: the engine's GPU mostly idle, work waiting for the engine on that GPU, its storage
-        # saturated (a disk, named in `device`) or slow (a network mount, named in `mountpoint`), and
-        # the node's GPU data fresh.  Value: the GPU's activity (GPU_IDLE).  GPUStarvedByDiskIO is this for `for`.
+        record(n.WORK_WAITING, waiting),
+        # Engines whose loads are waited for: loading or crash-looping on a device that is not busy
+        # serving (or is unknown).  A new generation loading beside the old one on a busy GPU (a
+        # blue/green or rolling reload) is not: nobody waits for it.
+        record(n.LOADS_WAITED_FOR, f'label_replace({loads}, "uuid", "$1", "gpu_uuid", "(.+)")\n'
+                                   f"unless on ({c.NODE_LABEL}, uuid) {busy}"),
+        # Starved: the engine's device lost its work, work waits for the engine on that device, its
+        # storage is saturated (a disk, named in `device`) or slow (a network mount, named in
+        # `mountpoint`), and the node's GPU data is fresh.  Value: the device's activity.
+        # GPUStarvedByDiskIO is this for `for`.
         record(n.STARVED, "\n".join([
             "(",
-            f"  (0 * {n.ENGINE_GPU_BUSY} + on ({c.NODE_LABEL}, uuid) group_left () {n.GPU_IDLE})",
-            f"  + on ({c.NODE_LABEL}, engine, path) group_left (device) (0 * {n.ENGINE_DISK_SATURATED})",
+            starved_on.format(node=c.NODE_LABEL, label="device", storage=n.ENGINE_DISK_SATURATED),
             "  or",
-            f"  (0 * {n.ENGINE_GPU_BUSY} + on ({c.NODE_LABEL}, uuid) group_left () {n.GPU_IDLE})",
-            f"  + on ({c.NODE_LABEL}, engine, path) group_left (mountpoint) (0 * {n.ENGINE_MOUNT_SLOW})",
+            starved_on.format(node=c.NODE_LABEL, label="mountpoint", storage=n.ENGINE_MOUNT_SLOW),
             ")",
             f"and on ({c.NODE_LABEL}, engine, uuid)",
             f'  label_replace({n.WORK_WAITING}, "uuid", "$1", "gpu_uuid", "(.+)")',
             f"unless on ({c.NODE_LABEL}) {n.GPU_STALE}",
         ])),
     ]
-    return rules
-
-
-def learned_from(c: Config, calm: str, every: str) -> str:
-    """The median of ``calm`` over BASELINE_WINDOW where it covers enough of ``every``'s evaluations."""
-    n = names(c)
-    return (f"quantile_over_time(0.5, {calm}[{n.B}])\n"
-            f"and\n"
-            f"count_over_time({calm}[{n.B}])\n"
-            f"  >= {c.BASELINE_MIN_COVERAGE:g} * count_over_time(({every})[{n.B}:])")
 
 
 def alerts(c: Config) -> list[Rule]:
@@ -125,31 +197,41 @@ def starved_alert(c: Config) -> Rule:
                f"oldest engine load in progress {oldest}"
                f"{{{{ end }}}}; IO pressure on the node "
                f"{node_figure(c, n.IO_SOME, 'humanizePercentage', 'n/a (no PSI)')}")
+    calm = figure(n.GPU_ACTIVITY_BASELINE, (c.NODE_LABEL, "uuid"), "humanizePercentage", "none learned")
     return alert(
-        c, "GPUStarvedByDiskIO", n.STARVED, c.STARVED_FOR, CRITICAL,
-        f"Engine {{{{ $labels.engine }}}} on GPU {{{{ $labels.gpu }}}} at {n.NODE} is starved by "
+        c, "GPUStarvedByDiskIO", held_through_gaps(c, n.STARVED, "GPUStarvedByDiskIO", CRITICAL), c.STARVED_FOR,
+        CRITICAL,
+        f"Engine {{{{ $labels.engine }}}} on {DEVICE_NAME} at {n.NODE} is starved by "
         f"{{{{ $labels.device }}}}{{{{ $labels.mountpoint }}}}.",
-        f"GPU {{{{ $labels.gpu }}}} ({{{{ $labels.uuid }}}}) at {n.NODE} is active only "
-        f"{{{{ $value | humanizePercentage }}}} (NVML busy, or SM activity where GPM measures it) while work "
-        f"queues for engine {{{{ $labels.engine }}}} on it "
+        f"{DEVICE_NAME} ({{{{ $labels.uuid }}}}) at {n.NODE} is active only "
+        f"{{{{ $value | humanizePercentage }}}} (SM activity where GPM measures it, else NVML busy; its calm "
+        f"normal: {calm}) while work queues for engine {{{{ $labels.engine }}}} on it "
         f"({reasons}in flight: {engine_gpu_figure(c, n.ENGINE_IN_FLIGHT, ONE_DECIMAL, '0')}, contexts: "
         f"{engine_gpu_figure(c, 'gpuio_engine_pool_contexts', COUNT, 'n/a')}, pool wait: "
         f"{engine_gpu_figure(c, n.ENGINE_POOL_WAIT, 'humanizeDuration', 'none')}, loads in progress: "
-        f"{engine_gpu_figure(c, 'gpuio_engine_loads_in_progress', COUNT, '0')}), and {storage}.",
+        f"{engine_gpu_figure(c, 'gpuio_engine_loads_in_progress', COUNT, '0')}, loads abandoned in the last "
+        f"{c.LOAD_CRASH_LOOP_WINDOW}: {engine_gpu_figure(c, n.ENGINE_LOADS_ABANDONED, COUNT, '0')}), and {storage}.",
         board(STARVATION_UID, gpu="{{ $labels.gpu }}", engine="{{ $labels.engine }}"))
 
 
 def node_gpu_starved(c: Config) -> Rule:
     n = names(c)
+    engines_on = f'label_replace({held(c, "gpuio_engine_info" + n.WITH_GPU)}, "uuid", "$1", "gpu_uuid", "(.+)")'
+    mig_engines_on = (f"gpuio_gpu_mig_device_info{c.selector()}\n    and on ({c.NODE_LABEL}, mig_uuid) "
+                      f'label_replace({engines_on}, "mig_uuid", "$1", "uuid", "(.+)")')
     expr = "\n".join([
         n.GPU_IDLE,
         "# the GPU has work: compute processes hold it",
         f"and on ({c.NODE_LABEL}, gpu) (gpuio_gpu_processes{c.selector()} > 0)",
         "# and a disk of the node is saturated",
         f"and on ({c.NODE_LABEL}) count by ({c.NODE_LABEL}) ({n.SATURATED})",
-        "# GPUs whose engines report are judged by GPUStarvedByDiskIO instead",
+        "# GPUs whose engines report (on the GPU or one of its MIG devices) are judged by GPUStarvedByDiskIO",
         f"unless on ({c.NODE_LABEL}, uuid)",
-        f'  label_replace(gpuio_engine_info{n.WITH_GPU}, "uuid", "$1", "gpu_uuid", "(.+)")',
+        "(",
+        f"  {engines_on}",
+        "  or",
+        f"  {mig_engines_on}",
+        ")",
         "# a frozen or failing NVML reading is no evidence of an idle GPU",
         f"unless on ({c.NODE_LABEL}) {n.GPU_STALE}",
     ])

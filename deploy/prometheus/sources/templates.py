@@ -11,6 +11,8 @@ ONE_DECIMAL = 'printf "%.1f"'
 COUNT = 'printf "%.0f"'
 # A GPU as the alerts name it (labels of the nvml collector's series).
 GPU_NAME = "GPU {{ $labels.gpu }} ({{ $labels.uuid }})"
+# The device an engine runs on: a GPU, or a MIG device of one (its GPU instance named).
+DEVICE_NAME = "GPU {{ $labels.gpu }}{{ with $labels.gpu_instance }} MIG instance {{ . }}{{ end }}"
 
 
 def figure(metric: str, labels: tuple[str, ...], fmt: str, missing: str = "none") -> str:
@@ -40,7 +42,8 @@ def label_of(metric: str, label: str, labels: tuple[str, ...], missing: str = ""
 def engines_on(c: Config, info: str, label: str, value_label: str) -> str:
     """An alert template listing the engines whose files are on the alert's disk or mount."""
     node = f"$labels.{c.NODE_LABEL}"
-    return (f'{{{{ range printf "count by (engine) ({info}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}})" '
+    held = f"last_over_time({info}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}}[{c.ENGINE_HOLD}])"
+    return (f'{{{{ range printf "count by (engine) ({held})" '
             f"{node} $labels.{value_label} | query | sortByLabel \"engine\" }}}}{{{{ .Labels.engine }}}} "
             f"{{{{ else }}}}none {{{{ end }}}}")
 
@@ -50,9 +53,11 @@ def gpus_on(c: Config, info: str, label: str, value_label: str) -> str:
     NVML index and UUID where the node's GPU data joins, else by the UUID the engines' processes report."""
     n = names(c)
     node = f"$labels.{c.NODE_LABEL}"
-    on_storage = f"on ({c.NODE_LABEL}, engine, path) {info}{{{c.NODE_LABEL}='%s',{label}='%s'}}"
-    by_nvml = f"count by (gpu, uuid) ({n.ENGINE_GPU_BUSY}{{{c.NODE_LABEL}='%s'}} and {on_storage})"
-    by_writer = f"count by (gpu_uuid) (gpuio_engine_info{{{c.NODE_LABEL}='%s',gpu_uuid!=''}} and {on_storage})"
+    hold = c.ENGINE_HOLD
+    on_storage = f"on ({c.NODE_LABEL}, engine, path) last_over_time({info}{{{c.NODE_LABEL}='%s',{label}='%s'}}[{hold}])"
+    by_nvml = f"count by (gpu, uuid) ({n.ENGINE_GPU_ACTIVITY}{{{c.NODE_LABEL}='%s'}} and {on_storage})"
+    by_writer = (f"count by (gpu_uuid) (last_over_time(gpuio_engine_info{{{c.NODE_LABEL}='%s',gpu_uuid!=''}}[{hold}]) "
+                 f"and {on_storage})")
     args = f"{node} {node} $labels.{value_label}"
     return (f'{{{{ range printf "{by_nvml}" {args} | query | sortByLabel "gpu" }}}}'
             f"GPU {{{{ .Labels.gpu }}}} ({{{{ .Labels.uuid }}}}) {{{{ else }}}}"
@@ -71,7 +76,8 @@ def starved_on(c: Config, label: str) -> str:
     n = names(c)
     node = f"$labels.{c.NODE_LABEL}"
     return (f'{{{{ range printf "{n.STARVED}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}}" {node} $labels.{label} '
-            f'| query | sortByLabel "gpu" }}}}{{{{ .Labels.engine }}}} on GPU {{{{ .Labels.gpu }}}} (busy '
+            f'| query | sortByLabel "gpu" }}}}{{{{ .Labels.engine }}}} on GPU {{{{ .Labels.gpu }}}}'
+            f"{{{{ with .Labels.gpu_instance }}}} MIG instance {{{{ . }}}}{{{{ end }}}} (active "
             f"{{{{ .Value | humanizePercentage }}}}) {{{{ else }}}}none {{{{ end }}}}")
 
 
