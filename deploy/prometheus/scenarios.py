@@ -298,7 +298,7 @@ def cold_start_storm() -> Scenario:
     s.add("gpuio_disk_engine_loads_in_progress", gauge([(20, 0), (20, 8)]), device="nvme0n1")
     s.add("gpuio_disk_engine_load_oldest_in_progress_seconds", age([(20, False), (20, True)]), device="nvme0n1")
     start = s.storm_start + FIRST_STORM
-    names = ("nvme0n1", "8 engine load(s) waiting", *engines, "GPU 0", "GPU 7")
+    names = ("nvme0n1", "8 engine(s) waiting to load", *engines, "GPU 0", "GPU 7")
     s.fires = [
         Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), exact=True,
              names=names),
@@ -332,7 +332,7 @@ def long_storm() -> Scenario:
     end = s.storm_start + 120 * MIN
     s.fires = [
         Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), end + MIN,
-             exact=True, names=("nvme0n1", "1 engine load(s) waiting", "vit")),
+             exact=True, names=("nvme0n1", "1 engine(s) waiting to load", "vit")),
         Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + seconds(c.STORM_FOR), end + MIN, exact=True),
         Fire("DiskIOStorm", c.WARNING, {"device": "nvme1n1"}, start + seconds(c.STORM_FOR), end + MIN, exact=True),
         # the load is over 60 s old 75 s into the storm (EngineColdStartSlow has no `for`)
@@ -553,7 +553,7 @@ def fuse_cold_start() -> Scenario:
     slow = s.storm_start + seconds("1m")
     s.fires = [
         Fire("MountIOStorm", c.CRITICAL, {"mountpoint": "/mnt/s3"}, slow + seconds(c.STORM_PAGE_FOR), exact=True,
-             names=("/mnt/s3", "fuse.s3fs", "4 engine load(s) waiting", "sd-0", "GPU 3")),
+             names=("/mnt/s3", "fuse.s3fs", "4 engine(s) waiting to load", "sd-0", "GPU 3")),
         Fire("MountIOStorm", c.WARNING, {"mountpoint": "/mnt/s3"}, slow + seconds(c.STORM_FOR), exact=True),
     ]
     for i in range(4):
@@ -723,7 +723,7 @@ def churn_fires(s: Scenario, engines: list[str], disks: tuple[str, ...], end: in
     page = storming + seconds(c.STORM_PAGE_FOR)
     for disk in disks:
         s.fires.append(Fire("DiskIOStorm", c.CRITICAL, {"device": disk}, page, end + MIN, exact=True,
-                            names=(disk, *engines, "GPU 0", "GPU 7"), steady_from=page))
+                            names=(disk, "8 engine(s) waiting to load", *engines, "GPU 0", "GPU 7"), steady_from=page))
         s.fires.append(Fire("DiskIOStorm", c.WARNING, {"device": disk}, storming + seconds(c.STORM_FOR), end + MIN,
                             exact=True))
     for index, engine in enumerate(engines):
@@ -1026,7 +1026,7 @@ def recorded_storm() -> Scenario:
         s.add(name, compress(values), **labels)
     end = (count - 1) * STEP
     s.fires = [Fire("DiskIOStorm", c.CRITICAL, {"device": device}, s.storm_start + PAGE_BOUND, end,
-                    names=(device, "engine load(s) waiting", "ranker-0", "GPU-e2e0000"))]
+                    names=(device, "engine(s) waiting to load", "ranker-0", "GPU-e2e0000"))]
     return s
 
 

@@ -19,7 +19,8 @@ What runs, all real and on loopback:
   ``python -m deploy.generate --set ... --out`` with the windows and ``for`` shrunk from
   minutes to seconds (VARIANT below); every expression is the production one;
 * Debian's ``prometheus-alertmanager`` with deploy/alertmanager/alertmanager.yml, changed only in its
-  timers (group_wait and group_interval 1 s) and the webhook URLs (as test_alertmanager_routing.py);
+  timers (group_wait 1 s, group_interval GROUP_INTERVAL) and the webhook URLs (as
+  test_alertmanager_routing.py);
 * the webhook receiver: an http.server in this test, which notes when each notification arrived.
 
 Phases (one fio per phase, on the raw loop device, reads only; a calm reader runs all along):
@@ -44,6 +45,7 @@ scrapes, rate over 1 m, the page's ``for: 2m``, group_wait 30 s) the same chain 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -71,8 +73,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.root]
 
 
 # Production: RATE_WINDOW 1m, BASELINE_WINDOW 1h, STORM_FOR 5m, STORM_PAGE_FOR 2m at a 15 s scrape interval.
-VARIANT = {"RATE_WINDOW": "10s", "BASELINE_WINDOW": "2m", "STORM_FOR": "10s", "STORM_PAGE_FOR": "10s", "GAP_SETTLE": "20s"}
+VARIANT = {"RATE_WINDOW": "10s", "BASELINE_WINDOW": "2m", "STORM_FOR": "10s", "STORM_PAGE_FOR": "10s",
+           "STARVED_FOR": "20s", "LOAD_RESTART_GRACE": "8s", "GAP_SETTLE": "20s"}
 RATE_S, FOR_S = 10, 10
+# Alertmanager's group_interval: production's 5 minutes at 15 s scrapes, scaled to 1 s scrapes (a group's
+# update waits this long; group_wait stays 1 s so that the first page is not delayed).
+GROUP_INTERVAL = "20s"
 BACKING_MIB = 512
 LOADERS = 6  # inference processes cold-loading during the storm
 ENGINE_MIB = 24
@@ -138,6 +144,48 @@ LOADER = textwrap.dedent("""
         loaded = gpuio.load({path!r}, len, name={name!r}, gpu_uuid={uuid!r})
         print(f"loaded {{loaded.bytes_read}} bytes in {{loaded.read_seconds:.1f}} s", flush=True)
 """)
+
+
+# A pod of a crash-looping rollout: it cold-loads its engine with direct 1 MiB reads (each waits its turn
+# in the stormed disk's queue), the load in progress all along, until its startup probe kills it.
+CRASH_LOOPER = textwrap.dedent("""
+    import mmap, os, sys
+    sys.path.insert(0, {repo!r})
+    import gpuio
+    gpuio.configure({spool!r})
+    buffer = mmap.mmap(-1, 1 << 20)
+    with gpuio.LoadTimer({name!r}, {path!r}, gpu_uuid={uuid!r}) as timer:
+        fd = os.open({path!r}, os.O_RDONLY | os.O_DIRECT)
+        while (n := os.readv(fd, [buffer])) > 0:
+            timer.add_bytes(n)
+    print("loaded", flush=True)
+""")
+CRASH_LOOP_KILL_S = 4.0  # the startup probe's patience
+CRASH_LOOP_RESTART_S = 1.5  # the replacement's start
+CRASH_LOOP_S = 75  # how long the rollout crash-loops
+
+
+class CrashLoop:
+    """One engine's pods: start, kill when still loading after CRASH_LOOP_KILL_S, start again."""
+
+    def __init__(self, stack: Stack, name: str, path: str, uuid: str) -> None:
+        self.script = CRASH_LOOPER.format(repo=REPO, spool=stack.spool, name=name, path=path, uuid=uuid)
+        self.kills = self.loaded = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            process = subprocess.Popen([sys.executable, "-c", self.script], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+            try:
+                process.wait(timeout=CRASH_LOOP_KILL_S)
+                self.loaded += 1
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                self.kills += 1
+            self.stopping.wait(CRASH_LOOP_RESTART_S)
 
 
 class Webhook(BaseHTTPRequestHandler):
@@ -331,7 +379,7 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         with open(f"{queue}/rotational") as handle:
             rotational = handle.read().strip()
 
-        alertmanager_process, alertmanager = start_alertmanager(tmp, server.server_port)
+        alertmanager_process, alertmanager = start_alertmanager(tmp, server.server_port, GROUP_INTERVAL)
         started.append(alertmanager_process)
         # The GPUs the engines are for, idle (starved of their data) all along: no NVML here, so the
         # exporter's NVML is the fake (tests/e2e/fake_gpu_exporter.py); the rest is the real exporter.
@@ -529,7 +577,7 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
         assert alert["annotations"][key] and "<no value>" not in alert["annotations"][key], key
     # the page names the disk, how many loads wait on it, the engines and the GPUs they are for
     assert stack.device in summary
-    waiting = re.search(r"(\d+) engine load\(s\) waiting", summary)
+    waiting = re.search(r"(\d+) engine\(s\) waiting to load", summary)
     assert waiting and int(waiting.group(1)) >= 1, summary
     assert [name for name in stack.engines if name not in description] == []
     assert [uuid for _, uuid in stack.engines.values() if uuid not in description] == []
@@ -537,10 +585,10 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
         judged = at_firing or during
         assert (judged["psi_some"] or 0) >= 0.3 or (judged["psi_full"] or 0) >= 0.1, judged
     assert "no calm evidence" not in description  # judged against the calm baseline
-    # Only this page reached the paging receiver: the storm's ticket for the same disk is held back
-    # while the page fires (Alertmanager's inhibition), and nothing else pages.
-    paged = [(b["groupLabels"], b["receiver"]) for _, b in Webhook.received[already:] if b["receiver"] == "page"]
-    assert paged == [(body["groupLabels"], "page")] * len(paged)
+    # Only the storm's pages reached the paging receiver (this one, and its starved engines'): the storm's
+    # ticket for the same disk is held back while the page fires (Alertmanager's inhibition).
+    paged = {b["groupLabels"]["alertname"] for _, b in Webhook.received[already:] if b["receiver"] == "page"}
+    assert paged <= {"DiskIOStorm", "GPUStarvedByDiskIO"}, paged
     tickets = [b["groupLabels"] for _, b in Webhook.received[already:] if b["receiver"] == "ticket"]
     stack.report(f"[storm e2e] other notifications during the storm: tickets {tickets or 'none'}")
 
@@ -573,3 +621,93 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
     assert prometheus_cleared is not None and alertmanager_cleared is not None, (
         f"DiskIOStorm still active {RESOLVE_BOUND_S} s after the storm stopped: {stack.storm_alerts()} "
         f"{stack.alertmanager_storms()}")
+
+
+def test_crash_looping_cold_start_pages_once_naming_every_engine_and_gpu(stack: Stack) -> None:
+    """Pods killed by their startup probe while they cold-load from the stormed disk, again and again: no
+    process lives through a cycle, yet the page names every engine and GPU, GPUStarvedByDiskIO fires for
+    each engine on its GPU, and nothing resolves or fires twice while the storm lasts."""
+    mount_point = os.path.dirname(next(iter(stack.engines.values()))[0])
+    engines = {}
+    for index, (_, uuid) in enumerate(stack.engines.values()):
+        path = os.path.join(mount_point, f"crashloop-{index}.engine")
+        with open(path, "wb") as handle:
+            handle.write(os.urandom(ENGINE_MIB << 20))
+            os.fsync(handle.fileno())
+        engines[f"crashloop-{index}"] = (path, uuid)
+    already = len(Webhook.received)
+    start, wall_start = time.monotonic(), time.time()
+    fio = stack.fio(STORM, CRASH_LOOP_S + 30)
+    loops = [CrashLoop(stack, name, path, uuid) for name, (path, uuid) in engines.items()]
+    for loop in loops:
+        loop.thread.start()
+    starved: set[str] = set()
+    try:
+        while time.monotonic() - start < CRASH_LOOP_S:
+            for _, body in Webhook.received[already:]:
+                starved |= {a["labels"]["engine"] for a in body["alerts"] if body["receiver"] == "page"
+                            and a["labels"].get("alertname") == "GPUStarvedByDiskIO" and a["status"] == "firing"
+                            and a["labels"]["engine"] in engines}
+            assert fio.poll() is None, f"fio stopped: {fio_output(fio)}"
+            time.sleep(0.5)
+        abandoned = stack.query('gpuio_engine_loads_abandoned_total{engine=~"crashloop-.*"}')
+    finally:
+        for loop in loops:
+            loop.stopping.set()
+        for loop in loops:
+            loop.thread.join(timeout=CRASH_LOOP_KILL_S + CRASH_LOOP_RESTART_S + 5)
+        stop(fio)
+    during = Webhook.received[already:]
+    stack.report(f"[storm e2e] crash loop: {len(engines)} engines, pods killed after {CRASH_LOOP_KILL_S:g} s of "
+                 f"loading, back {CRASH_LOOP_RESTART_S:g} s later, for {CRASH_LOOP_S} s: kills "
+                 f"{[loop.kills for loop in loops]}, loads finished {[loop.loaded for loop in loops]}; abandoned "
+                 f"loads counted {sorted(int(v) for v in abandoned.values())}")
+    assert all(loop.kills >= 3 for loop in loops), "the pods must really crash-loop (killed mid-load)"
+    assert sorted(json.loads(k)["engine"] for k, v in abandoned.items() if v >= 2) == sorted(engines)
+
+    pages = [body for _, body in during if body["receiver"] == "page"]
+    storm_pages = [a for body in pages for a in body["alerts"]
+                   if a["labels"].get("alertname") == "DiskIOStorm" and a["labels"].get("device") == stack.device]
+    assert storm_pages, f"no storm page: {[b['groupLabels'] for b in pages]}"
+    description = storm_pages[-1]["annotations"]["description"]
+    stack.report(f"[storm e2e] crash-loop page: {storm_pages[-1]['annotations']['summary']}")
+    stack.report(f"[storm e2e]         {description}")
+    assert [name for name in engines if name not in description] == []
+    assert [uuid for _, uuid in engines.values() if uuid not in description] == []
+    waiting = re.search(r"(\d+) engine\(s\) waiting to load", storm_pages[-1]["annotations"]["summary"])
+    assert waiting and int(waiting.group(1)) >= len(engines), storm_pages[-1]["annotations"]["summary"]
+    assert starved == set(engines), f"GPUStarvedByDiskIO paged for {sorted(starved)} of {sorted(engines)}"
+    # One storm, one page per alert: no alert of the storm resolved while it lasted (the pager would have
+    # heard), and in Prometheus each page fired without a break from its first firing to the storm's end.
+    ours = [a for body in pages for a in body["alerts"] if started_since(a, wall_start)]
+    resolved = [a["labels"] for a in ours if a["status"] != "firing"]
+    assert resolved == [], f"resolved during the storm: {resolved}"
+    blinks = page_blinks(stack, wall_start, time.time())
+    assert blinks == {}, f"pages that stopped firing and fired again: {blinks}"
+    per_group: dict[str, int] = {}  # notifications of this storm's alerts (an earlier storm's may resolve late)
+    for body in pages:
+        if any(started_since(alert, wall_start) for alert in body["alerts"]):
+            per_group[body["groupLabels"]["alertname"]] = per_group.get(body["groupLabels"]["alertname"], 0) + 1
+    alerts = {json.dumps(a["labels"], sort_keys=True) for a in ours}
+    stack.report(f"[storm e2e] crash-loop notifications to the pager: {per_group} (group_wait 1 s, group_interval "
+                 f"{GROUP_INTERVAL}): {len(alerts)} paging alerts, none resolved or fired twice during the storm")
+
+
+def started_since(alert: dict, moment: float) -> bool:
+    """Whether Alertmanager's alert began at or after ``moment`` (not an earlier storm's, resolving late)."""
+    stamp = re.sub(r"(\.\d{6})\d*", r"\1", alert["startsAt"]).replace("Z", "+00:00")
+    return datetime.datetime.fromisoformat(stamp).timestamp() >= moment - 1
+
+
+def page_blinks(stack: Stack, since: float, until: float) -> dict[str, int]:
+    """Critical alerts whose firing had a hole between their first and last firing sample (1 s steps)."""
+    body = get_json(stack.prometheus + "/api/v1/query_range", query='ALERTS{alertstate="firing",severity="critical"}',
+                    start=f"{since:.3f}", end=f"{until:.3f}", step="1")
+    assert body["status"] == "success", body
+    holes = {}
+    for result in body["data"]["result"]:
+        times = [round(float(t)) for t, _ in result["values"]]
+        missing = (times[-1] - times[0] + 1) - len(times)
+        if missing > 2:  # a sample or two can fall between evaluations
+            holes[json.dumps(result["metric"], sort_keys=True)] = missing
+    return holes

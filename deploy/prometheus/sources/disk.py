@@ -11,7 +11,17 @@ from ..config import CRITICAL, DEVICE_NAME_CLASSES, DISK_CLASSES, DISK_IO_UID, W
 from .base import LOAD_REASONS, Rule, alert, board, engine_disks, held_through_gaps, indent, learned, rate, record
 from .names import names
 from .pressure import io_pressure_high
-from .templates import COUNT, device_figure, engines_on, gpus_on, label_of, node_figure, starved_count, starved_on
+from .templates import (
+    COUNT,
+    device_figure,
+    engines_on,
+    gpus_on,
+    label_of,
+    node_figure,
+    starved_count,
+    starved_on,
+    waiting_to_load,
+)
 
 
 def recording_rules(c: Config) -> list[Rule]:
@@ -164,8 +174,9 @@ def alerts(c: Config) -> list[Rule]:
             this_disk),
         alert(
             c, "DiskIOStorm", held_through_gaps(c, n.STORM_PAGE, "DiskIOStorm", CRITICAL), c.STORM_PAGE_FOR, CRITICAL,
-            f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}} hurts serving: {loads_waiting} engine "
-            f"load(s) waiting, {starved_count(c, 'device')} engine(s) starving their GPU.",
+            f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}} hurts serving: "
+            f"{waiting_to_load(c, info, 'physical_device', 'device')} engine(s) waiting to load, "
+            f"{starved_count(c, 'device')} engine(s) starving their GPU.",
             f"{figures} Engine loads waiting on this disk: {loads_waiting} (oldest in progress for {oldest}). "
             f"Starved engines: {starved_on(c, 'device')}. Engines with files on {{{{ $labels.device }}}}: "
             f"{engines_on(c, info, 'physical_device', 'device')}on GPUs: "

@@ -7,7 +7,17 @@ from ..config import CRITICAL, STARVATION_UID, WARNING, Config
 from .base import Rule, alert, board, engine_mounts, held_through_gaps, indent, record
 from .names import names
 from .pressure import io_pressure_high
-from .templates import COUNT, engines_on, figure, gpus_on, label_of, node_figure, starved_count, starved_on
+from .templates import (
+    COUNT,
+    engines_on,
+    figure,
+    gpus_on,
+    label_of,
+    node_figure,
+    starved_count,
+    starved_on,
+    waiting_to_load,
+)
 
 
 def recording_rules(c: Config) -> list[Rule]:
@@ -87,7 +97,8 @@ def alerts(c: Config) -> list[Rule]:
         alert(c, "MountIOStorm", held_through_gaps(c, n.MOUNT_STORM_PAGE, "MountIOStorm", CRITICAL),
               c.STORM_PAGE_FOR, CRITICAL,
               f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow and hurts serving: "
-              f"{loads_waiting} engine load(s) waiting, {starved_count(c, 'mountpoint')} engine(s) starving their GPU.",
+              f"{waiting_to_load(c, info, 'mountpoint', 'mountpoint')} engine(s) waiting to load, "
+              f"{starved_count(c, 'mountpoint')} engine(s) starving their GPU.",
               f"{figures} Engine loads waiting on it: {loads_waiting}. Starved engines: "
               f"{starved_on(c, 'mountpoint')}. Engines with files on it: "
               f"{engines_on(c, info, 'mountpoint', 'mountpoint')}"

@@ -65,6 +65,17 @@ def gpus_on(c: Config, info: str, label: str, value_label: str) -> str:
             f"{{{{ .Labels.gpu_uuid }}}} {{{{ else }}}}none known {{{{ end }}}}{{{{ end }}}}")
 
 
+def waiting_to_load(c: Config, info: str, label: str, value_label: str) -> str:
+    """An alert template: how many engines on the alert's disk or mount are waited for while they load or
+    crash-loop (LOADS_WAITED_FOR, one per engine and device; a crash loop counts between attempts too)."""
+    n = names(c)
+    node = f"$labels.{c.NODE_LABEL}"
+    on_storage = (f"last_over_time({info}{{{c.NODE_LABEL}='%s',{label}='%s'}}[{c.ENGINE_HOLD}])")
+    query = f"count({n.LOADS_WAITED_FOR}{{{c.NODE_LABEL}='%s'}} and on ({c.NODE_LABEL}, engine) {on_storage})"
+    return (f'{{{{ with printf "{query}" {node} {node} $labels.{value_label} | query }}}}'
+            f'{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}0{{{{ end }}}}')
+
+
 def starved_count(c: Config, label: str) -> str:
     n = names(c)
     node = f"$labels.{c.NODE_LABEL}"
