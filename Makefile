@@ -125,19 +125,22 @@ soak: venv system-deps
 	$(SUDO) $(PY) bench/soak.py $(ARGS)
 
 # .whl/ for tests/gpu/device_session.sh on a GPU machine without PyPI: requirements-run.txt and pytest as
-# wheels for that machine's Python (GPU_PYTHON, x86_64 manylinux), and Debian's static prometheus, promtool
-# and node_exporter binaries (the GPU route's dashboards test and benchmarks; bench/fleet_bench.py on a
-# bigger host).
+# wheels for that machine's Python (GPU_PYTHON, x86_64 manylinux), and Debian's static prometheus, promtool,
+# alertmanager and node_exporter binaries (the GPU route's dashboards test, its real-NVML storm and
+# benchmarks; bench/fleet_bench.py on a bigger host).
 GPU_PYTHON ?= 3.12
 GPU_PLATFORMS := $(foreach p,manylinux_2_34 manylinux_2_28 manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1,--platform $(p)_x86_64)
 gpu-wheels:
-	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-node-exporter"
+	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-node-exporter prometheus-alertmanager"
 	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  $(GPU_PLATFORMS) --dest .whl -r requirements-run.txt pytest iniconfig pluggy packaging
 	xz -T0 -c $$(command -v prometheus) > .whl/prometheus.xz
 	xz -T0 -c $$(command -v promtool) > .whl/promtool.xz
 	xz -T0 -c $$(command -v prometheus-node-exporter) > .whl/node_exporter.xz
+	xz -T0 -c $$(command -v prometheus-alertmanager) > .whl/alertmanager.xz
+	mkdir -p .whl/alertmanager-templates  # Debian's build reads its templates from /usr/share
+	cp /usr/share/prometheus/alertmanager/*.tmpl .whl/alertmanager-templates/
 	# gpuio's C hot path, an abi3 build (any CPython >= 3.11): tests/gpu/device_session.sh puts it beside
 	# the source it was built from.
 	rm -rf .whl/gpuio-build && $(PYTHON) -m pip wheel $(PIP_QUIET) --no-deps -w .whl/gpuio-build ./exporter/instrument

@@ -967,6 +967,36 @@ def always_low() -> Scenario:
     return s
 
 
+def slow_creep_then_storm() -> Scenario:
+    """Measured on an H200: a storm that no class limit calls saturated (its virtio disk, which sysfs calls
+    rotational, from 0.8 to 16 ms with every task stalled 80 % of the time) already took two thirds of the
+    GPU's work for 70 minutes.  It must not become the GPU's calm normal: when the disk then saturates,
+    the GPU is starved against the activity it had before (0.76), not against the storm's 0.25."""
+    s = Scenario("creep-then-storm", "page", "vda at 16 ms (under its class limit, PSI full 0.8) for 70 min, GPU "
+                 "0.76 -> 0.25, then saturated at 150 ms", minutes=130, storm_start=110 * MIN)
+    s.disk("vda", "1", [(40, *VDA_CALM), (70, 900.0, 0.016, 15.0, 1.0), (20, *VDA_STORM)])
+    s.psi([(40, 0.01, 0.005), (70, 0.85, 0.8), (20, 0.9, 0.84)])
+    s.nvml()
+    uuid = s.gpu(0, [(40, 0.99), (90, 0.36)], processes=4)
+    s.add("gpuio_gpu_sm_active_seconds_total", counter([(40, 0.76), (90, 0.25)]), gpu="0", uuid=uuid)
+    for k in range(4):
+        engine = f"matmul-{k}"
+        s.engine_file(engine, uuid, device="vda")
+        s.serving(engine, uuid, in_flight=[(130, 2)], contexts=2, requests=[(40, 20), (90, 8)],
+                  pool_wait=[(40, 0.0005), (90, 0.4)], latency=[(40, (0.2, 0.9, 1, 1, 1)), (90, (0, 0, 0.2, 0.9, 1))])
+    s.fires = [Fire("GPUStarvedByDiskIO", c.CRITICAL, {
+        "engine": f"matmul-{k}", "path": f"/models/matmul-{k}.plan", "gpu": "0", "uuid": f"GPU-{s.name}-0",
+        "device": "vda"}, s.storm_start + seconds(c.STARVED_FOR) + MIN, names=(f"matmul-{k}", "its calm normal: 76%"))
+        for k in range(4)]
+    s.fires += [
+        # the node already stalls on IO: the storm holds from the first scrape of the saturated disk
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, s.storm_start + STEP + seconds(c.STORM_PAGE_FOR),
+             exact=True, names=("vda", "4 engine(s) starving their GPU")),
+        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + seconds(c.STORM_FOR) + MIN),
+    ]
+    return s
+
+
 def no_calm_baseline() -> Scenario:
     """A node that storms from its first minutes: no GPU has a calm normal, so the absolute floors decide.
     GPU 0 at SM 0.35 (busy 0.4) is not idle by them; GPU 1 at SM 0.05 is, and both pools are full."""
@@ -1034,7 +1064,7 @@ SCENARIOS = [cold_start_storm, long_storm, rolling_deploy, rolling_deploy_satura
              one_of_eight, backup_light_traffic, drained_replica, frozen_nvml, nfs_engine, fuse_cold_start,
              nvme_busy_fast, network_block_device, recorded_storm,
              crash_loop, crash_loop_md, mig_starved, blue_green, exporter_restart, node_drain,
-             activity_drop, activity_fell, always_low, no_calm_baseline]
+             activity_drop, activity_fell, always_low, no_calm_baseline, slow_creep_then_storm]
 
 
 # --- promtool tests --------------------------------------------------------------------------------

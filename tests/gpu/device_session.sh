@@ -45,6 +45,12 @@ if [ -f .whl/prometheus.xz ]; then
   step env PATH=/tmp/gpuio-bin:$PATH python3 -m pytest -q -s -p no:cacheprovider tests/e2e/test_prometheus_rules_dashboards.py
   kill $worker 2>/dev/null; wait $worker 2>/dev/null
 fi
+if [ -f .whl/alertmanager.xz ] && [ -f .whl/prometheus.xz ]; then  # a real storm starving the real GPU, paged
+  mkdir -p /tmp/gpuio-bin /usr/share/prometheus/alertmanager
+  xz -dc .whl/alertmanager.xz > /tmp/gpuio-bin/alertmanager && chmod +x /tmp/gpuio-bin/alertmanager
+  cp .whl/alertmanager-templates/*.tmpl /usr/share/prometheus/alertmanager/  # Debian's build reads them
+  step env PATH=/tmp/gpuio-bin:$PATH PYTHONUNBUFFERED=1 python3 tests/gpu/storm_check.py
+fi
 if [ -f .whl/node_exporter.xz ]; then  # the benchmarks against their peers, on this host
   mkdir -p /tmp/gpuio-bin && xz -dc .whl/node_exporter.xz > /tmp/gpuio-bin/node_exporter && chmod +x /tmp/gpuio-bin/node_exporter
   step env PATH=/tmp/gpuio-bin:$PATH python3 bench/scrape_bench.py --scrapes 1200 --with-defaults --skip-scaling

@@ -31,7 +31,17 @@ def recording_rules(c: Config) -> list[Rule]:
 def gpu_calm_rules(c: Config) -> list[Rule]:
     """Each device's calm activity, its normal and "lost its work" (GPU_ACTIVITY_DROP)."""
     n = names(c)
-    storming = f"({n.SATURATED} or {n.MOUNT_SLOW} or {n.GPU_STALE})"
+    # Not calm: a saturated disk or slow mount, a disk far above its own calm await or all of the node's
+    # tasks stalling on IO (a storm that no class limit calls saturated still takes the GPU's work: on an
+    # H200's virtio disk, which sysfs calls rotational, await 0.8 -> 16 ms, PSI full 0.82, SM activity
+    # 0.76 -> 0.24), or GPU data that cannot be trusted.  A busy node's own reads (PSI full ~0.1) are calm.
+    storming = "\n".join([
+        "(",
+        f"  {n.SATURATED} or {n.MOUNT_SLOW} or {n.GPU_STALE}",
+        f"  or {n.AWAIT} >= {c.STORM_BASELINE_FACTOR:g} * {n.AWAIT_BASELINE}",
+        f"  or {n.IO_FULL} >= {c.STORM_PAGE_IO_FULL:g}",
+        ")",
+    ])
     lost = "\n".join([
         f"{n.GPU_ACTIVITY} < {c.GPU_ACTIVITY_DROP:g} * {n.GPU_ACTIVITY_BASELINE}",
         "or",
@@ -41,9 +51,9 @@ def gpu_calm_rules(c: Config) -> list[Rule]:
         f'{n.GPU_ACTIVITY}{{gpu_instance!=""}} < {c.GPU_SM_ACTIVE_LOW:g}',
     ])
     return [
-        # The activity of the evaluations in which no disk of the node was saturated, no mount slow and the
-        # GPU data fresh: a storm never becomes the activity it is compared with.
-        record(n.GPU_CALM_ACTIVITY, f"{n.GPU_ACTIVITY}\nunless on ({c.NODE_LABEL})\n{storming}"),
+        # The activity of the evaluations in which no disk of the node was saturated, no mount slow, IO
+        # pressure low and the GPU data fresh: a storm never becomes the activity it is compared with.
+        record(n.GPU_CALM_ACTIVITY, f"{n.GPU_ACTIVITY}\nunless on ({c.NODE_LABEL}) {storming}"),
         record(n.GPU_ACTIVITY_LEARNED, learned(c, n.GPU_CALM_ACTIVITY, n.GPU_ACTIVITY)),
         record(n.GPU_ACTIVITY_BASELINE, f"last_over_time({n.GPU_ACTIVITY_LEARNED}[{c.BASELINE_HOLD}])"),
         # Lost its work: below GPU_ACTIVITY_DROP of its calm normal, or mostly idle (the absolute floors
