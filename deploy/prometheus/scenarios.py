@@ -868,6 +868,51 @@ def exporter_restart() -> Scenario:
     return s
 
 
+def gpu_reset() -> Scenario:
+    """A GPU falls off the bus (Xid 79) in the middle of a cold-start storm and is reset 2 minutes later:
+    its engine's process dies with it and loads again after the reset.  GPULost pages for the GPU; the
+    engine's starvation stays one alert through the reset."""
+    s = Scenario("gpu-reset", "page", "GPU 1 lost for 2 min (Xid 79) mid-storm; its engine reloads after the reset",
+                 minutes=45, storm_start=20 * MIN)
+    s.disk("nvme0n1", "0", [(20, *CALM_SSD), (20, 2000, 0.025, 60, 1.0), (5, *CALM_SSD)])
+    s.psi([(20, 0.01, 0.0), (20, 0.7, 0.3), (5, 0.01, 0.0)])
+    s.nvml()
+    total = steps(s.minutes)
+    lost, back = steps(30), steps(32)
+    for i in range(2):
+        uuid, engine = f"GPU-{s.name}-{i}", f"ranker-{i}"
+        gone = range(lost, back) if i == 1 else range(0)
+        busy = totals([None if j in gone else 0.02 for j in range(total)], reset_at=[back] if i == 1 else [])
+        s.add("gpuio_gpu_busy_seconds_total", samples(gap(busy, lost, back - lost) if i == 1 else busy),
+              gpu=str(i), uuid=uuid)
+        s.add("gpuio_gpu_up", samples(0.0 if j in gone else 1.0 for j in range(total)), gpu=str(i), uuid=uuid)
+        s.add("gpuio_gpu_processes", samples(0.0 if j in gone else 1.0 for j in range(total)), gpu=str(i), uuid=uuid)
+        s.engine_file(engine, uuid, device="nvme0n1")
+        loading = [steps(20) <= j < steps(40) and j not in gone for j in range(total)]
+        start = [steps(20) if j < back or i == 0 else back for j in range(total)]
+        s.add("gpuio_engine_loads_in_progress", samples(float(v) for v in loading), engine=engine, gpu_uuid=uuid)
+        s.add("gpuio_engine_load_oldest_in_progress_seconds",
+              samples(STEP * (j - start[j]) if loading[j] else 0.0 for j in range(total)), engine=engine, gpu_uuid=uuid)
+        s.add("gpuio_engine_loads_abandoned_total", samples(float(i == 1 and j >= lost) for j in range(total)),
+              engine=engine, gpu_uuid=uuid)
+    s.add("gpuio_disk_engine_loads_in_progress", gauge([(20, 0), (20, 2), (5, 0)]), device="nvme0n1")
+    start = s.storm_start + FIRST_STORM
+    end = 40 * MIN
+    starved = start + seconds(c.STARVED_FOR)
+    s.fires = [
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), end + MIN, exact=True,
+             steady_from=start + seconds(c.STORM_PAGE_FOR)),
+        Fire("GPULost", c.CRITICAL, {"gpu": "1", "uuid": "GPU-gpu-reset-1"}, lost * STEP + seconds(c.GPU_LOST_FOR),
+             back * STEP, exact=True),
+    ]
+    for i in range(2):
+        s.fires.append(Fire("GPUStarvedByDiskIO", c.CRITICAL, {
+            "engine": f"ranker-{i}", "path": f"/models/ranker-{i}.plan", "gpu": str(i), "uuid": f"GPU-{s.name}-{i}",
+            "device": "nvme0n1"}, starved, end + MIN, exact=True, steady_from=starved))
+    s.only_listed = True  # the slow loads' tickets are the crash loop's business
+    return s
+
+
 def node_drain() -> Scenario:
     """A backup saturates the disk (a ticket); at 30m the node is drained: four serving pods are evicted,
     two of them in the middle of loading a new version, and the GPUs go idle.  Loads abandoned once, never
@@ -1063,7 +1108,7 @@ def recorded_storm() -> Scenario:
 SCENARIOS = [cold_start_storm, long_storm, rolling_deploy, rolling_deploy_saturating, counter_reset, unplug_and_loop,
              one_of_eight, backup_light_traffic, drained_replica, frozen_nvml, nfs_engine, fuse_cold_start,
              nvme_busy_fast, network_block_device, recorded_storm,
-             crash_loop, crash_loop_md, mig_starved, blue_green, exporter_restart, node_drain,
+             crash_loop, crash_loop_md, mig_starved, blue_green, exporter_restart, gpu_reset, node_drain,
              activity_drop, activity_fell, always_low, no_calm_baseline, slow_creep_then_storm]
 
 

@@ -34,7 +34,11 @@ def recording_rules(c: Config) -> list[Rule]:
         # What each device engines run on does, one series per GPU and per MIG device (``uuid``: what the
         # engines report): SM activity where GPM measures it (busy reads 100 % with one block spinning),
         # else NVML busy; a MIG device has only its GPU instance's SM activity (NVML has no busy for it).
-        record(n.GPU_ACTIVITY, f'{rate(c, "gpuio_gpu_sm_active_seconds_total")}\nor\n{n.GPU_BUSY}\nor\n{mig}'),
+        # A GPU lost within the rate window (fallen off the bus, Xid 79, reset) does nothing until its counters
+        # have a rate again: 0, so that an engine waiting for it through the reset stays one judgement
+        # (GPULost pages for the GPU itself).
+        record(n.GPU_ACTIVITY, f'{rate(c, "gpuio_gpu_sm_active_seconds_total")}\nor\n{n.GPU_BUSY}\nor\n{mig}\n'
+                               f"or\n0 * (min_over_time(gpuio_gpu_up{sel}[{n.W}]) == 0)"),
         # Mostly idle: NVML busy low, or few SMs working where GPM measures it (busy reads 100 % while
         # one thread spins or weights cross PCIe).  Value: the busy ratio, else the SM activity.
         record(n.GPU_IDLE, f'{n.GPU_BUSY} < {c.GPU_BUSY_LOW:g}\nor\n'

@@ -138,9 +138,12 @@ def waiting_rules(c: Config) -> list[Rule]:
     abandoned = f"gpuio_engine_loads_abandoned_total{sel}"
     # "loads abandoned": at least two loads died unfinished in LOAD_CRASH_LOOP_WINDOW (increase() of a
     # counter stepping by one reads ~1.0 per load: 1.5 means two), or one did within LOAD_RESTART_GRACE
-    # (the first attempts of a crash loop restart within seconds).
+    # (the first attempts of a crash loop restart within seconds), or one did and the engine's GPU is lost
+    # (its process died with the GPU; the load starts again after the reset).
+    lost_gpus = f'label_replace(gpuio_gpu_up{sel} == 0, "gpu_uuid", "$1", "uuid", "(.+)")'
     crash_looping = (f"{n.ENGINE_LOADS_ABANDONED} >= 1.5\n  or\n"
-                     f"  increase({abandoned}[{c.LOAD_RESTART_GRACE}]) > 0")
+                     f"  increase({abandoned}[{c.LOAD_RESTART_GRACE}]) > 0\n  or\n"
+                     f"  {n.ENGINE_LOADS_ABANDONED} and on ({c.NODE_LABEL}, gpu_uuid) {lost_gpus}")
     waiting = "\nor\n".join([
         reason(f"{n.ENGINE_POOL_WAIT} >= {c.ENGINE_POOL_WAIT_SECONDS:g}", "pool wait"),
         reason(f"{n.ENGINE_IN_FLIGHT}\n  >= on ({c.NODE_LABEL}, engine, gpu_uuid)\n"
