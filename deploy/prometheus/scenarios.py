@@ -889,10 +889,10 @@ def gpu_reset() -> Scenario:
         s.add("gpuio_gpu_processes", samples(0.0 if j in gone else 1.0 for j in range(total)), gpu=str(i), uuid=uuid)
         s.engine_file(engine, uuid, device="nvme0n1")
         loading = [steps(20) <= j < steps(40) and j not in gone for j in range(total)]
-        start = [steps(20) if j < back or i == 0 else back for j in range(total)]
+        began = [steps(20) if j < back or i == 0 else back for j in range(total)]  # the load in progress began
         s.add("gpuio_engine_loads_in_progress", samples(float(v) for v in loading), engine=engine, gpu_uuid=uuid)
         s.add("gpuio_engine_load_oldest_in_progress_seconds",
-              samples(STEP * (j - start[j]) if loading[j] else 0.0 for j in range(total)), engine=engine, gpu_uuid=uuid)
+              samples(STEP * (j - began[j]) if loading[j] else 0.0 for j in range(total)), engine=engine, gpu_uuid=uuid)
         s.add("gpuio_engine_loads_abandoned_total", samples(float(i == 1 and j >= lost) for j in range(total)),
               engine=engine, gpu_uuid=uuid)
     s.add("gpuio_disk_engine_loads_in_progress", gauge([(20, 0), (20, 2), (5, 0)]), device="nvme0n1")
