@@ -865,7 +865,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def describe() -> dict[str, Any]:
-    """Where this process reports: the spool file (None: nowhere), its engines, and how the hot paths
-    store (``HOT_PATH``: "c", "python" or "locked")."""
+    """Where this process reports: the spool file (None: nowhere; ``spool_error`` says why, e.g. "No space
+    left on device": the metrics stay in this process's memory), its engines, and how the hot paths store
+    (``HOT_PATH``: "c", "python" or "locked")."""
     file = _spool
-    return {"spool": None if file is None else file.path, "engines": sorted(_engines), "hot_path": HOT_PATH}
+    return {"spool": None if file is None else file.path, "spool_error": None if file is None else file.unusable,
+            "engines": sorted(_engines), "hot_path": HOT_PATH}

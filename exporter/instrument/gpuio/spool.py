@@ -91,7 +91,8 @@ RECORD_HEAD = struct.Struct("<IHH")
 SUFFIX = ".spool"
 PREFIX = "gpuio-"
 DEFAULT_DIR = "/run/gpuio/spool"
-DEFAULT_FILE_BYTES = 1 << 20  # sparse: pages are allocated as records are added
+DEFAULT_FILE_BYTES = 1 << 20  # sparse: pages are reserved (RESERVE_BYTES at a time) as records are added
+RESERVE_BYTES = 16 << 10
 MAX_KEY_BYTES = 400
 MAX_RECORD_BYTES = 1 << 16
 
@@ -304,7 +305,12 @@ class SpoolFile:
         self.size = max(size, HEADER_SIZE + 4096) & ~7
         self.lock = ChangeLock()  # serialises value updates and record appends within this process
         self.path: str | None = None
+        self.unusable: str | None = None  # why the directory could not take this process's file
         self._fd: int | None = None
+        # The file's descriptor for reserving its pages, and how many bytes from its start are reserved (an
+        # anonymous mapping is all backed from the start).
+        self._write_fd: int | None = None
+        self._reserved = self.size
         self.instance = secrets.randbits(63)
         self.pid = os.getpid()
         self.start_ticks = process_start_ticks()
@@ -321,8 +327,9 @@ class SpoolFile:
             try:
                 return self._create(directory)
             except OSError as exc:
+                self.unusable = str(exc.strerror or exc)
                 log.warning("gpuio spool unusable, engine metrics will not reach the exporter: %s (%s)",
-                            directory, exc.strerror or exc)
+                            directory, self.unusable)
         anonymous = mmap.mmap(-1, self.size)
         self._write_header(anonymous)
         return anonymous
@@ -338,6 +345,11 @@ class SpoolFile:
             lock_fd = os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process ends
             os.ftruncate(fd, self.size)
+            # A store into a page that the file system cannot back (a full tmpfs /run, an emptyDir at its
+            # sizeLimit) kills the process with SIGBUS: every page is reserved before it is written, the
+            # first ones now (full already: no file, the metrics stay in memory, see ``_open``), the
+            # rest as records need them (``add_record``).  The file takes only what it uses.
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
             mapped = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._write_header(mapped)
             os.rename(temporary, os.path.join(directory, name))
@@ -346,10 +358,10 @@ class SpoolFile:
                 os.close(lock_fd)
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
-            raise
-        finally:
             os.close(fd)
+            raise
         self._fd = lock_fd
+        self._write_fd, self._reserved = fd, RESERVE_BYTES
         self.path = os.path.join(directory, name)
         return mapped
 
@@ -366,7 +378,7 @@ class SpoolFile:
         """
         raw = key.encode("utf-8")[:MAX_KEY_BYTES]
         size = RECORD_HEAD.size + pad8(len(raw)) + pad8(payload_bytes)
-        if self.used + size > self.size:
+        if self.used + size > self.size or not self._reserve(self.used + size):
             dropped = struct.unpack_from("<Q", self._map, DROPPED_OFFSET)[0] + 1
             struct.pack_into("<Q", self._map, DROPPED_OFFSET, dropped)
             return None
@@ -380,8 +392,33 @@ class SpoolFile:
         struct.pack_into("<Q", self._map, USED_OFFSET, self.used)  # publish
         return payload_offset
 
+    def _reserve(self, end: int) -> bool:
+        """Whether the file's first ``end`` bytes are backed by the file system (reserving more in steps of
+        RESERVE_BYTES); False when it is full: the record is not made, and counted as dropped."""
+        if end <= self._reserved:
+            return True
+        if self._write_fd is None:
+            return False
+        target = min(self.size, -(-end // RESERVE_BYTES) * RESERVE_BYTES)
+        try:
+            os.posix_fallocate(self._write_fd, self._reserved, target - self._reserved)
+        except OSError as exc:
+            if not self.unusable:
+                self.unusable = str(exc.strerror or exc)
+                log.warning("gpuio spool full, new engine series are dropped: %s (%s)", self.path, self.unusable)
+            return False
+        self._reserved = target
+        return True
+
+    def _close_write_fd(self) -> None:
+        if self._write_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._write_fd)
+            self._write_fd = None
+
     def close(self) -> None:
         """Unmap and drop the lock; the file stays for the exporter to fold."""
+        self._close_write_fd()
         self.lock._values = None
         with contextlib.suppress(BufferError, ValueError):
             self.values.release()
@@ -391,10 +428,12 @@ class SpoolFile:
             self._fd = None
 
     def release_lock(self) -> None:
-        """Give the file up (the exporter will fold it) but keep the mapping valid for stray handles."""
+        """Give the file up (the exporter will fold it) but keep the mapping valid for stray handles (which
+        add no records past what is reserved)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        self._close_write_fd()
 
     def abandon_after_fork(self) -> None:
         """In a forked child: forget the parent's file without touching the parent's lock or data.
@@ -407,6 +446,7 @@ class SpoolFile:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+        self._close_write_fd()
         self.lock._values = None
         with contextlib.suppress(BufferError, ValueError):
             self.values.release()
