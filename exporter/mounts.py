@@ -27,6 +27,8 @@ import select
 import time
 from dataclasses import dataclass, field
 
+from .procstat import whole_number
+
 MAX_BYTES = 8 << 20  # a node with thousands of pod volumes has a mountinfo of a few hundred KiB
 DEFAULT_MAX_MOUNTS = 10_000
 
@@ -113,9 +115,10 @@ def parse_line(line: str) -> MountPoint | None:
     if not separator or len(head) < 6 or len(tail) < 2:
         return None
     major, colon, minor = head[2].partition(":")
-    if not colon or not (major.isascii() and major.isdigit() and minor.isascii() and minor.isdigit()):
+    numbers = (whole_number(major), whole_number(minor))
+    if not colon or numbers[0] is None or numbers[1] is None:
         return None
-    return MountPoint((int(major), int(minor)), unescape(head[3]), unescape(head[4]), tail[0], unescape(tail[1]),
+    return MountPoint((numbers[0], numbers[1]), unescape(head[3]), unescape(head[4]), tail[0], unescape(tail[1]),
                       tail[2] if len(tail) > 2 else "")
 
 

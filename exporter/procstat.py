@@ -1,5 +1,6 @@
 """/proc/<pid>/stat, read once for the whole exporter: its own process metrics, smartctl's process
-table and the start time that identifies a spool writer.
+table and the start time that identifies a spool writer; and the bounded reading of a number any kernel
+file writes (``whole_number``).
 
 The command name (field 2) is in parentheses and may itself hold spaces and parentheses, so the
 fields are split after its last ")".  (gpuio, the instrumentation library, has its own few lines
@@ -11,6 +12,17 @@ from __future__ import annotations
 # Indexes into stat_fields(), i.e. field number (proc(5), from 1) minus 3.
 STATE, PPID, SESSION = 0, 1, 3
 UTIME, STIME, THREADS, START_TIME, VSIZE, RSS = 11, 12, 17, 19, 20, 21
+
+
+# The most digits of a number a kernel file writes (a u64 has 20): a longer one is a bad line, never an int()
+# that takes time or raises past Python's 4,300-digit limit and fails a whole collector.
+MAX_DIGITS = 20
+
+
+def whole_number(text: str) -> int | None:
+    """A non-negative ASCII integer of at most MAX_DIGITS digits, or None (isdigit() alone accepts '²' and
+    other Unicode digits that int() refuses)."""
+    return int(text) if len(text) <= MAX_DIGITS and text.isascii() and text.isdigit() else None
 
 
 def stat_fields(pid: int | str = "self", procfs: str = "/proc") -> list[bytes]:

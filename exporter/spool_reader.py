@@ -356,10 +356,10 @@ def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> N
 def _parse_load(parsed: Parsed, key: str, values: list[float]) -> None:
     engine, uuid, dev = key.split("\0") if key.count("\0") == 2 else ("", "", "")
     major, colon, minor = dev.partition(":")
-    whole = (major + minor).isascii() and major.isdigit() and minor.isdigit()
-    if not engine or not colon or not whole or len(values) < len(LOAD_SLOTS):
+    numbers = (procstat.whole_number(major), procstat.whole_number(minor))
+    if not engine or not colon or numbers[0] is None or numbers[1] is None or len(values) < len(LOAD_SLOTS):
         raise ValueError("bad LOAD record")
-    parsed.loads[(engine, uuid, (int(major), int(minor)))] = values[: len(LOAD_SLOTS)]
+    parsed.loads[(engine, uuid, (numbers[0], numbers[1]))] = values[: len(LOAD_SLOTS)]
 
 
 def _max_into(previous: list[float], current: list[float], monotonic: int) -> list[float]:

@@ -42,6 +42,7 @@ from .. import mounts
 from ..collect import Absent, BadLine, Collector, Context, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..options import Option, parse_count
+from ..procstat import whole_number
 
 log = logging.getLogger("gpuio.collector.mountstats")
 
@@ -209,9 +210,10 @@ DROPPED = Desc("gpuio_mountstats_dropped_series_total", COUNTER,
 
 
 def _numbers(fields: list[str]) -> list[int]:
-    if not all(text.isascii() and text.isdigit() for text in fields):
-        raise BadLine("malformed", "not a list of whole numbers")
-    return [int(text) for text in fields]
+    numbers = [whole_number(text) for text in fields]
+    if None in numbers:
+        raise BadLine("malformed", "not a list of whole numbers of at most 20 digits")
+    return [number for number in numbers if number is not None]
 
 
 @dataclass

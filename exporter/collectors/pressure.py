@@ -20,6 +20,7 @@ import os
 from ..collect import Absent, BadLine, Collector, MalformedSource, register
 from ..exposition import COUNTER, Desc, Family
 from ..logsetup import LogOnce
+from ..procstat import whole_number
 
 log = logging.getLogger("gpuio.collector.pressure")
 
@@ -51,10 +52,10 @@ def parse_total(line: str) -> tuple[str, int]:
     for item in rest.split():
         key, _, value = item.partition("=")
         if key == "total":
-            # isdigit() alone accepts '²' and other Unicode digits that int() refuses.
-            if not (value.isascii() and value.isdigit()):
-                raise BadLine("non_numeric", "total is not a non-negative integer")
-            return kind, int(value)
+            total = whole_number(value)
+            if total is None:
+                raise BadLine("non_numeric", "total is not a non-negative integer of at most 20 digits")
+            return kind, total
     raise BadLine("no_total", "no total=")
 
 

@@ -105,3 +105,15 @@ def test_no_nfs_and_no_file_is_no_failure(tmp_path) -> None:
     assert not any(name.startswith("gpuio_mountstats_nfs_") for name, _ in samples)
 
 
+
+
+def test_a_number_of_thousands_of_digits_costs_only_its_own_line(tmp_path) -> None:
+    """One 5,000-digit number (past Python's 4,300-digit int() limit) in mountstats and in mountinfo: its
+    line is skipped and counted, every other line is read (it failed the whole collector)."""
+    huge = "9" * 5000
+    stats = fixture("kubelet-nfs4.mountstats").replace("READ: 34096 34096", f"READ: 34096 {huge}")
+    info = fixture("procfs-26231.mountinfo").replace(" 0:", f" {huge}:", 1)
+    samples = collect(procfs_with(tmp_path, stats, info))
+    assert samples[("gpuio_mountstats_malformed_lines_total", frozenset())] == 2
+    ops = [dict(ls) for (name, ls) in samples if name == "gpuio_mountstats_nfs_operations_requests_total"]
+    assert len(ops) == 27 and not any(op["operation"] == "READ" for op in ops)
