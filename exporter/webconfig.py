@@ -244,10 +244,25 @@ def load(path: str) -> WebConfig:
     try:
         data = yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
-        raise WebConfigError(f"not valid YAML: {' '.join(str(exc).split())}") from None
+        raise WebConfigError(f"not valid YAML: {_yaml_problem(exc)}") from None
     except RecursionError:
         raise WebConfigError("not valid YAML: nested too deeply") from None
     return parse(data if data is not None else {}, os.path.dirname(os.path.abspath(path)), path)
+
+
+def _yaml_problem(exc: Any) -> str:
+    """What is wrong and where (line, column), never the file's text: a mistyped path can point the web
+    config at a secret (/etc/shadow), and a parser's message quotes the line it stopped at."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or "cannot be parsed"
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
+def _key_name(key: Any) -> str:
+    """A key as errors show it: its text where it looks like a key, else its position in no words."""
+    text = str(key)
+    return text if len(text) <= 64 and text.replace("_", "").isalnum() and text.isascii() else "(a key that is no name)"
 
 
 def parse(data: Any, directory: str, path: str = "<memory>") -> WebConfig:
@@ -278,7 +293,7 @@ def _known_keys(section: dict[Any, Any], known: set[str], unsupported: Mapping[s
             raise WebConfigError(f"{prefix}{key}: {unsupported[key]}")
         if key not in known:
             accepted = ", ".join(sorted(known))
-            raise WebConfigError(f"{prefix}{key}: unknown key; accepted keys here: {accepted}")
+            raise WebConfigError(f"{prefix}{_key_name(key)}: unknown key; accepted keys here: {accepted}")
 
 
 def _string(section: dict[Any, Any], key: str, where: str) -> str:

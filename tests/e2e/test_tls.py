@@ -11,6 +11,7 @@ import base64
 import datetime
 import json
 import os
+import re
 import shutil
 import socket
 import ssl
@@ -253,6 +254,21 @@ def test_bad_web_configs_are_refused_with_a_clear_message(certs: Certs, tmp_path
     path.write_text(text)
     with pytest.raises(WebConfigError, match=expected):
         load(str(path))
+
+
+@pytest.mark.parametrize("text", [
+    "root:$6$rAnd0m$S3cr3tHASHofRootS3cr3tHASH:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n",
+    "root: $6$rAnd0m$S3cr3tHASHofRootS3cr3tHASH: 19000\n",  # not YAML: the parser stops on that line
+])
+def test_a_secret_pointed_at_by_mistake_is_never_quoted(tmp_path: Path, text: str) -> None:
+    """--web.config.file swapped for /etc/shadow (a symlink, a typo): the error names the problem and its
+    position, never the file's text (it was logged at ERROR on a reload)."""
+    path = tmp_path / "web.yml"
+    path.write_text(text)
+    with pytest.raises(WebConfigError) as refused:
+        load(str(path))
+    assert "S3cr3tHASH" not in str(refused.value) and "rAnd0m" not in str(refused.value), str(refused.value)
+    assert re.search(r"unknown key|at line 1, column \d+", str(refused.value)), str(refused.value)
 
 
 def test_startup_fails_naming_the_flag_file_and_problem(tmp_path: Path) -> None:
