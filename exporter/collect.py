@@ -93,6 +93,16 @@ class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)
         self.families = families
 
 
+class Failing(Exception):  # noqa: N818  (it is an outcome, as StaleData is)
+    """Raised by a collector whose source failed before it ever answered: the scrape reports the failure
+    (``gpuio_scrape_collector_success 0``, state ``failing``) and still serves ``families`` (what the
+    collector can say of the failure itself, such as its failure counters by reason)."""
+
+    def __init__(self, reason: str, families: list[Family]) -> None:
+        super().__init__(reason)
+        self.families = families
+
+
 class Absent(Exception):  # noqa: N818  (it is an outcome, not an error)
     """Raised by a collector whose source does not exist on this host: no spool directory, no NVIDIA
     driver or GPU, no smartctl or no disk, no /proc/pressure, no mount table.
@@ -591,6 +601,8 @@ class Scraper:
             return Outcome(bad.families, False, time.perf_counter() - start, f"malformed input: {bad}", "malformed")
         except StaleData as stale:
             return Outcome(stale.families, False, time.perf_counter() - start, f"{STALE_PREFIX}{stale}")
+        except Failing as failing:
+            return Outcome(failing.families, False, time.perf_counter() - start, str(failing))
         except Exception as exc:  # isolation: one collector's failure is never the scrape's
             return Outcome([], False, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
         finally:

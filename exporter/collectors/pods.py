@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..collect import Absent, Collector, Context, StaleData, register
+from ..collect import Absent, Collector, Context, Failing, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..options import Option, parse_seconds
 from ..pods import podresources
@@ -92,8 +92,8 @@ class PodsCollector(Collector):
         if absent is not None:
             raise Absent(absent, families)
         if state.error is not None:
-            if answer is None:
-                raise RuntimeError(f"pod-resources: {state.error}")
+            if answer is None:  # the failure reasons are served from the first failure on
+                raise Failing(f"pod-resources: {state.error}", families)
             age = time.time() - answer.taken_at
             raise StaleData(f"pod-resources: {state.error} (serving the answer of {age:.0f}s ago)", families)
         return families

@@ -113,6 +113,22 @@ def test_a_failing_kubelet_is_visible_and_serves_its_last_answer(tmp_path, gener
     assert any(name == "gpuio_gpu_pod_info" for name, _ in samples)  # the last answer, still served
 
 
+def test_a_kubelet_failing_from_the_start_says_why_at_once(tmp_path, generated, kubelet) -> None:  # noqa: F811
+    """No good answer yet: the collector is failing, and its failures by reason are served from the first
+    (they were served only once a first answer had come)."""
+    import grpc
+
+    server, socket_path = kubelet
+    collector = PodsCollector(Context(), {"pod-resources-socket": socket_path, "pod-resources-interval": 60.0,
+                                          "pod-resources-timeout": 1.0})
+    server.fail_with = grpc.StatusCode.PERMISSION_DENIED
+    collector.poller.poll()
+    samples = parse_samples(render(Scraper([collector], 2.0, "").scrape_sync()))
+    assert value(samples, "gpuio_scrape_collector_state", collector="pods", state="failing") == 1
+    assert value(samples, "gpuio_kubelet_pod_resources_failures_total", reason="permission_denied") == 1
+    assert not any(name == "gpuio_gpu_pod_info" for name, _ in samples)
+
+
 def test_a_mig_device_is_named_after_its_gpu(tmp_path, generated, kubelet) -> None:  # noqa: F811
     """The device plugin hands out MIG UUIDs; NVML lists MIG processes on the parent GPU: the nvml
     collector tells which GPU each MIG device is part of, so both the process and the info series join."""
