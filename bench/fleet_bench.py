@@ -178,6 +178,8 @@ class Node:
             self.add("engine", "gpuio_engine_pod_info", self.gauge(1, 1), **on, namespace="serving",
                      pod=f"{engine}-{self.instance[5:9]}", container="server", pod_uid=f"uid-{e}")
             self.add("engine", "gpuio_engine_loads_in_progress", self.gauge(0, 1), **on)
+            # a storm's pods crash-loop: a load abandoned every 90 s
+            self.add("engine", "gpuio_engine_loads_abandoned_total", self.counter(0, 1 / 90), **on)
             self.add("engine", "gpuio_engine_predicted_cold_start_seconds", self.gauge(8, 45), engine=engine)
             self.add("engine", "gpuio_engine_file_cached_ratio", self.gauge(1, 0.1), engine=engine, path=path)
             self.add("engine", "gpuio_engine_last_load_timestamp_seconds", self.gauge(1, 1), **on)
