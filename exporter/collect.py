@@ -81,19 +81,7 @@ class Context:
     pods: PodAttribution = field(default_factory=PodAttribution, compare=False)
 
 
-class StaleData(Exception):  # noqa: N818  (it is an outcome, not only an error)
-    """Raised by a collector whose source failed but which still has its last good data.
-
-    The scrape then reports ``gpuio_scrape_collector_success 0`` *and* serves ``families`` (which
-    should carry their age), so a dashboard keeps its last values while the alert on the failure fires.
-    """
-
-    def __init__(self, reason: str, families: list[Family]) -> None:
-        super().__init__(reason)
-        self.families = families
-
-
-class Failing(Exception):  # noqa: N818  (it is an outcome, as StaleData is)
+class Failing(Exception):  # noqa: N818  (it is an outcome, not only an error)
     """Raised by a collector whose source failed before it ever answered: the scrape reports the failure
     (``gpuio_scrape_collector_success 0``, state ``failing``) and still serves ``families`` (what the
     collector can say of the failure itself, such as its failure counters by reason)."""
@@ -101,6 +89,14 @@ class Failing(Exception):  # noqa: N818  (it is an outcome, as StaleData is)
     def __init__(self, reason: str, families: list[Family]) -> None:
         super().__init__(reason)
         self.families = families
+
+
+class StaleData(Failing):
+    """Raised by a collector whose source failed but which still has its last good data.
+
+    The scrape then reports ``gpuio_scrape_collector_success 0`` *and* serves ``families`` (which
+    should carry their age), so a dashboard keeps its last values while the alert on the failure fires.
+    """
 
 
 class Absent(Exception):  # noqa: N818  (it is an outcome, not an error)

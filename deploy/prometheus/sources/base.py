@@ -85,6 +85,12 @@ def held(c: Config, info: str) -> str:
     return f"last_over_time({info}[{c.ENGINE_HOLD}])"
 
 
+def engine_devices(c: Config) -> str:
+    """Each engine file's device (held), labelled ``uuid`` (a GPU or MIG UUID) as the GPU series are."""
+    info = held(c, "gpuio_engine_info" + c.selector('gpu_uuid!=""'))
+    return f'label_replace({info}, "uuid", "$1", "gpu_uuid", "(.+)")'
+
+
 def engine_disks(c: Config) -> str:
     """The whole disks under each engine file (held), labelled ``device`` as the disk series are."""
     info = held(c, "gpuio_engine_physical_device_info" + c.selector())

@@ -116,14 +116,14 @@ def cold_start_alert(c: Config) -> Rule:
     n = names(c)
     engine_labels = (c.NODE_LABEL, "engine")
     return alert(
-            c, "EngineColdStartSlow", held_through_gaps(c, n.ENGINE_LOAD_SLOW, "EngineColdStartSlow", WARNING), None,
-            WARNING,
-            f"Engine {{{{ $labels.engine }}}} at {n.NODE} takes {{{{ $value | humanizeDuration }}}} to load.",
-            f"Loads of engine {{{{ $labels.engine }}}} at {n.NODE} take {{{{ $value | humanizeDuration }}}} "
-            f"(the mean of those that finished in the last {c.ENGINE_LOAD_WINDOW}, the oldest still in "
-            f"progress, or, where loads were abandoned (their processes killed while loading), the longest of the "
-            f"last {c.LOAD_CRASH_LOOP_WINDOW}; over {c.ENGINE_LOAD_SLOW_SECONDS:g}s); reading the file took "
-            f"{figure(n.ENGINE_LOAD_READ, engine_labels, 'humanizeDuration', '?')} of it, at "
-            f"{figure(n.ENGINE_LOAD_THROUGHPUT, engine_labels, 'humanize1024', '?')}B/s. The rest is "
-            f"deserialization. Until loads finish, the GPU behind them waits.",
-            board(ENGINES_UID, engine="{{ $labels.engine }}"))
+        c, "EngineColdStartSlow", held_through_gaps(c, n.ENGINE_LOAD_SLOW, "EngineColdStartSlow", WARNING), None,
+        WARNING,
+        f"Engine {{{{ $labels.engine }}}} at {n.NODE} takes {{{{ $value | humanizeDuration }}}} to load.",
+        f"Loads of engine {{{{ $labels.engine }}}} at {n.NODE} take {{{{ $value | humanizeDuration }}}} "
+        f"(the mean of those that finished in the last {c.ENGINE_LOAD_WINDOW}, the oldest still in "
+        f"progress, or, where loads were abandoned (their processes killed while loading), the longest of the "
+        f"last {c.LOAD_CRASH_LOOP_WINDOW}; over {c.ENGINE_LOAD_SLOW_SECONDS:g}s); reading the file took "
+        f"{figure(n.ENGINE_LOAD_READ, engine_labels, 'humanizeDuration', '?')} of it, at "
+        f"{figure(n.ENGINE_LOAD_THROUGHPUT, engine_labels, 'humanize1024', '?')}B/s. The rest is "
+        f"deserialization. Until loads finish, the GPU behind them waits.",
+        board(ENGINES_UID, engine="{{ $labels.engine }}"))

@@ -152,7 +152,8 @@ class Names:
     def GPU_ACTIVITY(self) -> str:
         return f"instance_gpu:gpuio_gpu_activity:rate{self.W}"
 
-    # Its activity in the evaluations with no saturated disk or slow mount on the node, the median, held.
+    # Its activity in the node's calm evaluations (no disk saturated or far above its own await, no slow mount,
+    # IO pressure "full" low, GPU data fresh), the median, held.
     @property
     def GPU_CALM_ACTIVITY(self) -> str:
         return f"instance_gpu:gpuio_gpu_calm_activity:rate{self.W}"

@@ -11,9 +11,9 @@ from .base import (
     Rule,
     alert,
     board,
+    engine_devices,
     engine_disks,
     engine_mounts,
-    held,
     held_through_gaps,
     learned,
     rate,
@@ -67,7 +67,7 @@ def engine_join_rules(c: Config) -> list[Rule]:
     n = names(c)
     activity = "\n".join([
         f"max by (job, {c.NODE_LABEL}, engine, path, gpu, uuid, gpu_instance) (",
-        f'  label_replace({held(c, "gpuio_engine_info" + n.WITH_GPU)}, "uuid", "$1", "gpu_uuid", "(.+)")',
+        f"  {engine_devices(c)}",
         f"  * on ({c.NODE_LABEL}, uuid) group_left (gpu, gpu_instance)",
         f"  {n.GPU_ACTIVITY}",
         ")",
@@ -229,7 +229,7 @@ def starved_alert(c: Config) -> Rule:
 
 def node_gpu_starved(c: Config) -> Rule:
     n = names(c)
-    engines_on = f'label_replace({held(c, "gpuio_engine_info" + n.WITH_GPU)}, "uuid", "$1", "gpu_uuid", "(.+)")'
+    engines_on = engine_devices(c)
     mig_engines_on = (f"gpuio_gpu_mig_device_info{c.selector()}\n    and on ({c.NODE_LABEL}, mig_uuid) "
                       f'label_replace({engines_on}, "mig_uuid", "$1", "uuid", "(.+)")')
     expr = "\n".join([

@@ -39,11 +39,16 @@ def label_of(metric: str, label: str, labels: tuple[str, ...], missing: str = ""
             f'{{{{ with first . }}}}{{{{ label "{label}" . }}}}{{{{ end }}}}{{{{ else }}}}{missing}{{{{ end }}}}')
 
 
+def held_on_storage(c: Config, info: str, label: str) -> str:
+    """A printf pattern (node, then storage) of ``info`` (an engine -> disk or mount info family) for one disk
+    or mount, held for ENGINE_HOLD as the rules hold it: a crash loop's engines are named between attempts."""
+    return f"last_over_time({info}{{{c.NODE_LABEL}='%s',{label}='%s'}}[{c.ENGINE_HOLD}])"
+
+
 def engines_on(c: Config, info: str, label: str, value_label: str) -> str:
     """An alert template listing the engines whose files are on the alert's disk or mount."""
     node = f"$labels.{c.NODE_LABEL}"
-    held = f"last_over_time({info}{{{c.NODE_LABEL}=\'%s\',{label}=\'%s\'}}[{c.ENGINE_HOLD}])"
-    return (f'{{{{ range printf "count by (engine) ({held})" '
+    return (f'{{{{ range printf "count by (engine) ({held_on_storage(c, info, label)})" '
             f"{node} $labels.{value_label} | query | sortByLabel \"engine\" }}}}{{{{ .Labels.engine }}}} "
             f"{{{{ else }}}}none {{{{ end }}}}")
 
@@ -53,11 +58,10 @@ def gpus_on(c: Config, info: str, label: str, value_label: str) -> str:
     NVML index and UUID where the node's GPU data joins, else by the UUID the engines' processes report."""
     n = names(c)
     node = f"$labels.{c.NODE_LABEL}"
-    hold = c.ENGINE_HOLD
-    on_storage = f"on ({c.NODE_LABEL}, engine, path) last_over_time({info}{{{c.NODE_LABEL}='%s',{label}='%s'}}[{hold}])"
+    on_storage = f"on ({c.NODE_LABEL}, engine, path) {held_on_storage(c, info, label)}"
     by_nvml = f"count by (gpu, uuid) ({n.ENGINE_GPU_ACTIVITY}{{{c.NODE_LABEL}='%s'}} and {on_storage})"
-    by_writer = (f"count by (gpu_uuid) (last_over_time(gpuio_engine_info{{{c.NODE_LABEL}='%s',gpu_uuid!=''}}[{hold}]) "
-                 f"and {on_storage})")
+    by_writer = (f"count by (gpu_uuid) (last_over_time(gpuio_engine_info{{{c.NODE_LABEL}='%s',gpu_uuid!=''}}"
+                 f"[{c.ENGINE_HOLD}]) and {on_storage})")
     args = f"{node} {node} $labels.{value_label}"
     return (f'{{{{ range printf "{by_nvml}" {args} | query | sortByLabel "gpu" }}}}'
             f"GPU {{{{ .Labels.gpu }}}} ({{{{ .Labels.uuid }}}}) {{{{ else }}}}"
@@ -70,8 +74,8 @@ def waiting_to_load(c: Config, info: str, label: str, value_label: str) -> str:
     crash-loop (LOADS_WAITED_FOR, one per engine and device; a crash loop counts between attempts too)."""
     n = names(c)
     node = f"$labels.{c.NODE_LABEL}"
-    on_storage = (f"last_over_time({info}{{{c.NODE_LABEL}='%s',{label}='%s'}}[{c.ENGINE_HOLD}])")
-    query = f"count({n.LOADS_WAITED_FOR}{{{c.NODE_LABEL}='%s'}} and on ({c.NODE_LABEL}, engine) {on_storage})"
+    query = (f"count({n.LOADS_WAITED_FOR}{{{c.NODE_LABEL}='%s'}} and on ({c.NODE_LABEL}, engine) "
+             f"{held_on_storage(c, info, label)})")
     return (f'{{{{ with printf "{query}" {node} {node} $labels.{value_label} | query }}}}'
             f'{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}0{{{{ end }}}}')
 
