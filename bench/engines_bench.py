@@ -22,6 +22,9 @@
    like live ones; it reads every file on every scrape, changed or not).
 3. Page-cache residency scan of a big file (default 10 GiB, written in full, half of it cached):
    cachestat, mincore, and util-linux fincore as the peer.
+4. fork(): what a prefork server pays per child for the child's own spool file (made at fork, mapped
+   over the parent's), against fork() in the same process before gpuio has a spool; fork, the child
+   exits at once, waitpid; 5 rounds of 200, interleaved.
 
     .venv/bin/python bench/engines_bench.py                     # all of it
     .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
@@ -442,6 +445,48 @@ def report_residency(gib: float, directory: str) -> None:
             os.unlink(path)
 
 
+# --------------------------------------------------------------------------------------------------
+# 4. fork()
+# --------------------------------------------------------------------------------------------------
+
+FORKS = """
+import json, os, sys, tempfile, time
+import gpuio
+
+def forks(count):
+    start = time.perf_counter()
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return (time.perf_counter() - start) / count
+
+directory = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+plain, spooled = [], []
+for round_ in range(5):
+    plain.append(forks(200))
+    gpuio.configure(directory)
+    for index in range(10):
+        with gpuio.engine(f"engine-{index}").infer():
+            pass
+    spooled.append(forks(200))
+    gpuio.close()
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+print(json.dumps({"plain": plain, "spooled": spooled}))
+"""
+
+
+def report_fork() -> None:
+    done = subprocess.run([sys.executable, "-c", FORKS], capture_output=True, text=True, check=True)
+    results = json.loads(done.stdout)
+    plain, spooled = statistics.median(results["plain"]) * 1e6, statistics.median(results["spooled"]) * 1e6
+    print("\nfork() + the child's exit + waitpid (us, median of 5 rounds of 200; 10 engines in the spool)")
+    print(f"  without a spool {plain:8.0f}\n  with a spool    {spooled:8.0f}  (ratio {spooled / plain:.2f}: "
+          "the child's file made and mapped at fork)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--writer-helper", nargs=2, metavar=("DIR", "COUNT"), help=argparse.SUPPRESS)
@@ -457,6 +502,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, kernel {os.uname().release}\n")
     report_observe(observe_costs())
     report_breakdown()
+    report_fork()
     if args.skip_scrapes:
         return
     report_scrapes(args.scrapes)

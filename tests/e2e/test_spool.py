@@ -140,9 +140,10 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("hot_path", ["c", "python"])
-def test_a_handle_kept_across_fork_does_not_write_the_parents_file(tmp_path, hot_path: str) -> None:
-    """The spool is a MAP_SHARED mapping: a handle taken before fork() and used in the child would add the
-    child's observations to the parent's file.  It raises instead; the child's own handles work."""
+def test_a_handle_kept_across_fork_counts_the_childs_work_in_the_childs_file(tmp_path, hot_path: str) -> None:
+    """The spool is a MAP_SHARED mapping: a handle taken before fork() (a gunicorn --preload app keeps
+    them) would add the child's observations to the parent's file.  The child maps a file of its own at the
+    same address, so the kept handle works and counts the child's work there."""
     code = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
@@ -155,25 +156,125 @@ def test_a_handle_kept_across_fork_does_not_write_the_parents_file(tmp_path, hot
         kept(0.01)
         pid = os.fork()
         if pid == 0:
+            kept(0.01)
+            kept(0.01)
+            with metrics.infer():
+                pass
+            os._exit(0 if metrics.inference_seconds.count() == 3 else 4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        kept(0.01)  # the parent's handle still writes the parent's file
+        assert metrics.inference_seconds.count() == 2, metrics.inference_seconds.count()
+        print(gpuio.describe()["spool"])
+    """)
+    parent_file = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                 env={**os.environ, "GPUIO_HOT_PATH": hot_path}).stdout.strip()
+    by_file = counts_by_file(tmp_path, "forky")
+    assert len(by_file) == 2 and by_file.pop(parent_file) == 2.0 and list(by_file.values()) == [3.0]
+    totals = spool_reader.SpoolReader(str(tmp_path)).read()
+    assert count(totals.engines["forky"], "inference_seconds") == 5  # parent 2, child 3
+
+
+PREFORK = textwrap.dedent("""
+    import multiprocessing, os, sys
+    sys.path.insert(0, {repo!r})
+    import gpuio
+    gpuio.configure({directory!r})
+    # --preload: the app, its engine and its handles are made once, in the parent
+    metrics = gpuio.engine("served")
+    observe, infer = metrics.inference_seconds.observe, metrics.infer
+    metrics.error("warmup")
+
+    def serve(requests, report):
+        for index in range(requests):
+            with infer():
+                pass
+            observe(0.002)
+            if index % 10 == 0:
+                metrics.error("timeout")
+        report.put((os.getpid(), gpuio.describe()["spool"]))
+
+    if __name__ == "__main__":
+        fork = multiprocessing.get_context("fork")
+        report = fork.Queue()
+        workers = [fork.Process(target=serve, args=(100 * (number + 1), report)) for number in range({workers})]
+        for worker in workers:
+            worker.start()
+        files = [report.get(timeout=60) for _ in workers]
+        for worker in workers:
+            worker.join()
+            assert worker.exitcode == 0, worker.exitcode
+        for _, path in files:
+            print(path)
+        print(gpuio.describe()["spool"])
+""")
+
+
+def counts_by_file(directory, engine: str) -> dict[str, float]:
+    """Each spool file's own count of the engine's inferences (not merged: what each process wrote)."""
+    counts = {}
+    for name in spool_files(str(directory)):
+        path = os.path.join(str(directory), name)
+        with open(path, "rb") as handle:
+            parsed = spool_reader.parse(handle.read())
+        counts[path] = count(parsed.engines[engine], "inference_seconds") if engine in parsed.engines else 0.0
+    return counts
+
+
+def test_preforked_workers_each_report_as_their_own_process_with_exact_counts(tmp_path) -> None:
+    """gunicorn --preload's shape with multiprocessing's fork: engine and handles made in the parent, four
+    workers serve 100, 200, 300 and 400 requests through the inherited handles.  Each worker's file holds
+    exactly its own requests (two observations each); the parent's holds none of them."""
+    workers = 4
+    done = subprocess.run([sys.executable, "-c", PREFORK.format(repo=REPO, directory=str(tmp_path), workers=workers)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    *worker_files, parent_file = done.stdout.split()
+    assert len(set(worker_files)) == workers and parent_file not in worker_files
+    by_file = counts_by_file(tmp_path, "served")
+    assert by_file[parent_file] == 0.0
+    assert sorted(by_file[path] for path in worker_files) == [200.0, 400.0, 600.0, 800.0]
+    reader = spool_reader.SpoolReader(str(tmp_path))
+    totals = reader.read()
+    assert count(totals.engines["served"], "inference_seconds") == 2000
+    assert totals.errors[("served", "timeout")] == 10 + 20 + 30 + 40
+    assert totals.errors[("served", "warmup")] == 1  # the parent's, not copied into the workers
+    assert reader.folded_processes == workers + 1
+
+
+def test_a_child_that_cannot_take_its_spool_over_refuses_the_inherited_handles(tmp_path) -> None:
+    """Where MAP_FIXED is refused (the one call a child cannot do without), the child gets a new file and
+    new handles from gpuio.engine(), and a handle kept from the parent raises rather than write the
+    parent's file."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {REPO!r})
+        import gpuio
+        from gpuio import spool
+        gpuio.configure({str(tmp_path)!r})
+        metrics = gpuio.engine("forky")
+        kept = metrics.inference_seconds.observe
+        kept(0.01)
+        spool._map_fixed = lambda address, length, fd: False
+        pid = os.fork()
+        if pid == 0:
             try:
                 kept(0.01)
             except ValueError:
                 pass
             else:
                 os._exit(3)
-            metrics.inference_seconds.observe(0.01)
-            with metrics.infer():
-                pass
-            os._exit(0 if metrics.inference_seconds.count() == 2 else 4)
+            gpuio.engine("forky").inference_seconds.observe(0.01)
+            os._exit(0 if metrics.inference_seconds.count() == 1 else 4)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
-        kept(0.01)  # the parent's handle still writes the parent's file
-        assert metrics.inference_seconds.count() == 2, metrics.inference_seconds.count()
+        kept(0.01)
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                   env={**os.environ, "GPUIO_HOT_PATH": hot_path})
+    for hot_path in ("c", "python"):
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                       env={**os.environ, "GPUIO_HOT_PATH": hot_path})
     totals = spool_reader.SpoolReader(str(tmp_path)).read()
-    assert count(totals.engines["forky"], "inference_seconds") == 4  # parent 2, child 2
+    assert count(totals.engines["forky"], "inference_seconds") == 2 * 3  # parent 2, child 1, per hot path
 
 
 @pytest.fixture

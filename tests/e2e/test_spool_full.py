@@ -1,8 +1,10 @@
-"""A full spool file system never kills the inference process (issue: SIGBUS on a full tmpfs).
+"""A spool file system that fills, or a spool file cut under the process, never kills the inference process.
 
-Real: size-limited tmpfs mounts (as a tmpfs /run or an emptyDir with a sizeLimit is), and a real process
-using the library.  Before the library reserved its file's pages, it created a sparse 1 MiB file on a file
-system with less room and died with SIGBUS at its first store into a page the file system could not back.
+Real: size-limited tmpfs mounts (as a tmpfs /run or an emptyDir with a sizeLimit is), real processes using
+the library, a real truncate(1) from another process.  Before the library reserved its file's pages, it
+created a sparse 1 MiB file on a file system with less room and died with SIGBUS at its first store into a
+page the file system could not back; before its mappings were guarded, a same-uid sidecar truncating the
+file killed it with SIGBUS mid-observe().
 """
 
 from __future__ import annotations
@@ -83,3 +85,51 @@ def test_a_spool_that_fits_is_used(tmp_path) -> None:
     spool.mkdir()
     path, error, count = serve(str(spool))
     assert path.startswith(str(spool)) and error == "None" and count == 1.0
+
+
+STORE_ON = textwrap.dedent("""
+    import faulthandler, sys, time
+    sys.path.insert(0, {instrument!r})
+    import gpuio
+    if {faulthandler!r}:
+        faulthandler.enable()  # its own SIGBUS handler, installed over gpuio's
+    gpuio.configure({spool!r})
+    metrics = gpuio.engine("victim")
+    observe = metrics.inference_seconds.observe
+    observe(0.01)
+    print(gpuio.describe()["spool"], flush=True)
+    sys.stdin.readline()  # the file is cut now
+    for index in range(20000):
+        observe(0.01)
+        if index % 100 == 0:  # records page after page
+            metrics.error(f"reason-{{index // 1000}}")
+            with gpuio.engine(f"engine-{{index}}").infer():
+                pass
+    print(metrics.inference_seconds.count(), gpuio.describe()["spool_error"], sep="|", flush=True)
+""")
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="the guard is part of the C extension")
+@pytest.mark.parametrize(("hot_path", "faulthandler", "cut_to"),
+                         [("c", False, 0), ("python", False, 0), ("c", True, 0), ("c", False, 4096)])
+def test_a_spool_file_truncated_under_the_process_does_not_kill_it(tmp_path, hot_path: str, faulthandler: bool,
+                                                                   cut_to: int) -> None:
+    """A sidecar of the same uid truncates the live file (to nothing, or to its first page): every later
+    store past the cut would fault.  The process lives, keeps counting in its memory and says so in
+    gpuio.describe(); what stays below the cut still reaches the file."""
+    from gpuio import metrics
+
+    if metrics._hotpath is None:
+        pytest.skip("gpuio._hotpath is not built here")
+    script = STORE_ON.format(instrument=os.path.join(REPO, "exporter", "instrument"), spool=str(tmp_path),
+                             faulthandler=faulthandler)
+    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "GPUIO_HOT_PATH": hot_path})
+    path = process.stdout.readline().strip()
+    subprocess.run(["truncate", "-s", str(cut_to), path], check=True)
+    output, errors = process.communicate("go\n", timeout=60)
+    assert process.returncode == 0, f"killed by signal {-process.returncode}: {errors[-2000:]}"
+    count, error = output.strip().split("|")
+    assert float(count) > 0 and error.startswith("the spool file was truncated under this process")
+    assert os.path.getsize(path) == cut_to  # nothing was written past the cut
+

@@ -14,29 +14,42 @@
  *
  * Memory safety: each object holds a buffer export of the spool's memoryview, so the mapping cannot be
  * unmapped while it can still be written (SpoolFile.close() then leaves it mapped until the last
- * handle is gone).  After fork() the child must not write its parent's file through a handle made
- * before the fork (the mapping is MAP_SHARED): such a handle raises, as the Python one does once the
- * child has dropped the parent's mapping.  __init__ may run Python code (a bound's __float__, an
+ * handle is gone).  After fork() the child maps a file of its own at the very address of its parent's
+ * (gpuio.spool.SpoolFile.take_over_after_fork), so every handle keeps working and writes the child's
+ * file; only where that failed does gpuio call disown_handles(): handles made before then raise rather
+ * than write the parent's file.  __init__ may run Python code (a bound's __float__, an
  * index's __index__) that calls __init__ again: it builds everything in locals and stores into the
  * object only after the last such call.  Timed takes part in garbage collection: an error callback that
  * keeps the exception makes a cycle through it.
+ *
+ * Guard (at the end): a store into a page of the spool that its file no longer backs (a same-uid
+ * sidecar truncated the file) raises SIGBUS, which kills the process.  A Guard registers a mapping with
+ * a SIGBUS handler that puts anonymous memory under the faulting page and the rest of the mapping and
+ * lets the store run again: the process lives, its later counts stay in its memory, and the Guard
+ * counts the fault (gpuio.describe() says so).  Faults anywhere else go to the handler that was there
+ * before, or kill as they would have.
  *
  * Limited API 3.11 (abi3): one build serves CPython 3.11 and later.
  */
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
-/* Bumped in a forked child: objects made before it refuse to store (they would write the parent's file). */
+/* Bumped by disown_handles() in a forked child whose spool could not be taken over: objects made before
+ * it refuse to store (they would write the parent's file). */
 static volatile unsigned long fork_epoch = 0;
 
-static void
-after_fork_in_child(void)
+static PyObject *
+disown_handles(PyObject *module, PyObject *unused)
 {
     fork_epoch++;
+    Py_RETURN_NONE;
 }
 
 /* The spool's doubles, held for as long as an object may store into them. */
@@ -568,10 +581,222 @@ add_type(PyObject *module, PyType_Spec *spec, PyObject **out)
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Guard(mapping): survive SIGBUS from a spool file truncated under the process                     */
+/* ---------------------------------------------------------------------------------------------- */
+
+#define MAX_GUARDED 256
+
+/* The guarded mappings, read by the signal handler: a slot is filled (start, then length) and
+ * emptied (length first) with the GIL held, so the handler never sees a half-made one. */
+static struct {
+    volatile uintptr_t start;
+    volatile size_t length;
+    volatile sig_atomic_t faults;
+} guarded[MAX_GUARDED];
+
+static struct sigaction previous_bus;
+static int handler_installed = 0;
+static uintptr_t page_size = 4096;
+
+static int
+replace_with_memory(Py_ssize_t slot, uintptr_t address)
+{
+    uintptr_t start = guarded[slot].start, end = start + guarded[slot].length;
+    uintptr_t page = address & ~(page_size - 1);
+    /* The file's pages from here on are gone (a truncated file reads as zeros when it grows again):
+     * zeroed private memory is what the stores would have found, and it cannot fault. */
+    void *placed = mmap((void *)page, end - page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+                        -1, 0);
+    if (placed == MAP_FAILED)
+        return 0;
+    guarded[slot].faults++;
+    return 1;
+}
+
+static void
+pass_on(int signal_number, siginfo_t *info, void *context)
+{
+    if (previous_bus.sa_flags & SA_SIGINFO) {
+        if (previous_bus.sa_sigaction != NULL) {
+            previous_bus.sa_sigaction(signal_number, info, context);
+            return;
+        }
+    } else if (previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
+        previous_bus.sa_handler(signal_number);
+        return;
+    }
+    /* The default action: a fault runs again on return and now kills; a sent signal is sent again. */
+    signal(SIGBUS, SIG_DFL);
+    if (info->si_code <= 0)
+        raise(SIGBUS);
+}
+
+static void
+on_sigbus(int signal_number, siginfo_t *info, void *context)
+{
+    if (info->si_code > 0) {  /* a fault: si_addr is the address that faulted */
+        uintptr_t address = (uintptr_t)info->si_addr;
+        for (Py_ssize_t slot = 0; slot < MAX_GUARDED; slot++) {
+            size_t length = guarded[slot].length;
+            if (length != 0 && address - guarded[slot].start < length && replace_with_memory(slot, address))
+                return;  /* the store runs again, into memory */
+        }
+    } else if (info->si_pid == getpid()) {
+        /* Raised by this process itself: another handler (faulthandler) passing a fault on to us after
+         * reporting it; returning lets the faulting store run again, and its fault comes here. */
+        return;
+    }
+    pass_on(signal_number, info, context);
+}
+
+static int
+install_handler(void)
+{
+    if (handler_installed)
+        return 0;
+    long size = sysconf(_SC_PAGESIZE);
+    if (size > 0)
+        page_size = (uintptr_t)size;
+    struct sigaction ours;
+    memset(&ours, 0, sizeof ours);
+    ours.sa_sigaction = on_sigbus;
+    ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&ours.sa_mask);
+    if (sigaction(SIGBUS, &ours, &previous_bus) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    handler_installed = 1;
+    return 0;
+}
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;  /* held while guarded: the mapping cannot be unmapped under the handler */
+    Py_ssize_t slot;  /* -1: not guarding */
+} Guard;
+
+static void
+guard_release(Guard *self)
+{
+    if (self->slot >= 0) {
+        guarded[self->slot].length = 0;
+        guarded[self->slot].start = 0;
+        self->slot = -1;
+        PyBuffer_Release(&self->view);
+    }
+}
+
+static int
+Guard_init(PyObject *self_object, PyObject *args, PyObject *kwargs)
+{
+    Guard *self = (Guard *)self_object;
+    PyObject *mapping;
+    static char *keywords[] = {"mapping", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", keywords, &mapping))
+        return -1;
+    guard_release(self);
+    if (install_handler() < 0)
+        return -1;
+    Py_ssize_t slot = 0;
+    while (slot < MAX_GUARDED && guarded[slot].length != 0)
+        slot++;
+    if (slot == MAX_GUARDED) {
+        PyErr_SetString(PyExc_OSError, "no free guard slot (at most 256 spool mappings are guarded)");
+        return -1;
+    }
+    if (PyObject_GetBuffer(mapping, &self->view, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (self->view.len <= 0) {
+        PyBuffer_Release(&self->view);
+        PyErr_SetString(PyExc_ValueError, "an empty mapping needs no guard");
+        return -1;
+    }
+    guarded[slot].faults = 0;
+    guarded[slot].start = (uintptr_t)self->view.buf;
+    guarded[slot].length = (size_t)self->view.len;
+    self->slot = slot;
+    return 0;
+}
+
+static PyObject *
+Guard_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Guard *self = (Guard *)PyType_GenericNew(type, args, kwargs);
+    if (self != NULL)
+        self->slot = -1;
+    return (PyObject *)self;
+}
+
+static PyObject *
+Guard_release(PyObject *self_object, PyObject *unused)
+{
+    guard_release((Guard *)self_object);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Guard_faults(PyObject *self_object, void *closure)
+{
+    Guard *self = (Guard *)self_object;
+    return PyLong_FromLong(self->slot < 0 ? 0 : (long)guarded[self->slot].faults);
+}
+
+static PyObject *
+Guard_address(PyObject *self_object, void *closure)
+{
+    Guard *self = (Guard *)self_object;
+    return PyLong_FromSize_t(self->slot < 0 ? 0 : (size_t)guarded[self->slot].start);
+}
+
+static void
+Guard_dealloc(PyObject *self_object)
+{
+    PyTypeObject *type = Py_TYPE(self_object);
+    guard_release((Guard *)self_object);
+    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free(self_object);
+    Py_DECREF(type);
+}
+
+static PyMethodDef Guard_methods[] = {
+    {"release", Guard_release, METH_NOARGS, "Stop guarding and let the mapping go (before it is unmapped)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Guard_getset[] = {
+    {"faults", Guard_faults, NULL, "SIGBUS faults in the mapping survived so far.", NULL},
+    {"address", Guard_address, NULL, "Where the guarded mapping starts (0: not guarding).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Guard_slots[] = {
+    {Py_tp_doc, "Guard(mapping): survive SIGBUS in a spool mapping whose file was truncated."},
+    {Py_tp_init, Guard_init},
+    {Py_tp_new, Guard_new},
+    {Py_tp_dealloc, Guard_dealloc},
+    {Py_tp_methods, Guard_methods},
+    {Py_tp_getset, Guard_getset},
+    {0, NULL},
+};
+
+static PyType_Spec Guard_spec = {
+    "gpuio._hotpath.Guard", sizeof(Guard), 0, Py_TPFLAGS_DEFAULT, Guard_slots,
+};
+
+/* ---------------------------------------------------------------------------------------------- */
+
+static PyMethodDef module_functions[] = {
+    {"disown_handles", disown_handles, METH_NOARGS,
+     "After fork(): objects made before now refuse to store (the child could not take its spool over)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef hotpath_module = {
     PyModuleDef_HEAD_INIT, "gpuio._hotpath",
     "gpuio's observe() and `with infer():` stores in C (optional; gpuio.metrics falls back to Python).",
-    -1, NULL, NULL, NULL, NULL, NULL,
+    -1, module_functions, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
@@ -581,18 +806,9 @@ PyInit__hotpath(void)
     if (module == NULL)
         return NULL;
     if (add_type(module, &Observer_spec, NULL) < 0 || add_type(module, &Timed_spec, &timed_type_singleton) < 0
-        || add_type(module, &Inferences_spec, NULL) < 0) {
+        || add_type(module, &Inferences_spec, NULL) < 0 || add_type(module, &Guard_spec, NULL) < 0) {
         Py_DECREF(module);
         return NULL;
-    }
-    static int hooked = 0;
-    if (!hooked) {
-        if (pthread_atfork(NULL, NULL, after_fork_in_child) != 0) {
-            Py_DECREF(module);
-            PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
-            return NULL;
-        }
-        hooked = 1;
     }
     return module;
 }

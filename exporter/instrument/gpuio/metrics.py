@@ -93,7 +93,8 @@ HOT_PATH = ("locked" if not STORES_ARE_ATOMIC
 
 
 class _Slot:
-    """Where a handle writes: the spool's values and lock (rebound after a fork).
+    """Where a handle writes: the spool's values and lock (the same after a fork: the child maps its own file
+    at the same address, see _after_fork_in_child).
 
     Where they take the lock, the hot paths call the plain lock's bound ``acquire``/``release`` kept
     here, not ``with lock:`` (around observe()'s stores: 446 ns against 304, bench/engines_bench.py), so
@@ -470,6 +471,13 @@ class EngineMetrics:
             with file.lock:
                 file.add_record(fmt.KIND_MOUNT, key, len(payload), payload)
 
+    def _start_after_fork(self) -> None:
+        """In a forked child whose spool was taken over: the records are the parent's, at zero; what this
+        object keeps beside them starts over too (the parent's loads are the parent's threads')."""
+        self._lock = threading.Lock()
+        self._active_loads.clear()
+        self._waterfall = [0.0] * len(fmt.WATERFALL_SLOTS)
+
     def _labelled(self, kind: int, table: dict[str, int | None], label: str, slots: int) -> int | None:
         index = table.get(label)
         if index is not None:
@@ -842,12 +850,53 @@ def _replace_spool(after_fork: bool) -> None:
         metrics._bind(_spool)
 
 
+# --- fork ------------------------------------------------------------------------------------------
+#
+# Prefork servers (gunicorn --preload, multiprocessing's fork) make engines and handles in the parent and
+# serve in the children.  Each child reports as its own process with no code change: it takes its
+# spool mappings over in place (SpoolFile.take_over_after_fork: a file of its own at the same address,
+# the same records, counts from zero), so every handle it inherited counts the child's work.  The
+# process's lock is taken around fork() so that no other thread is half-way through adding a record.
+
+_lock_held_for_fork: fmt.SpoolFile | None = None
+
+
+def _before_fork() -> None:
+    global _lock_held_for_fork
+    file = _spool
+    if file is not None:
+        fmt.prepare_for_fork()
+    # Bounded: a thread stuck while holding it must not hang fork(); the child then makes a new lock.
+    if file is not None and file.lock.acquire(timeout=1.0):
+        _lock_held_for_fork = file
+
+
+def _after_fork_in_parent() -> None:
+    global _lock_held_for_fork
+    if _lock_held_for_fork is not None:
+        _lock_held_for_fork.lock.release_quietly()
+        _lock_held_for_fork = None
+
+
 def _after_fork_in_child() -> None:
-    """A forked child gets a file of its own and starts its counts at zero (the parent keeps its own)."""
-    global _state_lock
+    """A forked child reports in a file of its own, its counts from zero (the parent keeps its own)."""
+    global _state_lock, _lock_held_for_fork
     _state_lock = threading.Lock()
-    if _spool is not None:
-        _replace_spool(after_fork=True)
+    held, _lock_held_for_fork = _lock_held_for_fork, None
+    for file in fmt.mapped_files():
+        if file is not _spool and not file.take_over_after_fork(as_process_spool=False):
+            file.abandon_after_fork()
+    if _spool is None:
+        return
+    if held is not None and _spool.take_over_after_fork(as_process_spool=True):
+        held.lock.release_quietly()
+        for metrics in _engines.values():
+            metrics._start_after_fork()
+        return
+    # No lock or no MAP_FIXED: a new file and new handles; the inherited ones refuse to store.
+    if _hotpath is not None:
+        _hotpath.disown_handles()
+    _replace_spool(after_fork=True)
 
 
 def close() -> None:
@@ -861,7 +910,7 @@ def close() -> None:
         _engines.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def describe() -> dict[str, Any]:
@@ -869,5 +918,5 @@ def describe() -> dict[str, Any]:
     left on device": the metrics stay in this process's memory), its engines, and how the hot paths store
     (``HOT_PATH``: "c", "python" or "locked")."""
     file = _spool
-    return {"spool": None if file is None else file.path, "spool_error": None if file is None else file.unusable,
+    return {"spool": None if file is None else file.path, "spool_error": None if file is None else file.problem,
             "engines": sorted(_engines), "hot_path": HOT_PATH}

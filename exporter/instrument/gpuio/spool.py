@@ -57,6 +57,11 @@ pid and start time in the header identify the process for people, not for livene
 ``gpuio-<pid>-<starttime>-<instance>.spool``, created under a dot-name and renamed into place after
 the header is written and the lock taken, so a reader never sees an unlocked, half-made file.
 
+Fork: a forked child maps a file of its own, the parent's records with every value at zero, at the very
+address of the parent's mapping (``SpoolFile.take_over_after_fork``), so handles it inherited count its
+work in its file.  Truncation: where the C extension is built, each mapping is guarded (``_hotpath.Guard``):
+a store past the end of a file cut under the process lands in private memory instead of raising SIGBUS.
+
 Who deletes: a process never deletes its own file (the exporter may not have read its last
 increments yet).  The exporter deletes a file only after it has proved the writer dead (it holds the
 writer's lock itself) and folded the file's final totals into its memory; nothing can write the file
@@ -78,10 +83,18 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
+
+try:  # the C hot path also guards mappings against SIGBUS (see SpoolFile._guard_mapping)
+    from . import _hotpath
+except ImportError:
+    _hotpath = None  # type: ignore[assignment]
 
 log = logging.getLogger("gpuio.spool")
+_M = TypeVar("_M")
 
 MAGIC = b"GPUIOSPL"
 VERSION = 1
@@ -315,9 +328,11 @@ class SpoolFile:
         self.pid = os.getpid()
         self.start_ticks = process_start_ticks()
         self._map = self._open(directory)
+        self._guard = _guard_mapping(self._map)
         self.values = memoryview(self._map).cast("d")
         self.lock._values = self.values
         self.used = HEADER_SIZE
+        _MAPPED.add(self)
         identity = pod_identity()
         if identity[1] or identity[3]:  # a pod name or UID; CONTAINER_NAME alone is too common to mean a pod
             self.add_record(KIND_POD, "pod", len(pack_pod(*identity)), pack_pod(*identity))
@@ -335,6 +350,17 @@ class SpoolFile:
         return anonymous
 
     def _create(self, directory: str) -> mmap.mmap:
+        def map_new(fd: int) -> mmap.mmap:
+            mapped = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._write_header(mapped)
+            return mapped
+
+        return self._made_file(directory, RESERVE_BYTES, map_new)
+
+    def _made_file(self, directory: str, reserve: int, map_it: Callable[[int], _M]) -> _M:
+        """Make this process's file in ``directory``: created under a dot-name, locked, its first ``reserve``
+        bytes backed, ``map_it(fd)`` maps and fills it, then it is renamed into place.  Raises OSError
+        (nothing left behind) when the directory cannot take it."""
         name = f"{PREFIX}{self.pid}-{self.start_ticks}-{self.instance:016x}{SUFFIX}"
         temporary = os.path.join(directory, f".{name}.tmp")
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -349,9 +375,8 @@ class SpoolFile:
             # sizeLimit) kills the process with SIGBUS: every page is reserved before it is written, the
             # first ones now (full already: no file, the metrics stay in memory, see ``_open``), the
             # rest as records need them (``add_record``).  The file takes only what it uses.
-            os.posix_fallocate(fd, 0, RESERVE_BYTES)
-            mapped = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._write_header(mapped)
+            os.posix_fallocate(fd, 0, reserve)
+            mapped = map_it(fd)
             os.rename(temporary, os.path.join(directory, name))
         except BaseException:
             if lock_fd is not None:
@@ -361,7 +386,7 @@ class SpoolFile:
             os.close(fd)
             raise
         self._fd = lock_fd
-        self._write_fd, self._reserved = fd, RESERVE_BYTES
+        self._write_fd, self._reserved = fd, reserve
         self.path = os.path.join(directory, name)
         return mapped
 
@@ -397,6 +422,8 @@ class SpoolFile:
         RESERVE_BYTES); False when it is full: the record is not made, and counted as dropped."""
         if end <= self._reserved:
             return True
+        if self._guard is not None and self._guard.faults:
+            return True  # the file was cut under the process: memory backs the mapping from the cut on
         if self._write_fd is None:
             return False
         target = min(self.size, -(-end // RESERVE_BYTES) * RESERVE_BYTES)
@@ -416,16 +443,35 @@ class SpoolFile:
                 os.close(self._write_fd)
             self._write_fd = None
 
+    @property
+    def problem(self) -> str | None:
+        """Why this process's metrics do not (all) reach the exporter, or None."""
+        faults = 0 if self._guard is None else self._guard.faults
+        if faults:
+            return (f"the spool file was truncated under this process ({faults} SIGBUS survived); "
+                    "engine metrics stay in its memory")
+        return self.unusable
+
     def close(self) -> None:
         """Unmap and drop the lock; the file stays for the exporter to fold."""
         self._close_write_fd()
         self.lock._values = None
-        with contextlib.suppress(BufferError, ValueError):
-            self.values.release()
-            self._map.close()
+        self._unmap()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def _unmap(self) -> None:
+        """Unmap, unless a handle still holds the mapping (it stays mapped, and guarded, until the last goes)."""
+        if self._guard is not None:
+            self._guard.release()  # the guard holds the mapping too
+        try:
+            self.values.release()
+            self._map.close()
+        except (BufferError, ValueError):
+            self._guard = _guard_mapping(self._map)
+        else:
+            self._guard = None
 
     def release_lock(self) -> None:
         """Give the file up (the exporter will fold it) but keep the mapping valid for stray handles (which
@@ -435,22 +481,155 @@ class SpoolFile:
             self._fd = None
         self._close_write_fd()
 
-    def abandon_after_fork(self) -> None:
-        """In a forked child: forget the parent's file without touching the parent's lock or data.
+    # --- fork ------------------------------------------------------------------------------------
+    #
+    # A forked child shares its parent's MAP_SHARED mapping: every handle it inherited (an observe kept
+    # by a gunicorn --preload app, a with infer() made before the fork) would add the child's counts to
+    # the parent's file.  The child maps a file of its own at the very same address instead (MAP_FIXED),
+    # holding the same records with their values at zero: every inherited handle keeps working and now
+    # counts the child's work, in the child's file.
 
-        The child's copy of the lock descriptor shares the parent's open file description, so
-        closing it leaves the parent's lock in place (and a child that lives on does not keep a
-        dead parent's file looking alive); the mapping is simply dropped.
+    def take_over_after_fork(self, as_process_spool: bool) -> bool:
+        """In a forked child: put this process's own copy under the mapping's address, values at zero.
+
+        The process's spool (``as_process_spool``) gets a new file in the parent's directory, locked by
+        the child; where that fails (a full file system) and for every other mapping (scratch memory,
+        files given up by ``configure``) the copy is private memory.  False when not even that could be
+        done (no MAP_FIXED here): the caller must stop the inherited handles.
         """
+        if self._map.closed:
+            return True
+        address = _address_of(self._map)
+        if address is None:
+            return False
+        image = self._child_image()
+        parent_directory = os.path.dirname(self.path) if self.path else None
+        self._forget_parent_file()
+        self.pid, self.start_ticks, self.instance = os.getpid(), process_start_ticks(), secrets.randbits(63)
+        self._stamp_header(image)
+        if as_process_spool and parent_directory:
+            try:
+                self._made_file(parent_directory, self._reserved, lambda fd: self._map_file_at(address, fd, image))
+                return True
+            except OSError as exc:
+                self.unusable = str(exc.strerror or exc)
+                log.warning("gpuio spool unusable in a forked child, its engine metrics stay in its memory: %s (%s)",
+                            parent_directory, self.unusable)
+        if not _map_fixed(address, self.size, -1):
+            return False
+        self._map[: len(image)] = image
+        self._reserved = self.size
+        return True
+
+    def _child_image(self) -> bytearray:
+        """The mapping's header and records as the child starts them: what the records say about the
+        engines (INFO, MOUNT, POD) kept, every value (counters, histograms, gauges, loads) at zero."""
+        image = bytearray(self._map[: self.used])
+        offset = HEADER_SIZE
+        while offset + RECORD_HEAD.size <= self.used:
+            size, kind, key_length = RECORD_HEAD.unpack_from(image, offset)
+            if size < RECORD_HEAD.size or offset + size > self.used:
+                break
+            if kind in VALUE_KINDS:
+                payload = offset + RECORD_HEAD.size + pad8(key_length)
+                image[payload : offset + size] = bytes(offset + size - payload)
+            offset += size
+        return image
+
+    def _stamp_header(self, image: bytearray) -> None:
+        comm = bytes(image[72:136]).rstrip(b"\0")
+        HEADER.pack_into(image, 0, MAGIC, VERSION, HEADER_SIZE, self.size, self.used, self.pid, 0,
+                         self.start_ticks, time.time(), self.instance, 0, comm)
+        struct.pack_into("<d", image, GENERATION_OFFSET, 1.0)
+
+    def _map_file_at(self, address: int, fd: int, image: bytearray) -> None:
+        os.pwrite(fd, image, 0)
+        if not _map_fixed(address, self.size, fd):
+            raise OSError(0, "MAP_FIXED was refused")
+
+    def _forget_parent_file(self) -> None:
+        """Close the child's copies of the parent's descriptors.  The lock descriptor shares the parent's
+        open file description, so closing it leaves the parent's lock in place (and a child that lives on
+        does not keep a dead parent's file looking alive)."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
         self._close_write_fd()
+        self.path = None
+
+    def abandon_after_fork(self) -> None:
+        """In a forked child whose mapping could not be taken over: forget the parent's file without
+        touching the parent's lock or data, and drop the mapping where no handle holds it."""
+        self._forget_parent_file()
         self.lock._values = None
-        with contextlib.suppress(BufferError, ValueError):
-            self.values.release()
-            self._map.close()
+        self._unmap()
+
+
+# The records whose payload is values (counts, sums, gauges): a forked child starts them at zero.
+VALUE_KINDS = frozenset((KIND_ENGINE, KIND_ERROR, KIND_LAYER, KIND_LOAD, KIND_WATERFALL))
+
+# Every SpoolFile of this process: a forked child takes each over (``take_over_after_fork``).
+_MAPPED: weakref.WeakSet[SpoolFile] = weakref.WeakSet()
+
+
+def mapped_files() -> list[SpoolFile]:
+    return list(_MAPPED)
+
+
+def _guard_mapping(mapped: mmap.mmap) -> _hotpath.Guard | None:
+    """A SIGBUS guard over the mapping where the C extension is built (``_hotpath.Guard``), else None."""
+    if _hotpath is None:
+        return None
+    try:
+        return _hotpath.Guard(mapped)
+    except OSError as exc:  # every guard slot taken: the mapping works unguarded
+        log.warning("gpuio spool mapping not guarded against truncation: %s", exc)
+        return None
+
+
+_MAP_FIXED = 0x10  # <sys/mman.h> on every Linux architecture gpuio runs on (x86-64, aarch64)
+_libc_mmap: Callable[..., int | None] | None = None
+
+
+def prepare_for_fork() -> None:
+    """Load what a forked child needs to place its mapping (ctypes and libc's mmap) in the parent, once,
+    so that no child pays for the import."""
+    global _libc_mmap
+    if _libc_mmap is not None:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long)
+        _libc_mmap = libc.mmap
+    except (ImportError, OSError, AttributeError):
+        pass
+
+
+def _map_fixed(address: int, length: int, fd: int) -> bool:
+    """mmap(2) with MAP_FIXED over ``[address, address + length)``: the file ``fd`` shared, or (fd -1)
+    private zeroed memory.  The Python mmap module cannot place a mapping; ctypes calls libc's."""
+    prepare_for_fork()
+    if _libc_mmap is None:
+        return False
+    flags = _MAP_FIXED | (mmap.MAP_SHARED if fd >= 0 else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return _libc_mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0) == address
+
+
+def _address_of(mapped: mmap.mmap) -> int | None:
+    try:
+        import ctypes
+
+        view = ctypes.c_char.from_buffer(mapped)
+    except (ImportError, TypeError, ValueError):
+        return None
+    address = ctypes.addressof(view)
+    del view  # the buffer export: the mapping must stay closable
+    return address
 
 
 def pack_info(cuda_device: int, dev: tuple[int, int], ino: int, size: int, mtime_ns: int, load_time: float,
