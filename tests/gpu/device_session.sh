@@ -31,6 +31,9 @@ nvidia-smi --query-gpu=name,driver_version,pci.bus_id --format=csv,noheader | te
 step python3 tests/gpu/run_gpu_checks.py
 step python3 tests/gpu/gpm_check.py
 step python3 tests/gpu/test_engines_gpu.py
+step python3 tests/gpu/prefork_check.py
+# the library's fork and truncation guards on this host's kernel and Python (tmpfs tests need root)
+step python3 -m pytest -q -p no:cacheprovider tests/e2e/test_spool.py tests/e2e/test_spool_full.py
 step python3 bench/nvml_bench.py
 step python3 tests/gpu/exporter_http_check.py
 step python3 tests/gpu/smart_replay_check.py
