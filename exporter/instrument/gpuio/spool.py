@@ -328,7 +328,7 @@ class SpoolFile:
         self.pid = os.getpid()
         self.start_ticks = process_start_ticks()
         self._map = self._open(directory)
-        self._guard = _guard_mapping(self._map)
+        self._guard = _guard_mapping(self._map) if self.path else None  # memory cannot be truncated
         self.values = memoryview(self._map).cast("d")
         self.lock._values = self.values
         self.used = HEADER_SIZE
@@ -463,13 +463,14 @@ class SpoolFile:
 
     def _unmap(self) -> None:
         """Unmap, unless a handle still holds the mapping (it stays mapped, and guarded, until the last goes)."""
+        guarded = self._guard is not None
         if self._guard is not None:
             self._guard.release()  # the guard holds the mapping too
         try:
             self.values.release()
             self._map.close()
         except (BufferError, ValueError):
-            self._guard = _guard_mapping(self._map)
+            self._guard = _guard_mapping(self._map) if guarded else None
         else:
             self._guard = None
 
