@@ -328,7 +328,7 @@ class SpoolFile:
         self.pid = os.getpid()
         self.start_ticks = process_start_ticks()
         self._map = self._open(directory)
-        self._guard = _guard_mapping(self._map) if self.path else None  # memory cannot be truncated
+        self._guard: _hotpath.Guard | None = _guard_mapping(self._map) if self.path else None  # memory: no truncation
         self.values = memoryview(self._map).cast("d")
         self.lock._values = self.values
         self.used = HEADER_SIZE
