@@ -21,7 +21,9 @@ import ctypes
 import errno
 import mmap
 import os
+import posixpath
 import stat
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 SYS_CACHESTAT = 451
@@ -38,6 +40,15 @@ class Unavailable(Exception):
         super().__init__(detail)
         self.reason = reason
         self.st: os.stat_result | None = None  # set where the file itself was found and checked
+
+
+class SymlinkMet(Unavailable):
+    """A walk (:func:`walk_nofollow`) met a symbolic link: which part it is and what the link says."""
+
+    def __init__(self, detail: str, index: int, target: str) -> None:
+        super().__init__("symlink", detail)
+        self.index = index  # into the parts walked
+        self.target = target  # the link's text, as readlink gives it
 
 
 @dataclass(frozen=True)
@@ -178,11 +189,9 @@ def open_claimed(rootfs: str, claim: Claim, allowed: tuple[str, ...]) -> tuple[i
     parts = [part for part in parts if part]
     if not parts or not _inside(parts, allowed):
         raise Unavailable("outside_paths", f"{claim.path}: outside --collector.engines.path-include")
-    fd = _walk(rootfs, parts, claim)
+    fd = walk_nofollow(rootfs, parts, claim.path, _writer_may_enter(claim))
     try:
         st = os.fstat(fd)
-        if stat.S_ISLNK(st.st_mode):
-            raise Unavailable("symlink", f"{claim.path} is a symbolic link")
         if not stat.S_ISREG(st.st_mode):
             raise Unavailable("not_regular", f"{claim.path} is not a regular file")
         if (os.major(st.st_dev), os.minor(st.st_dev)) != claim.dev or st.st_ino != claim.ino:
@@ -195,42 +204,178 @@ def open_claimed(rootfs: str, claim: Claim, allowed: tuple[str, ...]) -> tuple[i
     return readable, st
 
 
-def _walk(rootfs: str, parts: list[str], claim: Claim) -> int:
-    """An O_PATH descriptor of ``parts`` under ``rootfs``, no link followed, each directory checked."""
+def _writer_may_enter(claim: Claim) -> Callable[[os.stat_result, str], None]:
+    """open_claimed's rule for each directory on the way: one of the writers may search it."""
+    def check(st: os.stat_result, part: str) -> None:
+        if not _writer_may(st, claim.uids, stat.S_IXUSR, stat.S_IXOTH):
+            raise Unavailable("writer_permission", f"{claim.path}: no writer may enter {part}")
+    return check
+
+
+def walk_nofollow(start: str, parts: Sequence[str], shown: str,
+                  check_dir: Callable[[os.stat_result, str], None] | None = None) -> int:
+    """An O_PATH descriptor of ``parts`` under the directory ``start``, no link followed; the caller closes it.
+
+    ``start`` is opened as the kernel resolves it; then each part is opened O_PATH|O_NOFOLLOW relative to
+    the one before (an O_PATH open touches no driver and follows no link, so neither ``..`` nor a symlink
+    leaves ``start``).  A symbolic link, the last part included, raises :class:`SymlinkMet` (what it says
+    is read from the link's own descriptor); a part on the way that is not a directory, or that cannot
+    be opened, raises Unavailable("not_visible"); ``check_dir`` sees each directory on the way (its stat,
+    its name) and raises to refuse it.  ``shown`` is the path as messages name it.
+    """
     flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        current = os.open(rootfs or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        current = os.open(start or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise Unavailable("not_visible", f"{rootfs}: {exc.strerror}") from None
+        raise Unavailable("not_visible", f"{shown}: {start}: {exc.strerror}") from None
     try:
         for index, part in enumerate(parts):
             try:
                 following = os.open(part, flags, dir_fd=current)
             except OSError as exc:
-                raise Unavailable("not_visible", f"{claim.path}: {exc.strerror}") from None
+                raise Unavailable("not_visible", f"{shown}: {exc.strerror}") from None
             os.close(current)
             current = following
-            if index == len(parts) - 1:
-                break
             st = os.fstat(current)
             if stat.S_ISLNK(st.st_mode):
-                raise Unavailable("symlink", f"{claim.path}: {part} is a symbolic link")
+                raise SymlinkMet(f"{shown}: {part} is a symbolic link", index, os.readlink("", dir_fd=current))
+            if index == len(parts) - 1:
+                break
             if not stat.S_ISDIR(st.st_mode):
-                raise Unavailable("not_visible", f"{claim.path}: {part} is not a directory")
-            if not _writer_may(st, claim.uids, stat.S_IXUSR, stat.S_IXOTH):
-                raise Unavailable("writer_permission", f"{claim.path}: no writer may enter {part}")
+                raise Unavailable("not_visible", f"{shown}: {part} is not a directory")
+            if check_dir is not None:
+                check_dir(st, part)
     except BaseException:
         os.close(current)
         raise
     return current
 
 
-def _reopen(path_fd: int) -> int:
-    """Open for reading the inode an O_PATH descriptor holds (already known to be a regular file)."""
+def _reopen(path_fd: int, shown: str | None = None) -> int:
+    """Open for reading the inode an O_PATH descriptor holds (already known to be a regular file);
+    a refusal's message names ``shown`` where given."""
     try:
         return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise Unavailable("permission" if exc.errno in (errno.EACCES, errno.EPERM) else "io", str(exc)) from None
+        detail = str(exc) if shown is None else f"{shown}: {exc.strerror}"
+        raise Unavailable("permission" if exc.errno in (errno.EACCES, errno.EPERM) else "io", detail) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Opening a file a command line named (gpuio warm, often as root): only inside the paths it named
+# --------------------------------------------------------------------------------------------------
+
+MAX_LINKS = 8  # symbolic links followed from one named path to another, at most (a -> b -> a ends)
+
+# Kernel interfaces that look like regular files (statfs f_type, linux/magic.h): reading one asks the kernel
+# to make its content (/proc/self/pagemap: 8 bytes for every page of the address space, hundreds of GiB),
+# and none is on a disk, so none is a file to warm or evict.  Told by the descriptor's filesystem, not by
+# the name: a bind mount or a second procfs mount elsewhere is the same filesystem.
+PSEUDO_FILESYSTEMS = {
+    0x9FA0: "procfs (/proc)", 0x62656572: "sysfs (/sys)", 0x64626720: "debugfs", 0x74726163: "tracefs",
+    0x73636673: "securityfs", 0x27E0EB: "cgroupfs", 0x63677270: "cgroup2fs", 0xCAFE4A11: "bpffs",
+    0x62656570: "configfs", 0x6165676C: "pstorefs", 0xDE5E81E4: "efivarfs", 0xF97CFF8C: "selinuxfs",
+}
+
+
+class _Statfs(ctypes.Structure):
+    # f_type (__fsword_t: a long on x86-64 and arm64), then fields not read here; padded past struct statfs
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 256)]
+
+
+_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+
+def filesystem_type(fd: int) -> int:
+    """statfs f_type of the filesystem ``fd`` is on (an O_PATH descriptor will do: Linux 3.12+)."""
+    result = _Statfs()
+    if _libc.fstatfs(fd, ctypes.byref(result)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return result.f_type & 0xFFFFFFFF  # the magic numbers are 32-bit; a signed long would sign-extend
+
+
+class NamedPaths:
+    """The paths a command line named — each argument, each path one of its globs matched — by name:
+    absolute, ``..`` resolved in the name, no link resolved.  Each has an anchor: the directory part
+    typed before any glob wildcard (for a plain path, its directory).  The anchor is the user's own
+    choice and is resolved as the kernel does; below it, nothing is followed but links to named paths.
+    """
+
+    def __init__(self) -> None:
+        self._anchors: dict[str, str] = {}
+
+    def add(self, path: str, anchor: str) -> None:
+        self._anchors[lexical(path)] = lexical(anchor)
+
+    def holding(self, path: str) -> str | None:
+        """The named path that ``path`` is, or lies under; None if none does."""
+        candidate = path
+        while candidate not in self._anchors:
+            if candidate == "/":
+                return None
+            candidate = posixpath.dirname(candidate)
+        return candidate
+
+    def anchor(self, named: str) -> str:
+        return self._anchors[named]
+
+
+def lexical(path: str) -> str:
+    """``path`` made absolute and normal by name alone (``..`` drops the part before it, no link is read)."""
+    normal = posixpath.normpath(posixpath.join(os.getcwd(), path))
+    return "/" + normal.lstrip("/")  # normpath keeps a leading "//"
+
+
+def open_named(path: str, named: NamedPaths) -> tuple[int, os.stat_result]:
+    """Open for reading the regular file at ``path`` (one of ``named``), never leaving the named paths.
+
+    The walk is :func:`walk_nofollow` from the path's anchor.  A symbolic link met below the anchor is
+    resolved by name (its text against the directory it sits in, the path's remaining parts after it)
+    and followed only where that lands on or under a named path, by walking again from that path's
+    anchor; anything else is refused ("outside_named"), as is a chain of more than MAX_LINKS links.
+    The file must be a regular file ("not_regular") and on a disk, not a kernel interface such as /proc
+    or /sys ("pseudo_fs", by the filesystem's magic number); only then is it opened for reading.
+    Returns the readable descriptor (the caller closes it) and its stat; raises Unavailable.
+    """
+    where = lexical(path)
+    for _ in range(MAX_LINKS + 1):
+        holder = named.holding(where)
+        if holder is None:
+            raise Unavailable("outside_named", f"{path}: not one of the paths named")
+        anchor = named.anchor(holder)
+        parts = [part for part in posixpath.relpath(where, anchor).split("/") if part not in ("", ".")]
+        try:
+            fd = walk_nofollow(anchor, parts, path)
+        except SymlinkMet as link:
+            where = _landing(path, anchor, parts, link, named)
+            continue
+        return _open_checked(fd, path)
+    raise Unavailable("outside_named", f"{path}: more than {MAX_LINKS} symbolic links")
+
+
+def _landing(path: str, anchor: str, parts: list[str], link: SymlinkMet, named: NamedPaths) -> str:
+    """Where following ``link`` leads (by name), if that is on or under a named path; else Unavailable."""
+    directory = posixpath.join(anchor, *parts[: link.index])
+    landing = lexical(posixpath.join(directory, link.target, *parts[link.index + 1:]))
+    if named.holding(landing) is None:
+        raise Unavailable("outside_named", f"{path}: {posixpath.join(directory, parts[link.index])} is a "
+                          f"symbolic link to {link.target}, outside the paths named (name its target too)")
+    return landing
+
+
+def _open_checked(path_fd: int, shown: str) -> tuple[int, os.stat_result]:
+    """The O_PATH descriptor ``path_fd`` (closed here) reopened for reading, if a regular file on a disk."""
+    try:
+        st = os.fstat(path_fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unavailable("not_regular", f"{shown}: not a regular file")
+        kind = PSEUDO_FILESYSTEMS.get(filesystem_type(path_fd))
+        if kind is not None:
+            raise Unavailable("pseudo_fs", f"{shown}: on {kind}, a kernel interface, not a file on a disk")
+        return _reopen(path_fd, shown), st
+    finally:
+        os.close(path_fd)
 
 
 def residency_of_claim(rootfs: str, claim: Claim, allowed: tuple[str, ...]) -> tuple[os.stat_result, Residency]:

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import __version__
@@ -43,6 +44,11 @@ GZIP_LEVEL = 1  # /metrics text compresses ~10x even at level 1; higher levels c
 MAX_REQUEST_HEAD = 64 * 1024  # request line + headers; Go's net/http allows 1 MiB, h11 16 KiB
 REQUEST_HEAD_TIMEOUT = 10.0  # seconds from a connection's (or a request's) first byte to its last header
 KEEP_ALIVE_TIMEOUT = 75  # idle keep-alive; above the longest common scrape interval (60 s), so reused
+# Pipelined requests (sent before the answer to the one before) waiting on one connection behind the
+# one being answered; one more is refused (503) after their answers.  Prometheus never pipelines; each
+# waiting request holds its head (at most MAX_REQUEST_HEAD) and uvicorn's per-request state.
+MAX_PIPELINED = 16
+PARSE_SLICE = 4096  # bytes handed to the parser at a time: the head bound is exact to this much
 # Open connections are bounded in exporter/connections.py (an idle one makes room, a scrape is never
 # refused for it); scrapes in flight by --web.max-requests.
 
@@ -221,6 +227,10 @@ def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = N
     return app
 
 
+class _StopParsing(Exception):
+    """Raised from a parser callback to end parsing mid-buffer (httptools has no pause)."""
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the bounds it lacks on a request, and a place in the connection table.
 
@@ -233,6 +243,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     body has not ended is closed (uvicorn would read and drop a trickled body forever, each byte
     restarting its keep-alive timer); until then uvicorn stops reading an unread body beyond 64 KiB.
 
+    Pipelined requests (several sent before the first answer) are answered one after another, in
+    order.  Every refusal — a head too big or too slow, a request the parser rejects (a CL.TE or TE.CL
+    smuggling attempt), more than MAX_PIPELINED waiting — ends the connection the same way: nothing
+    after the refused request is parsed, every request read before it is answered first, then the
+    refusal (status, ``connection: close``) and the close.  uvicorn wrote its 400 at once, ahead of the
+    answers still owed, so a client read the 400 as the answer to its earlier request and never got
+    the real one.  An ``Upgrade`` header is ignored (there is no WebSocket or h2c here): the request is
+    answered as plain HTTP/1.1 and the bytes after it are the next request (RFC 9110 7.8), where
+    uvicorn stopped parsing and left the connection silent.  A request whose body is still arriving
+    when the one before it is answered is answered in its turn (the close for its unread body comes
+    after its answer; uvicorn's rule above closed the connection before it).
+
     The acceptor (exporter/connections.py) sets ``_slot``: the protocol marks its connection busy
     from a request's headers to its answer and idle after, which is what eviction looks at.
     """
@@ -242,6 +264,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     _in_head = True  # between a request's end (or the connection's start) and the next headers' end
     _head_since: float | None = None  # when the head now arriving began; None: no head in progress
     _head_timer: asyncio.TimerHandle | None = None
+    _stopped = False  # a request was refused: nothing more is parsed on this connection
+    _last_words = b""  # the refusal, written once every request read before it is answered; then close
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -259,14 +283,47 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_REQUEST_HEAD:
-                self._refuse(b"431 Request Header Fields Too Large")
+        # Fed in slices so that the head bound counts the bytes of the head now arriving: counted a read
+        # at a time, one read of 3,000 small pipelined GETs (105 KB) was refused as one oversized head.
+        for start in range(0, len(data), PARSE_SLICE):
+            if self._stopped or self.transport.is_closing():
+                return  # nothing after a refused request is parsed
+            piece = data[start:start + PARSE_SLICE]  # the same object when data fits in one slice
+            if self._in_head:
+                self._head_bytes += len(piece)
+                if self._head_bytes > MAX_REQUEST_HEAD:
+                    self._refuse(b"431 Request Header Fields Too Large",
+                                 f"request head over {MAX_REQUEST_HEAD // 1024} KiB\n".encode())
+                    return
+            self._feed(piece)
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's data_received, with its two departures: a parse error is refused in order, and an
+        Upgrade is ignored (parsing goes on after the request's head, as httptools allows)."""
+        self._unset_keepalive_if_required()
+        while data:
+            try:
+                self.parser.feed_data(data)
                 return
-        super().data_received(data)
+            except httptools.HttpParserUpgrade as upgrade:
+                # httptools has already resumed the parser: what follows the upgrade request's head is
+                # parsed as the next request (an upgrade request's body, never read, fails as one: 400).
+                data = data[max(1, upgrade.args[0]):]
+            except httptools.HttpParserError:
+                if self._stopped:
+                    return  # a callback stopped the parser on purpose (see on_message_begin)
+                if self._in_head:
+                    self._refuse(b"400 Bad Request", b"invalid HTTP request\n")
+                else:  # in the body of the request read last: its answer is the last one, then the close
+                    self._stop(b"")
+                return
 
     def on_message_begin(self) -> None:
+        if len(self.pipeline) >= MAX_PIPELINED:
+            # The queue is full: this request and all after it are refused, after the queued answers.
+            self._refuse(b"503 Service Unavailable",
+                         b"too many pipelined requests on one connection; send the rest on a new one\n")
+            raise _StopParsing
         super().on_message_begin()
         self._head_since = self.loop.time()
         # One timer per connection, re-armed lazily: not a call_later and a cancel for every request.
@@ -284,8 +341,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        if not self._in_head and not self.transport.is_closing():
-            self.transport.close()  # the request's body has not ended and nothing will read it
+        # ``self.cycle`` is the request read last; once it is answered, nothing else is owed.
+        if self.cycle.response_complete and not self.transport.is_closing():
+            if self._stopped:
+                self._say_last_words()
+            elif not self._in_head:
+                self.transport.close()  # the request's body has not ended and nothing will read it
         pipelined = bool(self.pipeline)
         super().on_response_complete()
         if self._slot is not None and not pipelined and not self.transport.is_closing():
@@ -304,12 +365,27 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if remaining > 0:
             self._head_timer = self.loop.call_later(remaining, self._check_head)
         else:
-            self._refuse(b"408 Request Timeout")
+            self._refuse(b"408 Request Timeout", b"request head not complete in time\n")
 
-    def _refuse(self, status: bytes) -> None:
+    def _refuse(self, status: bytes, body: bytes) -> None:
+        """Refuse the request now arriving with ``status``: see :meth:`_stop`."""
+        self._stop(b"HTTP/1.1 " + status + b"\r\nconnection: close\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                   b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    def _stop(self, last_words: bytes) -> None:
+        """Parse nothing more on this connection; write ``last_words`` once every request read before
+        is answered (now, if none is owed), then close.  The first refusal is the one written."""
+        if self._stopped:
+            return
+        self._stopped, self._last_words = True, last_words
         self._in_head, self._head_since = False, None
+        if self.cycle is None or self.cycle.response_complete:
+            self._say_last_words()
+
+    def _say_last_words(self) -> None:
         if not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 " + status + b"\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+            if self._last_words:
+                self.transport.write(self._last_words)
             self.transport.close()
 
 

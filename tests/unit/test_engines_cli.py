@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -123,3 +124,39 @@ def test_engines_walks_a_spool_directory_too_big_for_one_read(spool_dir, monkeyp
     assert rows[0]["engine"] == "sliced" and rows[0]["processes"] == 5 and rows[0]["inferences"] == 5
     for file in writers:
         file.close()
+
+
+@pytest.fixture(autouse=True)
+def _not_on_a_sudo_users_behalf(monkeypatch) -> None:
+    """warm_main, run as root with SUDO_UID set (``sudo make test``), would make this test process that
+    user for good (see exporter/engines_cli.py, WARM_RULES): these tests call it in-process as root."""
+    for name in ("SUDO_UID", "SUDO_GID", "SUDO_USER"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_blocked_read_is_abandoned_after_the_stall_bound_and_stops_when_it_returns() -> None:
+    """within_stall_bound on a real blocking read (a pipe nobody writes yet): Stalled once the bound
+    passes without a beat; the thread stays blocked in the kernel until the read returns, then sees it
+    was abandoned and ends without reading on."""
+    from exporter.engines_cli import Stalled, within_stall_bound
+
+    reader, writer = os.pipe()
+    reads: list[bytes] = []
+    ended = threading.Event()
+
+    def blocked(beat, abandoned) -> None:
+        beat()
+        while not abandoned.is_set():
+            reads.append(os.read(reader, 1))
+        ended.set()
+
+    with pytest.raises(Stalled):
+        within_stall_bound(blocked, 0.2)
+    assert reads == [] and not ended.is_set()  # still blocked in read(2)
+    os.write(writer, b"x")  # the read returns at last
+    assert ended.wait(10) and reads == [b"x"]
+    os.close(reader)
+    os.close(writer)
+    assert within_stall_bound(lambda beat, abandoned: "done", 0.2) == "done"
+    with pytest.raises(ZeroDivisionError):  # the work's own failure reaches the caller
+        within_stall_bound(lambda beat, abandoned: 1 / 0, 0.2)
