@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import mounts
@@ -166,13 +168,18 @@ class PathDevices:
         self.sysfs = sysfs
         self.rootfs = rootfs
         self.mounts = read_mountinfo(mountinfo)
+        # By MAJ:MIN, in mountinfo's order: a look-up is a dictionary read, whatever the number of mounts
+        # (a node of thousands of pod volumes) and however many numbers spool writers name.
+        self._by_number: dict[tuple[int, int], list[Mount]] = {}
+        for mount in self.mounts:
+            self._by_number.setdefault((mount.major, mount.minor), []).append(mount)
 
     def of_path(self, path: str) -> FileDevice:
         st = os.stat(path)
         return self.of_dev(os.major(st.st_dev), os.minor(st.st_dev))
 
     def of_dev(self, major: int, minor: int, depth: int = 0) -> FileDevice:
-        holding = [m for m in self.mounts if (m.major, m.minor) == (major, minor)]
+        holding = self._by_number.get((major, minor), [])
         fstype = holding[0].fstype if holding else ""
         name = device_by_number(self.sysfs, major, minor)
         if name is not None:
@@ -207,11 +214,96 @@ class PathDevices:
                 return device_by_number(self.sysfs, os.major(st.st_rdev), os.minor(st.st_rdev))
         except OSError:
             pass
-        base = os.path.basename(node)
-        if os.path.exists(os.path.join(self.sysfs, "class", "block", base)):
-            return base
-        if node.startswith("/dev/mapper/"):  # a dm device by its dm name
-            for disk in _listdir(os.path.join(self.sysfs, "block")):
-                if read_attribute(os.path.join(self.sysfs, "block", disk, "dm", "name")) == base:
-                    return disk
+        return device_named(self.sysfs, node)
+
+
+def device_named(sysfs: str, node: str) -> str | None:
+    """The block device a /dev path names, by sysfs alone (nothing under /dev is looked at): its base
+    name where sysfs lists it (/dev/sdb1, /dev/nvme2n1), else a dm device by its dm name (/dev/mapper/vg-lv)."""
+    base = os.path.basename(node)
+    if base in ("", ".", ".."):
         return None
+    if os.path.exists(os.path.join(sysfs, "class", "block", base)):
+        return base
+    if node.startswith("/dev/mapper/"):  # a dm device by its dm name
+        for disk in _listdir(os.path.join(sysfs, "block")):
+            if read_attribute(os.path.join(sysfs, "block", disk, "dm", "name")) == base:
+                return disk
+    return None
+
+
+# --- st_dev numbers other processes report -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceAnswer:
+    device: str  # "" where the number has no block device (tmpfs, NFS) or none is known
+    disks: tuple[str, ...]  # the whole disks under it (BlockDevices.physical)
+    at: float  # time.monotonic() of the look-up
+
+
+class DeviceNumbers:
+    """st_dev MAJ:MIN -> the block device and the whole disks under it, for numbers that other processes
+    report (a spool writer records any number it likes), looked up in rounds (one per scrape).
+
+    What a look-up costs and how many there are is bounded, whatever the numbers:
+
+    * one mount table (:class:`PathDevices`) and one sysfs index (:class:`BlockDevices`) serve every
+      look-up until they are ``ttl`` seconds old: a look-up is a readlink under /sys/dev/block and
+      dictionary reads, not a read of mountinfo and a walk of /sys/block;
+    * at most ``budget`` look-ups a round (:meth:`lookup`), in the order asked: a caller that asks in a
+      fair order (each writer's first engines first) makes a flood of numbers wait behind the others.  A
+      number with no answer yet is None for this round; one whose answer is older than ``ttl`` keeps it
+      until its look-up comes round again;
+    * answers are kept only for the numbers asked in the last round (:meth:`end_round`): what one writer
+      asks cannot push out what another asks, and memory is that of what is shown now.
+    """
+
+    def __init__(self, sysfs: str, mountinfo: Callable[[], str], rootfs: str, ttl: float = 60.0,
+                 budget: int = 256) -> None:
+        self.sysfs = sysfs
+        self.rootfs = rootfs
+        self.ttl = ttl
+        self.budget = budget
+        self._mountinfo = mountinfo  # where the host's mount table is (read at each refresh)
+        self._tables: tuple[float, PathDevices, BlockDevices] | None = None
+        self._answers: dict[tuple[int, int], DeviceAnswer] = {}
+        self._asked: set[tuple[int, int]] = set()
+        self._left = budget
+
+    def tables(self) -> tuple[PathDevices, BlockDevices]:
+        """The mount table and sysfs index, read again once ``ttl`` old (any thread may ask: they are
+        replaced whole, never changed)."""
+        now = time.monotonic()
+        tables = self._tables
+        if tables is None or now - tables[0] >= self.ttl:
+            tables = (now, PathDevices(self.sysfs, self._mountinfo(), self.rootfs), BlockDevices(self.sysfs))
+            self._tables = tables
+        return tables[1], tables[2]
+
+    def start_round(self) -> None:
+        self._left = self.budget
+        self._asked = set()
+
+    def lookup(self, dev: tuple[int, int]) -> DeviceAnswer | None:
+        """The answer for ``dev`` within this round's budget; None when it has none yet."""
+        self._asked.add(dev)
+        known = self._answers.get(dev)
+        if known is not None and time.monotonic() - known.at < self.ttl:
+            return known
+        if self._left <= 0:
+            return known  # stale, or None: looked up at a later round
+        self._left -= 1
+        return self.resolve(dev)
+
+    def end_round(self) -> None:
+        """Forget every answer not asked for in this round."""
+        self._answers = {dev: answer for dev, answer in self._answers.items() if dev in self._asked}
+
+    def resolve(self, dev: tuple[int, int]) -> DeviceAnswer:
+        """Look ``dev`` up now (no budget: for one-shot tools), and keep the answer until the next round."""
+        paths, devices = self.tables()
+        device = paths.of_dev(*dev).device if dev != (0, 0) else ""
+        answer = DeviceAnswer(device, tuple(devices.physical(device)) if device else (), time.monotonic())
+        self._answers[dev] = answer
+        return answer

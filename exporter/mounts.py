@@ -24,7 +24,9 @@ from __future__ import annotations
 import os
 import re
 import select
+import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .procstat import whole_number
@@ -71,6 +73,7 @@ class MountTable:
     dropped: int = 0  # mounts past the cap
     source: str = ""  # the file read ("" when none could be)
     by_dev: dict[tuple[int, int], list[MountPoint]] = field(default_factory=dict)
+    _by_point: dict[str, MountPoint] | None = field(default=None, repr=False, compare=False)  # by_mountpoint()
 
     def of_file(self, dev: tuple[int, int], path: str) -> MountPoint | None:
         """The mount holding a file with st_dev ``dev`` at ``path`` (see the module docstring)."""
@@ -79,15 +82,35 @@ class MountTable:
             if len(candidates) == 1:
                 return candidates[0]
             return _longest_prefix(candidates, path) or candidates[0]
-        return _longest_prefix(self.mounts, path)
+        return self.holding(path)
 
     def holding(self, path: str) -> MountPoint | None:
-        """The mount whose mount point is the longest prefix of ``path`` (by name: nothing is stat()ed)."""
-        return _longest_prefix(self.mounts, path)
+        """The mount whose mount point is the longest prefix of ``path`` (by name: nothing is stat()ed),
+        the last one listed where several share it.  A dictionary look-up per component of ``path``, not
+        a pass over every mount: paths come from spool writers, and a node may have thousands of mounts."""
+        if self._by_point is None:
+            self._by_point = self.by_mountpoint()
+        for prefix in _prefixes(path):
+            mount = self._by_point.get(prefix)
+            if mount is not None:
+                return mount
+        return None
 
     def by_mountpoint(self) -> dict[str, MountPoint]:
         """Each mount point's visible mount (the last one listed: later mounts cover earlier ones)."""
         return {mount.mountpoint: mount for mount in self.mounts}
+
+
+def _prefixes(path: str) -> Iterator[str]:
+    """The mount points that could hold ``path``, longest first: itself, each leading part of it that
+    ends before a "/", then "/"."""
+    yield path
+    end = path.rfind("/")
+    while end > 0:
+        yield path[:end]
+        end = path.rfind("/", 0, end)
+    if path.startswith("/"):
+        yield "/"
 
 
 def _longest_prefix(mounts: list[MountPoint], path: str) -> MountPoint | None:
@@ -252,3 +275,119 @@ class MountTableWatch:
             self._poll.unregister(self._fd)
             os.close(self._fd)
             self._fd = None
+
+
+# --- walking a path someone else named, without waiting on a server ------------------------------------
+#
+# A path a spool writer names (the overlay layer directory of its MOUNT record) is the writer's word: any
+# component may be a symlink (planted in its own emptyDir, pointing into a dead NFS export or a FUSE mount
+# whose daemon is gone) or a directory on such a mount.  stat(), statfs() and every lookup under a mount
+# that does not answer wait for as long as it does: forever, for a FUSE daemon that never replies (checked:
+# fstat and fstatfs of the root of such a mount block).  Two things ask nothing of the file system a
+# component lands on: opening it O_PATH|O_NOFOLLOW from its parent's descriptor (the lookup is the
+# parent's; crossing onto a mount's root needs no answer from it; a symlink is opened, not followed) and
+# reading /proc/self/fdinfo/<fd>, whose "mnt_id" names the mount it landed on.  So each component is
+# judged by that mount, in the exporter's own mount table, *before* anything else is done with it: only
+# on a file system that answers from this machine alone is it fstat'ed, and only then looked into.
+# (exporter.pagecache's walk fstats each component first: it cannot be used for this.)
+
+SELF_MOUNTINFO = "/proc/self/mountinfo"  # the exporter's own: the ids fdinfo gives are of its mounts
+# File systems of memory (tmpfs, ramfs, devtmpfs), a container runtime's overlays of local directories, and
+# ZFS (its source is a dataset, not a /dev node): local, though their source is no block device.
+LOCAL_WITHOUT_DEVICE = frozenset({"tmpfs", "ramfs", "devtmpfs", "overlay", "zfs"})
+
+
+def answers_locally(mount: MountPoint) -> bool:
+    """Whether a lookup on ``mount`` is answered by this machine alone: a file system on a block device
+    (a /dev source; not fuseblk, whose FUSE daemon answers) or one of LOCAL_WITHOUT_DEVICE.  Network
+    file systems, FUSE and autofs (a lookup there waits for the automounter) are not."""
+    if is_network(mount.fstype) or mount.fstype.startswith("fuse") or mount.fstype == "autofs":
+        return False
+    return mount.source.startswith("/dev/") or mount.fstype in LOCAL_WITHOUT_DEVICE
+
+
+def mounts_by_id(path: str = SELF_MOUNTINFO) -> dict[int, MountPoint]:
+    """A mount table by mount id (mountinfo's first field); {} when it cannot be read."""
+    try:
+        text = read_bounded(path)
+    except OSError:
+        return {}
+    table: dict[int, MountPoint] = {}
+    for line in text.splitlines():
+        mount = parse_line(line)
+        number = whole_number(line.partition(" ")[0])
+        if mount is not None and number is not None:
+            table[number] = mount
+    return table
+
+
+def mount_id_of(fd: int) -> int | None:
+    """The id of the mount an open descriptor is on (/proc/self/fdinfo: procfs answers, not that mount)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as handle:
+            text = handle.read(4096).decode("ascii", "replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "mnt_id":
+            return whole_number(value.strip())
+    return None
+
+
+class Refused(Exception):  # noqa: N818  (an outcome: the path was not walked, and why)
+    """A path not walked to its end: ``reason`` is symlink, not_directory, not_local (a component on a
+    file system that may wait on a server or a daemon, or on no disk and no memory: proc, sysfs), unknown_mount,
+    absent or not_plain."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def open_without_waiting(root: str, path: str, table: dict[int, MountPoint]) -> tuple[int, os.stat_result]:
+    """An O_PATH descriptor of ``path`` under ``root`` (the caller closes it) and its fstat; or Refused.
+
+    ``path`` is absolute, without ``.`` or ``..``; each component is opened O_PATH|O_NOFOLLOW from the
+    one before, starting at ``root``, and judged by its mount (``table``: :func:`mounts_by_id` of the
+    exporter's own mountinfo) before it is fstat'ed: on a file system that does not
+    :func:`answer locally <answers_locally>`, or on a mount the table does not know, the walk stops
+    ("not_local", "unknown_mount").  A symlink anywhere is refused, never followed; every component but the
+    last must be a directory.  Nothing is opened for reading: an O_PATH open reaches no driver."""
+    parts = path.split("/")
+    if not path.startswith("/") or any(part in (".", "..") for part in parts):
+        raise Refused("not_plain", f"{path!r} is not a plain absolute path")
+    names = [part for part in parts if part]
+    try:
+        current = os.open(root or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Refused("absent", f"{root}: {exc.strerror}") from None
+    try:
+        st = _judged(current, root or "/", table)
+        for index, name in enumerate(names):
+            try:
+                following = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current)
+            except OSError as exc:
+                raise Refused("absent", f"{path}: {name}: {exc.strerror}") from None
+            os.close(current)
+            current = following
+            st = _judged(current, name, table)
+            if stat.S_ISLNK(st.st_mode):
+                raise Refused("symlink", f"{path}: {name} is a symbolic link")
+            if index < len(names) - 1 and not stat.S_ISDIR(st.st_mode):
+                raise Refused("not_directory", f"{path}: {name} is not a directory")
+    except BaseException:
+        os.close(current)
+        raise
+    return current, st
+
+
+def _judged(fd: int, name: str, table: dict[int, MountPoint]) -> os.stat_result:
+    """The fstat of a component, once its mount is known to answer locally (else Refused, unasked)."""
+    number = mount_id_of(fd)
+    mount = table.get(number) if number is not None else None
+    if mount is None:
+        raise Refused("unknown_mount", f"{name}: on a mount the exporter's mount table does not list")
+    if not answers_locally(mount):
+        raise Refused("not_local", f"{name}: on {mount.fstype} {mount.source}, not a local disk's or memory's")
+    return os.fstat(fd)

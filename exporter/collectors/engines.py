@@ -18,15 +18,31 @@ disk and its GPU (as the process recorded it, else as NVML lists the process:
 
 Bounded: at most ``max-engines`` engines, 64 layers, 32 error reasons and 16 info series per engine,
 ``max-files`` files from globs; what does not fit is counted in
-``gpuio_engine_dropped_series_total{kind}`` each time something shown is left out.  Which engines are
-shown when there are more than the cap is decided so that junk cannot push out real engines: engines
-whose counters moved recently first, then those with live writers, then any with observations, then
-those shown before (no flapping among equals).
+``gpuio_engine_dropped_series_total{kind}`` each time something shown is left out.
+
+Which engines are shown when there are more than the cap (:func:`fair_share`): the slots are shared
+among the *tenants* that report engines -- each pod (by the kubelet's pod UID where its spool is in the
+pod's own volume), else each live writer process (see :meth:`EnginesCollector._tenants`) -- in rounds:
+every tenant gets its best engine not shown yet, then its next best, and so on.  One process with 3,000
+busy engines beside one with a single engine gets 199 of 200 slots, never all.  A tenant's own engines
+are ranked so that junk cannot push out real ones: engines whose counters moved recently first, then
+those with live writers, then any with observations, then those shown before (no flapping among
+equals).  Engines no live process reports (folded totals of exited ones) get the slots left over.
+
+Devices, bounded per scrape whatever the writers name (each names any st_dev it likes): the st_dev ->
+block device look-ups (:class:`exporter.blockdev.DeviceNumbers`) share one mount table and one sysfs
+index, at most MAX_DEVICE_LOOKUPS a scrape, in the order the engines were chosen (each tenant's first
+engines first: a flood waits behind them, its info series show ``device=""`` until their turn), and
+only the answers of what is shown are kept: one writer cannot flush another's.
 
 Engine files named by writers are opened only through :func:`exporter.pagecache.open_claimed`: inside
 ``--collector.engines.path-include`` (and the ``--collector.engines.path`` directories), the very
 inode the writer reported, a regular file one of the writers could read, no symlink, under
-``--path.rootfs``.
+``--path.rootfs``.  A path a writer names in its MOUNT record (an overlay layer directory, a /dev
+source) is never followed by name: it is walked under ``--path.rootfs`` by
+:func:`exporter.mounts.open_without_waiting` (no symlink, no component on a network, FUSE or automount
+file system, judged before it is asked anything), in a background sampler of its own (``layers``,
+at most MAX_LAYER_WALKS walks and LAYER_PASS_SECONDS a pass); the scrape uses its last answers.
 """
 
 from __future__ import annotations
@@ -35,16 +51,20 @@ import glob
 import logging
 import math
 import os
+import stat
 import threading
 import time
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpuio import spool as fmt
 from gpuio.load import engine_name
 
+from .. import mounts
 from .. import spool_reader as rd
-from ..blockdev import BlockDevices, Mount, PathDevices
+from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
 from ..collect import Absent, Collector, Context, Pending, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
@@ -62,7 +82,16 @@ MAX_ERRORS = 32
 MAX_INFOS = 16  # info series (path, GPU, runtime) per engine: a few GPUs and copies on a node
 ACTIVE_SECONDS = 600.0  # an engine whose counters moved this recently ranks as active for the cap
 DEFAULT_PATH_INCLUDE = "/models,/mnt,/data,/srv,/opt,/var/lib"
-DEVICE_CACHE_SECONDS = 60.0
+DEVICE_CACHE_SECONDS = 60.0  # st_dev and writer mount answers are looked up again this often
+# st_dev -> block device look-ups per scrape (a readlink under /sys/dev/block each): a node's engines sit
+# on a few devices, a hundred PVCs at most; only a writer naming new numbers all the time needs more.
+MAX_DEVICE_LOOKUPS = 256
+# Writers' MOUNT records (overlay layer directories, /dev sources) are walked in the background: a pass
+# every LAYER_INTERVAL seconds when there is something to look up, at most MAX_LAYER_WALKS walks and
+# LAYER_PASS_SECONDS a pass (the rest wait for the next pass, in the order the scrape asked).
+LAYER_INTERVAL = 1.0
+MAX_LAYER_WALKS = 64
+LAYER_PASS_SECONDS = 2.0
 DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
 
 
@@ -109,6 +138,43 @@ class LeftOut:
     def commit(self) -> None:
         self.total += len(self._now - self._before)
         self._before, self._now = self._now, set()
+
+
+def fair_share(ranked: list[str], tenants: Mapping[str, Iterable[Hashable]], slots: int) -> list[str]:
+    """At most ``slots`` of ``ranked`` (best first), shared among the tenants that want them, in rounds:
+    in each round every tenant still wanting one gets its best engine not chosen yet (its own order is
+    that of ``ranked``), and when a round has more picks than slots left the best-ranked picks win.  An
+    engine several tenants want takes one slot, for the first of them; the others pick their next one.
+    Engines no tenant wants (no live process reports them) get the slots left once every tenant has all
+    it wants.  Returns the chosen engines in the order they were chosen: each tenant's first ones first.
+
+    So one tenant with 3,000 busy engines beside one with a single engine gets 199 slots of 200; alone,
+    it gets all 200.  Deterministic: the same ranking and tenants give the same choice (no flapping)."""
+    position = {name: index for index, name in enumerate(ranked)}
+    queues: dict[Hashable, deque[str]] = {}
+    unwanted: list[str] = []
+    for name in ranked:
+        wanted_by = sorted(tenants.get(name, ()), key=repr)  # a set's order changes with the hash seed
+        if not wanted_by:
+            unwanted.append(name)
+        for tenant in wanted_by:
+            queues.setdefault(tenant, deque()).append(name)
+    chosen: dict[str, None] = {}  # insertion-ordered: the order chosen
+    while queues and len(chosen) < slots:
+        picks: set[str] = set()
+        for tenant in list(queues):
+            queue = queues[tenant]
+            while queue and (queue[0] in chosen or queue[0] in picks):
+                queue.popleft()
+            if not queue:
+                del queues[tenant]
+                continue
+            picks.add(queue.popleft())
+        for name in sorted(picks, key=position.__getitem__)[: slots - len(chosen)]:
+            chosen[name] = None
+    for name in unwanted[: max(0, slots - len(chosen))]:
+        chosen[name] = None
+    return list(chosen)
 
 
 def _parse_directory_name(value: str) -> str:
@@ -312,6 +378,41 @@ class ScanResult:
     finished: float
 
 
+LayerKey = tuple[str, str, str]  # a writer mount as far as its device goes: fstype, source, layer directory
+
+
+def _layer_key(mount: rd.WriterMount) -> LayerKey:
+    return mount.fstype, mount.source, mount.layer
+
+
+@dataclass(frozen=True)
+class FileDevices:
+    """What one scrape knows of where the shown engines' files are: their info records (at most
+    MAX_INFOS an engine, the engines in the order they were chosen), the block device of each st_dev
+    looked up (None: not looked up yet, this scrape's budget was spent), and the devices the
+    background found under writers' own mount records (the last answers)."""
+
+    infos: dict[str, list[rd.EngineInfo]]
+    numbers: dict[tuple[int, int], DeviceAnswer | None]
+    writer_mounts: dict[rd.MountKey, rd.WriterMount]
+    layers: dict[LayerKey, DeviceAnswer]
+
+    def of(self, engine: str, dev: tuple[int, int]) -> tuple[str, tuple[str, ...]]:
+        """(device, whole disks) of an engine file on ``dev``: by its st_dev, else by its writer's mount."""
+        answer = self.numbers.get(dev)
+        if answer is None:
+            return "", ()
+        if not answer.device:
+            mount = self.writer_mounts.get((engine, dev))
+            answer = self.layers.get(_layer_key(mount)) if mount is not None else None
+        return (answer.device, answer.disks) if answer is not None else ("", ())
+
+    def disks(self, dev: tuple[int, int]) -> tuple[str, ...]:
+        """The whole disks under ``dev`` (by st_dev alone), () when not known."""
+        answer = self.numbers.get(dev)
+        return answer.disks if answer is not None else ()
+
+
 @register
 class EnginesCollector(Collector):
     name = "engines"
@@ -369,10 +470,16 @@ class EnginesCollector(Collector):
         self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer",
                                                                             "engine_gpu", "pod")}
         self._files_left_out = LeftOut()  # the background scan's own (another thread)
-        self._labels: dict[str, str] = {}
+        self._labels: dict[str, str] = {}  # of the engines shown now
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
-        self._devices: dict[tuple[int, int], tuple[float, str, list[str]]] = {}
-        self._writer_devices: dict[tuple[str, str, str], tuple[float, str, list[str]]] = {}
+        self._devices = DeviceNumbers(context.sysfs, self._host_mountinfo, context.rootfs,
+                                      ttl=DEVICE_CACHE_SECONDS, budget=MAX_DEVICE_LOOKUPS)
+        # Writers' mount records the last scrape wanted a device for (in the order it asked), and the
+        # background sampler that walks them (the scrape reads its last answers).
+        self._layer_wants: dict[LayerKey, rd.WriterMount] = {}
+        self.layers: PeriodicSampler[dict[LayerKey, DeviceAnswer]] = PeriodicSampler(
+            "engine-layers", LAYER_INTERVAL, self.resolve_layers, log)
+        self._started = False  # start() called: the samplers run on their threads
         self._bad = LogOnce(log)
         self._mounts = MountCache(context.procfs)
         self.pods_dir: str = options.get("kubelet-pods-dir") or kubelet.DEFAULT_PODS_DIR
@@ -382,12 +489,20 @@ class EnginesCollector(Collector):
             "pod-spools", options.get("pod-spool-interval") or 15.0, self.find_pod_spools, log)
 
     def start(self) -> None:
+        self._started = True
         self.scanner.start()
         self.pod_spools.start()
+        self.layers.start()
 
     def stop(self) -> None:
         self.scanner.stop()
         self.pod_spools.stop()
+        self.layers.stop()
+
+    def _host_mountinfo(self) -> str:
+        """The host's mount table (its init's), else the exporter's own where /proc/1 is hidden."""
+        mountinfo = os.path.join(self.context.procfs, "1", "mountinfo")
+        return mountinfo if os.path.exists(mountinfo) else os.path.join(self.context.procfs, "self", "mountinfo")
 
     def find_pod_spools(self) -> kubelet.Discovery:
         """Scan the kubelet's pods directory and hand what it holds to the spool reader (background)."""
@@ -429,12 +544,14 @@ class EnginesCollector(Collector):
         if totals.pods:  # the pods of writers, for the nvml collector's process series
             self.context.pods.update_writer_pods((pod.pod_uid, pod.namespace, pod.pod)
                                                  for found in totals.pods.values() for pod in found)
-        engines = self._select(totals)
+        chosen = self._select(totals)  # in the order chosen: each tenant's first engines first
+        engines = sorted(chosen)
         families = self._engine_families(totals, engines)
         pairs = self._engine_gpus(totals, engines)
+        files = self._file_devices(totals, chosen, pairs)
         families += self._per_gpu_families(totals, pairs)
-        families += self._info_families(totals, engines)
-        families += self._load_families(totals, engines, pairs)
+        families += self._info_families(totals, engines, files)
+        families += self._load_families(totals, files, pairs)
         families += self._file_families(totals)
         families += self._waterfall_families(totals, engines)
         families += self._pod_families(totals, pairs)
@@ -446,20 +563,45 @@ class EnginesCollector(Collector):
         return families
 
     def _select(self, totals: rd.Totals) -> list[str]:
-        """At most max-engines engines, ranked so that junk cannot push out real ones (module note).
+        """At most max-engines engines, shared among tenants and ranked within each so that junk cannot
+        push out real ones (module note); in the order chosen.
 
         The reader is told which engines are shown: their folded totals are never forgotten."""
         now = time.monotonic()
         self._note_activity(totals, now)
-        names = list(totals.engines)
-        if len(names) > self.max_engines:
-            names.sort(key=lambda name: self._rank(totals, name, now))
-            for name in names[self.max_engines:]:
+        ranked = sorted(totals.engines, key=lambda name: self._rank(totals, name, now))
+        chosen = fair_share(ranked, self._tenants(totals), self.max_engines)
+        self._exported = set(chosen)
+        for name in ranked:
+            if name not in self._exported:
                 self._drop("engine", name)
-            names = names[: self.max_engines]
-        self._exported = set(names)
         self.reader.protected = self._exported
-        return sorted(names)
+        self._labels = {name: self._labels.get(name) or label_string({"engine": name}) for name in chosen}
+        return chosen
+
+    @staticmethod
+    def _tenants(totals: rd.Totals) -> dict[str, set[Hashable]]:
+        """Who wants each engine shown, by the strongest identity its live writers have, in this order:
+        the kubelet's pod UIDs (a spool found in the pod's own volume: no writer chooses it); writer
+        processes the kernel's lock table vouches for (pid, start ticks); the pods its writers say they
+        are in (namespace, name); the pids their headers give (start 0: not vouched for).  The last two
+        are the writers' word: a writer may claim another's, and share its slots.  Engines of exited
+        processes only: nobody."""
+        pod_uids: dict[str, set[Hashable]] = {}
+        pod_names: dict[str, set[Hashable]] = {}
+        for (engine, _), found in totals.pods.items():
+            for pod in found:
+                if pod.pod_uid:
+                    pod_uids.setdefault(engine, set()).add(("pod", pod.pod_uid))
+                elif pod.pod:
+                    pod_names.setdefault(engine, set()).add(("pod", pod.namespace, pod.pod))
+        vouched: dict[str, set[Hashable]] = {}
+        claimed: dict[str, set[Hashable]] = {}
+        for engine, writers in totals.writers.items():
+            for pid, start in writers:
+                (vouched if start else claimed).setdefault(engine, set()).add(("process", pid, start))
+        return {engine: pod_uids.get(engine) or vouched.get(engine) or pod_names.get(engine)
+                or claimed.get(engine) or set() for engine in totals.engines}
 
     def _note_activity(self, totals: rd.Totals, now: float) -> None:
         """When each engine's counters last moved, as this exporter saw them (not as a writer says)."""
@@ -486,12 +628,8 @@ class EnginesCollector(Collector):
         self._left_out[kind].add(key)
 
     def _label(self, engine: str) -> str:
-        labels = self._labels.get(engine)
-        if labels is None:
-            if len(self._labels) > 10_000:
-                self._labels.clear()
-            labels = self._labels[engine] = label_string({"engine": engine})
-        return labels
+        """``engine="..."``, kept for the engines shown (see _select), made afresh for any other."""
+        return self._labels.get(engine) or label_string({"engine": engine})
 
     def _engine_families(self, totals: rd.Totals, engines: list[str]) -> list[Family]:
         layout = fmt.ENGINE_LAYOUT
@@ -584,7 +722,7 @@ class EnginesCollector(Collector):
         return ([Family(HISTOGRAM_DESCS[name], lines) for name, lines in histograms.items()]
                 + [Family(desc, lines) for desc, lines in gauges.items()])
 
-    def _load_families(self, totals: rd.Totals, engines: list[str], pairs: list[tuple[str, str]]) -> list[Family]:
+    def _load_families(self, totals: rd.Totals, files: FileDevices, pairs: list[tuple[str, str]]) -> list[Family]:
         """Loads in progress per engine and GPU, per physical disk and per mount point; and each engine
         file's mount.  Every engine GPU, disk and mount point of an engine file is served, at 0 when
         nothing loads there, so that ``max by`` and joins find it."""
@@ -592,8 +730,8 @@ class EnginesCollector(Collector):
         per_disk: dict[str, list[float]] = {}  # count, age
         per_mount: dict[str, list[float]] = {}
         mount_info: dict[str, None] = {}
-        for engine, path, dev in self._engine_files(totals, engines):
-            for disk in self.device_of(dev)[1]:
+        for engine, path, dev in self._engine_files(files):
+            for disk in files.disks(dev):
                 per_disk.setdefault(disk, [0.0, 0.0])
             mount = self._mounts.of_file(dev, path)
             if mount is not None:
@@ -612,7 +750,7 @@ class EnginesCollector(Collector):
             load_path = next((item.path for item in totals.infos.get(engine, []) if item.dev == dev), None)
             if load_path is None or dev == (0, 0):
                 continue
-            for disk in self.device_of(dev)[1]:
+            for disk in files.disks(dev):
                 _add_load(per_disk.setdefault(disk, [0.0, 0.0]), count, age)
             mount = self._mounts.of_file(dev, load_path)
             if mount is not None:
@@ -656,10 +794,11 @@ class EnginesCollector(Collector):
                          Family(POD_SPOOLS_FAILED, [POD_SPOOLS_FAILED.sample("", 1 if scan.error else 0)])]
         return families
 
-    def _engine_files(self, totals: rd.Totals, engines: list[str]) -> list[tuple[str, str, tuple[int, int]]]:
-        """(engine, path, st_dev) of every engine file: those live processes load or loaded, and those
-        only the globs name (from the last background scan)."""
-        files = [(engine, item.path, item.dev) for engine in engines for item in totals.infos.get(engine, [])
+    def _engine_files(self, shown: FileDevices) -> list[tuple[str, str, tuple[int, int]]]:
+        """(engine, path, st_dev) of every engine file shown: those live processes load or loaded (the
+        info records shown, at most MAX_INFOS an engine), and those only the globs name (from the last
+        background scan)."""
+        files = [(engine, item.path, item.dev) for engine, items in sorted(shown.infos.items()) for item in items
                  if item.dev != (0, 0)]
         scan = self.scanner.snapshot().value
         for view in scan.files.values() if scan is not None else ():
@@ -688,15 +827,13 @@ class EnginesCollector(Collector):
             self._drop("info", (engine, item.path, item.gpu_uuid, item.runtime))
         return ranked[:MAX_INFOS]
 
-    def _info_families(self, totals: rd.Totals, engines: list[str]) -> list[Family]:
+    def _info_families(self, totals: rd.Totals, engines: list[str], files: FileDevices) -> list[Family]:
         info, physical = [], []
         seen: set[str] = set()
         targets: dict[tuple[str, str], Target] = {}
         for engine in engines:
-            for item in self._infos(totals, engine):
-                device, disks = self.device_of(item.dev)
-                if not device:
-                    device, disks = self.device_from_writer(totals.mounts.get((engine, item.dev)))
+            for item in files.infos.get(engine, []):
+                device, disks = files.of(engine, item.dev)
                 labels = {"engine": engine, "path": item.path, "device": device,
                           "cuda_device": "" if item.cuda_device < 0 else str(item.cuda_device),
                           "gpu_uuid": item.gpu_uuid, "runtime": item.runtime}
@@ -719,7 +856,8 @@ class EnginesCollector(Collector):
         for view in scan.files.values() if scan is not None else ():
             if not view.from_glob or view.dev is None:
                 continue
-            device, disks = self.device_of(view.dev)
+            answer = files.numbers.get(view.dev)
+            device, disks = (answer.device, answer.disks) if answer is not None else ("", ())
             info.append(ENGINE_INFO.sample(label_string({"engine": view.engine, "path": view.path, "device": device,
                                                          "cuda_device": "", "gpu_uuid": "", "runtime": ""}), 1))
             physical.extend(PHYSICAL_INFO.sample(label_string({"engine": view.engine, "path": view.path,
@@ -738,70 +876,115 @@ class EnginesCollector(Collector):
                       for pid in pids[:MAX_INFOS]]
         return lines
 
-    def device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
-        """:meth:`_device_from_writer`, cached like :meth:`device_of` (a stat and sysfs reads)."""
-        if mount is None:
-            return "", []
-        key = (mount.fstype, mount.source, mount.layer)
-        now = time.monotonic()
-        cached = self._writer_devices.get(key)
-        if cached is not None and now - cached[0] < DEVICE_CACHE_SECONDS:
-            return cached[1], cached[2]
-        device, disks = self._device_from_writer(mount)
-        if len(self._writer_devices) > 10_000:
-            self._writer_devices.clear()
-        self._writer_devices[key] = (now, device, disks)
-        return device, disks
+    # --- devices: st_dev on the scrape (bounded), writers' mount records in the background ------------
 
-    def _device_from_writer(self, mount: rd.WriterMount | None) -> tuple[str, list[str]]:
+    def _file_devices(self, totals: rd.Totals, chosen: list[str], pairs: list[tuple[str, str]]) -> FileDevices:
+        """Where the shown engines' files are (see FileDevices), with the scrape's look-ups in the order
+        the engines were chosen: each tenant's first engines' files are looked up first."""
+        infos = {engine: self._infos(totals, engine) for engine in chosen}
+        wanted = [item.dev for items in infos.values() for item in items]
+        shown_pairs = set(pairs)
+        wanted += [dev for engine, uuid, dev in totals.loads if (engine, uuid) in shown_pairs]
+        scan = self.scanner.snapshot().value
+        wanted += [view.dev for view in (scan.files.values() if scan is not None else ())
+                   if view.from_glob and view.dev is not None]
+        self._devices.start_round()
+        numbers = {dev: self._devices.lookup(dev) for dev in dict.fromkeys(wanted) if dev != (0, 0)}
+        self._devices.end_round()
+        return FileDevices(infos, numbers, totals.mounts, self._layer_answers(totals, infos, numbers))
+
+    def _layer_answers(self, totals: rd.Totals, infos: dict[str, list[rd.EngineInfo]],
+                       numbers: dict[tuple[int, int], DeviceAnswer | None]) -> dict[LayerKey, DeviceAnswer]:
+        """The background's last answers for the writers' mount records of shown files whose st_dev has
+        no block device; those records are handed to it (in this scrape's order) for its next pass.
+        Where the samplers do not run (``gpuio engines``, tests), the pass runs here, on this thread."""
+        wants: dict[LayerKey, rd.WriterMount] = {}
+        for engine, items in infos.items():
+            for item in items:
+                answer = numbers.get(item.dev)
+                mount = totals.mounts.get((engine, item.dev))
+                if answer is not None and not answer.device and mount is not None:
+                    wants.setdefault(_layer_key(mount), mount)
+        with self._targets_lock:
+            self._layer_wants = wants
+        if not self._started:
+            self.layers.sample_now()
+        return self.layers.snapshot().value or {}
+
+    def resolve_layers(self) -> dict[LayerKey, DeviceAnswer]:
+        """One pass of the background sampler ``layers``: the device under each writer mount record the
+        last scrape wanted, new ones first (in the scrape's order), then those looked up more than
+        DEVICE_CACHE_SECONDS ago; at most MAX_LAYER_WALKS walks and LAYER_PASS_SECONDS.  Records no
+        longer wanted are forgotten: the answers are those of what is shown."""
+        with self._targets_lock:
+            wants = self._layer_wants
+        before = self.layers.snapshot().value or {}
+        now = time.monotonic()
+        answers = {key: before[key] for key in wants if key in before}
+        due = [key for key in wants if key not in answers]
+        due += sorted((key for key, answer in answers.items() if now - answer.at >= DEVICE_CACHE_SECONDS),
+                      key=lambda key: answers[key].at)
+        if not due:
+            return answers
+        table = mounts.mounts_by_id()  # read once a pass: the exporter's own mounts, by id
+        deadline = now + LAYER_PASS_SECONDS
+        for key in due[:MAX_LAYER_WALKS]:
+            if time.monotonic() >= deadline:
+                break
+            device, disks = self.device_from_writer(wants[key], table)
+            answers[key] = DeviceAnswer(device, tuple(disks), time.monotonic())
+        return answers
+
+    def device_from_writer(self, mount: rd.WriterMount | None,
+                           table: dict[int, mounts.MountPoint] | None = None) -> tuple[str, list[str]]:
         """The block device under a file as its writer's own mountinfo names it, where the exporter's
-        view has none (a file inside a container image: overlayfs, whose layer directory is a path of
-        the host's filesystem; a PVC's /dev source).  The writer's word is used only to stat a layer
-        directory on a local disk (never opened) or to name a /dev node, and only what sysfs knows is shown."""
+        view has none (a file inside a container image: overlayfs, whose layer directory is a path of the
+        host's filesystem; a PVC's /dev source).  Looked up now, on this thread (the scrape leaves it to
+        the ``layers`` sampler).
+
+        The writer's word is never followed by name: the layer directory (or /dev node) is walked under
+        --path.rootfs by :func:`mounts.open_without_waiting` -- no symlink, no component on a network,
+        FUSE or automount file system, each judged by its mount before it is asked anything -- and only
+        the st_dev of the directory it reaches (the st_rdev of the node) is used; a /dev source the walk
+        refuses is looked for in sysfs by its name.  ``table``: :func:`mounts.mounts_by_id`, read here
+        when not given."""
         if mount is None:
             return "", []
-        layer = mount.layer
+        table = mounts.mounts_by_id() if table is None else table
+        paths, devices = self._devices.tables()
         if mount.fstype == "overlay":
-            if not os.path.isabs(layer) or any(part in (".", "..") for part in layer.split("/")):
+            st = self._walked(mount.layer, table)
+            if st is None or not stat.S_ISDIR(st.st_mode):
                 return "", []
-            if not self._on_local_disk(layer):
-                return "", []
-            options = f"upperdir={layer}"
-        elif mount.source.startswith("/dev/") and ".." not in mount.source.split("/"):
-            options = ""
+            device = paths.of_dev(os.major(st.st_dev), os.minor(st.st_dev)).device
+        elif mount.source.startswith("/dev/") and not {".", ".."} & set(mount.source.split("/")):
+            st = self._walked(mount.source, table)
+            if st is not None and stat.S_ISBLK(st.st_mode):
+                device = device_by_number(self.context.sysfs, os.major(st.st_rdev), os.minor(st.st_rdev)) or ""
+            else:
+                device = device_named(self.context.sysfs, mount.source) or ""
         else:
             return "", []
-        resolver = PathDevices(self.context.sysfs, os.devnull, self.context.rootfs)
-        found = resolver._through_mount(Mount(0, 0, "/", mount.mountpoint, mount.fstype, mount.source, options), 0)
-        if not found:
-            return "", []
-        return found, BlockDevices(self.context.sysfs).physical(found)
+        return device, devices.physical(device) if device else []
 
-    def _on_local_disk(self, path: str) -> bool:
-        """Whether the host mount holding ``path`` (by name, in the host's mount table) is a file system
-        on a block device.  The path is the writer's word and is stat()ed in the scrape: under a network,
-        FUSE or automount mount a stat can wait for as long as the server does (forever, if it is gone),
-        and a container runtime keeps its layers on a local disk anyway (fuseblk: a /dev source, a FUSE daemon)."""
-        holder = self._mounts.table().holding(path)
-        return holder is not None and holder.source.startswith("/dev/") and not holder.fstype.startswith("fuse")
+    def _walked(self, path: str, table: dict[int, mounts.MountPoint]) -> os.stat_result | None:
+        """The fstat of a writer-named path walked under --path.rootfs (see device_from_writer); None
+        where the walk refused it."""
+        try:
+            fd, st = mounts.open_without_waiting(self.context.rootfs, path, table)
+        except mounts.Refused as refused:
+            log.debug("writer mount path not looked at", extra={"path": path, "reason": refused.reason})
+            return None
+        os.close(fd)
+        return st
 
     def device_of(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
-        """The block device behind st_dev MAJ:MIN and the whole disks under it (sysfs reads, cached)."""
+        """The block device behind st_dev MAJ:MIN and the whole disks under it, looked up now (for
+        ``gpuio engines``; the scrape looks up within its budget, see _file_devices)."""
         if dev == (0, 0):
             return "", []
-        now = time.monotonic()
-        cached = self._devices.get(dev)
-        if cached is not None and now - cached[0] < DEVICE_CACHE_SECONDS:
-            return cached[1], cached[2]
-        mountinfo = os.path.join(self.context.procfs, "1", "mountinfo")
-        if not os.path.exists(mountinfo):
-            mountinfo = os.path.join(self.context.procfs, "self", "mountinfo")
-        resolved = PathDevices(self.context.sysfs, mountinfo, self.context.rootfs).of_dev(*dev)
-        disks = BlockDevices(self.context.sysfs).physical(resolved.device) if resolved.device else []
-        if len(self._devices) > 10_000:
-            self._devices.clear()
-        self._devices[dev] = (now, resolved.device, disks)
-        return resolved.device, disks
+        answer = self._devices.resolve(dev)
+        return answer.device, list(answer.disks)
 
     # --- files: background scan ----------------------------------------------------------------
 
