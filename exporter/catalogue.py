@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from . import collect, process, server_metrics
-from .collectors import diskstats, engines, mountstats, nvml, pods, pressure, smart
+from .collectors import cgroup_io, diskstats, engines, mountstats, nvml, pods, pressure, smart
 from .exposition import INFO, Desc
 
 
@@ -81,6 +81,17 @@ SECTIONS = (
     Section("Disks (`diskstats` collector)", (diskstats,), only=lambda desc: desc.kind != INFO),
     Section("Disk metadata (`diskstats` collector)", (diskstats,), only=lambda desc: desc.kind == INFO),
     Section("Pressure (`pressure` collector)", (pressure,)),
+    Section("cgroup IO (`cgroup_io` collector)", (cgroup_io,), """\
+Who does each disk's IO and who stalls on IO, per cgroup: cgroup v2's `io.stat` and `io.pressure`, or on a
+cgroup v1 host blkio's throttle counters (no pressure there). The tree is walked in the background every
+`--collector.cgroup_io.interval` (10 s); per device the `--collector.cgroup_io.top` (10) cgroups that read and
+wrote the most bytes since the walk before are served, and the 10 whose IO pressure grew most, each for
+`--collector.cgroup_io.hold` (10 m) after it was last among them. The values are the kernel's own counters, so
+`rate()` is right across a series' coming and going. `device` joins `gpuio_disk_*`; `cgroup` joins
+`gpuio_cgroup_info` for the pod or service. Top readers of a disk:
+`topk(5, rate(gpuio_cgroup_io_read_bytes_total{device="nvme1n1"}[1m])) * on (instance, cgroup) group_left \
+(pod_uid, container_id, service) gpuio_cgroup_info`. See docs/cgroup-io.md.
+"""),
     Section("The exporter itself", (collect, server_metrics, process)),
     Section("SMART (`smart` collector)", (smart,), """\
 Polled in the background every `--collector.smart.interval` (5m); a scrape serves the last poll. `device`

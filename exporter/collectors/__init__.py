@@ -1,3 +1,3 @@
 """One module per source.  Importing this package registers every collector."""
 
-from . import diskstats, engines, mountstats, nvml, pods, pressure, smart  # noqa: F401
+from . import cgroup_io, diskstats, engines, mountstats, nvml, pods, pressure, smart  # noqa: F401
