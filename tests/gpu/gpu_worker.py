@@ -3,7 +3,7 @@
 Run as a separate process so that it shows up in NVML's process list with its own memory, and so
 that its CUDA work never competes with the collector's thread for the GIL.
 
-    python gpu_worker.py duty PERIOD BUSY_FRACTION DURATION   # kernels in [0, busy) of each period
+    python gpu_worker.py duty PERIOD BUSY_FRACTION DURATION [OFFSET]  # busy in [offset, offset + busy)
     python gpu_worker.py copy                                 # H2D 4 GiB, D2H 2 GiB on "go" lines
 
 It holds HOLD_BYTES of device memory the whole time, prints ``ready <pid>`` once that is allocated and
@@ -22,8 +22,9 @@ HOLD_BYTES = 2 * 1024**3
 GIB = 1024**3
 
 
-def duty(period: float, busy_fraction: float, duration: float) -> None:
-    """Matmuls back to back during the busy part of each period (phases on the wall clock), idle after."""
+def duty(period: float, busy_fraction: float, duration: float, offset: float = 0.0) -> None:
+    """Matmuls back to back during the busy part of each period (phases on the wall clock, the busy part
+    starting ``offset`` of a period in), idle otherwise."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     a @ b  # cuBLAS sets up its workspace now, so the process's memory does not change during the loop
@@ -33,7 +34,7 @@ def duty(period: float, busy_fraction: float, duration: float) -> None:
     while time.time() < start:
         time.sleep(0.001)
     while (now := time.time()) < start + duration:
-        phase = (now - start) % period
+        phase = (now - start - offset * period) % period
         if phase < busy_fraction * period:
             a @ b  # ~1.5 ms on an H100; synchronising after each keeps the overshoot past the phase small
             torch.cuda.synchronize()
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> None:
     torch.cuda.synchronize()
     print(f"ready {os.getpid()}", flush=True)
     if argv[0] == "duty":
-        duty(float(argv[1]), float(argv[2]), float(argv[3]))
+        duty(float(argv[1]), float(argv[2]), float(argv[3]), float(argv[4]) if len(argv) > 4 else 0.0)
     elif argv[0] == "copy":
         copy()
     del hold
