@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from .collect import BadLine
 from .procstat import whole_number
+from .psi import parse_total
 
 MAX_DEPTH = 32
 MAX_FILE_BYTES = 64 << 10  # io.stat: ~100 bytes a device (~300 with iocost's keys); v1: ~6 lines a device
@@ -198,22 +199,10 @@ def parse_blkio_line(line: str) -> tuple[DeviceNumber, str, int] | None:
 
 
 def parse_pressure_line(line: str) -> tuple[str, int]:
-    """``("some"|"full", total microseconds)`` of one PSI line.  The format and the reasons of
-    exporter/collectors/pressure.py's parse_total (the fuzz suite holds them equal), not imported from there:
-    that module is a collector, and the collectors package imports this one."""
+    """``("some"|"full", total microseconds)`` of one line of io.pressure (exporter/psi.py), bounded in length."""
     if len(line) > MAX_LINE_CHARS:
         raise BadLine("too_long", f"longer than {MAX_LINE_CHARS} characters")
-    kind, _, rest = line.partition(" ")
-    if kind not in ("some", "full"):
-        raise BadLine("unknown_kind", "line starts with neither 'some' nor 'full'")
-    for item in rest.split():
-        key, _, value = item.partition("=")
-        if key == "total":
-            total = whole_number(value)
-            if total is None:
-                raise BadLine("non_numeric", "total is not a non-negative integer of at most 20 digits")
-            return kind, total
-    raise BadLine("no_total", "no total=")
+    return parse_total(line)
 
 
 def _lines(text: str, cut: bool, source: str, report: BadLineSink) -> list[str]:

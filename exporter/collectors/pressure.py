@@ -20,7 +20,7 @@ import os
 from ..collect import Absent, BadLine, Collector, MalformedSource, register
 from ..exposition import COUNTER, Desc, Family
 from ..logsetup import LogOnce
-from ..procstat import whole_number
+from ..psi import parse_total
 
 log = logging.getLogger("gpuio.collector.pressure")
 
@@ -42,21 +42,6 @@ DESCS: dict[tuple[str, str], Desc] = {
                           unit="seconds"),
 }
 RESOURCES = ("cpu", "io", "memory", "irq")
-
-
-def parse_total(line: str) -> tuple[str, int]:
-    """``("some"|"full", total microseconds)`` of one PSI line; BadLine otherwise."""
-    kind, _, rest = line.partition(" ")
-    if kind not in ("some", "full"):
-        raise BadLine("unknown_kind", "line starts with neither 'some' nor 'full'")
-    for item in rest.split():
-        key, _, value = item.partition("=")
-        if key == "total":
-            total = whole_number(value)
-            if total is None:
-                raise BadLine("non_numeric", "total is not a non-negative integer of at most 20 digits")
-            return kind, total
-    raise BadLine("no_total", "no total=")
 
 
 @register

@@ -4,9 +4,8 @@ Oracles:
 
 * ``parse_io_stat_line`` and ``parse_blkio_line`` return a well-formed line's values exactly (io.stat with
   an IO policy's keys mixed in, in any order) and raise only BadLine otherwise, on any text.
-* ``parse_pressure_line`` (exporter/cgroups.py's own, see its note) answers every line as
-  exporter/collectors/pressure.py's ``parse_total`` does: the same kind and total, or BadLine with the same
-  reason (a line past MAX_LINE_CHARS is bad here at once).
+* ``parse_pressure_line`` raises only BadLine, a line past MAX_LINE_CHARS as ``too_long`` before it is
+  split (the PSI format itself is fuzzed with the pressure collector: tests/fuzz/test_fuzz_pressure.py).
 * The collector, walking a generated tree twice with its counters grown between (cgroups with names of
   any bytes, files of good lines, junk and raw bytes), raises nothing but Absent, and serves only declared
   families, with non-negative values, in text that parses as Prometheus text and as OpenMetrics.
@@ -25,7 +24,6 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from exporter import cgroups
 from exporter.collect import Absent, BadLine, Context
 from exporter.collectors.cgroup_io import CgroupIoCollector
-from exporter.collectors.pressure import parse_total
 from exporter.exposition import render
 from tests.conftest import parse_samples, undeclared
 
@@ -104,16 +102,13 @@ PSI_LINE = st.builds(lambda kind, total, rest: f"{kind} avg10=0.00 {rest}total={
 @example("some total=")
 @example(f"full total={'9' * 1000}")
 @example(f"full total={'9' * 5000}")
-def test_the_psi_line_parser_answers_as_the_pressure_collectors(line: str) -> None:
-    """The same answer, but for a line past MAX_LINE_CHARS: bad (too_long) here before it is split."""
-    def answer(parse):
-        try:
-            return parse(line)
-        except BadLine as bad:
-            return bad.reason
-
-    expected = "too_long" if len(line) > cgroups.MAX_LINE_CHARS else answer(parse_total)
-    assert answer(cgroups.parse_pressure_line) == expected
+def test_the_psi_line_parser_raises_only_bad_line_and_refuses_long_lines_unsplit(line: str) -> None:
+    try:
+        kind, total = cgroups.parse_pressure_line(line)
+    except BadLine as bad:
+        assert bad.reason == "too_long" or len(line) <= cgroups.MAX_LINE_CHARS
+        return
+    assert len(line) <= cgroups.MAX_LINE_CHARS and kind in ("some", "full") and 0 <= total < 10**20
 
 
 # --- the collector on generated trees ----------------------------------------------------------------
