@@ -24,11 +24,11 @@ from __future__ import annotations
 import os
 import re
 import select
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .pagecache import SymlinkMet, Unavailable, walk_nofollow
 from .procstat import whole_number
 
 MAX_BYTES = 8 << 20  # a node with thousands of pod volumes has a mountinfo of a few hundred KiB
@@ -348,9 +348,9 @@ class Refused(Exception):  # noqa: N818  (an outcome: the path was not walked, a
 def open_without_waiting(root: str, path: str, table: dict[int, MountPoint]) -> tuple[int, os.stat_result]:
     """An O_PATH descriptor of ``path`` under ``root`` (the caller closes it) and its fstat; or Refused.
 
-    ``path`` is absolute, without ``.`` or ``..``; each component is opened O_PATH|O_NOFOLLOW from the
-    one before, starting at ``root``, and judged by its mount (``table``: :func:`mounts_by_id` of the
-    exporter's own mountinfo) before it is fstat'ed: on a file system that does not
+    ``path`` is absolute, without ``.`` or ``..``; it is walked by :func:`exporter.pagecache.walk_nofollow`
+    from ``root``, each component judged by its mount (``table``: :func:`mounts_by_id` of the exporter's
+    own mountinfo) before it is fstat'ed: on a file system that does not
     :func:`answer locally <answers_locally>`, or on a mount the table does not know, the walk stops
     ("not_local", "unknown_mount").  A symlink anywhere is refused, never followed; every component but the
     last must be a directory.  Nothing is opened for reading: an O_PATH open reaches no driver."""
@@ -359,35 +359,25 @@ def open_without_waiting(root: str, path: str, table: dict[int, MountPoint]) -> 
         raise Refused("not_plain", f"{path!r} is not a plain absolute path")
     names = [part for part in parts if part]
     try:
-        current = os.open(root or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise Refused("absent", f"{root}: {exc.strerror}") from None
+        fd = walk_nofollow(root, names, path, before_stat=lambda fd, name: _judge_mount(fd, name, table))
+    except SymlinkMet as met:
+        raise Refused("symlink", f"{path}: {names[met.index]} is a symbolic link") from None
+    except Unavailable as exc:
+        raise Refused("absent", str(exc)) from None
     try:
-        st = _judged(current, root or "/", table)
-        for index, name in enumerate(names):
-            try:
-                following = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current)
-            except OSError as exc:
-                raise Refused("absent", f"{path}: {name}: {exc.strerror}") from None
-            os.close(current)
-            current = following
-            st = _judged(current, name, table)
-            if stat.S_ISLNK(st.st_mode):
-                raise Refused("symlink", f"{path}: {name} is a symbolic link")
-            if index < len(names) - 1 and not stat.S_ISDIR(st.st_mode):
-                raise Refused("not_directory", f"{path}: {name} is not a directory")
+        return fd, os.fstat(fd)
     except BaseException:
-        os.close(current)
+        os.close(fd)
         raise
-    return current, st
 
 
-def _judged(fd: int, name: str, table: dict[int, MountPoint]) -> os.stat_result:
-    """The fstat of a component, once its mount is known to answer locally (else Refused, unasked)."""
+def _judge_mount(fd: int, name: str, table: dict[int, MountPoint]) -> None:
+    """Refused, unasked, unless the component's mount is known and answers locally."""
     number = mount_id_of(fd)
     mount = table.get(number) if number is not None else None
     if mount is None:
         raise Refused("unknown_mount", f"{name}: on a mount the exporter's mount table does not list")
     if not answers_locally(mount):
         raise Refused("not_local", f"{name}: on {mount.fstype} {mount.source}, not a local disk's or memory's")
-    return os.fstat(fd)
+
+

@@ -213,7 +213,8 @@ def _writer_may_enter(claim: Claim) -> Callable[[os.stat_result, str], None]:
 
 
 def walk_nofollow(start: str, parts: Sequence[str], shown: str,
-                  check_dir: Callable[[os.stat_result, str], None] | None = None) -> int:
+                  check_dir: Callable[[os.stat_result, str], None] | None = None,
+                  before_stat: Callable[[int, str], None] | None = None) -> int:
     """An O_PATH descriptor of ``parts`` under the directory ``start``, no link followed; the caller closes it.
 
     ``start`` is opened as the kernel resolves it; then each part is opened O_PATH|O_NOFOLLOW relative to
@@ -221,7 +222,9 @@ def walk_nofollow(start: str, parts: Sequence[str], shown: str,
     leaves ``start``).  A symbolic link, the last part included, raises :class:`SymlinkMet` (what it says
     is read from the link's own descriptor); a part on the way that is not a directory, or that cannot
     be opened, raises Unavailable("not_visible"); ``check_dir`` sees each directory on the way (its stat,
-    its name) and raises to refuse it.  ``shown`` is the path as messages name it.
+    its name) and raises to refuse it.  ``before_stat`` sees each descriptor (``start``'s too) and its
+    name as soon as it is opened, before anything asks its file system (an fstat of the root of a hung
+    FUSE or NFS mount waits for ever), and raises to refuse it.  ``shown`` is the path as messages name it.
     """
     flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -229,6 +232,8 @@ def walk_nofollow(start: str, parts: Sequence[str], shown: str,
     except OSError as exc:
         raise Unavailable("not_visible", f"{shown}: {start}: {exc.strerror}") from None
     try:
+        if before_stat is not None:
+            before_stat(current, start or "/")
         for index, part in enumerate(parts):
             try:
                 following = os.open(part, flags, dir_fd=current)
@@ -236,6 +241,8 @@ def walk_nofollow(start: str, parts: Sequence[str], shown: str,
                 raise Unavailable("not_visible", f"{shown}: {exc.strerror}") from None
             os.close(current)
             current = following
+            if before_stat is not None:
+                before_stat(current, part)
             st = os.fstat(current)
             if stat.S_ISLNK(st.st_mode):
                 raise SymlinkMet(f"{shown}: {part} is a symbolic link", index, os.readlink("", dir_fd=current))
