@@ -25,10 +25,16 @@
 4. fork(): what a prefork server pays per child for the child's own spool file (made at fork, mapped
    over the parent's), against fork() in the same process before gpuio has a spool; fork, the child
    exits at once, waitpid; 5 rounds of 200, interleaved.
+5. One writer's flood (issue 27): a live file of 12,000 INFO records naming 12,000 devices (1.6 MB,
+   read where --collector.engines.max-file-bytes is 2 MiB) beside an honest live writer of 3 engines,
+   both changed before every timed read: SpoolReader.read() and the engines collector's
+   collect()+render, against the honest writer alone.  ``--only-flood`` runs this alone; copied into
+   an older checkout, it measures that checkout's reader (what it uses is the same in both).
 
     .venv/bin/python bench/engines_bench.py                     # all of it
     .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
     .venv/bin/python bench/engines_bench.py --skip-scrapes      # 1 only
+    .venv/bin/python bench/engines_bench.py --only-flood        # 5 only
 """
 
 from __future__ import annotations
@@ -487,6 +493,86 @@ def report_fork() -> None:
           "the child's file made and mapped at fork)")
 
 
+# --------------------------------------------------------------------------------------------------
+# 5. one writer's flood
+# --------------------------------------------------------------------------------------------------
+
+FLOOD_RECORDS = 12_000
+
+
+def flood_spool(directory: str, flood: bool) -> tuple[list[object], list[Any]]:
+    """An honest live writer of 3 engines and, with ``flood``, a live writer of FLOOD_RECORDS INFO records
+    each naming an engine and a device of its own.  Returns the files (their locks held) and the honest
+    writer's engine metrics."""
+    from gpuio import spool as fmt
+    from gpuio.metrics import EngineMetrics
+
+    files: list[object] = []
+    if flood:
+        file = fmt.SpoolFile(directory, 2 << 20)
+        with file.lock:
+            for number in range(FLOOD_RECORDS):
+                payload = fmt.pack_info(0, (300 + number // 256, number % 256), 1000 + number, 4096, 0, 1.0,
+                                        f"/models/flood/{number:05d}.engine", f"GPU-{number:08d}", "tensorrt")
+                file.add_record(fmt.KIND_INFO, f"flood-{number:05d}", len(payload), payload)
+        files.append(file)
+    honest = fmt.SpoolFile(directory)
+    files.append(honest)
+    engines = [EngineMetrics(name, honest) for name in ("resnet50", "bert", "yolo")]
+    for metrics in engines:
+        metrics.set_info("/etc/hostname", 0, "GPU-honest", "tensorrt")
+        metrics.inference_seconds.observe(0.01)
+    return files, engines
+
+
+def flood_times(flood: bool, repeats: int) -> dict[str, Any]:
+    from exporter import spool_reader
+    from exporter.collect import Context
+    from exporter.exposition import render
+
+    directory = tempfile.mkdtemp(prefix="gpuio-bench-flood-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    files, engines = flood_spool(directory, flood)
+    try:
+        def change() -> None:  # every file changes before every timed read: all of it parsed again
+            for file in files:
+                with file.lock:  # type: ignore[attr-defined]
+                    pass
+            for metrics in engines:
+                metrics.inference_seconds.observe(0.01)
+
+        reader = spool_reader.SpoolReader(directory, max_file_bytes=2 << 20)
+        first = timed(reader.read, 1)[0]
+        reads = timed(reader.read, repeats, change)
+        totals = reader.read()
+        options = {"spool-dir": directory, "path": (), "max-engines": 200, "max-files": 1000,
+                   "residency-interval": 3600.0, "max-file-bytes": 2 << 20}
+        collector = engines_collector_class()(Context(), options)
+        scrapes = timed(lambda: render(collector.collect()), repeats, change)
+        text = render(collector.collect())
+        served = all(f'gpuio_engine_processes{{engine="{name}"}} 1' in text for name in ("resnet50", "bert", "yolo"))
+        return {"first": first, "reads": reads, "scrapes": scrapes, "infos": len(totals.infos), "served": served,
+                "errors": dict(reader.errors)}
+    finally:
+        for file in files:
+            file.close()  # type: ignore[attr-defined]
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def report_flood(repeats: int) -> None:
+    print(f"\none writer's flood: {FLOOD_RECORDS:,} INFO records naming as many devices (1.6 MB) beside an honest "
+          f"writer of 3 engines, both changed before each read; ms, p50 and p90 of {repeats}")
+    print(f"  {'spool':>16s} {'first read':>10s} {'read p50':>9s} {'p90':>7s} {'scrape p50':>11s} {'p90':>7s} "
+          f"{'infos':>6s} {'honest served':>14s}  reader errors")
+    for flood in (False, True):
+        result = flood_times(flood, repeats)
+        reads, scrapes = sorted(result["reads"]), sorted(result["scrapes"])
+        p90 = len(reads) * 9 // 10
+        print(f"  {'honest + flood' if flood else 'honest alone':>16s} {result['first'] * 1000:10.1f} "
+              f"{statistics.median(reads) * 1000:9.1f} {reads[p90] * 1000:7.1f} "
+              f"{statistics.median(scrapes) * 1000:11.1f} {scrapes[p90] * 1000:7.1f} {result['infos']:6d} "
+              f"{str(result['served']):>14s}  {result['errors']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--writer-helper", nargs=2, metavar=("DIR", "COUNT"), help=argparse.SUPPRESS)
@@ -495,17 +581,22 @@ def main() -> None:
     parser.add_argument("--residency-dir", default=tempfile.gettempdir())
     parser.add_argument("--skip-residency", action="store_true")
     parser.add_argument("--skip-scrapes", action="store_true", help="observe() and infer() only")
+    parser.add_argument("--only-flood", action="store_true", help="5 only: one writer's flood")
     args = parser.parse_args()
     if args.writer_helper:
         writer_helper(args.writer_helper[0], int(args.writer_helper[1]))
         return
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, kernel {os.uname().release}\n")
+    if args.only_flood:
+        report_flood(args.scrapes)
+        return
     report_observe(observe_costs())
     report_breakdown()
     report_fork()
     if args.skip_scrapes:
         return
     report_scrapes(args.scrapes)
+    report_flood(args.scrapes)
     if not args.skip_residency:
         report_residency(args.residency_gib, args.residency_dir)
 

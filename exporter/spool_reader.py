@@ -4,6 +4,37 @@ The file format and the writer live in the instrumentation library (:mod:`gpuio.
 which inference processes import; this module is what only the exporter (and ``gpuio engines``)
 runs: parsing a file no one trusts, the bounded directory read, folding the totals of exited
 processes, and merging everything per engine, per engine and GPU, and per load in progress.
+
+Every writer is untrusted; what this module guarantees whatever they write:
+
+* **A file is its inode, not its name.**  A live file is known by ``(st_dev, st_ino)`` and its
+  writer by the header's instance id (another instance in the same inode is another file: the
+  inode was freed and reused).  A file under two names (a hard link) is read and counted once; a
+  renamed file keeps its totals under its new name; a live file no name shows any more stays live
+  while the descriptor kept on it shows the inode still linked somewhere, and is read through it.
+  A folded file is remembered by inode and instance while it may still have names, so no other
+  name of it is folded again.
+* **The exporter deletes only what it folded.**  A dead file's name is removed only while it means
+  the inode folded from the descriptor on which this reader holds the writer's lock: the name is
+  first moved (one atomic rename) into a directory of the reader's own that no writer can write
+  (ReapingDirectory), checked there and unlinked; a file that is not the folded one (a live file a
+  writer renamed or swapped onto the name) is moved back, never over another name, and read as what
+  it is.  Only where that directory cannot be made is a name checked (fstatat) then unlinked
+  (unlinkat), which leaves a writer swapping files in a loop the microseconds in between.
+* **Published counters never fall.**  Published = folded totals of exited writers + every live
+  file's values.  A live file's values are taken as they are; when a record's counters are lower
+  than at the last read, or the record is gone (``used`` cut, a value lowered, NaN or an infinity,
+  which end the parse, a key renamed in place), that is the writer's reset of that record: the
+  values it had are folded once, like a process that exited, and its new values count from there
+  (``spool_errors_total{reason="reset"}``).  A fall is read a second time before it is believed, so
+  a read that raced a store cannot fake one.  No NaN, infinity, negative or past-2**53 value is ever
+  parsed, so none is published or added.
+* **One writer's flood costs only its own series.**  Each file has its own budgets (FileLimits):
+  bytes parsed per read, entries kept, distinct engines, distinct devices named by INFO, MOUNT and
+  LOAD records, and per engine the error reasons, layers, loads and mounts the library itself would
+  write.  Past them, that file's further records are left out (``spool_errors_total
+  {reason="over_budget"}``, once per file; ``Totals.records_left_out``) and every other file is
+  read in full.
 """
 
 from __future__ import annotations
@@ -19,6 +50,7 @@ import operator
 import os
 import random
 import resource
+import secrets
 import stat
 import struct
 import threading
@@ -201,6 +233,74 @@ class Parsed:
     pod: PodIdentity | None = None  # the POD record, where the writer made one
     unknown_records: int = 0  # well-framed records of kinds this reader does not know (a newer library)
     bad_record: bool = False
+    # Records the file's budgets left out (FileLimits); past the parse budget, the rest of the file counts as one.
+    left_out: int = 0
+
+
+@dataclass(frozen=True)
+class FileLimits:
+    """What one spool file may make the reader parse per read and keep.  A real process stays far
+    below every one of these (a few engines, one file system or two); a writer past them loses its
+    own further records (``Parsed.left_out``), never a neighbour's."""
+
+    # Bytes of records parsed per read, each record counted as at least MIN_RECORD_COST (what walking
+    # a record costs, however small): the library's whole file, and a quarter of a read's parse budget.
+    parse_bytes: int = DEFAULT_FILE_BYTES
+    entries: int = 4096  # engines, error reasons, layers, infos, loads, waterfalls and mounts kept
+    engines: int = 256  # distinct engine names, whatever the kinds of records that name them
+    # Distinct st_devs named by INFO, MOUNT and LOAD records: each one the exporter may look up (its
+    # disk, its mount), so 12,000 INFO records naming 12,000 devices cost what 64 do.
+    devices: int = 64
+    # Per engine: loads and mounts, what the library itself writes at most; error reasons and layers,
+    # twice what the collector serves per engine (the library writes 17 and its top-K + 1), so that
+    # the collector's own caps, and what they count as dropped, still choose among a file's series.
+    errors_per_engine: int = 64
+    layers_per_engine: int = 128
+    loads_per_engine: int = 16
+    mounts_per_engine: int = 16
+
+
+FILE_LIMITS = FileLimits()
+MIN_RECORD_COST = 64
+
+
+class FileBudget:
+    """What one file may still add while it is parsed (see FileLimits).  Decided in file order, so an
+    append-only writer's records keep their place read after read: a record kept once is kept again."""
+
+    def __init__(self, limits: FileLimits, parsed: Parsed) -> None:
+        self.limits = limits
+        self.parsed = parsed
+        self.bytes_left = limits.parse_bytes  # parse() charges each record, at least MIN_RECORD_COST
+        self.entries = 0
+        self.engines: set[str] = set()
+        self.devices: set[tuple[int, int]] = set()
+        self.per_engine: dict[tuple[int, str], int] = {}  # (kind, engine) -> entries kept
+
+    def admit(self, table: typing.Mapping[typing.Any, object], key: object, kind: int, engine: str,
+              device: tuple[int, int] | None = None, per_engine: int | None = None) -> bool:
+        """Whether a record may set ``table[key]``: one already kept may change (the last record of a key
+        wins), a new one only within the file's limits; ``per_engine``: the cap of this kind per engine.
+        False counts the record as left out."""
+        limits = self.limits
+        if device is not None and device not in self.devices and len(self.devices) >= limits.devices:
+            return self._leave_out()
+        if key not in table:
+            if (self.entries >= limits.entries
+                    or (engine not in self.engines and len(self.engines) >= limits.engines)
+                    or (per_engine is not None and self.per_engine.get((kind, engine), 0) >= per_engine)):
+                return self._leave_out()
+            self.entries += 1
+            self.engines.add(engine)
+            if per_engine is not None:
+                self.per_engine[(kind, engine)] = self.per_engine.get((kind, engine), 0) + 1
+        if device is not None:
+            self.devices.add(device)
+        return True
+
+    def _leave_out(self) -> bool:
+        self.parsed.left_out += 1
+        return False
 
 
 class BadFile(ValueError):
@@ -227,14 +327,23 @@ def parse_header(data: bytes) -> tuple[int, int, int, int, int]:
     return used, pid, ticks, instance, dropped
 
 
-def parse(data: bytes) -> Parsed:
+def instance_of(header: bytes) -> int | None:
+    """The writer's instance id in a spool header, None where ``header`` is not one."""
+    if len(header) < HEADER.size or header[:8] != MAGIC:
+        return None
+    return typing.cast("int", HEADER.unpack_from(header)[9])
+
+
+def parse(data: bytes, limits: FileLimits = FILE_LIMITS) -> Parsed:
     """Parse a whole spool file (``data`` at least up to its ``used`` offset).
 
     Records are checked one by one; at the first one that makes no sense parsing stops, keeps what
-    came before and sets ``bad_record`` (a file is never trusted past garbage).
+    came before and sets ``bad_record`` (a file is never trusted past garbage).  Well-formed records
+    past the file's ``limits`` are left out and counted (``left_out``).
     """
     used, pid, ticks, instance, dropped = parse_header(data)
     parsed = Parsed(pid, ticks, instance, dropped)
+    budget = FileBudget(limits, parsed)
     view = memoryview(data)
     offset = HEADER_SIZE
     while offset < used:
@@ -247,6 +356,10 @@ def parse(data: bytes) -> Parsed:
                 or kind == 0 or key_len > MAX_KEY_BYTES or payload > offset + size):
             parsed.bad_record = True
             break
+        budget.bytes_left -= size if size > MIN_RECORD_COST else MIN_RECORD_COST  # inline: once per record
+        if budget.bytes_left < 0:
+            parsed.left_out += 1  # the rest of the file, unread
+            break
         if kind not in KINDS:
             # A kind of a newer library, well framed: skipped, so that a library upgraded before the
             # exporter costs only what the exporter cannot show yet, not the records after it.
@@ -255,7 +368,7 @@ def parse(data: bytes) -> Parsed:
             continue
         try:
             key = bytes(view[offset + RECORD_HEAD.size : offset + RECORD_HEAD.size + key_len]).decode("utf-8")
-            _parse_record(parsed, kind, key, view[payload : offset + size])
+            _parse_record(budget, kind, key, view[payload : offset + size])
         except (ValueError, struct.error):
             parsed.bad_record = True
             break
@@ -268,7 +381,7 @@ POD_LIMITS = (MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_SH
 MOUNT_LIMITS = (MAX_PATH_BYTES, MAX_SHORT_BYTES, MAX_PATH_BYTES, MAX_PATH_BYTES)
 
 
-def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
+def _parse_mount(budget: FileBudget, key: str, payload: memoryview) -> None:
     engine, _, dev = key.partition("\0")
     major, colon, minor = dev.partition(":")
     if not engine or not colon or not (major + minor).isascii() or not major.isdigit() or not minor.isdigit():
@@ -278,11 +391,14 @@ def _parse_mount(parsed: Parsed, key: str, payload: memoryview) -> None:
         raise ValueError("MOUNT strings overrun the record")
     if any(length > limit for length, limit in zip(lengths, MOUNT_LIMITS, strict=True)):
         raise ValueError("MOUNT string longer than the library writes")
+    mounts, device = budget.parsed.mounts, (int(major), int(minor))
+    if not budget.admit(mounts, (engine, device), KIND_MOUNT, engine, device, budget.limits.mounts_per_engine):
+        return
     text, start, parts = bytes(payload), MOUNT_STRUCT.size, []
     for length in lengths:
         parts.append(text[start : start + length].decode("utf-8", "replace"))
         start += length
-    parsed.mounts[(engine, (int(major), int(minor)))] = WriterMount(*parts)
+    mounts[(engine, device)] = WriterMount(*parts)
 
 
 def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
@@ -301,92 +417,105 @@ def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
     parsed.pod = PodIdentity(*values)
 
 
-def _parse_record(parsed: Parsed, kind: int, key: str, payload: memoryview) -> None:
+def _parse_info(budget: FileBudget, key: str, payload: memoryview) -> None:
+    cuda, major, minor, ino, size, mtime_ns, load_time, n_path, n_uuid, n_runtime = INFO_STRUCT.unpack_from(payload)
+    start = INFO_STRUCT.size
+    if start + n_path + n_uuid + n_runtime > len(payload):
+        raise ValueError("INFO strings overrun the record")
+    infos = budget.parsed.infos
+    if not budget.admit(infos, key, KIND_INFO, key, (major, minor)):
+        return  # decided before the strings are decoded: a flood of INFO records costs little
+    text = bytes(payload[start : start + n_path + n_uuid + n_runtime])
+    infos[key] = EngineInfo(
+        text[:n_path].decode("utf-8", "replace"), cuda, text[n_path : n_path + n_uuid].decode("utf-8", "replace"),
+        text[n_path + n_uuid :].decode("utf-8", "replace"), (major, minor), ino, size, mtime_ns, load_time)
+
+
+def _parse_record(budget: FileBudget, kind: int, key: str, payload: memoryview) -> None:
     if kind == KIND_MOUNT:
-        _parse_mount(parsed, key, payload)
-        return
-    if kind == KIND_POD:
-        _parse_pod(parsed, payload)
-        return
-    if kind == KIND_INFO:
-        cuda, major, minor, ino, size, mtime_ns, load_time, n_path, n_uuid, n_runtime = INFO_STRUCT.unpack_from(payload)
-        start = INFO_STRUCT.size
-        if start + n_path + n_uuid + n_runtime > len(payload):
-            raise ValueError("INFO strings overrun the record")
-        text = bytes(payload[start : start + n_path + n_uuid + n_runtime])
-        parsed.infos[key] = EngineInfo(
-            text[:n_path].decode("utf-8", "replace"), cuda, text[n_path : n_path + n_uuid].decode("utf-8", "replace"),
-            text[n_path + n_uuid :].decode("utf-8", "replace"), (major, minor), ino, size, mtime_ns, load_time)
-        return
-    values = typing.cast("list[float]", payload.cast("d").tolist())  # typeshed says list[int]
+        _parse_mount(budget, key, payload)
+    elif kind == KIND_POD:
+        _parse_pod(budget.parsed, payload)
+    elif kind == KIND_INFO:
+        _parse_info(budget, key, payload)
+    else:
+        _parse_values(budget, kind, key, typing.cast("list[float]", payload.cast("d").tolist()))  # not list[int]
+
+
+def _parse_values(budget: FileBudget, kind: int, key: str, values: list[float]) -> None:
+    """A record of doubles: ENGINE, LOAD, WATERFALL, ERROR or LAYER."""
     # What the library never writes, and what would break the exposition or the merged totals: NaN or
     # infinity, a negative value (a counter that went down reads as a reset), one past 2**53 (where
     # doubles stop counting by ones; a sum of such values over many files could overflow).
     if values and (not math.isfinite(sum(values)) or min(values) < 0 or max(values) > MAX_VALUE):
         raise ValueError("value out of range in a record")
+    parsed, limits = budget.parsed, budget.limits
     if kind == KIND_ENGINE:
         if len(values) < ENGINE_LAYOUT.size or not key:
             raise ValueError("short ENGINE record")
         if not all(map(float.is_integer, _bucket_values(values))):
             raise ValueError("a histogram bucket that is not a whole count")
-        parsed.engines[key] = values[: ENGINE_LAYOUT.size]
+        if budget.admit(parsed.engines, key, kind, key):
+            parsed.engines[key] = values[: ENGINE_LAYOUT.size]
         return
     if kind == KIND_LOAD:
-        _parse_load(parsed, key, values)
+        _parse_load(budget, key, values)
         return
     if kind == KIND_WATERFALL:
         if len(values) < len(WATERFALL_SLOTS) or not key:
             raise ValueError("short WATERFALL record")
         values = values[: len(WATERFALL_SLOTS)]
-        if values[0] != values[-1]:  # copied mid-update: no last load from this copy (_clamp keeps the last good)
+        if values[0] != values[-1]:  # copied mid-update: no last load from this copy (see _settle_waterfalls)
             values[len(WATERFALL_COUNTERS) : -1] = [0.0] * (len(values) - 1 - len(WATERFALL_COUNTERS))
-        parsed.waterfalls[key] = values
+        if budget.admit(parsed.waterfalls, key, kind, key):
+            parsed.waterfalls[key] = values
         return
     engine, _, label = key.partition("\0")
     if not engine or not label:
         raise ValueError("record key without engine and label")
     if kind == KIND_ERROR and values:
-        parsed.errors[(engine, label)] = values[0]
+        if budget.admit(parsed.errors, (engine, label), kind, engine, per_engine=limits.errors_per_engine):
+            parsed.errors[(engine, label)] = values[0]
     elif kind == KIND_LAYER and len(values) >= 2:
-        parsed.layers[(engine, label)] = values[:2]
+        if budget.admit(parsed.layers, (engine, label), kind, engine, per_engine=limits.layers_per_engine):
+            parsed.layers[(engine, label)] = values[:2]
     else:
         raise ValueError("short record")
 
 
-def _parse_load(parsed: Parsed, key: str, values: list[float]) -> None:
+def _parse_load(budget: FileBudget, key: str, values: list[float]) -> None:
     engine, uuid, dev = key.split("\0") if key.count("\0") == 2 else ("", "", "")
     major, colon, minor = dev.partition(":")
     numbers = (procstat.whole_number(major), procstat.whole_number(minor))
     if not engine or not colon or numbers[0] is None or numbers[1] is None or len(values) < len(LOAD_SLOTS):
         raise ValueError("bad LOAD record")
-    parsed.loads[(engine, uuid, (numbers[0], numbers[1]))] = values[: len(LOAD_SLOTS)]
+    device = (numbers[0], numbers[1])
+    loads = budget.parsed.loads
+    if budget.admit(loads, (engine, uuid, device), KIND_LOAD, engine, device, budget.limits.loads_per_engine):
+        loads[(engine, uuid, device)] = values[: len(LOAD_SLOTS)]
 
 
-def _max_into(previous: list[float], current: list[float], monotonic: int) -> list[float]:
-    """``current`` with each of its first ``monotonic`` slots raised to at least its previous value.
-
-    A counter slot cannot really go down (the writer only adds), but a read racing a store on a CPU
-    or kernel copy routine that does not move 8 bytes at once could see a torn double; clamping keeps
-    such a read from ever looking like a counter reset.  The check runs at C speed; the fix-up loop
-    only when something did go down.
-    """
-    if any(map(operator.lt, current[:monotonic], previous[:monotonic])):
-        for index in range(monotonic):
-            if current[index] < previous[index]:
-                current[index] = previous[index]
-    return current
+FileId = tuple[int, int]  # (st_dev, st_ino): which file, whatever names it has
 
 
 @dataclass
 class FileState:
-    """What the reader remembers of one live writer's file."""
+    """What the reader remembers of one live writer's file: one inode, under any number of names."""
 
-    # Which file: its inode (another one under the same name is a new file), its owner (the writer,
-    # whose view of engine files the exporter checks), the pod whose volume holds it ("" for the
-    # node's spool directory: the file's path says it, the writer cannot choose it).
-    ino: int
+    # Which file: its inode, its writer (the header's instance id at the first parse: another instance
+    # in the same inode is another file), its owner (the writer, whose view of engine files the exporter
+    # checks), the directory it was found in and the pod whose volume that is ("" for the node's spool
+    # directory: the file's path says it, the writer cannot choose it).
+    file_id: FileId
+    instance: int = 0
     uid: int = -1
+    directory: str = ""
     pod_uid: str = ""
+    # The names (keys) it was found under -> the inode the directory listing gave for each when it was
+    # opened (while the listing gives the same, the name still means this file; compared with the
+    # listing's, which on overlayfs is not always st_ino).  Empty: no name shows it any more, but the
+    # descriptor kept on it shows it still linked (renamed out of the listing): read through that.
+    names: dict[str, int] = field(default_factory=dict)
     # What it said at its last full read.  ``digest``: of the bytes ``parsed`` came from (unchanged
     # bytes are not parsed again); ``used``: how many (the reader's memory budget counts them).
     parsed: Parsed | None = None
@@ -394,18 +523,26 @@ class FileState:
     used: int = 0
     needs_gpu: bool = False  # ``parsed`` has series without a GPU: the merge asks ``gpu_of`` for this writer
     bad_reported: bool = False  # damaged since it was understood: counted once
+    over_budget_reported: bool = False  # records left out by its FileLimits: counted once
     # Whether it changed since, cheaply (see SpoolReader._unchanged): a descriptor kept open between
-    # reads (up to a cap), the inode the directory listing gave when it was opened (the name still lists
-    # it, so the name still means this file; compared with the listing's, which on overlayfs is not
-    # always st_ino), the header ``parsed`` came with (the same header again means nothing changed) and
-    # when to read the whole file even so (monotonic seconds).
+    # reads (up to a cap), the header ``parsed`` came with (the same header again means nothing
+    # changed) and when to read the whole file even so (monotonic seconds).
     fd: int | None = None
-    listed_ino: int | None = None
     header: bytes = b""
     recheck_at: float = 0.0
+    visited: int = 0  # the read() that last looked at it: a file under two names is read once a read
     # The pids the kernel's lock table shows holding its lock: which process the header may truthfully
     # name as its writer (None: not known yet, looked up at the next full read).
     lockers: frozenset[int] | None = None
+
+
+@dataclass(frozen=True)
+class FoldedFile:
+    """A file whose totals are folded and whose inode may still have names (hard links, a name this
+    reader may not delete): found under any of them, it is not counted again."""
+
+    instance: int
+    directory: str
 
 
 @dataclass
@@ -436,6 +573,7 @@ class Totals:
     info_uids: dict[tuple[str, str], set[int]] = field(default_factory=dict)
     deferred_files: int = 0  # files left for a later scrape: this one's read budget was spent
     unfinished_listings: int = 0  # directories whose listing goes on at the next scrapes (DirectoryScan)
+    records_left_out: int = 0  # records of live files their FileLimits leave out now (Parsed.left_out)
     # (engine, GPU uuid) -> the pods of the live writers reporting it (PodIdentity of each file)
     pods: dict[tuple[str, str], set[PodIdentity]] = field(default_factory=dict)
     # (engine, GPU uuid) -> loads that were in progress when their writer exited (folded only): a process
@@ -459,6 +597,11 @@ MIN_POD_DIRECTORY_ENTRIES = 64
 # Bad files remembered (name and inode: ~150 bytes each), so that each is counted once and not opened
 # again; a listing walked a slice per read reaches every name, so without a cap junk names would be.
 MAX_BAD_REMEMBERED = 65_536
+# Folded files remembered by inode while they may still have names (FoldedFile: ~200 bytes each): a
+# dead file's hard links, a dead file this reader may not delete, a live file that vanished while no
+# descriptor was kept on it.  Past the cap the oldest is forgotten: a name of it found after that
+# would be folded again.
+MAX_FOLDED_REMEMBERED = 65_536
 # Leftover temporary files (a writer that died before renaming its file) opened per read to see whether
 # they may be removed: each costs an open and a lock probe, and a writer can make any number of them.
 MAX_SWEPT_TEMPORARY = 32
@@ -493,6 +636,142 @@ def _libc_flock() -> Callable[[int, int], int] | None:
 
 _FLOCK = _libc_flock()
 _PROBE = fcntl.LOCK_EX | fcntl.LOCK_NB
+
+
+def _writer_gone(fd: int) -> bool:
+    """Probe the writer's lock: granted means no process holds it, so the writer has exited (and, until
+    ``fd`` is closed, this reader holds it: no process can take it meanwhile)."""
+    if _FLOCK is not None:
+        if _FLOCK(fd, _PROBE) == 0:
+            return True
+        error = ctypes.get_errno()
+        if error in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise OSError(error, os.strerror(error))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    return True
+
+
+def _libc_renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
+    """libc's renameat2 (glibc 2.28 and later), for RENAME_NOREPLACE; None where there is none."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return typing.cast("Callable[[int, bytes, int, bytes, int], int]", function)
+
+
+_RENAMEAT2 = _libc_renameat2()
+_RENAME_NOREPLACE = 1
+
+
+class ReapingDirectory:
+    """A directory of the reader's own inside the node's spool directory, where the name of a folded file
+    is moved before it is removed.
+
+    Checking what a name means and then unlinking it leaves a window between the two calls, and a
+    writer who may rename in the spool directory can keep swapping a live file with the dead one
+    (renameat2's RENAME_EXCHANGE in a loop wins that window about one time in three): the live file
+    would be unlinked.  A rename is atomic, so whatever the name means at that instant arrives here,
+    mode 0700 and this reader's own (no writer can put, rename or remove anything in it), and is
+    checked where nothing can change it: unlinked if it is the folded file, else moved back, never
+    over another name.  Made at the first removal of a read (``.gpuio-reaping-<euid>``; a name taken
+    by someone else gets a random one), removed at its end."""
+
+    def __init__(self, spool_fd: int, name: str, fd: int) -> None:
+        self.spool_fd = spool_fd  # the node's spool directory
+        self.name = name
+        self.fd = fd
+        self._moved = 0
+
+    @classmethod
+    def make(cls, spool_fd: int) -> ReapingDirectory | None:
+        """The reaping directory in the spool directory open on ``spool_fd``; None where none can be made."""
+        own = f".{PREFIX}reaping-{os.geteuid()}"
+        for name in (own, f"{own}-{random.getrandbits(64):016x}"):
+            try:
+                os.mkdir(name, 0o700, dir_fd=spool_fd)
+            except FileExistsError:
+                pass  # left by a reader that crashed (used if it is ours), or someone else's name
+            except OSError:
+                return None
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=spool_fd)
+            except OSError:
+                continue
+            st = os.fstat(fd)
+            if st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+                reaping = cls(spool_fd, name, fd)
+                reaping._empty_leftovers()
+                return reaping
+            os.close(fd)  # someone else's: never used
+        return None
+
+    def remove(self, name: str, file_id: FileId) -> str:
+        """Remove ``name`` from the spool directory if it means the folded file ``file_id`` (see
+        SpoolReader._remove_name for the outcomes)."""
+        self._moved += 1
+        held = f"{file_id[1]}-{self._moved}"
+        try:
+            os.rename(name, held, src_dir_fd=self.spool_fd, dst_dir_fd=self.fd)
+        except FileNotFoundError:
+            return "gone"
+        except OSError:
+            return "refused"
+        try:
+            arrived = os.stat(held, dir_fd=self.fd, follow_symlinks=False)
+            if (arrived.st_dev, arrived.st_ino) != file_id:
+                self._put_back(held, name)
+                return "replaced"
+        except OSError:
+            return "replaced"  # still here: the next reaping directory made puts it back (_empty_leftovers)
+        try:
+            os.unlink(held, dir_fd=self.fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._put_back(held, name)
+            return "refused"
+        return "removed"
+
+    def _put_back(self, held: str, name: str) -> None:
+        """Move ``held`` back into the spool directory: under ``name`` unless something took it meanwhile
+        (RENAME_NOREPLACE), else under a fresh name no one can have taken.  Files are known by inode: the
+        name a live file goes back under changes nothing of what it counts."""
+        if _RENAMEAT2 is not None and _RENAMEAT2(self.fd, held.encode(), self.spool_fd, name.encode(),
+                                                  _RENAME_NOREPLACE) == 0:
+            return
+        os.rename(held, f"{PREFIX}restored-{secrets.token_hex(16)}{SUFFIX}", src_dir_fd=self.fd,
+                  dst_dir_fd=self.spool_fd)
+
+    def _empty_leftovers(self) -> None:
+        """What a reader that crashed mid-removal left here: a dead file is removed, a live one put back."""
+        for held in os.listdir(self.fd):
+            try:
+                fd = os.open(held, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
+            except OSError:
+                continue
+            try:
+                if _writer_gone(fd):
+                    os.unlink(held, dir_fd=self.fd)
+                else:
+                    self._put_back(held, f"{PREFIX}restored-{held}{SUFFIX}")
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        """Remove the directory (empty now) and close it."""
+        with contextlib.suppress(OSError):
+            os.rmdir(self.name, dir_fd=self.spool_fd)
+        os.close(self.fd)
 
 
 def _kept_files_cap() -> int:
@@ -559,15 +838,16 @@ class SpoolReader:
     changed file, a new one, one whose writer does not count generations and, once a minute, every
     file are read whole (open + pread + flock probe); bytes that did not change are not parsed
     again.  A dead file costs that once: it is folded, then deleted (or tombstoned) and never opened
-    again.
+    again.  Files are known by inode (FileState), names only lead to them (see the module docstring).
 
     Bounded whatever the writers do: one read() looks at ``scan_entries`` directory entries at most (a
     bigger directory is walked over several reads, DirectoryScan); a file is read up to
     ``max_file_bytes`` at most (a bigger one is refused, ``oversized``); one read() reads at most
     SCRAPE_READ_BYTES and parses at most SCRAPE_PARSE_BYTES (files past that keep their last values
-    and are read at a later call, live files first, in turn); the parsed content kept for live files
-    comes from at most RETAINED_BYTES of them; a bad file is counted once for as long as it stays
-    (remembered by name and inode).
+    and are read at a later call, live files first, in turn); one file's records are parsed and kept
+    within ``file_limits`` (FileLimits); the parsed content kept for live files comes from at most
+    RETAINED_BYTES of them; a bad file is counted once for as long as it stays (remembered by name
+    and inode).
     """
 
     def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
@@ -590,14 +870,24 @@ class SpoolReader:
         self.scrape_parse_bytes = SCRAPE_PARSE_BYTES
         self.retained_bytes = RETAINED_BYTES
         self.recheck_seconds = RECHECK_SECONDS
+        self.file_limits = FILE_LIMITS
         # Engines whose folded totals are never forgotten (the exporter's exported engines).
         self.protected: set[str] = set()
         self.errors: dict[str, int] = {}
         self.folded_processes = 0
         self.forgotten_engines = 0
         self.deferred_files = 0  # at the last read()
-        self._live: dict[str, FileState] = {}
-        self._tombstones: set[str] = set()
+        self._live: dict[FileId, FileState] = {}
+        self._names: dict[str, FileId] = {}  # name (key) -> the live file it was found to mean
+        self._unnamed: set[FileId] = set()  # live files that lost their last name (see _forget_names_gone)
+        self._reads = 0  # read() calls so far: FileState.visited
+        # Names of folded files left in place (a tool's read, a pod's volume, a refused unlink) -> the
+        # listing's inode for the name: skipped unopened while the name lists that inode.
+        self._tombstones: dict[str, int] = {}
+        self._folded_files: dict[FileId, FoldedFile] = {}  # oldest first, MAX_FOLDED_REMEMBERED at most
+        self._directory_fd: int | None = None  # the node's spool directory, open while a read() removes files
+        self._reaping: ReapingDirectory | None = None  # made at the first removal of a read, gone at its end
+        self._no_reaping = False  # this read could not make one: names are checked, then unlinked
         # name -> inode of files counted as bad; pruned to the names still listed, never cleared
         # wholesale (that re-counted every bad file), so it is as big as the bad files present.
         self._bad: dict[str, int] = {}
@@ -605,6 +895,7 @@ class SpoolReader:
         self._scans: dict[str, DirectoryScan] = {}  # directory -> its listing, a slice per read
         self.scan_entries = MAX_SCANNED_ENTRIES
         self._resume_at = ""  # the first file the last read() had no budget for: the next one starts there
+        self._waiting: set[str] = set()  # the files the last read() had no budget for: the next one reads them first
         self._budget = ReadBudget(0, 0)
         self._deferred_now = 0
         self.unfinished_listings = 0  # at the last read(): directories whose pass goes on at the next
@@ -646,6 +937,7 @@ class SpoolReader:
             for scan in self._scans.values():
                 scan.close()
             self._scans.clear()
+            self._close_directory()
 
     def __del__(self) -> None:
         for state in getattr(self, "_live", {}).values():
@@ -663,14 +955,17 @@ class SpoolReader:
         since): callers read it and never modify it."""
         with self._lock:
             self._now = time.monotonic()
+            self._reads += 1
             names = self._list()
             if names is None:
                 return self._with_owners(self._merge())
-            for name in list(self._live):
-                if name not in names:
-                    self._vanished(name)
             self._start_budgets()
-            self._visit_all(names)
+            try:
+                self._visit_all(names)
+                self._forget_names_gone(names)
+                self._visit_unnamed()
+            finally:
+                self._close_directory()
             self._note_seen()
             self._bound_folded()  # once per read, not per fold: a thousand folds would sort a thousand times
             return self._merged_totals()
@@ -687,25 +982,58 @@ class SpoolReader:
 
     def _visit_all(self, names: set[str]) -> None:
         """Every file listed, in turn, while the budgets last: an unchanged live file settled here (a
-        lock probe and a header read), everything else visited in full.  The loop a thousand idle
-        writers cost: names bound once."""
-        live, listed, bad, tombstones, budget = self._live, self._listed, self._bad, self._tombstones, self._budget
-        unchanged, first_deferred, deferred = self._unchanged, "", 0
+        lock probe and a header read), everything else visited in full; a live file is looked at once,
+        under whichever of its names comes first.  The loop a thousand idle writers cost: names bound once."""
+        live, named, listed, bad, tombstones = self._live, self._names, self._listed, self._bad, self._tombstones
+        budget, unchanged, now, first_deferred, deferred = self._budget, self._unchanged, self._reads, "", 0
+        waiting: set[str] = set()
         for name in self._visit_order(names):
-            if name in tombstones or bad.get(name, -1) == listed.get(name):
-                continue  # folded already, or known bad and not replaced: not even opened
+            shown = listed.get(name)
+            if tombstones.get(name, -1) == shown or bad.get(name, -1) == shown:
+                continue  # folded already, or known bad, and not replaced: not even opened
+            known = live.get(named[name]) if name in named else None
+            if known is not None and known.names.get(name) == shown:  # the name still means this file
+                if known.visited == now:
+                    continue  # looked at already this read, under another name
+                if budget.read > 0 and budget.parse > 0 and known.fd is not None and unchanged(known, known.fd):
+                    continue
             if budget.read <= 0 or budget.parse <= 0:
                 deferred += 1
                 first_deferred = first_deferred or name
+                waiting.add(name)
                 continue
-            known = live.get(name)
-            if known is None or known.fd is None or not unchanged(name, known, known.fd):
-                waiting = self._deferred_now
-                self._visit(name)
-                if self._deferred_now > waiting:  # too big for what was left: its turn comes first next time
-                    first_deferred = first_deferred or name
+            deferred_before = self._deferred_now
+            self._visit(name)
+            if self._deferred_now > deferred_before:  # too big for what was left: its turn comes first next time
+                first_deferred = first_deferred or name
+                waiting.add(name)
         self._resume_at = first_deferred
+        self._waiting = waiting
         self.deferred_files = deferred + self._deferred_now
+
+    def _visit_unnamed(self) -> None:
+        """Live files no name shows any more whose kept descriptor shows them still linked (renamed out of
+        the listing, or into a part of it not reached yet): read through that descriptor, as any live file."""
+        for state in [self._live[file_id] for file_id in self._unnamed if file_id in self._live]:
+            fd = state.fd
+            if (fd is None or state.visited == self._reads or self._budget.read <= 0 or self._budget.parse <= 0
+                    or self._unchanged(state, fd)):
+                continue
+            self._take_kept(state)
+            self._visit_descriptor(None, fd)
+
+    def _forget_names_gone(self, names: set[str]) -> None:
+        """After the visits: a name this read's listing no longer shows stops meaning its file.  A live file
+        left with no name is gone (folded as vanished), unless the descriptor kept on it shows its inode
+        still linked somewhere: renamed, it stays live (read through that descriptor) and keeps its totals."""
+        for name in self._names.keys() - names:
+            self._unname(name)
+        for file_id in list(self._unnamed):
+            state = self._live.get(file_id)
+            if state is None or state.names:
+                self._unnamed.discard(file_id)  # folded since, or found under another name
+            elif not self._still_linked(state):
+                self._vanished(state)
 
     def _merged_totals(self) -> Totals:
         """The merge, reused while no file changed and NVML places the writers that recorded no GPU
@@ -722,14 +1050,17 @@ class SpoolReader:
                                    unfinished_listings=self.unfinished_listings)
 
     def _visit_order(self, names: set[str]) -> list[str]:
-        """Live files first (their values go stale when skipped), then the rest; each group in name
-        order, starting at the first file the last read() had no budget left for, so all get their turn
-        (a file that did not fit once goes first next time, not behind the same files again)."""
+        """The files the last read() had no budget for first, live or not (so that live files changing at
+        every read cannot keep a new writer waiting for ever), then the other live files (their values
+        go stale when skipped), then the rest; each group in name order, starting at the first file the
+        last read() had no budget left for, so all get their turn."""
         def turn(group: list[str]) -> list[str]:
             group.sort()
             after = [name for name in group if name >= self._resume_at]
             return after + group[: len(group) - len(after)]
-        return turn([n for n in names if n in self._live]) + turn([n for n in names if n not in self._live])
+        waiting, named = self._waiting, self._names
+        return (turn([n for n in names if n in waiting]) + turn([n for n in names if n in named and n not in waiting])
+                + turn([n for n in names if n not in named and n not in waiting]))
 
     def _with_owners(self, totals: Totals) -> Totals:
         """Which writers (file owners) report each engine path: the exporter opens an engine file only
@@ -751,7 +1082,7 @@ class SpoolReader:
         names: set[str] = set()
         listed: dict[str, int] = {}
         found = self._list_one(self.directory, "", names, listed, self.scan_entries)
-        if not found and not self.pod_directories and not any(map(os.path.isabs, self._live)):
+        if not found and not self.pod_directories and not any(map(os.path.isabs, self._names)):
             return None  # nothing to list; a pod directory gone last has its files vanish below
         if not found:  # the main directory's files keep their last values, as they did alone
             self._carry(self.directory, names, listed)
@@ -762,7 +1093,7 @@ class SpoolReader:
         # A pod directory the scan no longer hands over (past --collector.engines.max-pod-spools) that
         # still exists: its pod is not gone.  Its live files are read on and its tombstones kept, so that
         # it is neither folded now nor counted a second time when the scan takes it back.
-        known = {os.path.dirname(key) for key in (*self._live, *self._tombstones) if os.path.isabs(key)}
+        known = {os.path.dirname(key) for key in (*self._names, *self._tombstones) if os.path.isabs(key)}
         self._left_out_directories = {directory for directory in known - self.pod_directories.keys()
                                       if _real_directory(directory)}
         for directory in sorted(self._left_out_directories):
@@ -810,16 +1141,16 @@ class SpoolReader:
 
     def _end_of_pass(self, scan: DirectoryScan, names: set[str], listed: dict[str, int]) -> None:
         """A directory walked through: a file it remembers that the pass showed is still there; one it
-        did not show is gone (a live one vanishes: read() folds it; a tombstone or a bad file is
-        forgotten: a file put under that name later is a new file)."""
+        did not show is gone (a live file's name is forgotten after the visits: read() folds a file left
+        with no name; a tombstone or a bad file is forgotten: a file put under that name later is a new file)."""
         directory = scan.path
         for key, ino in scan.seen.items():  # shown by an earlier slice of the pass
-            if key in self._live:
+            if key in self._names:
                 names.add(key)
                 listed[key] = ino
         if self._tombstones:
-            self._tombstones = {key for key in self._tombstones
-                                if key in names or key in scan.seen or self._directory_of(key) != directory}
+            self._tombstones = {key: ino for key, ino in self._tombstones.items()
+                                if listed.get(key, scan.seen.get(key)) == ino or self._directory_of(key) != directory}
         if self._bad:
             self._bad = {key: ino for key, ino in self._bad.items()
                          if listed.get(key, scan.seen.get(key)) == ino or self._directory_of(key) != directory}
@@ -831,26 +1162,29 @@ class SpoolReader:
         for scan in self._scans.values():
             if not scan.finished:
                 for key in scan.slice_names:
-                    if key in self._live or key in self._tombstones or key in self._bad:
+                    if key in self._names or key in self._tombstones or key in self._bad:
                         scan.seen[key] = self._listed.get(key, 0)
                 scan.slice_names = []
 
     def _forget_unread_directories(self) -> None:
         """Directories no longer read (a pod gone, or its directory gone while left out by the scan):
-        their listings are closed, their tombstones and bad files forgotten.  The node's directory is
-        always read, and a left-out pod directory is carried."""
+        their listings are closed, their tombstones, bad files and folded files forgotten.  The node's
+        directory is always read, and a left-out pod directory is carried."""
         kept = {self.directory, *self.pod_directories, *self._left_out_directories}
         for directory in [directory for directory in self._scans if directory not in kept]:
             self._scans.pop(directory).close()
         if any(self._directory_of(key) not in kept for key in self._tombstones):
-            self._tombstones = {key for key in self._tombstones if self._directory_of(key) in kept}
+            self._tombstones = {key: ino for key, ino in self._tombstones.items() if self._directory_of(key) in kept}
         if any(self._directory_of(key) not in kept for key in self._bad):
             self._bad = {key: ino for key, ino in self._bad.items() if self._directory_of(key) in kept}
+        if any(folded.directory not in kept for folded in self._folded_files.values()):
+            self._folded_files = {file_id: folded for file_id, folded in self._folded_files.items()
+                                  if folded.directory in kept}
 
     def _carry(self, directory: str, names: set[str], listed: dict[str, int]) -> None:
         """Keep the live files of a directory that could not be listed, or whose listing has not reached
         them yet, as last seen."""
-        for key in self._live:
+        for key in self._names:
             if key not in names and self._directory_of(key) == directory:
                 names.add(key)
                 listed[key] = self._listed.get(key, 0)
@@ -860,12 +1194,12 @@ class SpoolReader:
 
     def _sweep_temporary(self, name: str) -> None:
         """A writer that died between creating its file and renaming it leaves a dot-file: remove it."""
-        path = os.path.join(self.directory, name)
-        with self._opened(path) as fd:
-            if (fd is not None and self.remove_dead and time.time() - os.fstat(fd).st_mtime > 60
-                    and self._writer_gone(fd)):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        with self._opened(os.path.join(self.directory, name)) as fd:
+            if fd is None or not self.remove_dead:
+                return
+            st = os.fstat(fd)
+            if time.time() - st.st_mtime > 60 and _writer_gone(fd):
+                self._remove_name(name, (st.st_dev, st.st_ino))
 
     @contextlib.contextmanager
     def _opened(self, path: str) -> Iterator[int | None]:
@@ -879,50 +1213,35 @@ class SpoolReader:
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _writer_gone(fd: int) -> bool:
-        """Probe the writer's lock: granted means no process holds it, so the writer has exited."""
-        if _FLOCK is not None:
-            if _FLOCK(fd, _PROBE) == 0:
-                return True
-            error = ctypes.get_errno()
-            if error in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise OSError(error, os.strerror(error))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise
-        return True
-
     def _visit(self, name: str) -> None:
-        state = self._live.get(name)
-        fd = None if state is None else self._take_kept(state)
-        if fd is not None and state is not None and state.listed_ino != self._listed.get(name):
-            os.close(fd)  # replaced under the same name: the path opens the new file
-            fd = None
-        path = os.path.join(self.directory, name)
+        """Open ``name`` and read the file it means now (the descriptor kept on its file while the listing
+        shows the name with the same inode as when it was opened)."""
+        known = self._live.get(self._names[name]) if name in self._names else None
+        fd = None
+        if known is not None and known.names.get(name) == self._listed.get(name):
+            fd = self._take_kept(known)
         if fd is None:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+                fd = os.open(os.path.join(self.directory, name),
+                             os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError:
-                if name in self._live:
-                    self._vanished(name)
-                return
+                return  # gone since the listing: the end of the read forgets the name
             except OSError:
-                self._count_bad(name, (0, 0, 0), "io")
+                self._count_bad(name, "io")
                 return
+        self._visit_descriptor(name, fd)
+
+    def _visit_descriptor(self, name: str | None, fd: int) -> None:
+        """Read the file open on ``fd`` (``name``: where it was found; None: through a kept descriptor),
+        then keep ``fd`` open for its live state, or close it (which also drops a lock the probe took)."""
+        live = None
         try:
-            self._visit_open(name, path, fd)
+            live = self._visit_open(name, fd)
         finally:
-            live = self._live.get(name)
             if live is not None and live.fd is None and self._kept < self._kept_cap:
-                self._keep(live, fd)  # the state of this very file (_visit_open made it from this fd)
-                live.listed_ino = self._listed.get(name)
+                self._keep(live, fd)  # the state of this very file (_visit_open found it from this fd)
             else:
-                os.close(fd)  # also drops the lock the probe may have taken
+                os.close(fd)
 
     # --- descriptors kept open; files that did not change ---------------------------------------------
 
@@ -941,11 +1260,12 @@ class SpoolReader:
         if fd is not None:
             os.close(fd)
 
-    def _unchanged(self, name: str, state: FileState, fd: int) -> bool:
-        """Whether a live file is as it was at its last full read: same inode under its name, writer
-        alive, the same header (used bytes, drops, a counted generation), not yet due for a full read.
-        The scrape of a thousand unchanged files is a thousand of these: two syscalls, little else."""
-        if not state.header or self._now >= state.recheck_at or state.listed_ino != self._listed.get(name):
+    def _unchanged(self, state: FileState, fd: int) -> bool:
+        """Whether a live file is as it was at its last full read: writer alive, the same header (used
+        bytes, drops, a counted generation), not yet due for a full read (the caller checked that its
+        name still lists the same inode).  The scrape of a thousand unchanged files is a thousand of
+        these: two syscalls, little else."""
+        if not state.header or self._now >= state.recheck_at:
             return False
         if _FLOCK is None or _FLOCK(fd, _PROBE) == 0:
             return False  # gone, or no cheap probe: the full read decides (a lock we got is ours until fd closes)
@@ -954,7 +1274,10 @@ class SpoolReader:
         except OSError:
             return False
         self._budget.read -= HEADER_SIZE
-        return header == state.header
+        if header != state.header:
+            return False
+        state.visited = self._reads
+        return True
 
     def _remember_header(self, state: FileState, data: bytes) -> None:
         """The header of the content ``state.parsed`` stands for (read in the same pread, before it).
@@ -963,67 +1286,209 @@ class SpoolReader:
         state.header = data[:HEADER_SIZE] if counted else b""
         state.recheck_at = self._now + self.recheck_seconds * random.uniform(0.75, 1.25)
 
-    def _make_live(self, name: str, state: FileState) -> None:
-        if self._live.get(name) is not state:
-            self._live[name] = state
-            self._version += 1
+    # --- names and inodes ----------------------------------------------------------------------------
 
-    def _visit_open(self, name: str, path: str, fd: int) -> None:
-        """Read a file whole: parse what changed, fold it if its writer is gone, else keep it live."""
-        st = os.fstat(fd)
-        state = self._live.get(name)
-        if state is not None and state.ino != st.st_ino:  # replaced under the same name: treat as new
-            self._vanished(name)
-            state = None
-        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-        if not stat.S_ISREG(st.st_mode):
-            self._count_bad(name, identity, "garbage")
-            return
+    def _make_live(self, name: str | None, state: FileState) -> FileState:
+        """``state`` is a live file, found under ``name`` (None: through its kept descriptor)."""
+        if name is not None:
+            if self._names.get(name) != state.file_id:
+                self._unname(name)
+                self._names[name] = state.file_id
+            state.names[name] = self._listed.get(name, 0)
+            self._unnamed.discard(state.file_id)
+        if self._live.get(state.file_id) is not state:
+            self._live[state.file_id] = state
+            self._version += 1
+        return state
+
+    def _unname(self, name: str) -> None:
+        """``name`` no longer means the live file it meant (its other names still do)."""
+        file_id = self._names.pop(name, None)
+        state = self._live.get(file_id) if file_id is not None else None
+        if state is not None:
+            state.names.pop(name, None)
+            if not state.names:
+                self._unnamed.add(state.file_id)
+
+    def _retire(self, state: FileState) -> None:
+        """``state`` is no longer a live file: out of the live files, its names forgotten, its kept
+        descriptor closed."""
+        if self._live.get(state.file_id) is state:
+            del self._live[state.file_id]
+        for name in state.names:
+            if self._names.get(name) == state.file_id:
+                del self._names[name]
+        state.names = {}
+        self._unnamed.discard(state.file_id)
+        self._close_kept(state)
+        self._version += 1
+
+    @staticmethod
+    def _still_linked(state: FileState) -> bool:
+        """Whether the descriptor kept on a live file shows its inode still has a name somewhere."""
+        if state.fd is None:
+            return False
         try:
-            gone = self._writer_gone(fd)
+            return os.fstat(state.fd).st_nlink > 0
+        except OSError:
+            return False
+
+    def _already_folded(self, file_id: FileId, fd: int) -> FoldedFile | None:
+        """The folded file that the one open on ``fd`` is (same inode, same writer instance): another name
+        of it (a hard link, a rename), which must not count again; None: a file not folded before."""
+        folded = self._folded_files.get(file_id)
+        if folded is None:
+            return None
+        try:
+            header = os.pread(fd, HEADER_SIZE, 0)
+        except OSError:
+            return folded  # unreadable: not counted, rather than perhaps counted twice
+        self._budget.read -= HEADER_SIZE
+        if instance_of(header) == folded.instance:
+            return folded
+        del self._folded_files[file_id]  # the inode was freed and is another file's now
+        return None
+
+    def _remember_folded(self, file_id: FileId, folded: FoldedFile) -> None:
+        self._folded_files.pop(file_id, None)  # the newest last: the oldest is forgotten first
+        self._folded_files[file_id] = folded
+        if len(self._folded_files) > MAX_FOLDED_REMEMBERED:
+            del self._folded_files[next(iter(self._folded_files))]
+
+    # --- reading one file ----------------------------------------------------------------------------
+
+    def _visit_open(self, name: str | None, fd: int) -> FileState | None:
+        """Read a file whole: parse what changed, fold it if its writer is gone, else keep it live.
+        Returns its live state (None: not a live file)."""
+        st = os.fstat(fd)
+        file_id = (st.st_dev, st.st_ino)
+        if name is not None and self._names.get(name, file_id) != file_id:
+            self._unname(name)  # replaced under this name: the file it meant keeps its other names
+        if not stat.S_ISREG(st.st_mode):
+            self._count_bad(name, "garbage")
+            return None
+        state = self._live.get(file_id)
+        if state is not None and state.visited == self._reads:
+            return self._make_live(name, state)  # read already this time, under another name
+        try:
+            gone = _writer_gone(fd)
         except OSError:
             gone = False
+        folded = self._already_folded(file_id, fd) if state is None else None
+        if folded is not None:
+            # Never counted again.  Removed (or tombstoned) once its writer is gone; while some process
+            # holds its lock (a renamed live file folded as vanished), left alone and looked at again.
+            if gone:
+                self._dispose(name, fd, file_id, folded)
+            return None
         # Sparse or not, a file is never read past what a writer makes.
-        data = "oversized" if st.st_size > self.max_file_bytes else self._read_bounded(fd, state.used if state else 0)
+        data = "oversized" if st.st_size > self.max_file_bytes else self._read_bounded(
+            fd, state.used if state else 0, None if gone or state is not None else self._fits_new)
+        if data is None:
+            return None  # a new file for which there is no room now: it waits (counted in deferred_files)
         if isinstance(data, str):
             if state is None or state.parsed is None:
-                self._count_bad(name, identity, data)
-            else:
-                self._count_damaged(state, data)
-                self._keep_last_good(name, path, state, gone)
-            return
+                self._count_bad(name, data)
+                return None
+            self._count_damaged(state, data)
+            return self._keep_last_good(name, fd, state, gone)
         if state is None:
-            state = FileState(st.st_ino, uid=st.st_uid,
-                              pod_uid=self.pod_directories.get(self._directory_of(name), ""))
+            directory = self._directory_of(name) if name is not None else self.directory
+            state = FileState(file_id, uid=st.st_uid, directory=directory,
+                              pod_uid=self.pod_directories.get(directory, ""))
+        return self._visit_content(name, fd, state, data, gone)
+
+    def _visit_content(self, name: str | None, fd: int, state: FileState, data: bytes, gone: bool) -> FileState | None:
+        """_visit_open, once the file's bytes are read: take them into ``state`` if they fit this read,
+        then fold the file (its writer is gone) or keep it live."""
+        state.visited = self._reads
         digest = hashlib.blake2b(data, digest_size=16).digest()
         if not self._affordable(state, data, digest, gone):
-            if state.parsed is not None:
-                self._make_live(name, state)  # keeps its last values; parsed again when there is room
-            return
-        if self._parse(state, data, digest, name, identity) is None:
+            # Keeps its last values (if any); parsed again when there is room.
+            return self._make_live(name, state) if state.parsed is not None else None
+        taken = self._take_content(state, fd, data, digest, name)
+        if taken is None:
             # Never understood: not ours to fold or delete (a foreign version's file, garbage); it stays,
             # counted once.  Understood before: see _keep_last_good.
-            self._keep_last_good(name, path, state, gone)
-            return
-        self._remember_header(state, data)
+            return self._keep_last_good(name, fd, state, gone)
+        self._remember_header(state, taken)
         if gone:
-            self._fold_dead(name, path, state)
-        else:
-            if state.lockers is None:
-                state.lockers = self._lockers(st.st_ino)
-                if state.lockers is not None:
-                    self._version += 1  # the writer the merge names may change, with the same bytes
-            self._make_live(name, state)
+            self._fold_dead(name, fd, state)
+            return None
+        if state.lockers is None:
+            state.lockers = self._lockers(state.file_id[1])
+            if state.lockers is not None:
+                self._version += 1  # the writer the merge names may change, with the same bytes
+        return self._make_live(name, state)
 
-    def _keep_last_good(self, name: str, path: str, state: FileState, gone: bool) -> None:
+    def _keep_last_good(self, name: str | None, fd: int, state: FileState, gone: bool) -> FileState | None:
         """A file understood before and not now (truncated or scribbled on by someone, unreadable): its
         last good content stands, and is what is folded once the writer is gone."""
         if state.parsed is None:
-            return
+            return None
         if gone:
-            self._fold_dead(name, path, state)
-        else:
-            self._make_live(name, state)
+            self._fold_dead(name, fd, state)
+            return None
+        return self._make_live(name, state)
+
+    def _take_content(self, state: FileState, fd: int, data: bytes, digest: bytes, name: str | None) -> bytes | None:
+        """Make ``data`` the content ``state`` stands for: parsed if it changed, and what of the last
+        content it does not carry forward folded (see _take).  A fall is read once more before it is
+        believed: a read racing a store, on a copy routine that does not move 8 bytes at once, could see
+        a torn double, and no honest writer's value ever goes down.  Returns the bytes taken (None: they
+        could not be parsed, and nothing changed)."""
+        if digest == state.digest and state.parsed is not None:
+            return data
+        parsed = self._parse(state, data, name)
+        if parsed is None:
+            return None
+        fallen = _not_carried_forward(state.parsed, parsed)
+        if fallen is not None:
+            again = self._read_bounded(fd, len(data))
+            if isinstance(again, bytes):
+                self._budget.parse -= min(len(again), self.file_limits.parse_bytes)
+                reparsed = self._parse(state, again, name)
+                if reparsed is not None:
+                    parsed, data = reparsed, again
+                    digest = hashlib.blake2b(data, digest_size=16).digest()
+                    fallen = _not_carried_forward(state.parsed, parsed)
+        self._take(state, parsed, data, digest, fallen)
+        return data
+
+    def _take(self, state: FileState, parsed: Parsed, data: bytes, digest: bytes, fallen: Parsed | None) -> None:
+        """``parsed`` is what ``state`` says from now on.  What the last content had and this one does not
+        carry forward (``fallen``) is folded first, so that what is published (folded + live) never falls."""
+        if fallen is not None:
+            if fallen is state.parsed:  # another writer in the inode: the last one's file went
+                self._count("vanished")
+                self.folded_processes += 1
+                state.lockers = None  # ask the lock table again
+            else:  # the writer reset these records: what they had counts once, their new values from now
+                self._count("reset")
+            self._fold(fallen)
+        if parsed.left_out and not state.over_budget_reported:
+            state.over_budget_reported = True
+            self._count("over_budget")
+        state.parsed, state.instance, state.digest, state.used = parsed, parsed.instance, digest, len(data)
+        state.needs_gpu = (any(not info.gpu_uuid for info in parsed.infos.values())
+                           or any(engine not in parsed.infos for engine in parsed.engines)
+                           or any(not uuid for _, uuid, _ in parsed.loads))
+        self._version += 1
+
+    def _parse(self, state: FileState, data: bytes, name: str | None) -> Parsed | None:
+        """``data`` parsed within the file's limits; None (counted) where it is not a spool file."""
+        try:
+            parsed = parse(data, self.file_limits)
+        except BadFile as exc:
+            if state.parsed is None:
+                self._count_bad(name, exc.reason)
+            else:  # was fine, now is not (truncated by someone): keep the last good
+                self._count_damaged(state, exc.reason)
+            return None
+        if parsed.bad_record and not state.bad_reported:
+            state.bad_reported = True
+            self._count("record")
+        return parsed
 
     def _lockers(self, inode: int) -> frozenset[int] | None:
         """The pids holding a lock on a file with this inode, from the kernel's lock table (read at most
@@ -1045,21 +1510,40 @@ class SpoolReader:
     def _affordable(self, state: FileState, data: bytes, digest: bytes, gone: bool) -> bool:
         """Whether parsing ``data`` (if changed) fits this read's parse budget and the memory kept for
         live files (not for a dead writer's file: it is folded and let go at once); charges the parse
-        budget.  A file that does not fit waits (``deferred_files``)."""
+        budget with what the file's own limit lets it cost.  A file that does not fit waits
+        (``deferred_files``)."""
         if state.parsed is not None and digest == state.digest:
             return True
-        big = len(data) > SMALL_FILE_BYTES
-        retained = self._retained[big] - (state.used if (state.used > SMALL_FILE_BYTES) == big else 0)
-        allowance = self.retained_bytes // 2 if big else self.retained_bytes - self._retained[True]
-        if len(data) > self._budget.parse or (not gone and retained + len(data) > allowance):
+        cost = min(len(data), self.file_limits.parse_bytes)
+        if cost > self._budget.parse or (not gone and not self._room_to_keep(state, len(data))):
             self._deferred_now += 1
             return False
-        self._budget.parse -= len(data)
-        self._retained[big] += len(data)  # an over-estimate until the next read() sums them again
+        self._budget.parse -= cost
+        if state.parsed is not None:  # its last content is let go: counted once, not twice, till the next read()
+            self._retained[state.used > SMALL_FILE_BYTES] -= state.used
+        self._retained[len(data) > SMALL_FILE_BYTES] += len(data)
         return True
 
-    def _read_bounded(self, fd: int, hint: int) -> bytes | str:
-        """The file up to its ``used`` offset, or the spool-errors reason why not.
+    def _fits_new(self, used: int) -> bool:
+        """Whether a new live file of ``used`` bytes could be kept now (see _read_bounded)."""
+        if self._room_to_keep(None, used):
+            return True
+        self._deferred_now += 1
+        return False
+
+    def _room_to_keep(self, state: FileState | None, size: int) -> bool:
+        """Whether the parsed content of ``size`` bytes of a live file fits the memory kept for live files
+        (files over SMALL_FILE_BYTES take at most half of it), ``state``'s own content aside."""
+        big = size > SMALL_FILE_BYTES
+        own = state.used if state is not None and (state.used > SMALL_FILE_BYTES) == big else 0
+        allowance = self.retained_bytes // 2 if big else self.retained_bytes - self._retained[True]
+        return self._retained[big] - own + size <= allowance
+
+    def _read_bounded(self, fd: int, hint: int, fits: Callable[[int], bool] | None = None) -> bytes | str | None:
+        """The file up to its ``used`` offset, or the spool-errors reason why not; None where ``fits(used)``
+        says it could not be kept now anyway (then only the first page is read: a new file that must
+        wait costs a scrape 4 KiB, not its whole size out of the read budget, which would starve the
+        small files listed after a few big ones).
 
         One pread of the last size seen (at least a page); a second only when the file grew.  ``used``
         past ``max_file_bytes`` is refused before anything past the header is read.
@@ -1070,6 +1554,9 @@ class SpoolReader:
                 used, size = (struct.unpack_from("<Q", data, offset)[0] for offset in (USED_OFFSET, 16))
                 if used > self.max_file_bytes or size > self.max_file_bytes:
                     return "oversized"
+                if fits is not None and not fits(used):
+                    self._budget.read -= max(len(data), 4096)
+                    return None
                 if len(data) < used:
                     data += os.pread(fd, used - len(data), len(data))
                 if HEADER_SIZE <= used <= len(data):
@@ -1079,64 +1566,99 @@ class SpoolReader:
         self._budget.read -= max(len(data), 4096)
         return data
 
-    def _parse(self, state: FileState, data: bytes, digest: bytes, name: str,
-               identity: tuple[int, int, int]) -> Parsed | None:
-        if digest == state.digest and state.parsed is not None:
-            return state.parsed
-        try:
-            parsed = parse(data)
-        except BadFile as exc:
-            if state.parsed is None:
-                self._count_bad(name, identity, exc.reason)
-            else:  # was fine, now is not (truncated by someone): keep the last good
-                self._count_damaged(state, exc.reason)
-            return None
-        if parsed.bad_record and not state.bad_reported:
-            state.bad_reported = True
-            self._count("record")
-        if state.parsed is not None:
-            _clamp(state.parsed, parsed)
-        state.digest, state.used = digest, len(data)
-        state.parsed = parsed
-        state.needs_gpu = (any(not info.gpu_uuid for info in parsed.infos.values())
-                           or any(engine not in parsed.infos for engine in parsed.engines)
-                           or any(not uuid for _, uuid, _ in parsed.loads))
-        self._version += 1
-        return parsed
-
     # --- folding -----------------------------------------------------------------------------
 
-    def _fold_dead(self, name: str, path: str, state: FileState) -> None:
-        """The writer is gone: fold its final totals, then remove the file (or tombstone it)."""
-        self._live.pop(name, None)
-        self._close_kept(state)
-        self._version += 1
+    def _fold_dead(self, name: str | None, fd: int, state: FileState) -> None:
+        """The writer is gone: fold its final totals, then remove the file's name (or tombstone it)."""
+        self._retire(state)
         if state.parsed is not None:
             self._fold(state.parsed)
         self.folded_processes += 1
-        if not self.remove_dead or os.path.isabs(name):  # a tool, or a pod's own volume: left in place
-            self._tombstones.add(name)
-            return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            # The directory does not let the exporter delete (a sticky 1777 directory owned by someone
-            # else): the file stays, and an exporter restart folds it again.  Said once per file.
-            self._tombstones.add(name)
-            self._count("not_deleted")
+        self._dispose(name, fd, state.file_id, FoldedFile(state.instance, state.directory))
 
-    def _vanished(self, name: str) -> None:
-        """A live file disappeared without us folding it (another reader, a wiped emptyDir):
-        fold what we last saw, so no counter goes backwards."""
-        state = self._live.pop(name)
-        self._close_kept(state)
-        self._version += 1
+    def _dispose(self, name: str | None, fd: int, file_id: FileId, folded: FoldedFile) -> None:
+        """A folded file found under ``name`` (open on ``fd``, its lock held by this reader): the name is
+        removed where this reader removes (the node's directory, not a tool's read), else tombstoned;
+        the inode is remembered as folded while it still has names, so that none of them counts again."""
+        outcome = "kept"
+        if name is not None and self.remove_dead and not os.path.isabs(name):
+            outcome = self._remove_name(name, file_id)
+            if outcome == "refused":
+                # The directory does not let the exporter delete (a sticky 1777 directory owned by someone
+                # else): the file stays, and an exporter restart folds it again.  Said once per name.
+                self._count("not_deleted")
+        if name is not None and outcome in ("kept", "refused"):
+            self._tombstones[name] = self._listed.get(name, 0)
+        try:
+            linked = os.fstat(fd).st_nlink > 0
+        except OSError:
+            linked = True
+        if linked:
+            self._remember_folded(file_id, folded)
+        else:
+            self._folded_files.pop(file_id, None)
+
+    def _remove_name(self, name: str, file_id: FileId) -> str:
+        """Remove ``name`` from the node's spool directory if it means the folded file ``file_id``, open on a
+        descriptor whose lock this reader holds (so no live process holds it).  "removed"; "replaced":
+        the name meant another file (renamed there), which stays in the directory, read as what it is;
+        "gone": no such name; "refused": the directory does not let this reader remove it.
+
+        Through the reaping directory (ReapingDirectory), where nothing can swap the file once it is
+        there.  Only where that directory cannot be made: fstatat, then unlinkat, both relative to a
+        descriptor on the spool directory, which leaves the few microseconds between the two calls to
+        a writer renaming a live file onto the name."""
+        directory_fd = self._open_directory()
+        if directory_fd is None:
+            return "refused"
+        if self._reaping is None and not self._no_reaping:
+            self._reaping = ReapingDirectory.make(directory_fd)
+            self._no_reaping = self._reaping is None
+        if self._reaping is not None:
+            return self._reaping.remove(name, file_id)
+        try:
+            now = os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != file_id:
+                return "replaced"
+            os.unlink(name, dir_fd=directory_fd)
+        except FileNotFoundError:
+            return "gone"
+        except OSError:
+            return "refused"
+        return "removed"
+
+    def _open_directory(self) -> int | None:
+        """A descriptor on the node's spool directory, opened at the first removal of a read."""
+        if self._directory_fd is None:
+            try:
+                self._directory_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        return self._directory_fd
+
+    def _close_directory(self) -> None:
+        """The end of a read's removals: the reaping directory removed, the spool directory's descriptor closed."""
+        if self._reaping is not None:
+            self._reaping.close()
+            self._reaping = None
+        self._no_reaping = False
+        if self._directory_fd is not None:
+            os.close(self._directory_fd)
+            self._directory_fd = None
+
+    def _vanished(self, state: FileState) -> None:
+        """A live file no name shows any more, and no descriptor shows still linked (another reader
+        removed it, a wiped emptyDir): fold what was last seen, so no counter goes backwards.  Without a
+        kept descriptor it may only have been renamed: remembered, so that found again it does not count
+        twice (its later increments are not shown: someone took its name away)."""
+        had_descriptor = state.fd is not None
+        self._retire(state)
         self._count("vanished")
         if state.parsed is not None:
             self._fold(state.parsed)
         self.folded_processes += 1
+        if not had_descriptor:
+            self._remember_folded(state.file_id, FoldedFile(state.instance, state.directory))
 
     def _fold(self, parsed: Parsed) -> None:
         folded = self._folded
@@ -1196,15 +1718,19 @@ class SpoolReader:
             state.bad_reported = True
             self._count("truncated" if reason in ("empty", "truncated") else reason)
 
-    def _count_bad(self, name: str, identity: tuple[int, int, int], reason: str) -> None:
+    def _count_bad(self, name: str | None, reason: str) -> None:
         """Count a bad file once for as long as it stays under that name and inode (read() skips it
         unopened from then on; a file put in its place is a new file).  Up to MAX_BAD_REMEMBERED of them:
         past that, a bad file is opened and counted again whenever the listing shows it (its errors
         counter runs on: visible, where remembering every one would let junk names grow memory)."""
-        if self._bad.get(name) == identity[0]:
+        if name is None:
+            self._count(reason)
+            return
+        shown = self._listed.get(name, 0)  # the listing's inode, which read() compares the next listings with
+        if self._bad.get(name) == shown:
             return
         if name in self._bad or len(self._bad) < MAX_BAD_REMEMBERED:
-            self._bad[name] = identity[0]
+            self._bad[name] = shown
         self._count(reason)
 
     # --- merging -----------------------------------------------------------------------------
@@ -1221,6 +1747,7 @@ class SpoolReader:
                 continue
             writer = self._writer(state, parsed)
             totals.live_files += 1
+            totals.records_left_out += parsed.left_out
             totals.dropped_by_writers += parsed.dropped
             _add_counts(totals, parsed, writer)
             for (engine, dev), mount in parsed.mounts.items():
@@ -1440,20 +1967,54 @@ def observations(values: list[float] | None) -> float:
     return sum(values[index] for index in BUCKET_SLOTS) + values[ENGINE_LAYOUT.counters["load_read_bytes"]]
 
 
-def _clamp(previous: Parsed, current: Parsed) -> None:
-    for engine, values in current.engines.items():
-        before = previous.engines.get(engine)
-        if before is not None:
-            _max_into(before, values, ENGINE_LAYOUT.monotonic_prefix)
-    for key, count in current.errors.items():
-        current.errors[key] = max(count, previous.errors.get(key, 0.0))
-    for key, pair in current.layers.items():
-        before_pair = previous.layers.get(key)
-        if before_pair is not None:
-            _max_into(before_pair, pair, 2)
+def _not_carried_forward(previous: Parsed | None, current: Parsed) -> Parsed | None:
+    """What of a file's last content (``previous``) its content now (``current``) does not carry forward,
+    to be folded before ``current`` replaces it: all of it when another writer (instance) is in the
+    inode now (the last one's file was freed and its inode reused); else what _fallen says, once the
+    waterfalls copied mid-update are settled.  None: nothing (or no last content)."""
+    if previous is None:
+        return None
+    if previous.instance != current.instance:
+        return previous
+    _settle_waterfalls(previous, current)
+    return _fallen(previous, current)
+
+
+def _fallen(previous: Parsed, current: Parsed) -> Parsed | None:
+    """The records of ``previous`` (a file's last content) that ``current`` (the same writer's content
+    now) does not carry forward, as a Parsed to fold: each one gone, or with a counter lower than before
+    (a histogram bucket or sum, a counter, an error count, a layer's time or samples, a waterfall
+    counter), and the header's drop count if it fell.  None when nothing fell.  Gauges may fall: they
+    are not looked at, and a Parsed that is folded has its gauges zeroed anyway."""
+    engines = _fallen_records(previous.engines, current.engines, ENGINE_LAYOUT.monotonic_prefix)
+    errors = {key: before for key, before in previous.errors.items()
+              if key not in current.errors or current.errors[key] < before}
+    layers = _fallen_records(previous.layers, current.layers, 2)
+    waterfalls = _fallen_records(previous.waterfalls, current.waterfalls, WATERFALL_LAST_FROM)
+    dropped = previous.dropped if current.dropped < previous.dropped else 0
+    if not (engines or errors or layers or waterfalls or dropped):
+        return None
+    # The file's INFO records go with it: the GPU its per-GPU counts fold under (and its last load).
+    return Parsed(previous.pid, previous.start_ticks, previous.instance, dropped, engines=engines, errors=errors,
+                  layers=layers, infos=previous.infos, waterfalls=waterfalls)
+
+
+_K = typing.TypeVar("_K")
+
+
+def _fallen_records(previous: dict[_K, list[float]], current: dict[_K, list[float]],
+                    monotonic: int) -> dict[_K, list[float]]:
+    """The records of ``previous`` that ``current`` lacks, or in which one of the first ``monotonic``
+    slots is lower (compared at C speed: a scrape of a thousand changed files checks every counter)."""
+    lower = operator.lt
+    return {key: before for key, before in previous.items()
+            if (now := current.get(key)) is None or any(map(lower, now[:monotonic], before[:monotonic]))}
+
+
+def _settle_waterfalls(previous: Parsed, current: Parsed) -> None:
+    """A WATERFALL record copied while its writer was updating it (its two sequence numbers differ)
+    stands for nothing: the last good copy stays until a whole one is read."""
     for engine, values in current.waterfalls.items():
         before = previous.waterfalls.get(engine)
-        if values[0] != values[-1] and before is not None:  # copied mid-update (parse): keep the last good
+        if values[0] != values[-1] and before is not None:
             values[:] = before
-        elif before is not None:
-            _max_into(before, values, WATERFALL_LAST_FROM)

@@ -275,9 +275,11 @@ SPOOL_FOLDED = Desc("gpuio_engine_spool_folded_processes_total", COUNTER,
                     "Spool files of exited processes whose totals were folded in.")
 SPOOL_ERRORS = Desc("gpuio_engine_spool_errors_total", COUNTER,
                     "Spool files skipped or damaged, by reason (empty, truncated, version, garbage, record, io, "
-                    "vanished, oversized, not_deleted), counted once per file.", labels=("reason",),
+                    "vanished, oversized, not_deleted, over_budget: records past one file's limits, counted once "
+                    "per file), and reset: a live file's record whose counters fell or that went (its values "
+                    "folded once, counted at each fall).", labels=("reason",),
                     values={"reason": ("empty", "truncated", "version", "garbage", "record", "io", "vanished",
-                                       "oversized", "not_deleted")})
+                                       "oversized", "not_deleted", "over_budget", "reset")})
 SPOOL_DEFERRED = Desc("gpuio_engine_spool_deferred_files", GAUGE,
                       "Spool files not read at this scrape because its read budget was spent (read at a later "
                       "scrape; live files keep their last values).")

@@ -151,3 +151,144 @@ def test_the_seed_is_a_real_file_with_every_record_kind() -> None:
     assert PRISTINE.errors and PRISTINE.layers and PRISTINE.infos and not PRISTINE.bad_record
     load_count = spool.ENGINE_LAYOUT.histograms["inference_seconds"]
     assert sum(PRISTINE.engines['det"ector\n'][load_count[0]:load_count[1]]) == 3
+
+
+# --- one file's budgets; counters that never fall (issue 27) ------------------------------------------
+
+RICH_WRITER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    import gpuio
+    from gpuio import spool as fmt
+    gpuio.configure({spool!r})
+    for number in range(4):  # four engines, each on files of devices of its own, with loads and errors
+        engine = gpuio.engine(f"engine{{number}}")
+        for copy in range(3):
+            dev = (8, 16 * number + copy)
+            engine._append_info(fmt.pack_info(0, dev, 100 + copy, 4096, 0, 1.0 + copy, f"/m/{{number}}-{{copy}}",
+                                              f"GPU-{{copy}}", "tensorrt"))
+            engine.record_mount(dev, f"/m{{copy}}", "ext4", f"/dev/sd{{copy}}", "")
+            with engine.loading(None, gpu_uuid=f"GPU-{{copy}}"):
+                pass
+        for reason in ("timeout", "oom", "shape"):
+            engine.error(reason)
+        engine.inference_seconds.observe(0.01)
+    loaded = gpuio.load({engine!r}, lambda data: len(data), name="engine0")
+    for _ in range(6):
+        loaded.metrics.add_layer_times({{"conv1": 0.001, "fc": 0.002}})
+""")
+RICH_SEED = spool_seed(RICH_WRITER)
+RICH_USED = struct.unpack_from("<Q", RICH_SEED, spool.USED_OFFSET)[0]
+RICH_FILE = RICH_SEED[:RICH_USED]  # what a live writer's file holds up to its used offset
+
+
+def mutations_within(data: bytes) -> st.SearchStrategy[tuple]:
+    """MUTATION's kinds of change, anywhere in ``data`` (a spool file up to its used offset)."""
+    used = len(data)
+    edge = st.sampled_from([0, 1, 7, 8, 255, 256, used - 8, used, used + 8, 2**31, 2**32 - 1, 2**63, 2**64 - 1])
+    aligned = st.integers(0, used - 8).map(lambda at: at - at % 8)
+    return st.one_of(
+        st.tuples(st.just("flip"), st.integers(0, used - 1), st.integers(1, 255)),
+        st.tuples(st.just("u64"), aligned, edge),
+        st.tuples(st.just("double"), aligned.filter(lambda at: at >= spool.HEADER_SIZE), EDGE_DOUBLE),
+        st.tuples(st.just("truncate"), st.integers(spool.HEADER_SIZE, used)),
+        st.tuples(st.just("append"), st.binary(max_size=64)),
+    )
+
+
+RICH_MUTATION = mutations_within(RICH_FILE)
+SMALL = st.integers(0, 4)
+LIMITS = st.builds(spool_reader.FileLimits, parse_bytes=st.integers(0, RICH_USED), entries=st.integers(0, 40),
+                   engines=SMALL, devices=SMALL, errors_per_engine=SMALL, layers_per_engine=SMALL,
+                   loads_per_engine=SMALL, mounts_per_engine=SMALL)
+
+
+def engines_named(parsed: spool_reader.Parsed) -> set[str]:
+    return ({*parsed.engines, *parsed.infos, *parsed.waterfalls} | {engine for engine, _ in parsed.errors}
+            | {engine for engine, _ in parsed.layers} | {engine for engine, _, _ in parsed.loads}
+            | {engine for engine, _ in parsed.mounts})
+
+
+def test_the_rich_seed_fits_the_default_limits_whole() -> None:
+    parsed = spool_reader.parse(RICH_SEED)
+    assert parsed.left_out == 0 and not parsed.bad_record
+    assert len(engines_named(parsed)) == 4 and len(parsed.infos) == 4
+    assert len(parsed.mounts) >= 12 and len(parsed.loads) >= 12 and len(parsed.errors) == 12 and parsed.layers
+
+
+@given(LIMITS, st.lists(RICH_MUTATION, max_size=3))
+def test_parse_keeps_one_file_within_its_limits(limits: spool_reader.FileLimits, mutations: list[tuple]) -> None:
+    """Whatever the file and the limits: no more engines, devices, entries, and per engine no more error
+    reasons, layers, loads or mounts than the limits allow; and what is left out is counted."""
+    data = mutate(RICH_FILE, mutations)
+    try:
+        parsed = spool_reader.parse(data, limits)
+        whole = spool_reader.parse(data)
+    except spool_reader.BadFile:
+        return
+    assert len(engines_named(parsed)) <= limits.engines
+    devices = ({info.dev for info in parsed.infos.values()} | {dev for _, dev in parsed.mounts}
+               | {dev for _, _, dev in parsed.loads})
+    assert len(devices) <= limits.devices
+    tables = (parsed.engines, parsed.errors, parsed.layers, parsed.infos, parsed.loads, parsed.waterfalls,
+              parsed.mounts)
+    assert sum(map(len, tables)) <= limits.entries
+    for table, cap in ((parsed.errors, limits.errors_per_engine), (parsed.layers, limits.layers_per_engine),
+                       (parsed.loads, limits.loads_per_engine), (parsed.mounts, limits.mounts_per_engine)):
+        per_engine: dict[str, int] = {}
+        for key in table:
+            per_engine[key[0]] = per_engine.get(key[0], 0) + 1
+        assert max(per_engine.values(), default=0) <= cap
+    # A record kept within the limits is the record itself; whatever is missing was counted as left out.
+    assert all(whole.engines[engine] == values for engine, values in parsed.engines.items())
+    kept = sum(map(len, tables))
+    whole_kept = sum(map(len, (whole.engines, whole.errors, whole.layers, whole.infos, whole.loads,
+                               whole.waterfalls, whole.mounts)))
+    assert kept == whole_kept or parsed.left_out > 0 or parsed.bad_record
+
+
+def published_counters(totals: spool_reader.Totals) -> dict[tuple[str, object], list[float]]:
+    """Every counter the reader publishes: engines' histograms and counters, error counts, layer times
+    and samples, waterfall counters, the writers' drops."""
+    counters: dict[tuple[str, object], list[float]] = {("dropped", None): [float(totals.dropped_by_writers)]}
+    prefix = spool.ENGINE_LAYOUT.monotonic_prefix
+    counters.update({("engine", engine): values[:prefix] for engine, values in totals.engines.items()})
+    counters.update({("error", key): [count] for key, count in totals.errors.items()})
+    counters.update({("layer", key): list(pair) for key, pair in totals.layers.items()})
+    counters.update({("waterfall", engine): values[: spool_reader.WATERFALL_LAST_FROM]
+                     for engine, values in totals.waterfalls.items()})
+    return counters
+
+
+@given(st.lists(st.lists(RICH_MUTATION, max_size=3), min_size=1, max_size=4))
+def test_published_counters_never_fall_whatever_a_live_file_becomes(versions: list[list[tuple]]) -> None:
+    """A live writer (its flock held) rewrites its own file into mutation after mutation of a real one,
+    beside an exited writer's file (folded): no counter published after a read is lower than after the
+    read before, none is NaN or infinite."""
+    directory = os.path.join(ROOT, "live")
+    shutil.rmtree(directory, ignore_errors=True)
+    os.mkdir(directory)
+    with open(os.path.join(directory, PRISTINE_NAME), "wb") as handle:
+        handle.write(SEED)  # no writer holds it: folded at the first read
+    live = spool.SpoolFile(directory)
+    assert live.path is not None
+    fd = os.open(live.path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, RICH_FILE, 0)
+        reader = spool_reader.SpoolReader(directory)
+        reader.recheck_seconds = 0.0  # every file read whole at every read, whatever its header says
+        last = published_counters(reader.read())
+        assert last[("engine", "engine0")] and reader.read().live_files == 1
+        for mutations in versions:
+            version = mutate(RICH_FILE, mutations)
+            os.pwrite(fd, version, 0)
+            os.ftruncate(fd, len(version))  # the file is this version, nothing after it
+            now = published_counters(reader.read())
+            for key, before in last.items():
+                assert key in now, f"{key} is no longer published"
+                assert all(map(math.isfinite, now[key]))
+                assert all(value >= old for value, old in zip(now[key], before, strict=True)), (key, before, now[key])
+            last = now
+    finally:
+        os.close(fd)
+        live.close()
