@@ -67,7 +67,7 @@ increments yet).  The exporter deletes a file only after it has proved the write
 writer's lock itself) and folded the file's final totals into its memory; nothing can write the file
 again, so nothing is lost.  Deleting needs write permission on the directory only; where it is
 refused (a sticky directory owned by someone else) the file is remembered as folded (a tombstone)
-and skipped by name.  The exporter never writes into any spool file.
+and skipped (known by inode and writer, not by name).  The exporter never writes into any spool file.
 """
 
 from __future__ import annotations
