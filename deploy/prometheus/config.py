@@ -141,6 +141,11 @@ class Config:
     # The description counts the engine loads from the stormed disk that finished in this window: many of
     # them at once is the cold-start storm (a rollout, an autoscaling burst).
     STORM_ENGINE_LOADS_WINDOW: str = "5m"
+    # The storm's description names the cgroups (pods, containers, services) doing the most IO on the disk
+    # (the cgroup_io collector's series, read over this window: it walks the cgroup tree every 10 s), at most
+    # this many; absent from the description where the collector serves none.
+    STORM_TOP_CGROUPS: int = 3
+    STORM_TOP_CGROUPS_WINDOW: str = "2m"
 
     # --- network storage (NFS, CephFS, FUSE mounts) ------------------------------------------------------
     # A network mount is slow when the mean round trip of its NFS READs is at least this (with at least

@@ -20,6 +20,7 @@ from .templates import (
     node_figure,
     starved_count,
     starved_on,
+    top_io_cgroups,
     waiting_to_load,
 )
 
@@ -163,6 +164,7 @@ def alerts(c: Config) -> list[Rule]:
     oldest = device_figure(c, "gpuio_disk_engine_load_oldest_in_progress_seconds", "humanizeDuration", "-")
     info = "gpuio_engine_physical_device_info"
     this_disk = board(DISK_IO_UID, device="{{ $labels.device }}")
+    culprits = top_io_cgroups(c)
     return [
         alert(
             c, "DiskIOStorm", held_through_gaps(c, n.STORM, "DiskIOStorm", WARNING), c.STORM_FOR, WARNING,
@@ -170,7 +172,7 @@ def alerts(c: Config) -> list[Rule]:
             f"{{{{ $value | humanizeDuration }}}}, far above its normal.",
             f"{figures} Engine loads from this disk that finished in the last {c.STORM_ENGINE_LOADS_WINDOW}: "
             f"{engine_loads}. This ticket is the storm itself; it pages (the same alert, severity critical) "
-            f"while engine loads wait on the disk or engines on it starve their GPUs.",
+            f"while engine loads wait on the disk or engines on it starve their GPUs.{culprits}",
             this_disk),
         alert(
             c, "DiskIOStorm", held_through_gaps(c, n.STORM_PAGE, "DiskIOStorm", CRITICAL), c.STORM_PAGE_FOR, CRITICAL,
@@ -181,6 +183,6 @@ def alerts(c: Config) -> list[Rule]:
             f"Starved engines: {starved_on(c, 'device')}. Engines with files on {{{{ $labels.device }}}}: "
             f"{engines_on(c, info, 'physical_device', 'device')}on GPUs: "
             f"{gpus_on(c, info, 'physical_device', 'device')}. Loads that finished in the last "
-            f"{c.STORM_ENGINE_LOADS_WINDOW}: {engine_loads}.",
+            f"{c.STORM_ENGINE_LOADS_WINDOW}: {engine_loads}.{culprits}",
             this_disk),
     ]

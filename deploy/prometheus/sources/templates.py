@@ -102,3 +102,24 @@ def engine_gpu_figure(c: Config, metric: str, fmt: str, missing: str) -> str:
     return (f'{{{{ with printf "{metric}{{{c.NODE_LABEL}=\'%s\',engine=\'%s\',gpu_uuid=\'%s\'}}" {node} '
             f"$labels.engine $labels.uuid | query }}}}{{{{ . | first | value | {fmt} }}}}{{{{ else }}}}{missing}"
             f"{{{{ end }}}}")
+
+
+def top_io_cgroups(c: Config) -> str:
+    """An alert template naming the cgroups that read and wrote the most on the alert's disk (bytes a
+    second over STORM_TOP_CGROUPS_WINDOW, the cgroup_io collector's series), with the pod UID or systemd
+    service where the cgroup is one; nothing at all where the collector serves none for the disk."""
+    node = f"$labels.{c.NODE_LABEL}"
+    on_disk, window = f"{{{c.NODE_LABEL}='%s',device='%s'}}", c.STORM_TOP_CGROUPS_WINDOW
+    # read and written are served together for every cgroup and disk (collectors/cgroup_io.py)
+    io_bytes = (f"rate(gpuio_cgroup_io_read_bytes_total{on_disk}[{window}]) + "
+                f"rate(gpuio_cgroup_io_written_bytes_total{on_disk}[{window}])")
+    per_cgroup = (f"sum by ({c.NODE_LABEL}, cgroup) ({io_bytes}) "
+                  f"* on ({c.NODE_LABEL}, cgroup) group_left (pod_uid, service) "
+                  f"max by ({c.NODE_LABEL}, cgroup, pod_uid, service) (gpuio_cgroup_info)")
+    query = f"sort_desc(topk({c.STORM_TOP_CGROUPS}, {per_cgroup} > 0))"
+    who = ("{{ with $cgroup.Labels.service }}service {{ . }}{{ else }}{{ with $cgroup.Labels.pod_uid }}pod {{ . }}"
+           "{{ else }}cgroup {{ $cgroup.Labels.cgroup }}{{ end }}{{ end }}")
+    args = f"{node} $labels.device {node} $labels.device"
+    return (f'{{{{ with printf "{query}" {args} | query }}}} Doing the most IO on it: '
+            f'{{{{ range $index, $cgroup := . }}}}{{{{ if $index }}}}, {{{{ end }}}}{who} '
+            f'({{{{ $cgroup.Value | humanize1024 }}}}B/s){{{{ end }}}}.{{{{ end }}}}')
