@@ -10,7 +10,9 @@ What runs, all real and on loopback:
 * engine files on that filesystem, and inference processes that import the instrumentation library
   (gpuio) and cold-load them, again and again (pods crash-looping through a rollout),
   each naming its GPU (``gpu_uuid``);
-* gpuio-exporter (diskstats, pressure, the engines collector reading the processes' spool, and nvml): there
+* the storm's fio in a cgroup v1 blkio cgroup of its own (where the machine has cgroup v1, as CI does): the
+  page must name it as the one doing the most IO on the disk (the cgroup_io collector);
+* gpuio-exporter (diskstats, pressure, cgroup_io, the engines collector reading the processes' spool, and nvml): there
   is no GPU here, so its NVML is the fake of tests/unit/test_nvml_fake.py with one idle H100 per engine
   (tests/e2e/fake_gpu_exporter.py); everything else is the real exporter;
 * Debian's ``prometheus`` with deploy/prometheus/prometheus.yml, changed only where the test must:
@@ -122,6 +124,7 @@ FIGURES = {  # what DiskIOStorm judges, by the variant's recording-rule names
 PRESSURE = {"psi_some": f"instance:gpuio_pressure_io_waiting_seconds:{RATE}",
             "psi_full": f"instance:gpuio_pressure_io_stalled_seconds:{RATE}"}
 
+BLKIO = "/sys/fs/cgroup/blkio"  # cgroup v1 (this machine, CI): the storm's fio runs in a cgroup of its own
 FIO_COMMON = ["--direct=1", "--time_based", "--norandommap", "--randrepeat=0", "--output-format=terse"]
 CALM = ["--name=calm", "--rw=randread", "--bs=4k", "--ioengine=libaio", "--iodepth=1", "--rate_iops=50"]
 BENIGN = ["--name=sequential", "--rw=read", "--bs=256k", "--ioengine=libaio", "--iodepth=8"]
@@ -223,6 +226,7 @@ class Stack:
     engines: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (path, GPU UUID)
     calm: dict[str, float | None] = field(default_factory=dict)
     processes: list[subprocess.Popen] = field(default_factory=list)
+    culprit: str | None = None  # a blkio cgroup the storm's fio runs in (cgroup v1), named by the page
 
     def loaders(self) -> list[subprocess.Popen]:
         """One inference process per engine, cold-loading it again and again."""
@@ -263,10 +267,18 @@ class Stack:
         alerts = get_json(self.alertmanager + "/api/v2/alerts")
         return [a for a in alerts if a["labels"].get("alertname") == "DiskIOStorm"]
 
-    def fio(self, job: list[str], runtime_s: int) -> subprocess.Popen:
+    def fio(self, job: list[str], runtime_s: int, in_culprit: bool = False) -> subprocess.Popen:
+        """fio on the device; ``in_culprit``: in the culprit cgroup (where there is one), from its first IO."""
         log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read back in fio_output
+        procs = os.path.join(self.culprit, "cgroup.procs") if in_culprit and self.culprit else None
+
+        def join_culprit() -> None:  # in the child, before exec: every IO of fio is the culprit's
+            with open(procs, "w") as handle:  # type: ignore[arg-type]
+                handle.write(str(os.getpid()))
+
         process = subprocess.Popen(["fio", f"--filename=/dev/{self.device}", *FIO_COMMON,
-                                    f"--runtime={runtime_s}", *job], stdout=log, stderr=subprocess.STDOUT)
+                                    f"--runtime={runtime_s}", *job], stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=join_culprit if procs else None)
         process.log = log  # type: ignore[attr-defined]
         self.processes.append(process)
         return process
@@ -314,6 +326,20 @@ def write_engines(mount_point: str) -> dict[str, tuple[str, str]]:
             os.fsync(handle.fileno())
         engines[f"ranker-{index}"] = (path, f"GPU-e2e0000-0000-0000-0000-00000000000{index}")
     return engines
+
+
+def culprit_cgroup(device: str) -> str | None:
+    """A cgroup v1 blkio cgroup for the storm's fio, counted on the loop device (Linux 6.10+ counts blkio
+    statistics only where a throttle rule is set: a 1 TiB/s one limits nothing); None without cgroup v1."""
+    if not os.path.isdir(BLKIO):
+        return None
+    path = os.path.join(BLKIO, f"gpuio-storm-{os.getpid()}")
+    os.mkdir(path)
+    with open(f"/sys/block/{device}/dev") as handle:
+        number = handle.read().strip()
+    with open(os.path.join(path, "blkio.throttle.read_bps_device"), "w") as handle:
+        handle.write(f"{number} {1 << 40}")
+    return path
 
 
 def generate_variant_rules(directory: Path) -> list[str]:
@@ -384,14 +410,16 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         # The GPUs the engines are for, idle (starved of their data) all along: no NVML here, so the
         # exporter's NVML is the fake (tests/e2e/fake_gpu_exporter.py); the rest is the real exporter.
         gpus = ",".join(sorted({uuid for _, uuid in engines.values()}))
+        culprit = culprit_cgroup(device)
         exporter = ExporterProcess(["--collector.disable-defaults", "--collector.diskstats", "--collector.pressure",
+                                    "--collector.cgroup_io", "--collector.cgroup_io.interval=1s",
                                     f"--collector.diskstats.device-include=^{device}$", "--collector.engines",
                                     f"--collector.engines.spool-dir={spool}",
                                     f"--collector.engines.path={mount_point}/*.engine", "--collector.nvml"],
                                    env={"GPUIO_FAKE_GPUS": gpus}, module="tests.e2e.fake_gpu_exporter").start()
         prometheus_process, prometheus = start_prometheus(tmp, rule_files, exporter.port, alertmanager)
         started.append(prometheus_process)
-        stack_ = Stack(device, prometheus, alertmanager, report, spool=spool, engines=engines)
+        stack_ = Stack(device, prometheus, alertmanager, report, spool=spool, engines=engines, culprit=culprit)
         stack_.fio(CALM, 900)
         deadline = time.monotonic() + CALM_S + 30
         time.sleep(CALM_S)
@@ -412,6 +440,9 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         if exporter is not None and exporter.process and exporter.process.poll() is None:
             exporter.stop()
         server.shutdown()
+        if stack_ is not None and stack_.culprit:
+            with contextlib.suppress(OSError):
+                os.rmdir(stack_.culprit)  # its fio has exited (stopped above)
         if mounted:
             subprocess.run(["umount", mount_point], check=False)
         if loop:
@@ -536,7 +567,7 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
     already = len(Webhook.received)
     before = ios(stack.device)
     start, wall_start = time.monotonic(), time.time()
-    fio = stack.fio(STORM, 180)
+    fio = stack.fio(STORM, 180, in_culprit=True)
     loaders = stack.loaders()
     first_io = pending = firing = None
     at_firing: dict[str, float | None] = {}
@@ -585,6 +616,9 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
         judged = at_firing or during
         assert (judged["psi_some"] or 0) >= 0.3 or (judged["psi_full"] or 0) >= 0.1, judged
     assert "no calm evidence" not in description  # judged against the calm baseline
+    if stack.culprit:  # who storms: the storm's fio ran in a cgroup of its own (the loaders, in the root, are not)
+        culprit = "/" + os.path.basename(stack.culprit)
+        assert re.search(rf"Doing the most IO on it: cgroup {culprit} \(\d", description), description
     # Only the storm's pages reached the paging receiver (this one, and its starved engines'): the storm's
     # ticket for the same disk is held back while the page fires (Alertmanager's inhibition).
     paged = {b["groupLabels"]["alertname"] for _, b in Webhook.received[already:] if b["receiver"] == "page"}
