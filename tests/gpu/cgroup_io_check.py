@@ -41,6 +41,7 @@ from exporter.assemble import build_scraper  # noqa: E402
 from exporter.blockdev import BlockDevices, PathDevices  # noqa: E402
 from exporter.config import parse_args  # noqa: E402
 from exporter.exposition import render  # noqa: E402
+from tests.peers import write_random  # noqa: E402
 
 ROOT = "/sys/fs/cgroup"
 SCRATCH = "/var/tmp"
@@ -76,15 +77,6 @@ class Check:
         self.failures += not ok
 
 
-def write_file(path: str, mib: int) -> None:
-    chunk = os.urandom(1 << 20)
-    with open(path, "wb") as handle:
-        for _ in range(mib):
-            handle.write(chunk)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def whole_disk(device: str) -> str:
     """The disk io.stat counts a device's IO under: a partition's disk (io.stat keys whole disks)."""
     found = BlockDevices("/sys").get(device)
@@ -102,11 +94,11 @@ class Source:
             self.disk = whole_disk(device)
             self.paths = [os.path.join(work, f"reader-{index}") for index in range(len(READ_MIB))]
             for path, mib in zip(self.paths, READ_MIB, strict=True):
-                write_file(path, mib)
+                write_random(path, mib)
             self.offsets = [0] * len(READ_MIB)
         else:  # no block device under SCRATCH (tmpfs, overlay on one): a loop device's own blocks
             backing = os.path.join(work, "backing.img")
-            write_file(backing, sum(READ_MIB))
+            write_random(backing, sum(READ_MIB))
             self.loop = subprocess.run(["losetup", "--find", "--show", backing], check=True, capture_output=True,
                                        text=True).stdout.strip()
             self.disk = os.path.basename(self.loop)
