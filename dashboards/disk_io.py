@@ -106,6 +106,27 @@ def pressure_panels() -> list:
     ]
 
 
+def who_panels() -> list:
+    """Who does the IO on the disks, and who stalls on it (the cgroup_io collector: pods, containers,
+    systemd services; empty where it is off or serves nothing)."""
+    d, s = dev(), sel()
+    per_cgroup = (f"sum by (device, cgroup) (rate(gpuio_cgroup_io_read_bytes_total{d}[$__rate_interval]) + "
+                  f"rate(gpuio_cgroup_io_written_bytes_total{d}[$__rate_interval]))")
+    return [
+        graph("Who does the IO (top cgroups per disk)",
+              f"Bytes read and written per second by the cgroups (pods, containers, systemd services) doing the "
+              f"most IO on each disk: an image pull, a backup, another pod's model download. DiskIOStorm names "
+              f"the top {c.STORM_TOP_CGROUPS} of the stormed disk. gpuio_cgroup_info tells a cgroup's pod UID or "
+              f"service.", "binBps",
+              query(f"topk(5, {per_cgroup})", "{{device}} {{cgroup}}")),
+        graph("Who stalls on IO (cgroup IO pressure)",
+              "Share of time in which some task of a cgroup waited on IO (io.pressure some, cgroup v2 only), "
+              "for the cgroups that stall most: the pods a storm hurts, whoever causes it.", "percentunit",
+              query(f"topk(5, rate(gpuio_cgroup_io_pressure_waiting_seconds_total{s}[$__rate_interval]))",
+                    "{{cgroup}}"), max_value=1),
+    ]
+
+
 def device_table() -> list:
     return [
         value_table("Devices", "Identity of each block device (gpuio_disk_info); rotational 0 is solid state.",
@@ -118,5 +139,6 @@ def device_table() -> list:
 def build() -> db.Dashboard:
     return assemble(c.DISK_IO_UID, "iostat -x per block device, the DiskIOStorm inputs and pressure (PSI).",
                     (("iostat -x", iostat_panels()), ("DiskIOStorm inputs", storm_panels()),
-                     ("Pressure", pressure_panels()), ("Devices", device_table())),
+                     ("Pressure", pressure_panels()), ("Who does the IO, who stalls", who_panels()),
+                     ("Devices", device_table())),
                     variables=[device_variable()])

@@ -324,10 +324,24 @@ def engine_panels() -> list:
               "pool. No line: no request acquired a context.", "s",
               query(guarded_ratio("gpuio_engine_pool_wait_seconds_sum", "gpuio_engine_pool_wait_seconds_count",
                                   engines), "{{engine}}")),
+        graph("Engine pods stalled on IO", "Share of time in which some task of an engine's pod waited on IO "
+              "(its cgroup's io.pressure some, cgroup v2, the cgroup_io collector), for the pods whose engines "
+              "this node serves: a storm's victims.", "percentunit",
+              query(engine_pods_stalled(), "{{namespace}}/{{pod}}"), max_value=1),
         value_table("Engines on this node", "Each engine file a live process loaded: its block device and its GPU "
                     "(gpuio_engine_info), the join the starvation alerts use.",
                     f"gpuio_engine_info{engines}", ["job"], width=12),
     ]
+
+
+def engine_pods_stalled() -> str:
+    """IO pressure (some) of each cgroup of a pod that serves engines, the pod's worst one, named by the
+    engines' pod info (the cgroup_io collector's cgroups carry the pod UID the kubelet's path names)."""
+    node, in_a_pod = c.NODE_LABEL, sel('pod_uid!=""')
+    waiting = f"rate(gpuio_cgroup_io_pressure_waiting_seconds_total{sel()}[$__rate_interval])"
+    of_pods = f"{waiting} * on ({node}, cgroup) group_left (pod_uid) gpuio_cgroup_info{in_a_pod}"
+    pods = f"max by ({node}, pod_uid, namespace, pod) (gpuio_engine_pod_info{in_a_pod})"
+    return f"max by (namespace, pod) ({of_pods} * on ({node}, pod_uid) group_left (namespace, pod) {pods})"
 
 
 def build() -> db.Dashboard:
