@@ -211,11 +211,26 @@ def _shown_value(flag: Flag) -> str:
 
 
 # GPUIO_* variables that are no flag's twin but are read on purpose: the instrumentation library's spool
-# directory (often set for the whole node), the image's HEALTHCHECK address, what smartctl children carry,
+# directory (often set for the whole node; the engines collector reads it too, ENVIRONMENT_ALIASES), the
+# image's HEALTHCHECK address, what smartctl children carry,
 # and the test suite's switch that makes a missing peer tool fail (set in CI for every process it starts).
 OTHER_ENVIRONMENT = frozenset({"GPUIO_SPOOL_DIR", "GPUIO_HEALTHCHECK_URL", "GPUIO_SMARTCTL_OWNER",
                                "GPUIO_REQUIRE_PEERS"})
 MAX_ENVIRONMENT_WARNINGS = 20
+# One spool directory, one variable: the instrumentation library reads GPUIO_SPOOL_DIR, so the exporter and
+# its tools read it too where the flag's own twin is not set (a node that sets it once is set up).
+SPOOL_DIR_FLAG, SPOOL_DIR_ENV = "collector.engines.spool-dir", "GPUIO_SPOOL_DIR"
+ENVIRONMENT_ALIASES = {SPOOL_DIR_FLAG: SPOOL_DIR_ENV}
+
+
+def spool_directory_conflict(environ: Mapping[str, str]) -> list[str]:
+    """A warning where the library's spool variable and the exporter's twin name different directories:
+    the processes then report where the exporter does not look."""
+    twin, library = environ.get(env_name(SPOOL_DIR_FLAG)), environ.get(SPOOL_DIR_ENV)
+    if twin is None or library is None or twin == library:
+        return []
+    return [f"{env_name(SPOOL_DIR_FLAG)}={twin[:200]!r} and {SPOOL_DIR_ENV}={library[:200]!r} differ: the exporter "
+            f"reads the first, the instrumentation library writes to the second; set one of them"]
 
 
 def unknown_environment(environ: Mapping[str, str]) -> list[str]:
@@ -252,9 +267,10 @@ def _resolve_one(flag: Flag, given: str | None, environ: Mapping[str, str]) -> A
     raw = given
     if isinstance(raw, list):  # argparse (3.11) turns "--flag=--" into [] (found by fuzzing): the value was "--"
         raw = " ".join(raw) or "--"
-    if raw is None and env_name(flag.name) in environ:
-        raw = environ[env_name(flag.name)]
-        source = f"--{flag.name} (from environment variable {env_name(flag.name)})"
+    for variable in (env_name(flag.name), ENVIRONMENT_ALIASES.get(flag.name)):
+        if raw is None and variable is not None and variable in environ:
+            raw = environ[variable]
+            source = f"--{flag.name} (from environment variable {variable})"
     if raw is None:
         # Defaults are written as an operator would type them and go through the same parser.
         raw = flag.default
@@ -311,7 +327,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         log_level=values["log.level"],
         log_format=values["log.format"],
         collector_timeout=values["collector.timeout"],
-        warnings=unknown_environment(environ),
+        warnings=unknown_environment(environ) + spool_directory_conflict(environ),
     )
     for name, cls in REGISTRY.items():
         default = cls.default_enabled and not disable_defaults

@@ -189,8 +189,10 @@ def engines_main(argv: Sequence[str]) -> int:
     from .pods import kubelet
 
     parser = argparse.ArgumentParser(prog="gpuio engines", description="The engines on this node.")
-    parser.add_argument("--spool-dir", default=os.environ.get("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR", DEFAULT_DIR),
-                        help="spool directory (env GPUIO_COLLECTOR_ENGINES_SPOOL_DIR; default %(default)s)")
+    spool_dir = os.environ.get("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR") or os.environ.get("GPUIO_SPOOL_DIR") or DEFAULT_DIR
+    parser.add_argument("--spool-dir", default=spool_dir,
+                        help="spool directory (env GPUIO_COLLECTOR_ENGINES_SPOOL_DIR, else GPUIO_SPOOL_DIR as the "
+                             "library reads it; default %(default)s)")
     parser.add_argument("--path", action="append", default=[],
                         help="glob of engine files to include (repeatable, or comma-separated)")
     parser.add_argument("--path.procfs", dest="procfs", default="/proc")
@@ -211,7 +213,8 @@ def engines_main(argv: Sequence[str]) -> int:
     if not globs and not os.path.isdir(args.spool_dir) and not os.path.isdir(args.kubelet_pods_dir):
         # a typo would otherwise read as "no engines"
         print(f"gpuio engines: error: spool directory {printable(args.spool_dir)} does not exist "
-              "(--spool-dir, GPUIO_COLLECTOR_ENGINES_SPOOL_DIR); no instrumented process can report there",
+              "(--spool-dir, GPUIO_COLLECTOR_ENGINES_SPOOL_DIR, GPUIO_SPOOL_DIR); "
+              "no instrumented process can report there",
               file=sys.stderr)
         return 2
     include = [part.strip() for part in args.path_include.split(",") if part.strip()]

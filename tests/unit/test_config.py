@@ -137,3 +137,20 @@ def test_the_tools_leave_the_servers_environment_to_the_server() -> None:
     assert config.listen_addresses == [("", 9817)] and config.warnings == []
     with pytest.raises(ConfigError, match="GPUIO_WEB_LISTEN_ADDRESS"):
         parse_args([], environ={"GPUIO_WEB_LISTEN_ADDRESS": "not an address"})
+
+
+def test_one_spool_variable_for_the_library_the_exporter_and_its_tools(tmp_path) -> None:
+    """The library reads GPUIO_SPOOL_DIR; a node that sets it once has the exporter look there too (its own
+    twin, if set, wins), and two variables naming different directories are warned about."""
+    library_dir, twin_dir = str(tmp_path / "library"), str(tmp_path / "twin")
+    spool_dir = parse_args([], {"GPUIO_SPOOL_DIR": library_dir}).collector_options["engines"]["spool-dir"]
+    assert spool_dir == library_dir
+    both = parse_args([], {"GPUIO_SPOOL_DIR": library_dir, "GPUIO_COLLECTOR_ENGINES_SPOOL_DIR": twin_dir})
+    assert both.collector_options["engines"]["spool-dir"] == twin_dir
+    assert [w for w in both.warnings if "differ" in w] == [
+        f"GPUIO_COLLECTOR_ENGINES_SPOOL_DIR={twin_dir!r} and GPUIO_SPOOL_DIR={library_dir!r} differ: the exporter "
+        "reads the first, the instrumentation library writes to the second; set one of them"]
+    same = parse_args([], {"GPUIO_SPOOL_DIR": library_dir, "GPUIO_COLLECTOR_ENGINES_SPOOL_DIR": library_dir})
+    assert not [w for w in same.warnings if "differ" in w]
+    flag = parse_args([f"--collector.engines.spool-dir={twin_dir}"], {"GPUIO_SPOOL_DIR": library_dir})
+    assert flag.collector_options["engines"]["spool-dir"] == twin_dir  # the command line first, as ever
