@@ -108,7 +108,8 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
               "GPUs, engines\n"
               "       gpuio engines [--spool-dir DIR] [--path GLOB] [--json]   engines on this node: size, "
               "residency, disk, GPU\n"
-              "       gpuio warm PATH... [--jobs N] [--json]   read engine files into the page cache, print MiB/s\n"
+              "       gpuio warm PATH... [--jobs N] [--json] [--evict] [--stall-timeout S] [--as-root]   read engine "
+              "files into the page cache (--evict: drop them from it), print MiB/s\n"
               "       gpuio --version")
         raise SystemExit(0 if args else 2)
     if args[0] == "--version":

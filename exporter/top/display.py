@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import json
 import logging
 import os
+import re
 import select
 import sys
 import termios
@@ -449,6 +451,17 @@ def interactive(source: Source, interval: float, ui: UiState, console: Console,
 # --- entry point -------------------------------------------------------------------------------------
 
 
+def _with_own_flags(error: Exception, parser: argparse.ArgumentParser) -> str:
+    """The exporter's "unknown flag" error, with gpuio top's own flags among the ones a typo may have meant
+    (the exporter's parser knows only its own: --onse got no "did you mean --once?")."""
+    found = re.fullmatch(r"unknown flag '([^']*)' \(--help lists the flags\)", str(error))
+    if found is None:
+        return str(error)
+    own = [option for action in parser._actions for option in action.option_strings]
+    close = difflib.get_close_matches(found[1], own, n=1, cutoff=0.6)
+    return f"unknown flag {found[1]!r}; did you mean {close[0]}?" if close else str(error)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuio top", allow_abbrev=False,
@@ -499,7 +512,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
             config = parse_args(rest, prog="gpuio top", server=False)
             source = LocalSource(config, clock)
         except ConfigError as exc:
-            print(f"gpuio top: error: {printable(exc)}", file=sys.stderr)
+            print(f"gpuio top: error: {printable(_with_own_flags(exc, parser))}", file=sys.stderr)
             return 2
         setup(config.log_level, config.log_format)
     once = args.once or args.json

@@ -442,3 +442,13 @@ def test_printable_escapes_what_a_terminal_would_act_on_and_keeps_the_rest() -> 
     assert printable("a\x1b[31mb\x07c\x7fd\x9be\tf\ng") == r"a\x1b[31mb\x07c\x7fd\x9be\x09f\x0ag"
     assert printable("x\u202ey\u2066z\u200b\u2028") == r"x\u202ey\u2066z\u200b\u2028"  # bidi, zero-width, line sep
     assert safe_text("[bold red]x[/]").plain == "[bold red]x[/]"  # no markup read
+
+
+def test_a_misspelt_flag_of_top_itself_gets_its_did_you_mean(capsys) -> None:
+    """The exporter's flag parser knows only the exporter's flags: a typo of one of top's own was "unknown"."""
+    from exporter.top.display import main
+
+    assert main(["--onse"]) == 2
+    assert capsys.readouterr().err.strip() == "gpuio top: error: unknown flag '--onse'; did you mean --once?"
+    assert main(["--collector.diskstat"]) == 2
+    assert "did you mean --collector.diskstats?" in capsys.readouterr().err
