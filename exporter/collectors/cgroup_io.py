@@ -36,9 +36,10 @@ pressure series and 3N x (D + 1) info series, plus 5 of the collector's own.  Wi
 270 D + 95: 1,175 series on a node with 4 disks, 8,735 at 32 devices.  A calm node serves a handful of
 pairs; an idle one only the collector's own 5.
 
-**Not yet** (docs/cgroup-io.md): every cgroup of the pods that engines run in, served whatever its rank.
-The pod UIDs of spool writers are in :class:`exporter.pods.attribution.PodAttribution`, which does not
-hand them out yet.
+**Engine pods.**  The IO pressure of every cgroup of a pod that serves engines (the spool writers' pod UIDs,
+:meth:`exporter.pods.attribution.PodAttribution.writer_pod_uids`) is served whatever its rank, at most
+MAX_ENGINE_POD_CGROUPS of them (the rest counted as kind="series"): an engine's pod that stalls on IO without
+doing IO itself is on the Starvation board while it stalls.
 """
 
 from __future__ import annotations
@@ -228,6 +229,19 @@ class Selection:
         return set(self._pressure)
 
 
+MAX_ENGINE_POD_CGROUPS = 64
+
+
+def engine_pod_cgroups(cgroups_seen: list[str], pod_uids: frozenset[str]) -> tuple[list[str], int]:
+    """The cgroups (of ``cgroups_seen``, sorted) of the pods whose UIDs are ``pod_uids``, at most
+    MAX_ENGINE_POD_CGROUPS; and how many more there were."""
+    if not pod_uids:
+        return [], 0
+    found = sorted(cgroup for cgroup in cgroups_seen
+                   if (pod := parse_path(cgroup)) is not None and pod.pod_uid in pod_uids)
+    return found[:MAX_ENGINE_POD_CGROUPS], max(0, len(found) - MAX_ENGINE_POD_CGROUPS)
+
+
 def info_labels(cgroup: str) -> dict[str, str]:
     """gpuio_cgroup_info's labels: the pod and container a kubelet's cgroup path names, else the service."""
     pod = parse_path(cgroup)
@@ -359,7 +373,9 @@ class CgroupIoCollector(Collector):
                                               io.discarded_bytes, io.discards), strict=True):
                 if value is not None:
                     lines[desc].append(desc.sample(labels, value))
-        for cgroup in sorted(served | self._selection.pressure_cgroups()):
+        pinned, left_out = engine_pod_cgroups(list(observed.pressure), self.context.pods.writer_pod_uids())
+        self._dropped["series"] += left_out
+        for cgroup in sorted(served | self._selection.pressure_cgroups() | set(pinned)):
             pressure = observed.pressure.get(cgroup)
             if pressure is None:
                 continue

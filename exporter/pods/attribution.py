@@ -77,6 +77,10 @@ class PodAttribution:
             names.pop(uid, None)
         self._names = names
 
+    def writer_pod_uids(self) -> frozenset[str]:
+        """The pod UIDs of the spool writers (the pods that serve engines), as update_writer_pods kept them."""
+        return frozenset(self._names)
+
     def of_process(self, pod_uid: str, gpu_uuid: str) -> tuple[str, str, str] | None:
         """(namespace, pod, container) of a process in pod ``pod_uid`` on GPU ``gpu_uuid``; None when its
         pod cannot be named."""

@@ -475,3 +475,24 @@ def test_flags_and_their_environment_twins() -> None:
     assert parse_args([], environ={"GPUIO_COLLECTOR_CGROUP_IO": "false"}).enabled["cgroup_io"] is False
     with pytest.raises(ConfigError, match="collector.cgroup_io.top"):
         parse_args(["--collector.cgroup_io.top=0"], environ={})
+
+
+def test_the_pressure_of_an_engine_pods_cgroups_is_served_whatever_its_rank(tmp_path) -> None:
+    """Top 1 by pressure is crio.service; the inference pod stalls less but serves engines (a spool writer of
+    its UID): its cgroup's pressure is served too, so the Starvation board shows it stalling.  Without the
+    writer's UID it is left out, as any cgroup below the top."""
+    tree = Tree(tmp_path, "v2-crio")
+    app = ("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0d9e8f7a_6b5c_4d3e_9f2a_1b0c9d8e7f6a.slice/"
+           "crio-9f8e7d6c5b4a39281706f5e4d3c2b1a09f8e7d6c5b4a39281706f5e4d3c2b1a0.scope")
+    made = collector(tree.sysfs, top=1)
+    walk_now(made)
+    tree.stall(app, some_us=1_000_000, full_us=500_000)
+    tree.stall("/system.slice/crio.service", some_us=9_000_000, full_us=1_000_000)
+    assert (app,) not in series(walk_now(made), "gpuio_cgroup_io_pressure_waiting_seconds_total")
+    made.context.pods.update_writer_pods([("0d9e8f7a-6b5c-4d3e-9f2a-1b0c9d8e7f6a", "serving", "resnet-7d9f")])
+    tree.stall(app, some_us=1_000_000, full_us=500_000)
+    tree.stall("/system.slice/crio.service", some_us=9_000_000, full_us=1_000_000)  # still the top one
+    text = walk_now(made)
+    waiting = series(text, "gpuio_cgroup_io_pressure_waiting_seconds_total")
+    assert (app,) in waiting and ("/system.slice/crio.service",) in waiting
+    assert info(text)[app]["pod_uid"] == "0d9e8f7a-6b5c-4d3e-9f2a-1b0c9d8e7f6a"
