@@ -33,8 +33,9 @@ cgroups by pressure (3 x 10 = 30 by default); past that the pair chosen least re
 ends, counted in gpuio_cgroup_io_dropped_series_total{kind="series"}.  With D devices seen in a walk (at most
 MAX_DEVICES = 32; more are counted as kind="device"): at most 6 counters x 3N x D IO series, 2 x 3N x (D + 1)
 pressure series and 3N x (D + 1) info series, plus 5 of the collector's own.  With N = 10 that is
-270 D + 95: 1,175 series on a node with 4 disks, 8,735 at 32 devices.  A calm node serves a handful of
-pairs; an idle one only the collector's own 5.
+270 D + 95: 1,175 series on a node with 4 disks, 8,735 at 32 devices; engine pods' cgroups add at most
+3 x MAX_ENGINE_POD_CGROUPS = 192 (pressure and info).  A calm node serves a handful of pairs; an idle one
+only the collector's own 5.
 
 **Engine pods.**  The IO pressure of every cgroup of a pod that serves engines (the spool writers' pod UIDs,
 :meth:`exporter.pods.attribution.PodAttribution.writer_pod_uids`) is served whatever its rank, at most
