@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .collect import BadLine
-from .procstat import whole_number
+from .procstat import read_at_most, whole_number
 from .psi import parse_total
 
 MAX_DEPTH = 32
@@ -289,19 +289,11 @@ def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> tuple[str, bool] | N
     except OSError:
         return None
     try:
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        data = read_at_most(fd, limit)
     except OSError:
         return None  # ENODEV: the cgroup was removed after the open
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     return data[:limit].decode("ascii", "replace"), len(data) > limit
 
 

@@ -1,6 +1,6 @@
 """/proc/<pid>/stat, read once for the whole exporter: its own process metrics, smartctl's process
-table and the start time that identifies a spool writer; and the bounded reading of a number any kernel
-file writes (``whole_number``).
+table and the start time that identifies a spool writer; the bounded reading of a number any kernel
+file writes (``whole_number``) and of a file (``read_at_most``).
 
 The command name (field 2) is in parentheses and may itself hold spaces and parentheses, so the
 fields are split after its last ")".  (gpuio, the instrumentation library, has its own few lines
@@ -8,6 +8,8 @@ for its own start time: it imports nothing of the exporter.)
 """
 
 from __future__ import annotations
+
+import os
 
 # Indexes into stat_fields(), i.e. field number (proc(5), from 1) minus 3.
 STATE, PPID, SESSION = 0, 1, 3
@@ -23,6 +25,20 @@ def whole_number(text: str) -> int | None:
     """A non-negative ASCII integer of at most MAX_DIGITS digits, or None (isdigit() alone accepts '²' and
     other Unicode digits that int() refuses)."""
     return int(text) if len(text) <= MAX_DIGITS and text.isascii() and text.isdigit() else None
+
+
+def read_at_most(fd: int, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes from ``fd``: whether there were more than ``limit`` shows, and a file that
+    never ends (/dev/zero, a sysfs file gone mad) costs no more."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = os.read(fd, limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def stat_fields(pid: int | str = "self", procfs: str = "/proc") -> list[bytes]:

@@ -68,6 +68,7 @@ from hashlib import sha256
 from typing import TYPE_CHECKING, Any
 
 from .logsetup import fields
+from .procstat import read_at_most
 from .server_metrics import AUTH_RESULTS, RELOAD_RESULTS
 
 log = logging.getLogger("gpuio.webconfig")
@@ -217,14 +218,7 @@ def read_regular_file(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
             kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
                     else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
             raise OSError(errno.EINVAL, f"not a regular file but {kind}")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
+        return read_at_most(fd, limit)
     finally:
         os.close(fd)
 
