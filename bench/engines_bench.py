@@ -30,11 +30,18 @@
    both changed before every timed read: SpoolReader.read() and the engines collector's
    collect()+render, against the honest writer alone.  ``--only-flood`` runs this alone; copied into
    an older checkout, it measures that checkout's reader (what it uses is the same in both).
+6. Engine discovery (engines served without the library): one pass of exporter.discovery over this
+   machine's processes plus DISCOVERY_IDLE idle processes holding DISCOVERY_FDS descriptors each and
+   DISCOVERY_LOADERS processes holding a Triton-layout model file open: the first pass, and steady
+   passes (the loaders followed every pass, the rest in turn within the pass budget), against GNU
+   find walking every descriptor of every process for the same names (``find /proc/[0-9]*/fd -lname``,
+   what a one-off lookup with a shell does; lsof reads more).  ``--only-discovery`` runs this alone.
 
     .venv/bin/python bench/engines_bench.py                     # all of it
     .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
     .venv/bin/python bench/engines_bench.py --skip-scrapes      # 1 only
     .venv/bin/python bench/engines_bench.py --only-flood        # 5 only
+    .venv/bin/python bench/engines_bench.py --only-discovery    # 6 only
 """
 
 from __future__ import annotations
@@ -573,6 +580,87 @@ def report_flood(repeats: int) -> None:
               f"{str(result['served']):>14s}  {result['errors']}")
 
 
+# --------------------------------------------------------------------------------------------------
+# 6. engine discovery
+# --------------------------------------------------------------------------------------------------
+
+DISCOVERY_IDLE = 200
+DISCOVERY_FDS = 64
+DISCOVERY_LOADERS = 10
+
+
+def hold_descriptors(paths: list[str], count: int) -> int:
+    """A child holding ``count`` descriptors of /dev/null and ``paths`` open, sleeping; its pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            held = [os.open(os.devnull, os.O_RDONLY) for _ in range(count)]
+            held += [os.open(path, os.O_RDONLY) for path in paths]
+            time.sleep(3600)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def report_discovery(repeats: int) -> None:
+    from exporter.discovery import Discovery
+
+    directory = tempfile.mkdtemp(prefix="gpuio-discovery-")
+    children: list[int] = []
+    try:
+        models = []
+        for index in range(DISCOVERY_LOADERS):
+            path = os.path.join(directory, f"model-{index}", "1", "model.plan")
+            os.makedirs(os.path.dirname(path))
+            with open(path, "wb") as handle:
+                handle.write(b"\0" * 4096)
+            models.append(path)
+        children += [hold_descriptors([], DISCOVERY_FDS) for _ in range(DISCOVERY_IDLE)]
+        children += [hold_descriptors([path], DISCOVERY_FDS) for path in models]
+        time.sleep(1.0)
+        processes = sum(1 for name in os.listdir("/proc") if name.isdigit())
+        descriptors = 0
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    descriptors += len(os.listdir(f"/proc/{name}/fd"))
+                except OSError:
+                    pass
+        discovery = Discovery([directory])
+        start = time.perf_counter()
+        first = discovery.sample()
+        first_s = time.perf_counter() - start
+        steady, rounds = [], 0
+        while len(steady) < repeats or first.figures.unfinished:
+            start = time.perf_counter()
+            first = discovery.sample()
+            steady.append(time.perf_counter() - start)
+            rounds += 1
+            if rounds > 10 * repeats:
+                break
+        found = len(first.totals.infos)
+        finds = []
+        for _ in range(max(3, repeats // 10)):
+            start = time.perf_counter()
+            subprocess.run(["find", *[f"/proc/{pid}/fd" for pid in os.listdir("/proc") if pid.isdigit()],
+                            "-lname", f"{directory}/*.plan"], capture_output=True, check=False)
+            finds.append(time.perf_counter() - start)
+        p50 = statistics.median(steady)
+        print(f"\nengine discovery: {processes} processes, {descriptors:,} descriptors "
+              f"({DISCOVERY_IDLE} idle x {DISCOVERY_FDS}, {DISCOVERY_LOADERS} holding a model file); found {found}")
+        print(f"  first pass {first_s * 1000:.1f} ms; steady pass p50 {p50 * 1000:.2f} ms, "
+              f"p90 {statistics.quantiles(steady, n=10)[-1] * 1000:.2f} ms ({len(steady)} passes)")
+        print(f"  find /proc/*/fd -lname (every descriptor of every process): p50 "
+              f"{statistics.median(finds) * 1000:.1f} ms; ratio steady pass / find "
+              f"{p50 / statistics.median(finds):.2f}")
+        print(f"  at the default 1 s interval: {p50 * 100:.2f} % of one core")
+    finally:
+        for pid in children:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--writer-helper", nargs=2, metavar=("DIR", "COUNT"), help=argparse.SUPPRESS)
@@ -582,6 +670,7 @@ def main() -> None:
     parser.add_argument("--skip-residency", action="store_true")
     parser.add_argument("--skip-scrapes", action="store_true", help="observe() and infer() only")
     parser.add_argument("--only-flood", action="store_true", help="5 only: one writer's flood")
+    parser.add_argument("--only-discovery", action="store_true", help="6 only: engine discovery")
     args = parser.parse_args()
     if args.writer_helper:
         writer_helper(args.writer_helper[0], int(args.writer_helper[1]))
@@ -590,6 +679,9 @@ def main() -> None:
     if args.only_flood:
         report_flood(args.scrapes)
         return
+    if args.only_discovery:
+        report_discovery(args.scrapes)
+        return
     report_observe(observe_costs())
     report_breakdown()
     report_fork()
@@ -597,6 +689,7 @@ def main() -> None:
         return
     report_scrapes(args.scrapes)
     report_flood(args.scrapes)
+    report_discovery(args.scrapes)
     if not args.skip_residency:
         report_residency(args.residency_gib, args.residency_dir)
 

@@ -151,9 +151,10 @@ def layer_panels() -> list:
 def spool_panels() -> list:
     s = sel()
     return [
-        graph("Reporting processes", "Live inference processes with a spool file, and those reporting each engine.",
+        graph("Serving processes", "Live inference processes with a spool file, and those serving each engine: "
+              "through the library (spool) or found holding its file without it (proc: engine discovery).",
               "short", query(f"gpuio_engine_spool_processes{s}", "spool files"),
-              query(f"gpuio_engine_processes{sel(ENGINE)}", f"{PER_ENGINE} processes")),
+              query(f"gpuio_engine_processes{sel(ENGINE)}", f"{PER_ENGINE} processes ({{{{source}}}})")),
         graph("Spool errors and dropped series", "Spool files skipped or damaged per second by reason "
               "(GpuioEngineSpoolErrors), and series left out by the caps of the writers and of the exporter.",
               "short",

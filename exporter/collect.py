@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -59,12 +59,25 @@ class GpuProcesses:
 
     def __init__(self) -> None:
         self._by_process: dict[tuple[int, int], str] = {}
+        self._pids: frozenset[int] = frozenset()
 
-    def update(self, by_process: dict[tuple[int, int], str]) -> None:
-        self._by_process = {key: uuid for key, uuid in by_process.items() if key[1] > 0}
+    def update(self, by_process: Mapping[tuple[int, int], str] | Iterable[tuple[tuple[int, int], str]]) -> None:
+        """From (process, GPU) pairs: a process NVML lists on several GPUs is on none of them here (which
+        of its GPUs an engine is for cannot be told from the process list)."""
+        pairs = by_process.items() if isinstance(by_process, Mapping) else by_process
+        table: dict[tuple[int, int], str] = {}
+        for key, uuid in pairs:
+            if key[1] > 0:
+                table[key] = uuid if table.get(key, uuid) == uuid else ""
+        self._by_process = {key: uuid for key, uuid in table.items() if uuid}
+        self._pids = frozenset(pid for pid, _ in table)
 
     def get(self, pid: int, start_ticks: int) -> str | None:
         return self._by_process.get((pid, start_ticks))
+
+    def pids(self) -> frozenset[int]:
+        """Every process with a GPU context at the last sweep (on one GPU or several)."""
+        return self._pids
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,8 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
             dev = info.dev if info is not None else view.dev if view is not None else None
             device, disks = collector.device_of(dev) if dev else ("", [])
             row: dict[str, Any] = {
-                "engine": engine, "path": path, "processes": totals.processes.get(engine, 0),
+                "engine": engine, "path": path, "processes": (totals.processes.get(engine, 0)
+                              + totals.discovered_processes.get(engine, 0)),
                 "pods": sorted({f"{pod.namespace}/{pod.pod}" for (name, _), pods in totals.pods.items()
                                 if name == engine for pod in pods if pod.pod}),
                 "size_bytes": view.size if view else (info.size if info else None),

@@ -580,6 +580,8 @@ class Totals:
     # killed while loading (a startup probe, OOM) never finishes its load, and a crash-looping cold start
     # is one such load per attempt.  The evidence that survives the processes (docs/engines.md).
     abandoned: dict[tuple[str, str], float] = field(default_factory=dict)
+    # engine -> live processes found holding its file without the library (exporter.discovery)
+    discovered_processes: dict[str, int] = field(default_factory=dict)
 
 
 # What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
@@ -920,6 +922,10 @@ class SpoolReader:
         # files are keyed by absolute path (the main directory's by name), read with the same budgets,
         # and never deleted (the volume is the pod's, mounted read-only): folded, then tombstoned.
         self.pod_directories: dict[str, str] = {}
+
+    def live_file_ids(self) -> frozenset[FileId]:
+        """(st_dev, st_ino) of the live spool files read: their processes report through the library."""
+        return frozenset(self._live)
 
     def set_pod_directories(self, directories: dict[str, str]) -> None:
         """Replace the discovered directories (directory -> pod UID); files of one no longer listed
@@ -1922,6 +1928,47 @@ def _add_counts(totals: Totals, parsed: Parsed, writer: tuple[int, int]) -> None
         totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
     for engine, values in parsed.waterfalls.items():
         _merge_waterfall(totals.waterfalls, engine, values)
+
+
+def combined(spool: Totals, discovered: Totals) -> Totals:
+    """The spool's totals with the engines discovery found (exporter.discovery) added in: one model of
+    every engine, whichever source reports it.  Neither argument changes (the reader reuses its merge
+    between reads); discovered processes are counted apart (``discovered_processes``)."""
+    if not (discovered.engines or discovered.infos or discovered.abandoned):
+        return spool
+    out = dataclasses.replace(
+        spool,
+        engines={engine: list(values) for engine, values in spool.engines.items()},
+        infos={engine: list(items) for engine, items in spool.infos.items()},
+        writers={engine: list(found) for engine, found in spool.writers.items()},
+        loads={key: list(values) for key, values in spool.loads.items()},
+        last_load=dict(spool.last_load),
+        waterfalls={engine: list(values) for engine, values in spool.waterfalls.items()},
+        info_uids={key: set(uids) for key, uids in spool.info_uids.items()},
+        pods={key: set(found) for key, found in spool.pods.items()},
+        abandoned=dict(spool.abandoned),
+        discovered_processes=dict(discovered.processes),
+    )
+    for engine, values in discovered.engines.items():
+        total = out.engines.get(engine)
+        out.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
+    for engine, items in discovered.infos.items():
+        out.infos.setdefault(engine, []).extend(items)
+    for engine, found in discovered.writers.items():
+        out.writers.setdefault(engine, []).extend(found)
+    for load, values in discovered.loads.items():
+        _merge_load(out.loads, load, values)
+    for engine, moment in discovered.last_load.items():
+        out.last_load[engine] = max(out.last_load.get(engine, 0.0), moment)
+    for engine, values in discovered.waterfalls.items():
+        _merge_waterfall(out.waterfalls, engine, values)
+    for file, uids in discovered.info_uids.items():
+        out.info_uids.setdefault(file, set()).update(uids)
+    for pair, pods in discovered.pods.items():
+        out.pods.setdefault(pair, set()).update(pods)
+    for pair, count in discovered.abandoned.items():
+        out.abandoned[pair] = out.abandoned.get(pair, 0.0) + count
+    return out
 
 
 def _add_into(table: dict[tuple[str, str], list[float]], key: tuple[str, str], values: typing.Sequence[float]) -> None:

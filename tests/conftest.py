@@ -206,14 +206,15 @@ def exporter() -> Iterator[callable]:
 
 
 def engines_collector(spool: str, **options: object) -> Any:
-    """The engines collector with its default options, ``spool`` as its spool directory and ``options``
-    on top (``path_include=`` for ``path-include``)."""
+    """The engines collector with its default options but discovery off, ``spool`` as its spool directory
+    and ``options`` on top (``path_include=`` for ``path-include``)."""
     from exporter.collect import Context
     from exporter.collectors import engines
 
     settings = {option.name: option.parse(option.default) if option.default is not None else None
                 for option in engines.EnginesCollector.options}
     settings["spool-dir"] = spool
+    settings["discover"] = False  # this machine's own processes are no test's input (discover=True to look)
     settings.update({key.replace("_", "-"): value for key, value in options.items()})
     return engines.EnginesCollector(Context(), settings)
 

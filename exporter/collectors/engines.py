@@ -47,6 +47,7 @@ at most MAX_LAYER_WALKS walks and LAYER_PASS_SECONDS a pass); the scrape uses it
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import math
@@ -62,14 +63,14 @@ from typing import Any
 from gpuio import spool as fmt
 from gpuio.load import engine_name
 
-from .. import mounts
+from .. import discovery, mounts
 from .. import spool_reader as rd
 from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
 from ..collect import Absent, Collector, Context, Pending, register
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
 from ..mounts import MountCache
-from ..options import Option, parse_count, parse_seconds
+from ..options import Option, parse_bool, parse_count, parse_seconds
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..pods import kubelet
 from ..sampler import PeriodicSampler
@@ -236,8 +237,10 @@ ENGINE_MOUNT = Desc("gpuio_engine_mount_info", INFO,
                     "FUSE mounts too): joins engines with gpuio_mount_info and gpuio_mountstats_*.",
                     labels=(*ENGINE, "path", "mountpoint", "fstype", "source"))
 MAX_GPUS_PER_ENGINE = 16
-PROCESSES = Desc("gpuio_engine_processes", GAUGE, "Live processes reporting the engine through the spool.",
-                 labels=ENGINE)
+PROCESSES = Desc("gpuio_engine_processes", GAUGE,
+                 "Live processes serving the engine, by source: spool (reporting through the library) or proc "
+                 "(found holding its file without the library: engine discovery).", labels=(*ENGINE, "source"),
+                 values={"source": ("spool", "proc")})
 LAST_LOAD = Desc("gpuio_engine_last_load_timestamp_seconds", GAUGE,
                  "When the engine was last loaded.", labels=ENGINE, unit="seconds")
 ENGINE_INFO = Desc("gpuio_engine_info", INFO,
@@ -342,6 +345,19 @@ POD_SPOOLS_SKIPPED = Desc("gpuio_engine_pod_spool_pods_skipped", GAUGE,
 POD_SPOOLS_FAILED = Desc("gpuio_engine_pod_spool_scan_failed", GAUGE,
                          "1 when the last scan could not read the kubelet's pods directory (the exporter needs "
                          "to traverse its root:root 0750 directories: group root), 0 when it could.")
+DISCOVERY_PROCESSES = Desc("gpuio_engine_discovery_processes", GAUGE,
+                           "Processes engine discovery follows: holding model files open without the library, "
+                           "or having loaded one while it watched.")
+DISCOVERY_REFUSED = Desc("gpuio_engine_discovery_refused_processes_total", COUNTER,
+                         "Processes whose descriptors discovery was not allowed to read (another user's, without "
+                         "root or CAP_SYS_PTRACE): engines they load are not seen.")
+DISCOVERY_DURATION = Desc("gpuio_engine_discovery_pass_duration_seconds", GAUGE,
+                          "How long discovery's last pass over the processes took.", unit="seconds")
+DISCOVERY_TIME = Desc("gpuio_engine_discovery_timestamp_seconds", GAUGE,
+                      "When discovery's last pass finished (what the scrape serves is that old).", unit="seconds")
+DISCOVERY_BEHIND = Desc("gpuio_engine_discovery_unfinished_rotation", GAUGE,
+                        "1 while discovery's passes have not yet looked at every process once this round (its "
+                        "per-pass budget is spent): a new loader is seen first, an old one in turn.")
 MAX_PODS_PER_ENGINE = 64
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
@@ -445,6 +461,15 @@ class EnginesCollector(Collector):
                "At most this many pods are looked at for a spool volume."),
         Option("pod-spool-interval", "15s", parse_seconds, DURATION_ACCEPTED,
                "How often the kubelet's pods directory is scanned for spool volumes (in the background)."),
+        Option("discover", "true", parse_bool, "true or false",
+               "Find engines served without the library: processes holding model files open for reading "
+               "under the path-include directories, from /proc (needs root, or CAP_SYS_PTRACE and "
+               "CAP_DAC_READ_SEARCH, to see other users' processes)."),
+        Option("discover-patterns", ",".join(discovery.MODEL_PATTERNS), discovery.parse_patterns,
+               "comma-separated file-name patterns, e.g. *.plan,*.onnx",
+               "Names of the model files discovery looks for."),
+        Option("discover-interval", "1s", parse_seconds, DURATION_ACCEPTED,
+               "How often discovery looks at the processes (in the background)."),
     )
 
     def __init__(self, context: Context, options: dict[str, Any], read_only: bool = False) -> None:
@@ -489,17 +514,27 @@ class EnginesCollector(Collector):
         self.max_pod_spools: int = options.get("max-pod-spools") or kubelet.DEFAULT_MAX_PODS
         self.pod_spools: PeriodicSampler[kubelet.Discovery] = PeriodicSampler(
             "pod-spools", options.get("pod-spool-interval") or 15.0, self.find_pod_spools, log)
+        self.discovery: discovery.Discovery | None = None
+        self.discoveries: PeriodicSampler[discovery.Discovered] | None = None
+        if options.get("discover", True):
+            self.discovery = discovery.Discovery(self.path_include,
+                                                 options.get("discover-patterns") or discovery.MODEL_PATTERNS,
+                                                 context.procfs, gpu_of=context.gpu_processes.get,
+                                                 gpu_pids=context.gpu_processes.pids)
+            self.discoveries = PeriodicSampler("engine-discovery", options.get("discover-interval") or 1.0,
+                                               self.discovery.sample, log)
+
+    def _samplers(self) -> list[PeriodicSampler[Any]]:
+        return [self.scanner, self.pod_spools, self.layers, *([self.discoveries] if self.discoveries else [])]
 
     def start(self) -> None:
         self._started = True
-        self.scanner.start()
-        self.pod_spools.start()
-        self.layers.start()
+        for sampler in self._samplers():
+            sampler.start()
 
     def stop(self) -> None:
-        self.scanner.stop()
-        self.pod_spools.stop()
-        self.layers.stop()
+        for sampler in self._samplers():
+            sampler.stop()
 
     def _host_mountinfo(self) -> str:
         """The host's mount table (its init's), else the exporter's own where /proc/1 is hidden."""
@@ -524,8 +559,9 @@ class EnginesCollector(Collector):
         return self.pod_spools.sample_now().value
 
     def spool_totals(self) -> rd.Totals:
-        """The spool merged now (a read_only collector leaves exited writers' files in place)."""
-        return self.reader.read()
+        """The spool merged now (a read_only collector leaves exited writers' files in place), with the
+        engines discovery's last pass found."""
+        return self._with_discovered(self.reader.read())
 
     def engine_files_now(self) -> dict[tuple[str, str], FileView]:
         """Every engine file known now, (engine, path) -> its size, residency and device: a scan run
@@ -539,10 +575,11 @@ class EnginesCollector(Collector):
         pods = self.pod_spools.snapshot().value
         # On a kubelet's node the pods' volumes are a source even while no pod has a spool volume.
         has_spool = os.path.isdir(self.spool_dir) or (pods is not None and pods.exists)
-        if not has_spool and not self.globs:
+        if not has_spool and not self.globs and self.discoveries is None:
             raise Absent(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
-                         "report (and no --collector.engines.path is set)")
+                         "report (and neither --collector.engines.path nor discovery is on)")
         totals = self.reader.read() if has_spool else rd.Totals()
+        totals = self._with_discovered(totals)
         if totals.pods:  # the pods of writers, for the nvml collector's process series
             self.context.pods.update_writer_pods((pod.pod_uid, pod.namespace, pod.pod)
                                                  for found in totals.pods.values() for pod in found)
@@ -560,9 +597,31 @@ class EnginesCollector(Collector):
         for left_out in self._left_out.values():
             left_out.commit()
         families += self._spool_families(totals)
+        families += self._discovery_families()
         if self.scanner.first_pending():
             raise Pending("the first scan of engine files (size, residency, device) is still running", families)
         return families
+
+    def _with_discovered(self, totals: rd.Totals) -> rd.Totals:
+        """The spool's totals and the last discovery pass's, as one (exporter.discovery).  Discovery is told
+        which spool files the reader reads: their processes report through the library, never twice."""
+        if self.discovery is None or self.discoveries is None:
+            return totals
+        self.discovery.library_files = self.reader.live_file_ids()
+        if not self._started:
+            self.discoveries.sample_now()
+        found = self.discoveries.snapshot().value
+        if found is None:
+            return totals
+        pods = self.context.pods
+        pods.set_discovered_pods(pod.pod_uid for found_pods in found.totals.pods.values() for pod in found_pods)
+        named = {key: {self._named(pod, key[1]) for pod in found_pods} for key, found_pods in found.totals.pods.items()}
+        return rd.combined(totals, dataclasses.replace(found.totals, pods=named))
+
+    def _named(self, pod: rd.PodIdentity, gpu_uuid: str) -> rd.PodIdentity:
+        """A discovered process's pod (its UID, from its cgroup) with the names the kubelet gives it."""
+        names = self.context.pods.of_process(pod.pod_uid, gpu_uuid) if gpu_uuid else None
+        return rd.PodIdentity(*names, pod_uid=pod.pod_uid) if names else pod
 
     def _select(self, totals: rd.Totals) -> list[str]:
         """At most max-engines engines, shared among tenants and ranked within each so that junk cannot
@@ -623,11 +682,16 @@ class EnginesCollector(Collector):
         moved most recently; then the name (a stable order among equals)."""
         moved = self._activity[name][1]
         values = totals.engines[name]
-        return (now - moved > ACTIVE_SECONDS, totals.processes.get(name, 0) == 0,
+        live = totals.processes.get(name, 0) + totals.discovered_processes.get(name, 0)
+        return (now - moved > ACTIVE_SECONDS, live == 0,
                 rd.observations(values) == 0, name not in self._exported, -moved, name)
 
     def _drop(self, kind: str, key: Any) -> None:
         self._left_out[kind].add(key)
+
+    @staticmethod
+    def _sourced(engine: str, source: str) -> str:
+        return label_string({"engine": engine, "source": source})
 
     def _label(self, engine: str) -> str:
         """``engine="..."``, kept for the engines shown (see _select), made afresh for any other."""
@@ -656,7 +720,9 @@ class EnginesCollector(Collector):
                 column.extend(block)
             load_bytes.append(LOAD_BYTES.sample(labels, values[layout.counters["load_read_bytes"]]))
             profiled.append(PROFILED.sample(labels, values[layout.counters["layer_profiled_inferences"]]))
-            processes.append(PROCESSES.sample(labels, totals.processes.get(engine, 0)))
+            processes.append(PROCESSES.sample(self._sourced(engine, "spool"), totals.processes.get(engine, 0)))
+            if engine in totals.discovered_processes:
+                processes.append(PROCESSES.sample(self._sourced(engine, "proc"), totals.discovered_processes[engine]))
             if engine in totals.last_load:
                 last_load.append(LAST_LOAD.sample(labels, totals.last_load[engine]))
         self._rendered = rendered
@@ -687,12 +753,13 @@ class EnginesCollector(Collector):
     # --- per engine and GPU; loads in progress -------------------------------------------------------
 
     def _engine_gpus(self, totals: rd.Totals, engines: list[str]) -> list[tuple[str, str]]:
-        """The (engine, GPU) pairs to serve: every GPU a process of the engine recorded or is loading on,
-        at most MAX_GPUS_PER_ENGINE per engine (GPU uuids come from writers: untrusted)."""
+        """The (engine, GPU) pairs to serve: every GPU a process of the engine recorded, is loading on or
+        loaded it for, at most MAX_GPUS_PER_ENGINE per engine (GPU uuids come from writers: untrusted)."""
         wanted = set(engines)
         by_engine: dict[str, set[str]] = {}
         loading = [(engine, uuid) for engine, uuid, _ in totals.loads]
-        for engine, uuid in [*totals.per_gpu, *loading, *totals.abandoned]:
+        loaded = [(engine, item.gpu_uuid) for engine, items in totals.infos.items() for item in items if item.gpu_uuid]
+        for engine, uuid in [*totals.per_gpu, *loading, *totals.abandoned, *loaded]:
             if engine in wanted:
                 by_engine.setdefault(engine, set()).add(uuid)
         pairs: list[tuple[str, str]] = []
@@ -1179,7 +1246,18 @@ class EnginesCollector(Collector):
             return None
         return rate([name for name, infos in totals.infos.items() if any(info.dev in devices for info in infos)])
 
-    # --- the spool itself ----------------------------------------------------------------------
+    # --- the sources themselves ----------------------------------------------------------------
+
+    def _discovery_families(self) -> list[Family]:
+        snapshot = self.discoveries.snapshot() if self.discoveries is not None else None
+        if snapshot is None or snapshot.value is None or snapshot.taken_at is None:
+            return []
+        figures = snapshot.value.figures
+        return [Family(DISCOVERY_PROCESSES, [DISCOVERY_PROCESSES.sample("", figures.processes)]),
+                Family(DISCOVERY_REFUSED, [DISCOVERY_REFUSED.sample("", figures.not_permitted)]),
+                Family(DISCOVERY_DURATION, [DISCOVERY_DURATION.sample("", figures.duration)]),
+                Family(DISCOVERY_TIME, [DISCOVERY_TIME.sample("", snapshot.taken_at)]),
+                Family(DISCOVERY_BEHIND, [DISCOVERY_BEHIND.sample("", 1 if figures.unfinished else 0)])]
 
     def _spool_families(self, totals: rd.Totals) -> list[Family]:
         reader = self.reader

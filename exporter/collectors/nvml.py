@@ -754,8 +754,8 @@ class NvmlCollector(Collector):
                     for gpu in session.gpus:
                         self._read(gpu, slow)
                     if slow:
-                        self.context.gpu_processes.update({(pid, start): gpu.uuid for gpu in session.gpus
-                                                           if gpu.up for pid, start in gpu.started.items()})
+                        self.context.gpu_processes.update(((pid, start), gpu.uuid) for gpu in session.gpus
+                                                          if gpu.up for pid, start in gpu.started.items())
                         self.context.pods.set_mig_parents(
                             {mig: gpu.uuid for gpu in session.gpus if gpu.up for mig in gpu.mig_uuids})
                 return self._render()

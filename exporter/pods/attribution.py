@@ -34,6 +34,7 @@ class PodAttribution:
         self._names: dict[str, tuple[str, str]] = {}  # pod UID -> (namespace, pod), from spool writers
         self._mig_parents: dict[str, str] = {}  # MIG device UUID -> its GPU's UUID (the nvml collector)
         self._by_gpu: dict[str, tuple[DeviceOwner, ...]] = {}  # GPU UUID -> holders of it or of its MIG devices
+        self._discovered: frozenset[str] = frozenset()  # pod UIDs of processes discovery found loading engines
 
     def set_mig_parents(self, parents: dict[str, str]) -> None:
         """Which GPU each MIG device is part of (NVML lists a MIG process on its parent GPU)."""
@@ -77,9 +78,15 @@ class PodAttribution:
             names.pop(uid, None)
         self._names = names
 
+    def set_discovered_pods(self, uids: Iterable[str]) -> None:
+        """The pods of processes serving engines without the library (exporter.discovery: from their
+        cgroup, the kernel's word), at most MAX_WRITER_PODS."""
+        self._discovered = frozenset(sorted(uid for uid in uids if uid)[:MAX_WRITER_PODS])
+
     def writer_pod_uids(self) -> frozenset[str]:
-        """The pod UIDs of the spool writers (the pods that serve engines), as update_writer_pods kept them."""
-        return frozenset(self._names)
+        """The pod UIDs of the pods that serve engines: the spool writers', as update_writer_pods kept them,
+        and those discovery found."""
+        return frozenset(self._names) | self._discovered
 
     def of_process(self, pod_uid: str, gpu_uuid: str) -> tuple[str, str, str] | None:
         """(namespace, pod, container) of a process in pod ``pod_uid`` on GPU ``gpu_uuid``; None when its

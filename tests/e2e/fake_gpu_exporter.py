@@ -7,7 +7,8 @@ Everything else is the real exporter: its server, collectors, sampler threads an
 (H100s, one per uuid in ``GPUIO_FAKE_GPUS``) sit idle, as a GPU starved of data does: NVML's utilisation
 samples arrive every 200 ms at IDLE_PERCENT, and GPM's SM activity counter moves at the same share, so
 both the busy counter and the SM activity read idle while the data stays fresh (a frozen reading would
-be judged stale, not idle).  The GPU route (tests/gpu) runs the same collector on a real H100.
+be judged stale, not idle).  The processes on each GPU are those a test lists in
+``GPUIO_FAKE_GPU_PROCESSES``.  The GPU route (tests/gpu) runs the same collector on a real H100.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 import time
 
 from exporter import nvml_device
+from exporter.nvml_device import ProcessInfo
 from tests.unit.test_nvml_fake import FakeGpu, FakeNvml
 
 SAMPLE_PERIOD_S = 0.2  # an H100 takes 5-6 utilisation samples a second
@@ -29,14 +31,35 @@ def idle_gpus(uuids: list[str]) -> list[FakeGpu]:
             for index, uuid in enumerate(uuids)]
 
 
-def keep_sampling(gpus: list[FakeGpu]) -> None:
-    """What the driver does on its own: a utilisation sample every period, GPM's counters moving."""
+def keep_sampling(gpus: list[FakeGpu], processes_file: str) -> None:
+    """What the driver does on its own: a utilisation sample every period, GPM's counters moving, and
+    the compute processes each GPU runs (``GPUIO_FAKE_GPU_PROCESSES``: a file of "pid uuid" lines the test
+    rewrites as its processes create and lose their contexts)."""
     while True:
         now_us = int(time.time() * 1_000_000)
         for gpu in gpus:
             gpu.add_samples(now_us, [IDLE_PERCENT])
             gpu.gpm_counters.add({2: IDLE_PERCENT * SAMPLE_PERIOD_S})  # SM activity, percent x seconds
+        if processes_file:
+            listed = gpu_processes(processes_file)
+            for gpu in gpus:
+                gpu.processes = [ProcessInfo(pid, 1 << 30) for pid in listed.get(gpu.uuid, [])]
         time.sleep(SAMPLE_PERIOD_S)
+
+
+def gpu_processes(path: str) -> dict[str, list[int]]:
+    """uuid -> pids, from the test's "pid uuid" lines (a missing file: none)."""
+    listed: dict[str, list[int]] = {}
+    try:
+        with open(path) as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return listed
+    for line in lines:
+        pid, _, uuid = line.partition(" ")
+        if pid.isdigit() and uuid:
+            listed.setdefault(uuid, []).append(int(pid))
+    return listed
 
 
 def main() -> int:
@@ -47,7 +70,8 @@ def main() -> int:
     gpus = idle_gpus(uuids)
     fake = FakeNvml(gpus)
     nvml_device.PyNvml = lambda: fake  # type: ignore[assignment,misc]  # what the nvml collector opens
-    threading.Thread(target=keep_sampling, args=(gpus,), name="fake-nvml-driver", daemon=True).start()
+    threading.Thread(target=keep_sampling, args=(gpus, os.environ.get("GPUIO_FAKE_GPU_PROCESSES", "")),
+                     name="fake-nvml-driver", daemon=True).start()
     from exporter.cli import exporter_main
 
     exporter_main(sys.argv[1:])

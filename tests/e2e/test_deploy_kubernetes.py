@@ -64,13 +64,13 @@ def test_kustomize_builds_valid_objects_in_one_namespace() -> None:
     assert daemonset["spec"]["template"]["spec"]["containers"][0]["image"] == f"{image['newName']}:{image['newTag']}"
 
 
-def pod_spec_with_component(overlay, component: str) -> dict:
-    """The DaemonSet's pod spec as a user's overlay elsewhere builds it: the base and one component by
+def pod_spec_with_component(overlay, *components: str) -> dict:
+    """The DaemonSet's pod spec as a user's overlay elsewhere builds it: the base and components by
     relative path (kustomize refuses absolute ones), every object validated against the schemas."""
     base = os.path.relpath(HERE, overlay)
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [base], "components": [os.path.join(base, "components", component)]}))
+        "resources": [base], "components": [os.path.join(base, "components", name) for name in components]}))
     built = kustomize(str(overlay))
     for doc in built:
         validate(doc)
@@ -98,6 +98,29 @@ def test_residency_component_gives_root_cap_fowner_alone(tmp_path) -> None:
     host = {volume["name"] for volume in spec["volumes"] if "hostPath" in volume}
     assert all(mount.get("readOnly") for mount in container["volumeMounts"] if mount["name"] in host
                and mount["mountPath"] != "/run/gpuio/spool")
+
+
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_discovery_component_gives_root_ptrace_and_read_search_alone(tmp_path) -> None:
+    """What reading other processes' descriptors from the host's /proc takes, and nothing more: no
+    hostPID (the host's /proc is mounted), no privilege, the mounts still read-only."""
+    spec = pod_spec_with_component(tmp_path, "discovery")
+    assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsNonRoot"] is False
+    assert not spec.get("hostPID")
+    (container,) = spec["containers"]
+    security = container["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]}
+    assert security.get("privileged") is not True and security["allowPrivilegeEscalation"] is False
+    assert "--path.procfs=/host/proc" in container["args"]
+
+
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+@pytest.mark.parametrize("order", [("residency", "discovery"), ("discovery", "residency")])
+def test_discovery_and_residency_combine_in_either_order(tmp_path, order: tuple[str, str]) -> None:
+    spec = pod_spec_with_component(tmp_path, *order)
+    capabilities = spec["containers"][0]["securityContext"]["capabilities"]
+    assert capabilities["drop"] == ["ALL"] and sorted(capabilities["add"]) == ["DAC_READ_SEARCH", "FOWNER", "SYS_PTRACE"]
+    assert spec["securityContext"]["runAsUser"] == 0
 
 
 @pytest.mark.e2e

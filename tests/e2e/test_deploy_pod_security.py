@@ -27,7 +27,7 @@ def test_pod_resources_component_mounts_the_socket_read_only_as_uid_0_without_ca
     spec = daemonset["spec"]["template"]["spec"]
     assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsGroup"] == 65532
     (container,) = spec["containers"]
-    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": []}
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     socket_dir = os.path.dirname({o.name: o.default for o in PodsCollector.options}["pod-resources-socket"])
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == socket_dir]

@@ -165,7 +165,7 @@ def run_scenario(exporter: ExporterProcess, loop: str, engine_path: str, spool: 
         cold = json.loads(process.stdout.readline())
         assert process.stdout.readline().strip() == "ready"
         after = wait_for(scrape, lambda s: s.get(("gpuio_engine_file_cached_ratio", file_labels)) == 1.0
-                         and s.get(("gpuio_engine_processes", engine)) == 1)
+                         and s.get(("gpuio_engine_processes", engine | {("source", "spool")})) == 1)
         disk_read = after[("gpuio_disk_read_bytes_total", disk)] - disk_before
         print(f"\ncold load of {ENGINE_MIB} MiB from {loop} (direct IO): read {cold['read_seconds']:.3f} s "
               f"({ENGINE_MIB / cold['read_seconds']:.0f} MiB/s), deserialize {cold['deserialize_seconds']:.3f} s; "
@@ -212,7 +212,7 @@ def run_scenario(exporter: ExporterProcess, loop: str, engine_path: str, spool: 
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
-    gone = wait_for(scrape, lambda s: s.get(("gpuio_engine_processes", engine)) == 0)
+    gone = wait_for(scrape, lambda s: s.get(("gpuio_engine_processes", engine | {("source", "spool")})) == 0)
     assert gone[("gpuio_engine_load_read_bytes_total", engine)] == 2 * (ENGINE_MIB << 20)  # folded, not lost
     assert gone[("gpuio_engine_inference_seconds_count", on_gpu)] == 20
     assert gone[("gpuio_engine_spool_folded_processes_total", frozenset())] == 1

@@ -9,7 +9,9 @@ What runs, all real and on loopback:
   requests (an NVMe-sized queue; restored afterwards), so that a deep queue really builds up;
 * engine files on that filesystem, and inference processes that import the instrumentation library
   (gpuio) and cold-load them, again and again (pods crash-looping through a rollout),
-  each naming its GPU (``gpu_uuid``);
+  each naming its GPU (``gpu_uuid``); and Triton-like processes that never import it, reading
+  ``<repository>/<model>/1/model.plan``, which the exporter finds from /proc (engine discovery), their
+  GPU from NVML's process list;
 * the storm's fio in a cgroup v1 blkio cgroup of its own (where the machine has cgroup v1, as CI does): the
   page must name it as the one doing the most IO on the disk (the cgroup_io collector);
 * gpuio-exporter (diskstats, pressure, cgroup_io, the engines collector reading the processes' spool, and nvml): there
@@ -163,16 +165,29 @@ CRASH_LOOPER = textwrap.dedent("""
             timer.add_bytes(n)
     print("loaded", flush=True)
 """)
+# A Triton pod of the same rollout: no gpuio anywhere.  It makes its CUDA context first (here: NVML lists
+# it on its GPU, through the test's process list), then reads its model from the repository with direct
+# 1 MiB reads, as the server's loader does, until its startup probe kills it.
+TRITON_LOADER = textwrap.dedent("""
+    import mmap, os, time
+    time.sleep(1.0)  # the server starts and creates its CUDA context before it loads a model
+    buffer = mmap.mmap(-1, 1 << 20)
+    fd = os.open({path!r}, os.O_RDONLY | os.O_DIRECT)
+    while os.readv(fd, [buffer]) > 0:
+        pass
+    print("loaded", flush=True)
+""")
 CRASH_LOOP_KILL_S = 4.0  # the startup probe's patience
 CRASH_LOOP_RESTART_S = 1.5  # the replacement's start
 CRASH_LOOP_S = 75  # how long the rollout crash-loops
 
 
 class CrashLoop:
-    """One engine's pods: start, kill when still loading after CRASH_LOOP_KILL_S, start again."""
+    """One engine's pods: start, kill when still loading after CRASH_LOOP_KILL_S, start again.  Each pod is
+    listed on the engine's GPU while it lives (the fake NVML's process list)."""
 
-    def __init__(self, stack: Stack, name: str, path: str, uuid: str) -> None:
-        self.script = CRASH_LOOPER.format(repo=REPO, spool=stack.spool, name=name, path=path, uuid=uuid)
+    def __init__(self, stack: Stack, script: str, uuid: str) -> None:
+        self.stack, self.script, self.uuid = stack, script, uuid
         self.kills = self.loaded = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -181,6 +196,7 @@ class CrashLoop:
         while not self.stopping.is_set():
             process = subprocess.Popen([sys.executable, "-c", self.script], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
+            self.stack.on_gpu(process.pid, self.uuid)
             try:
                 process.wait(timeout=CRASH_LOOP_KILL_S)
                 self.loaded += 1
@@ -188,6 +204,7 @@ class CrashLoop:
                 process.kill()
                 process.wait()
                 self.kills += 1
+            self.stack.on_gpu(process.pid, None)
             self.stopping.wait(CRASH_LOOP_RESTART_S)
 
 
@@ -227,6 +244,21 @@ class Stack:
     calm: dict[str, float | None] = field(default_factory=dict)
     processes: list[subprocess.Popen] = field(default_factory=list)
     culprit: str | None = None  # a blkio cgroup the storm's fio runs in (cgroup v1), named by the page
+    gpu_processes: str = ""  # the fake NVML's process list ("pid uuid" lines: tests/e2e/fake_gpu_exporter.py)
+    _on_gpus: dict[int, str] = field(default_factory=dict)
+    _gpu_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_gpu(self, pid: int, uuid: str | None) -> None:
+        """List a process on a GPU (it made its CUDA context), or take it off (it exited)."""
+        with self._gpu_lock:
+            if uuid is None:
+                self._on_gpus.pop(pid, None)
+            else:
+                self._on_gpus[pid] = uuid
+            temporary = self.gpu_processes + ".new"
+            with open(temporary, "w") as handle:
+                handle.writelines(f"{pid} {uuid}\n" for pid, uuid in self._on_gpus.items())
+            os.replace(temporary, self.gpu_processes)
 
     def loaders(self) -> list[subprocess.Popen]:
         """One inference process per engine, cold-loading it again and again."""
@@ -411,15 +443,19 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         # exporter's NVML is the fake (tests/e2e/fake_gpu_exporter.py); the rest is the real exporter.
         gpus = ",".join(sorted({uuid for _, uuid in engines.values()}))
         culprit = culprit_cgroup(device)
+        gpu_processes = os.path.join(workdir, "gpu-processes")
         exporter = ExporterProcess(["--collector.disable-defaults", "--collector.diskstats", "--collector.pressure",
                                     "--collector.cgroup_io", "--collector.cgroup_io.interval=1s",
                                     f"--collector.diskstats.device-include=^{device}$", "--collector.engines",
                                     f"--collector.engines.spool-dir={spool}",
-                                    f"--collector.engines.path={mount_point}/*.engine", "--collector.nvml"],
-                                   env={"GPUIO_FAKE_GPUS": gpus}, module="tests.e2e.fake_gpu_exporter").start()
+                                    f"--collector.engines.path={mount_point}/*.engine", "--collector.nvml",
+                                    "--collector.nvml.slow-interval=1s"],
+                                   env={"GPUIO_FAKE_GPUS": gpus, "GPUIO_FAKE_GPU_PROCESSES": gpu_processes},
+                                   module="tests.e2e.fake_gpu_exporter").start()
         prometheus_process, prometheus = start_prometheus(tmp, rule_files, exporter.port, alertmanager)
         started.append(prometheus_process)
-        stack_ = Stack(device, prometheus, alertmanager, report, spool=spool, engines=engines, culprit=culprit)
+        stack_ = Stack(device, prometheus, alertmanager, report, spool=spool, engines=engines, culprit=culprit,
+                       gpu_processes=gpu_processes)
         stack_.fio(CALM, 900)
         deadline = time.monotonic() + CALM_S + 30
         time.sleep(CALM_S)
@@ -661,18 +697,45 @@ def test_crash_looping_cold_start_pages_once_naming_every_engine_and_gpu(stack: 
     """Pods killed by their startup probe while they cold-load from the stormed disk, again and again: no
     process lives through a cycle, yet the page names every engine and GPU, GPUStarvedByDiskIO fires for
     each engine on its GPU, and nothing resolves or fires twice while the storm lasts."""
+    engines = engine_copies(stack, "crashloop-{index}.engine", "crashloop-{index}")
+    loops = [CrashLoop(stack, CRASH_LOOPER.format(repo=REPO, spool=stack.spool, name=name, path=path, uuid=uuid),
+                       uuid) for name, (path, uuid) in engines.items()]
+    crash_loop_storm(stack, engines, loops, "crash loop")
+
+
+def test_triton_pods_without_the_library_page_naming_their_models(stack: Stack) -> None:
+    """The same rollout served by Triton-like processes that never import gpuio: each reads
+    ``<repository>/<model>/1/model.plan`` with direct reads and is killed while loading, again and again.
+    The exporter finds them from /proc (engine discovery), so the page names every model (the engine, by
+    Triton's layout) and its GPU (NVML's process list), GPUStarvedByDiskIO fires for each, and the abandoned
+    loads are counted, exactly as for processes that use the library."""
+    engines = engine_copies(stack, "triton/model-{index}/1/model.plan", "model-{index}")
+    loops = [CrashLoop(stack, TRITON_LOADER.format(path=path), uuid) for path, uuid in engines.values()]
+    crash_loop_storm(stack, engines, loops, "triton crash loop")
+
+
+def engine_copies(stack: Stack, path_pattern: str, name_pattern: str) -> dict[str, tuple[str, str]]:
+    """A new engine file per engine of the stack (same GPU), written to the loop device: name -> (path, GPU)."""
     mount_point = os.path.dirname(next(iter(stack.engines.values()))[0])
     engines = {}
     for index, (_, uuid) in enumerate(stack.engines.values()):
-        path = os.path.join(mount_point, f"crashloop-{index}.engine")
+        path = os.path.join(mount_point, path_pattern.format(index=index))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as handle:
             handle.write(os.urandom(ENGINE_MIB << 20))
             os.fsync(handle.fileno())
-        engines[f"crashloop-{index}"] = (path, uuid)
+        engines[name_pattern.format(index=index)] = (path, uuid)
+    return engines
+
+
+def crash_loop_storm(stack: Stack, engines: dict[str, tuple[str, str]], loops: list[CrashLoop], what: str) -> None:
+    """Storm the disk while ``loops`` crash-loop their pods for CRASH_LOOP_S; the page must name every engine
+    and GPU, GPUStarvedByDiskIO page for each engine, abandoned loads be counted, and no page resolve or
+    blink while the storm lasts."""
+    wait_for_calm(stack)
     already = len(Webhook.received)
     start, wall_start = time.monotonic(), time.time()
     fio = stack.fio(STORM, CRASH_LOOP_S + 30)
-    loops = [CrashLoop(stack, name, path, uuid) for name, (path, uuid) in engines.items()]
     for loop in loops:
         loop.thread.start()
     starved: set[str] = set()
@@ -684,7 +747,8 @@ def test_crash_looping_cold_start_pages_once_naming_every_engine_and_gpu(stack: 
                             and a["labels"]["engine"] in engines}
             assert fio.poll() is None, f"fio stopped: {fio_output(fio)}"
             time.sleep(0.5)
-        abandoned = stack.query('gpuio_engine_loads_abandoned_total{engine=~"crashloop-.*"}')
+        names = "|".join(engines)  # plain names: letters, digits and "-"
+        abandoned = stack.query(f'gpuio_engine_loads_abandoned_total{{engine=~"{names}"}}')
     finally:
         for loop in loops:
             loop.stopping.set()
@@ -692,19 +756,23 @@ def test_crash_looping_cold_start_pages_once_naming_every_engine_and_gpu(stack: 
             loop.thread.join(timeout=CRASH_LOOP_KILL_S + CRASH_LOOP_RESTART_S + 5)
         stop(fio)
     during = Webhook.received[already:]
-    stack.report(f"[storm e2e] crash loop: {len(engines)} engines, pods killed after {CRASH_LOOP_KILL_S:g} s of "
+    stack.report(f"[storm e2e] {what}: {len(engines)} engines, pods killed after {CRASH_LOOP_KILL_S:g} s of "
                  f"loading, back {CRASH_LOOP_RESTART_S:g} s later, for {CRASH_LOOP_S} s: kills "
                  f"{[loop.kills for loop in loops]}, loads finished {[loop.loaded for loop in loops]}; abandoned "
                  f"loads counted {sorted(int(v) for v in abandoned.values())}")
     assert all(loop.kills >= 3 for loop in loops), "the pods must really crash-loop (killed mid-load)"
-    assert sorted(json.loads(k)["engine"] for k, v in abandoned.items() if v >= 2) == sorted(engines)
+    per_engine: dict[str, float] = {}
+    for labels, value in abandoned.items():
+        engine = json.loads(labels)["engine"]
+        per_engine[engine] = per_engine.get(engine, 0.0) + value
+    assert sorted(engine for engine, count in per_engine.items() if count >= 2) == sorted(engines), abandoned
 
     pages = [body for _, body in during if body["receiver"] == "page"]
     storm_pages = [a for body in pages for a in body["alerts"]
                    if a["labels"].get("alertname") == "DiskIOStorm" and a["labels"].get("device") == stack.device]
     assert storm_pages, f"no storm page: {[b['groupLabels'] for b in pages]}"
     description = storm_pages[-1]["annotations"]["description"]
-    stack.report(f"[storm e2e] crash-loop page: {storm_pages[-1]['annotations']['summary']}")
+    stack.report(f"[storm e2e] {what} page: {storm_pages[-1]['annotations']['summary']}")
     stack.report(f"[storm e2e]         {description}")
     assert [name for name in engines if name not in description] == []
     assert [uuid for _, uuid in engines.values() if uuid not in description] == []
@@ -723,8 +791,17 @@ def test_crash_looping_cold_start_pages_once_naming_every_engine_and_gpu(stack: 
         if any(started_since(alert, wall_start) for alert in body["alerts"]):
             per_group[body["groupLabels"]["alertname"]] = per_group.get(body["groupLabels"]["alertname"], 0) + 1
     alerts = {json.dumps(a["labels"], sort_keys=True) for a in ours}
-    stack.report(f"[storm e2e] crash-loop notifications to the pager: {per_group} (group_wait 1 s, group_interval "
+    stack.report(f"[storm e2e] {what} notifications to the pager: {per_group} (group_wait 1 s, group_interval "
                  f"{GROUP_INTERVAL}): {len(alerts)} paging alerts, none resolved or fired twice during the storm")
+
+
+def wait_for_calm(stack: Stack) -> None:
+    """Until an earlier storm's page on the disk has resolved in Alertmanager: a storm that starts while the
+    last one still pages continues that page, and sends no new one."""
+    deadline = time.monotonic() + RESOLVE_BOUND_S + FOR_S
+    while stack.storm_alerts() or stack.alertmanager_storms():
+        assert time.monotonic() < deadline, f"the last storm still pages: {stack.alertmanager_storms()}"
+        time.sleep(0.5)
 
 
 def started_since(alert: dict, moment: float) -> bool:

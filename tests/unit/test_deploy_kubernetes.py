@@ -219,7 +219,7 @@ def test_daemonset_is_least_privileged() -> None:
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     security = container["securityContext"]
     assert security == {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
-                        "capabilities": {"drop": ["ALL"]}}
+                        "capabilities": {"drop": ["ALL"], "add": []}}
     with open(os.path.join(REPO, "Dockerfile")) as handle:
         assert f"USER {spec['securityContext']['runAsUser']}:" in handle.read(), "the image's user"
 

@@ -26,6 +26,7 @@ HERE = os.path.join(REPO, "deploy", "systemd")
 UNIT = os.path.join(HERE, "gpuio-exporter.service")
 SMART = os.path.join(HERE, "smart.conf")
 RESIDENCY = os.path.join(HERE, "residency.conf")
+DISCOVERY = os.path.join(HERE, "discovery.conf")
 
 def parse(path: str) -> dict[str, dict[str, list[str]]]:
     """systemd's unit syntax: [Section], Key=Value (repeatable), # and ; comments, backslash continuation."""
@@ -86,6 +87,14 @@ def test_smart_drop_in_grants_root_with_exactly_the_two_capabilities() -> None:
     assert set(s["CapabilityBoundingSet"][0].split()) == {"CAP_SYS_RAWIO", "CAP_SYS_ADMIN"}
     # everything else of the unit's hardening stays
     assert not {"NoNewPrivileges", "ProtectSystem", "ReadOnlyPaths", "SystemCallFilter"} & set(s)
+
+
+def test_discovery_drop_in_grants_ptrace_and_read_search_alone_to_the_dynamic_user() -> None:
+    s = service(DISCOVERY)
+    wanted = ["CAP_SYS_PTRACE CAP_DAC_READ_SEARCH"]
+    assert s["CapabilityBoundingSet"] == wanted and s["AmbientCapabilities"] == wanted
+    assert not {"User", "DynamicUser", "NoNewPrivileges", "ProtectSystem", "ReadOnlyPaths", "SystemCallFilter"} & set(s)
+    assert "@debug" not in " ".join(service()["SystemCallFilter"])  # ptrace(2) itself stays refused
 
 
 def test_residency_drop_in_grants_cap_fowner_alone_to_the_dynamic_user() -> None:

@@ -61,9 +61,12 @@ def test_flags_through_the_exporters_config(tmp_path) -> None:
         config.parse_args(["--collector.engines.max-engines=none"], environ={})
 
 
-def test_no_spool_and_no_paths_is_no_source(tmp_path) -> None:
+def test_no_spool_no_paths_and_no_discovery_is_no_source(tmp_path) -> None:
     with pytest.raises(Absent, match="spool directory .*absent does not exist"):
         collector(str(tmp_path / "absent")).collect()
+    discovering = collector(str(tmp_path / "absent"), discover=True, path_include=(str(tmp_path),))
+    families = {family.desc.name for family in discovering.collect()}  # processes are a source of their own
+    assert "gpuio_engine_discovery_processes" in families
 
 
 def test_per_engine_series_parse_in_both_formats(spool_dir, tmp_path) -> None:
@@ -82,7 +85,7 @@ def test_per_engine_series_parse_in_both_formats(spool_dir, tmp_path) -> None:
     assert samples[("gpuio_engine_warmup_seconds_count", engine)] == 2
     assert samples[("gpuio_engine_first_inference_seconds_count", engine)] == 2
     assert samples[("gpuio_engine_pool_wait_seconds_count", on_gpu)] == 10
-    assert samples[("gpuio_engine_processes", engine)] == 1
+    assert samples[("gpuio_engine_processes", engine | {("source", "spool")})] == 1
     assert samples[("gpuio_engine_errors_total", frozenset({("engine", "resnet50"), ("reason", "timeout")}))] == 1
     buckets = [value for (name, labels), value in samples.items()
                if name == "gpuio_engine_inference_seconds_bucket" and ("engine", "resnet50") in labels]
@@ -108,7 +111,7 @@ def test_counters_survive_the_process_exiting(spool_dir, tmp_path) -> None:
     on_gpu = frozenset({("engine", "resnet50"), ("gpu_uuid", "GPU-5a1e")})
     assert after[("gpuio_engine_inference_seconds_count", on_gpu)] == before[
         ("gpuio_engine_inference_seconds_count", on_gpu)]
-    assert after[("gpuio_engine_processes", engine)] == 0
+    assert after[("gpuio_engine_processes", engine | {("source", "spool")})] == 0
     assert after[("gpuio_engine_pool_contexts", on_gpu)] == 0
     assert after[("gpuio_engine_spool_folded_processes_total", frozenset())] == 1
     assert not any(name == "gpuio_engine_info" for name, _ in after)  # no live process has it loaded

@@ -1,0 +1,632 @@
+"""Engines served without the library: processes found holding engine and model files open, from /proc.
+
+Most engines in production are loaded by processes that will never import gpuio (Triton Inference
+Server, TensorRT-LLM, an LLM server).  The kernel still tells who reads what: /proc/<pid>/fd names each
+open file, /proc/<pid>/fdinfo/<fd> its read position and open flags, stat() through the fd link its
+file (st_dev, inode, size, whatever the process's mount namespace), /proc/<pid>/io the process's bytes
+from the device, /proc/<pid>/cgroup its pod.  :class:`Discovery` looks, in passes on a background
+thread, for processes holding a file open for reading whose name matches the model patterns
+(MODEL_PATTERNS) under the include directories, *as the process names it* (a container's
+``/models/...``), and turns what it sees into the same :class:`exporter.spool_reader.Totals` the
+spool gives: engine info (file, device, GPU, pod), loads in progress, finished loads (duration, device
+and page-cache bytes, class), loads abandoned by processes that died while loading.
+
+A load, seen from outside
+-------------------------
+* It starts when a process opens a model file for reading while the exporter watches (the file is new
+  in a process already looked at, or the process itself started after discovery did), or when the read
+  position of a file already open moves.  A file found open and still at exporter start-up is not a
+  load: a server keeps its files open long after loading them.
+* It is in progress while the position moves, or the process waits on IO (state D), and at most
+  ``idle`` seconds without either.
+* It finishes when the file is closed, or at its last movement when it stood ``idle`` seconds: the load
+  duration runs from the start to then.  Its bytes are the forward movement of the position; the share
+  from the device is the process's read_bytes over the same time (process-wide: a process reading two
+  models at once splits its device bytes by position), the rest came from the page cache.
+* It is abandoned when the process is gone before the position reached the end of the file (a pod
+  killed by its startup probe while loading: a crash-looping cold start is one per attempt).
+
+Loaders that map the file (``mmap``) or read it with ``pread`` do not move the position: their load is
+seen from the open to the close, with no bytes.
+
+Engine names (:func:`engine_identity`): Triton's model repository ``<repo>/<model>/<version>/model.plan``
+is engine ``<model>`` version ``<version>``; a generic file name (``model.*``, ``rank0.engine``,
+``pytorch_model.bin``, shards ``...-00001-of-00004.safetensors``) takes its directory's name; any other
+its file name without the suffix (as the library names an engine by default).
+
+Never counted twice: a process holding a spool file the engines collector reads (the library's) is left
+to the spool (``library_files``).
+
+Bounded, and never on the scrape path (the engines collector serves the last pass): each pass looks
+first at the processes holding model files, those with GPU contexts and those new since the last listing
+(every pass, at most PRIORITY_FD_ENTRIES descriptors), then at the rest in turn (FD_ENTRIES_PER_PASS), all
+within PASS_SECONDS; a process's descriptors past MAX_FDS_PER_PROCESS are not looked at.  So a new
+loader is seen at the next pass, and a process that was running before opens a model in a round.  Nothing read from
+/proc here takes a process's memory lock (no cmdline, environ or maps), so a process stuck in the
+kernel cannot hold a pass; a slow pass only ages what the scrape serves.
+
+What it needs: permission to read other processes' fd directories: root on a host install; in a
+container, the host's pid namespace with CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH (docs/engines.md).
+Processes it may not look at are counted (``not_permitted``), never guessed at.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import re
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from gpuio import spool as fmt
+from gpuio.waterfall import classify
+
+from . import procstat
+from . import spool_reader as rd
+from .pods import cgroup as pod_cgroup
+
+log = logging.getLogger("gpuio.discovery")
+
+MODEL_PATTERNS = ("*.engine", "*.plan", "*.trt", "*.onnx", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+IDLE_SECONDS = 10.0  # a load whose position has not moved this long (the process not waiting on IO) is over
+PASS_SECONDS = 0.5  # the most one pass spends; the rest waits for the next pass
+# Descriptors looked at per pass (a readlink each, ~3.5 us with the rest of a look on a 2-core VM):
+# those of the processes followed, with GPU contexts or new (every pass), and those of the others in turn.
+PRIORITY_FD_ENTRIES = 16_384
+FD_ENTRIES_PER_PASS = 2048  # of the others: ~7 ms a pass, a node of 100k descriptors gone round in ~50 s
+MAX_FDS_PER_PROCESS = 4096  # a process's descriptors looked at per pass (a server with 100k sockets)
+MAX_LISTED = 1 << 17  # /proc entries looked at per listing (pid_max is 4M at most; a node runs ~10^3)
+MAX_TRACKED_PROCESSES = 1024  # processes holding or having loaded model files, kept between passes
+MAX_FILES_PER_PROCESS = 64  # model files one process is followed for (open, and loaded since)
+MAX_ENGINES = 4096  # engines with a history of discovered loads (the least recent forgotten first)
+FDINFO_BYTES = 4096
+IO_BYTES = 1024
+SPOOL_SUFFIX = fmt.SUFFIX
+_SPOOL_NAME = re.compile(re.escape(fmt.PREFIX) + r"\d{1,10}-(?P<start>\d{1,20})-[0-9a-f]{16}" + re.escape(fmt.SUFFIX))
+_SHARD = re.compile(r"-\d+-of-\d+$")
+_GENERIC = re.compile(r"^(model|pytorch_model|tf_model|weights|engine|rank\d+|consolidated(\.\d+)?)$")
+_ACCESS_MODE = 0o3  # O_ACCMODE: fdinfo's flags are octal
+_WRITE_ONLY = 0o1
+
+
+FileKey = tuple[tuple[int, int], int]  # (st_dev as major, minor; inode): which file
+HeldNow = dict[FileKey, "_Open"]  # the model files a process holds open now
+
+
+def engine_identity(path: str) -> tuple[str, str]:
+    """(engine, version) a model file's path names (module note); version "" outside Triton's layout."""
+    directory, base = os.path.split(path)
+    stem = base.split(".", 1)[0] if base.startswith(("model.", "rank")) else os.path.splitext(base)[0]
+    parent = os.path.basename(directory)
+    if parent.isascii() and parent.isdigit() and stem == "model":
+        model = os.path.basename(os.path.dirname(directory))
+        if model:
+            return model, parent
+    if (_GENERIC.match(stem) or _SHARD.search(stem)) and parent:
+        return parent, ""
+    return stem or base, ""
+
+
+def pattern_matcher(patterns: Iterable[str]) -> Callable[[str], bool]:
+    """A test of a file name against shell patterns (``*.plan``), compiled once."""
+    joined = "|".join(fnmatch.translate(pattern) for pattern in patterns)
+    compiled = re.compile(joined) if joined else None
+    return (lambda name: compiled.match(name) is not None) if compiled else (lambda name: False)
+
+
+def parse_patterns(value: str) -> tuple[str, ...]:
+    patterns = tuple(part.strip() for part in value.split(",") if part.strip())
+    if not patterns:
+        raise ValueError("no pattern")
+    for pattern in patterns:
+        if "/" in pattern:
+            raise ValueError(f"{pattern!r} names a directory: patterns match file names")
+    return patterns
+
+
+@dataclass
+class HeldFile:
+    """One model file one process holds (or held) open, followed pass by pass."""
+
+    engine: str
+    version: str
+    path: str  # as the process names it
+    dev: tuple[int, int]
+    ino: int
+    size: int
+    mtime_ns: int
+    fd: int
+    position: int
+    moved_at: float  # monotonic; when the position last moved (or the file was first seen)
+    open: bool = True
+    loading_since: float | None = None  # wall clock: the load in progress began then
+    load_moved_at: float = 0.0  # monotonic: the load's last movement
+    read_forward: int = 0  # bytes the position moved forward during the load
+    device_at_start: int = 0  # the process's read_bytes when the load began
+    chars_at_start: int = 0  # the process's rchar when the load began
+    read_before: int = 0  # the position when the load was first seen (read before the look)
+    loaded_at: float = 0.0  # wall clock: the latest load's start (for the info's load time)
+
+
+@dataclass
+class Process:
+    """A process holding, or having loaded, model files."""
+
+    pid: int
+    start: int  # clock ticks since boot: with the pid, which process
+    uid: int
+    pod: pod_cgroup.PodRef | None
+    files: dict[FileKey, HeldFile] = field(default_factory=dict)
+    device_bytes: int = 0  # /proc/<pid>/io read_bytes at the last look
+    chars: int = 0  # /proc/<pid>/io rchar (every byte its reads returned) at the last look
+    waiting: bool = False  # state D (uninterruptible: waiting on IO) at the last look
+    gpu: str = ""
+    seen_pass: int = 0
+
+
+@dataclass
+class EngineHistory:
+    """What discovered loads of one engine added up to (counters only grow)."""
+
+    engine_values: list[float]  # an ENGINE record's doubles: load_read_seconds, load_read_bytes
+    waterfall: list[float]  # a WATERFALL record's doubles
+    abandoned: dict[str, float] = field(default_factory=dict)  # GPU uuid -> loads abandoned
+    touched: float = 0.0  # monotonic: the last load that ended here (the least recent are forgotten)
+
+
+@dataclass(frozen=True)
+class PassFigures:
+    """What the last pass did, for the engines collector's self-series."""
+
+    processes: int = 0  # processes holding or having loaded model files
+    looked_at: int = 0  # processes whose descriptors this pass listed
+    not_permitted: int = 0  # processes this pass was refused (cumulative: a counter)
+    unfinished: bool = False  # the pass ran out of its budget before the rotation came round
+    duration: float = 0.0
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """One pass's answer: the totals to merge with the spool's, and the figures."""
+
+    totals: rd.Totals
+    figures: PassFigures
+
+
+def _wall_from_monotonic(moment: float) -> float:
+    return time.time() - (time.monotonic() - moment)
+
+
+class Discovery:
+    """Finds processes holding model files and follows their loads; ``sample()`` is one pass."""
+
+    def __init__(self, include: Iterable[str], patterns: Iterable[str] = MODEL_PATTERNS, procfs: str = "/proc",
+                 gpu_of: Callable[[int, int], str | None] | None = None,
+                 gpu_pids: Callable[[], Iterable[int]] | None = None, idle: float = IDLE_SECONDS,
+                 fd_entries_per_pass: int = FD_ENTRIES_PER_PASS) -> None:
+        self.procfs = procfs
+        self.include = tuple(directory.rstrip("/") + "/" for directory in include)
+        self.matches = pattern_matcher(patterns)
+        self.gpu_of = gpu_of or (lambda pid, start: None)  # (pid, start ticks) -> GPU uuid (NVML's list)
+        self.gpu_pids = gpu_pids or (lambda: ())  # pids with a GPU context (NVML's list)
+        self.idle = idle
+        self.fd_entries_per_pass = fd_entries_per_pass
+        self.library_files: frozenset[tuple[int, int]] = frozenset()  # (st_dev, st_ino) of spool files read
+        self._tracked: dict[int, Process] = {}  # pid -> process (the start ticks tell a reused pid)
+        self._histories: dict[str, EngineHistory] = {}
+        self._listed: set[int] = set()  # pids of the last listing
+        self._rotation: list[int] = []  # pids not looked at yet in this round
+        self._started_ticks = self._now_ticks()
+        self._pass = 0
+        self._not_permitted = 0
+        self._refused: set[tuple[int, int]] = set()  # processes that refused us (counted once each)
+        self._lock = threading.Lock()
+
+    # --- one pass ----------------------------------------------------------------------------------
+
+    def sample(self) -> Discovered:
+        with self._lock:
+            started = time.monotonic()
+            self._pass += 1
+            deadline = started + PASS_SECONDS
+            budget = _Budget(PRIORITY_FD_ENTRIES, deadline)
+            listed = self._list()
+            new = [pid for pid in listed if pid not in self._listed] if self._listed else []
+            if not self._rotation:
+                self._rotation = sorted(listed)
+            gpu_pids = [pid for pid in self.gpu_pids() if pid in listed]
+            first = list(dict.fromkeys([*self._tracked, *gpu_pids, *new]))
+            looked = 0
+            for pid in first:
+                if not budget.left():
+                    break
+                looked += self._look_at(pid, budget, new_process=pid in new)
+            budget = _Budget(self.fd_entries_per_pass, deadline)
+            while self._rotation and budget.left():
+                pid = self._rotation.pop()
+                if pid in listed and pid not in first:
+                    looked += self._look_at(pid, budget, new_process=False)
+            self._listed = listed
+            self._end_pass(listed)
+            figures = PassFigures(len(self._tracked), looked, self._not_permitted, bool(self._rotation),
+                                  time.monotonic() - started)
+            return Discovered(self._totals(), figures)
+
+    def _list(self) -> set[int]:
+        pids: set[int] = set()
+        try:
+            with os.scandir(self.procfs) as entries:
+                for count, entry in enumerate(entries):
+                    if count >= MAX_LISTED:
+                        break
+                    name = entry.name
+                    if name.isascii() and name.isdigit():
+                        pids.add(int(name))
+        except OSError as error:
+            log.warning("cannot list processes", extra={"path": self.procfs, "err": str(error)})
+        return pids
+
+    def _now_ticks(self) -> int:
+        """Clock ticks since boot now (the unit of a process's start time in /proc/<pid>/stat)."""
+        try:
+            with open(os.path.join(self.procfs, "uptime"), "rb") as handle:
+                uptime = float(handle.read(64).split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+        return int(uptime * os.sysconf("SC_CLK_TCK"))
+
+    # --- one process ------------------------------------------------------------------------------
+
+    def _look_at(self, pid: int, budget: _Budget, new_process: bool) -> int:
+        """List one process's descriptors and follow its model files; 1 if it was looked at."""
+        base = f"{self.procfs}/{pid}"
+        try:
+            fields = procstat.stat_fields(pid, self.procfs)
+            start = int(fields[procstat.START_TIME])
+            waiting = fields[procstat.STATE] == b"D"
+            uid = os.stat(base).st_uid
+        except (OSError, ValueError, IndexError):
+            return 0
+        known = self._tracked.get(pid)
+        if known is not None and known.start != start:
+            self._process_gone(known)  # the pid was reused
+            known = None
+        held = self._held_files(pid, start, budget)
+        if isinstance(held, _Library):  # the spool reports it: what was followed of it goes
+            if known is not None:
+                del self._tracked[pid]
+            return 1
+        if held is None:
+            return 1
+        if known is None:
+            if not held:
+                return 1
+            if len(self._tracked) >= MAX_TRACKED_PROCESSES:
+                return 1
+            known = Process(pid, start, uid, pod_cgroup.of_pid(pid, self.procfs))
+            fresh = new_process or start >= self._started_ticks
+            self._tracked[pid] = known
+        else:
+            fresh = True  # files new in a process already followed were opened since the last pass
+        known.waiting = waiting
+        known.chars, known.device_bytes = self._io(pid)
+        known.gpu = self.gpu_of(pid, start) or ""
+        known.seen_pass = self._pass
+        self._follow(known, held, fresh)
+        return 1
+
+    def _held_files(self, pid: int, start: int, budget: _Budget) -> HeldNow | _Library | None:
+        """The model files the process holds open for reading now; None if it may not be looked at or
+        holds a spool file the engines collector reads (the library reports it)."""
+        fd_dir = f"{self.procfs}/{pid}/fd"
+        found: HeldNow = {}
+        try:
+            with os.scandir(fd_dir) as entries:
+                for count, entry in enumerate(entries):
+                    if count >= MAX_FDS_PER_PROCESS or not budget.spend():
+                        break
+                    opened = self._model_file(fd_dir, entry.name, start)
+                    if isinstance(opened, _Library):
+                        return opened
+                    if isinstance(opened, _Open) and len(found) < MAX_FILES_PER_PROCESS:
+                        found[(opened.dev, opened.ino)] = opened
+        except PermissionError:
+            if (pid, start) not in self._refused and len(self._refused) < MAX_TRACKED_PROCESSES:
+                self._refused.add((pid, start))
+                self._not_permitted += 1
+            return None
+        except OSError:
+            return None
+        return found
+
+    def _model_file(self, fd_dir: str, name: str, start: int) -> _Open | _Library | None:
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            return None
+        if target.endswith(SPOOL_SUFFIX):
+            return self._spool_file(fd_dir, name, target, start)
+        if not target.startswith(self.include) or target.endswith(" (deleted)"):
+            return None
+        if not self.matches(os.path.basename(target)):
+            return None
+        info = self._fdinfo(fd_dir, name)
+        if info is None or info[1] & _ACCESS_MODE == _WRITE_ONLY:
+            return None
+        try:
+            st = os.stat(f"{fd_dir}/{name}")  # through the link: the file itself, in any mount namespace
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return _Open(target, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns,
+                     int(name), info[0])
+
+    def _spool_file(self, fd_dir: str, name: str, target: str, start: int) -> _Library | None:
+        """_LIBRARY for the process's own spool file (named with its start time, which no pid namespace
+        changes) or one the engines collector reads; None for any other file."""
+        own = _SPOOL_NAME.fullmatch(os.path.basename(target))
+        if own is not None and int(own["start"]) == start:
+            return _LIBRARY
+        if not self.library_files:
+            return None
+        try:
+            st = os.stat(f"{fd_dir}/{name}")
+        except OSError:
+            return None
+        return _LIBRARY if (st.st_dev, st.st_ino) in self.library_files else None
+
+    def _fdinfo(self, fd_dir: str, name: str) -> tuple[int, int] | None:
+        """(read position, open flags) of a descriptor."""
+        path = f"{fd_dir[:-2]}fdinfo/{name}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            text = procstat.read_at_most(fd, FDINFO_BYTES).decode("ascii", "replace")
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        position = flags = None
+        for line in text.split("\n", 3)[:3]:
+            key, _, value = line.partition(":")
+            value = value.strip()
+            if key == "pos":
+                position = procstat.whole_number(value)
+            elif key == "flags" and value.isascii() and value.isdigit() and len(value) <= 12:
+                flags = int(value, 8) if set(value) <= set("01234567") else None
+        return (position, flags) if position is not None and flags is not None else None
+
+    def _io(self, pid: int) -> tuple[int, int]:
+        """The process's rchar and read_bytes (/proc/<pid>/io): bytes its reads returned, and bytes it caused
+        to be fetched from storage."""
+        try:
+            fd = os.open(f"{self.procfs}/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return 0, 0
+        try:
+            text = procstat.read_at_most(fd, IO_BYTES).decode("ascii", "replace")
+        except OSError:
+            return 0, 0
+        finally:
+            os.close(fd)
+        found: dict[str, int] = {}
+        for line in text.split("\n", 8):
+            key, _, value = line.partition(":")
+            if key in ("rchar", "read_bytes"):
+                found[key] = procstat.whole_number(value.strip()) or 0
+        return found.get("rchar", 0), found.get("read_bytes", 0)
+
+    # --- loads ------------------------------------------------------------------------------------
+
+    def _follow(self, process: Process, held: HeldNow, fresh: bool) -> None:
+        now = time.monotonic()
+        for key, opened in held.items():
+            known = process.files.get(key)
+            if known is None:
+                if len(process.files) >= MAX_FILES_PER_PROCESS:
+                    continue
+                engine, version = engine_identity(opened.path)
+                known = process.files[key] = HeldFile(engine, version, opened.path, opened.dev, opened.ino,
+                                                      opened.size, opened.mtime_ns, opened.fd, opened.position, now)
+                if fresh:
+                    self._begin(process, known, now, already_read=opened.position)
+                continue
+            moved = opened.position != known.position or not known.open
+            if moved and known.loading_since is None:
+                self._begin(process, known, now, already_read=0)
+            if known.loading_since is not None and opened.position > known.position:
+                known.read_forward += opened.position - known.position
+            if moved:
+                known.load_moved_at = now
+            known.position, known.size, known.fd, known.open = opened.position, opened.size, opened.fd, True
+        for key, known in process.files.items():
+            if key not in held and known.open:
+                known.open = False
+                if known.loading_since is not None:
+                    self._finish(process, known, now)
+            elif known.open and known.loading_since is not None and not process.waiting \
+                    and now - known.load_moved_at >= self.idle:
+                self._finish(process, known, known.load_moved_at)
+        if len(process.files) > MAX_FILES_PER_PROCESS:
+            for key in [key for key, held_file in process.files.items() if not held_file.open][:8]:
+                del process.files[key]
+
+    def _begin(self, process: Process, held: HeldFile, now: float, already_read: int) -> None:
+        held.loading_since = time.time()
+        held.loaded_at = held.loading_since
+        held.load_moved_at = now
+        held.read_forward = held.read_before = max(0, min(already_read, held.size))
+        held.device_at_start = process.device_bytes
+        held.chars_at_start = process.chars
+
+    def _finish(self, process: Process, held: HeldFile, ended: float) -> None:
+        """A load ended (closed, or still for ``idle`` seconds): its duration, bytes and class go into the
+        engine's history."""
+        started = held.loading_since
+        held.loading_since = None
+        if started is None:
+            return
+        seconds = max(0.0, _wall_from_monotonic(ended) - started)
+        read = self._bytes_read(process, held)
+        device = min(read, max(0, process.device_bytes - held.device_at_start)) if read else 0
+        history = self._history(held.engine)
+        values = history.engine_values
+        first, total, bounds = fmt.ENGINE_LAYOUT.histograms["load_read_seconds"]
+        values[first + _bucket(bounds, seconds)] += 1.0
+        values[total] += seconds
+        values[fmt.ENGINE_LAYOUT.counters["load_read_bytes"]] += read
+        self._add_waterfall(history.waterfall, held, started, seconds, read, device)
+        history.touched = time.monotonic()
+
+    @staticmethod
+    def _bytes_read(process: Process, held: HeldFile) -> int:
+        """The load's bytes: the forward movement of the position seen, or, where more, what the process's
+        reads returned since the load began (the reads between the last look and the close), at most the
+        file's size."""
+        returned = min(held.size, held.read_before + max(0, process.chars - held.chars_at_start))
+        return max(held.read_forward, returned)
+
+    def _abandon(self, process: Process, held: HeldFile) -> None:
+        held.loading_since = None
+        history = self._history(held.engine)
+        history.abandoned[process.gpu] = history.abandoned.get(process.gpu, 0.0) + 1.0
+        history.touched = time.monotonic()
+
+    def _history(self, engine: str) -> EngineHistory:
+        history = self._histories.get(engine)
+        if history is None:
+            if len(self._histories) >= MAX_ENGINES:
+                oldest = min(self._histories, key=lambda name: self._histories[name].touched)
+                del self._histories[oldest]
+            history = self._histories[engine] = EngineHistory([0.0] * fmt.ENGINE_LAYOUT.size,
+                                                              [0.0] * len(fmt.WATERFALL_SLOTS))
+        return history
+
+    @staticmethod
+    def _add_waterfall(values: list[float], held: HeldFile, started: float, seconds: float, read: int,
+                       device: int) -> None:
+        slot = fmt.WATERFALL
+        load_class = classify(held.size, device, None) if read else "warm"
+        values[slot["seq"]] += 1.0
+        values[slot[f"loads_{load_class}"]] += 1.0
+        values[slot["phase_read"]] += seconds
+        values[slot["device_bytes"]] += device
+        values[slot["cache_bytes"]] += read - device
+        if load_class == "cold":
+            values[slot["cold_device_bytes"]] += device
+            values[slot["cold_read_seconds"]] += seconds
+        values[slot["last_start"]] = started
+        values[slot["last_wall"]] = seconds
+        for phase in fmt.PHASES:
+            values[slot[f"last_{phase}"]] = seconds if phase == "read" else 0.0
+        values[slot["last_bytes"]] = read
+        values[slot["last_device_bytes"]] = device
+        values[slot["last_cache_bytes"]] = read - device
+        values[slot["last_class"]] = fmt.LOAD_CLASSES.index(load_class) + 1
+        values[slot["file_bytes"]] = held.size
+        values[slot["seq_end"]] = values[slot["seq"]]
+
+    def _process_gone(self, process: Process) -> None:
+        for held in process.files.values():
+            if held.loading_since is None:
+                continue
+            if held.position >= held.size > 0:
+                self._finish(process, held, held.load_moved_at)  # read to the end, then exited
+            else:
+                self._abandon(process, held)
+        self._tracked.pop(process.pid, None)
+
+    def _end_pass(self, listed: set[int]) -> None:
+        for pid, process in list(self._tracked.items()):
+            if pid not in listed:
+                self._process_gone(process)
+            elif not any(held.open for held in process.files.values()) and not process.files:
+                del self._tracked[pid]
+        self._refused = {key for key in self._refused if key[0] in listed}
+
+    # --- the answer -------------------------------------------------------------------------------
+
+    def _totals(self) -> rd.Totals:
+        totals = rd.Totals()
+        for engine, history in self._histories.items():
+            totals.engines[engine] = list(history.engine_values)
+            totals.waterfalls[engine] = list(history.waterfall)
+            for uuid, count in history.abandoned.items():
+                totals.abandoned[(engine, uuid)] = count
+        for process in self._tracked.values():
+            self._add_process(totals, process)
+        return totals
+
+    @staticmethod
+    def _add_process(totals: rd.Totals, process: Process) -> None:
+        engines: set[str] = set()
+        for held in process.files.values():
+            engine = held.engine
+            engines.add(engine)
+            totals.engines.setdefault(engine, [0.0] * fmt.ENGINE_LAYOUT.size)
+            info = rd.EngineInfo(held.path, -1, process.gpu, "", held.dev, held.ino, held.size, held.mtime_ns,
+                                 held.loaded_at)
+            infos = totals.infos.setdefault(engine, [])
+            if info not in infos:
+                infos.append(info)
+            totals.info_uids.setdefault((engine, held.path), set()).add(process.uid)
+            if held.loaded_at:
+                totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), held.loaded_at)
+            if process.pod is not None:
+                totals.pods.setdefault((engine, process.gpu), set()).add(rd.PodIdentity(pod_uid=process.pod.pod_uid))
+            if held.loading_since is not None:
+                key = (engine, process.gpu, held.dev)
+                load = totals.loads.setdefault(key, [0.0, 0.0, 0.0])
+                load[0] += 1.0
+                load[1] += held.read_forward
+                load[2] = held.loading_since if load[2] <= 0 else min(load[2], held.loading_since)
+        for engine in engines:
+            totals.processes[engine] = totals.processes.get(engine, 0) + 1
+            totals.writers.setdefault(engine, []).append((process.pid, process.start))
+
+
+@dataclass(frozen=True)
+class _Open:
+    """A model file as one look at a process's descriptors found it."""
+
+    path: str
+    dev: tuple[int, int]
+    ino: int
+    size: int
+    mtime_ns: int
+    fd: int
+    position: int
+
+
+class _Library:
+    """What a look at a process found when it holds the library's spool file: the spool reports it."""
+
+
+_LIBRARY = _Library()
+
+
+class _Budget:
+    def __init__(self, entries: int, deadline: float) -> None:
+        self.entries = entries
+        self.deadline = deadline
+
+    def spend(self) -> bool:
+        self.entries -= 1
+        return self.entries >= 0 and (self.entries % 256 != 0 or time.monotonic() < self.deadline)
+
+    def left(self) -> bool:
+        return self.entries > 0 and time.monotonic() < self.deadline
+
+
+def _bucket(bounds: tuple[float, ...], value: float) -> int:
+    for index, bound in enumerate(bounds):
+        if value <= bound:
+            return index
+    return len(bounds)
