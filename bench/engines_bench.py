@@ -47,6 +47,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -622,10 +623,8 @@ def report_discovery(repeats: int) -> None:
         descriptors = 0
         for name in os.listdir("/proc"):
             if name.isdigit():
-                try:
+                with contextlib.suppress(OSError):  # exited since the listing
                     descriptors += len(os.listdir(f"/proc/{name}/fd"))
-                except OSError:
-                    pass
         discovery = Discovery([directory])
         start = time.perf_counter()
         first = discovery.sample()

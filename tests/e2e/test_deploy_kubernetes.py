@@ -119,7 +119,8 @@ def test_discovery_component_gives_root_ptrace_and_read_search_alone(tmp_path) -
 def test_discovery_and_residency_combine_in_either_order(tmp_path, order: tuple[str, str]) -> None:
     spec = pod_spec_with_component(tmp_path, *order)
     capabilities = spec["containers"][0]["securityContext"]["capabilities"]
-    assert capabilities["drop"] == ["ALL"] and sorted(capabilities["add"]) == ["DAC_READ_SEARCH", "FOWNER", "SYS_PTRACE"]
+    assert capabilities["drop"] == ["ALL"]
+    assert sorted(capabilities["add"]) == ["DAC_READ_SEARCH", "FOWNER", "SYS_PTRACE"]
     assert spec["securityContext"]["runAsUser"] == 0
 
 
