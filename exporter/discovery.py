@@ -9,7 +9,8 @@ thread, for processes holding a file open for reading whose name matches the mod
 (MODEL_PATTERNS) under the include directories, *as the process names it* (a container's
 ``/models/...``), and turns what it sees into the same :class:`exporter.spool_reader.Totals` the
 spool gives: engine info (file, device, GPU, pod), loads in progress, finished loads (duration, device
-and page-cache bytes, class), loads abandoned by processes that died while loading.
+and page-cache bytes, class), loads abandoned by processes that died while loading.  Files under 1 MiB
+(MIN_MODEL_BYTES) and Python's own (site-packages, dist-packages) are no models.
 
 A load, seen from outside
 -------------------------
@@ -17,8 +18,8 @@ A load, seen from outside
   in a process already looked at, or the process itself started after discovery did), or when the read
   position of a file already open moves.  A file found open and still at exporter start-up is not a
   load: a server keeps its files open long after loading them.
-* It is in progress while the position moves, or the process waits on IO (state D), and at most
-  ``idle`` seconds without either.
+* It is in progress while the position moves, and at most ``idle`` seconds without a movement (three
+  times that while the process waits on IO, state D: one read held up by a storm).
 * It finishes when the file is closed, or at its last movement when it stood ``idle`` seconds: the load
   duration runs from the start to then.  Its bytes are the forward movement of the position; the share
   from the device is the process's read_bytes over the same time (process-wide: a process reading two
@@ -71,7 +72,12 @@ from .pods import cgroup as pod_cgroup
 
 log = logging.getLogger("gpuio.discovery")
 
-MODEL_PATTERNS = ("*.engine", "*.plan", "*.trt", "*.onnx", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+# The file names of model formats servers load: TensorRT (Triton's model.plan, TensorRT-LLM's rank0.engine),
+# ONNX, safetensors, TorchScript (Triton's model.pt), GGUF.  Not *.bin nor *.pth by default: data files and
+# Python's own path files take those names too (add them where pytorch_model.bin is what you serve).
+MODEL_PATTERNS = ("*.engine", "*.plan", "*.trt", "*.onnx", "*.safetensors", "*.pt", "*.gguf")
+MIN_MODEL_BYTES = 1 << 20  # smaller files are no model whose load a disk could hold up (configs, stubs)
+PACKAGE_DIRECTORIES = ("/site-packages/", "/dist-packages/")  # Python's own files, not models
 IDLE_SECONDS = 10.0  # a load whose position has not moved this long (the process not waiting on IO) is over
 PASS_SECONDS = 0.5  # the most one pass spends; the rest waits for the next pass
 # Descriptors looked at per pass (a readlink each, ~3.5 us with the rest of a look on a 2-core VM):
@@ -141,7 +147,10 @@ class HeldFile:
     mtime_ns: int
     fd: int
     position: int
-    moved_at: float  # monotonic; when the position last moved (or the file was first seen)
+    sighted: float  # wall clock: when discovery first saw the process hold it
+    device_at_sight: int  # the process's read_bytes then
+    chars_at_sight: int  # and its rchar
+    looked_again: bool = False  # seen at a later pass too
     open: bool = True
     loading_since: float | None = None  # wall clock: the load in progress began then
     load_moved_at: float = 0.0  # monotonic: the load's last movement
@@ -352,7 +361,7 @@ class Discovery:
             return self._spool_file(fd_dir, name, target, start)
         if not target.startswith(self.include) or target.endswith(" (deleted)"):
             return None
-        if not self.matches(os.path.basename(target)):
+        if not self.matches(os.path.basename(target)) or any(part in target for part in PACKAGE_DIRECTORIES):
             return None
         info = self._fdinfo(fd_dir, name)
         if info is None or info[1] & _ACCESS_MODE == _WRITE_ONLY:
@@ -361,7 +370,7 @@ class Discovery:
             st = os.stat(f"{fd_dir}/{name}")  # through the link: the file itself, in any mount namespace
         except OSError:
             return None
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode) or st.st_size < MIN_MODEL_BYTES:
             return None
         return _Open(target, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns,
                      int(name), info[0])
@@ -434,13 +443,15 @@ class Discovery:
                     continue
                 engine, version = engine_identity(opened.path)
                 known = process.files[key] = HeldFile(engine, version, opened.path, opened.dev, opened.ino,
-                                                      opened.size, opened.mtime_ns, opened.fd, opened.position, now)
+                                                      opened.size, opened.mtime_ns, opened.fd, opened.position,
+                                                      time.time(), process.device_bytes, process.chars)
                 if fresh:
                     self._begin(process, known, now, already_read=opened.position)
                 continue
             moved = opened.position != known.position or not known.open
             if moved and known.loading_since is None:
-                self._begin(process, known, now, already_read=0)
+                self._begin_moving(process, known, now)
+            known.looked_again = True
             if known.loading_since is not None and opened.position > known.position:
                 known.read_forward += opened.position - known.position
             if moved:
@@ -451,12 +462,17 @@ class Discovery:
                 known.open = False
                 if known.loading_since is not None:
                     self._finish(process, known, now)
-            elif known.open and known.loading_since is not None and not process.waiting \
-                    and now - known.load_moved_at >= self.idle:
+            elif known.open and known.loading_since is not None and self._stood_still(process, known, now):
                 self._finish(process, known, known.load_moved_at)
         if len(process.files) > MAX_FILES_PER_PROCESS:
             for key in [key for key, held_file in process.files.items() if not held_file.open][:8]:
                 del process.files[key]
+
+    def _stood_still(self, process: Process, held: HeldFile, now: float) -> bool:
+        """The load's position has not moved for ``idle`` seconds, or for three times that while the
+        process waits on IO (a read held up by a storm; a reader at fixed offsets waits for ever)."""
+        still = now - held.load_moved_at
+        return still >= (3 * self.idle if process.waiting else self.idle)
 
     def _begin(self, process: Process, held: HeldFile, now: float, already_read: int) -> None:
         held.loading_since = time.time()
@@ -465,6 +481,18 @@ class Discovery:
         held.read_forward = held.read_before = max(0, min(already_read, held.size))
         held.device_at_start = process.device_bytes
         held.chars_at_start = process.chars
+
+    def _begin_moving(self, process: Process, held: HeldFile, now: float) -> None:
+        """A load of a file already open whose position moved.  Moving at the first look after the file
+        was found (the exporter started, or the rotation reached the process, mid-read): the load was
+        under way when found, so it counts from then with what was read before.  Later: a new read of a
+        file held still, from now."""
+        if held.looked_again or not held.open:
+            self._begin(process, held, now, already_read=0)
+            return
+        self._begin(process, held, now, already_read=held.position)
+        held.loading_since = held.loaded_at = held.sighted
+        held.device_at_start, held.chars_at_start = held.device_at_sight, held.chars_at_sight
 
     def _finish(self, process: Process, held: HeldFile, ended: float) -> None:
         """A load ended (closed, or still for ``idle`` seconds): its duration, bytes and class go into the

@@ -152,6 +152,46 @@ def test_a_file_found_open_and_still_is_no_load_until_it_moves(tmp_path, loaders
     assert [count for count, _, _ in totals.loads.values()] == [1.0]
 
 
+def test_a_read_found_under_way_counts_from_when_it_was_found(tmp_path, loaders) -> None:
+    """The exporter (re)starts while a process reads: the position moving at the next look makes it a
+    load that was under way when found, with the bytes read before; a file that stood still at that look
+    and moves later is a new read, from then."""
+    path = model(tmp_path, "repo/resnet50/1/model.plan", 1 << 20)
+    loader = loaders()
+    loader.do("open", path)
+    loader.do("read", path, 256 << 10)
+    found = finder(tmp_path)  # found mid-read, in the first listing
+    sighted = time.time()
+    loader.do("read", path, 256 << 10)
+    ((count, read, oldest),) = found.sample().totals.loads.values()
+    assert count == 1 and read == 512 << 10 and oldest <= sighted
+    loader.do("read", path, 1 << 20)
+    loader.do("close", path)
+    values = found.sample().totals.engines["resnet50"]
+    assert values[fmt.ENGINE_LAYOUT.counters["load_read_bytes"]] == 1 << 20
+
+    held = model(tmp_path, "repo/bert/1/model.plan", 1 << 20)
+    loader.do("open", held)
+    loader.do("read", held, 4096)
+    later = finder(tmp_path)
+    later.sample()  # still at the next look
+    loader.do("read", held, 8192)
+    ((count, read, _),) = later.sample().totals.loads.values()
+    assert count == 1 and read == 8192
+
+
+def test_a_reader_at_fixed_offsets_is_no_load_for_ever(tmp_path, loaders) -> None:
+    """pread() leaves the position where it is: a load seen from its open ends ``idle`` seconds later,
+    even while the process keeps reading (at most three times that while it waits on IO)."""
+    path = model(tmp_path, "models/pread.engine")
+    found = finder(tmp_path, idle=0.3)
+    loader = loaders()
+    loader.do("open", path)
+    assert found.sample().totals.loads
+    time.sleep(0.4)
+    assert found.sample().totals.loads == {}
+
+
 def test_a_load_that_stands_still_ends_at_its_last_movement(tmp_path, loaders) -> None:
     path = model(tmp_path, "models/idle.engine")
     found = finder(tmp_path, idle=0.4)
@@ -171,11 +211,14 @@ def test_what_is_not_a_model_read_is_left_alone(tmp_path, loaders) -> None:
     os.makedirs(os.path.dirname(written))
     unmatched = model(tmp_path, "models/config.pbtxt")
     outside = model(tmp_path.parent, f"{tmp_path.name}-elsewhere/outside.plan")
+    tiny = model(tmp_path, "models/stub.plan", 4096)  # under MIN_MODEL_BYTES: no load a disk holds up
+    package = model(tmp_path, "venv/lib/python3.12/site-packages/torch/model.pt")  # Python's own files
+    data = model(tmp_path, "data/storm.bin")  # *.bin is data as often as weights: not by default
     found = finder(tmp_path)
     loader = loaders()
     loader.do("write", written)  # a download: written, not loaded
-    loader.do("open", unmatched)
-    loader.do("open", outside)
+    for path in (unmatched, outside, tiny, package, data):
+        loader.do("open", path)
     totals = found.sample().totals
     assert totals.infos == {} and totals.loads == {} and totals.engines == {}
 
@@ -214,7 +257,7 @@ def test_a_process_holding_its_own_spool_file_is_the_librarys_before_any_scrape(
 def test_a_pass_is_bounded_and_the_rotation_reaches_everyone(tmp_path, loaders) -> None:
     """A budget far below the node's descriptors: processes holding model files are found in turn, and
     once found they are followed every pass."""
-    paths = [model(tmp_path, f"models/m{index}.plan", 8192) for index in range(3)]
+    paths = [model(tmp_path, f"models/m{index}.plan") for index in range(3)]
     started = [loaders() for _ in paths]
     for loader, path in zip(started, paths, strict=True):
         loader.do("open", path)
@@ -228,7 +271,7 @@ def test_a_pass_is_bounded_and_the_rotation_reaches_everyone(tmp_path, loaders) 
 
 
 def test_gpu_processes_are_followed_first(tmp_path, loaders) -> None:
-    path = model(tmp_path, "models/first.plan", 8192)
+    path = model(tmp_path, "models/first.plan")
     loader = loaders()
     loader.do("open", path)
     found = Discovery([str(tmp_path)], fd_entries_per_pass=8, gpu_pids=lambda: [loader.pid],

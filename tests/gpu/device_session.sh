@@ -35,6 +35,7 @@ step python3 tests/gpu/prefork_check.py
 # the library's fork and truncation guards on this host's kernel and Python (tmpfs tests need root)
 step python3 -m pytest -q -p no:cacheprovider tests/e2e/test_spool.py tests/e2e/test_spool_full.py
 step python3 tests/gpu/cgroup_io_check.py  # the cgroup v2 path of the cgroup_io collector (io.stat, io.pressure)
+step python3 tests/gpu/discovery_check.py  # a plain PyTorch process loading a model, discovered with its GPU
 step python3 bench/nvml_bench.py
 step python3 tests/gpu/exporter_http_check.py
 step python3 tests/gpu/smart_replay_check.py

@@ -16,6 +16,11 @@ shortened windows (VARIANT), Alertmanager with deploy/alertmanager/alertmanager.
    cold-load a model file onto the GPU with O_DIRECT reads and are killed after CRASH_LOOP_KILL_S of
    loading (a startup probe), again and again; the GPU really idles.  Expected: the page names every
    crash-looping engine and the GPU, GPUStarvedByDiskIO fires for each, nothing resolves or fires twice.
+3. **The same, served without the library**: TRITON_LOOPERS plain PyTorch processes (no gpuio) read
+   ``<work>/triton/<model>/1/model.plan`` with O_DIRECT onto the GPU and are killed mid-load, again and
+   again.  The exporter finds them from /proc (engine discovery) and their GPU in NVML's process list
+   (every 2 s here, scaled down with the kills; 10 s by default against startup probes of minutes).
+   Expected: GPUStarvedByDiskIO for every model on the GPU, and the DiskIOStorm page naming the models.
 
     python3 tests/gpu/storm_check.py        # as root (drop_caches); prometheus and alertmanager on PATH
 
@@ -67,6 +72,8 @@ CRASH_LOOPERS = 2
 CRASH_LOOP_KILL_S = 5.0
 CRASH_LOOP_RESTART_S = 1.5
 CRASH_LOOP_S = 70
+TRITON_LOOPERS = 2
+TRITON_LOOP_S = 60
 MODEL_MIB = 1024
 INPUTS_MIB = 2048
 STORM_MIB = 8192
@@ -120,6 +127,22 @@ CRASH_LOOPER = textwrap.dedent("""
             weights[offset:offset + n].copy_(torch.frombuffer(buffer, dtype=torch.uint8)[:n])
             offset += n
             timer.add_bytes(n)
+    print("loaded", flush=True)
+""")
+
+
+# A Triton pod without gpuio: its CUDA context first, then its model from the repository, killed mid-load.
+TRITON_LOOPER = textwrap.dedent("""
+    import mmap, os
+    import torch
+    torch.cuda.init()
+    weights = torch.empty({model_bytes}, dtype=torch.uint8, device="cuda")
+    buffer = mmap.mmap(-1, 4 << 20)
+    print("loading", flush=True)
+    fd, offset = os.open({path!r}, os.O_RDONLY | os.O_DIRECT), 0
+    while (n := os.readv(fd, [buffer])) > 0:
+        weights[offset:offset + n].copy_(torch.frombuffer(buffer, dtype=torch.uint8)[:n])
+        offset += n
     print("loaded", flush=True)
 """)
 
@@ -281,9 +304,11 @@ def prepare(work: str) -> str:
     disk = whole_disk(work)
     files = [("inputs.bin", INPUTS_MIB), ("storm.bin", STORM_MIB),
              *[(f"crashloop-{k}.engine", MODEL_MIB) for k in range(CRASH_LOOPERS)],
+             *[(f"triton/model-{k}/1/model.plan", MODEL_MIB) for k in range(TRITON_LOOPERS)],
              *[(f"matmul-{k}.engine", 64) for k in range(SERVERS)]]
     print(f"[gpu storm] writing {sum(mib for _, mib in files)} MiB on {disk}", flush=True)
     for name, mib in files:
+        os.makedirs(os.path.dirname(os.path.join(work, name)), exist_ok=True)
         write_file(os.path.join(work, name), mib)
     Path("/proc/sys/vm/drop_caches").write_text("3")
     return disk
@@ -382,6 +407,36 @@ def crash_loop(node: Node) -> None:
     check.verdict(resolved == [], f"no page of the crash loop resolved while it lasted: {resolved}")
 
 
+def triton_crash_loop(node: Node) -> None:
+    """Phase 3: the crash loop of phase 2 by processes that never import gpuio, found from /proc."""
+    check = node.check
+    names = [f"model-{k}" for k in range(TRITON_LOOPERS)]
+    loops = [CrashLoop(TRITON_LOOPER.format(path=node.path(f"triton/{name}/1/model.plan"),
+                                            model_bytes=MODEL_MIB << 20)) for name in names]
+    wall = time.time()
+    for loop in loops:
+        loop.thread.start()
+    took = wait_for_starved(names, wall, TRITON_LOOP_S)
+    time.sleep(max(0.0, wall + TRITON_LOOP_S - time.time()))
+    alerts = get_json(check.prometheus + "/api/v1/alerts")["data"]["alerts"]
+    storm = [a for a in alerts if a["labels"]["alertname"] == "DiskIOStorm" and a["state"] == "firing"
+             and a["labels"].get("device") == node.disk and a["labels"].get("severity") == "critical"]
+    description = storm[0]["annotations"]["description"] if storm else ""
+    abandoned = check.query('gpuio_engine_loads_abandoned_total{engine=~"model-.*"}')
+    discovered = check.query('gpuio_engine_processes{source="proc"}')
+    print(f"[gpu storm] triton crash loop (no library): {figures(check, node.disk)}; kills "
+          f"{[loop.kills for loop in loops]}; abandoned {abandoned}; discovered {discovered}", flush=True)
+    print(f"[gpu storm] DiskIOStorm now: {description}", flush=True)
+    for loop in loops:
+        loop.stopping.set()
+    for loop in loops:
+        loop.thread.join(timeout=30)
+    check.verdict(all(loop.kills >= 3 for loop in loops), "the Triton-like pods were killed mid-load, again and again")
+    check.verdict(took is not None, "GPUStarvedByDiskIO paged for every model loaded without the library: after "
+                  f"{'never' if took is None else f'{took:.1f} s'}")
+    check.verdict(all(name in description for name in names), f"the DiskIOStorm page names the models {names}")
+
+
 def main() -> int:
     if os.geteuid() != 0:
         print("needs root (drop_caches)")
@@ -397,7 +452,7 @@ def main() -> int:
     exporter = ExporterProcess(["--collector.disable-defaults", "--collector.diskstats", "--collector.pressure",
                                 f"--collector.diskstats.device-include=^{disk}$", "--collector.nvml",
                                 "--collector.engines", f"--collector.engines.spool-dir={spool}",
-                                f"--collector.engines.path={work}/*.engine"])
+                                f"--collector.engines.path={work}/*.engine", "--collector.nvml.slow-interval=2s"])
     node = None
     try:
         alertmanager_process, alertmanager = start_alertmanager(Path(work), server.server_port, GROUP_INTERVAL)
@@ -411,6 +466,7 @@ def main() -> int:
             starved_gpu(node, storm)
             storm.active = STORM_READERS
             crash_loop(node)
+            triton_crash_loop(node)
         return 1 if node.check.failures else 0
     finally:
         for process in [*(node.servers if node else []), *reversed(peers)]:

@@ -37,6 +37,8 @@ def test_patterns_match_file_names_only() -> None:
             discovery.parse_patterns(bad)
     matches = discovery.pattern_matcher(discovery.MODEL_PATTERNS)
     assert matches("model.plan") and matches("x.safetensors") and not matches("config.pbtxt")
+    assert not matches("pytorch_model.bin") and not matches("distutils-precedence.pth")  # opt-in: ambiguous
+    assert discovery.pattern_matcher(discovery.parse_patterns("*.bin"))("pytorch_model.bin")
 
 
 def test_a_process_on_several_gpus_is_on_none_of_them() -> None:
