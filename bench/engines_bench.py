@@ -30,7 +30,7 @@
    both changed before every timed read: SpoolReader.read() and the engines collector's
    collect()+render, against the honest writer alone.  ``--only-flood`` runs this alone; copied into
    an older checkout, it measures that checkout's reader (what it uses is the same in both).
-6. Engine discovery (engines served without the library): one pass of exporter.discovery over this
+6. Engine discovery (engines served without the library): one pass of exporter.engines.discovery over this
    machine's processes plus DISCOVERY_IDLE idle processes holding DISCOVERY_FDS descriptors each and
    DISCOVERY_LOADERS processes holding a Triton-layout model file open: the first pass, and steady
    passes (the loaders followed every pass, the rest in turn within the pass budget), against GNU
@@ -335,8 +335,8 @@ def engines_collector_class() -> Any:
 
 
 def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[dict[str, list[float]], float | None]:
-    from exporter import spool_reader
     from exporter.collect import Context
+    from exporter.engines import spool as spool_source
     from exporter.exposition import render
 
     EnginesCollector = engines_collector_class()  # noqa: N806
@@ -370,7 +370,7 @@ def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[dict[str, list[
             return {"dead": timed(scrape, repeats)}, fold
         scrape()
         runs = {"changed": timed(scrape, repeats, tick), "unchanged": timed(scrape, repeats)}
-        fresh = spool_reader.SpoolReader(directory, remove_dead=False).read()
+        fresh = spool_source.SpoolReader(directory, remove_dead=False).read()
         ours = collector.reader.read()
         if (ours.engines, ours.per_gpu, ours.processes) != (fresh.engines, fresh.per_gpu, fresh.processes):
             raise SystemExit("the collector's totals differ from a fresh reader's")
@@ -534,8 +534,8 @@ def flood_spool(directory: str, flood: bool) -> tuple[list[object], list[Any]]:
 
 
 def flood_times(flood: bool, repeats: int) -> dict[str, Any]:
-    from exporter import spool_reader
     from exporter.collect import Context
+    from exporter.engines import spool as spool_source
     from exporter.exposition import render
 
     directory = tempfile.mkdtemp(prefix="gpuio-bench-flood-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -548,7 +548,7 @@ def flood_times(flood: bool, repeats: int) -> dict[str, Any]:
             for metrics in engines:
                 metrics.inference_seconds.observe(0.01)
 
-        reader = spool_reader.SpoolReader(directory, max_file_bytes=2 << 20)
+        reader = spool_source.SpoolReader(directory, max_file_bytes=2 << 20)
         first = timed(reader.read, 1)[0]
         reads = timed(reader.read, repeats, change)
         totals = reader.read()
@@ -604,7 +604,7 @@ def hold_descriptors(paths: list[str], count: int) -> int:
 
 
 def report_discovery(repeats: int) -> None:
-    from exporter.discovery import Discovery
+    from exporter.engines.discovery import Discovery
 
     directory = tempfile.mkdtemp(prefix="gpuio-discovery-")
     children: list[int] = []

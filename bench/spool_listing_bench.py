@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from exporter import spool_reader  # noqa: E402
+from exporter.engines import spool as spool_source  # noqa: E402
 from gpuio import spool as fmt  # noqa: E402
 from gpuio.metrics import EngineMetrics  # noqa: E402
 
@@ -33,7 +33,7 @@ def one(count: int) -> None:
             EngineMetrics("engine", file).inference_seconds.observe(0.01)
         for index in range(count):
             os.close(os.open(os.path.join(directory, f"junk-{index:07d}"), os.O_CREAT | os.O_WRONLY, 0o644))
-        reader = spool_reader.SpoolReader(directory)
+        reader = spool_source.SpoolReader(directory)
         times, walked = [], 0
         for _ in range(20):
             started = time.perf_counter()

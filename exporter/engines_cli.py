@@ -76,7 +76,7 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
     too, as the exporter reads them: found by one scan, now."""
     from .collect import Context
     from .collectors.engines import EnginesCollector
-    from .spool_reader import counter, histogram_count_and_sum
+    from .engines.model import counter, histogram_count_and_sum
 
     options = {"spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
                "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None,

@@ -4,7 +4,7 @@ Two sources (docs/engines.md):
 
 * the spool directory (``--collector.engines.spool-dir``): per-engine load, inference, pool and layer
   series merged over every live process, plus the folded totals of processes that exited
-  (:class:`exporter.spool_reader.SpoolReader`); read on the scrape path (file reads only);
+  (:class:`exporter.engines.spool.SpoolReader`); read on the scrape path (file reads only);
 * engine files, named by the processes (their load path) and by ``--collector.engines.path`` globs:
   size, mtime, the block device under them (st_dev -> /sys/dev/block, mountinfo for overlayfs and
   btrfs) and their page-cache residency.  Residency scans of big files run in a background
@@ -12,7 +12,7 @@ Two sources (docs/engines.md):
 
 ``gpuio_engine_info{engine, path, device, cuda_device, gpu_uuid, runtime}`` joins an engine to its
 disk and its GPU (as the process recorded it, else as NVML lists the process:
-:class:`exporter.spool_reader.WriterGpus`);
+:class:`exporter.engines.spool.WriterGpus`);
 ``gpuio_engine_physical_device_info`` names the whole disks under the device, the same way
 ``gpuio_disk_physical_device_info`` does, so rules can go engine -> disk -> diskstats.
 
@@ -63,10 +63,10 @@ from typing import Any
 from gpuio import spool as fmt
 from gpuio.load import engine_name
 
-from .. import discovery, mounts
-from .. import spool_reader as rd
+from .. import mounts
 from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
 from ..collect import Absent, Collector, Context, Pending, register
+from ..engines import discovery, model, spool
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
 from ..mounts import MountCache
@@ -74,7 +74,6 @@ from ..options import Option, parse_bool, parse_count, parse_seconds
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..pods import kubelet
 from ..sampler import PeriodicSampler
-from ..spool_reader import WriterGpus
 
 log = logging.getLogger("gpuio.collector.engines")
 
@@ -399,7 +398,7 @@ class ScanResult:
 LayerKey = tuple[str, str, str]  # a writer mount as far as its device goes: fstype, source, layer directory
 
 
-def _layer_key(mount: rd.WriterMount) -> LayerKey:
+def _layer_key(mount: model.WriterMount) -> LayerKey:
     return mount.fstype, mount.source, mount.layer
 
 
@@ -410,9 +409,9 @@ class FileDevices:
     looked up (None: not looked up yet, this scrape's budget was spent), and the devices the
     background found under writers' own mount records (the last answers)."""
 
-    infos: dict[str, list[rd.EngineInfo]]
+    infos: dict[str, list[model.EngineInfo]]
     numbers: dict[tuple[int, int], DeviceAnswer | None]
-    writer_mounts: dict[rd.MountKey, rd.WriterMount]
+    writer_mounts: dict[model.MountKey, model.WriterMount]
     layers: dict[LayerKey, DeviceAnswer]
 
     def of(self, engine: str, dev: tuple[int, int]) -> tuple[str, tuple[str, ...]]:
@@ -478,8 +477,8 @@ class EnginesCollector(Collector):
         self.globs: tuple[str, ...] = options.get("path") or ()
         self.max_engines: int = options.get("max-engines") or 200
         self.max_files: int = options.get("max-files") or 1000
-        self._writer_gpus = WriterGpus(context.gpu_processes.get, context.procfs)
-        self.reader = rd.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
+        self._writer_gpus = spool.WriterGpus(context.gpu_processes.get, context.procfs)
+        self.reader = spool.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
                                       gpu_of=self._writer_gpus,
                                       max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES,
@@ -503,7 +502,7 @@ class EnginesCollector(Collector):
                                       ttl=DEVICE_CACHE_SECONDS, budget=MAX_DEVICE_LOOKUPS)
         # Writers' mount records the last scrape wanted a device for (in the order it asked), and the
         # background sampler that walks them (the scrape reads its last answers).
-        self._layer_wants: dict[LayerKey, rd.WriterMount] = {}
+        self._layer_wants: dict[LayerKey, model.WriterMount] = {}
         self.layers: PeriodicSampler[dict[LayerKey, DeviceAnswer]] = PeriodicSampler(
             "engine-layers", LAYER_INTERVAL, self.resolve_layers, log)
         self._started = False  # start() called: the samplers run on their threads
@@ -558,7 +557,7 @@ class EnginesCollector(Collector):
         """Scan the kubelet's pods directory on this thread (the scrapes after it read what it found)."""
         return self.pod_spools.sample_now().value
 
-    def spool_totals(self) -> rd.Totals:
+    def spool_totals(self) -> model.Totals:
         """The spool merged now (a read_only collector leaves exited writers' files in place), with the
         engines discovery's last pass found."""
         return self._with_discovered(self.reader.read())
@@ -578,7 +577,7 @@ class EnginesCollector(Collector):
         if not has_spool and not self.globs and self.discoveries is None:
             raise Absent(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
                          "report (and neither --collector.engines.path nor discovery is on)")
-        totals = self.reader.read() if has_spool else rd.Totals()
+        totals = self.reader.read() if has_spool else model.Totals()
         totals = self._with_discovered(totals)
         if totals.pods:  # the pods of writers, for the nvml collector's process series
             self.context.pods.update_writer_pods((pod.pod_uid, pod.namespace, pod.pod)
@@ -602,8 +601,8 @@ class EnginesCollector(Collector):
             raise Pending("the first scan of engine files (size, residency, device) is still running", families)
         return families
 
-    def _with_discovered(self, totals: rd.Totals) -> rd.Totals:
-        """The spool's totals and the last discovery pass's, as one (exporter.discovery).  Discovery is told
+    def _with_discovered(self, totals: model.Totals) -> model.Totals:
+        """The spool's totals and the last discovery pass's, as one (exporter.engines.discovery).  Discovery is told
         which spool files the reader reads: their processes report through the library, never twice."""
         if self.discovery is None or self.discoveries is None:
             return totals
@@ -616,14 +615,14 @@ class EnginesCollector(Collector):
         pods = self.context.pods
         pods.set_discovered_pods(pod.pod_uid for found_pods in found.totals.pods.values() for pod in found_pods)
         named = {key: {self._named(pod, key[1]) for pod in found_pods} for key, found_pods in found.totals.pods.items()}
-        return rd.combined(totals, dataclasses.replace(found.totals, pods=named))
+        return model.combined(totals, dataclasses.replace(found.totals, pods=named))
 
-    def _named(self, pod: rd.PodIdentity, gpu_uuid: str) -> rd.PodIdentity:
+    def _named(self, pod: model.PodIdentity, gpu_uuid: str) -> model.PodIdentity:
         """A discovered process's pod (its UID, from its cgroup) with the names the kubelet gives it."""
         names = self.context.pods.of_process(pod.pod_uid, gpu_uuid) if gpu_uuid else None
-        return rd.PodIdentity(*names, pod_uid=pod.pod_uid) if names else pod
+        return model.PodIdentity(*names, pod_uid=pod.pod_uid) if names else pod
 
-    def _select(self, totals: rd.Totals) -> list[str]:
+    def _select(self, totals: model.Totals) -> list[str]:
         """At most max-engines engines, shared among tenants and ranked within each so that junk cannot
         push out real ones (module note); in the order chosen.
 
@@ -641,7 +640,7 @@ class EnginesCollector(Collector):
         return chosen
 
     @staticmethod
-    def _tenants(totals: rd.Totals) -> dict[str, set[Hashable]]:
+    def _tenants(totals: model.Totals) -> dict[str, set[Hashable]]:
         """Who wants each engine shown, by the strongest identity its live writers have, in this order:
         the kubelet's pod UIDs (a spool found in the pod's own volume: no writer chooses it); writer
         processes the kernel's lock table vouches for (pid, start ticks); the pods its writers say they
@@ -664,7 +663,7 @@ class EnginesCollector(Collector):
         return {engine: pod_uids.get(engine) or vouched.get(engine) or pod_names.get(engine)
                 or claimed.get(engine) or set() for engine in totals.engines}
 
-    def _note_activity(self, totals: rd.Totals, now: float) -> None:
+    def _note_activity(self, totals: model.Totals, now: float) -> None:
         """When each engine's counters last moved, as this exporter saw them (not as a writer says)."""
         prefix = fmt.ENGINE_LAYOUT.monotonic_prefix
         activity: dict[str, tuple[float, float]] = {}
@@ -677,14 +676,14 @@ class EnginesCollector(Collector):
                 activity[name] = (signature, now if signature != before[0] else before[1])
         self._activity = activity
 
-    def _rank(self, totals: rd.Totals, name: str, now: float) -> tuple[bool, bool, bool, bool, float, str]:
+    def _rank(self, totals: model.Totals, name: str, now: float) -> tuple[bool, bool, bool, bool, float, str]:
         """Sort key, best first: moved recently, has live writers, has observations, shown before,
         moved most recently; then the name (a stable order among equals)."""
         moved = self._activity[name][1]
         values = totals.engines[name]
         live = totals.processes.get(name, 0) + totals.discovered_processes.get(name, 0)
         return (now - moved > ACTIVE_SECONDS, live == 0,
-                rd.observations(values) == 0, name not in self._exported, -moved, name)
+                model.observations(values) == 0, name not in self._exported, -moved, name)
 
     def _drop(self, kind: str, key: Any) -> None:
         self._left_out[kind].add(key)
@@ -697,9 +696,9 @@ class EnginesCollector(Collector):
         """``engine="..."``, kept for the engines shown (see _select), made afresh for any other."""
         return self._labels.get(engine) or label_string({"engine": engine})
 
-    def _engine_families(self, totals: rd.Totals, engines: list[str]) -> list[Family]:
+    def _engine_families(self, totals: model.Totals, engines: list[str]) -> list[Family]:
         layout = fmt.ENGINE_LAYOUT
-        histogram_names = [name for name in HISTOGRAM_DESCS if name not in rd.PER_GPU_HISTOGRAMS]
+        histogram_names = [name for name in HISTOGRAM_DESCS if name not in model.PER_GPU_HISTOGRAMS]
         columns: list[list[str]] = [[] for _ in histogram_names]
         load_bytes, profiled, processes, last_load = [], [], [], []
         rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
@@ -752,7 +751,7 @@ class EnginesCollector(Collector):
 
     # --- per engine and GPU; loads in progress -------------------------------------------------------
 
-    def _engine_gpus(self, totals: rd.Totals, engines: list[str]) -> list[tuple[str, str]]:
+    def _engine_gpus(self, totals: model.Totals, engines: list[str]) -> list[tuple[str, str]]:
         """The (engine, GPU) pairs to serve: every GPU a process of the engine recorded, is loading on or
         loaded it for, at most MAX_GPUS_PER_ENGINE per engine (GPU uuids come from writers: untrusted)."""
         wanted = set(engines)
@@ -770,10 +769,10 @@ class EnginesCollector(Collector):
             pairs.extend((engine, uuid) for uuid in uuids[:MAX_GPUS_PER_ENGINE])
         return pairs
 
-    def _per_gpu_families(self, totals: rd.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
+    def _per_gpu_families(self, totals: model.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
         """Work waiting, judged per engine *and* GPU: a spare replica on another GPU has its own series."""
-        layout = rd.PER_GPU_LAYOUT
-        histograms: dict[str, list[str]] = {name: [] for name in rd.PER_GPU_HISTOGRAMS}
+        layout = model.PER_GPU_LAYOUT
+        histograms: dict[str, list[str]] = {name: [] for name in model.PER_GPU_HISTOGRAMS}
         gauges: dict[Desc, list[str]] = {IN_FLIGHT: [], POOL_CONTEXTS: [], POOL_IDLE: []}
         slots = {IN_FLIGHT: layout.gauges["in_flight"], POOL_CONTEXTS: layout.gauges["pool_contexts"],
                  POOL_IDLE: layout.gauges["pool_idle"]}
@@ -791,7 +790,7 @@ class EnginesCollector(Collector):
         return ([Family(HISTOGRAM_DESCS[name], lines) for name, lines in histograms.items()]
                 + [Family(desc, lines) for desc, lines in gauges.items()])
 
-    def _load_families(self, totals: rd.Totals, files: FileDevices, pairs: list[tuple[str, str]]) -> list[Family]:
+    def _load_families(self, totals: model.Totals, files: FileDevices, pairs: list[tuple[str, str]]) -> list[Family]:
         """Loads in progress per engine and GPU, per physical disk and per mount point; and each engine
         file's mount.  Every engine GPU, disk and mount point of an engine file is served, at 0 when
         nothing loads there, so that ``max by`` and joins find it."""
@@ -840,7 +839,7 @@ class EnginesCollector(Collector):
         families.append(Family(ENGINE_MOUNT, list(mount_info)))
         return families
 
-    def _pod_families(self, totals: rd.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
+    def _pod_families(self, totals: model.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
         """Which pods report each served (engine, GPU), at most MAX_PODS_PER_ENGINE per engine; and what
         the last scan of the kubelet's pods directory found."""
         lines: list[str] = []
@@ -877,7 +876,7 @@ class EnginesCollector(Collector):
 
     # --- engine -> file -> disk, GPU -------------------------------------------------------------
 
-    def _infos(self, totals: rd.Totals, engine: str) -> list[rd.EngineInfo]:
+    def _infos(self, totals: model.Totals, engine: str) -> list[model.EngineInfo]:
         """At most MAX_INFOS of an engine's info records: those whose file the last scan found as the
         writer reported it first, then the latest loads.  Many writers naming many paths for one
         engine cannot multiply its series."""
@@ -887,7 +886,7 @@ class EnginesCollector(Collector):
         scan = self.scanner.snapshot().value
         files = scan.files if scan is not None else {}
 
-        def verified(item: rd.EngineInfo) -> bool:
+        def verified(item: model.EngineInfo) -> bool:
             view = files.get((engine, item.path))
             return view is not None and view.size is not None
 
@@ -896,7 +895,7 @@ class EnginesCollector(Collector):
             self._drop("info", (engine, item.path, item.gpu_uuid, item.runtime))
         return ranked[:MAX_INFOS]
 
-    def _info_families(self, totals: rd.Totals, engines: list[str], files: FileDevices) -> list[Family]:
+    def _info_families(self, totals: model.Totals, engines: list[str], files: FileDevices) -> list[Family]:
         info, physical = [], []
         seen: set[str] = set()
         targets: dict[tuple[str, str], Target] = {}
@@ -934,7 +933,7 @@ class EnginesCollector(Collector):
         return [Family(ENGINE_INFO, info), Family(PHYSICAL_INFO, physical),
                 Family(PROCESS_INFO, self._process_info(totals, engines))]
 
-    def _process_info(self, totals: rd.Totals, engines: list[str]) -> list[str]:
+    def _process_info(self, totals: model.Totals, engines: list[str]) -> list[str]:
         """Each engine's live writers by pid, at most MAX_INFOS per engine; a pid this exporter's procfs
         shows as another process (a writer in another pid namespace) is left out, never mislabelled."""
         lines = []
@@ -947,7 +946,7 @@ class EnginesCollector(Collector):
 
     # --- devices: st_dev on the scrape (bounded), writers' mount records in the background ------------
 
-    def _file_devices(self, totals: rd.Totals, chosen: list[str], pairs: list[tuple[str, str]]) -> FileDevices:
+    def _file_devices(self, totals: model.Totals, chosen: list[str], pairs: list[tuple[str, str]]) -> FileDevices:
         """Where the shown engines' files are (see FileDevices), with the scrape's look-ups in the order
         the engines were chosen: each tenant's first engines' files are looked up first."""
         infos = {engine: self._infos(totals, engine) for engine in chosen}
@@ -962,12 +961,12 @@ class EnginesCollector(Collector):
         self._devices.end_round()
         return FileDevices(infos, numbers, totals.mounts, self._layer_answers(totals, infos, numbers))
 
-    def _layer_answers(self, totals: rd.Totals, infos: dict[str, list[rd.EngineInfo]],
+    def _layer_answers(self, totals: model.Totals, infos: dict[str, list[model.EngineInfo]],
                        numbers: dict[tuple[int, int], DeviceAnswer | None]) -> dict[LayerKey, DeviceAnswer]:
         """The background's last answers for the writers' mount records of shown files whose st_dev has
         no block device; those records are handed to it (in this scrape's order) for its next pass.
         Where the samplers do not run (``gpuio engines``, tests), the pass runs here, on this thread."""
-        wants: dict[LayerKey, rd.WriterMount] = {}
+        wants: dict[LayerKey, model.WriterMount] = {}
         for engine, items in infos.items():
             for item in items:
                 answer = numbers.get(item.dev)
@@ -1004,7 +1003,7 @@ class EnginesCollector(Collector):
             answers[key] = DeviceAnswer(device, tuple(disks), time.monotonic())
         return answers
 
-    def device_from_writer(self, mount: rd.WriterMount | None,
+    def device_from_writer(self, mount: model.WriterMount | None,
                            table: dict[int, mounts.MountPoint] | None = None) -> tuple[str, list[str]]:
         """The block device under a file as its writer's own mountinfo names it, where the exporter's
         view has none (a file inside a container image: overlayfs, whose layer directory is a path of the
@@ -1107,7 +1106,7 @@ class EnginesCollector(Collector):
         return FileView(target.engine, target.path, from_glob, dev, measured.size, st.st_mtime,
                         measured.cached_bytes, None)
 
-    def _file_families(self, totals: rd.Totals) -> list[Family]:
+    def _file_families(self, totals: model.Totals) -> list[Family]:
         snapshot = self.scanner.snapshot()
         result = snapshot.value
         if result is None:
@@ -1139,7 +1138,7 @@ class EnginesCollector(Collector):
         ]
 
     @staticmethod
-    def cached_figure(totals: rd.Totals, view: FileView, scanned: float) -> tuple[int, int, str, float] | None:
+    def cached_figure(totals: model.Totals, view: FileView, scanned: float) -> tuple[int, int, str, float] | None:
         """(file bytes, cached bytes, source, when measured) of an engine file: the exporter's scan where
         it could measure, else what the loading process measured at the end of the engine's latest load
         of that very file (an exporter without CAP_FOWNER cannot measure a file it may not write)."""
@@ -1159,7 +1158,7 @@ class EnginesCollector(Collector):
 
     # --- the waterfall of loads -----------------------------------------------------------------
 
-    def _waterfall_families(self, totals: rd.Totals, engines: list[str]) -> list[Family]:
+    def _waterfall_families(self, totals: model.Totals, engines: list[str]) -> list[Family]:
         slot = fmt.WATERFALL
         lines: dict[Desc, list[str]] = {desc: [] for desc in (LOADS_BY_CLASS, PHASE_SECONDS, SOURCE_BYTES, MAJOR_FAULTS,
                                                               LAST_PHASE, LAST_DURATION, LAST_BYTES, LAST_CLASS,
@@ -1198,7 +1197,7 @@ class EnginesCollector(Collector):
                 lines[PREDICTED].append(PREDICTED.sample(labels, predicted))
         return [Family(desc, samples) for desc, samples in lines.items()]
 
-    def predicted_cold_start(self, totals: rd.Totals, engine: str) -> float | None:
+    def predicted_cold_start(self, totals: model.Totals, engine: str) -> float | None:
         """Bytes of the engine's file not cached now / cold-read throughput + mean deserialize seconds
         (docs/engines.md, "Predicted cold start"); None where a part is unknown."""
         missing = self._bytes_not_cached(totals, engine)
@@ -1210,7 +1209,7 @@ class EnginesCollector(Collector):
         predicted = missing / throughput + (deserialize or 0.0)
         return predicted if math.isfinite(predicted) else None
 
-    def _bytes_not_cached(self, totals: rd.Totals, engine: str) -> int | None:
+    def _bytes_not_cached(self, totals: model.Totals, engine: str) -> int | None:
         scan = self.scanner.snapshot()
         views = [view for (name, _), view in (scan.value.files.items() if scan.value is not None else ())
                  if name == engine]
@@ -1225,7 +1224,7 @@ class EnginesCollector(Collector):
         return None
 
     @staticmethod
-    def _cold_throughput(totals: rd.Totals, engine: str) -> float | None:
+    def _cold_throughput(totals: model.Totals, engine: str) -> float | None:
         """Bytes per second of the engine's cold loads; else of every engine's cold loads from the same
         st_dev (its file's filesystem)."""
         slot = fmt.WATERFALL
@@ -1259,7 +1258,7 @@ class EnginesCollector(Collector):
                 Family(DISCOVERY_TIME, [DISCOVERY_TIME.sample("", snapshot.taken_at)]),
                 Family(DISCOVERY_BEHIND, [DISCOVERY_BEHIND.sample("", 1 if figures.unfinished else 0)])]
 
-    def _spool_families(self, totals: rd.Totals) -> list[Family]:
+    def _spool_families(self, totals: model.Totals) -> list[Family]:
         reader = self.reader
         errors = [SPOOL_ERRORS.sample(label_string({"reason": reason}), count)
                   for reason, count in sorted(reader.errors.items())]

@@ -79,7 +79,7 @@ class PodAttribution:
         self._names = names
 
     def set_discovered_pods(self, uids: Iterable[str]) -> None:
-        """The pods of processes serving engines without the library (exporter.discovery: from their
+        """The pods of processes serving engines without the library (exporter.engines.discovery: from their
         cgroup, the kernel's word), at most MAX_WRITER_PODS."""
         self._discovered = frozenset(sorted(uid for uid in uids if uid)[:MAX_WRITER_PODS])
 

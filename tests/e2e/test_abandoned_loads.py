@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from exporter import spool_reader
+from exporter.engines import spool as spool_source
 from exporter.exposition import render
 from tests.conftest import REPO, engines_collector, parse_samples
 
@@ -53,7 +53,7 @@ def test_each_load_killed_midway_counts_once_per_engine_and_gpu(tmp_path) -> Non
     spool.mkdir()
     plan = tmp_path / "ranker.plan"
     plan.write_bytes(b"\0" * 8192)
-    reader = spool_reader.SpoolReader(str(spool))
+    reader = spool_source.SpoolReader(str(spool))
     for attempt in range(3):  # a crash loop: each replacement starts the same load and is killed again
         process = start_loading(str(spool), str(plan), "ranker", "GPU-0001")
         during = reader.read()

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from exporter.discovery import Discovery
+from exporter.engines.discovery import Discovery
 from gpuio import spool as fmt
 from tests.conftest import ExporterProcess, parse_samples
 

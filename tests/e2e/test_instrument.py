@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from exporter import spool_reader
+from exporter.engines import model
+from exporter.engines import spool as spool_source
 from gpuio import spool as fmt
 from tests.conftest import REPO
 from tests.unit.test_instrument import _spool_totals
@@ -102,8 +103,8 @@ def test_two_processes_of_one_engine_on_two_gpus_give_two_in_flight_series(tmp_p
     try:
         assert spare.stdout is not None and spare.stdout.readline().strip() == "ready"
         totals = _spool_totals(str(tmp_path))
-        in_flight = spool_reader.PER_GPU_LAYOUT.gauges["in_flight"]
-        idle = spool_reader.PER_GPU_LAYOUT.gauges["pool_idle"]
+        in_flight = model.PER_GPU_LAYOUT.gauges["in_flight"]
+        idle = model.PER_GPU_LAYOUT.gauges["pool_idle"]
         assert {key: values[in_flight] for key, values in totals.per_gpu.items()} == {
             ("shared", "GPU-0000"): 1.0, ("shared", "GPU-1111"): 0.0}
         assert totals.per_gpu[("shared", "GPU-1111")][idle] == 2.0
@@ -118,7 +119,7 @@ def test_a_process_that_died_mid_load_has_no_load_in_progress(tmp_path) -> None:
     plan = tmp_path / "shared.engine"
     plan.write_bytes(b"\0" * 4096)
     process = _held(str(tmp_path), str(plan), "GPU-0000", loading=True)
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     try:
         assert [values[0] for values in reader.read().loads.values()] == [1.0]
     finally:
@@ -141,9 +142,9 @@ def test_counts_of_a_dead_writer_stay_under_the_gpu_nvml_gave_it(tmp_path) -> No
         print("ready", flush=True); sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     listed = {"pid": 0}
-    reader = spool_reader.SpoolReader(str(tmp_path),
+    reader = spool_source.SpoolReader(str(tmp_path),
                                       gpu_of=lambda pid, ticks: "GPU-nvml" if pid == listed["pid"] else None)
-    first, total = spool_reader.PER_GPU_LAYOUT.histograms["inference_seconds"][:2]
+    first, total = model.PER_GPU_LAYOUT.histograms["inference_seconds"][:2]
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         listed["pid"] = writer.pid

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.spool_reader import SpoolReader, histogram_count_and_sum
+from exporter.engines.model import histogram_count_and_sum
+from exporter.engines.spool import SpoolReader
 from tests.conftest import LIBRARY, REPO, c_path_can_be_built
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from exporter import spool_reader
+from exporter.engines import parse
+from exporter.engines import spool as spool_source
 from tests.conftest import REPO
 from tests.unit.test_spool import LAYOUT, count, spool_files, total
 
@@ -47,7 +48,7 @@ def start_hammer(directory: str) -> subprocess.Popen[str]:
 def test_a_process_killed_mid_write_is_folded_consistently(tmp_path) -> None:
     directory = str(tmp_path)
     process = start_hammer(directory)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     seen = []
     for _ in range(5):
         time.sleep(0.05)
@@ -79,7 +80,7 @@ def test_real_pid_reuse_cannot_mix_two_processes(tmp_path) -> None:
     if os.geteuid() != 0:
         pytest.skip("setting the next pid needs root")
     directory = str(tmp_path)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     first = start_hammer(directory)
     reader.read()
     first.send_signal(signal.SIGKILL)
@@ -132,7 +133,7 @@ def test_a_forked_child_reports_in_a_file_of_its_own(tmp_path) -> None:
         print(gpuio.describe()["spool"])
     """)
     parent_file = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     totals = reader.read()
     assert count(totals.engines["forky"], "inference_seconds") == 3
     assert totals.errors[("forky", "boom")] == 2
@@ -171,7 +172,7 @@ def test_a_handle_kept_across_fork_counts_the_childs_work_in_the_childs_file(tmp
                                  env={**os.environ, "GPUIO_HOT_PATH": hot_path}).stdout.strip()
     by_file = counts_by_file(tmp_path, "forky")
     assert len(by_file) == 2 and by_file.pop(parent_file) == 2.0 and list(by_file.values()) == [3.0]
-    totals = spool_reader.SpoolReader(str(tmp_path)).read()
+    totals = spool_source.SpoolReader(str(tmp_path)).read()
     assert count(totals.engines["forky"], "inference_seconds") == 5  # parent 2, child 3
 
 
@@ -216,7 +217,7 @@ def counts_by_file(directory, engine: str) -> dict[str, float]:
     for name in spool_files(str(directory)):
         path = os.path.join(str(directory), name)
         with open(path, "rb") as handle:
-            parsed = spool_reader.parse(handle.read())
+            parsed = parse.parse(handle.read())
         counts[path] = count(parsed.engines[engine], "inference_seconds") if engine in parsed.engines else 0.0
     return counts
 
@@ -234,7 +235,7 @@ def test_preforked_workers_each_report_as_their_own_process_with_exact_counts(tm
     by_file = counts_by_file(tmp_path, "served")
     assert by_file[parent_file] == 0.0
     assert sorted(by_file[path] for path in worker_files) == [200.0, 400.0, 600.0, 800.0]
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     totals = reader.read()
     assert count(totals.engines["served"], "inference_seconds") == 2000
     assert totals.errors[("served", "timeout")] == 10 + 20 + 30 + 40
@@ -273,7 +274,7 @@ def test_a_child_that_cannot_take_its_spool_over_refuses_the_inherited_handles(t
     for hot_path in ("c", "python"):
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                        env={**os.environ, "GPUIO_HOT_PATH": hot_path})
-    totals = spool_reader.SpoolReader(str(tmp_path)).read()
+    totals = spool_source.SpoolReader(str(tmp_path)).read()
     assert count(totals.engines["forky"], "inference_seconds") == 2 * 3  # parent 2, child 1, per hot path
 
 
@@ -310,7 +311,7 @@ def test_a_directory_of_200000_names_is_walked_a_bounded_slice_a_read_and_in_ful
     for index in range(200_000):
         os.close(os.open(os.path.join(big_directory, f"junk-{index:06d}"), os.O_CREAT | os.O_WRONLY, 0o644))
     last = made(100)
-    reader = spool_reader.SpoolReader(big_directory, remove_dead=False)
+    reader = spool_source.SpoolReader(big_directory, remove_dead=False)
     budget = getattr(reader, "scan_entries", 65_536)
     order = {entry.name: position for position, entry in enumerate(os.scandir(big_directory))}
     position = {file: order[os.path.basename(str(file.path))] for file in (first, dead, last)}

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from exporter import spool_reader
+from exporter.engines import spool as spool_source
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root]
@@ -70,7 +70,7 @@ def test_a_spool_file_system_that_fills_up_drops_new_series_and_the_process_serv
     spool = tmpfs("128k")
     path, error, count = serve(spool)
     assert path.startswith(spool) and error == "No space left on device" and count == 1.0
-    totals = spool_reader.SpoolReader(spool, remove_dead=False).read()
+    totals = spool_source.SpoolReader(spool, remove_dead=False).read()
     assert 20 < len(totals.engines) < 300 and totals.dropped_by_writers > 0  # what fitted, and what did not
 
 

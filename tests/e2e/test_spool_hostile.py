@@ -30,7 +30,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter import spool_reader
+from exporter.engines import model, parse
+from exporter.engines import spool as spool_source
 from gpuio import spool as fmt
 from tests.conftest import REPO
 from tests.unit.test_spool_trust import fill_with_engines
@@ -38,8 +39,8 @@ from tests.unit.test_spool_trust import fill_with_engines
 pytestmark = pytest.mark.e2e
 
 LAYOUT = fmt.ENGINE_LAYOUT
-# What one file may keep (spool_reader.FILE_LIMITS): devices named, engines, error reasons per engine.
-LIMITS = getattr(spool_reader, "FILE_LIMITS", None)
+# What one file may keep (parse.FILE_LIMITS): devices named, engines, error reasons per engine.
+LIMITS = getattr(parse, "FILE_LIMITS", None)
 DEVICES_PER_FILE = LIMITS.devices if LIMITS else 64
 ENGINES_PER_FILE = LIMITS.engines if LIMITS else 256
 ERRORS_PER_ENGINE = LIMITS.errors_per_engine if LIMITS else 64
@@ -119,8 +120,8 @@ def start(writers: list[Writer], directory: str) -> Writer:
     return writer
 
 
-def inferences(totals: spool_reader.Totals, engine: str) -> float:
-    return spool_reader.histogram_count_and_sum(totals.engines[engine], "inference_seconds")[0]
+def inferences(totals: model.Totals, engine: str) -> float:
+    return model.histogram_count_and_sum(totals.engines[engine], "inference_seconds")[0]
 
 
 def spool_names(directory: str) -> list[str]:
@@ -192,7 +193,7 @@ ATTACKS = {
 }
 
 
-def published(totals: spool_reader.Totals) -> tuple[float, float, float, float]:
+def published(totals: model.Totals) -> tuple[float, float, float, float]:
     """What Prometheus sees of engine resnet50: inferences, bytes loaded, timeouts; and the writers' drops."""
     values = totals.engines["resnet50"]
     return (inferences(totals, "resnet50"), values[LOAD_BYTES], totals.errors[("resnet50", "timeout")],
@@ -214,7 +215,7 @@ def test_a_writer_rewriting_its_own_file_cannot_make_a_published_counter_fall(tm
     hostile = start(writers, directory)
     hostile.observe("resnet50", 100)
     rewrite(hostile.path, fmt.DROPPED_OFFSET, struct.pack("<Q", 7))  # its own count of series it dropped
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     before = published(reader.read())
     assert before == (600, 600, 3, 7) and reader.folded_processes == 1
 
@@ -242,7 +243,7 @@ def test_a_live_file_renamed_or_hard_linked_counts_once(tmp_path, writers, attac
     directory = str(tmp_path)
     writer = start(writers, directory)
     writer.observe("resnet50", 1000)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     assert inferences(reader.read(), "resnet50") == 1000
     other = os.path.join(directory, "gpuio-1-1-0000000000000bad.spool")
     (os.rename if attack == "rename" else os.link)(writer.path, other)
@@ -264,7 +265,7 @@ def test_a_dead_file_hard_linked_is_folded_once(tmp_path, writers) -> None:
     writer.observe("resnet50", 1000)
     writer.exit()
     os.link(writer.path, os.path.join(directory, "gpuio-1-1-0000000000000bad.spool"))
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     for _ in range(2):
         assert inferences(reader.read(), "resnet50") == 1000  # before: 2,000
     assert reader.folded_processes == 1 and spool_names(directory) == []
@@ -279,7 +280,7 @@ def test_a_live_file_moved_out_of_the_directory_and_back_counts_once(tmp_path, w
     elsewhere.mkdir()
     writer = start(writers, str(directory))
     writer.observe("resnet50", 1000)
-    reader = spool_reader.SpoolReader(str(directory))
+    reader = spool_source.SpoolReader(str(directory))
     reader.read()
     os.rename(writer.path, elsewhere / "hidden")
     writer.observe("resnet50", 10)
@@ -303,7 +304,7 @@ def test_a_live_file_folded_as_vanished_and_found_again_is_not_counted_twice_nor
     elsewhere.mkdir()
     writer = start(writers, str(directory))
     writer.observe("resnet50", 1000)
-    reader = spool_reader.SpoolReader(str(directory))
+    reader = spool_source.SpoolReader(str(directory))
     reader._kept_cap = 0
     reader.read()
     os.rename(writer.path, elsewhere / "hidden")
@@ -330,7 +331,7 @@ def test_a_live_file_renamed_onto_a_folded_files_name_in_a_pods_volume_is_read_o
     exited.exit()
     live = start(writers, str(directory))
     live.observe("resnet50", 10)
-    reader = spool_reader.SpoolReader(str(tmp_path / "node-spool"))
+    reader = spool_source.SpoolReader(str(tmp_path / "node-spool"))
     reader.set_pod_directories({str(directory): "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4e5"})
     assert inferences(reader.read(), "resnet50") == 110
     os.rename(live.path, exited.path)
@@ -383,7 +384,7 @@ def test_a_live_file_renamed_onto_a_dead_files_name_while_it_is_folded_is_not_de
     pairs = [item for name, writer in zip(dead, live, strict=True) for item in (name, writer.path)]
     renamer = subprocess.Popen([sys.executable, "-c", RENAMER, directory, *pairs], stdout=subprocess.PIPE, text=True)
     assert renamer.stdout is not None and renamer.stdout.readline().strip() == "watching"
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     deadline = time.monotonic() + 30
     while renamer.poll() is None and time.monotonic() < deadline:
         reader.read()
@@ -429,7 +430,7 @@ def test_a_live_file_swapped_with_a_dead_one_in_a_loop_is_never_deleted(tmp_path
                                     os.path.basename(live.path)], stdout=subprocess.PIPE, text=True)
         try:
             assert swapper.stdout is not None and swapper.stdout.readline().strip() == "swapping"
-            reader = spool_reader.SpoolReader(directory)
+            reader = spool_source.SpoolReader(directory)
             for _ in range(20):
                 reader.read()
         finally:
@@ -453,7 +454,7 @@ def test_the_reaping_directory_is_the_readers_own_and_what_a_crash_left_in_it_is
     os.chmod(taken, 0o777)
     live = start(writers, directory)
     live.observe("resnet50", 10)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     assert inferences(reader.read(), "resnet50") == 10
     exited = start(writers, directory)
     exited.observe("resnet50", 100)
@@ -503,7 +504,7 @@ def honest_neighbour(writers: list[Writer], directory: str) -> Writer:
     return writer
 
 
-def assert_read_in_full(totals: spool_reader.Totals) -> None:
+def assert_read_in_full(totals: model.Totals) -> None:
     for engine in ("resnet50", "bert", "yolo"):
         assert inferences(totals, engine) == 10 and totals.engines[engine][LOAD_BYTES] == 10
         assert totals.errors[(engine, "timeout")] == 1
@@ -518,7 +519,7 @@ def test_a_writer_naming_twelve_thousand_devices_costs_only_its_own_series(tmp_p
     directory = str(tmp_path)
     flood = flood_of_infos(directory, 12_000)
     honest_neighbour(writers, directory)
-    reader = spool_reader.SpoolReader(directory, max_file_bytes=2 << 20)
+    reader = spool_source.SpoolReader(directory, max_file_bytes=2 << 20)
     for _ in range(2):
         with flood.lock:
             pass  # the flood changes before every read: parsed again each time
@@ -542,7 +543,7 @@ def test_a_writer_flooding_engines_and_a_neighbours_error_reasons_keeps_only_its
         for number in range(600):
             assert flood.add_record(fmt.KIND_ENGINE, f"junk-{number:03d}", LAYOUT.size * 8) is not None
     honest_neighbour(writers, directory)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     totals = reader.read()
     assert_read_in_full(totals)
     assert len([key for key in totals.errors if key[0] == "resnet50"]) == ERRORS_PER_ENGINE + 1
@@ -562,7 +563,7 @@ def test_a_small_file_listed_after_twenty_full_ones_is_read_at_once(tmp_path, wr
         fill_with_engines(file, f"big{index:02d}")
     honest = honest_neighbour(writers, directory)
     os.rename(honest.path, os.path.join(directory, "gpuio-~listed-last.spool"))
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     for _ in range(2):
         totals = reader.read()
     assert_read_in_full(totals)
@@ -578,7 +579,7 @@ def test_a_new_writer_is_read_while_full_files_change_at_every_read(tmp_path, wr
     hostile = [fmt.SpoolFile(directory) for _ in range(4)]
     for index, file in enumerate(hostile):
         fill_with_engines(file, f"big{index:02d}")
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     reader.scrape_parse_bytes = sum(file.used for file in hostile)
     reader.retained_bytes = 64 << 20  # memory is not what this is about: every live file may be kept
     reader.read()

@@ -37,10 +37,11 @@ import tempfile
 import atheris
 
 with atheris.instrument_imports():
-    from exporter import collectors, spool_reader, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
+    from exporter import collectors, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
     from exporter.collect import Context, MalformedSource
     from exporter.collectors import diskstats, pressure, smart
     from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
+    from exporter.engines import parse
     from exporter.exposition import render
 
 ROOT = tempfile.mkdtemp(prefix="gpuio-atheris-")
@@ -135,8 +136,8 @@ def fuzz_spool(data: bytes) -> None:
         mutated[offset : offset + len(chunk)] = chunk
     mutated = mutated[: provider.ConsumeIntInRange(0, len(mutated))]
     try:
-        parsed = spool_reader.parse(bytes(mutated))
-    except spool_reader.BadFile:
+        parsed = parse.parse(bytes(mutated))
+    except parse.BadFile:
         return
     for values in parsed.engines.values():
         assert all(value == value and abs(value) != float("inf") for value in values), values

@@ -27,9 +27,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter import spool_reader
 from exporter.collect import Context
 from exporter.collectors.engines import EnginesCollector
+from exporter.engines import model, parse
+from exporter.engines import spool as spool_source
 from exporter.exposition import render
 from exporter.pods import cgroup, kubelet, wire
 from gpuio import spool
@@ -168,12 +169,12 @@ WRITER = textwrap.dedent("""
 
 
 SEED = spool_seed(WRITER)
-PRISTINE = spool_reader.parse(SEED)
+PRISTINE = parse.parse(SEED)
 UID = "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4e5"
 
 
 def test_the_seed_holds_pod_mount_and_waterfall_records() -> None:
-    assert PRISTINE.pod == spool_reader.PodIdentity("serv\\ing", 'det"ector-7d9f', "server\n",
+    assert PRISTINE.pod == model.PodIdentity("serv\\ing", 'det"ector-7d9f', "server\n",
                                                     "11111111-2222-3333-4444-555555555555")
     assert PRISTINE.mounts and PRISTINE.waterfalls and not PRISTINE.bad_record
 
@@ -181,8 +182,8 @@ def test_the_seed_holds_pod_mount_and_waterfall_records() -> None:
 @given(st.lists(MUTATION, min_size=1, max_size=5))
 def test_parse_of_pod_mount_and_waterfall_records_raises_only_bad_file(mutations: list[tuple]) -> None:
     try:
-        parsed = spool_reader.parse(mutate(SEED, mutations))
-    except spool_reader.BadFile:
+        parsed = parse.parse(mutate(SEED, mutations))
+    except parse.BadFile:
         return
     for values in parsed.waterfalls.values():
         assert len(values) == len(spool.WATERFALL_SLOTS) and all(map(math.isfinite, values))
@@ -236,7 +237,7 @@ def test_lock_table_finds_each_flock_holder_and_nothing_else(good: list, junk: l
     lines = [line.encode() for line, _, _ in good] + [j.replace(b"FLOCK", b"flock") for j in junk]
     with open(path, "wb") as handle:
         handle.write(b"\n".join(lines))
-    table = spool_reader.read_lock_table(path)
+    table = spool_source.read_lock_table(path)
     for _, pid, inode in good:
         assert pid in table[inode]
     assert sum(map(len, table.values())) <= len({(pid, inode) for _, pid, inode in good})

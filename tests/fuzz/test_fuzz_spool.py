@@ -1,4 +1,4 @@
-"""Fuzz the spool reader (exporter/spool_reader.py) and the engines collector on corrupt files.
+"""Fuzz the spool reader (exporter/engines/) and the engines collector on corrupt files.
 
 The seed is a real spool file: a subprocess loads an "engine" through the instrumentation library,
 runs inferences, records an error and layer timings, and exits (so the file is a dead writer's).
@@ -26,9 +26,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter import spool_reader
 from exporter.collect import Context
 from exporter.collectors.engines import EnginesCollector
+from exporter.engines import model, parse
+from exporter.engines import spool as spool_source
 from exporter.exposition import render
 from gpuio import spool
 from tests.conftest import REPO, parse_samples
@@ -69,7 +70,7 @@ def spool_seed(writer: str = WRITER) -> bytes:
 
 SEED = spool_seed()
 USED = struct.unpack_from("<Q", SEED, spool.USED_OFFSET)[0]
-PRISTINE = spool_reader.parse(SEED)
+PRISTINE = parse.parse(SEED)
 EDGE_U64 = st.sampled_from([0, 1, 7, 8, 255, 256, USED - 8, USED, USED + 8, len(SEED), 2**31, 2**32 - 1, 2**63,
                             2**64 - 1])
 EDGE_DOUBLE = st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 0.0, 1e308, 5e-324]) | st.floats()
@@ -106,8 +107,8 @@ def mutate(data: bytes, mutations: list[tuple]) -> bytes:
 @given(st.lists(MUTATION, min_size=1, max_size=5))
 def test_parse_raises_only_bad_file(mutations: list[tuple]) -> None:
     try:
-        parsed = spool_reader.parse(mutate(SEED, mutations))
-    except spool_reader.BadFile as exc:
+        parsed = parse.parse(mutate(SEED, mutations))
+    except parse.BadFile as exc:
         assert exc.reason in ("empty", "truncated", "garbage", "version")
         return
     for values in parsed.engines.values():
@@ -198,33 +199,33 @@ def mutations_within(data: bytes) -> st.SearchStrategy[tuple]:
 
 RICH_MUTATION = mutations_within(RICH_FILE)
 SMALL = st.integers(0, 4)
-LIMITS = st.builds(spool_reader.FileLimits, parse_bytes=st.integers(0, RICH_USED), entries=st.integers(0, 40),
+LIMITS = st.builds(parse.FileLimits, parse_bytes=st.integers(0, RICH_USED), entries=st.integers(0, 40),
                    engines=SMALL, devices=SMALL, errors_per_engine=SMALL, layers_per_engine=SMALL,
                    loads_per_engine=SMALL, mounts_per_engine=SMALL)
 
 
-def engines_named(parsed: spool_reader.Parsed) -> set[str]:
+def engines_named(parsed: parse.Parsed) -> set[str]:
     return ({*parsed.engines, *parsed.infos, *parsed.waterfalls} | {engine for engine, _ in parsed.errors}
             | {engine for engine, _ in parsed.layers} | {engine for engine, _, _ in parsed.loads}
             | {engine for engine, _ in parsed.mounts})
 
 
 def test_the_rich_seed_fits_the_default_limits_whole() -> None:
-    parsed = spool_reader.parse(RICH_SEED)
+    parsed = parse.parse(RICH_SEED)
     assert parsed.left_out == 0 and not parsed.bad_record
     assert len(engines_named(parsed)) == 4 and len(parsed.infos) == 4
     assert len(parsed.mounts) >= 12 and len(parsed.loads) >= 12 and len(parsed.errors) == 12 and parsed.layers
 
 
 @given(LIMITS, st.lists(RICH_MUTATION, max_size=3))
-def test_parse_keeps_one_file_within_its_limits(limits: spool_reader.FileLimits, mutations: list[tuple]) -> None:
+def test_parse_keeps_one_file_within_its_limits(limits: parse.FileLimits, mutations: list[tuple]) -> None:
     """Whatever the file and the limits: no more engines, devices, entries, and per engine no more error
     reasons, layers, loads or mounts than the limits allow; and what is left out is counted."""
     data = mutate(RICH_FILE, mutations)
     try:
-        parsed = spool_reader.parse(data, limits)
-        whole = spool_reader.parse(data)
-    except spool_reader.BadFile:
+        parsed = parse.parse(data, limits)
+        whole = parse.parse(data)
+    except parse.BadFile:
         return
     assert len(engines_named(parsed)) <= limits.engines
     devices = ({info.dev for info in parsed.infos.values()} | {dev for _, dev in parsed.mounts}
@@ -247,7 +248,7 @@ def test_parse_keeps_one_file_within_its_limits(limits: spool_reader.FileLimits,
     assert kept == whole_kept or parsed.left_out > 0 or parsed.bad_record
 
 
-def published_counters(totals: spool_reader.Totals) -> dict[tuple[str, object], list[float]]:
+def published_counters(totals: model.Totals) -> dict[tuple[str, object], list[float]]:
     """Every counter the reader publishes: engines' histograms and counters, error counts, layer times
     and samples, waterfall counters, the writers' drops."""
     counters: dict[tuple[str, object], list[float]] = {("dropped", None): [float(totals.dropped_by_writers)]}
@@ -255,7 +256,7 @@ def published_counters(totals: spool_reader.Totals) -> dict[tuple[str, object], 
     counters.update({("engine", engine): values[:prefix] for engine, values in totals.engines.items()})
     counters.update({("error", key): [count] for key, count in totals.errors.items()})
     counters.update({("layer", key): list(pair) for key, pair in totals.layers.items()})
-    counters.update({("waterfall", engine): values[: spool_reader.WATERFALL_LAST_FROM]
+    counters.update({("waterfall", engine): values[: model.WATERFALL_LAST_FROM]
                      for engine, values in totals.waterfalls.items()})
     return counters
 
@@ -275,7 +276,7 @@ def test_published_counters_never_fall_whatever_a_live_file_becomes(versions: li
     fd = os.open(live.path, os.O_WRONLY)
     try:
         os.pwrite(fd, RICH_FILE, 0)
-        reader = spool_reader.SpoolReader(directory)
+        reader = spool_source.SpoolReader(directory)
         reader.recheck_seconds = 0.0  # every file read whole at every read, whatever its header says
         last = published_counters(reader.read())
         assert last[("engine", "engine0")] and reader.read().live_files == 1

@@ -23,7 +23,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
 
 import gpuio  # noqa: E402
-from exporter import spool_reader  # noqa: E402
+from exporter.engines import model, parse  # noqa: E402
+from exporter.engines import spool as spool_source  # noqa: E402
 
 WORKERS = 4
 WIDTH = 2048
@@ -58,9 +59,9 @@ def per_file_counts(directory: str, engine: str) -> dict[str, float]:
             if not data:
                 counts[path] = -1.0  # the cut one
                 continue
-            parsed = spool_reader.parse(data)
+            parsed = parse.parse(data)
             values = parsed.engines.get(engine)
-            counts[path] = spool_reader.histogram_count_and_sum(values, "inference_seconds")[0] if values else 0.0
+            counts[path] = model.histogram_count_and_sum(values, "inference_seconds")[0] if values else 0.0
     return counts
 
 
@@ -94,8 +95,8 @@ def main() -> int:
             misses.append(f"worker {worker.pid}: {counts.get(path)} != {requests}")
     if counts.get(parent_file) != 0.0:
         misses.append(f"the parent's file counted {counts.get(parent_file)}")
-    totals = spool_reader.SpoolReader(directory, remove_dead=False).read()
-    merged = spool_reader.histogram_count_and_sum(totals.engines["prefork-matmul"], "inference_seconds")[0]
+    totals = spool_source.SpoolReader(directory, remove_dead=False).read()
+    merged = model.histogram_count_and_sum(totals.engines["prefork-matmul"], "inference_seconds")[0]
     expected = sum(plan[:-1])
     print(f"  reader: {merged} inferences merged (expected {expected}: the cut worker's stayed in its memory)")
     if merged != expected:

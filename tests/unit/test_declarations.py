@@ -8,8 +8,8 @@ import pytest
 
 from exporter import catalogue
 from exporter.collectors import engines
+from exporter.engines.model import PER_GPU_HISTOGRAMS
 from exporter.exposition import render
-from exporter.spool_reader import PER_GPU_HISTOGRAMS
 from gpuio import metrics
 from gpuio import spool as fmt
 from tests.conftest import engines_collector, parse_samples, undeclared

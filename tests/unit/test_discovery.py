@@ -8,10 +8,9 @@ import copy
 
 import pytest
 
-from exporter import discovery
-from exporter import spool_reader as rd
 from exporter.collect import GpuProcesses
-from exporter.discovery import engine_identity
+from exporter.engines import discovery, model
+from exporter.engines.discovery import engine_identity
 from exporter.pods.attribution import PodAttribution
 from gpuio import spool as fmt
 
@@ -53,25 +52,25 @@ def test_a_process_on_several_gpus_is_on_none_of_them() -> None:
 
 
 def test_discovered_engines_join_the_spools_without_changing_it() -> None:
-    """rd.combined adds discovered totals to the spool's; the spool's merge (reused between reads) is
+    """model.combined adds discovered totals to the spool's; the spool's merge (reused between reads) is
     left as it was, and discovered processes are counted apart."""
     size = fmt.ENGINE_LAYOUT.size
-    spool = rd.Totals(engines={"ranker": [1.0] * size}, processes={"ranker": 2},
+    spool = model.Totals(engines={"ranker": [1.0] * size}, processes={"ranker": 2},
                       loads={("ranker", "GPU-a", (8, 1)): [1.0, 100.0, 50.0]},
                       abandoned={("ranker", "GPU-a"): 1.0})
     before = copy.deepcopy(spool)
-    found = rd.Totals(engines={"ranker": [2.0] * size, "resnet50": [0.0] * size},
+    found = model.Totals(engines={"ranker": [2.0] * size, "resnet50": [0.0] * size},
                       processes={"resnet50": 1, "ranker": 1},
                       loads={("ranker", "GPU-a", (8, 1)): [2.0, 10.0, 40.0]},
                       abandoned={("ranker", "GPU-a"): 3.0, ("resnet50", ""): 1.0},
-                      pods={("resnet50", ""): {rd.PodIdentity(pod_uid="u-1")}})
-    both = rd.combined(spool, found)
+                      pods={("resnet50", ""): {model.PodIdentity(pod_uid="u-1")}})
+    both = model.combined(spool, found)
     assert spool == before
     assert both.engines["ranker"] == [3.0] * size and "resnet50" in both.engines
     assert both.loads[("ranker", "GPU-a", (8, 1))] == [3.0, 110.0, 40.0]  # the oldest start of both
     assert both.abandoned == {("ranker", "GPU-a"): 4.0, ("resnet50", ""): 1.0}
     assert both.processes == {"ranker": 2} and both.discovered_processes == {"resnet50": 1, "ranker": 1}
-    assert rd.combined(spool, rd.Totals()) is spool  # nothing found: the spool's own
+    assert model.combined(spool, model.Totals()) is spool  # nothing found: the spool's own
 
 
 def test_pods_that_serve_engines_include_those_discovery_found() -> None:

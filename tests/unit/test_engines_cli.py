@@ -113,9 +113,9 @@ def test_engines_json_is_valid_json_for_an_absurd_throughput(spool_dir, capsys) 
 def test_engines_walks_a_spool_directory_too_big_for_one_read(spool_dir, monkeypatch, capsys) -> None:
     """The exporter walks a huge spool directory a slice per scrape; ``gpuio engines`` is asked once, so
     it reads on until the whole directory was walked: every writer is listed."""
-    from exporter import spool_reader
+    from exporter.engines import spool as spool_source
 
-    monkeypatch.setattr(spool_reader, "MAX_SCANNED_ENTRIES", 2)
+    monkeypatch.setattr(spool_source, "MAX_SCANNED_ENTRIES", 2)
     writers = [fmt.SpoolFile(spool_dir) for _ in range(5)]
     for file in writers:
         metrics.EngineMetrics("sliced", file).inference_seconds.observe(0.01)

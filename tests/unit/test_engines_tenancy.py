@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import pytest
 
 from exporter import mounts
-from exporter import spool_reader as rd
 from exporter.collectors import engines
+from exporter.engines import model
 from tests.conftest import engines_collector
 from tests.unit.test_load_waterfall import HungFilesystem
 
@@ -115,8 +115,8 @@ def test_a_layer_directory_the_writer_names_through_a_symlink_is_not_followed(di
     planted = os.path.join(disk_directory, "planted")
     os.symlink(target, planted)
     collector = engines_collector(tempfile.gettempdir())
-    assert collector.device_from_writer(rd.WriterMount("/", "overlay", "overlay", target))[0]  # the disk
-    assert collector.device_from_writer(rd.WriterMount("/", "overlay", "overlay", planted)) == ("", [])
+    assert collector.device_from_writer(model.WriterMount("/", "overlay", "overlay", target))[0]  # the disk
+    assert collector.device_from_writer(model.WriterMount("/", "overlay", "overlay", planted)) == ("", [])
 
 
 def test_the_mount_holding_a_path_is_the_longest_mount_point_over_it_the_last_listed() -> None:

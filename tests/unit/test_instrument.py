@@ -10,7 +10,9 @@ import time
 import pytest
 
 import gpuio
-from exporter import pagecache, spool_reader
+from exporter import pagecache
+from exporter.engines import model, parse
+from exporter.engines import spool as spool_source
 from gpuio import gpu, metrics
 from gpuio import spool as fmt
 
@@ -31,7 +33,7 @@ def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) 
     m = loaded.metrics
     assert m.load_read_seconds.count() == 1 and m.load_deserialize_seconds.count() == 1
     assert m.load_read_bytes.value() == 3 << 20
-    (info,) = spool_reader.SpoolReader(spool_dir).read().infos["detector"]
+    (info,) = spool_source.SpoolReader(spool_dir).read().infos["detector"]
     assert (info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.size) == (
         str(model_file), 2, "GPU-x", "generic", 3 << 20)
     assert info.ino == model_file.stat().st_ino
@@ -47,7 +49,7 @@ def test_a_model_behind_symbolic_links_is_recorded_by_its_real_path_which_the_ex
     snapshot.mkdir(parents=True)
     (snapshot / "model.onnx").symlink_to(os.path.join("..", "..", "blobs", "5f1e0c"))
     gpuio.load(str(snapshot / "model.onnx"), bytes, name="hf-model")
-    (info,) = spool_reader.SpoolReader(spool_dir).read().infos["hf-model"]
+    (info,) = spool_source.SpoolReader(spool_dir).read().infos["hf-model"]
     assert info.path == str(blob.resolve())
     claim = pagecache.Claim(info.path, info.dev, info.ino, frozenset({os.getuid()}))
     fd, st = pagecache.open_claimed("/", claim, (str(tmp_path),))  # refused ("symlink") for the link's path
@@ -192,7 +194,7 @@ def test_layer_times_keep_the_top_k_and_sum_the_rest(spool_dir) -> None:
     for _ in range(4):
         m.add_layer_times(profile)
     m.add_layer_times({"never-seen-before": 0.5})
-    layers = spool_reader.SpoolReader(spool_dir).read().layers
+    layers = spool_source.SpoolReader(spool_dir).read().layers
     assert set(layers) == {("layered", "conv1"), ("layered", "conv2"), ("layered", "(other)")}
     assert layers[("layered", "conv1")][0] == pytest.approx(0.012)
     assert layers[("layered", "(other)")][0] == pytest.approx(4 * 0.0003 + 0.5)
@@ -228,11 +230,11 @@ def test_no_spool_directory_means_metrics_stay_in_the_process(tmp_path) -> None:
 # --- loads in progress, work waiting per GPU ---------------------------------------------------------
 
 
-def _spool_totals(directory: str, remove_dead: bool = False) -> spool_reader.Totals:
-    return spool_reader.SpoolReader(directory, remove_dead=remove_dead).read()
+def _spool_totals(directory: str, remove_dead: bool = False) -> model.Totals:
+    return spool_source.SpoolReader(directory, remove_dead=remove_dead).read()
 
 
-def _loads(totals: spool_reader.Totals, engine: str) -> list[list[float]]:
+def _loads(totals: model.Totals, engine: str) -> list[list[float]]:
     return [values for (name, _, _), values in totals.loads.items() if name == engine]
 
 
@@ -249,7 +251,7 @@ def test_a_load_is_in_progress_from_its_start_until_the_loader_returns(spool_dir
     before = time.time()
     gpuio.load(str(plan), loader, gpu_uuid="GPU-aaaa", device=0)
     during = seen["during"]
-    assert isinstance(during, spool_reader.Totals)
+    assert isinstance(during, model.Totals)
     ((engine, uuid, dev), (count, read_bytes, oldest)), = during.loads.items()
     assert (engine, uuid, dev) == ("detector", "GPU-aaaa", (os.major(st.st_dev), os.minor(st.st_dev)))
     assert count == 1 and read_bytes == 3 << 20 and before <= oldest <= time.time()
@@ -310,7 +312,7 @@ def test_a_bad_load_record_is_refused_and_counted() -> None:
     with spool.lock:
         offset = spool.add_record(fmt.KIND_LOAD, "engine-without-gpu-and-device", 24)
     assert offset is not None
-    parsed = spool_reader.parse(bytes(spool._map[: spool.used]))
+    parsed = parse.parse(bytes(spool._map[: spool.used]))
     assert parsed.bad_record and parsed.loads == {}
 
 
@@ -349,7 +351,7 @@ def test_many_threads_hammering_one_engine_lose_no_update(spool_dir) -> None:
             worker.join()
     finally:
         sys.setswitchinterval(interval)
-    values = spool_reader.SpoolReader(spool_dir, remove_dead=False).read().engines["shared"]
+    values = spool_source.SpoolReader(spool_dir, remove_dead=False).read().engines["shared"]
     layout = fmt.ENGINE_LAYOUT
     calls = threads * rounds
     first, total, _ = layout.histograms["inference_seconds"]

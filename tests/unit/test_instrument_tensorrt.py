@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import gpuio
-from exporter import spool_reader
+from exporter.engines import spool as spool_source
 from gpuio import tensorrt as adapter
 
 try:
@@ -146,7 +146,7 @@ def test_load_engine_times_read_and_deserialize(spool_dir, plan) -> None:
     assert loaded.deserialize_seconds >= 0.03
     m = loaded.metrics
     assert m.name == "resnet50" and m.load_read_bytes.value() == loaded.bytes_read
-    (info,) = spool_reader.SpoolReader(spool_dir).read().infos["resnet50"]
+    (info,) = spool_source.SpoolReader(spool_dir).read().infos["resnet50"]
     assert (info.runtime, info.cuda_device, info.gpu_uuid) == ("tensorrt", 0, "GPU-abc")
 
 
@@ -227,7 +227,7 @@ def test_layer_profiles_are_sampled_one_in_n(spool_dir, plan) -> None:
         runner.execute(stream)
         assert runner.context.profiler is None  # attached only for the sampled inference
     assert m.layer_profiled_inferences.value() == 3
-    layers = spool_reader.SpoolReader(spool_dir).read().layers
+    layers = spool_source.SpoolReader(spool_dir).read().layers
     # top 2 by time are fc (0.4 ms) and relu (0.3 ms); conv1 + conv2 go to (other)
     assert layers[("resnet50", "fc")][0] == pytest.approx(3 * 0.0004)
     assert layers[("resnet50", "relu")][0] == pytest.approx(3 * 0.0003)
@@ -290,7 +290,7 @@ def test_a_profiler_that_cannot_be_detached_reports_the_sampled_inference(spool_
         runner.execute(FakeStream())
     assert context.enqueue_emits_profile is False and context.profiler is not None  # stayed attached
     assert m.layer_profiled_inferences.value() == 3
-    layers = spool_reader.SpoolReader(spool_dir).read().layers
+    layers = spool_source.SpoolReader(spool_dir).read().layers
     # fc reports 0.4 ms x the enqueue's number: the sum over the three sampled enqueues, no other
     expected = sum(0.0004 * n for n in profiled_enqueues(9, 3))
     assert layers[("resnet50", "fc")][0] == pytest.approx(expected)

@@ -131,9 +131,16 @@ def test_the_instrumentation_library_imports_only_itself() -> None:
     assert outside == set()
 
 
-def test_the_spool_reader_never_calls_up_into_a_collector() -> None:
-    """The engines' GPU lookup flows one way: the collector hands the reader a function."""
-    assert {target for target in graph()["exporter.spool_reader"] if target.startswith("exporter.collect")} == set()
+def test_the_engine_sources_never_call_up_into_a_collector() -> None:
+    """The engine package (the spool, discovery, the model) reads top-down: what the collectors share
+    with it (NVML's processes, the spool files read) is handed in as functions and values."""
+    edges = graph()
+    package = [name for name in edges if name.startswith("exporter.engines.")]
+    assert set(package) >= {"exporter.engines.model", "exporter.engines.parse", "exporter.engines.fold",
+                            "exporter.engines.spool", "exporter.engines.discovery"}
+    upward = {(name, target) for name in package for target in edges[name]
+              if target.startswith(("exporter.collect", "exporter.engines_cli"))}
+    assert upward == set()
 
 
 def test_the_library_ships_the_spool_writer_but_not_its_reader() -> None:

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 import gpuio
-from exporter import spool_reader as rd
+from exporter.engines import model, parse
+from exporter.engines import spool as spool_source
 from exporter.exposition import render
 from gpuio import spool as fmt
 from gpuio import waterfall as wf
@@ -127,7 +128,7 @@ def test_prediction_adds_the_exact_mean_deserialize_time_not_a_bucket_median(mod
 
 def test_torn_copy_keeps_the_last_good_load(model_file: str, spool: str) -> None:
     gpuio.load(model_file, bytes, name="torn")
-    reader = rd.SpoolReader(spool)
+    reader = spool_source.SpoolReader(spool)
     good = reader.read().waterfalls["torn"]
     metrics = gpuio.engine("torn")
     index = metrics._waterfall_index
@@ -142,10 +143,10 @@ def test_torn_copy_keeps_the_last_good_load(model_file: str, spool: str) -> None
 def test_reader_without_the_new_kinds_skips_them(model_file: str, spool: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exporter older than the library: the new records are skipped, what came before still counts."""
     gpuio.load(model_file, bytes, name="old")
-    monkeypatch.setattr(rd, "KINDS", (fmt.KIND_ENGINE, fmt.KIND_ERROR, fmt.KIND_LAYER, fmt.KIND_INFO, fmt.KIND_LOAD))
+    monkeypatch.setattr(parse, "KINDS", (fmt.KIND_ENGINE, fmt.KIND_ERROR, fmt.KIND_LAYER, fmt.KIND_INFO, fmt.KIND_LOAD))
     path = gpuio.describe()["spool"]
     with open(path, "rb") as handle:
-        parsed = rd.parse(handle.read())
+        parsed = parse.parse(handle.read())
     assert parsed.unknown_records >= 1 and not parsed.bad_record and "old" in parsed.engines
 
 
@@ -169,18 +170,18 @@ def test_overlay_layer_resolves_to_the_disk_under_it(spool: str) -> None:
     os.rmdir(layer)  # only its st_dev matters: the directory itself may go
     layer = os.path.dirname(layer)
     st = os.stat(layer)
-    expected = rd.WriterMount("/", "overlay", "overlay", layer)
+    expected = model.WriterMount("/", "overlay", "overlay", layer)
     collector = engines_collector(spool)
     device, _ = collector.device_from_writer(expected)
     assert device and os.path.exists(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
     assert os.path.basename(os.readlink(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")) == device
-    assert collector.device_from_writer(rd.WriterMount("/", "overlay", "overlay", "/var/../etc")) == ("", [])
-    assert collector.device_from_writer(rd.WriterMount("/models", "nfs4", "10.0.4.20:/x", "")) == ("", [])
+    assert collector.device_from_writer(model.WriterMount("/", "overlay", "overlay", "/var/../etc")) == ("", [])
+    assert collector.device_from_writer(model.WriterMount("/models", "nfs4", "10.0.4.20:/x", "")) == ("", [])
 
 
 def test_writer_records_its_mount_in_the_spool(model_file: str, spool: str) -> None:
     gpuio.load(model_file, bytes, name="mounted")
-    totals = rd.SpoolReader(spool).read()
+    totals = spool_source.SpoolReader(spool).read()
     st = os.stat(model_file)
     mount = totals.mounts[("mounted", (os.major(st.st_dev), os.minor(st.st_dev)))]
     assert mount.fstype == "ext4" and mount.mountpoint == "/"
@@ -270,7 +271,7 @@ def test_hostile_waterfall_and_mount_records_stop_the_parse_there(kind: int, key
     with file.lock:
         file.add_record(fmt.KIND_ERROR, "good\x00reason", 8, struct.pack("<d", 1.0))
         file.add_record(kind, key, len(payload), payload)
-    parsed = rd.parse(bytes(file._map))
+    parsed = parse.parse(bytes(file._map))
     assert parsed.bad_record and parsed.errors == {("good", "reason"): 1.0}
     assert not parsed.waterfalls and not parsed.mounts
 

@@ -160,7 +160,7 @@ def test_a_hostpath_writer_records_its_pod_from_the_downward_api(spool_dir, pod_
 def test_a_pod_record_that_lies_about_its_lengths_is_a_bad_record(tmp_path, monkeypatch) -> None:
     """A writer is untrusted: POD strings that overrun their record stop the parse there (counted once),
     what came before stands, nothing raises; invalid UTF-8 is replaced, not fatal."""
-    from exporter import spool_reader
+    from exporter.engines import parse
 
     for name in fmt.POD_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
@@ -168,28 +168,28 @@ def test_a_pod_record_that_lies_about_its_lengths_is_a_bad_record(tmp_path, monk
     assert file.path is not None
     payload = fmt.POD_STRUCT.pack(3, 60000, 0, 0) + b"abc"
     file.add_record(fmt.KIND_POD, "pod", len(payload), payload)
-    parsed = spool_reader.parse(read(file.path))
+    parsed = parse.parse(read(file.path))
     assert parsed.bad_record and parsed.pod is None
     file.close()
     other = fmt.SpoolFile(str(tmp_path))
     junk = fmt.POD_STRUCT.pack(2, 2, 0, 0) + b"\xff\xfe\xc3("
     other.add_record(fmt.KIND_POD, "pod", len(junk), junk)
     assert other.path is not None
-    parsed = spool_reader.parse(read(other.path))
+    parsed = parse.parse(read(other.path))
     assert not parsed.bad_record and parsed.pod is not None and parsed.pod.namespace == "\ufffd\ufffd"
     other.close()
 
 
 def test_no_pod_record_without_a_pod_name_or_uid(tmp_path, monkeypatch) -> None:
     """CONTAINER_NAME alone is common outside Kubernetes (this very machine sets it): no POD record."""
-    from exporter import spool_reader
+    from exporter.engines import parse
 
     for name in fmt.POD_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CONTAINER_NAME", "some-sandbox")
     file = fmt.SpoolFile(str(tmp_path))
     assert file.path is not None
-    assert spool_reader.parse(read(file.path)).pod is None
+    assert parse.parse(read(file.path)).pod is None
     file.close()
 
 
@@ -216,10 +216,10 @@ def test_an_engine_on_more_gpus_than_the_cap_is_counted_not_a_crash(tmp_path) ->
 def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_path, monkeypatch) -> None:
     """Each pod directory gives at most MAX_POD_DIRECTORY_ENTRIES entries a read (the rest of that pod's
     files at the next reads, in turn), so a pod listed first cannot take the whole listing from the others."""
-    from exporter import spool_reader
+    from exporter.engines import spool as spool_source
     from gpuio.metrics import EngineMetrics
 
-    monkeypatch.setattr(spool_reader, "MAX_POD_DIRECTORY_ENTRIES", 5)
+    monkeypatch.setattr(spool_source, "MAX_POD_DIRECTORY_ENTRIES", 5)
     pods = str(tmp_path / "pods")
     crowded, quiet = pod_spool(pods, UID_B), pod_spool(pods, UID_A)  # UID_B's directory is listed first
     files = []

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from exporter import spool_reader
+from exporter.engines import parse
+from exporter.engines import spool as spool_source
 from gpuio import spool as fmt
 from gpuio.metrics import EngineMetrics
 
@@ -51,7 +52,7 @@ def test_round_trip_of_every_series(tmp_path) -> None:
     metrics.error("timeout")
     metrics.error("timeout")
     metrics.set_info("/etc/hostname", 1, "GPU-1234", "tensorrt")
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     totals = reader.read()
     values = totals.engines["resnet50"]
     assert count(values, "inference_seconds") == 4
@@ -75,7 +76,7 @@ def test_histogram_bucket_edges_are_inclusive(tmp_path) -> None:
     metrics.inference_seconds.observe(0.001)  # exactly a bound: le="0.001"
     metrics.inference_seconds.observe(1e9)  # past the last bound: +Inf
     metrics.inference_seconds.observe(float("nan"))  # ignored
-    values = spool_reader.SpoolReader(str(tmp_path)).read().engines["resnet50"]
+    values = spool_source.SpoolReader(str(tmp_path)).read().engines["resnet50"]
     first, _, bounds = LAYOUT.histograms["inference_seconds"]
     assert values[first + bounds.index(0.001)] == 1
     assert values[first + len(bounds)] == 1
@@ -84,7 +85,7 @@ def test_histogram_bucket_edges_are_inclusive(tmp_path) -> None:
 
 
 def test_merges_processes_and_folds_exited_ones_without_going_backwards(tmp_path) -> None:
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     first, a = writer(str(tmp_path))
     second, b = writer(str(tmp_path))
     a.inference_seconds.observe(0.01)
@@ -128,7 +129,7 @@ def valid_bytes(directory: str) -> bytes:
     with open(file.path, "rb") as handle:
         data = handle.read(file.used)
     file.close()
-    spool_reader.SpoolReader(directory).read()  # fold and remove the donor
+    spool_source.SpoolReader(directory).read()  # fold and remove the donor
     return data
 
 
@@ -153,7 +154,7 @@ def test_damaged_and_foreign_files_are_skipped_counted_once_and_left_alone(tmp_p
         write_file(directory, name, data)
     live, metrics = writer(directory)
     metrics.inference_seconds.observe(0.5)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     for _ in range(3):  # the same bad files are not counted again
         totals = reader.read()
     assert reader.errors == {"empty": 1, "truncated": 2, "version": 1, "garbage": 1, "record": 1}
@@ -175,7 +176,7 @@ def test_bad_record_after_good_ones_keeps_the_good_ones(tmp_path) -> None:
     with open(file.path, "r+b") as handle:  # scribble over the second record's header
         handle.seek(fmt.HEADER_SIZE + fmt.RECORD_HEAD.size + 8 + LAYOUT.size * 8)
         handle.write(b"\xff" * 8)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     totals = reader.read()
     reader.read()
     assert count(totals.engines["resnet50"], "inference_seconds") == 1
@@ -188,7 +189,7 @@ def test_a_live_file_truncated_under_the_reader_keeps_its_last_good_totals(tmp_p
     directory = str(tmp_path)
     file, metrics = writer(directory)
     metrics.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     assert count(reader.read().engines["resnet50"], "inference_seconds") == 1
     assert file.path is not None
     os.truncate(file.path, 0)
@@ -204,7 +205,7 @@ def test_a_live_file_removed_by_someone_else_is_folded_from_what_was_seen(tmp_pa
     directory = str(tmp_path)
     file, metrics = writer(directory)
     metrics.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     reader.read()
     assert file.path is not None
     os.unlink(file.path)
@@ -216,7 +217,7 @@ def test_a_live_file_removed_by_someone_else_is_folded_from_what_was_seen(tmp_pa
 def test_symlinks_are_not_followed(tmp_path) -> None:
     directory = str(tmp_path)
     os.symlink("/etc/passwd", os.path.join(directory, "gpuio-1-1-link.spool"))
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     reader.read()
     assert reader.errors == {"io": 1}
 
@@ -227,7 +228,7 @@ def test_a_full_file_drops_new_series_and_says_so(tmp_path) -> None:
     for index in range(15):
         metrics.error(f"reason{index}-" + "x" * 190)
     metrics.inference_seconds.observe(0.01)  # existing series keep working
-    totals = spool_reader.SpoolReader(directory).read()
+    totals = spool_source.SpoolReader(directory).read()
     assert totals.dropped_by_writers > 0
     assert count(totals.engines["resnet50"], "inference_seconds") == 1
     assert 0 < len([key for key in totals.errors if key[0] == "resnet50"]) < 15
@@ -241,7 +242,7 @@ def test_a_thousand_dead_processes_are_folded_once_then_cost_nothing(tmp_path, m
         metrics.inference_seconds.observe(0.01)
         metrics.load_read_bytes.inc(100)
         file.close()
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     totals = reader.read()
     assert reader.folded_processes == 1000
     assert sum(count(values, "inference_seconds") for values in totals.engines.values()) == 1000
@@ -265,7 +266,7 @@ def test_dead_files_that_cannot_be_deleted_are_tombstoned(tmp_path, monkeypatch)
         raise PermissionError(1, "Operation not permitted", path)
 
     monkeypatch.setattr(os, "unlink", refuse)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     assert count(reader.read().engines["resnet50"], "inference_seconds") == 5
     opened: list[str] = []
     real_open = os.open
@@ -279,7 +280,7 @@ def test_a_writer_that_died_before_renaming_leaves_a_temporary_that_is_swept(tmp
     stale = write_file(directory, ".gpuio-1-1-0000000000000001.spool.tmp", b"")
     fresh = write_file(directory, ".gpuio-2-1-0000000000000002.spool.tmp", b"")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    spool_reader.SpoolReader(directory).read()
+    spool_source.SpoolReader(directory).read()
     assert not os.path.exists(stale) and os.path.exists(fresh)
 
 
@@ -294,7 +295,7 @@ def test_two_live_files_claiming_the_same_pid_are_two_processes(tmp_path) -> Non
     assert first.pid == second.pid
     a.inference_seconds.observe(0.01)
     b.inference_seconds.observe(0.01)
-    totals = spool_reader.SpoolReader(directory).read()
+    totals = spool_source.SpoolReader(directory).read()
     assert totals.processes["resnet50"] == 2
     assert count(totals.engines["resnet50"], "inference_seconds") == 2
     first.close()
@@ -309,7 +310,7 @@ def test_a_record_of_a_kind_from_a_newer_library_is_skipped_and_the_rest_is_read
     later.load_read_bytes.inc(4096)
     assert file.path is not None
     with open(file.path, "rb") as handle:
-        parsed = spool_reader.parse(handle.read())
+        parsed = parse.parse(handle.read())
     assert not parsed.bad_record and parsed.unknown_records == 1
     assert set(parsed.engines) == {"resnet50", "yolo"}
     assert parsed.engines["yolo"][LAYOUT.counters["load_read_bytes"]] == 4096

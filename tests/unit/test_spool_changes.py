@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from exporter import spool_reader
+from exporter.engines import spool as spool_source
 from gpuio import metrics as gm
 from gpuio import spool as fmt
 from gpuio.metrics import EngineMetrics
@@ -93,7 +93,7 @@ def test_a_scrape_of_unchanged_files_reads_their_headers_only(tmp_path) -> None:
     writers = [writer(str(tmp_path), f"engine{n}") for n in range(10)]
     for _, metrics in writers:
         metrics.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     first = reader.read()
     assert first.live_files == 10 and first.deferred_files == 0
     reader.scrape_read_bytes = 10 * 1024
@@ -110,14 +110,14 @@ def test_a_scrape_of_unchanged_files_reads_their_headers_only(tmp_path) -> None:
 
 def test_changes_are_seen_at_once_and_totals_equal_a_fresh_reader(tmp_path) -> None:
     writers = [writer(str(tmp_path), f"engine{n % 3}") for n in range(6)]
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     for round_ in range(4):
         for number, (_, metrics) in enumerate(writers):
             if (number + round_) % 2:
                 metrics.inference_seconds.observe(0.001 * (round_ + 1))
                 metrics.in_flight.set(round_)
         totals = reader.read()
-        fresh = spool_reader.SpoolReader(str(tmp_path), remove_dead=False).read()
+        fresh = spool_source.SpoolReader(str(tmp_path), remove_dead=False).read()
         assert totals.engines == fresh.engines
         assert totals.per_gpu == fresh.per_gpu
         assert totals.processes == fresh.processes
@@ -131,7 +131,7 @@ def test_a_writer_that_changes_its_file_without_moving_the_generation_fools_only
     honest_file, honest = writer(str(tmp_path), "honest")
     liar.inference_seconds.observe(0.01)
     honest.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     reader.recheck_seconds = 0.4  # every file is read whole again within 0.5 s, lie or not
     reader.read()
     sneak(liar_file, liar, 1000.0)
@@ -152,7 +152,7 @@ def test_a_writer_that_does_not_count_generations_is_read_whole_every_time(tmp_p
     assert file.path is not None
     fd = os.open(file.path, os.O_WRONLY)
     os.pwrite(fd, struct.pack("<d", 0.0), fmt.GENERATION_OFFSET)
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     reader.read()
     sneak(file, metrics, 7.0)
     assert inferences(reader.read().engines["resnet50"]) == 7 + 1
@@ -164,7 +164,7 @@ def test_a_file_replaced_under_its_name_by_one_with_the_same_header_is_read(tmp_
     file, metrics = writer(str(tmp_path))
     metrics.inference_seconds.observe(0.01)
     assert file.path is not None
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     assert inferences(reader.read().engines["resnet50"]) == 1
     with open(file.path, "rb") as handle:
         copy = bytearray(handle.read())
@@ -184,7 +184,7 @@ def test_a_writer_that_dies_without_changing_its_file_is_folded_at_the_next_read
     file, metrics = writer(str(tmp_path))
     metrics.inference_seconds.observe(0.01)
     metrics.in_flight.inc()
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     assert reader.read().live_files == 1
     assert reader.read().live_files == 1  # unchanged, alive
     file.close()  # the lock goes; the bytes stay as they were
@@ -208,7 +208,7 @@ def test_descriptors_kept_open_are_capped_and_closed(tmp_path) -> None:
     writers = [writer(str(tmp_path), f"engine{n}") for n in range(5)]
     for _, metrics in writers:
         metrics.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     reader._kept_cap = 2
     before = open_descriptors(str(tmp_path))
     totals = reader.read()
@@ -228,7 +228,7 @@ def test_descriptors_kept_open_are_capped_and_closed(tmp_path) -> None:
 def test_the_merge_is_reused_only_while_nothing_changed(tmp_path) -> None:
     file, metrics = writer(str(tmp_path))
     metrics.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     first = reader.read()
     second = reader.read()
     assert second.engines is first.engines  # nothing changed: the same merge
@@ -243,7 +243,7 @@ def test_the_merge_follows_nvml_for_writers_that_recorded_no_gpu(tmp_path, answe
     file, metrics = writer(str(tmp_path))
     metrics.inference_seconds.observe(0.01)
     where = {"gpu": "GPU-0"}
-    reader = spool_reader.SpoolReader(str(tmp_path), gpu_of=lambda pid, ticks: where["gpu"])
+    reader = spool_source.SpoolReader(str(tmp_path), gpu_of=lambda pid, ticks: where["gpu"])
     assert set(reader.read().per_gpu) == {("resnet50", "GPU-0")}
     where["gpu"] = answer  # the file did not change; NVML now places the process elsewhere
     assert set(reader.read().per_gpu) == {("resnet50", answer)}
@@ -290,7 +290,7 @@ def test_a_changed_file_too_big_for_what_is_left_of_the_parse_budget_gets_its_tu
         for layer in range(40):  # bigger files: a few KiB each
             metrics.error(f"reason{number}-{layer}")
         metrics.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     assert reader.read().live_files == 2
     reader.scrape_parse_bytes = max(file.used for file, _ in writers) + 1  # one file a read, never both
     for _ in range(3):
@@ -303,8 +303,8 @@ def test_a_changed_file_too_big_for_what_is_left_of_the_parse_budget_gets_its_tu
         file.close()
 
 
-def reader_before_the_lock_table(tmp_path, recheck_seconds: float = spool_reader.RECHECK_SECONDS
-                                 ) -> tuple[spool_reader.SpoolReader, object, object, object]:
+def reader_before_the_lock_table(tmp_path, recheck_seconds: float = spool_source.RECHECK_SECONDS
+                                 ) -> tuple[spool_source.SpoolReader, object, object, object]:
     """A writer's file read once while the reader's lock table (its procfs) does not exist yet: the
     header's process is not claimed.  Returns the reader, the file, its metrics and the procfs folder."""
     spool, proc = tmp_path / "spool", tmp_path / "proc"
@@ -312,7 +312,7 @@ def reader_before_the_lock_table(tmp_path, recheck_seconds: float = spool_reader
     proc.mkdir()
     file, metrics = writer(str(spool))
     metrics.inference_seconds.observe(0.01)
-    reader = spool_reader.SpoolReader(str(spool), procfs=str(proc))
+    reader = spool_source.SpoolReader(str(spool), procfs=str(proc))
     reader.recheck_seconds = recheck_seconds
     assert reader.read().writers["resnet50"] == [(os.getpid(), 0)]  # not shown holding the lock: no claim
     return reader, file, metrics, proc

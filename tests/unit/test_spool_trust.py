@@ -14,8 +14,9 @@ import struct
 import tracemalloc
 
 import gpuio
-from exporter import spool_reader
 from exporter.collectors import engines
+from exporter.engines import model
+from exporter.engines import spool as spool_source
 from gpuio import spool as fmt
 from gpuio.metrics import EngineMetrics
 from tests.conftest import engines_collector, parse_samples
@@ -72,7 +73,7 @@ def test_sparse_files_claiming_huge_sizes_are_refused_unread(tmp_path) -> None:
     hostile = [live_writer(directory, size=256 * MiB) for _ in range(3)]
     for file in hostile:
         claim_used(file, 256 * MiB)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     peaks = []
     for _ in range(3):
         totals, peak = traced(reader.read)
@@ -88,7 +89,7 @@ def test_a_used_offset_past_the_file_cap_is_refused_even_in_a_small_file(tmp_pat
     """The header's ``used`` is the writer's word too: 200 MiB claimed in a file that is 1 MiB."""
     file = live_writer(str(tmp_path))
     claim_used(file, 200 * MiB)
-    reader = spool_reader.SpoolReader(str(tmp_path))
+    reader = spool_source.SpoolReader(str(tmp_path))
     _, peak = traced(reader.read)
     assert peak < 4 * MiB and reader.errors == {"oversized": 1}
     file.close()
@@ -105,7 +106,7 @@ def test_full_files_are_read_within_a_budget_and_kept_within_a_budget(tmp_path) 
     for index, file in enumerate(hostile):
         fill_with_engines(file, f"junk{index:02d}")
     real = live_writer(directory, "zz-real")  # sorts last: reached only after the junk
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     tracemalloc.start()
     try:
         peaks = []
@@ -206,7 +207,7 @@ def test_garbage_files_are_counted_once_however_many(tmp_path) -> None:
     for index in range(10_500):
         with open(os.path.join(directory, f"gpuio-{index}-1-garbage.spool"), "wb") as handle:
             handle.write(b"not a spool file at all" * 20)
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     counts = []
     for _ in range(6):  # the first reads take the files in turn, within each read's budget
         reader.read()
@@ -225,7 +226,7 @@ def test_a_live_file_that_turns_oversized_keeps_its_last_values_and_is_folded_wh
     its last good totals stand, it is counted once, and folded (then removed) when the writer exits."""
     directory = str(tmp_path)
     file = live_writer(directory, "resnet50")
-    reader = spool_reader.SpoolReader(directory)
+    reader = spool_source.SpoolReader(directory)
     assert reader.read().processes == {"resnet50": 1}
     claim_used(file, 200 * MiB)
     for _ in range(2):
@@ -245,7 +246,7 @@ def test_junk_names_past_the_listing_slice_cannot_make_a_live_file_count_twice(t
     directory.mkdir()
     victim = fmt.SpoolFile(str(directory))
     EngineMetrics("victim", victim).inference_seconds.observe(0.001)
-    reader = spool_reader.SpoolReader(str(directory))
+    reader = spool_source.SpoolReader(str(directory))
     reader.scan_entries = 5
     counts = []
     junk = [directory / f"{fmt.PREFIX}junk-{index}{fmt.SUFFIX}" for index in range(300)]
@@ -253,11 +254,11 @@ def test_junk_names_past_the_listing_slice_cannot_make_a_live_file_count_twice(t
         for _ in range(2):  # junk comes, junk goes, twice
             for path in junk:
                 path.touch()
-                counts.append(spool_reader.histogram_count_and_sum(reader.read().engines["victim"],
+                counts.append(model.histogram_count_and_sum(reader.read().engines["victim"],
                                                                    "inference_seconds")[0])
             for path in junk:
                 path.unlink()
-                counts.append(spool_reader.histogram_count_and_sum(reader.read().engines["victim"],
+                counts.append(model.histogram_count_and_sum(reader.read().engines["victim"],
                                                                    "inference_seconds")[0])
     finally:
         victim.close()
@@ -284,13 +285,13 @@ def test_temporary_files_are_swept_a_few_a_read_and_never_in_a_pods_volume(tmp_p
     in_pod = pod_volume / f".{fmt.PREFIX}7-1-0000000000000001{fmt.SUFFIX}.tmp"
     in_pod.touch()
     os.utime(in_pod, (old, old))
-    reader = spool_reader.SpoolReader(str(directory))
+    reader = spool_source.SpoolReader(str(directory))
     reader.set_pod_directories({str(pod_volume): uid})
     reader.read()
     removed = 500 - len(os.listdir(directory))
-    assert 0 < removed <= spool_reader.MAX_SWEPT_TEMPORARY  # swept, a few at a time
+    assert 0 < removed <= spool_source.MAX_SWEPT_TEMPORARY  # swept, a few at a time
     assert in_pod.exists()  # the pod's volume is the pod's
-    for _ in range(500 // spool_reader.MAX_SWEPT_TEMPORARY + 1):
+    for _ in range(500 // spool_source.MAX_SWEPT_TEMPORARY + 1):
         reader.read()
     assert os.listdir(directory) == []  # all of them in the end
 
@@ -306,7 +307,7 @@ def test_a_file_gone_while_the_listing_takes_several_reads_is_folded_once_at_the
         EngineMetrics("steady", file).inference_seconds.observe(0.001)
     for index in range(20):
         (directory / f"junk-{index}").touch()
-    reader = spool_reader.SpoolReader(str(directory))
+    reader = spool_source.SpoolReader(str(directory))
     reader.scan_entries = 5  # 23 entries: 5 reads a pass
     reads = 0
     while True:  # one pass to find them all
@@ -321,7 +322,7 @@ def test_a_file_gone_while_the_listing_takes_several_reads_is_folded_once_at_the
     seen = []
     for _ in range(6):  # more than a pass
         totals = reader.read()
-        seen.append((totals.live_files, spool_reader.histogram_count_and_sum(totals.engines["steady"],
+        seen.append((totals.live_files, model.histogram_count_and_sum(totals.engines["steady"],
                                                                              "inference_seconds")[0]))
     assert {count for _, count in seen} == {3.0}  # as last seen, then folded: never twice, never lost
     assert seen[-1][0] == 2 and reader.errors.get("vanished") == 1 and reader.folded_processes == 1
@@ -333,12 +334,12 @@ def test_bad_files_remembered_are_capped_however_many_the_walk_reaches(tmp_path,
     """The listing reaches every name of the directory in turn, junk included: the bad files remembered
     (to count each once and not open it again) stop at MAX_BAD_REMEMBERED, and those past it are counted
     again when seen again (the counter runs on, visibly), rather than growing memory without end."""
-    monkeypatch.setattr(spool_reader, "MAX_BAD_REMEMBERED", 4)
+    monkeypatch.setattr(spool_source, "MAX_BAD_REMEMBERED", 4)
     directory = tmp_path / "spool"
     directory.mkdir()
     for index in range(10):
         (directory / f"{fmt.PREFIX}junk-{index}{fmt.SUFFIX}").touch()
-    reader = spool_reader.SpoolReader(str(directory))
+    reader = spool_source.SpoolReader(str(directory))
     reader.scan_entries = 3
     for _ in range(8):  # two walks of the directory
         reader.read()

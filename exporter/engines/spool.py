@@ -1,4 +1,5 @@
-"""The exporter's side of the spool: read every writer's file, fold the exited ones, merge the rest.
+"""The spool, the source of processes that use the library: read every writer's file, fold the exited
+ones, merge the rest into the engine model (:mod:`exporter.engines.model`).
 
 The file format and the writer live in the instrumentation library (:mod:`gpuio.spool`),
 which inference processes import; this module is what only the exporter (and ``gpuio engines``)
@@ -45,7 +46,6 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
-import math
 import operator
 import os
 import random
@@ -62,80 +62,30 @@ from dataclasses import dataclass, field
 from gpuio.spool import (
     DEFAULT_FILE_BYTES,
     ENGINE_LAYOUT,
-    ENGINE_SERIES,
-    GAUGES,
     GENERATION_OFFSET,
-    HEADER,
     HEADER_SIZE,
-    INFO_STRUCT,
-    KIND_ENGINE,
-    KIND_ERROR,
-    KIND_INFO,
-    KIND_LAYER,
-    KIND_LOAD,
-    KIND_MOUNT,
-    KIND_POD,
-    KIND_WATERFALL,
-    KINDS,
-    LOAD_SLOTS,
     MAGIC,
-    MAX_KEY_BYTES,
-    MAX_PATH_BYTES,
-    MAX_POD_NAME_BYTES,
-    MAX_RECORD_BYTES,
-    MAX_SHORT_BYTES,
-    MOUNT_STRUCT,
-    POD_STRUCT,
     PREFIX,
-    RECORD_HEAD,
     SUFFIX,
     USED_OFFSET,
-    VERSION,
-    WATERFALL,
-    WATERFALL_COUNTERS,
-    WATERFALL_SLOTS,
-    Layout,
-    pad8,
 )
 
-from . import procstat
-
-# What the reader keeps per engine *and GPU* (the rest is per engine): the series that say whether work
-# waits on one GPU.  A compact vector of these ENGINE slots, in this order; PER_GPU_LAYOUT indexes it.
-PER_GPU_HISTOGRAMS = tuple(series.slot for series in ENGINE_SERIES if series.per_gpu and series.type == "histogram")
-
-
-def _per_gpu_layout() -> tuple[tuple[int, ...], Layout]:
-    slots: list[int] = []
-    histograms: dict[str, tuple[int, int, tuple[float, ...]]] = {}
-    for name in PER_GPU_HISTOGRAMS:
-        first, sum_index, bounds = ENGINE_LAYOUT.histograms[name]
-        histograms[name] = (len(slots), len(slots) + sum_index - first, bounds)
-        slots.extend(range(first, sum_index + 1))
-    monotonic = len(slots)
-    gauges = {name: monotonic + offset for offset, name in enumerate(GAUGES)}
-    slots.extend(ENGINE_LAYOUT.gauges[name] for name in GAUGES)
-    return tuple(slots), Layout(histograms, {}, gauges, len(slots), monotonic)
-
-
-PER_GPU_SLOTS, PER_GPU_LAYOUT = _per_gpu_layout()
-_per_gpu_values = operator.itemgetter(*PER_GPU_SLOTS)
-# The histogram bucket slots of an ENGINE record: whole counts (OpenMetrics refuses anything else).
-BUCKET_SLOTS = tuple(index for first, sum_index, _ in ENGINE_LAYOUT.histograms.values()
-                     for index in range(first, sum_index))
-_bucket_values = operator.itemgetter(*BUCKET_SLOTS)  # at C speed: a scrape of 1,000 changed files checks 141,000
-MAX_VALUE = 2.0**53
-
-
-def histogram_count_and_sum(values: typing.Sequence[float], name: str) -> tuple[float, float]:
-    """An ENGINE vector's histogram ``name``: how many observations, and their sum."""
-    first, sum_index, _ = ENGINE_LAYOUT.histograms[name]
-    return sum(values[first:sum_index]), values[sum_index]
-
-
-def counter(values: typing.Sequence[float], name: str) -> float:
-    """An ENGINE vector's counter ``name``."""
-    return values[ENGINE_LAYOUT.counters[name]]
+from .. import procstat
+from .fold import add_counts, not_carried_forward
+from .model import (
+    MAX_MOUNTS_PER_ENGINE,
+    PER_GPU_LAYOUT,
+    EngineInfo,
+    InfoIdentity,
+    PodIdentity,
+    Totals,
+    add_into,
+    merge_load,
+    merge_waterfall,
+    observations,
+    per_gpu_values,
+)
+from .parse import FILE_LIMITS, BadFile, Parsed, instance_of, parse
 
 
 class WriterGpus:
@@ -169,330 +119,6 @@ class WriterGpus:
                 self._same_process.clear()
             same = self._same_process[key] = procstat.start_ticks(pid, self.procfs) == start_ticks
         return same
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    path: str
-    cuda_device: int
-    gpu_uuid: str
-    runtime: str
-    dev: tuple[int, int]
-    ino: int
-    size: int
-    mtime_ns: int
-    load_time: float
-
-
-LoadKey = tuple[str, str, tuple[int, int]]  # engine, GPU uuid ("" unknown), st_dev of the file
-# What makes two INFO records one engine file: engine, path, CUDA device, GPU uuid, runtime, st_dev, inode.
-InfoIdentity = tuple[str, str, int, str, str, tuple[int, int], int]
-MountKey = tuple[str, tuple[int, int]]  # engine, st_dev of its file
-
-
-@dataclass(frozen=True)
-class WriterMount:
-    """A writer's own mountinfo line for its engine file's st_dev (its word: untrusted)."""
-
-    mountpoint: str
-    fstype: str
-    source: str
-    layer: str  # overlayfs: a layer directory, a path of the host's filesystem
-
-
-MAX_MOUNTS_PER_ENGINE = 4
-
-
-@dataclass(frozen=True)
-class PodIdentity:
-    """The pod a spool writer runs in.  ``pod_uid`` is the kubelet's where the exporter found the file in
-    that pod's volume (the path says it); otherwise, like the names, what the writer recorded (its
-    Downward API environment and cgroup): a claim, shown as such."""
-
-    namespace: str = ""
-    pod: str = ""
-    container: str = ""
-    pod_uid: str = ""
-
-
-@dataclass
-class Parsed:
-    """The content of one spool file."""
-
-    pid: int
-    start_ticks: int
-    instance: int
-    dropped: int
-    engines: dict[str, list[float]] = field(default_factory=dict)
-    errors: dict[tuple[str, str], float] = field(default_factory=dict)
-    layers: dict[tuple[str, str], list[float]] = field(default_factory=dict)
-    infos: dict[str, EngineInfo] = field(default_factory=dict)
-    loads: dict[LoadKey, list[float]] = field(default_factory=dict)  # LOAD records, LOAD_SLOTS each
-    waterfalls: dict[str, list[float]] = field(default_factory=dict)  # WATERFALL records by engine
-    mounts: dict[MountKey, WriterMount] = field(default_factory=dict)
-    pod: PodIdentity | None = None  # the POD record, where the writer made one
-    unknown_records: int = 0  # well-framed records of kinds this reader does not know (a newer library)
-    bad_record: bool = False
-    # Records the file's budgets left out (FileLimits); past the parse budget, the rest of the file counts as one.
-    left_out: int = 0
-
-
-@dataclass(frozen=True)
-class FileLimits:
-    """What one spool file may make the reader parse per read and keep.  A real process stays far
-    below every one of these (a few engines, one file system or two); a writer past them loses its
-    own further records (``Parsed.left_out``), never a neighbour's."""
-
-    # Bytes of records parsed per read, each record counted as at least MIN_RECORD_COST (what walking
-    # a record costs, however small): the library's whole file, and a quarter of a read's parse budget.
-    parse_bytes: int = DEFAULT_FILE_BYTES
-    entries: int = 4096  # engines, error reasons, layers, infos, loads, waterfalls and mounts kept
-    engines: int = 256  # distinct engine names, whatever the kinds of records that name them
-    # Distinct st_devs named by INFO, MOUNT and LOAD records: each one the exporter may look up (its
-    # disk, its mount), so 12,000 INFO records naming 12,000 devices cost what 64 do.
-    devices: int = 64
-    # Per engine: loads and mounts, what the library itself writes at most; error reasons and layers,
-    # twice what the collector serves per engine (the library writes 17 and its top-K + 1), so that
-    # the collector's own caps, and what they count as dropped, still choose among a file's series.
-    errors_per_engine: int = 64
-    layers_per_engine: int = 128
-    loads_per_engine: int = 16
-    mounts_per_engine: int = 16
-
-
-FILE_LIMITS = FileLimits()
-MIN_RECORD_COST = 64
-
-
-class FileBudget:
-    """What one file may still add while it is parsed (see FileLimits).  Decided in file order, so an
-    append-only writer's records keep their place read after read: a record kept once is kept again."""
-
-    def __init__(self, limits: FileLimits, parsed: Parsed) -> None:
-        self.limits = limits
-        self.parsed = parsed
-        self.bytes_left = limits.parse_bytes  # parse() charges each record, at least MIN_RECORD_COST
-        self.entries = 0
-        self.engines: set[str] = set()
-        self.devices: set[tuple[int, int]] = set()
-        self.per_engine: dict[tuple[int, str], int] = {}  # (kind, engine) -> entries kept
-
-    def admit(self, table: typing.Mapping[typing.Any, object], key: object, kind: int, engine: str,
-              device: tuple[int, int] | None = None, per_engine: int | None = None) -> bool:
-        """Whether a record may set ``table[key]``: one already kept may change (the last record of a key
-        wins), a new one only within the file's limits; ``per_engine``: the cap of this kind per engine.
-        False counts the record as left out."""
-        limits = self.limits
-        if device is not None and device not in self.devices and len(self.devices) >= limits.devices:
-            return self._leave_out()
-        if key not in table:
-            if (self.entries >= limits.entries
-                    or (engine not in self.engines and len(self.engines) >= limits.engines)
-                    or (per_engine is not None and self.per_engine.get((kind, engine), 0) >= per_engine)):
-                return self._leave_out()
-            self.entries += 1
-            self.engines.add(engine)
-            if per_engine is not None:
-                self.per_engine[(kind, engine)] = self.per_engine.get((kind, engine), 0) + 1
-        if device is not None:
-            self.devices.add(device)
-        return True
-
-    def _leave_out(self) -> bool:
-        self.parsed.left_out += 1
-        return False
-
-
-class BadFile(ValueError):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
-def parse_header(data: bytes) -> tuple[int, int, int, int, int]:
-    """``(used, pid, start_ticks, instance, dropped)``, or BadFile with a spool-errors reason."""
-    if not data:
-        raise BadFile("empty", "zero-byte file")
-    if len(data) < HEADER.size:
-        raise BadFile("truncated", f"{len(data)} bytes, shorter than the header")
-    magic, version, header_size, size, used, pid, _, ticks, _, instance, dropped, _ = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise BadFile("garbage", "not a gpuio spool file (bad magic)")
-    if version != VERSION:
-        raise BadFile("version", f"spool format version {version}, this exporter reads {VERSION}")
-    if header_size != HEADER_SIZE or not HEADER_SIZE <= used <= size or size % 8:
-        raise BadFile("garbage", f"inconsistent header (header {header_size}, used {used}, size {size})")
-    if used > len(data):
-        raise BadFile("truncated", f"header says {used} bytes are in use, the file has {len(data)}")
-    return used, pid, ticks, instance, dropped
-
-
-def instance_of(header: bytes) -> int | None:
-    """The writer's instance id in a spool header, None where ``header`` is not one."""
-    if len(header) < HEADER.size or header[:8] != MAGIC:
-        return None
-    return typing.cast("int", HEADER.unpack_from(header)[9])
-
-
-def parse(data: bytes, limits: FileLimits = FILE_LIMITS) -> Parsed:
-    """Parse a whole spool file (``data`` at least up to its ``used`` offset).
-
-    Records are checked one by one; at the first one that makes no sense parsing stops, keeps what
-    came before and sets ``bad_record`` (a file is never trusted past garbage).  Well-formed records
-    past the file's ``limits`` are left out and counted (``left_out``).
-    """
-    used, pid, ticks, instance, dropped = parse_header(data)
-    parsed = Parsed(pid, ticks, instance, dropped)
-    budget = FileBudget(limits, parsed)
-    view = memoryview(data)
-    offset = HEADER_SIZE
-    while offset < used:
-        if offset + RECORD_HEAD.size > used:
-            parsed.bad_record = True
-            break
-        size, kind, key_len = RECORD_HEAD.unpack_from(data, offset)
-        payload = offset + RECORD_HEAD.size + pad8(key_len)
-        if (size % 8 or size < RECORD_HEAD.size or size > MAX_RECORD_BYTES or offset + size > used
-                or kind == 0 or key_len > MAX_KEY_BYTES or payload > offset + size):
-            parsed.bad_record = True
-            break
-        budget.bytes_left -= size if size > MIN_RECORD_COST else MIN_RECORD_COST  # inline: once per record
-        if budget.bytes_left < 0:
-            parsed.left_out += 1  # the rest of the file, unread
-            break
-        if kind not in KINDS:
-            # A kind of a newer library, well framed: skipped, so that a library upgraded before the
-            # exporter costs only what the exporter cannot show yet, not the records after it.
-            parsed.unknown_records += 1
-            offset += size
-            continue
-        try:
-            key = bytes(view[offset + RECORD_HEAD.size : offset + RECORD_HEAD.size + key_len]).decode("utf-8")
-            _parse_record(budget, kind, key, view[payload : offset + size])
-        except (ValueError, struct.error):
-            parsed.bad_record = True
-            break
-        offset += size
-    return parsed
-
-
-# The longest strings the library writes: namespace, pod, container, UID; mount point, fstype, source, layer.
-POD_LIMITS = (MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_POD_NAME_BYTES, MAX_SHORT_BYTES)
-MOUNT_LIMITS = (MAX_PATH_BYTES, MAX_SHORT_BYTES, MAX_PATH_BYTES, MAX_PATH_BYTES)
-
-
-def _parse_mount(budget: FileBudget, key: str, payload: memoryview) -> None:
-    engine, _, dev = key.partition("\0")
-    major, colon, minor = dev.partition(":")
-    if not engine or not colon or not (major + minor).isascii() or not major.isdigit() or not minor.isdigit():
-        raise ValueError("bad MOUNT key")
-    lengths = MOUNT_STRUCT.unpack_from(payload)
-    if MOUNT_STRUCT.size + sum(lengths) > len(payload):
-        raise ValueError("MOUNT strings overrun the record")
-    if any(length > limit for length, limit in zip(lengths, MOUNT_LIMITS, strict=True)):
-        raise ValueError("MOUNT string longer than the library writes")
-    mounts, device = budget.parsed.mounts, (int(major), int(minor))
-    if not budget.admit(mounts, (engine, device), KIND_MOUNT, engine, device, budget.limits.mounts_per_engine):
-        return
-    text, start, parts = bytes(payload), MOUNT_STRUCT.size, []
-    for length in lengths:
-        parts.append(text[start : start + length].decode("utf-8", "replace"))
-        start += length
-    mounts[(engine, device)] = WriterMount(*parts)
-
-
-def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
-    lengths = POD_STRUCT.unpack_from(payload)
-    if POD_STRUCT.size + sum(lengths) > len(payload):
-        raise ValueError("POD strings overrun the record")
-    # Label values of every series of the writer's engines: never longer than the library writes them
-    # (what Kubernetes allows), or one record of 64 KiB names makes each of those series 64 KiB.
-    if any(length > limit for length, limit in zip(lengths, POD_LIMITS, strict=True)):
-        raise ValueError("POD string longer than Kubernetes allows")
-    text, offset = bytes(payload[POD_STRUCT.size :]), 0
-    values = []
-    for length in lengths:
-        values.append(text[offset : offset + length].decode("utf-8", "replace"))
-        offset += length
-    parsed.pod = PodIdentity(*values)
-
-
-def _parse_info(budget: FileBudget, key: str, payload: memoryview) -> None:
-    cuda, major, minor, ino, size, mtime_ns, load_time, n_path, n_uuid, n_runtime = INFO_STRUCT.unpack_from(payload)
-    start = INFO_STRUCT.size
-    if start + n_path + n_uuid + n_runtime > len(payload):
-        raise ValueError("INFO strings overrun the record")
-    infos = budget.parsed.infos
-    if not budget.admit(infos, key, KIND_INFO, key, (major, minor)):
-        return  # decided before the strings are decoded: a flood of INFO records costs little
-    text = bytes(payload[start : start + n_path + n_uuid + n_runtime])
-    infos[key] = EngineInfo(
-        text[:n_path].decode("utf-8", "replace"), cuda, text[n_path : n_path + n_uuid].decode("utf-8", "replace"),
-        text[n_path + n_uuid :].decode("utf-8", "replace"), (major, minor), ino, size, mtime_ns, load_time)
-
-
-def _parse_record(budget: FileBudget, kind: int, key: str, payload: memoryview) -> None:
-    if kind == KIND_MOUNT:
-        _parse_mount(budget, key, payload)
-    elif kind == KIND_POD:
-        _parse_pod(budget.parsed, payload)
-    elif kind == KIND_INFO:
-        _parse_info(budget, key, payload)
-    else:
-        _parse_values(budget, kind, key, typing.cast("list[float]", payload.cast("d").tolist()))  # not list[int]
-
-
-def _parse_values(budget: FileBudget, kind: int, key: str, values: list[float]) -> None:
-    """A record of doubles: ENGINE, LOAD, WATERFALL, ERROR or LAYER."""
-    # What the library never writes, and what would break the exposition or the merged totals: NaN or
-    # infinity, a negative value (a counter that went down reads as a reset), one past 2**53 (where
-    # doubles stop counting by ones; a sum of such values over many files could overflow).
-    if values and (not math.isfinite(sum(values)) or min(values) < 0 or max(values) > MAX_VALUE):
-        raise ValueError("value out of range in a record")
-    parsed, limits = budget.parsed, budget.limits
-    if kind == KIND_ENGINE:
-        if len(values) < ENGINE_LAYOUT.size or not key:
-            raise ValueError("short ENGINE record")
-        if not all(map(float.is_integer, _bucket_values(values))):
-            raise ValueError("a histogram bucket that is not a whole count")
-        if budget.admit(parsed.engines, key, kind, key):
-            parsed.engines[key] = values[: ENGINE_LAYOUT.size]
-        return
-    if kind == KIND_LOAD:
-        _parse_load(budget, key, values)
-        return
-    if kind == KIND_WATERFALL:
-        if len(values) < len(WATERFALL_SLOTS) or not key:
-            raise ValueError("short WATERFALL record")
-        values = values[: len(WATERFALL_SLOTS)]
-        if values[0] != values[-1]:  # copied mid-update: no last load from this copy (see _settle_waterfalls)
-            values[len(WATERFALL_COUNTERS) : -1] = [0.0] * (len(values) - 1 - len(WATERFALL_COUNTERS))
-        if budget.admit(parsed.waterfalls, key, kind, key):
-            parsed.waterfalls[key] = values
-        return
-    engine, _, label = key.partition("\0")
-    if not engine or not label:
-        raise ValueError("record key without engine and label")
-    if kind == KIND_ERROR and values:
-        if budget.admit(parsed.errors, (engine, label), kind, engine, per_engine=limits.errors_per_engine):
-            parsed.errors[(engine, label)] = values[0]
-    elif kind == KIND_LAYER and len(values) >= 2:
-        if budget.admit(parsed.layers, (engine, label), kind, engine, per_engine=limits.layers_per_engine):
-            parsed.layers[(engine, label)] = values[:2]
-    else:
-        raise ValueError("short record")
-
-
-def _parse_load(budget: FileBudget, key: str, values: list[float]) -> None:
-    engine, uuid, dev = key.split("\0") if key.count("\0") == 2 else ("", "", "")
-    major, colon, minor = dev.partition(":")
-    numbers = (procstat.whole_number(major), procstat.whole_number(minor))
-    if not engine or not colon or numbers[0] is None or numbers[1] is None or len(values) < len(LOAD_SLOTS):
-        raise ValueError("bad LOAD record")
-    device = (numbers[0], numbers[1])
-    loads = budget.parsed.loads
-    if budget.admit(loads, (engine, uuid, device), KIND_LOAD, engine, device, budget.limits.loads_per_engine):
-        loads[(engine, uuid, device)] = values[: len(LOAD_SLOTS)]
 
 
 FileId = tuple[int, int]  # (st_dev, st_ino): which file, whatever names it has
@@ -543,45 +169,6 @@ class FoldedFile:
 
     instance: int
     directory: str
-
-
-@dataclass
-class Totals:
-    """Everything merged: live files plus the folded totals of exited processes."""
-
-    engines: dict[str, list[float]] = field(default_factory=dict)
-    errors: dict[tuple[str, str], float] = field(default_factory=dict)
-    layers: dict[tuple[str, str], list[float]] = field(default_factory=dict)
-    # live processes only; one entry per distinct (path, GPU, runtime, file identity), the latest load
-    infos: dict[str, list[EngineInfo]] = field(default_factory=dict)
-    processes: dict[str, int] = field(default_factory=dict)  # engine -> live processes reporting it
-    writers: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # engine -> (pid, start ticks) live
-    # (engine, GPU uuid) -> PER_GPU_LAYOUT vector: live processes merged per GPU, plus folded totals
-    per_gpu: dict[tuple[str, str], list[float]] = field(default_factory=dict)
-    # loads in progress of live processes: (engine, GPU uuid, st_dev) -> LOAD_SLOTS (counts and bytes
-    # summed, the oldest start time the smallest)
-    loads: dict[LoadKey, list[float]] = field(default_factory=dict)
-    last_load: dict[str, float] = field(default_factory=dict)
-    # engine -> WATERFALL vector: counters summed over live and exited writers, the last-load slots of
-    # the latest load among them
-    waterfalls: dict[str, list[float]] = field(default_factory=dict)
-    mounts: dict[MountKey, WriterMount] = field(default_factory=dict)  # live writers', per engine capped
-    live_files: int = 0
-    dropped_by_writers: int = 0
-    # (engine, path) -> owners (uids) of the live files whose INFO names that path: the exporter opens an
-    # engine file only where one of them could have read it (collectors/engines.py)
-    info_uids: dict[tuple[str, str], set[int]] = field(default_factory=dict)
-    deferred_files: int = 0  # files left for a later scrape: this one's read budget was spent
-    unfinished_listings: int = 0  # directories whose listing goes on at the next scrapes (DirectoryScan)
-    records_left_out: int = 0  # records of live files their FileLimits leave out now (Parsed.left_out)
-    # (engine, GPU uuid) -> the pods of the live writers reporting it (PodIdentity of each file)
-    pods: dict[tuple[str, str], set[PodIdentity]] = field(default_factory=dict)
-    # (engine, GPU uuid) -> loads that were in progress when their writer exited (folded only): a process
-    # killed while loading (a startup probe, OOM) never finishes its load, and a crash-looping cold start
-    # is one such load per attempt.  The evidence that survives the processes (docs/engines.md).
-    abandoned: dict[tuple[str, str], float] = field(default_factory=dict)
-    # engine -> live processes found holding its file without the library (exporter.discovery)
-    discovered_processes: dict[str, int] = field(default_factory=dict)
 
 
 # What one reader may spend.  A spool writer is untrusted input: it chooses how big its file claims to
@@ -1448,7 +1035,7 @@ class SpoolReader:
         parsed = self._parse(state, data, name)
         if parsed is None:
             return None
-        fallen = _not_carried_forward(state.parsed, parsed)
+        fallen = not_carried_forward(state.parsed, parsed)
         if fallen is not None:
             again = self._read_bounded(fd, len(data))
             if isinstance(again, bytes):
@@ -1457,7 +1044,7 @@ class SpoolReader:
                 if reparsed is not None:
                     parsed, data = reparsed, again
                     digest = hashlib.blake2b(data, digest_size=16).digest()
-                    fallen = _not_carried_forward(state.parsed, parsed)
+                    fallen = not_carried_forward(state.parsed, parsed)
         self._take(state, parsed, data, digest, fallen)
         return data
 
@@ -1685,7 +1272,7 @@ class SpoolReader:
             if info.load_time > 0:  # 0: loading, never finished a load
                 folded.last_load[engine] = max(folded.last_load.get(engine, 0.0), info.load_time)
         for engine, values in parsed.waterfalls.items():
-            _merge_waterfall(folded.waterfalls, engine, values)
+            merge_waterfall(folded.waterfalls, engine, values)
         folded.dropped_by_writers += parsed.dropped
         self._fold_per_gpu(parsed)
 
@@ -1755,13 +1342,13 @@ class SpoolReader:
             totals.live_files += 1
             totals.records_left_out += parsed.left_out
             totals.dropped_by_writers += parsed.dropped
-            _add_counts(totals, parsed, writer)
+            add_counts(totals, parsed, writer)
             for (engine, dev), mount in parsed.mounts.items():
                 kept = mounts_of.setdefault(engine, set())
                 if (engine, dev) in totals.mounts or len(kept) < MAX_MOUNTS_PER_ENGINE:
                     kept.add(dev)
                     totals.mounts[(engine, dev)] = mount
-            self._add_infos_and_pods(totals, infos, _pod_of(state, parsed), parsed, writer)
+            self._add_infos_and_pods(totals, infos, pod_of(state, parsed), parsed, writer)
         for identity, info in infos.items():
             totals.infos.setdefault(identity[0], []).append(info)
         self._merge_per_gpu_and_loads(totals)
@@ -1829,12 +1416,12 @@ class SpoolReader:
                     uuid = seen[(parsed.instance, engine)] = self.gpu_of(*writer) or ""
                 group = groups.get((engine, uuid))
                 if group is None:
-                    groups[(engine, uuid)] = [_per_gpu_values(values)]
+                    groups[(engine, uuid)] = [per_gpu_values(values)]
                 else:
-                    group.append(_per_gpu_values(values))
+                    group.append(per_gpu_values(values))
             if parsed.loads:
                 for (engine, uuid, dev), values in parsed.loads.items():
-                    _merge_load(totals.loads, (engine, self._gpu_of_writer(writer, uuid), dev), values)
+                    merge_load(totals.loads, (engine, self._gpu_of_writer(writer, uuid), dev), values)
         self._gpu_seen = seen
         totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
                           for key, group in groups.items()}
@@ -1846,10 +1433,10 @@ class SpoolReader:
         forgotten here too."""
         folded = self._folded_per_gpu
         for engine, values in parsed.engines.items():
-            kept = list(_per_gpu_values(values))
+            kept = list(per_gpu_values(values))
             for index in PER_GPU_LAYOUT.gauges.values():
                 kept[index] = 0.0
-            _add_into(folded, (engine, self._folded_gpu(parsed, engine, "")), kept)
+            add_into(folded, (engine, self._folded_gpu(parsed, engine, "")), kept)
         abandoned = self._folded_abandoned
         for (engine, uuid, _), (in_progress, _, _) in parsed.loads.items():
             if in_progress >= 1:  # whole loads only: the slot is a count the writer moves by one
@@ -1905,7 +1492,7 @@ def _real_directory(path: str) -> bool:
         return False
 
 
-def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:
+def pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:
     """The pod of a live file: the writer's record, with the UID of the pod volume it was found in
     (the kubelet's, which a writer cannot choose) in place of the one it recorded."""
     pod = parsed.pod
@@ -1913,155 +1500,3 @@ def _pod_of(state: FileState, parsed: Parsed) -> PodIdentity | None:
         return dataclasses.replace(pod or PodIdentity(), pod_uid=state.pod_uid)
     return pod if pod is not None and any(dataclasses.astuple(pod)) else None
 
-
-def _add_counts(totals: Totals, parsed: Parsed, writer: tuple[int, int]) -> None:
-    """A live file's engines (and who reports them), error counts, layer times and waterfalls, added up."""
-    for engine, values in parsed.engines.items():
-        total = totals.engines.get(engine)
-        totals.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
-        totals.processes[engine] = totals.processes.get(engine, 0) + 1
-        totals.writers.setdefault(engine, []).append(writer)
-    for key, count in parsed.errors.items():
-        totals.errors[key] = totals.errors.get(key, 0.0) + count
-    for key, pair in parsed.layers.items():
-        old = totals.layers.get(key)
-        totals.layers[key] = list(pair) if old is None else [old[0] + pair[0], old[1] + pair[1]]
-    for engine, values in parsed.waterfalls.items():
-        _merge_waterfall(totals.waterfalls, engine, values)
-
-
-def combined(spool: Totals, discovered: Totals) -> Totals:
-    """The spool's totals with the engines discovery found (exporter.discovery) added in: one model of
-    every engine, whichever source reports it.  Neither argument changes (the reader reuses its merge
-    between reads); discovered processes are counted apart (``discovered_processes``)."""
-    if not (discovered.engines or discovered.infos or discovered.abandoned):
-        return spool
-    out = dataclasses.replace(
-        spool,
-        engines={engine: list(values) for engine, values in spool.engines.items()},
-        infos={engine: list(items) for engine, items in spool.infos.items()},
-        writers={engine: list(found) for engine, found in spool.writers.items()},
-        loads={key: list(values) for key, values in spool.loads.items()},
-        last_load=dict(spool.last_load),
-        waterfalls={engine: list(values) for engine, values in spool.waterfalls.items()},
-        info_uids={key: set(uids) for key, uids in spool.info_uids.items()},
-        pods={key: set(found) for key, found in spool.pods.items()},
-        abandoned=dict(spool.abandoned),
-        discovered_processes=dict(discovered.processes),
-    )
-    for engine, values in discovered.engines.items():
-        total = out.engines.get(engine)
-        out.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
-    for engine, items in discovered.infos.items():
-        out.infos.setdefault(engine, []).extend(items)
-    for engine, found in discovered.writers.items():
-        out.writers.setdefault(engine, []).extend(found)
-    for load, values in discovered.loads.items():
-        _merge_load(out.loads, load, values)
-    for engine, moment in discovered.last_load.items():
-        out.last_load[engine] = max(out.last_load.get(engine, 0.0), moment)
-    for engine, values in discovered.waterfalls.items():
-        _merge_waterfall(out.waterfalls, engine, values)
-    for file, uids in discovered.info_uids.items():
-        out.info_uids.setdefault(file, set()).update(uids)
-    for pair, pods in discovered.pods.items():
-        out.pods.setdefault(pair, set()).update(pods)
-    for pair, count in discovered.abandoned.items():
-        out.abandoned[pair] = out.abandoned.get(pair, 0.0) + count
-    return out
-
-
-def _add_into(table: dict[tuple[str, str], list[float]], key: tuple[str, str], values: typing.Sequence[float]) -> None:
-    total = table.get(key)
-    table[key] = list(values) if total is None else list(map(operator.add, total, values))
-
-
-def _merge_load(table: dict[LoadKey, list[float]], key: LoadKey, values: list[float]) -> None:
-    """Loads of several writers: counts and bytes add up, the oldest start is the earliest (a slot
-    read while its writer was between stores may say loads with no start yet: 0, ignored)."""
-    in_progress, read_bytes, oldest = values
-    merged = table.get(key)
-    if merged is None:
-        table[key] = [in_progress, read_bytes, oldest if in_progress > 0 else 0.0]
-        return
-    merged[0] += in_progress
-    merged[1] += read_bytes
-    if in_progress > 0 and oldest > 0 and (merged[2] <= 0 or oldest < merged[2]):
-        merged[2] = oldest
-
-
-WATERFALL_LAST_FROM = len(WATERFALL_COUNTERS)  # the last-load slots start here (seq_end is the last slot)
-
-
-def _merge_waterfall(table: dict[str, list[float]], engine: str, values: list[float]) -> None:
-    """Counters add up; the last-load slots are those of the latest load (its start time)."""
-    merged = table.get(engine)
-    if merged is None:
-        table[engine] = list(values)
-        return
-    start = WATERFALL["last_start"]
-    newer = values[start] > merged[start]
-    for index in range(WATERFALL_LAST_FROM):
-        merged[index] += values[index]
-    if newer:
-        merged[WATERFALL_LAST_FROM:] = values[WATERFALL_LAST_FROM:]
-
-
-def observations(values: list[float] | None) -> float:
-    """How much an engine's totals say: histogram observations plus bytes loaded (0: nothing)."""
-    if values is None:
-        return 0.0
-    return sum(values[index] for index in BUCKET_SLOTS) + values[ENGINE_LAYOUT.counters["load_read_bytes"]]
-
-
-def _not_carried_forward(previous: Parsed | None, current: Parsed) -> Parsed | None:
-    """What of a file's last content (``previous``) its content now (``current``) does not carry forward,
-    to be folded before ``current`` replaces it: all of it when another writer (instance) is in the
-    inode now (the last one's file was freed and its inode reused); else what _fallen says, once the
-    waterfalls copied mid-update are settled.  None: nothing (or no last content)."""
-    if previous is None:
-        return None
-    if previous.instance != current.instance:
-        return previous
-    _settle_waterfalls(previous, current)
-    return _fallen(previous, current)
-
-
-def _fallen(previous: Parsed, current: Parsed) -> Parsed | None:
-    """The records of ``previous`` (a file's last content) that ``current`` (the same writer's content
-    now) does not carry forward, as a Parsed to fold: each one gone, or with a counter lower than before
-    (a histogram bucket or sum, a counter, an error count, a layer's time or samples, a waterfall
-    counter), and the header's drop count if it fell.  None when nothing fell.  Gauges may fall: they
-    are not looked at, and a Parsed that is folded has its gauges zeroed anyway."""
-    engines = _fallen_records(previous.engines, current.engines, ENGINE_LAYOUT.monotonic_prefix)
-    errors = {key: before for key, before in previous.errors.items()
-              if key not in current.errors or current.errors[key] < before}
-    layers = _fallen_records(previous.layers, current.layers, 2)
-    waterfalls = _fallen_records(previous.waterfalls, current.waterfalls, WATERFALL_LAST_FROM)
-    dropped = previous.dropped if current.dropped < previous.dropped else 0
-    if not (engines or errors or layers or waterfalls or dropped):
-        return None
-    # The file's INFO records go with it: the GPU its per-GPU counts fold under (and its last load).
-    return Parsed(previous.pid, previous.start_ticks, previous.instance, dropped, engines=engines, errors=errors,
-                  layers=layers, infos=previous.infos, waterfalls=waterfalls)
-
-
-_K = typing.TypeVar("_K")
-
-
-def _fallen_records(previous: dict[_K, list[float]], current: dict[_K, list[float]],
-                    monotonic: int) -> dict[_K, list[float]]:
-    """The records of ``previous`` that ``current`` lacks, or in which one of the first ``monotonic``
-    slots is lower (compared at C speed: a scrape of a thousand changed files checks every counter)."""
-    lower = operator.lt
-    return {key: before for key, before in previous.items()
-            if (now := current.get(key)) is None or any(map(lower, now[:monotonic], before[:monotonic]))}
-
-
-def _settle_waterfalls(previous: Parsed, current: Parsed) -> None:
-    """A WATERFALL record copied while its writer was updating it (its two sequence numbers differ)
-    stands for nothing: the last good copy stays until a whole one is read."""
-    for engine, values in current.waterfalls.items():
-        before = previous.waterfalls.get(engine)
-        if values[0] != values[-1] and before is not None:
-            values[:] = before

@@ -7,7 +7,7 @@ file (st_dev, inode, size, whatever the process's mount namespace), /proc/<pid>/
 from the device, /proc/<pid>/cgroup its pod.  :class:`Discovery` looks, in passes on a background
 thread, for processes holding a file open for reading whose name matches the model patterns
 (MODEL_PATTERNS) under the include directories, *as the process names it* (a container's
-``/models/...``), and turns what it sees into the same :class:`exporter.spool_reader.Totals` the
+``/models/...``), and turns what it sees into the same :class:`exporter.engines.model.Totals` the
 spool gives: engine info (file, device, GPU, pod), loads in progress, finished loads (duration, device
 and page-cache bytes, class), loads abandoned by processes that died while loading.  Files under 1 MiB
 (MIN_MODEL_BYTES) and Python's own (site-packages, dist-packages) are no models.
@@ -66,9 +66,9 @@ from dataclasses import dataclass, field
 from gpuio import spool as fmt
 from gpuio.waterfall import classify
 
-from . import procstat
-from . import spool_reader as rd
-from .pods import cgroup as pod_cgroup
+from .. import procstat
+from ..pods import cgroup as pod_cgroup
+from . import model
 
 log = logging.getLogger("gpuio.discovery")
 
@@ -202,7 +202,7 @@ class PassFigures:
 class Discovered:
     """One pass's answer: the totals to merge with the spool's, and the figures."""
 
-    totals: rd.Totals
+    totals: model.Totals
     figures: PassFigures
 
 
@@ -581,8 +581,8 @@ class Discovery:
 
     # --- the answer -------------------------------------------------------------------------------
 
-    def _totals(self) -> rd.Totals:
-        totals = rd.Totals()
+    def _totals(self) -> model.Totals:
+        totals = model.Totals()
         for engine, history in self._histories.items():
             totals.engines[engine] = list(history.engine_values)
             totals.waterfalls[engine] = list(history.waterfall)
@@ -593,13 +593,13 @@ class Discovery:
         return totals
 
     @staticmethod
-    def _add_process(totals: rd.Totals, process: Process) -> None:
+    def _add_process(totals: model.Totals, process: Process) -> None:
         engines: set[str] = set()
         for held in process.files.values():
             engine = held.engine
             engines.add(engine)
             totals.engines.setdefault(engine, [0.0] * fmt.ENGINE_LAYOUT.size)
-            info = rd.EngineInfo(held.path, -1, process.gpu, "", held.dev, held.ino, held.size, held.mtime_ns,
+            info = model.EngineInfo(held.path, -1, process.gpu, "", held.dev, held.ino, held.size, held.mtime_ns,
                                  held.loaded_at)
             infos = totals.infos.setdefault(engine, [])
             if info not in infos:
@@ -608,7 +608,7 @@ class Discovery:
             if held.loaded_at:
                 totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), held.loaded_at)
             if process.pod is not None:
-                totals.pods.setdefault((engine, process.gpu), set()).add(rd.PodIdentity(pod_uid=process.pod.pod_uid))
+                totals.pods.setdefault((engine, process.gpu), set()).add(model.PodIdentity(pod_uid=process.pod.pod_uid))
             if held.loading_since is not None:
                 key = (engine, process.gpu, held.dev)
                 load = totals.loads.setdefault(key, [0.0, 0.0, 0.0])
