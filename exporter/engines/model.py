@@ -14,14 +14,7 @@ import operator
 import typing
 from dataclasses import dataclass, field
 
-from gpuio.spool import (
-    ENGINE_LAYOUT,
-    ENGINE_SERIES,
-    GAUGES,
-    WATERFALL,
-    WATERFALL_COUNTERS,
-    Layout,
-)
+from gpuio.spool import ENGINE_LAYOUT, ENGINE_SERIES, GAUGES, WATERFALL, WATERFALL_COUNTERS, Layout
 
 # What the reader keeps per engine *and GPU* (the rest is per engine): the series that say whether work
 # waits on one GPU.  A compact vector of these ENGINE slots, in this order; PER_GPU_LAYOUT indexes it.

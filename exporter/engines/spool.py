@@ -46,7 +46,6 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
-import operator
 import os
 import random
 import resource
@@ -59,32 +58,11 @@ import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from gpuio.spool import (
-    DEFAULT_FILE_BYTES,
-    ENGINE_LAYOUT,
-    GENERATION_OFFSET,
-    HEADER_SIZE,
-    MAGIC,
-    PREFIX,
-    SUFFIX,
-    USED_OFFSET,
-)
+from gpuio.spool import DEFAULT_FILE_BYTES, GENERATION_OFFSET, HEADER_SIZE, MAGIC, PREFIX, SUFFIX, USED_OFFSET
 
 from .. import procstat
-from .fold import add_counts, not_carried_forward
-from .model import (
-    MAX_MOUNTS_PER_ENGINE,
-    PER_GPU_LAYOUT,
-    EngineInfo,
-    InfoIdentity,
-    PodIdentity,
-    Totals,
-    add_into,
-    merge_load,
-    merge_waterfall,
-    observations,
-    per_gpu_values,
-)
+from .fold import Folded, add_counts, not_carried_forward
+from .model import MAX_MOUNTS_PER_ENGINE, EngineInfo, InfoIdentity, PodIdentity, Totals, merge_load, per_gpu_values
 from .parse import FILE_LIMITS, BadFile, Parsed, instance_of, parse
 
 
@@ -453,7 +431,6 @@ class SpoolReader:
         self.gpu_of = gpu_of
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
         self.remove_dead = remove_dead
-        self.max_folded_engines = max_folded_engines
         self.max_file_bytes = max_file_bytes
         self.scrape_read_bytes = SCRAPE_READ_BYTES
         self.scrape_parse_bytes = SCRAPE_PARSE_BYTES
@@ -464,7 +441,6 @@ class SpoolReader:
         self.protected: set[str] = set()
         self.errors: dict[str, int] = {}
         self.folded_processes = 0
-        self.forgotten_engines = 0
         self.deferred_files = 0  # at the last read()
         self._live: dict[FileId, FileState] = {}
         self._names: dict[str, FileId] = {}  # name (key) -> the live file it was found to mean
@@ -491,12 +467,8 @@ class SpoolReader:
         self._sweeps_left = 0
         self._left_out_directories: set[str] = set()  # pod directories that exist but the scan left out
         self._retained = {False: 0, True: 0}
-        self._folded = Totals()
-        self._folded_touched: dict[str, float] = {}
-        self._folded_per_gpu: dict[tuple[str, str], list[float]] = {}
-        self._folded_abandoned: dict[tuple[str, str], float] = {}
+        self.folded = Folded(max_folded_engines)  # exited writers' totals, and live writers' resets
         self._gpu_seen: dict[tuple[int, str], str] = {}  # (writer instance, engine) -> GPU at the last read
-        self._per_gpu_pruned_at = 0
         self._lock = threading.Lock()  # a scrape and a tool may read at the same time
         self._kept_cap = _kept_files_cap()
         self._kept = 0  # descriptors held open by live FileStates
@@ -1058,7 +1030,7 @@ class SpoolReader:
                 state.lockers = None  # ask the lock table again
             else:  # the writer reset these records: what they had counts once, their new values from now
                 self._count("reset")
-            self._fold(fallen)
+            self._fold_parsed(fallen)
         if parsed.left_out and not state.over_budget_reported:
             state.over_budget_reported = True
             self._count("over_budget")
@@ -1165,7 +1137,7 @@ class SpoolReader:
         """The writer is gone: fold its final totals, then remove the file's name (or tombstone it)."""
         self._retire(state)
         if state.parsed is not None:
-            self._fold(state.parsed)
+            self._fold_parsed(state.parsed)
         self.folded_processes += 1
         self._dispose(name, fd, state.file_id, FoldedFile(state.instance, state.directory))
 
@@ -1248,57 +1220,23 @@ class SpoolReader:
         self._retire(state)
         self._count("vanished")
         if state.parsed is not None:
-            self._fold(state.parsed)
+            self._fold_parsed(state.parsed)
         self.folded_processes += 1
         if not had_descriptor:
             self._remember_folded(state.file_id, FoldedFile(state.instance, state.directory))
 
-    def _fold(self, parsed: Parsed) -> None:
-        folded = self._folded
-        now = time.monotonic()
-        for engine, values in parsed.engines.items():
-            total = folded.engines.get(engine)
-            kept = list(values)
-            for index in ENGINE_LAYOUT.gauges.values():
-                kept[index] = 0.0  # a dead process has nothing in flight and no pool
-            folded.engines[engine] = kept if total is None else list(map(operator.add, total, kept))
-            self._folded_touched[engine] = now
-        for key, count in parsed.errors.items():
-            folded.errors[key] = folded.errors.get(key, 0.0) + count
-        for key, pair in parsed.layers.items():
-            old = folded.layers.get(key, [0.0, 0.0])
-            folded.layers[key] = [old[0] + pair[0], old[1] + pair[1]]
-        for engine, info in parsed.infos.items():
-            if info.load_time > 0:  # 0: loading, never finished a load
-                folded.last_load[engine] = max(folded.last_load.get(engine, 0.0), info.load_time)
-        for engine, values in parsed.waterfalls.items():
-            merge_waterfall(folded.waterfalls, engine, values)
-        folded.dropped_by_writers += parsed.dropped
-        self._fold_per_gpu(parsed)
+    def _fold_parsed(self, parsed: Parsed) -> None:
+        self.folded.fold(parsed, self._gpu_seen)
 
     def _bound_folded(self) -> None:
-        """Folded totals are kept while the exporter runs, up to a cap, so endless distinct names cannot
-        grow memory forever.  Past it an engine is forgotten whole (counted), never in part, and never
-        one whose counters someone sees: not a ``protected`` (exported) engine, not one a live file
-        still reports (its counters would drop to the live part: a reset).  Junk goes first: engines
-        with no observation at all, then those with the fewest, then those folded longest ago."""
-        excess = len(self._folded.engines) - self.max_folded_engines
-        if excess <= 0:
-            return
+        """See :meth:`Folded.bound`: engines no live file reports and none shown may be forgotten."""
         live = {engine for state in self._live.values() if state.parsed for engine in state.parsed.engines}
-        candidates = [engine for engine in self._folded_touched if engine not in self.protected and engine not in live]
-        candidates.sort(key=lambda engine: (observations(self._folded.engines.get(engine)),
-                                            self._folded_touched[engine]))
-        for engine in candidates[:excess]:
-            self._folded_touched.pop(engine)
-            self._folded.engines.pop(engine, None)
-            self._folded.last_load.pop(engine, None)
-            self._folded.waterfalls.pop(engine, None)
-            for table in (self._folded.errors, self._folded.layers):
-                for key in [k for k in table if k[0] == engine]:
-                    del table[key]
-            self.forgotten_engines += 1
+        if self.folded.bound(self.protected, live):
             self._version += 1
+
+    @property
+    def forgotten_engines(self) -> int:
+        return self.folded.forgotten_engines
 
     # --- errors ------------------------------------------------------------------------------
 
@@ -1331,7 +1269,7 @@ class SpoolReader:
     def _merge(self) -> Totals:
         """The folded totals of exited writers plus every live file, per engine, per engine and GPU and per
         load in progress."""
-        totals = self._folded_copy()
+        totals = self.folded.copy()
         infos: dict[InfoIdentity, EngineInfo] = {}
         mounts_of: dict[str, set[tuple[int, int]]] = {}  # engine -> the st_devs whose mount is kept
         for state in self._live.values():
@@ -1353,19 +1291,6 @@ class SpoolReader:
             totals.infos.setdefault(identity[0], []).append(info)
         self._merge_per_gpu_and_loads(totals)
         return totals
-
-    def _folded_copy(self) -> Totals:
-        """A Totals to merge live files into: a copy of the exited writers' folded totals."""
-        folded = self._folded
-        return Totals(
-            engines={engine: list(values) for engine, values in folded.engines.items()},
-            errors=dict(folded.errors),
-            layers={key: list(pair) for key, pair in folded.layers.items()},
-            last_load=dict(folded.last_load),
-            waterfalls={engine: list(values) for engine, values in folded.waterfalls.items()},
-            dropped_by_writers=folded.dropped_by_writers,
-            abandoned=dict(self._folded_abandoned),
-        )
 
     def _add_infos_and_pods(self, totals: Totals, infos: dict[InfoIdentity, EngineInfo], pod: PodIdentity | None,
                             parsed: Parsed, writer: tuple[int, int]) -> None:
@@ -1401,7 +1326,7 @@ class SpoolReader:
         # Grouped first, summed once per (engine, GPU) at C speed: a scrape of 1,000 writers pays one
         # tuple per writer and engine here, not one list addition.
         groups: dict[tuple[str, str], list[typing.Sequence[float]]] = {
-            key: [values] for key, values in self._folded_per_gpu.items()}
+            key: [values] for key, values in self.folded.per_gpu.items()}
         seen: dict[tuple[int, str], str] = {}  # only GPUs NVML gave: a recorded one is in the file itself
         for state in self._live.values():
             parsed = state.parsed
@@ -1426,35 +1351,6 @@ class SpoolReader:
         totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
                           for key, group in groups.items()}
 
-    def _fold_per_gpu(self, parsed: Parsed) -> None:
-        """An exited writer's per-GPU counts stay under the GPU it had while alive (gauges zeroed), and
-        its loads still in progress count as abandoned there.  Bounded: past max_folded_engines * 4 keys,
-        new GPUs of an engine fold into its "" series, and engines forgotten by the engine cap are
-        forgotten here too."""
-        folded = self._folded_per_gpu
-        for engine, values in parsed.engines.items():
-            kept = list(per_gpu_values(values))
-            for index in PER_GPU_LAYOUT.gauges.values():
-                kept[index] = 0.0
-            add_into(folded, (engine, self._folded_gpu(parsed, engine, "")), kept)
-        abandoned = self._folded_abandoned
-        for (engine, uuid, _), (in_progress, _, _) in parsed.loads.items():
-            if in_progress >= 1:  # whole loads only: the slot is a count the writer moves by one
-                key = (engine, self._folded_gpu(parsed, engine, uuid))
-                abandoned[key] = abandoned.get(key, 0.0) + float(int(in_progress))
-        if self._per_gpu_pruned_at != self.forgotten_engines:
-            self._per_gpu_pruned_at = self.forgotten_engines
-            for table in (folded, abandoned):
-                for key in [key for key in table if key[0] not in self._folded.engines]:
-                    del table[key]
-
-    def _folded_gpu(self, parsed: Parsed, engine: str, recorded: str) -> str:
-        """The GPU an exited writer's ``engine`` folds under: the one it recorded (for a load, on the load
-        itself), else the one its INFO or NVML gave while it lived; "" once the folded keys are at their cap."""
-        info = parsed.infos.get(engine)
-        uuid = recorded or (info.gpu_uuid if info else "") or self._gpu_seen.get((parsed.instance, engine), "")
-        known = (engine, uuid) in self._folded_per_gpu or (engine, uuid) in self._folded_abandoned
-        return uuid if known or len(self._folded_per_gpu) < self.max_folded_engines * 4 else ""
 
 
 MAX_LOCK_TABLE_BYTES = 4 << 20
