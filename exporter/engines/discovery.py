@@ -100,7 +100,7 @@ _WRITE_ONLY = 0o1
 
 
 FileKey = tuple[tuple[int, int], int]  # (st_dev as major, minor; inode): which file
-HeldNow = dict[FileKey, "_Open"]  # the model files a process holds open now
+HeldNow = dict[FileKey, "OpenFile"]  # the model files a process holds open now
 
 
 def engine_identity(path: str) -> tuple[str, str]:
@@ -134,12 +134,10 @@ def parse_patterns(value: str) -> tuple[str, ...]:
     return patterns
 
 
-@dataclass
-class HeldFile:
-    """One model file one process holds (or held) open, followed pass by pass."""
+@dataclass(frozen=True)
+class OpenFile:
+    """A model file as one look at a process's descriptors found it."""
 
-    engine: str
-    version: str
     path: str  # as the process names it
     dev: tuple[int, int]
     ino: int
@@ -147,6 +145,15 @@ class HeldFile:
     mtime_ns: int
     fd: int
     position: int
+
+
+@dataclass
+class HeldFile:
+    """One model file one process holds (or held) open, followed pass by pass."""
+
+    engine: str
+    version: str
+    file: OpenFile  # as the latest look found it
     sighted: float  # wall clock: when discovery first saw the process hold it
     device_at_sight: int  # the process's read_bytes then
     chars_at_sight: int  # and its rchar
@@ -341,7 +348,7 @@ class Discovery:
                     opened = self._model_file(fd_dir, entry.name, start)
                     if isinstance(opened, _Library):
                         return opened
-                    if isinstance(opened, _Open) and len(found) < MAX_FILES_PER_PROCESS:
+                    if isinstance(opened, OpenFile) and len(found) < MAX_FILES_PER_PROCESS:
                         found[(opened.dev, opened.ino)] = opened
         except PermissionError:
             if (pid, start) not in self._refused and len(self._refused) < MAX_TRACKED_PROCESSES:
@@ -352,7 +359,7 @@ class Discovery:
             return None
         return found
 
-    def _model_file(self, fd_dir: str, name: str, start: int) -> _Open | _Library | None:
+    def _model_file(self, fd_dir: str, name: str, start: int) -> OpenFile | _Library | None:
         try:
             target = os.readlink(f"{fd_dir}/{name}")
         except OSError:
@@ -372,7 +379,7 @@ class Discovery:
             return None
         if not stat.S_ISREG(st.st_mode) or st.st_size < MIN_MODEL_BYTES:
             return None
-        return _Open(target, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns,
+        return OpenFile(target, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns,
                      int(name), info[0])
 
     def _spool_file(self, fd_dir: str, name: str, target: str, start: int) -> _Library | None:
@@ -442,21 +449,20 @@ class Discovery:
                 if len(process.files) >= MAX_FILES_PER_PROCESS:
                     continue
                 engine, version = engine_identity(opened.path)
-                known = process.files[key] = HeldFile(engine, version, opened.path, opened.dev, opened.ino,
-                                                      opened.size, opened.mtime_ns, opened.fd, opened.position,
-                                                      time.time(), process.device_bytes, process.chars)
+                known = process.files[key] = HeldFile(engine, version, opened, time.time(), process.device_bytes,
+                                                      process.chars)
                 if fresh:
                     self._begin(process, known, now, already_read=opened.position)
                 continue
-            moved = opened.position != known.position or not known.open
+            moved = opened.position != known.file.position or not known.open
             if moved and known.loading_since is None:
                 self._begin_moving(process, known, now)
             known.looked_again = True
-            if known.loading_since is not None and opened.position > known.position:
-                known.read_forward += opened.position - known.position
+            if known.loading_since is not None and opened.position > known.file.position:
+                known.read_forward += opened.position - known.file.position
             if moved:
                 known.load_moved_at = now
-            known.position, known.size, known.fd, known.open = opened.position, opened.size, opened.fd, True
+            known.file, known.open = opened, True
         for key, known in process.files.items():
             if key not in held and known.open:
                 known.open = False
@@ -478,7 +484,7 @@ class Discovery:
         held.loading_since = time.time()
         held.loaded_at = held.loading_since
         held.load_moved_at = now
-        held.read_forward = held.read_before = max(0, min(already_read, held.size))
+        held.read_forward = held.read_before = max(0, min(already_read, held.file.size))
         held.device_at_start = process.device_bytes
         held.chars_at_start = process.chars
 
@@ -490,7 +496,7 @@ class Discovery:
         if held.looked_again or not held.open:
             self._begin(process, held, now, already_read=0)
             return
-        self._begin(process, held, now, already_read=held.position)
+        self._begin(process, held, now, already_read=held.file.position)
         held.loading_since = held.loaded_at = held.sighted
         held.device_at_start, held.chars_at_start = held.device_at_sight, held.chars_at_sight
 
@@ -518,7 +524,7 @@ class Discovery:
         """The load's bytes: the forward movement of the position seen, or, where more, what the process's
         reads returned since the load began (the reads between the last look and the close), at most the
         file's size."""
-        returned = min(held.size, held.read_before + max(0, process.chars - held.chars_at_start))
+        returned = min(held.file.size, held.read_before + max(0, process.chars - held.chars_at_start))
         return max(held.read_forward, returned)
 
     def _abandon(self, process: Process, held: HeldFile) -> None:
@@ -541,7 +547,7 @@ class Discovery:
     def _add_waterfall(values: list[float], held: HeldFile, started: float, seconds: float, read: int,
                        device: int) -> None:
         slot = fmt.WATERFALL
-        load_class = classify(held.size, device, None) if read else "warm"
+        load_class = classify(held.file.size, device, None) if read else "warm"
         values[slot["seq"]] += 1.0
         values[slot[f"loads_{load_class}"]] += 1.0
         values[slot["phase_read"]] += seconds
@@ -558,14 +564,14 @@ class Discovery:
         values[slot["last_device_bytes"]] = device
         values[slot["last_cache_bytes"]] = read - device
         values[slot["last_class"]] = fmt.LOAD_CLASSES.index(load_class) + 1
-        values[slot["file_bytes"]] = held.size
+        values[slot["file_bytes"]] = held.file.size
         values[slot["seq_end"]] = values[slot["seq"]]
 
     def _process_gone(self, process: Process) -> None:
         for held in process.files.values():
             if held.loading_since is None:
                 continue
-            if held.position >= held.size > 0:
+            if held.file.position >= held.file.size > 0:
                 self._finish(process, held, held.load_moved_at)  # read to the end, then exited
             else:
                 self._abandon(process, held)
@@ -599,18 +605,19 @@ class Discovery:
             engine = held.engine
             engines.add(engine)
             totals.engines.setdefault(engine, [0.0] * fmt.ENGINE_LAYOUT.size)
-            info = model.EngineInfo(held.path, -1, process.gpu, "", held.dev, held.ino, held.size, held.mtime_ns,
-                                 held.loaded_at)
+            file = held.file
+            info = model.EngineInfo(file.path, -1, process.gpu, "", file.dev, file.ino, file.size, file.mtime_ns,
+                                    held.loaded_at)
             infos = totals.infos.setdefault(engine, [])
             if info not in infos:
                 infos.append(info)
-            totals.info_uids.setdefault((engine, held.path), set()).add(process.uid)
+            totals.info_uids.setdefault((engine, held.file.path), set()).add(process.uid)
             if held.loaded_at:
                 totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), held.loaded_at)
             if process.pod is not None:
                 totals.pods.setdefault((engine, process.gpu), set()).add(model.PodIdentity(pod_uid=process.pod.pod_uid))
             if held.loading_since is not None:
-                key = (engine, process.gpu, held.dev)
+                key = (engine, process.gpu, held.file.dev)
                 load = totals.loads.setdefault(key, [0.0, 0.0, 0.0])
                 load[0] += 1.0
                 load[1] += held.read_forward
@@ -618,19 +625,6 @@ class Discovery:
         for engine in engines:
             totals.processes[engine] = totals.processes.get(engine, 0) + 1
             totals.writers.setdefault(engine, []).append((process.pid, process.start))
-
-
-@dataclass(frozen=True)
-class _Open:
-    """A model file as one look at a process's descriptors found it."""
-
-    path: str
-    dev: tuple[int, int]
-    ino: int
-    size: int
-    mtime_ns: int
-    fd: int
-    position: int
 
 
 class _Library:

@@ -155,16 +155,20 @@ class Collector:
         snapshot = self.collector.sampler.sample_now()  # type: ignore[attr-defined]
         if snapshot.error is not None:
             raise RuntimeError(snapshot.error)
-        text = render(self.scraper.scrape_sync())
-        samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-        for line in text.splitlines():
-            if line.startswith("#") or not line:
-                continue
-            name_labels, value = line.rsplit(" ", 1)
-            name, _, labels = name_labels.partition("{")
-            pairs = [item.split("=", 1) for item in labels.rstrip("}").split('",') if item]
-            samples[(name, frozenset((key, raw.strip('"')) for key, raw in pairs))] = float(value)
-        return samples
+        return parse_exposition(render(self.scraper.scrape_sync()))
+
+
+def parse_exposition(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """(name, labels) -> value of a text exposition (label values without quotes or commas)."""
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name, _, labels = name_labels.partition("{")
+        pairs = [item.split("=", 1) for item in labels.rstrip("}").split('",') if item]
+        samples[(name, frozenset((key, raw.strip('"')) for key, raw in pairs))] = float(value)
+    return samples
 
 
 def value(samples: dict, name: str, **labels: str) -> float | None:

@@ -35,6 +35,11 @@ import time
 import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
+
+from tests.gpu.cgroup_io_check import Check, parse_exposition  # noqa: E402
+
 MODEL_MIB = 4096
 SERVE_S = 6.0
 PASS_S = 0.25
@@ -72,16 +77,7 @@ def free_port() -> int:
 
 def samples(port: int) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    found: dict[tuple[str, frozenset], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name, _, labels = name_labels.partition("{")
-        pairs = [item.split("=", 1) for item in labels.rstrip("}").split('",') if item]
-        found[(name, frozenset((key, raw.strip('"')) for key, raw in pairs))] = float(value)
-    return found
+        return parse_exposition(response.read().decode())
 
 
 def ready(port: int) -> bool:
@@ -95,15 +91,6 @@ def ready(port: int) -> bool:
 def engine_series(found: dict, name: str, engine: str) -> dict[frozenset, float]:
     return {labels: value for (metric, labels), value in found.items()
             if metric == name and ("engine", engine) in labels}
-
-
-class Check:
-    def __init__(self) -> None:
-        self.failures = 0
-
-    def verdict(self, ok: bool, what: str) -> None:
-        print(f"{'PASS' if ok else 'FAIL'} {what}", flush=True)
-        self.failures += not ok
 
 
 def main() -> int:
