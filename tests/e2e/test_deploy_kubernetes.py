@@ -3,6 +3,7 @@ kubectl kustomize, the ServiceMonitor's relabelings in a real Prometheus."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -114,14 +115,43 @@ def test_discovery_component_gives_root_ptrace_and_read_search_alone(tmp_path) -
     assert "--path.procfs=/host/proc" in container["args"]
 
 
+# What each component adds to the exporter container: its capabilities, and whether it is privileged.
+COMPONENTS = {"smart": ({"SYS_RAWIO", "SYS_ADMIN"}, True), "residency": ({"FOWNER"}, False),
+              "discovery": ({"SYS_PTRACE", "DAC_READ_SEARCH"}, False), "pod-resources": (set(), False)}
+
+
+def every_combination() -> list[tuple[str, ...]]:
+    """Every non-empty set of components, in one order and its reverse (each pair of components meets in
+    both orders): 26 builds."""
+    names = sorted(COMPONENTS)
+    chosen = [group for size in range(1, len(names) + 1) for group in itertools.combinations(names, size)]
+    return [*chosen, *(group[::-1] for group in chosen if len(group) > 1)]
+
+
 @pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
-@pytest.mark.parametrize("order", [("residency", "discovery"), ("discovery", "residency")])
-def test_discovery_and_residency_combine_in_either_order(tmp_path, order: tuple[str, str]) -> None:
-    spec = pod_spec_with_component(tmp_path, *order)
-    capabilities = spec["containers"][0]["securityContext"]["capabilities"]
-    assert capabilities["drop"] == ["ALL"]
-    assert sorted(capabilities["add"]) == ["DAC_READ_SEARCH", "FOWNER", "SYS_PTRACE"]
-    assert spec["securityContext"]["runAsUser"] == 0
+def test_every_combination_of_components_in_any_order_is_coherent(tmp_path) -> None:
+    """Each combination builds objects the API accepts (schemas; privileged only with privilege escalation
+    allowed, which the API server demands), the container holds exactly the union of the components'
+    capabilities (none dropped by the order), runs as root where any component needs it, and the order
+    changes nothing."""
+    built: dict[frozenset[str], dict] = {}
+    for index, order in enumerate(every_combination()):
+        overlay = tmp_path / f"overlay-{index}"
+        overlay.mkdir()
+        spec = pod_spec_with_component(overlay, *order)
+        security = spec["containers"][0]["securityContext"]
+        wanted = set().union(*(COMPONENTS[name][0] for name in order))
+        privileged = any(COMPONENTS[name][1] for name in order)
+        assert security["capabilities"]["drop"] == ["ALL"], order
+        assert sorted(security["capabilities"]["add"]) == sorted(wanted), order
+        assert bool(security.get("privileged")) is privileged, order
+        assert security["allowPrivilegeEscalation"] is privileged, order  # the API: privileged needs it
+        assert security["readOnlyRootFilesystem"] is True, order
+        assert spec["securityContext"]["runAsUser"] == 0 and not spec.get("hostPID"), order
+        key = frozenset(order)
+        normal = {**spec, "containers": [{**spec["containers"][0], "securityContext": {
+            **security, "capabilities": {"drop": ["ALL"], "add": sorted(wanted)}}}]}
+        assert built.setdefault(key, normal) == normal, f"{order} builds another pod than {sorted(key)}"
 
 
 @pytest.mark.e2e
