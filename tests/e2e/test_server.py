@@ -123,7 +123,7 @@ def test_absent_sources_are_told_apart_from_ok_ones(exporter, tmp_path) -> None:
     proc.mkdir()
     shutil.copy(os.path.join(PROC, "diskstats"), proc / "diskstats")
     server = exporter(f"--path.procfs={proc}", f"--path.sysfs={SYS}",
-                      f"--collector.engines.spool-dir={tmp_path / 'no-spool'}",
+                      f"--collector.engines.spool-dir={tmp_path / 'no-spool'}", "--collector.engines.discover=false",
                       "--smartctl.path=no-such-smartctl", "--collector.smart.interval=50ms",
                       "--collector.nvml.interval=50ms", env={"LD_LIBRARY_PATH": str(tmp_path)})
     time.sleep(0.5)  # the smart and nvml samplers' first sweeps

@@ -796,10 +796,15 @@ def crash_loop_storm(stack: Stack, engines: dict[str, tuple[str, str]], loops: l
 
 
 def wait_for_calm(stack: Stack) -> None:
-    """Until an earlier storm's page on the disk has resolved in Alertmanager: a storm that starts while the
-    last one still pages continues that page, and sends no new one."""
-    deadline = time.monotonic() + RESOLVE_BOUND_S + FOR_S
-    while stack.storm_alerts() or stack.alertmanager_storms():
+    """Until an earlier storm's page on the disk has resolved and the pager was told: a storm that starts
+    before Alertmanager sent the resolution (at its next group_interval) continues that page for the
+    pager, and sends no new one."""
+    deadline = time.monotonic() + RESOLVE_BOUND_S + FOR_S + int(GROUP_INTERVAL.rstrip("s"))
+    while True:
+        pages = storm_notifications(stack.device, "page")
+        told = not pages or pages[-1][1]["status"] == "resolved"
+        if told and not stack.storm_alerts() and not stack.alertmanager_storms():
+            return
         assert time.monotonic() < deadline, f"the last storm still pages: {stack.alertmanager_storms()}"
         time.sleep(0.5)
 
