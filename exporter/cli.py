@@ -83,7 +83,10 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
         lifespan="on", access_log=False, log_config=None, server_header=False, date_header=False,
         timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
     ), table, (lambda: watcher.current().ssl_context) if watcher else (lambda: None), accept_errors)
-    asyncio.run(server.serve(sockets=sockets))
+    try:
+        asyncio.run(server.serve(sockets=sockets))
+    except KeyboardInterrupt:  # Ctrl-C where it runs in a terminal (make run): a stop, not a crash
+        log.info("stopped by an interrupt")
 
 
 def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionTable, accept_errors: dict[str, int],

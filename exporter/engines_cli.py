@@ -111,7 +111,7 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
                 if view is not None and view.cached_bytes is not None and view.size is not None else None,
                 "residency_unavailable": view.unavailable if view else None,
                 "device": device, "disks": disks,
-                "gpus": sorted({f"cuda:{i.cuda_device} {i.gpu_uuid}".strip() for i in infos
+                "gpus": sorted({_gpu(i.cuda_device, i.gpu_uuid) for i in infos
                                 if i.path == path and (i.cuda_device >= 0 or i.gpu_uuid)}),
                 "last_load_timestamp": totals.last_load.get(engine),
             }
@@ -157,29 +157,50 @@ def _waterfall(row: dict[str, Any]) -> str:
     return " ".join(f"{short[name]} {seconds * 1000:.0f}ms" for name, seconds in phases.items()) or "-"
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    header = ("ENGINE", "PROCS", "SIZE MiB", "CACHED", "DEVICE", "DISKS", "GPU", "LOADS", "LAST LOAD", "READ MiB/s",
-              "LAST LOAD WATERFALL", "CLASS", "FROM DISK MiB", "COLD START s", "INFERENCES", "MEAN ms", "PATH")
-    lines = [header]
-    for row in rows:
-        cached = row["cached_ratio"]
-        lines.append((
-            row["engine"], str(row["processes"]),
-            _mib(row["size_bytes"]) if row["size_bytes"] is not None else "-",
-            f"{cached * 100:.0f}%" if cached is not None else (row["residency_unavailable"] or "-"),
-            row["device"] or "-", ",".join(row["disks"]) or "-", " ".join(row["gpus"]) or "-",
-            f"{row.get('loads', 0):.0f}", _age(row["last_load_timestamp"]),
-            f"{row['read_mib_per_second']:.0f}" if row.get("read_mib_per_second") else "-",
-            _waterfall(row), row.get("last_load_class") or "-",
-            _mib(row["last_load_device_bytes"]) if row.get("last_load_class") else "-",
-            "-" if row.get("predicted_cold_start_seconds") is None else f"{row['predicted_cold_start_seconds']:.2f}",
-            f"{row.get('inferences', 0):.0f}",
-            f"{row['mean_latency_seconds'] * 1000:.2f}" if row.get("mean_latency_seconds") else "-",
-            row["path"] or "-",
-        ))
+def _gpu(cuda_device: int, uuid: str) -> str:
+    """"cuda:0 GPU-5a1e...", either part where known (-1: the process did not say)."""
+    return " ".join(part for part in (f"cuda:{cuda_device}" if cuda_device >= 0 else "", uuid) if part)
+
+
+# The table's columns: (heading, the cell of a row, shown without --wide).  What on-call reads first is
+# compact (~120 columns for typical names); --wide adds the load's detail and the inference figures.
+COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str], bool], ...] = (
+    ("ENGINE", lambda row: row["engine"], True),
+    ("PROCS", lambda row: str(row["processes"]), True),
+    ("SIZE MiB", lambda row: _mib(row["size_bytes"]) if row["size_bytes"] is not None else "-", True),
+    ("CACHED", lambda row: f"{row['cached_ratio'] * 100:.0f}%" if row["cached_ratio"] is not None
+     else (row["residency_unavailable"] or "-"), True),
+    ("DEVICE", lambda row: row["device"] or "-", False),
+    ("DISKS", lambda row: ",".join(row["disks"]) or "-", True),
+    ("GPU", lambda row: " ".join(_short_gpu(gpu) for gpu in row["gpus"]) or "-", True),
+    ("LOADS", lambda row: f"{row.get('loads', 0):.0f}", True),
+    ("LAST LOAD", lambda row: _age(row["last_load_timestamp"]), True),
+    ("READ MiB/s", lambda row: f"{row['read_mib_per_second']:.0f}" if row.get("read_mib_per_second") else "-", True),
+    ("LAST LOAD WATERFALL", _waterfall, False),
+    ("CLASS", lambda row: row.get("last_load_class") or "-", True),
+    ("FROM DISK MiB", lambda row: _mib(row["last_load_device_bytes"]) if row.get("last_load_class") else "-", False),
+    ("COLD START s", lambda row: "-" if row.get("predicted_cold_start_seconds") is None
+     else f"{row['predicted_cold_start_seconds']:.2f}", True),
+    ("INFERENCES", lambda row: f"{row.get('inferences', 0):.0f}", False),
+    ("MEAN ms", lambda row: f"{row['mean_latency_seconds'] * 1000:.2f}" if row.get("mean_latency_seconds") else "-",
+     False),
+    ("PATH", lambda row: row["path"] or "-", True),
+)
+
+
+def _short_gpu(gpu: str) -> str:
+    """A GPU cell's UUID cut to its first 8 hex digits ("cuda:0 GPU-5a1e0c2b"): enough to tell a node's GPUs
+    apart; --json has it whole."""
+    return " ".join(part[:12] if part.startswith(("GPU-", "MIG-")) else part for part in gpu.split(" "))
+
+
+def _table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+    columns = [column for column in COLUMNS if wide or column[2]]
+    lines = [tuple(heading for heading, _, _ in columns)]
+    lines += [tuple(cell(row) for _, cell, _ in columns) for row in rows]
     # Names and paths come from spool writers: printed escaped, so none can drive the admin's terminal.
     shown = [[printable(cell) for cell in line] for line in lines]
-    widths = [max(len(line[i]) for line in shown) for i in range(len(header))]
+    widths = [max(len(line[i]) for line in shown) for i in range(len(columns))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
                      for line in shown) + "\n"
 
@@ -207,6 +228,8 @@ def engines_main(argv: Sequence[str]) -> int:
                         help="the kubelet's pods directory, where inference pods' emptyDir spools are found "
                              "(env GPUIO_COLLECTOR_ENGINES_KUBELET_PODS_DIR; default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column: the device, the last load's waterfall and disk bytes, inferences")
     args = parser.parse_args(list(argv))
     globs = [part.strip() for value in args.path for part in value.split(",") if part.strip()]
     if not globs and env_globs():
@@ -226,7 +249,7 @@ def engines_main(argv: Sequence[str]) -> int:
     elif not rows:
         print(f"no engines: nothing in {printable(args.spool_dir)} and no --path files")
     else:
-        sys.stdout.write(_table(rows))
+        sys.stdout.write(_table(rows, args.wide))
     return 0
 
 

@@ -126,6 +126,11 @@ async def _as_fastapi_would(send: Send, body: bytes, content_type: bytes) -> Non
     await send({"type": "http.response.body", "body": body})
 
 
+def _never_scraped(config: Config, scraper: Scraper) -> bool:
+    return any(enabled and (name not in scraper.states or scraper.states[name].last_state is None)
+               for name, enabled in config.enabled.items())
+
+
 def landing_page(config: Config, scraper: Scraper) -> str:
     rows = []
     for name, enabled in sorted(config.enabled.items()):
@@ -196,6 +201,7 @@ def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = N
     metrics = MetricsEndpoint(scraper, config.max_requests)
     telemetry_path = config.telemetry_path
     api: list[Callable[[Scope, Receive, Send], Awaitable[None]]] = []  # FastAPI, once a request needs it
+    first_look: list[bool] = []  # the landing page scraped once where nothing had scraped yet
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -208,6 +214,9 @@ def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = N
                 await _as_fastapi_would(send, b"ok\n", b"text/plain; charset=utf-8")
                 return
             if path == "/" and method == "GET":
+                if not first_look and _never_scraped(config, scraper):
+                    first_look.append(True)  # one scrape for the first visitor: no state says "not scraped"
+                    await scraper.scrape(None)
                 await _as_fastapi_would(send, landing_page(config, scraper).encode(), b"text/html; charset=utf-8")
                 return
         elif kind == "lifespan":

@@ -243,7 +243,7 @@ class Stack:
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__.split("\n\n")[0].replace("``", ""),
                                      epilog="Arguments after -- go to gpuio-exporter.")
     for name, port in DEFAULT_PORTS.items():
         parser.add_argument(f"--{name}-port", type=int, default=port, help=f"loopback port (default {port})")

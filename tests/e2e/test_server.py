@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -70,6 +71,25 @@ def test_methods_health_and_landing_page(exporter) -> None:
         raise AssertionError("POST accepted")
     except urllib.error.HTTPError as error:
         assert error.code == 405
+
+
+def test_the_landing_page_before_any_scrape_shows_each_collectors_state(exporter) -> None:
+    """Nothing has scraped /metrics yet (Prometheus not pointed at it, a user trying `make run`): the first
+    visit of the landing page scrapes once, so it says what each collector found rather than "not
+    scraped yet"."""
+    server = exporter(*FIXTURE, "--no-collector.pressure")
+    page = server.get("/")[2].decode()
+    assert "<td>diskstats</td><td>on</td><td>ok</td>" in page and "not scraped yet" not in page
+
+
+def test_ctrl_c_stops_the_exporter_without_a_traceback(exporter) -> None:
+    server = exporter(*FIXTURE)
+    server.scrape()
+    assert server.process is not None
+    server.process.send_signal(signal.SIGINT)
+    output, _ = server.process.communicate(timeout=10)
+    assert server.process.returncode == 0 and "Traceback" not in output, output
+    assert "stopped by an interrupt" in output
 
 
 def test_only_the_documented_endpoints_are_served(exporter) -> None:

@@ -46,6 +46,17 @@ def test_engines_lists_spool_and_glob_engines_without_touching_dead_files(spool_
     assert engines_main(["--spool-dir", spool_dir]) == 0
     table = capsys.readouterr().out
     assert table.startswith("ENGINE") and "yolo" in table and "GPU-77" in table
+    assert "WATERFALL" not in table and max(map(len, table.splitlines())) < 200  # on-call's columns first
+    assert engines_main(["--spool-dir", spool_dir, "--wide"]) == 0
+    assert "LAST LOAD WATERFALL" in capsys.readouterr().out
+
+
+def test_a_gpu_cell_shows_what_is_known_and_a_uuid_cut_short() -> None:
+    from exporter.engines_cli import _gpu, _short_gpu
+
+    assert _gpu(-1, "GPU-5a1e0c2b-aaaa-bbbb-cccc-dddddddddddd") == "GPU-5a1e0c2b-aaaa-bbbb-cccc-dddddddddddd"
+    assert _gpu(0, "") == "cuda:0" and _gpu(1, "GPU-77") == "cuda:1 GPU-77"
+    assert _short_gpu("cuda:1 GPU-5a1e0c2b-aaaa-bbbb-cccc-dddddddddddd") == "cuda:1 GPU-5a1e0c2b"
 
 
 def test_warm_reads_files_into_the_page_cache(tmp_path, capsys) -> None:
