@@ -14,7 +14,7 @@ ARGS ?=
 DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: grafana-schema gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak
+.PHONY: grafana-schema gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak image kubernetes
 
 # gpuio (the instrumentation library, exporter/instrument/) is on no index: it is installed from here too.
 # Its optional C hot path (gpuio/_hotpath.c) is compiled in place by the editable install.
@@ -61,6 +61,22 @@ venv: $(VENV)/.installed
 
 system-deps:
 	@$(MAKE) --no-print-directory debs DEBS="$(DEBS)"
+
+# The exporter's container image, with Docker or Podman (whichever is installed; CONTAINER_TOOL= to choose):
+#   make image IMAGE=registry.example/gpuio-exporter:0.1.0 && docker push registry.example/gpuio-exporter:0.1.0
+IMAGE ?=
+CONTAINER_TOOL ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+image:
+	@test -n "$(IMAGE)" || { echo "make image: set IMAGE=<registry>/gpuio-exporter:<tag> (this repository publishes no image)" >&2; exit 2; }
+	@test -n "$(CONTAINER_TOOL)" || { echo "make image: neither docker nor podman is installed (CONTAINER_TOOL= names another)" >&2; exit 2; }
+	$(CONTAINER_TOOL) build -t "$(IMAGE)" .
+
+# gpuio's Kubernetes objects with your image, on standard output (deploy/kubernetes/README.md):
+#   make -s kubernetes IMAGE=<ref> [COMPONENTS=discovery,residency] [OPERATOR=no] | kubectl apply -f -
+kubernetes:
+	@test -n "$(IMAGE)" || { echo "make kubernetes: set IMAGE=<registry>/gpuio-exporter:<tag> (make image builds it)" >&2; exit 2; }
+	@$(MAKE) --no-print-directory venv >&2
+	@$(PY) -m deploy.kubernetes.render --image "$(IMAGE)" $(if $(COMPONENTS),--component "$(COMPONENTS)") $(if $(filter no,$(OPERATOR)),--without-operator)
 
 # The exporter, Prometheus with deploy/prometheus/rules and Alertmanager with deploy/alertmanager's routing,
 # on this machine, from Debian's packages; prints where to look; Ctrl-C stops them (deploy/local/stack.py).

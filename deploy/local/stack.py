@@ -243,7 +243,8 @@ class Stack:
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__.split("\n\n")[0].replace("``", ""),
+    summary = __doc__.split("\n\n")[0].replace("``", "")  # the docstring's first paragraph, as plain text
+    parser = argparse.ArgumentParser(prog="python -m deploy.local", description=summary,
                                      epilog="Arguments after -- go to gpuio-exporter.")
     for name, port in DEFAULT_PORTS.items():
         parser.add_argument(f"--{name}-port", type=int, default=port, help=f"loopback port (default {port})")

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -152,6 +153,40 @@ def test_every_combination_of_components_in_any_order_is_coherent(tmp_path) -> N
         normal = {**spec, "containers": [{**spec["containers"][0], "securityContext": {
             **security, "capabilities": {"drop": ["ALL"], "add": sorted(wanted)}}}]}
         assert built.setdefault(key, normal) == normal, f"{order} builds another pod than {sorted(key)}"
+
+
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_make_kubernetes_renders_your_image_components_and_a_variant_without_the_operator() -> None:
+    """From a clean clone: the objects with the image you built, the components you chose; without the
+    Operator's CRDs, no ServiceMonitor or PrometheusRule (Prometheus scrapes with prometheus-scrape.yml)."""
+    image = "registry.example:5000/gpuio-exporter:0.1.0"
+    result = subprocess.run(["make", "-s", "kubernetes", f"IMAGE={image}", "COMPONENTS=discovery,residency",
+                             "OPERATOR=no"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    built = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    for doc in built:
+        validate(doc)
+    assert not {"ServiceMonitor", "PrometheusRule"} & {doc["kind"] for doc in built}
+    (daemonset,) = [doc for doc in built if doc["kind"] == "DaemonSet"]
+    spec = daemonset["spec"]["template"]["spec"]
+    assert {c["image"] for c in [*spec["containers"], *spec["initContainers"]]} == {image}
+    assert sorted(spec["containers"][0]["securityContext"]["capabilities"]["add"]) == \
+        ["DAC_READ_SEARCH", "FOWNER", "SYS_PTRACE"]
+    with_operator = subprocess.run([sys.executable, "-m", "deploy.kubernetes.render", "--image", image], cwd=REPO,
+                                   capture_output=True, text=True, timeout=120)
+    kinds = {doc["kind"] for doc in yaml.safe_load_all(with_operator.stdout) if doc}
+    assert {"ServiceMonitor", "PrometheusRule", "DaemonSet"} <= kinds
+
+
+def test_the_image_is_required_and_its_tools_named() -> None:
+    for target, extra, said in (("kubernetes", [], "set IMAGE="), ("image", [], "set IMAGE="),
+                                ("image", ["IMAGE=registry.example/gpuio-exporter:1", "CONTAINER_TOOL="],
+                                 "neither docker nor podman")):
+        result = subprocess.run(["make", "-s", target, *extra], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0 and said in result.stderr, (target, result.stderr)
+    wrong = subprocess.run([sys.executable, "-m", "deploy.kubernetes.render", "--image", "r/x:1", "--component",
+                            "nope"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "no component nope; there are discovery" in wrong.stderr
 
 
 @pytest.mark.e2e

@@ -270,9 +270,20 @@ def test_service_and_servicemonitor_select_the_pods_and_name_job_and_instance() 
     assert 2 * seconds(endpoint["interval"]) <= seconds(c.RATE_WINDOW)
 
 
-def test_image_is_set_by_the_kustomization() -> None:
+def test_the_image_is_a_placeholder_that_never_pulls_until_you_set_yours() -> None:
+    """No registry publishes gpuio's image: the base names a placeholder under .invalid (a TLD that never
+    resolves: ErrImagePull says which), and the render tool (make kubernetes IMAGE=...) replaces it."""
     (container,) = pod()["containers"]
     (image,) = kustomization()["images"]
-    assert image["name"] == container["image"] and image["newName"].endswith("/gpuio-exporter")
+    assert image["name"] == container["image"] == "gpuio-exporter"
+    assert image["newName"].split("/")[0].endswith(".invalid") and image["newName"].endswith("/gpuio-exporter")
+    from deploy.kubernetes.render import image_fields, placeholder
+
+    assert placeholder() == image["newName"]
+    assert image_fields("reg.example:5000/gpuio-exporter:0.1.0") == {"newName": "reg.example:5000/gpuio-exporter",
+                                                                      "newTag": "0.1.0"}
+    assert image_fields("reg.example:5000/gpuio-exporter") == {"newName": "reg.example:5000/gpuio-exporter",
+                                                               "newTag": "latest"}
+    assert image_fields("r/g@sha256:ab") == {"newName": "r/g", "digest": "sha256:ab"}
 
 
