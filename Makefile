@@ -14,7 +14,7 @@ ARGS ?=
 DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: grafana-schema gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak image kubernetes
+.PHONY: grafana-schema gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak image kubernetes dist version
 
 # gpuio (the instrumentation library, exporter/instrument/) is on no index: it is installed from here too.
 # Its optional C hot path (gpuio/_hotpath.c) is compiled in place by the editable install.
@@ -70,6 +70,19 @@ image:
 	@test -n "$(IMAGE)" || { echo "make image: set IMAGE=<registry>/gpuio-exporter:<tag> (this repository publishes no image)" >&2; exit 2; }
 	@test -n "$(CONTAINER_TOOL)" || { echo "make image: neither docker nor podman is installed (CONTAINER_TOOL= names another)" >&2; exit 2; }
 	$(CONTAINER_TOOL) build -t "$(IMAGE)" .
+
+# Both distributions -- gpuio-exporter and gpuio, the library inference images install -- as sdist and wheel
+# in dist/: `pipx install dist/gpuio_exporter-*.whl --pip-args="--find-links dist"`, or pip (docs/deploy.md).
+dist: venv
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist exporter/instrument
+	$(PY) -m build --no-isolation --outdir dist .
+
+# The one version both carry (exporter/instrument/gpuio/VERSION) and the exporter's pins on the library.
+version:
+	@echo "$(VERSION)" | grep -Eq '^[0-9]+\.[0-9]+\.[0-9]+([a-z0-9.+-]*)?$$' || { echo "make version: set VERSION=x.y.z" >&2; exit 2; }
+	printf '%s\n' "$(VERSION)" > exporter/instrument/gpuio/VERSION
+	sed -i -E 's/"gpuio(\[tensorrt\])?==[^"]*"/"gpuio\1==$(VERSION)"/' pyproject.toml
 
 # gpuio's Kubernetes objects with your image, on standard output (deploy/kubernetes/README.md):
 #   make -s kubernetes IMAGE=<ref> [COMPONENTS=discovery,residency] [OPERATOR=no] | kubectl apply -f -

@@ -60,3 +60,19 @@ def test_the_exporter_serves_the_declared_labels(spool_dir: str) -> None:
         suffix = "_count" if series.type == "histogram" else ""
         found = [set(dict(labels)) for name, labels in samples if name == series.name + suffix]
         assert found and all(labels == set(series.labels) for labels in found), series.slot
+
+
+def test_one_version_for_both_distributions() -> None:
+    """exporter/instrument/gpuio/VERSION is the version: the library and the exporter read it, and the
+    exporter's pins on the library carry it (make version VERSION=x.y.z changes them together)."""
+    import pathlib
+    import re
+
+    import exporter
+    import gpuio
+
+    root = pathlib.Path(exporter.__file__).parent.parent
+    version = (root / "exporter" / "instrument" / "gpuio" / "VERSION").read_text().strip()
+    assert exporter.__version__ == gpuio.__version__ == version
+    pins = re.findall(r'"gpuio(?:\[tensorrt\])?==([^"]+)"', (root / "pyproject.toml").read_text())
+    assert pins == [version, version]

@@ -17,6 +17,8 @@ the node's gpuio-exporter reads (docs/engines.md).  ``tensorrt``, ``pycuda`` and
 optional: they are used when the process has them.
 """
 
+import os as _os
+
 from . import tensorrt
 from .load import Loaded, LoadTimer, engine_name, load, read_file
 from .metrics import (
@@ -32,7 +34,11 @@ from .metrics import (
 )
 from .pool import EnginePool, Lease
 
+with open(_os.path.join(_os.path.dirname(__file__), "VERSION"), encoding="ascii") as _file:
+    __version__ = _file.read().strip()  # the one version gpuio and gpuio-exporter carry
+
 __all__ = [
+    "__version__",
     "EngineMetrics",
     "EnginePool",
     "EnqueueError",
