@@ -35,8 +35,10 @@ is engine ``<model>`` version ``<version>``; a generic file name (``model.*``, `
 ``pytorch_model.bin``, shards ``...-00001-of-00004.safetensors``) takes its directory's name; any other
 its file name without the suffix (as the library names an engine by default).
 
-Never counted twice: a process holding a spool file the engines collector reads (the library's) is left
-to the spool (``library_files``).
+Only inference processes: a process counts once NVML lists it with a GPU context (``gpu_pids``), and
+what it loaded before that counts from then on; a copy, a checksum or a backup reading model files is
+no load.  Never counted twice: a process holding a spool file the engines collector reads (the library's)
+is left to the spool (``library_files``).
 
 Bounded, and never on the scrape path (the engines collector serves the last pass): each pass looks
 first at the processes holding model files, those with GPU contexts and those new since the last listing
@@ -182,6 +184,8 @@ class Process:
     waiting: bool = False  # state D (uninterruptible: waiting on IO) at the last look
     gpu: str = ""
     seen_pass: int = 0
+    on_gpu: bool = False  # NVML listed it with a GPU context (once is enough: an inference process)
+    pending: list[Callable[[], None]] = field(default_factory=list)  # ends of loads before it was on a GPU
 
 
 @dataclass
@@ -223,7 +227,7 @@ class Discovery:
     def __init__(self, include: Iterable[str], patterns: Iterable[str] = MODEL_PATTERNS, procfs: str = "/proc",
                  gpu_of: Callable[[int, int], str | None] | None = None,
                  gpu_pids: Callable[[], Iterable[int]] | None = None, idle: float = IDLE_SECONDS,
-                 fd_entries_per_pass: int = FD_ENTRIES_PER_PASS) -> None:
+                 fd_entries_per_pass: int = FD_ENTRIES_PER_PASS, require_gpu: bool = True) -> None:
         self.procfs = procfs
         self.include = tuple(directory.rstrip("/") + "/" for directory in include)
         self.matches = pattern_matcher(patterns)
@@ -231,6 +235,10 @@ class Discovery:
         self.gpu_pids = gpu_pids or (lambda: ())  # pids with a GPU context (NVML's list)
         self.idle = idle
         self.fd_entries_per_pass = fd_entries_per_pass
+        # Only processes with a GPU context load engines: a copy, a checksum or a backup reading model
+        # files is no load (and must not make a storm page "hurt serving").
+        self.require_gpu = require_gpu
+        self._on_gpus: set[int] = set()  # this pass's NVML list
         self.library_files: frozenset[tuple[int, int]] = frozenset()  # (st_dev, st_ino) of spool files read
         self._tracked: dict[int, Process] = {}  # pid -> process (the start ticks tell a reused pid)
         self._histories: dict[str, EngineHistory] = {}
@@ -254,7 +262,8 @@ class Discovery:
             new = [pid for pid in listed if pid not in self._listed] if self._listed else []
             if not self._rotation:
                 self._rotation = sorted(listed)
-            gpu_pids = [pid for pid in self.gpu_pids() if pid in listed]
+            self._on_gpus = set(self.gpu_pids())
+            gpu_pids = [pid for pid in self._on_gpus if pid in listed]
             first = list(dict.fromkeys([*self._tracked, *gpu_pids, *new]))
             looked = 0
             for pid in first:
@@ -332,6 +341,11 @@ class Discovery:
         known.chars, known.device_bytes = self._io(pid)
         known.gpu = self.gpu_of(pid, start) or ""
         known.seen_pass = self._pass
+        if not known.on_gpu and (pid in self._on_gpus or not self.require_gpu):
+            known.on_gpu = True
+            for settle in known.pending:  # its loads that ended before NVML listed it
+                settle()
+            known.pending.clear()
         self._follow(known, held, fresh)
         return 1
 
@@ -502,7 +516,7 @@ class Discovery:
 
     def _finish(self, process: Process, held: HeldFile, ended: float) -> None:
         """A load ended (closed, or still for ``idle`` seconds): its duration, bytes and class go into the
-        engine's history."""
+        engine's history (once the process is known to be on a GPU)."""
         started = held.loading_since
         held.loading_since = None
         if started is None:
@@ -510,6 +524,15 @@ class Discovery:
         seconds = max(0.0, _wall_from_monotonic(ended) - started)
         read = self._bytes_read(process, held)
         device = min(read, max(0, process.device_bytes - held.device_at_start)) if read else 0
+        self._settle(process, lambda: self._record_load(held, started, seconds, read, device))
+
+    def _settle(self, process: Process, settle: Callable[[], None]) -> None:
+        if process.on_gpu:
+            settle()
+        elif len(process.pending) < MAX_FILES_PER_PROCESS:
+            process.pending.append(settle)
+
+    def _record_load(self, held: HeldFile, started: float, seconds: float, read: int, device: int) -> None:
         history = self._history(held.engine)
         values = history.engine_values
         first, total, bounds = fmt.ENGINE_LAYOUT.histograms["load_read_seconds"]
@@ -528,7 +551,11 @@ class Discovery:
         return max(held.read_forward, returned)
 
     def _abandon(self, process: Process, held: HeldFile) -> None:
+        """The process died while loading: an abandoned load, where it was on a GPU (a tool that dies
+        while reading a model file abandoned nothing)."""
         held.loading_since = None
+        if not process.on_gpu:
+            return
         history = self._history(held.engine)
         history.abandoned[process.gpu] = history.abandoned.get(process.gpu, 0.0) + 1.0
         history.touched = time.monotonic()
@@ -595,7 +622,8 @@ class Discovery:
             for uuid, count in history.abandoned.items():
                 totals.abandoned[(engine, uuid)] = count
         for process in self._tracked.values():
-            self._add_process(totals, process)
+            if process.on_gpu:
+                self._add_process(totals, process)
         return totals
 
     @staticmethod

@@ -87,6 +87,7 @@ def model(tmp_path, relative: str, size: int = 1 << 20) -> str:
 
 
 def finder(tmp_path, **options) -> Discovery:
+    options.setdefault("require_gpu", False)  # these loaders have no GPU context: the loads are what is tested
     found = Discovery([str(tmp_path)], **options)
     found.sample()  # the first listing: what runs already is not new
     return found
@@ -254,6 +255,33 @@ def test_a_process_holding_its_own_spool_file_is_the_librarys_before_any_scrape(
     assert found.sample().totals.infos == {}
 
 
+def test_a_process_without_a_gpu_context_loads_no_engine_until_it_has_one(tmp_path, loaders) -> None:
+    """A copy, a checksum or a backup reading model files is no engine load: only processes NVML lists
+    with a GPU context count, and what one loaded before it was listed counts from then on."""
+    path = model(tmp_path, "repo/resnet50/1/model.plan")
+    on_gpus: list[int] = []
+    found = finder(tmp_path, require_gpu=True, gpu_pids=lambda: on_gpus)
+    copier = loaders()
+    copier.do("open", path)
+    copier.do("read", path, 1 << 20)
+    copier.do("close", path)
+    totals = found.sample().totals
+    assert totals.infos == {} and totals.loads == {} and totals.engines == {}
+    copier.kill()
+    assert found.sample().totals.abandoned == {}  # a tool killed while reading abandoned nothing
+
+    server = loaders()
+    server.do("open", path)
+    server.do("read", path, 4096)
+    assert found.sample().totals.engines == {}  # loading, not on a GPU yet
+    server.do("close", path)
+    assert found.sample().totals.engines == {}  # its load ended before NVML listed it
+    on_gpus.append(server.pid)  # NVML lists it now: its load counts
+    totals = found.sample().totals
+    first, total, _ = fmt.ENGINE_LAYOUT.histograms["load_read_seconds"]
+    assert sum(totals.engines["resnet50"][first:total]) == 1
+
+
 def test_a_pass_is_bounded_and_the_rotation_reaches_everyone(tmp_path, loaders) -> None:
     """A budget far below the node's descriptors: processes holding model files are found in turn, and
     once found they are followed every pass."""
@@ -261,7 +289,7 @@ def test_a_pass_is_bounded_and_the_rotation_reaches_everyone(tmp_path, loaders) 
     started = [loaders() for _ in paths]
     for loader, path in zip(started, paths, strict=True):
         loader.do("open", path)
-    found = Discovery([str(tmp_path)], fd_entries_per_pass=64)
+    found = Discovery([str(tmp_path)], fd_entries_per_pass=64, require_gpu=False)
     passes = 0
     while len(found.sample().totals.infos) < 3:
         passes += 1
