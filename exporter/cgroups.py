@@ -49,8 +49,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import procstat
 from .collect import BadLine
-from .procstat import read_at_most, whole_number
+from .procstat import whole_number
 from .psi import parse_total
 
 MAX_DEPTH = 32
@@ -282,19 +283,9 @@ def parse_pressure(text: str, cut: bool, report: BadLineSink) -> Pressure | None
 
 
 def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> tuple[str, bool] | None:
-    """At most ``limit`` bytes of a file as text, and whether there was more; None when it cannot be read
-    (gone with its cgroup, no such controller here, unreadable)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        data = read_at_most(fd, limit)
-    except OSError:
-        return None  # ENODEV: the cgroup was removed after the open
-    finally:
-        os.close(fd)
-    return data[:limit].decode("ascii", "replace"), len(data) > limit
+    """At most ``limit`` bytes of a cgroup file as text, and whether there was more; None when it cannot be
+    read (gone with its cgroup, no such controller here, unreadable)."""
+    return procstat.read_bounded(path, limit)
 
 
 def label_of(segments: list[str]) -> str:

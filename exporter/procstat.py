@@ -1,6 +1,6 @@
 """/proc/<pid>/stat, read once for the whole exporter: its own process metrics, smartctl's process
 table and the start time that identifies a spool writer; the bounded reading of a number any kernel
-file writes (``whole_number``) and of a file (``read_at_most``).
+file writes (``whole_number``) and of a file (``read_at_most``, ``read_bounded``).
 
 The command name (field 2) is in parentheses and may itself hold spaces and parentheses, so the
 fields are split after its last ")".  (gpuio, the instrumentation library, has its own few lines
@@ -39,6 +39,22 @@ def read_at_most(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks)
+
+
+def read_bounded(path: str, limit: int) -> tuple[str, bool] | None:
+    """At most ``limit`` bytes of a kernel file as text, and whether there was more; None when it cannot be
+    read (gone with its process or cgroup, no such file here, unreadable).  A symlink is not followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        data = read_at_most(fd, limit)
+    except OSError:
+        return None  # ENODEV and the like: the cgroup or process went after the open
+    finally:
+        os.close(fd)
+    return data[:limit].decode("ascii", "replace"), len(data) > limit
 
 
 def stat_fields(pid: int | str = "self", procfs: str = "/proc") -> list[bytes]:

@@ -145,7 +145,6 @@ class OpenFile:
     ino: int
     size: int
     mtime_ns: int
-    fd: int
     position: int
 
 
@@ -154,7 +153,6 @@ class HeldFile:
     """One model file one process holds (or held) open, followed pass by pass."""
 
     engine: str
-    version: str
     file: OpenFile  # as the latest look found it
     sighted: float  # wall clock: when discovery first saw the process hold it
     device_at_sight: int  # the process's read_bytes then
@@ -183,7 +181,6 @@ class Process:
     chars: int = 0  # /proc/<pid>/io rchar (every byte its reads returned) at the last look
     waiting: bool = False  # state D (uninterruptible: waiting on IO) at the last look
     gpu: str = ""
-    seen_pass: int = 0
     on_gpu: bool = False  # NVML listed it with a GPU context (once is enough: an inference process)
     pending: list[Callable[[], None]] = field(default_factory=list)  # ends of loads before it was on a GPU
 
@@ -245,7 +242,6 @@ class Discovery:
         self._listed: set[int] = set()  # pids of the last listing
         self._rotation: list[int] = []  # pids not looked at yet in this round
         self._started_ticks = self._now_ticks()
-        self._pass = 0
         self._not_permitted = 0
         self._refused: set[tuple[int, int]] = set()  # processes that refused us (counted once each)
         self._lock = threading.Lock()
@@ -255,7 +251,6 @@ class Discovery:
     def sample(self) -> Discovered:
         with self._lock:
             started = time.monotonic()
-            self._pass += 1
             deadline = started + PASS_SECONDS
             budget = _Budget(PRIORITY_FD_ENTRIES, deadline)
             listed = self._list()
@@ -340,7 +335,6 @@ class Discovery:
         known.waiting = waiting
         known.chars, known.device_bytes = self._io(pid)
         known.gpu = self.gpu_of(pid, start) or ""
-        known.seen_pass = self._pass
         if not known.on_gpu and (pid in self._on_gpus or not self.require_gpu):
             known.on_gpu = True
             for settle in known.pending:  # its loads that ended before NVML listed it
@@ -394,7 +388,7 @@ class Discovery:
         if not stat.S_ISREG(st.st_mode) or st.st_size < MIN_MODEL_BYTES:
             return None
         return OpenFile(target, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns,
-                     int(name), info[0])
+                        info[0])
 
     def _spool_file(self, fd_dir: str, name: str, target: str, start: int) -> _Library | None:
         """_LIBRARY for the process's own spool file (named with its start time, which no pid namespace
@@ -412,19 +406,11 @@ class Discovery:
 
     def _fdinfo(self, fd_dir: str, name: str) -> tuple[int, int] | None:
         """(read position, open flags) of a descriptor."""
-        path = f"{fd_dir[:-2]}fdinfo/{name}"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        read = procstat.read_bounded(f"{fd_dir[:-2]}fdinfo/{name}", FDINFO_BYTES)
+        if read is None:
             return None
-        try:
-            text = procstat.read_at_most(fd, FDINFO_BYTES).decode("ascii", "replace")
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
         position = flags = None
-        for line in text.split("\n", 3)[:3]:
+        for line in read[0].split("\n", 3)[:3]:
             key, _, value = line.partition(":")
             value = value.strip()
             if key == "pos":
@@ -436,18 +422,9 @@ class Discovery:
     def _io(self, pid: int) -> tuple[int, int]:
         """The process's rchar and read_bytes (/proc/<pid>/io): bytes its reads returned, and bytes it caused
         to be fetched from storage."""
-        try:
-            fd = os.open(f"{self.procfs}/{pid}/io", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return 0, 0
-        try:
-            text = procstat.read_at_most(fd, IO_BYTES).decode("ascii", "replace")
-        except OSError:
-            return 0, 0
-        finally:
-            os.close(fd)
+        read = procstat.read_bounded(f"{self.procfs}/{pid}/io", IO_BYTES)
         found: dict[str, int] = {}
-        for line in text.split("\n", 8):
+        for line in read[0].split("\n", 8) if read is not None else ():
             key, _, value = line.partition(":")
             if key in ("rchar", "read_bytes"):
                 found[key] = procstat.whole_number(value.strip()) or 0
@@ -462,9 +439,8 @@ class Discovery:
             if known is None:
                 if len(process.files) >= MAX_FILES_PER_PROCESS:
                     continue
-                engine, version = engine_identity(opened.path)
-                known = process.files[key] = HeldFile(engine, version, opened, time.time(), process.device_bytes,
-                                                      process.chars)
+                engine, _ = engine_identity(opened.path)  # Triton's version directory is not served (yet)
+                known = process.files[key] = HeldFile(engine, opened, time.time(), process.device_bytes, process.chars)
                 if fresh:
                     self._begin(process, known, now, already_read=opened.position)
                 continue
