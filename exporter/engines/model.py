@@ -139,29 +139,22 @@ class Totals:
 def combined(spool: Totals, discovered: Totals) -> Totals:
     """The spool's totals with the engines discovery found (exporter.engines.discovery) added in: one model of
     every engine, whichever source reports it.  Neither argument changes (the reader reuses its merge
-    between reads); discovered processes are counted apart (``discovered_processes``)."""
+    between reads): the tables are copied shallow, and only the entries discovery adds to are new objects;
+    discovered processes are counted apart (``discovered_processes``)."""
     if not (discovered.engines or discovered.infos or discovered.abandoned):
         return spool
     out = dataclasses.replace(
-        spool,
-        engines={engine: list(values) for engine, values in spool.engines.items()},
-        infos={engine: list(items) for engine, items in spool.infos.items()},
-        writers={engine: list(found) for engine, found in spool.writers.items()},
-        loads={key: list(values) for key, values in spool.loads.items()},
-        last_load=dict(spool.last_load),
-        waterfalls={engine: list(values) for engine, values in spool.waterfalls.items()},
-        info_uids={key: set(uids) for key, uids in spool.info_uids.items()},
-        pods={key: set(found) for key, found in spool.pods.items()},
-        abandoned=dict(spool.abandoned),
-        discovered_processes=dict(discovered.processes),
-    )
+        spool, engines=dict(spool.engines), infos=dict(spool.infos), writers=dict(spool.writers),
+        loads=_copied(spool.loads, discovered.loads), last_load=dict(spool.last_load),
+        waterfalls=_copied(spool.waterfalls, discovered.waterfalls), info_uids=dict(spool.info_uids),
+        pods=dict(spool.pods), abandoned=dict(spool.abandoned), discovered_processes=dict(discovered.processes))
     for engine, values in discovered.engines.items():
         total = out.engines.get(engine)
         out.engines[engine] = list(values) if total is None else list(map(operator.add, total, values))
     for engine, items in discovered.infos.items():
-        out.infos.setdefault(engine, []).extend(items)
+        out.infos[engine] = [*out.infos.get(engine, ()), *items]
     for engine, found in discovered.writers.items():
-        out.writers.setdefault(engine, []).extend(found)
+        out.writers[engine] = [*out.writers.get(engine, ()), *found]
     for load, values in discovered.loads.items():
         merge_load(out.loads, load, values)
     for engine, moment in discovered.last_load.items():
@@ -169,11 +162,24 @@ def combined(spool: Totals, discovered: Totals) -> Totals:
     for engine, values in discovered.waterfalls.items():
         merge_waterfall(out.waterfalls, engine, values)
     for file, uids in discovered.info_uids.items():
-        out.info_uids.setdefault(file, set()).update(uids)
+        out.info_uids[file] = out.info_uids.get(file, set()) | uids
     for pair, pods in discovered.pods.items():
-        out.pods.setdefault(pair, set()).update(pods)
+        out.pods[pair] = out.pods.get(pair, set()) | pods
     for pair, count in discovered.abandoned.items():
         out.abandoned[pair] = out.abandoned.get(pair, 0.0) + count
+    return out
+
+
+_V = typing.TypeVar("_V")
+
+
+def _copied(table: dict[_V, list[float]], changing: typing.Iterable[_V]) -> dict[_V, list[float]]:
+    """A shallow copy of ``table`` whose entries at the keys of ``changing`` are lists of their own (the
+    merge adds into them in place)."""
+    out = dict(table)
+    for key in changing:
+        if key in out:
+            out[key] = list(out[key])
     return out
 
 
