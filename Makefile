@@ -95,7 +95,7 @@ kubernetes:
 # on this machine, from Debian's packages; prints where to look; Ctrl-C stops them (deploy/local/stack.py).
 # ARGS: `--help` lists the ports, intervals and rules it takes; after `--`, flags for the exporter.
 stack: run-venv
-	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-alertmanager"
+	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-alertmanager prometheus-node-exporter"
 	$(RUN_VENV)/bin/python -m deploy.local $(ARGS)
 
 debs:

@@ -48,6 +48,7 @@ from grafana_foundation_sdk.models.dashboard import (
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from deploy.prometheus import config as c
+from deploy.prometheus import rules as r
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 # The label that names a Prometheus (or a cluster) where one Grafana looks at several, the mixins'
@@ -77,6 +78,28 @@ def rate(metric: str, selector: str) -> str:
 def guarded_ratio(numerator: str, denominator: str, selector: str) -> str:
     """rate(numerator) / rate(denominator), no series where the denominator did not move (no NaN)."""
     return f"{rate(numerator, selector)}\n/\n({rate(denominator, selector)} > 0)"
+
+
+# The disk counters come from gpuio's diskstats collector or, where it is off beside a node_exporter
+# (node_exporter mode, docs/deploy.md), from node_exporter's twins of the same node, whatever its job:
+# the boards need no setting for either, and show gpuio's where both exist.
+NODE_EXPORTER_NODE = f'{CLUSTER},{c.NODE_LABEL}=~"$instance"'
+
+
+def disk_series(name: str, device: bool = True, rated: bool = True) -> str:
+    """gpuio_disk_<name>, or node_disk_<name> for the nodes and devices gpuio serves none of; rate()d
+    where ``rated``.  ``device``: only the devices chosen in $device (else all of the node's)."""
+    mine = dev() if device else sel()
+    theirs = "{" + ",".join((NODE_EXPORTER_NODE, *(('device=~"$device"',) if device else ()))) + "}"
+    pick = (lambda metric, selector: rate(metric, selector)) if rated else (lambda metric, selector: metric + selector)
+    return (f"{pick('gpuio_disk_' + name, mine)}\nor on ({CLUSTER_LABEL}, {c.NODE_LABEL}, device)\n"
+            f"{pick('node_disk_' + name, theirs)}")
+
+
+def disk_ratio(numerator: str, denominator: str, device: bool = True) -> str:
+    """rate(numerator) / rate(denominator) of two disk counters (``disk_series``), no series where the
+    denominator did not move."""
+    return f"(\n{disk_series(numerator, device)}\n)\n/\n((\n{disk_series(denominator, device)}\n) > 0)"
 
 
 def query(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
@@ -243,7 +266,8 @@ def node_variable() -> db.QueryVariable:
 
 def device_variable() -> db.QueryVariable:
     return (db.QueryVariable("device").label("Device").datasource(DATASOURCE)
-            .query(f"label_values(gpuio_disk_info{{{NODE}}}, device)")
+            # The recorded class exists whichever exporter reads the disks (node_exporter mode).
+            .query(f"label_values({r.DISK_CLASS}{{{NODE}}}, device)")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
             .multi(True).include_all(True).all_value(".+"))
 

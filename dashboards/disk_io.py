@@ -17,8 +17,9 @@ from .common import (
     assemble,
     dev,
     device_variable,
+    disk_ratio,
+    disk_series,
     graph,
-    guarded_ratio,
     limit,
     query,
     rate,
@@ -35,31 +36,26 @@ UTIL_NOTE = (
 
 
 def iostat_panels() -> list:
-    d = dev()
     per_device = "{{device}}"
     return [
         graph("IOPS (r/s, w/s)", "Requests completed per second (iostat r/s and w/s).", "iops",
-              query(rate("gpuio_disk_reads_completed_total", d), f"{per_device} r/s"),
-              query(rate("gpuio_disk_writes_completed_total", d), f"{per_device} w/s")),
+              query(disk_series("reads_completed_total"), f"{per_device} r/s"),
+              query(disk_series("writes_completed_total"), f"{per_device} w/s")),
         graph("Throughput (rkB/s, wkB/s)", "Bytes read and written per second.", "binBps",
-              query(rate("gpuio_disk_read_bytes_total", d), f"{per_device} read"),
-              query(rate("gpuio_disk_written_bytes_total", d), f"{per_device} write")),
+              query(disk_series("read_bytes_total"), f"{per_device} read"),
+              query(disk_series("written_bytes_total"), f"{per_device} write")),
         graph("Await (r_await, w_await)",
               "Mean time a request took, queue included (iostat r_await, w_await). No line while a device "
               "completed nothing.", "s",
-              query(guarded_ratio("gpuio_disk_read_time_seconds_total", "gpuio_disk_reads_completed_total", d),
-                    f"{per_device} r_await"),
-              query(guarded_ratio("gpuio_disk_write_time_seconds_total", "gpuio_disk_writes_completed_total", d),
-                    f"{per_device} w_await")),
+              query(disk_ratio("read_time_seconds_total", "reads_completed_total"), f"{per_device} r_await"),
+              query(disk_ratio("write_time_seconds_total", "writes_completed_total"), f"{per_device} w_await")),
         graph("Queue size (aqu-sz)", "Mean number of requests in flight or queued (iostat aqu-sz).", "short",
-              query(rate("gpuio_disk_io_time_weighted_seconds_total", d), per_device)),
+              query(disk_series("io_time_weighted_seconds_total"), per_device)),
         graph("Request size (rareq-sz, wareq-sz)", "Mean size of a completed request.", "bytes",
-              query(guarded_ratio("gpuio_disk_read_bytes_total", "gpuio_disk_reads_completed_total", d),
-                    f"{per_device} read"),
-              query(guarded_ratio("gpuio_disk_written_bytes_total", "gpuio_disk_writes_completed_total", d),
-                    f"{per_device} write")),
+              query(disk_ratio("read_bytes_total", "reads_completed_total"), f"{per_device} read"),
+              query(disk_ratio("written_bytes_total", "writes_completed_total"), f"{per_device} write")),
         graph("%util (not saturation)", UTIL_NOTE, "percentunit",
-              query(rate("gpuio_disk_io_time_seconds_total", d), per_device), max_value=1),
+              query(disk_series("io_time_seconds_total"), per_device), max_value=1),
     ]
 
 
@@ -129,8 +125,9 @@ def who_panels() -> list:
 
 def device_table() -> list:
     return [
-        value_table("Devices", "Identity of each block device (gpuio_disk_info); rotational 0 is solid state.",
-                    f"gpuio_disk_info{dev()}", ["job", "major", "minor"]),
+        value_table("Devices", "Identity of each block device (gpuio_disk_info, or node_exporter's node_disk_info "
+                    "where gpuio's diskstats collector is off); rotational 0 is solid state.",
+                    disk_series("info", rated=False), ["job", "major", "minor"]),
         value_table("Device stacks", "The whole disks under each device (partition -> disk, dm/md -> slaves).",
                     f"gpuio_disk_physical_device_info{dev()}", ["job"]),
     ]

@@ -35,6 +35,8 @@ from .common import (
     WARN,
     assemble,
     collector_states,
+    disk_ratio,
+    disk_series,
     engine_loads_annotation,
     engine_variable,
     gpu_variable,
@@ -255,7 +257,7 @@ def gpu_panels() -> list:
               "GPUs receive over PCIe (host to GPU: engine weights, inputs) and NVLink (GPM, Hopper and newer). "
               "A load that crawls off a disk shows as disk reads and PCIe receive both low while the GPU waits.",
               "binBps",
-              query(rate("gpuio_disk_read_bytes_total", sel()), "disk {{device}} read"),
+              query(disk_series("read_bytes_total", device=False), "disk {{device}} read"),
               query(rate("gpuio_gpu_pcie_receive_bytes_total", sel(GPU)), "GPU {{gpu}} PCIe receive"),
               query(rate("gpuio_gpu_nvlink_receive_bytes_total", sel(GPU)), "GPU {{gpu}} NVLink receive")),
         collector_states(height=6),
@@ -267,12 +269,11 @@ def disk_panels() -> list:
     return [
         graph("Disk await (r_await, w_await)", "Mean time per request of the node's disks. No line: the device "
               "completed nothing.", "s",
-              query(guarded_ratio("gpuio_disk_read_time_seconds_total", "gpuio_disk_reads_completed_total",
-                                  node_disks), "{{device}} r_await"),
-              query(guarded_ratio("gpuio_disk_write_time_seconds_total", "gpuio_disk_writes_completed_total",
-                                  node_disks), "{{device}} w_await")),
+              query(disk_ratio("read_time_seconds_total", "reads_completed_total", device=False), "{{device}} r_await"),
+              query(disk_ratio("write_time_seconds_total", "writes_completed_total", device=False),
+                    "{{device}} w_await")),
         graph("Disk queue size (aqu-sz)", "Requests in flight or queued per device.", "short",
-              query(rate("gpuio_disk_io_time_weighted_seconds_total", node_disks), "{{device}}")),
+              query(disk_series("io_time_weighted_seconds_total", device=False), "{{device}}")),
         series_limits(graph(
             "IO pressure (PSI)", f"Share of time tasks waited on IO (some) or all stalled on it (full). From "
             f"{c.IO_PRESSURE_SOME:.0%} some or {c.IO_PRESSURE_FULL:.0%} full (the dashed lines) a slow disk counts "

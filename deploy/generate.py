@@ -42,16 +42,19 @@ def boards() -> dict[str, str]:
 def rendered(config: Config = DEFAULT) -> dict[str, str]:
     """Every generated file of the repository -> its text, from one config."""
     files = prometheus.rendered(config)
+    files.update(prometheus.rendered_node_exporter_mode(config))
     json_files = boards()
     files.update(json_files)
-    files.update(kubernetes.rendered(rule_files(config), [os.path.basename(path) for path in json_files]))
+    files.update(kubernetes.rendered(rule_files(config), [os.path.basename(path) for path in json_files],
+                                     rule_files(prometheus.node_exporter_mode(config))))
     return files
 
 
 def stray(files: Mapping[str, str]) -> list[str]:
     """Generated-looking files nobody generates any more (a removed rule file or board)."""
-    present = [os.path.join(prometheus.RULES_DIR, name) for name in os.listdir(prometheus.RULES_DIR)
-               if name.endswith(".yml")]
+    present = [os.path.join(directory, name)
+               for directory in (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR) if os.path.isdir(directory)
+               for name in os.listdir(directory) if name.endswith(".yml")]
     present += [os.path.join(kubernetes.DASHBOARDS_DIR, name) for name in os.listdir(kubernetes.DASHBOARDS_DIR)
                 if name.endswith(".json")]
     return [path for path in present if path not in files]
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ)
     except ValueError as error:
         parser.error(str(error))
     out = os.path.abspath(args.out) if args.out else None
-    if (overrides or out) and (args.check or out in (None, prometheus.RULES_DIR)):
+    if (overrides or out) and (args.check or out in (None, prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR)):
         parser.error("--set and --out write a variant: give --out DIR (never rules/), and no --check")
     if out:
         os.makedirs(out, exist_ok=True)

@@ -55,6 +55,7 @@ def report_stale(paths: list[str], remedy: str) -> int:
 
 def write(files: Mapping[str, str]) -> int:
     for path, text in files.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as handle:
             handle.write(text)
         print(f"wrote {os.path.relpath(path)}")

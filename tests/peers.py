@@ -11,11 +11,19 @@ from pathlib import Path
 
 import yaml
 
-from deploy.local.stack import ALERTMANAGER, PROMETHEUS, prometheus_config, serve, stop, wait_ready
+from deploy.local.stack import (
+    ALERTMANAGER,
+    NODE_EXPORTER_BINARY,
+    PROMETHEUS,
+    prometheus_config,
+    serve,
+    stop,
+    wait_ready,
+)
 from tests.conftest import REPO, free_port
 
-__all__ = ["ALERTMANAGER", "PROMETHEUS", "direct_io_loop", "start_alertmanager", "start_prometheus", "stop",
-           "wait_ready", "write_random"]
+__all__ = ["ALERTMANAGER", "NODE_EXPORTER_BINARY", "PROMETHEUS", "direct_io_loop", "serve", "start_alertmanager",
+           "start_prometheus", "stop", "wait_ready", "write_random"]
 
 
 def write_random(path: str, mib: int) -> None:
@@ -54,12 +62,14 @@ def start_alertmanager(tmp: Path, webhook_port: int, group_interval: str = "1s")
                                    "--cluster.listen-address=", "--log.level=warn"])
 
 
-def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alertmanager: str | None = None
-                     ) -> tuple[subprocess.Popen, str]:
+def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alertmanager: str | None = None,
+                     node_exporter: str | None = None) -> tuple[subprocess.Popen, str]:
     """deploy/prometheus/prometheus.yml scraping the exporter on ``exporter_port`` every second, with
-    ``rule_files``, alerting to ``alertmanager`` (a base URL) or to nothing."""
+    ``rule_files``, alerting to ``alertmanager`` (a base URL) or to nothing; and node_exporter at
+    ``node_exporter`` (host:port) where given, as the example's node-exporter job."""
     config = prometheus_config(f"127.0.0.1:{exporter_port}", alertmanager.removeprefix("http://") if alertmanager
-                               else None, rule_files, scrape_interval="1s", evaluation_interval="1s")
+                               else None, rule_files, scrape_interval="1s", evaluation_interval="1s",
+                               node_exporter=node_exporter)
     path = tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return _serve("prometheus", [str(PROMETHEUS), f"--config.file={path}", f"--storage.tsdb.path={tmp / 'prom-data'}",

@@ -3,6 +3,7 @@ Alertmanager with the shipped routing, from the Debian packages ``prometheus`` a
 
     make stack                                   # or: python -m deploy.local
     make stack ARGS='--prometheus-port 9190 -- --collector.smart'
+    make stack ARGS=--node-exporter              # node_exporter reads the disks (node_exporter mode)
 
 The configuration files are the repository's: deploy/alertmanager/alertmanager.yml always as it is, and
 deploy/prometheus/prometheus.yml as it is when the ports, intervals and rules are the defaults (its
@@ -40,8 +41,15 @@ GRAFANA_PROVISIONING = REPO / "deploy" / "grafana" / "provisioning"
 DASHBOARDS = REPO / "dashboards"
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+NODE_EXPORTER_BINARY = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+# node_exporter mode (--node-exporter): node_exporter reads the disks under the job the rules of
+# rules-node-exporter/ select (deploy/prometheus/config.py NODE_EXPORTER_SELECTOR), gpuio's diskstats is off.
+NODE_EXPORTER_JOB = "node-exporter"
+NODE_EXPORTER_RULES = REPO / "deploy" / "prometheus" / "rules-node-exporter"
+NODE_EXPORTER_COLLECTORS = ["--collector.disable-defaults", "--collector.diskstats", "--collector.pressure"]
 # The ports deploy/prometheus/prometheus.yml names (its targets) and Prometheus' own.
 DEFAULT_PORTS = {"exporter": 9817, "prometheus": 9090, "alertmanager": 9093}
+NODE_EXPORTER_PORT = 9100
 
 
 # ---------------------------------------------------------------------------------------------- processes
@@ -114,9 +122,11 @@ def port_free(port: int) -> bool:
 # ------------------------------------------------------------------------------------------ configuration
 
 def prometheus_config(exporter: str, alertmanager: str | None, rule_files: list[str],
-                      scrape_interval: str | None = None, evaluation_interval: str | None = None) -> dict:
+                      scrape_interval: str | None = None, evaluation_interval: str | None = None,
+                      node_exporter: str | None = None) -> dict:
     """deploy/prometheus/prometheus.yml with only these changed: the exporter target (``host:port``), the
-    Alertmanager (``host:port``, or none: no alerting), the rule files and the intervals given."""
+    Alertmanager (``host:port``, or none: no alerting), the rule files and the intervals given; and where
+    ``node_exporter`` (``host:port``) is given, a job for it that names the node as gpuio's job does."""
     with open(PROMETHEUS_YML) as handle:
         config = yaml.safe_load(handle)
     if scrape_interval:
@@ -131,6 +141,9 @@ def prometheus_config(exporter: str, alertmanager: str | None, rule_files: list[
         target["static_configs"] = [{"targets": [alertmanager]}]
     (job,) = config["scrape_configs"]
     job["static_configs"] = [{"targets": [exporter]}]
+    if node_exporter:
+        config["scrape_configs"].append({**job, "job_name": NODE_EXPORTER_JOB,
+                                         "static_configs": [{"targets": [node_exporter]}]})
     return config
 
 
@@ -168,6 +181,7 @@ class Stack:
     evaluation_interval: str | None = None
     rules: str | None = None  # a directory of rule files instead of deploy/prometheus/rules
     exporter_args: list[str] = field(default_factory=list)
+    node_exporter: bool = False  # node_exporter mode: it reads the disks, on ports["node_exporter"]
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
     prometheus_yml: Path = PROMETHEUS_YML
@@ -184,9 +198,15 @@ class Stack:
             self._start("alertmanager", [str(ALERTMANAGER), f"--config.file={ALERTMANAGER_YML}",
                                          f"--storage.path={self.data / 'alertmanager'}", "--cluster.listen-address=",
                                          f"--web.listen-address=127.0.0.1:{self.ports['alertmanager']}"], "/-/ready")
+            disks = []
+            if self.node_exporter:
+                self._start("node_exporter", [str(NODE_EXPORTER_BINARY), *NODE_EXPORTER_COLLECTORS,
+                                              f"--web.listen-address=127.0.0.1:{self.ports['node_exporter']}"],
+                            "/metrics")
+                disks = ["--no-collector.diskstats"]
             self._start("exporter", [sys.executable, "-m", "exporter",
-                                     f"--web.listen-address=127.0.0.1:{self.ports['exporter']}", *self.exporter_args],
-                        "/healthz")
+                                     f"--web.listen-address=127.0.0.1:{self.ports['exporter']}", *disks,
+                                     *self.exporter_args], "/healthz")
             self.prometheus_yml = self._prometheus_yml()
             self._start("prometheus", [str(PROMETHEUS), f"--config.file={self.prometheus_yml}",
                                        f"--storage.tsdb.path={self.data / 'prometheus'}",
@@ -208,11 +228,13 @@ class Stack:
         """The shipped file itself when nothing differs from it, else a copy with only what differs."""
         defaults = self.ports["exporter"] == DEFAULT_PORTS["exporter"] and \
             self.ports["alertmanager"] == DEFAULT_PORTS["alertmanager"]
-        if defaults and not (self.scrape_interval or self.evaluation_interval or self.rules):
+        if defaults and not (self.scrape_interval or self.evaluation_interval or self.rules or self.node_exporter):
             return PROMETHEUS_YML
-        rule_files = [str(Path(self.rules).resolve() / "*.yml")] if self.rules else shipped_rule_files()
+        rules = self.rules or (NODE_EXPORTER_RULES if self.node_exporter else None)
+        rule_files = [str(Path(rules).resolve() / "*.yml")] if rules else shipped_rule_files()
+        node_exporter = f"localhost:{self.ports['node_exporter']}" if self.node_exporter else None
         config = prometheus_config(f"localhost:{self.ports['exporter']}", f"localhost:{self.ports['alertmanager']}",
-                                   rule_files, self.scrape_interval, self.evaluation_interval)
+                                   rule_files, self.scrape_interval, self.evaluation_interval, node_exporter)
         path = self.data / "prometheus.yml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
@@ -222,7 +244,7 @@ class Stack:
 
     def stop(self) -> None:
         """Prometheus first (no scrapes of a stopped exporter, no alerts to a stopped Alertmanager)."""
-        for name in ("prometheus", "exporter", "alertmanager"):
+        for name in ("prometheus", "exporter", "node_exporter", "alertmanager"):
             stop(self.processes.get(name))
 
     def where_to_look(self) -> str:
@@ -232,6 +254,8 @@ class Stack:
         return "\n".join([
             "gpuio stack is up (Ctrl-C stops it):",
             f"  exporter      {exporter}/   metrics: {exporter}/metrics",
+            *([f"  node_exporter {self.urls['node_exporter']}/metrics   (reads the disks: gpuio's diskstats is off, "
+               f"the rules are {NODE_EXPORTER_RULES.relative_to(REPO)})"] if self.node_exporter else []),
             f"  prometheus    {prometheus}/   alerts: {prometheus}/alerts, targets: {prometheus}/targets",
             f"  alertmanager  {alertmanager}/   alerts it holds: {alertmanager}/api/v2/alerts",
             f"  prometheus config: {config}",
@@ -252,6 +276,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--evaluation-interval", help="instead of prometheus.yml's (15s)")
     parser.add_argument("--rules", help="a directory of rule files instead of deploy/prometheus/rules "
                                         "(e.g. python -m deploy.generate --set ... --out DIR)")
+    parser.add_argument("--node-exporter", action="store_true",
+                        help="node_exporter mode: start node_exporter (Debian prometheus-node-exporter) to read the "
+                             "disks, run the exporter with --no-collector.diskstats, load rules-node-exporter/")
+    parser.add_argument("--node-exporter-port", type=int, default=NODE_EXPORTER_PORT,
+                        help=f"loopback port of node_exporter (default {NODE_EXPORTER_PORT})")
     parser.add_argument("--data-dir", help="logs and data (default: a temporary directory, removed on exit)")
     argv = list(argv)
     exporter_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -262,8 +291,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    missing = [name for name, path in (("prometheus", PROMETHEUS), ("prometheus-alertmanager", ALERTMANAGER))
-               if not path]
+    needed = [("prometheus", PROMETHEUS), ("prometheus-alertmanager", ALERTMANAGER)]
+    if args.node_exporter:
+        needed.append(("prometheus-node-exporter", NODE_EXPORTER_BINARY))
+    missing = [name for name, path in needed if not path]
     if missing:
         print(f"needs {' and '.join(missing)} (Debian packages of those names: make stack installs them)",
               file=sys.stderr)
@@ -278,7 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, on_signal)
     ports = {name: getattr(args, f"{name}_port") for name in DEFAULT_PORTS}
-    stack = Stack(ports, data, args.scrape_interval, args.evaluation_interval, args.rules, args.exporter_args)
+    if args.node_exporter:
+        ports["node_exporter"] = args.node_exporter_port
+    stack = Stack(ports, data, args.scrape_interval, args.evaluation_interval, args.rules, args.exporter_args,
+                  args.node_exporter)
     try:
         try:
             stack.start()

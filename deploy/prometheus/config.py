@@ -84,6 +84,11 @@ DASHBOARD_TAG = "gpuio"
 # Grafana loads dashboards/*.json (/d/<uid>/<uid>?var-instance=...).  Point them at your wiki and
 # Grafana with `python -m deploy.generate --runbook-url ... --grafana-url ...` (or the environment
 # variables below); docs/deploy.md ("Links in alerts") shows how.
+# --- disk series ---------------------------------------------------------------------------------
+# Config.DISK_SOURCE: gpuio's own diskstats collector, or node_exporter's (the rules' "node_exporter mode").
+GPUIO, NODE_EXPORTER = "gpuio", "node_exporter"
+DISK_SOURCES = (GPUIO, NODE_EXPORTER)
+
 RUNBOOK_URL_ENV = "GPUIO_RUNBOOK_URL"
 GRAFANA_URL_ENV = "GPUIO_GRAFANA_URL"
 DEFAULT_RUNBOOK_URL = "docs/runbooks/{alert}.md"
@@ -101,6 +106,14 @@ class Config:
     # The label that names a node.  Alerts group on it and inhibitions match on it; relabel `instance`
     # to the node's name in the scrape config (as node_exporter's docs recommend) for readable pages.
     NODE_LABEL: str = "instance"
+    # Where the disk series come from.  "gpuio": its diskstats collector (gpuio_disk_*).  "node_exporter":
+    # the node_exporter you already run (node_disk_*, picked by NODE_EXPORTER_SELECTOR), with gpuio's
+    # diskstats collector off: the disk recording rules read node_disk_* and carry gpuio's job, so every
+    # rule, alert and board after them is the same in both modes.  Both exporters must name a node alike
+    # in NODE_LABEL (kube-prometheus-stack relabels node-exporter's `instance` to the node's name; relabel
+    # gpuio's the same way), and the storm alerts hold through a gap of either one (sources/exporter.py).
+    DISK_SOURCE: str = "gpuio"
+    NODE_EXPORTER_SELECTOR: str = 'job="node-exporter"'
 
     # --- windows -------------------------------------------------------------------------------------
     # rate() window of the recording rules: needs at least two scrapes inside it, so a scrape interval
@@ -256,10 +269,20 @@ class Config:
     def __post_init__(self) -> None:
         if "{alert}" not in self.RUNBOOK_URL:
             raise ValueError(f"RUNBOOK_URL {self.RUNBOOK_URL!r} must contain {{alert}} (the alert's name)")
+        if self.DISK_SOURCE not in DISK_SOURCES:
+            raise ValueError(f"DISK_SOURCE {self.DISK_SOURCE!r}: expected one of {', '.join(DISK_SOURCES)}")
+
+    @property
+    def from_node_exporter(self) -> bool:
+        return self.DISK_SOURCE == NODE_EXPORTER
 
     def selector(self, *matchers: str) -> str:
         """``{job="gpuio",...}``: the gpuio selector plus more matchers."""
         return "{" + ",".join((self.SELECTOR, *matchers)) + "}"
+
+    def node_exporter_selector(self, *matchers: str) -> str:
+        """``{job="node-exporter",...}``: node_exporter's series plus more matchers."""
+        return "{" + ",".join((self.NODE_EXPORTER_SELECTOR, *matchers)) + "}"
 
     def runbook_url(self, alert: str) -> str:
         return self.RUNBOOK_URL.format(alert=alert)

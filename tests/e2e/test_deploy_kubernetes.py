@@ -116,14 +116,32 @@ def test_discovery_component_gives_root_ptrace_and_read_search_alone(tmp_path) -
     assert "--path.procfs=/host/proc" in container["args"]
 
 
-# What each component adds to the exporter container: its capabilities, and whether it is privileged.
-COMPONENTS = {"smart": ({"SYS_RAWIO", "SYS_ADMIN"}, True), "residency": ({"FOWNER"}, False),
-              "discovery": ({"SYS_PTRACE", "DAC_READ_SEARCH"}, False), "pod-resources": (set(), False)}
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_node_exporter_component_turns_gpuio_diskstats_off_and_its_rules_to_node_disk(tmp_path) -> None:
+    """node_exporter mode on Kubernetes: the exporter without its diskstats collector, and the PrometheusRules
+    equal to deploy/prometheus/rules-node-exporter, file for file (the others untouched)."""
+    spec = pod_spec_with_component(tmp_path, "node-exporter")
+    assert spec["containers"][0]["args"][-1] == "--no-collector.diskstats"
+    rules = {doc["metadata"]["name"]: doc["spec"]["groups"] for doc in kustomize(str(tmp_path))
+             if doc["kind"] == "PrometheusRule"}
+    node_exporter_dir = os.path.join(REPO, "deploy", "prometheus", "rules-node-exporter")
+    for name in sorted(os.listdir(node_exporter_dir)):
+        with open(os.path.join(node_exporter_dir, name)) as handle:
+            assert rules[f"gpuio-{name.removesuffix('.yml')}"] == yaml.safe_load(handle)["groups"], name
+    text = yaml.safe_dump(rules)
+    assert "node_disk_reads_completed_total" in text and "gpuio_disk_reads_completed_total" not in text
+
+
+# What each component adds to the exporter container: its capabilities, whether it is privileged, whether
+# it runs as root.
+COMPONENTS = {"smart": ({"SYS_RAWIO", "SYS_ADMIN"}, True, True), "residency": ({"FOWNER"}, False, True),
+              "discovery": ({"SYS_PTRACE", "DAC_READ_SEARCH"}, False, True),
+              "pod-resources": (set(), False, True), "node-exporter": (set(), False, False)}
 
 
 def every_combination() -> list[tuple[str, ...]]:
     """Every non-empty set of components, in one order and its reverse (each pair of components meets in
-    both orders): 26 builds."""
+    both orders): 57 builds."""
     names = sorted(COMPONENTS)
     chosen = [group for size in range(1, len(names) + 1) for group in itertools.combinations(names, size)]
     return [*chosen, *(group[::-1] for group in chosen if len(group) > 1)]
@@ -148,7 +166,8 @@ def test_every_combination_of_components_in_any_order_is_coherent(tmp_path) -> N
         assert bool(security.get("privileged")) is privileged, order
         assert security["allowPrivilegeEscalation"] is privileged, order  # the API: privileged needs it
         assert security["readOnlyRootFilesystem"] is True, order
-        assert spec["securityContext"]["runAsUser"] == 0 and not spec.get("hostPID"), order
+        root = any(COMPONENTS[name][2] for name in order)
+        assert (spec["securityContext"]["runAsUser"] == 0) is root and not spec.get("hostPID"), order
         key = frozenset(order)
         normal = {**spec, "containers": [{**spec["containers"][0], "securityContext": {
             **security, "capabilities": {"drop": ["ALL"], "add": sorted(wanted)}}}]}

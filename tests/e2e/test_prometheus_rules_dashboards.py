@@ -20,6 +20,10 @@ Checked, through Prometheus' HTTP API once a few scrapes are in:
 * every panel whose gpuio families the exporter serves here returns data: the PromQL is not only
   valid but names series that exist and joins them right (MAY_BE_EMPTY lists the panels that are
   rightly empty on a healthy node).
+
+All of it twice: as shipped, and in node_exporter mode (a real node_exporter reads the disks, the
+exporter runs with --no-collector.diskstats, Prometheus loads deploy/prometheus/rules-node-exporter):
+the same rules are healthy, and the same panels have data.
 """
 
 from __future__ import annotations
@@ -38,18 +42,25 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, ExporterProcess, parse_samples
+from deploy.prometheus.config import GPUIO, NODE_EXPORTER
+from deploy.prometheus.generate import NODE_EXPORTER_RULES_DIR, RULES_DIR
+from exporter.collectors import diskstats
+from tests.conftest import REPO, ExporterProcess, free_port, parse_samples
 from tests.fixtures.smartctl.fake import LISTINGS, FakeSmartctl
-from tests.peers import PROMETHEUS, start_prometheus
+from tests.peers import NODE_EXPORTER_BINARY, PROMETHEUS, serve, start_prometheus
 from tests.peers import stop as stop_process
 
 pytestmark = pytest.mark.e2e
 
-RULE_FILES = sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")))
+RULE_FILES = {GPUIO: sorted(glob.glob(os.path.join(RULES_DIR, "*.yml"))),
+              NODE_EXPORTER: sorted(glob.glob(os.path.join(NODE_EXPORTER_RULES_DIR, "*.yml")))}
+# gpuio's diskstats families, which node_exporter serves as node_disk_<the same>
+DISKSTATS = frozenset(desc.name for desc in (*diskstats.DESCS, diskstats.INFO_DESC))
 DASHBOARDS = sorted(glob.glob(os.path.join(REPO, "dashboards", "*.json")))
 SCRAPES = 6  # samples per series before querying: a 4 s $__rate_interval then always holds 4 or more
 RATE_INTERVAL = "4s"
@@ -114,11 +125,22 @@ def disk_load(directory: str, stop: threading.Event) -> None:
         stop.wait(0.05)
 
 
-@pytest.fixture(scope="module")
-def prometheus(tmp_path_factory) -> Iterator[tuple[Prometheus, str]]:
-    """One exporter and one Prometheus for the whole module (each takes a few seconds to fill)."""
+@dataclass
+class Setup:
+    api: Prometheus
+    instance: str  # the node as Prometheus names it
+    served: set[str]  # the gpuio families served (in node_exporter mode: the disk ones by node_exporter)
+    rule_files: list[str]
+
+
+@pytest.fixture(scope="module", params=[GPUIO, NODE_EXPORTER])
+def prometheus(request, tmp_path_factory) -> Iterator[Setup]:
+    """One exporter and one Prometheus for the whole module (each takes a few seconds to fill), per mode."""
     if not PROMETHEUS:
         pytest.skip("prometheus is not installed (Debian package prometheus; make system-deps)")
+    mode = request.param
+    if mode == NODE_EXPORTER and not NODE_EXPORTER_BINARY:
+        pytest.skip("node_exporter is not installed (Debian package prometheus-node-exporter)")
     tmp_path = tmp_path_factory.mktemp("prometheus")
     load_dir = tempfile.mkdtemp(prefix=".e2e-disk-load-", dir=REPO)  # a real disk, unlike a tmpfs /tmp
     spool = os.path.join(load_dir, "spool")
@@ -131,26 +153,47 @@ def prometheus(tmp_path_factory) -> Iterator[tuple[Prometheus, str]]:
     loader = threading.Thread(target=disk_load, args=(load_dir, stop), daemon=True)
     loader.start()
     inference = subprocess.Popen([sys.executable, "-c", INFERENCE, REPO, spool, engine])
-    target = ExporterProcess([f"--collector.engines.spool-dir={spool}", f"--collector.engines.path={load_dir}/*.engine",
-                              "--collector.smart", f"--smartctl.path={fake.path}"])
-    process = None
+    flags = [f"--collector.engines.spool-dir={spool}", f"--collector.engines.path={load_dir}/*.engine",
+             "--collector.smart", f"--smartctl.path={fake.path}"]
+    target = ExporterProcess([*flags, "--no-collector.diskstats"] if mode == NODE_EXPORTER else flags)
+    process = node_exporter = None
     try:
         target.start()
-        process, base = start_prometheus(tmp_path, RULE_FILES, target.port)
+        if mode == NODE_EXPORTER:
+            node_exporter, node_exporter_address = start_node_exporter()
+        process, base = start_prometheus(tmp_path, RULE_FILES[mode], target.port,
+                                         node_exporter=node_exporter_address if node_exporter else None)
         api = Prometheus(base)
         wait_for_scrapes(api, process)
         # the node as Prometheus names it (the example config relabels instance to the host)
         (sample,) = api.query('up{job="gpuio"}')["data"]["result"]
-        yield api, sample["metric"]["instance"], served_names(target)
+        served = served_names(target)
+        if node_exporter:
+            assert not served & DISKSTATS, "gpuio serves disk series with its diskstats collector off"
+            served |= {name.replace("node_disk_", "gpuio_disk_", 1) for name, _ in parse_samples(
+                urllib.request.urlopen(f"http://{node_exporter_address}/metrics", timeout=10).read().decode())
+                if name.replace("node_disk_", "gpuio_disk_", 1) in DISKSTATS}
+        yield Setup(api, sample["metric"]["instance"], served, RULE_FILES[mode])
     finally:
         stop.set()
         inference.kill()
         inference.wait()
         loader.join(timeout=10)
-        if process:
-            stop_process(process)
+        for server in (process, node_exporter):
+            if server:
+                stop_process(server)
         target.stop()
         shutil.rmtree(load_dir, ignore_errors=True)
+
+
+def start_node_exporter() -> tuple[subprocess.Popen, str]:
+    """Debian's node_exporter with its disk and pressure collectors, on a loopback port of its own."""
+    port = free_port()
+    assert NODE_EXPORTER_BINARY
+    process, _ = serve("node_exporter", [NODE_EXPORTER_BINARY, f"--web.listen-address=127.0.0.1:{port}",
+                                         "--collector.disable-defaults", "--collector.diskstats",
+                                         "--collector.pressure"], port, "/metrics")
+    return process, f"127.0.0.1:{port}"
 
 
 def served_names(target: ExporterProcess) -> set[str]:
@@ -189,9 +232,10 @@ def grafana_substitute(expr: str, instance: str) -> str:
 
 @functools.cache
 def recorded_inputs() -> dict[str, set[str]]:
-    """Each recording rule -> the raw gpuio names it is computed from (through other recorded ones)."""
+    """Each recording rule -> the raw gpuio names it is computed from (through other recorded ones), as
+    the shipped rules compute it (node_exporter mode reads the twins of the same families)."""
     exprs: dict[str, list[str]] = {}
-    for rule in rules():
+    for rule in rules(RULE_FILES[GPUIO]):
         if "record" in rule:
             exprs.setdefault(rule["record"], []).append(rule["expr"])
 
@@ -224,16 +268,16 @@ def panels(dashboard: dict) -> Iterator[dict]:
         yield from panel.get("panels", [])
 
 
-def rules() -> Iterator[dict]:
-    for path in RULE_FILES:
+def rules(rule_files: list[str]) -> Iterator[dict]:
+    for path in rule_files:
         with open(path) as handle:
             for group in yaml.safe_load(handle)["groups"]:
                 yield from group["rules"]
 
 
-def test_rules_are_healthy_and_run(prometheus) -> None:
-    api, _, _ = prometheus
-    expected = {rule.get("record") or rule.get("alert") for rule in rules()}
+def test_rules_are_healthy_and_run(prometheus: Setup) -> None:
+    api = prometheus.api
+    expected = {rule.get("record") or rule.get("alert") for rule in rules(prometheus.rule_files)}
     deadline = time.monotonic() + 10
     while True:  # every rule evaluated at least once
         loaded = [rule for group in api.get("/api/v1/rules")["data"]["groups"] for rule in group["rules"]]
@@ -243,18 +287,20 @@ def test_rules_are_healthy_and_run(prometheus) -> None:
     assert {rule["name"] for rule in loaded} == expected
     unhealthy = {rule["name"]: rule.get("lastError") for rule in loaded if rule["health"] != "ok"}
     assert unhealthy == {}
-    for rule in rules():
+    for rule in rules(prometheus.rule_files):
         result = api.query(rule["expr"])
         assert result["status"] == "success", (rule.get("record") or rule.get("alert"), result)
     # The per-device iostat rules and the class limits exist for every device of this machine.
     for name in ("instance_device:gpuio_disk_reads_completed:rate1m", "instance_device:gpuio_disk_queue_limit:class",
                  "instance_device:gpuio_disk_calm_io_time_weighted_seconds:median1h_held6h"):
         assert api.query(name)["data"]["result"], name
+        # gpuio's job whichever exporter read the disks: every board and alert selects it
+        assert {series["metric"]["job"] for series in api.query(name)["data"]["result"]} == {"gpuio"}, name
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=os.path.basename)
-def test_dashboard_queries_run_and_panels_have_data(prometheus, path: str) -> None:
-    api, instance, served = prometheus
+def test_dashboard_queries_run_and_panels_have_data(prometheus: Setup, path: str) -> None:
+    api, instance, served = prometheus.api, prometheus.instance, prometheus.served
     with open(path) as handle:
         dashboard = json.load(handle)
     empty, expected, titles = [], [], []

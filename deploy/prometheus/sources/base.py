@@ -111,6 +111,29 @@ def rate(c: Config, metric: str, *matchers: str) -> str:
     return f"rate({metric}{c.selector(*matchers)}[{c.RATE_WINDOW}])"
 
 
+def disk_rate(c: Config, counter: str, *matchers: str) -> str:
+    """rate() of a diskstats counter (``reads_completed_total``: the name after ``gpuio_disk_`` or
+    ``node_disk_``, the same in both) from the config's DISK_SOURCE."""
+    if not c.from_node_exporter:
+        return rate(c, f"gpuio_disk_{counter}", *matchers)
+    return as_gpuio_job(c, f"rate(node_disk_{counter}{c.node_exporter_selector(*matchers)}[{c.RATE_WINDOW}])")
+
+
+def disk_info(c: Config, *matchers: str) -> str:
+    """Each block device's identity (``rotational`` among its labels) from the config's DISK_SOURCE."""
+    if not c.from_node_exporter:
+        return f"gpuio_disk_info{c.selector(*matchers)}"
+    return as_gpuio_job(c, f"node_disk_info{c.node_exporter_selector(*matchers)}")
+
+
+def as_gpuio_job(c: Config, expr: str) -> str:
+    """node_exporter's series of a node, with the ``job`` of the node's gpuio exporter in place of its own:
+    the recording rules then name one job whichever exporter read the disk, and every rule, alert and
+    board after them selects gpuio's job alone.  Nodes without a gpuio target have none (no GPU node)."""
+    gpuio_job = f"group by (job, {c.NODE_LABEL}) (up{c.selector()})"
+    return f"(\n{indent(expr)}\n  * on ({c.NODE_LABEL}) group_left (job) {gpuio_job}\n)"
+
+
 def indent(text: str, spaces: int = 2) -> str:
     return "\n".join(" " * spaces + line if line else line for line in text.splitlines())
 

@@ -8,7 +8,19 @@ from collections.abc import Callable
 from exporter import thresholds
 
 from ..config import CRITICAL, DEVICE_NAME_CLASSES, DISK_CLASSES, DISK_IO_UID, WARNING, Config
-from .base import LOAD_REASONS, Rule, alert, board, engine_disks, held_through_gaps, indent, learned, rate, record
+from .base import (
+    LOAD_REASONS,
+    Rule,
+    alert,
+    board,
+    disk_info,
+    disk_rate,
+    engine_disks,
+    held_through_gaps,
+    indent,
+    learned,
+    record,
+)
 from .names import names
 from .pressure import io_pressure_high
 from .templates import (
@@ -30,16 +42,16 @@ def recording_rules(c: Config) -> list[Rule]:
     guard = f"{c.AWAIT_MIN_IOPS:g}"
     # An idle device's awaits have no value: dividing by (ops > 0) yields no series, never NaN.
     return [
-        record(n.READS, rate(c, "gpuio_disk_reads_completed_total")),
-        record(n.WRITES, rate(c, "gpuio_disk_writes_completed_total")),
-        record(n.READ_BYTES, rate(c, "gpuio_disk_read_bytes_total")),
-        record(n.WRITTEN_BYTES, rate(c, "gpuio_disk_written_bytes_total")),
-        record(n.READ_AWAIT, f"{rate(c, 'gpuio_disk_read_time_seconds_total')}\n/\n"
-                             f"({rate(c, 'gpuio_disk_reads_completed_total')} > 0)"),
-        record(n.WRITE_AWAIT, f"{rate(c, 'gpuio_disk_write_time_seconds_total')}\n/\n"
-                              f"({rate(c, 'gpuio_disk_writes_completed_total')} > 0)"),
-        record(n.QUEUE, rate(c, "gpuio_disk_io_time_weighted_seconds_total")),
-        record(n.UTIL, rate(c, "gpuio_disk_io_time_seconds_total")),
+        record(n.READS, disk_rate(c, "reads_completed_total")),
+        record(n.WRITES, disk_rate(c, "writes_completed_total")),
+        record(n.READ_BYTES, disk_rate(c, "read_bytes_total")),
+        record(n.WRITTEN_BYTES, disk_rate(c, "written_bytes_total")),
+        record(n.READ_AWAIT, f"{disk_rate(c, 'read_time_seconds_total')}\n/\n"
+                             f"({disk_rate(c, 'reads_completed_total')} > 0)"),
+        record(n.WRITE_AWAIT, f"{disk_rate(c, 'write_time_seconds_total')}\n/\n"
+                              f"({disk_rate(c, 'writes_completed_total')} > 0)"),
+        record(n.QUEUE, disk_rate(c, "io_time_weighted_seconds_total")),
+        record(n.UTIL, disk_rate(c, "io_time_seconds_total")),
         # The await the alerts judge: the slower direction among those that completed at least
         # AWAIT_MIN_IOPS requests a second (one slow read on an idle disk is no evidence).
         record(n.AWAIT, "max without (direction) (\n"
@@ -86,9 +98,9 @@ def direction(await_rule: str, ops_rule: str, guard: str, name: str) -> str:
 def class_expr(c: Config, shape: Callable[[str], str]) -> str:
     """One term per device class, ``shape(class)`` applied to that class's devices, joined by ``or``."""
     by = f"max by (job, {c.NODE_LABEL}, device)"
-    selectors = [(name, c.selector(f'device=~"{pattern}"')) for name, pattern in DEVICE_NAME_CLASSES]
-    selectors += [(thresholds.SOLID_STATE, c.selector('rotational="0"')), (thresholds.ROTATIONAL, c.selector())]
-    return "\nor\n".join(shape(name).format(f"{by} (gpuio_disk_info{sel})") for name, sel in selectors)
+    selectors = [(name, (f'device=~"{pattern}"',)) for name, pattern in DEVICE_NAME_CLASSES]
+    selectors += [(thresholds.SOLID_STATE, ('rotational="0"',)), (thresholds.ROTATIONAL, ())]
+    return "\nor\n".join(shape(name).format(f"{by} ({disk_info(c, *matchers)})") for name, matchers in selectors)
 
 
 def storm_expr(c: Config) -> str:

@@ -14,13 +14,22 @@ def recording_rules(c: Config) -> list[Rule]:
     process, or a new target of a DaemonSet's replaced pod, starts its own series) the storm alerts hold
     their last judgement until this is true again (base.py held_through_gaps)."""
     n = names(c)
-    sel = c.selector()
+    lines = unbroken(c, c.selector())
+    if c.from_node_exporter:
+        # The disk rules read node_exporter: a gap of its scrapes breaks their rate windows as much.
+        lines += [f"and on ({c.NODE_LABEL})", *unbroken(c, c.node_exporter_selector(), by=())]
+    return [record(n.SCRAPES_UNBROKEN, "\n".join(lines))]
+
+
+def unbroken(c: Config, sel: str, by: tuple[str, ...] = ("job",)) -> list[str]:
+    """The nodes where the exporter ``sel`` picks was scraped without a break, by one process, for GAP_SETTLE."""
     settle = c.GAP_SETTLE
-    return [record(n.SCRAPES_UNBROKEN, "\n".join([
-        f"min by (job, {c.NODE_LABEL}) (min_over_time(up{sel}[{settle}])) == 1",
+    keep = ", ".join((*by, c.NODE_LABEL))
+    return [
+        f"min by ({keep}) (min_over_time(up{sel}[{settle}])) == 1",
         f"and on ({c.NODE_LABEL})",
         f"min by ({c.NODE_LABEL}) (time() - process_start_time_seconds{sel}) >= {seconds(settle):g}",
-    ]))]
+    ]
 
 
 def alerts(c: Config) -> list[Rule]:

@@ -4,7 +4,7 @@ condition the disk and mount alerts share."""
 from __future__ import annotations
 
 from ..config import Config
-from .base import Rule, rate, record
+from .base import Rule, disk_info, rate, record
 from .names import names
 
 
@@ -27,5 +27,5 @@ def io_pressure_high(c: Config, no_psi_counts: bool) -> str:
     n = names(c)
     parts = [f"{n.IO_SOME} >= {c.IO_PRESSURE_SOME:g}", f"{n.IO_FULL} >= {c.IO_PRESSURE_FULL:g}"]
     if no_psi_counts:
-        parts.append(f"(count by ({c.NODE_LABEL}) (gpuio_disk_info{c.selector()}) unless {n.ON_NODE} {n.IO_SOME})")
+        parts.append(f"(count by ({c.NODE_LABEL}) ({disk_info(c)}) unless {n.ON_NODE} {n.IO_SOME})")
     return "\nor\n".join(parts)
