@@ -114,6 +114,12 @@ class Config:
     # gpuio's the same way), and the storm alerts hold through a gap of either one (sources/exporter.py).
     DISK_SOURCE: str = "gpuio"
     NODE_EXPORTER_SELECTOR: str = 'job="node-exporter"'
+    # dcgm-exporter's series (NVIDIA's GPU Operator names its job nvidia-dcgm-exporter, its Helm chart
+    # dcgm-exporter).  Where gpuio has no GPM (GPUs before Hopper) and dcgm-exporter serves a whole GPU's
+    # DCGM_FI_PROF_SM_ACTIVE, that stands in for GPM's SM activity (joined by GPU UUID, whatever node label
+    # dcgm-exporter carries); where neither measures it, NVML busy decides.  Nothing to set up: no
+    # dcgm-exporter, no such series.
+    DCGM_SELECTOR: str = 'job=~".*dcgm.*"'
 
     # --- windows -------------------------------------------------------------------------------------
     # rate() window of the recording rules: needs at least two scrapes inside it, so a scrape interval
