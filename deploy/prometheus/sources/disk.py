@@ -98,7 +98,8 @@ def direction(await_rule: str, ops_rule: str, guard: str, name: str) -> str:
 def class_expr(c: Config, shape: Callable[[str], str]) -> str:
     """One term per device class, ``shape(class)`` applied to that class's devices, joined by ``or``."""
     by = f"max by (job, {c.NODE_LABEL}, device)"
-    selectors = [(name, (f'device=~"{pattern}"',)) for name, pattern in DEVICE_NAME_CLASSES]
+    selectors: list[tuple[str, tuple[str, ...]]] = [(name, (f'device=~"{pattern}"',))
+                                                    for name, pattern in DEVICE_NAME_CLASSES]
     selectors += [(thresholds.SOLID_STATE, ('rotational="0"',)), (thresholds.ROTATIONAL, ())]
     return "\nor\n".join(shape(name).format(f"{by} ({disk_info(c, *matchers)})") for name, matchers in selectors)
 
