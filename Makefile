@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 RUN_VENV := .venv-run
 ARGS ?=
 # Debian packages the tests and benchmarks use as real peers (promtool, node_exporter, fio, iostat).
-DEBS := prometheus prometheus-node-exporter prometheus-alertmanager fio sysstat tmux smartmontools systemd
+DEBS := prometheus prometheus-node-exporter prometheus-alertmanager victoria-metrics fio sysstat tmux smartmontools systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: grafana-schema gpu-wheels run stack test unit lint bench golden metrics-doc generate system-deps debs venv run-venv clean fuzz load soak image kubernetes dist version

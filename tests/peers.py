@@ -44,16 +44,18 @@ def direct_io_loop(backing: str, mib: int) -> str:
                           capture_output=True, text=True).stdout.strip()
 
 
-def start_alertmanager(tmp: Path, webhook_port: int, group_interval: str = "1s") -> tuple[subprocess.Popen, str]:
+def start_alertmanager(tmp: Path, webhook_port: int, group_interval: str = "1s", path_prefix: str = ""
+                       ) -> tuple[subprocess.Popen, str]:
     """deploy/alertmanager/alertmanager.yml with its routes and inhibitions untouched; every webhook
-    receiver posts to ``http://127.0.0.1:<webhook_port>/<receiver name>``; 1 s group wait, ``group_interval``."""
+    receiver posts to ``http://127.0.0.1:<webhook_port><path_prefix>/<receiver name>``; 1 s group wait,
+    ``group_interval``."""
     with open(os.path.join(REPO, "deploy", "alertmanager", "alertmanager.yml")) as handle:
         original = yaml.safe_load(handle)
     config = copy.deepcopy(original)
     config["route"].update(group_wait="1s", group_interval=group_interval)
     for receiver in config["receivers"]:
         for hook in receiver.get("webhook_configs", []):
-            hook["url"] = f"http://127.0.0.1:{webhook_port}/{receiver['name']}"
+            hook["url"] = f"http://127.0.0.1:{webhook_port}{path_prefix}/{receiver['name']}"
     assert config["route"]["routes"] == original["route"]["routes"]
     assert config["inhibit_rules"] == original["inhibit_rules"]
     path = tmp / "alertmanager.yml"

@@ -93,3 +93,9 @@ def test_example_receiver_prints_each_alert_of_a_notification() -> None:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.mark.skipif(not CHECK_JSONSCHEMA, reason="pip install check-jsonschema (dev extras)")
+def test_victoriametrics_compose_is_valid_against_the_compose_spec() -> None:
+    path = os.path.join(REPO, "deploy", "victoriametrics", "docker-compose.yml")
+    assert schema_errors(path) is None, schema_errors(path)
