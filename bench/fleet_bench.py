@@ -45,6 +45,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
+import yaml
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
@@ -220,15 +222,18 @@ def fleet(args: argparse.Namespace) -> list[Node]:
             for n in range(args.nodes)]
 
 
-def write_openmetrics(path: str, nodes: list[Node], samples: int, start: float) -> None:
-    """The history: every series of every node, one sample every STEP seconds from ``start``."""
-    stamps = [f"{start + i * STEP:.0f}" for i in range(samples)]
+def write_openmetrics(path: str, nodes: list[Node], samples: int, start: float, milliseconds: bool = False) -> None:
+    """The history: every series of every node, one sample every STEP seconds from ``start`` (OpenMetrics,
+    timestamps in seconds; ``milliseconds``: the Prometheus text format VictoriaMetrics imports)."""
+    scale = 1000 if milliseconds else 1
+    stamps = [f"{(start + i * STEP) * scale:.0f}" for i in range(samples)]
     with open(path, "w", buffering=1 << 22) as out:
         for node in nodes:
             for family, pairs, value in node.series:
                 name = f'{family}{{job="gpuio",instance="{node.instance}"' + (f",{pairs}}}" if pairs else "}")
                 out.write("".join(f"{name} {value(i):.9g} {stamps[i]}\n" for i in range(samples)))
-        out.write("# EOF\n")
+        if not milliseconds:
+            out.write("# EOF\n")
 
 
 _FLEET: list[Node] = []  # the nodes, for the forked writers (their value functions cannot be pickled)
@@ -247,15 +252,32 @@ def _write_blocks(job: tuple[int, int, str, str, int, float]) -> int:
     return size
 
 
-def write_history(nodes: list[Node], work: str, data: str, samples: int, start: float, jobs: int) -> int:
-    """The history of every node as TSDB blocks in ``data``, written by ``jobs`` processes; returns the
-    bytes of OpenMetrics written (never all on disk at once: each share is deleted once converted)."""
+def _import(job: tuple[int, int, str, str, int, float]) -> int:
+    """One share of the nodes in the text format, imported into VictoriaMetrics at ``target`` (its import
+    URL) and deleted: returns its size."""
+    first, last, work, target, samples, start = job
+    text = os.path.join(work, f"fleet-{first}.prom")
+    write_openmetrics(text, _FLEET[first:last], samples, start, milliseconds=True)
+    size = os.path.getsize(text)
+    with open(text, "rb") as body:
+        request = urllib.request.Request(target, data=body, method="POST",
+                                         headers={"Content-Length": str(size), "Content-Type": "text/plain"})
+        urllib.request.urlopen(request, timeout=3600).read()
+    os.remove(text)
+    return size
+
+
+def write_history(nodes: list[Node], work: str, data: str, samples: int, start: float, jobs: int,
+                  writer: Callable = _write_blocks) -> int:
+    """The history of every node, written by ``jobs`` processes: as TSDB blocks in ``data`` (``writer``
+    _write_blocks), or imported into VictoriaMetrics at the URL ``data`` (_import); returns the bytes of text
+    written (never all on disk at once: each share is deleted once converted)."""
     _FLEET[:] = nodes
     shares = max(1, min(len(nodes), jobs * 4))  # several shares per process: the last ones finish together
     bounds = [len(nodes) * k // shares for k in range(shares + 1)]
     work_list = [(a, b, work, data, samples, start) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
     with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        return sum(pool.map(_write_blocks, work_list, chunksize=1))
+        return sum(pool.map(writer, work_list, chunksize=1))
 
 
 class Exposition(http.server.BaseHTTPRequestHandler):
@@ -347,6 +369,158 @@ def panel_queries(base: str, now: float, history_s: int, runs: int) -> list[tupl
     return sorted(rows, reverse=True)
 
 
+def scrape_configs(nodes: list[Node], exporter: str) -> str:
+    """The gpuio job over every simulated node (served at /metrics?node=N), named as the exporter's nodes."""
+    targets = "".join(f"      - targets: ['{exporter}']\n        labels: {{node: '{n}', name: '{node.instance}'}}\n"
+                      for n, node in enumerate(nodes))
+    return ("scrape_configs:\n  - job_name: gpuio\n    static_configs:\n" + targets +
+            "    relabel_configs:\n"
+            "      - {source_labels: [node], target_label: __param_node}\n"
+            "      - {source_labels: [name], target_label: instance}\n"
+            "      - {regex: 'node|name', action: labeldrop}\n")
+
+
+def rss_mib(processes: list[subprocess.Popen]) -> float:
+    """Resident memory of ``processes`` together, MiB."""
+    total = 0
+    for process in processes:
+        with open(f"/proc/{process.pid}/status") as handle:
+            total += next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
+    return total / 1024
+
+
+def serve_on_free_port(command: list[str], address_flag: str, ready: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([*command, f"{address_flag}127.0.0.1:{port}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(base + ready, timeout=5).read()
+            return process, base
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{command[0]} did not start") from None
+            time.sleep(0.2)
+
+
+class Backend:
+    """Where the fleet's history and live scrapes go, and who evaluates the rules: ``base`` answers the
+    Prometheus query API; ``processes`` are its servers."""
+
+    name = ""
+    tools: tuple[str, ...] = ()
+
+    def __init__(self, work: str, rules: list[str]) -> None:
+        self.work, self.rules = work, rules
+        self.processes: list[subprocess.Popen] = []
+        self.base = ""
+
+    def history(self, nodes: list[Node], samples: int, start: float, jobs: int) -> int:
+        """Store the fleet's history; the bytes of text it took."""
+        raise NotImplementedError
+
+    def live(self, scrape: str) -> None:
+        """Start scraping (``scrape``: the scrape_configs section) and evaluating the rules."""
+        raise NotImplementedError
+
+    def groups(self, samples: int) -> list[dict]:
+        """The rule groups, each with its mean evaluation time over ``samples`` evaluations."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)
+
+
+class PrometheusBackend(Backend):
+    name = "Prometheus"
+    tools = ("promtool", "prometheus")
+
+    def history(self, nodes: list[Node], samples: int, start: float, jobs: int) -> int:
+        self.data = os.path.join(self.work, "data")
+        return write_history(nodes, self.work, self.data, samples, start, jobs)
+
+    def live(self, scrape: str) -> None:
+        config = os.path.join(self.work, "prometheus.yml")
+        with open(config, "w") as handle:
+            handle.write(f"global:\n  evaluation_interval: {STEP}s\n  scrape_interval: {STEP}s\n"
+                         "rule_files:\n" + "".join(f"  - {r}\n" for r in self.rules) + scrape)
+        process, self.base = serve_on_free_port(
+            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={self.data}",
+             "--storage.tsdb.retention.time=30d", "--query.max-samples=200000000"], "--web.listen-address=", "/-/ready")
+        self.processes.append(process)
+
+    def groups(self, samples: int) -> list[dict]:
+        return evaluations(self.base, samples)
+
+
+class VictoriaMetricsBackend(Backend):
+    """victoria-metrics (the history imported over HTTP), vmagent scraping, vmalert evaluating the rules
+    with the flags of deploy/victoriametrics/docker-compose.yml."""
+
+    name = "VictoriaMetrics"
+    tools = ("victoria-metrics", "vmagent", "vmalert")
+
+    def history(self, nodes: list[Node], samples: int, start: float, jobs: int) -> int:
+        process, self.base = serve_on_free_port(
+            ["victoria-metrics", f"-storageDataPath={os.path.join(self.work, 'vm-data')}", "-retentionPeriod=30d",
+             "-search.maxSamplesPerQuery=2000000000", "-search.maxUniqueTimeseries=100000000"],
+            "-httpListenAddr=", "/health")
+        self.processes.append(process)
+        size = write_history(nodes, self.work, f"{self.base}/api/v1/import/prometheus", samples, start, jobs,
+                             writer=_import)
+        urllib.request.urlopen(f"{self.base}/internal/force_flush", timeout=600).read()
+        return size
+
+    def live(self, scrape: str) -> None:
+        config = os.path.join(self.work, "scrape.yml")
+        with open(config, "w") as handle:
+            handle.write(f"global:\n  scrape_interval: {STEP}s\n" + scrape)
+        agent, _ = serve_on_free_port(["vmagent", f"-promscrape.config={config}",
+                                       f"-remoteWrite.url={self.base}/api/v1/write",
+                                       f"-remoteWrite.tmpDataPath={os.path.join(self.work, 'vmagent')}"],
+                                      "-httpListenAddr=", "/health")
+        alert, self.vmalert = serve_on_free_port(
+            ["vmalert", f"-rule={os.path.join(os.path.dirname(self.rules[0]), '*.yml')}",
+             f"-datasource.url={self.base}", f"-remoteWrite.url={self.base}", f"-remoteRead.url={self.base}",
+             "-notifier.url=http://127.0.0.1:1", f"-evaluationInterval={STEP}s"], "-httpListenAddr=", "/health")
+        self.processes += [agent, alert]
+
+    def iterations(self) -> dict[str, tuple[float, float]]:
+        """group -> (seconds of all its evaluations, how many) so far, from vmalert's own metrics."""
+        out: dict[str, list[float]] = {}
+        with urllib.request.urlopen(f"{self.vmalert}/metrics", timeout=60) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("vmalert_iteration_duration_seconds_"):
+                    kind = line.split("{")[0].rsplit("_", 1)[1]
+                    group = line.split('group="')[1].split('"')[0]
+                    out.setdefault(group, [0.0, 0.0])[0 if kind == "sum" else 1] += float(line.rsplit(" ", 1)[1])
+        return {group: (total, count) for group, (total, count) in out.items()}
+
+    def groups(self, samples: int) -> list[dict]:
+        """Each group's mean evaluation time over the next ``samples`` evaluations (no per-rule times:
+        vmalert reports none)."""
+        before = self.iterations()
+        time.sleep(samples * STEP + STEP / 2)
+        after = self.iterations()
+        sizes = {}
+        for path in self.rules:
+            with open(path) as handle:
+                sizes.update({g["name"]: len(g["rules"]) for g in yaml.safe_load(handle)["groups"]})
+        out = []
+        for group, (total, count) in after.items():
+            seconds, evaluations = before.get(group, (0.0, 0.0))
+            out.append({"name": group, "rules": [], "size": sizes.get(group, 0),
+                        "evaluationTime": (total - seconds) / max(1.0, count - evaluations)})
+        return out
+
+
+BACKENDS = {"prometheus": PrometheusBackend, "victoriametrics": VictoriaMetricsBackend}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=100)
@@ -363,96 +537,95 @@ def main() -> int:
     parser.add_argument("--query-runs", type=int, default=3, help="runs of each panel query (the median is shown)")
     parser.add_argument("--calm-loads", type=float, default=0.01,
                         help="loads each engine finishes per second on a calm node (0: engines load only in a storm)")
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="prometheus",
+                        help="prometheus (Debian's prometheus, promtool), or victoriametrics: victoria-metrics, "
+                             "vmagent and vmalert (Debian's victoria-metrics)")
     args = parser.parse_args()
-    for tool in ("promtool", "prometheus"):
-        if not shutil.which(tool):
-            print(f"{tool} not found (Debian package prometheus)", file=sys.stderr)
-            return 2
     work = args.keep or tempfile.mkdtemp(prefix="gpuio-fleet-")
     os.makedirs(work, exist_ok=True)
+    rules = sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")))
+    backend = BACKENDS[args.backend](work, rules)
+    for tool in backend.tools:
+        if not shutil.which(tool):
+            print(f"{tool} not found (Debian package {'prometheus' if 'prom' in tool else 'victoria-metrics'})",
+                  file=sys.stderr)
+            return 2
     start = (time.time() - args.history * 60) // STEP * STEP
     nodes = fleet(args)
     counts = nodes[0].counts
     per_node = sum(counts.values())
-    print(f"fleet: {args.nodes} nodes x {args.gpus} GPUs x {args.engines} engines x {args.disks} disks, "
-          f"{per_node} series per node, {per_node * args.nodes:,} in all; {stormy(args)} nodes "
+    print(f"fleet on {backend.name}: {args.nodes} nodes x {args.gpus} GPUs x {args.engines} engines x "
+          f"{args.disks} disks, {per_node} series per node, {per_node * args.nodes:,} in all; {stormy(args)} nodes "
           "in a cold-start storm")
     print("series per node: " + ", ".join(f"{k} {v}" + (f" ({v / getattr(args, k + 's'):.0f} per {k})"
                                                          if k != "node" else "") for k, v in counts.items()))
-    # the history, as blocks; it ends a little before now, where the live scrapes take over
-    began = time.perf_counter()
-    data = os.path.join(work, "data")
-    size = write_history(nodes, work, data, args.history * 60 // STEP - 4, start, args.jobs)
-    print(f"history: {args.history} min at {STEP} s, {size / 1e9:.1f} GB of OpenMetrics -> blocks in "
-          f"{time.perf_counter() - began:.0f} s ({args.jobs} processes)")
-    # then live: each node served at /metrics?node=N, scraped every STEP seconds as an exporter would be
-    Exposition.nodes, Exposition.start = nodes, start
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    exporter = f"127.0.0.1:{server.server_address[1]}"
-    config = os.path.join(work, "prometheus.yml")
-    rules = sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")))
-    targets = "".join(f"      - targets: ['{exporter}']\n        labels: {{node: '{n}', name: '{node.instance}'}}\n"
-                      for n, node in enumerate(nodes))
-    with open(config, "w") as handle:
-        handle.write(f"global:\n  evaluation_interval: {STEP}s\n  scrape_interval: {STEP}s\n"
-                     "rule_files:\n" + "".join(f"  - {r}\n" for r in rules) +
-                     "scrape_configs:\n  - job_name: gpuio\n    static_configs:\n" + targets +
-                     "    relabel_configs:\n"
-                     "      - {source_labels: [node], target_label: __param_node}\n"
-                     "      - {source_labels: [name], target_label: instance}\n"
-                     "      - {regex: 'node|name', action: labeldrop}\n")
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={data}",
-                                   f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=30d",
-                                   "--query.max-samples=200000000"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        # the history; it ends a little before now, where the live scrapes take over
+        began = time.perf_counter()
+        size = backend.history(nodes, args.history * 60 // STEP - 4, start, args.jobs)
+        print(f"history: {args.history} min at {STEP} s, {size / 1e9:.1f} GB of text -> {backend.name} in "
+              f"{time.perf_counter() - began:.0f} s ({args.jobs} processes)")
+        # then live: each node served at /metrics?node=N, scraped every STEP seconds as an exporter would be
+        Exposition.nodes, Exposition.start = nodes, start
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        backend.live(scrape_configs(nodes, f"127.0.0.1:{server.server_address[1]}"))
         time.sleep(args.live * 60)
-        groups = evaluations(base, args.samples)
+        groups = backend.groups(args.samples)
+        base = backend.base
         up = get(base, "/api/v1/query", query='count(up{job="gpuio"} == 1)')["data"]["result"]
-        print(f"live: {up[0]['value'][1] if up else 0} of {args.nodes} nodes scraped for {args.live} min")
+        print(f"live: {up[0]['value'][1] if up else 0} of {args.nodes} nodes scraped for {args.live} min; "
+              f"memory (RSS) of {backend.name}: {rss_mib(backend.processes):,.0f} MiB")
         alerts = get(base, "/api/v1/query", query="count by (alertname, alertstate) (ALERTS)")["data"]["result"]
         print("alerts: " + (", ".join(f"{a['metric']['alertname']} {a['metric']['alertstate']} x{a['value'][1]}"
                                       for a in alerts) or "none"))
-        print(f"\n{'group / rule':<92} {'evaluation':>16}")
-        rule_rows: list[tuple[float, str, str]] = []
-        errors: dict[str, str] = {}
-        print(f"(mean of the last {args.samples} evaluations)")
-        for group in sorted(groups, key=lambda g: -g["evaluationTime"]):
-            print(f"{group['name'] + ' (group, ' + str(len(group['rules'])) + ' rules)':<92} "
-                  f"{group['evaluationTime'] * 1000:>13.1f} ms")
-            for rule in group["rules"]:
-                name = rule["name"] + (" (alert)" if rule["type"] == "alerting" else "")
-                rule_rows.append((rule["evaluationTime"], name, rule.get("health")))
-                if rule.get("health") != "ok" and rule.get("lastError"):
-                    errors.setdefault(rule["lastError"][:200], name)
-        for seconds, name, health in sorted(rule_rows, reverse=True)[:25]:
-            print(f"  {name[:88]:<90} {seconds * 1000:>13.1f} ms" + ("" if health == "ok" else f" ({health})"))
-        # The engine-load rules and the Fleet board are what the fleet-scale notes follow: always all of them.
-        for seconds, name, _health in sorted(rule_rows, reverse=True)[25:]:
-            if ":gpuio_engine_load" in name or ":gpuio_engine_cold_loads" in name:
-                print(f"  {name[:88]:<90} {seconds * 1000:>13.1f} ms")
-        for error, name in errors.items():
-            print(f"  error ({name}): {error}")
-        print(f"  ... {len(rule_rows)} rules in all, together {sum(r[0] for r in rule_rows) * 1000:.0f} ms")
+        print_groups(groups, args.samples)
         rows = panel_queries(base, time.time(), args.history * 60, args.query_runs)
         server.shutdown()
-        print(f"\n{'board / panel [query]':<92} {'median of ' + str(args.query_runs):>12} {'series':>7}")
-        for seconds, count, uid, title in rows[:25]:
-            print(f"{uid + ' / ' + title:<92.92} {seconds * 1000:>9.1f} ms {count:>7}")
-        for seconds, count, uid, title in rows[25:]:
-            if uid == "gpuio-fleet":
-                print(f"{uid + ' / ' + title:<92.92} {seconds * 1000:>9.1f} ms {count:>7}")
-        print(f"... {len(rows)} panel queries in all; median {statistics.median(r[0] for r in rows) * 1000:.1f} ms, "
-              f"total {sum(r[0] for r in rows):.2f} s")
+        print_panels(rows, args.query_runs)
     finally:
-        prometheus.send_signal(signal.SIGTERM)
-        prometheus.wait(timeout=60)
+        backend.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def print_groups(groups: list[dict], samples: int) -> None:
+    print(f"\n{'group / rule':<92} {'evaluation':>16}")
+    rule_rows: list[tuple[float, str, str]] = []
+    errors: dict[str, str] = {}
+    print(f"(mean of the last {samples} evaluations)")
+    for group in sorted(groups, key=lambda g: -g["evaluationTime"]):
+        print(f"{group['name'] + ' (group, ' + str(group.get('size', len(group['rules']))) + ' rules)':<92} "
+              f"{group['evaluationTime'] * 1000:>13.1f} ms")
+        for rule in group["rules"]:
+            name = rule["name"] + (" (alert)" if rule["type"] == "alerting" else "")
+            rule_rows.append((rule["evaluationTime"], name, rule.get("health")))
+            if rule.get("health") != "ok" and rule.get("lastError"):
+                errors.setdefault(rule["lastError"][:200], name)
+    for seconds, name, health in sorted(rule_rows, reverse=True)[:25]:
+        print(f"  {name[:88]:<90} {seconds * 1000:>13.1f} ms" + ("" if health == "ok" else f" ({health})"))
+    # The engine-load rules and the Fleet board are what the fleet-scale notes follow: always all of them.
+    for seconds, name, _health in sorted(rule_rows, reverse=True)[25:]:
+        if ":gpuio_engine_load" in name or ":gpuio_engine_cold_loads" in name:
+            print(f"  {name[:88]:<90} {seconds * 1000:>13.1f} ms")
+    for error, name in errors.items():
+        print(f"  error ({name}): {error}")
+    total = sum(group["evaluationTime"] for group in groups)
+    print(f"  ... {len(rule_rows)} rules timed, groups together {total * 1000:.0f} ms per evaluation")
+
+
+def print_panels(rows: list[tuple[float, int, str, str]], runs: int) -> None:
+    print(f"\n{'board / panel [query]':<92} {'median of ' + str(runs):>12} {'series':>7}")
+    for seconds, count, uid, title in rows[:25]:
+        print(f"{uid + ' / ' + title:<92.92} {seconds * 1000:>9.1f} ms {count:>7}")
+    for seconds, count, uid, title in rows[25:]:
+        if uid == "gpuio-fleet":
+            print(f"{uid + ' / ' + title:<92.92} {seconds * 1000:>9.1f} ms {count:>7}")
+    fleet_board = [r[0] for r in rows if r[2] == "gpuio-fleet"]
+    print(f"... {len(rows)} panel queries in all; median {statistics.median(r[0] for r in rows) * 1000:.1f} ms, "
+          f"total {sum(r[0] for r in rows):.2f} s; the Fleet board's median "
+          f"{statistics.median(fleet_board) * 1000 if fleet_board else float('nan'):.1f} ms")
 
 
 if __name__ == "__main__":
