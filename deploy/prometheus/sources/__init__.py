@@ -30,14 +30,18 @@ from .base import Rule
 def rule_files(c: Config = DEFAULT) -> dict[str, dict[str, Any]]:
     """rules/<name>.yml -> its content.
 
-    starvation.yml is ONE group on purpose: the storm and starvation alerts chain recording rules of
+    gpuio.starvation is ONE group on purpose: the storm and starvation alerts chain recording rules of
     several sources (disk -> mount -> engine on its GPU -> storm victims), and only rules of one group
     run in a fixed order at one timestamp.  Split over groups, each link could see the previous
     evaluation of the one before (Prometheus runs groups independently): first firing would wobble by
-    an evaluation per link, and promtool's tests with it.
+    an evaluation per link, and promtool's tests with it.  What reads only raw series and costs most at
+    fleet scale (the disk classes, the latency quantiles) is a group of its own before it: it runs
+    beside the chain, which reads its last result (one evaluation old at most).
     """
     return {
         "starvation": {"groups": [
+            {"name": "gpuio.disk.classes", "rules": disk.class_rules(c)},
+            {"name": "gpuio.engines.latency", "rules": starvation.quantile_rules(c)},
             {"name": "gpuio.starvation", "rules": [
                 *exporter.recording_rules(c), *pressure.recording_rules(c), *disk.recording_rules(c),
                 *gpu.recording_rules(c), *mounts.recording_rules(c), *starvation.recording_rules(c),

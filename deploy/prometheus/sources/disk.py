@@ -59,12 +59,6 @@ def recording_rules(c: Config) -> list[Rule]:
                         "  or\n"
                         f"  {direction(n.WRITE_AWAIT, n.WRITES, guard, 'write')}\n"
                         ")"),
-        # Each device's class (exporter/thresholds.py disk_class) and its limits, one series per device:
-        # NVMe and network block devices by name, then solid state where sysfs says rotational=0, and
-        # rotational otherwise (an unknown device gets the lenient limits).  `or` keeps the first match.
-        record(n.DISK_CLASS, class_expr(c, lambda name: f'label_replace({{}}, "class", "{name}", "", "")')),
-        record(n.AWAIT_LIMIT, class_expr(c, lambda name: f"{DISK_CLASSES[name].await_seconds:g} * {{}}")),
-        record(n.QUEUE_LIMIT, class_expr(c, lambda name: f"{DISK_CLASSES[name].queue_size:g} * {{}}")),
         # Saturated, as `gpuio top` flags it (thresholds.disk_flags): slow for its class, and a deep
         # queue or IO pressure.  The value is the await; devices that are not saturated have no series.
         record(n.SATURATED, f"({n.AWAIT} >= {n.TO_LIMIT} {n.AWAIT_LIMIT})\n"
@@ -87,6 +81,19 @@ def recording_rules(c: Config) -> list[Rule]:
         record(n.QUEUE_BASELINE, f"last_over_time({n.QUEUE_LEARNED}[{c.BASELINE_HOLD}])"),
         # The storm (DiskIOStorm's condition before its `for`; value: the await).
         record(n.STORM, storm_expr(c)),
+    ]
+
+
+def class_rules(c: Config) -> list[Rule]:
+    """Each device's class (exporter/thresholds.py disk_class) and its limits, one series per device:
+    NVMe and network block devices by name, then solid state where sysfs says rotational=0, and
+    rotational otherwise (an unknown device gets the lenient limits).  `or` keeps the first match.
+    They read nothing but the devices' identity: a group of their own, evaluated beside the chain."""
+    n = names(c)
+    return [
+        record(n.DISK_CLASS, class_expr(c, lambda name: f'label_replace({{}}, "class", "{name}", "", "")')),
+        record(n.AWAIT_LIMIT, class_expr(c, lambda name: f"{DISK_CLASSES[name].await_seconds:g} * {{}}")),
+        record(n.QUEUE_LIMIT, class_expr(c, lambda name: f"{DISK_CLASSES[name].queue_size:g} * {{}}")),
     ]
 
 

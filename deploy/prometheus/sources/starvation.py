@@ -105,18 +105,11 @@ def latency_rules(c: Config) -> list[Rule]:
     pool wait, latency quantiles and the engine's calm p99."""
     n = names(c)
     sel = c.selector()
-    per_gpu = f"job, {c.NODE_LABEL}, engine, gpu_uuid"
     rules = [
         record(n.ENGINE_IN_FLIGHT, f"avg_over_time(gpuio_engine_inferences_in_flight{sel}[{n.W}])"),
         record(n.ENGINE_POOL_WAIT, f"{rate(c, 'gpuio_engine_pool_wait_seconds_sum')}\n/\n"
                                    f"({rate(c, 'gpuio_engine_pool_wait_seconds_count')} > 0)"),
-        record(n.ENGINE_LATENCY_BUCKETS,
-               f"sum by ({per_gpu}, le) ({rate(c, 'gpuio_engine_inference_seconds_bucket')})"),
     ]
-    for q in (0.5, 0.95, 0.99):
-        rule = record(n.ENGINE_LATENCY, f"histogram_quantile({q:g}, {n.ENGINE_LATENCY_BUCKETS})")
-        rule["labels"] = {"quantile": f"{q:g}"}
-        rules.append(rule)
     storage_slow = f"({n.ENGINE_DISK_SATURATED} or {n.ENGINE_MOUNT_SLOW})"
     return rules + [
         # The engine's normal p99, from evaluations in which its storage was not slow (held like the
@@ -125,6 +118,21 @@ def latency_rules(c: Config) -> list[Rule]:
         record(n.ENGINE_LATENCY_LEARNED, learned(c, n.ENGINE_LATENCY_CALM, p99(c), subquery=True)),
         record(n.ENGINE_LATENCY_BASELINE, f"last_over_time({n.ENGINE_LATENCY_LEARNED}[{c.BASELINE_HOLD}])"),
     ]
+
+
+def quantile_rules(c: Config) -> list[Rule]:
+    """Latency quantiles per engine and GPU from the inference histograms: the costliest rules at fleet
+    scale (every bucket of every engine), reading nothing but raw series, so a group of their own
+    evaluated beside the chain (the calm p99 above reads their last result)."""
+    n = names(c)
+    per_gpu = f"job, {c.NODE_LABEL}, engine, gpu_uuid"
+    rules = [record(n.ENGINE_LATENCY_BUCKETS,
+                    f"sum by ({per_gpu}, le) ({rate(c, 'gpuio_engine_inference_seconds_bucket')})")]
+    for q in (0.5, 0.95, 0.99):
+        rule = record(n.ENGINE_LATENCY, f"histogram_quantile({q:g}, {n.ENGINE_LATENCY_BUCKETS})")
+        rule["labels"] = {"quantile": f"{q:g}"}
+        rules.append(rule)
+    return rules
 
 
 def p99(c: Config) -> str:
