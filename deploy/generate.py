@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import os
 import sys
 from collections.abc import Mapping
@@ -57,6 +58,7 @@ def stray(files: Mapping[str, str]) -> list[str]:
                for name in os.listdir(directory) if name.endswith(".yml")]
     present += [os.path.join(kubernetes.DASHBOARDS_DIR, name) for name in os.listdir(kubernetes.DASHBOARDS_DIR)
                 if name.endswith(".json")]
+    present += glob.glob(os.path.join(kubernetes.NODE_EXPORTER_COMPONENT, "prometheusrule-*.yaml"))
     return [path for path in present if path not in files]
 
 
