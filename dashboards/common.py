@@ -91,9 +91,12 @@ def disk_series(name: str, device: bool = True, rated: bool = True) -> str:
     where ``rated``.  ``device``: only the devices chosen in $device (else all of the node's)."""
     mine = dev() if device else sel()
     theirs = "{" + ",".join((NODE_EXPORTER_NODE, *(('device=~"$device"',) if device else ()))) + "}"
-    pick = (lambda metric, selector: rate(metric, selector)) if rated else (lambda metric, selector: metric + selector)
-    return (f"{pick('gpuio_disk_' + name, mine)}\nor on ({CLUSTER_LABEL}, {c.NODE_LABEL}, device)\n"
-            f"{pick('node_disk_' + name, theirs)}")
+
+    def series(metric: str, selector: str) -> str:
+        return rate(metric, selector) if rated else metric + selector
+
+    return (f"{series('gpuio_disk_' + name, mine)}\nor on ({CLUSTER_LABEL}, {c.NODE_LABEL}, device)\n"
+            f"{series('node_disk_' + name, theirs)}")
 
 
 def disk_ratio(numerator: str, denominator: str, device: bool = True) -> str:

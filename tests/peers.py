@@ -5,8 +5,12 @@ waiting and stopping are deploy/local/stack.py's (`make stack`), the same code u
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import yaml
@@ -14,6 +18,7 @@ import yaml
 from deploy.local.stack import (
     ALERTMANAGER,
     NODE_EXPORTER_BINARY,
+    NODE_EXPORTER_COLLECTORS,
     PROMETHEUS,
     prometheus_config,
     serve,
@@ -22,8 +27,9 @@ from deploy.local.stack import (
 )
 from tests.conftest import REPO, free_port
 
-__all__ = ["ALERTMANAGER", "NODE_EXPORTER_BINARY", "PROMETHEUS", "direct_io_loop", "serve", "start_alertmanager",
-           "start_prometheus", "stop", "wait_ready", "write_random"]
+__all__ = ["ALERTMANAGER", "NODE_EXPORTER_BINARY", "PROMETHEUS", "Webhook", "direct_io_loop", "serve",
+           "start_alertmanager", "start_node_exporter", "start_prometheus", "start_webhook", "stop", "wait_ready",
+           "write_random"]
 
 
 def write_random(path: str, mib: int) -> None:
@@ -42,6 +48,30 @@ def direct_io_loop(backing: str, mib: int) -> str:
     write_random(backing, mib)
     return subprocess.run(["losetup", "--find", "--show", "--direct-io=on", backing], check=True,
                           capture_output=True, text=True).stdout.strip()
+
+
+class Webhook(BaseHTTPRequestHandler):
+    """The receiver on-call would have: notes each notification, its path beside the body, and when it came
+    (``time.monotonic()``)."""
+
+    received: list[tuple[float, dict]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Webhook.received.append((time.monotonic(), {"path": self.path, **body}))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def start_webhook() -> ThreadingHTTPServer:
+    """The receiver on a loopback port of its own (``server_port``), its notes emptied; ``shutdown()`` stops it."""
+    Webhook.received = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def start_alertmanager(tmp: Path, webhook_port: int, group_interval: str = "1s", path_prefix: str = ""
@@ -64,21 +94,30 @@ def start_alertmanager(tmp: Path, webhook_port: int, group_interval: str = "1s",
                                    "--cluster.listen-address=", "--log.level=warn"])
 
 
-def start_prometheus(tmp: Path, rule_files: list[str], exporter_port: int, alertmanager: str | None = None,
+def start_prometheus(tmp: Path, rule_files: list[str], exporter: int | list[str], alertmanager: str | None = None,
                      node_exporter: str | None = None) -> tuple[subprocess.Popen, str]:
-    """deploy/prometheus/prometheus.yml scraping the exporter on ``exporter_port`` every second, with
-    ``rule_files``, alerting to ``alertmanager`` (a base URL) or to nothing; and node_exporter at
-    ``node_exporter`` (host:port) where given, as the example's node-exporter job."""
-    config = prometheus_config(f"127.0.0.1:{exporter_port}", alertmanager.removeprefix("http://") if alertmanager
-                               else None, rule_files, scrape_interval="1s", evaluation_interval="1s",
-                               node_exporter=node_exporter)
+    """deploy/prometheus/prometheus.yml scraping the exporter every second (``exporter``: its loopback port,
+    or the targets of the gpuio job), with ``rule_files``, alerting to ``alertmanager`` (a base URL) or to
+    nothing; and node_exporter at ``node_exporter`` (host:port) where given, as the example's node-exporter
+    job."""
+    targets = f"127.0.0.1:{exporter}" if isinstance(exporter, int) else exporter
+    config = prometheus_config(targets, alertmanager.removeprefix("http://") if alertmanager else None,
+                               rule_files, scrape_interval="1s", evaluation_interval="1s", node_exporter=node_exporter)
     path = tmp / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return _serve("prometheus", [str(PROMETHEUS), f"--config.file={path}", f"--storage.tsdb.path={tmp / 'prom-data'}",
                                  "--log.level=warn"])
 
 
-def _serve(name: str, command: list[str]) -> tuple[subprocess.Popen, str]:
-    """Start a Prometheus-family server on a free loopback port; return it once /-/ready answers."""
+def start_node_exporter() -> tuple[subprocess.Popen, str]:
+    """Debian's node_exporter with the collectors `make stack ARGS=--node-exporter` runs, on a loopback port
+    of its own; returns it and its ``host:port``."""
+    assert NODE_EXPORTER_BINARY
+    process, base = _serve("node_exporter", [NODE_EXPORTER_BINARY, *NODE_EXPORTER_COLLECTORS], "/metrics")
+    return process, base.removeprefix("http://")
+
+
+def _serve(name: str, command: list[str], ready: str = "/-/ready") -> tuple[subprocess.Popen, str]:
+    """Start a Prometheus-family server on a free loopback port; return it once ``ready`` answers."""
     port = free_port()
-    return serve(name, [*command, f"--web.listen-address=127.0.0.1:{port}"], port, "/-/ready")
+    return serve(name, [*command, f"--web.listen-address=127.0.0.1:{port}"], port, ready)

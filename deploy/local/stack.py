@@ -121,12 +121,13 @@ def port_free(port: int) -> bool:
 
 # ------------------------------------------------------------------------------------------ configuration
 
-def prometheus_config(exporter: str, alertmanager: str | None, rule_files: list[str],
+def prometheus_config(exporter: str | Sequence[str], alertmanager: str | None, rule_files: list[str],
                       scrape_interval: str | None = None, evaluation_interval: str | None = None,
                       node_exporter: str | None = None) -> dict:
-    """deploy/prometheus/prometheus.yml with only these changed: the exporter target (``host:port``), the
-    Alertmanager (``host:port``, or none: no alerting), the rule files and the intervals given; and where
-    ``node_exporter`` (``host:port``) is given, a job for it that names the node as gpuio's job does."""
+    """deploy/prometheus/prometheus.yml with only these changed: the exporter target (``host:port``, or a
+    list of them), the Alertmanager (``host:port``, or none: no alerting), the rule files and the intervals
+    given; and where ``node_exporter`` (``host:port``) is given, a job for it that names the node as gpuio's
+    job does."""
     with open(PROMETHEUS_YML) as handle:
         config = yaml.safe_load(handle)
     if scrape_interval:
@@ -140,7 +141,7 @@ def prometheus_config(exporter: str, alertmanager: str | None, rule_files: list[
         (target,) = config["alerting"]["alertmanagers"]
         target["static_configs"] = [{"targets": [alertmanager]}]
     (job,) = config["scrape_configs"]
-    job["static_configs"] = [{"targets": [exporter]}]
+    job["static_configs"] = [{"targets": [exporter] if isinstance(exporter, str) else list(exporter)}]
     if node_exporter:
         config["scrape_configs"].append({**job, "job_name": NODE_EXPORTER_JOB,
                                          "static_configs": [{"targets": [node_exporter]}]})

@@ -77,6 +77,11 @@ DASHBOARD_TITLES = {
 }
 DASHBOARD_TAG = "gpuio"
 
+# --- disk series ---------------------------------------------------------------------------------
+# Config.DISK_SOURCE: gpuio's own diskstats collector, or node_exporter's (the rules' "node_exporter mode").
+GPUIO, NODE_EXPORTER = "gpuio", "node_exporter"
+DISK_SOURCES = (GPUIO, NODE_EXPORTER)
+
 # --- links ---------------------------------------------------------------------------------------
 # Where on-call finds the runbook and the board of an alert (its runbook_url and dashboard_url).
 # gpuio knows no host of yours, so the defaults are the two paths that are true in every installation:
@@ -84,11 +89,6 @@ DASHBOARD_TAG = "gpuio"
 # Grafana loads dashboards/*.json (/d/<uid>/<uid>?var-instance=...).  Point them at your wiki and
 # Grafana with `python -m deploy.generate --runbook-url ... --grafana-url ...` (or the environment
 # variables below); docs/deploy.md ("Links in alerts") shows how.
-# --- disk series ---------------------------------------------------------------------------------
-# Config.DISK_SOURCE: gpuio's own diskstats collector, or node_exporter's (the rules' "node_exporter mode").
-GPUIO, NODE_EXPORTER = "gpuio", "node_exporter"
-DISK_SOURCES = (GPUIO, NODE_EXPORTER)
-
 RUNBOOK_URL_ENV = "GPUIO_RUNBOOK_URL"
 GRAFANA_URL_ENV = "GPUIO_GRAFANA_URL"
 DEFAULT_RUNBOOK_URL = "docs/runbooks/{alert}.md"

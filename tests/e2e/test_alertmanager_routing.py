@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tests.conftest import REPO
-from tests.peers import ALERTMANAGER, start_alertmanager, stop
+from tests.peers import ALERTMANAGER, Webhook, start_alertmanager, start_webhook, stop
 
 pytestmark = pytest.mark.e2e
 
@@ -71,26 +69,11 @@ EXPECTED = {
 }
 
 
-class Webhook(BaseHTTPRequestHandler):
-    received: list[dict] = []
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Webhook.received.append({"path": self.path, **body})
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture
 def alertmanager(tmp_path) -> Iterator[str]:
     if not ALERTMANAGER:
         pytest.skip("alertmanager is not installed (Debian package prometheus-alertmanager)")
-    Webhook.received = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = start_webhook()
     try:
         process, base = start_alertmanager(tmp_path, server.server_port)
     except BaseException:
@@ -116,7 +99,7 @@ def post_alerts(base: str) -> None:
 
 def notifications() -> dict[str, dict[tuple[str, str], set[str]]]:
     out: dict[str, dict[tuple[str, str], set[str]]] = {}
-    for body in Webhook.received:
+    for _, body in Webhook.received:
         group = (body["groupLabels"]["instance"], body["groupLabels"]["alertname"])
         keys = {alert["labels"]["key"] for alert in body["alerts"]}
         out.setdefault(body["receiver"], {}).setdefault(group, set()).update(keys)

@@ -49,18 +49,16 @@ import yaml
 
 from deploy.prometheus.config import GPUIO, NODE_EXPORTER
 from deploy.prometheus.generate import NODE_EXPORTER_RULES_DIR, RULES_DIR
-from exporter.collectors import diskstats
-from tests.conftest import REPO, ExporterProcess, free_port, parse_samples
+from tests.conftest import REPO, ExporterProcess, parse_samples
+from tests.e2e.test_rules_node_exporter import DISKSTATS
 from tests.fixtures.smartctl.fake import LISTINGS, FakeSmartctl
-from tests.peers import NODE_EXPORTER_BINARY, PROMETHEUS, serve, start_prometheus
+from tests.peers import NODE_EXPORTER_BINARY, PROMETHEUS, start_node_exporter, start_prometheus
 from tests.peers import stop as stop_process
 
 pytestmark = pytest.mark.e2e
 
 RULE_FILES = {GPUIO: sorted(glob.glob(os.path.join(RULES_DIR, "*.yml"))),
               NODE_EXPORTER: sorted(glob.glob(os.path.join(NODE_EXPORTER_RULES_DIR, "*.yml")))}
-# gpuio's diskstats families, which node_exporter serves as node_disk_<the same>
-DISKSTATS = frozenset(desc.name for desc in (*diskstats.DESCS, diskstats.INFO_DESC))
 DASHBOARDS = sorted(glob.glob(os.path.join(REPO, "dashboards", "*.json")))
 SCRAPES = 6  # samples per series before querying: a 4 s $__rate_interval then always holds 4 or more
 RATE_INTERVAL = "4s"
@@ -184,16 +182,6 @@ def prometheus(request, tmp_path_factory) -> Iterator[Setup]:
                 stop_process(server)
         target.stop()
         shutil.rmtree(load_dir, ignore_errors=True)
-
-
-def start_node_exporter() -> tuple[subprocess.Popen, str]:
-    """Debian's node_exporter with its disk and pressure collectors, on a loopback port of its own."""
-    port = free_port()
-    assert NODE_EXPORTER_BINARY
-    process, _ = serve("node_exporter", [NODE_EXPORTER_BINARY, f"--web.listen-address=127.0.0.1:{port}",
-                                         "--collector.disable-defaults", "--collector.diskstats",
-                                         "--collector.pressure"], port, "/metrics")
-    return process, f"127.0.0.1:{port}"
 
 
 def served_names(target: ExporterProcess) -> set[str]:

@@ -65,13 +65,21 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, ExporterProcess
-from tests.peers import ALERTMANAGER, PROMETHEUS, direct_io_loop, start_alertmanager, start_prometheus, stop
+from tests.peers import (
+    ALERTMANAGER,
+    PROMETHEUS,
+    Webhook,
+    direct_io_loop,
+    start_alertmanager,
+    start_prometheus,
+    start_webhook,
+    stop,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root]
 
@@ -206,21 +214,6 @@ class CrashLoop:
                 self.kills += 1
             self.stack.on_gpu(process.pid, None)
             self.stopping.wait(CRASH_LOOP_RESTART_S)
-
-
-class Webhook(BaseHTTPRequestHandler):
-    """The receiver on-call would have: notes each notification and when it came."""
-
-    received: list[tuple[float, dict]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Webhook.received.append((time.monotonic(), {"path": self.path, **body}))
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 def get_json(url: str, **params: str) -> dict | list:
@@ -412,9 +405,7 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
     mount_point = os.path.join(workdir, "models")
     mounted = False
     saved_queue = None
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    Webhook.received = []
+    server = start_webhook()
     started: list[subprocess.Popen] = []
     exporter = None
     stack_ = None

@@ -34,8 +34,6 @@ import shutil
 import socket
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -43,10 +41,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.local.stack import prometheus_config
 from tests.conftest import REPO, free_port
-from tests.e2e.test_storm_page import generate_variant_rules
-from tests.peers import ALERTMANAGER, PROMETHEUS, serve, start_alertmanager, stop
+from tests.e2e.test_storm_page import generate_variant_rules, get_json
+from tests.peers import (
+    ALERTMANAGER,
+    PROMETHEUS,
+    Webhook,
+    serve,
+    start_alertmanager,
+    start_prometheus,
+    start_webhook,
+    stop,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -169,21 +175,6 @@ def serve_node(node: Node, address: str, port: int) -> ThreadingHTTPServer:
     return server
 
 
-class Webhook(BaseHTTPRequestHandler):
-    """On-call's receivers of both paths: ``/<path>/<receiver>``, each notification with when it came."""
-
-    received: list[tuple[float, str, dict]] = []
-
-    def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Webhook.received.append((time.monotonic(), self.path, body))
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 # --- the VictoriaMetrics services, as deploy/victoriametrics/docker-compose.yml runs them ----------------
 
 def compose_command(service: str, replacements: dict[str, str], extra: tuple[str, ...] = ()) -> list[str]:
@@ -246,22 +237,12 @@ class Paths:
             "-httpListenAddr=": f"127.0.0.1:{port}"}, ("-remoteWrite.flushInterval=1s",))], port)
 
     def prometheus(self, targets: list[str], rules: list[str], alertmanager: str) -> None:
-        config = prometheus_config(targets[0], alertmanager.removeprefix("http://"), rules, "1s", "1s")
-        config["scrape_configs"][0]["static_configs"] = [{"targets": targets}]
-        path = self.tmp / "prometheus.yml"
-        path.write_text(yaml.safe_dump(config))
-        port = free_port()
-        self.start("prometheus", [str(PROMETHEUS), f"--config.file={path}", f"--storage.tsdb.path={self.tmp / 'prom'}",
-                                  f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"], port, "/-/ready")
+        process, self.urls["prometheus"] = start_prometheus(self.tmp, rules, targets, alertmanager)
+        self.processes.append(process)
 
     def stop(self) -> None:
         for process in reversed(self.processes):
             stop(process)
-
-
-def get_json(url: str, **params: str) -> dict:
-    with urllib.request.urlopen(url + ("?" + urllib.parse.urlencode(params) if params else ""), timeout=10) as response:
-        return json.loads(response.read())
 
 
 def loopback_addresses_work() -> bool:
@@ -284,10 +265,8 @@ def storm(tmp_path_factory) -> Iterator[tuple[Paths, Node]]:
     if not loopback_addresses_work():
         pytest.skip("no loopback addresses beyond 127.0.0.1 here")
     tmp = tmp_path_factory.mktemp("victoriametrics")
-    Webhook.received = []
-    receiver = ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
-    threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    hook = receiver.server_address[1]
+    receiver = start_webhook()
+    hook = receiver.server_port
     rules = generate_variant_rules(tmp / "rules")
     recording = Recording(RECORDING)
     nodes = {STORM_NODE: Node(recording, storm=True), **{a: Node(recording, storm=False) for a in CALM_NODES}}
@@ -317,8 +296,8 @@ def storm(tmp_path_factory) -> Iterator[tuple[Paths, Node]]:
 def pages(path: str) -> list[tuple[float, dict]]:
     """Paging notifications of one path, with their DiskIOStorm alerts, in arrival order."""
     out = []
-    for arrived, url, body in Webhook.received:
-        if url == f"/{path}/page":
+    for arrived, body in Webhook.received:
+        if body["path"] == f"/{path}/page":
             out += [(arrived, alert) for alert in body["alerts"] if alert["labels"]["alertname"] == "DiskIOStorm"]
     return out
 
@@ -344,7 +323,7 @@ def test_storm_pages_through_vmalert_as_through_prometheus_and_calm_nodes_page_n
         assert labels["instance"] == STORM_NODE and labels["device"] == "loop0" and labels["severity"] == "critical"
         assert "engine(s) waiting to load" in text and "ranker-0" in text and "GPU-e2e0000" in text, text
     # The calm nodes: no notification of any receiver, on either path.
-    noisy = [(url, a["labels"]) for _, url, body in Webhook.received for a in body["alerts"]
+    noisy = [(body["path"], a["labels"]) for _, body in Webhook.received for a in body["alerts"]
              if a["labels"].get("instance") in CALM_NODES]
     assert noisy == []
     # Both shards scraped: each vmagent holds a share of the nodes, together all of them once.

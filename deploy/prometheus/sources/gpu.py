@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import CRITICAL, GPU_UID, WARNING, Config
-from .base import Rule, alert, board, indent, rate, reason, record
+from .base import Rule, alert, board, rate, reason, record
 from .names import names
 from .templates import COUNT, GPU_NAME, figure, node_figure
 
@@ -37,14 +37,13 @@ def recording_rules(c: Config) -> list[Rule]:
         # A GPU lost within the rate window (fallen off the bus, Xid 79, reset) does nothing until its counters
         # have a rate again: 0, so that an engine waiting for it through the reset stays one judgement
         # (GPULost pages for the GPU itself).
-        record(n.GPU_ACTIVITY, f'{rate(c, "gpuio_gpu_sm_active_seconds_total")}\nor\n{dcgm_sm_active(c)}\n'
-                               f"or\n{n.GPU_BUSY}\nor\n{mig}\n"
+        # SM activity, once for the two rules below: GPM's where it measures it, else dcgm-exporter's.
+        record(n.GPU_SM_ACTIVE, f'{rate(c, "gpuio_gpu_sm_active_seconds_total")}\nor\n{dcgm_sm_active(c)}'),
+        record(n.GPU_ACTIVITY, f"{n.GPU_SM_ACTIVE}\nor\n{n.GPU_BUSY}\nor\n{mig}\n"
                                f"or\n0 * (min_over_time(gpuio_gpu_up{sel}[{n.W}]) == 0)"),
         # Mostly idle: NVML busy low, or few SMs working where GPM (or dcgm-exporter) measures it (busy reads
         # 100 % while one thread spins or weights cross PCIe).  Value: the busy ratio, else the SM activity.
-        record(n.GPU_IDLE, f'{n.GPU_BUSY} < {c.GPU_BUSY_LOW:g}\nor\n'
-                           f'{rate(c, "gpuio_gpu_sm_active_seconds_total")} < {c.GPU_SM_ACTIVE_LOW:g}\nor\n'
-                           f"(\n{indent(dcgm_sm_active(c))}\n) < {c.GPU_SM_ACTIVE_LOW:g}"),
+        record(n.GPU_IDLE, f"{n.GPU_BUSY} < {c.GPU_BUSY_LOW:g}\nor\n{n.GPU_SM_ACTIVE} < {c.GPU_SM_ACTIVE_LOW:g}"),
         # Nodes whose GPU readings are not to be trusted: the NVML snapshot was older than
         # GPU_STALE_AFTER_SECONDS, or the nvml collector failed, at some scrape within RATE_WINDOW
         # (a frozen busy counter reads as an idle GPU).  No starvation alert judges their GPUs.
@@ -55,9 +54,9 @@ def recording_rules(c: Config) -> list[Rule]:
 
 def dcgm_sm_active(c: Config) -> str:
     """dcgm-exporter's SM activity of each whole GPU (not a MIG instance: GPU_I_ID set) over the rate window,
-    in place of GPM's where gpuio has none: labelled like gpuio's busy series of the GPU with that UUID (GPU
-    UUIDs are unique, so dcgm-exporter's own node label never matters).  DCGM serves a gauge averaged over
-    its watch period; its average over the window is the same idea as GPM's rate."""
+    labelled like gpuio's busy series of the GPU with that UUID (GPU UUIDs are unique, so dcgm-exporter's own
+    node label never matters).  DCGM serves a gauge averaged over its watch period; its average over the
+    window is the same idea as GPM's rate, which comes first where both exist (GPU_SM_ACTIVE's ``or``)."""
     n = names(c)
     dcgm = c.DCGM_SELECTOR + ',GPU_I_ID=""'
     return "\n".join([
@@ -65,7 +64,6 @@ def dcgm_sm_active(c: Config) -> str:
         "max by (uuid) (",
         f'  label_replace(avg_over_time(DCGM_FI_PROF_SM_ACTIVE{{{dcgm}}}[{n.W}]), "uuid", "$1", "UUID", "(.+)")',
         ")",
-        f'unless on ({c.NODE_LABEL}, uuid) {rate(c, "gpuio_gpu_sm_active_seconds_total")}',
     ])
 
 

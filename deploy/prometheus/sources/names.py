@@ -141,6 +141,12 @@ class Names:
     def GPU_BUSY(self) -> str:
         return f"instance_gpu:gpuio_gpu_busy_seconds:rate{self.W}"
 
+    # Share of a whole GPU's SMs at work: GPM's, else dcgm-exporter's where a GPU has no GPM; no series where
+    # neither measures it.
+    @property
+    def GPU_SM_ACTIVE(self) -> str:
+        return f"instance_gpu:gpuio_gpu_sm_active:rate{self.W}"
+
     # GPUs judged mostly idle, valued with the ratio that judged them: NVML busy, else SM activity (GPM).
     @property
     def GPU_IDLE(self) -> str:
