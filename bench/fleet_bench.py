@@ -51,6 +51,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
 
+from exporter.collectors.engines import DEFAULT_BUCKETED  # noqa: E402  (which histograms keep their buckets)
 from gpuio import spool  # noqa: E402  (the instrumentation library: the engines' real histogram layout)
 
 STEP = 15
@@ -72,9 +73,10 @@ class Node:
     """One node's series: name{labels} -> a function of the sample index giving its value."""
 
     def __init__(self, index: int, gpus: int, engines: int, disks: int, storming: bool, storm_from: int,
-                 calm_loads: float = 0.01) -> None:
+                 calm_loads: float = 0.01, bucketed: tuple[str, ...] = DEFAULT_BUCKETED) -> None:
         self.instance = f"node-{index:04d}:9817"
         self.calm_loads = calm_loads  # loads each engine finishes per second on a calm node
+        self.bucketed = bucketed  # the engine histograms served with buckets (the others: _sum, _count)
         self.series: list[tuple[str, str, Value]] = []  # family, labels without job and instance, value
         self.counts = {"node": 0, "gpu": 0, "engine": 0, "disk": 0}
         self.storm_from = storm_from if storming else float("inf")
@@ -136,10 +138,11 @@ class Node:
             self.add("disk", "gpuio_disk_read_bytes_total", self.counter(calm_reads * 131072, storm[0] * 131072),
                      device=device)
             self.add("disk", "gpuio_disk_written_bytes_total", self.counter(20 * 4096, 20 * 4096), device=device)
-            self.add("disk", "gpuio_disk_engine_loads_in_progress", self.gauge(0, 20 if stormy else 0),
-                     device=device)
-            self.add("disk", "gpuio_disk_engine_load_oldest_in_progress_seconds", self.gauge(0, 90 if stormy else 0),
-                     device=device)
+            if d == 0:  # served for the disks holding an engine file only: the engines' files are all here
+                self.add("disk", "gpuio_disk_engine_loads_in_progress", self.gauge(0, 20 if stormy else 0),
+                         device=device)
+                self.add("disk", "gpuio_disk_engine_load_oldest_in_progress_seconds",
+                         self.gauge(0, 90 if stormy else 0), device=device)
             self.add("disk", "gpuio_smart_health_passed", self.gauge(1, 1), device=device)
             self.add("disk", "gpuio_smart_last_success_timestamp_seconds", self.gauge(time.time(), time.time()),
                      device=device)
@@ -198,7 +201,7 @@ class Node:
                 if series.name.startswith("gpuio_engine_load_"):
                     calm_count = self.calm_loads
                 typical = series.bounds[len(series.bounds) // 2]
-                for bound in (*series.bounds, "+Inf"):
+                for bound in (*series.bounds, "+Inf") if series.name in self.bucketed else ():
                     share = 1.0 if bound == "+Inf" or bound >= typical else 0.0
                     self.add("engine", series.name + "_bucket", self.counter(calm_count * share, storm_count * share),
                              **on, le=str(bound))
@@ -218,7 +221,8 @@ def stormy(args: argparse.Namespace) -> int:
 
 def fleet(args: argparse.Namespace) -> list[Node]:
     storm_from = (args.history - 8) * 60 // STEP
-    return [Node(n, args.gpus, args.engines, args.disks, n < stormy(args), storm_from, args.calm_loads)
+    bucketed = tuple(s.name for s in spool.ENGINE_SERIES) if args.all_buckets else DEFAULT_BUCKETED
+    return [Node(n, args.gpus, args.engines, args.disks, n < stormy(args), storm_from, args.calm_loads, bucketed)
             for n in range(args.nodes)]
 
 
@@ -537,6 +541,8 @@ def main() -> int:
     parser.add_argument("--query-runs", type=int, default=3, help="runs of each panel query (the median is shown)")
     parser.add_argument("--calm-loads", type=float, default=0.01,
                         help="loads each engine finishes per second on a calm node (0: engines load only in a storm)")
+    parser.add_argument("--all-buckets", action="store_true",
+                        help="every engine histogram with its buckets (--collector.engines.histogram-buckets=all)")
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="prometheus",
                         help="prometheus (Debian's prometheus, promtool), or victoriametrics: victoria-metrics, "
                              "vmagent and vmalert (Debian's victoria-metrics)")
@@ -603,10 +609,10 @@ def print_groups(groups: list[dict], samples: int) -> None:
             rule_rows.append((rule["evaluationTime"], name, rule.get("health")))
             if rule.get("health") != "ok" and rule.get("lastError"):
                 errors.setdefault(rule["lastError"][:200], name)
-    for seconds, name, health in sorted(rule_rows, reverse=True)[:25]:
+    for seconds, name, health in sorted(rule_rows, reverse=True)[:40]:
         print(f"  {name[:88]:<90} {seconds * 1000:>13.1f} ms" + ("" if health == "ok" else f" ({health})"))
     # The engine-load rules and the Fleet board are what the fleet-scale notes follow: always all of them.
-    for seconds, name, _health in sorted(rule_rows, reverse=True)[25:]:
+    for seconds, name, _health in sorted(rule_rows, reverse=True)[40:]:
         if ":gpuio_engine_load" in name or ":gpuio_engine_cold_loads" in name:
             print(f"  {name[:88]:<90} {seconds * 1000:>13.1f} ms")
     for error, name in errors.items():

@@ -128,10 +128,11 @@ rate(gpuio_mountstats_nfs_operations_requests_total{operation="READ"}[1m])`.
 Reported by inference processes through the spool (`--collector.engines.spool-dir`; the library in
 `exporter/instrument/`) and measured by the exporter on engine files (the files processes loaded, plus
 `--collector.engines.path` globs). Histograms have `_bucket`/`_sum`/`_count` series with fixed buckets
-(docs/engines.md). Counters of processes that exited are folded in, so they never go backwards while
-the exporter runs. `gpu_uuid` is the NVML UUID (`uuid` on `gpuio_gpu_*`); `device` and
-`physical_device` join `gpuio_disk_*`. Residency comes from a background scan every
-`--collector.engines.residency-interval`. See docs/engines.md.
+(docs/engines.md); the engine histograms no rule or board takes a quantile of are served as summaries
+(`_sum`/`_count` only) unless named in `--collector.engines.histogram-buckets`. Counters of processes
+that exited are folded in, so they never go backwards while the exporter runs. `gpu_uuid` is the
+NVML UUID (`uuid` on `gpuio_gpu_*`); `device` and `physical_device` join `gpuio_disk_*`. Residency
+comes from a background scan every `--collector.engines.residency-interval`. See docs/engines.md.
 
 Work waiting is judged per engine *and* GPU: `gpuio_engine_inferences_in_flight`, the pool gauges and
 the `inference_seconds` and `pool_wait_seconds` histograms carry `gpu_uuid` (the GPU each process

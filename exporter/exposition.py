@@ -21,6 +21,7 @@ COUNTER = "counter"
 GAUGE = "gauge"
 INFO = "info"  # a gauge of value 1 named *_info; OpenMetrics has a type of its own for it
 HISTOGRAM = "histogram"  # sample lines from histogram_samples(): _bucket (cumulative, le), _sum, _count
+SUMMARY = "summary"  # a histogram served without its buckets (histogram_samples()): _sum and _count only
 
 
 def escape_label_value(value: str) -> str:
@@ -103,12 +104,17 @@ def _format_count(value: float) -> str:
 
 def histogram_samples(desc: Desc, labels: str, bounds: tuple[float, ...], counts: Sequence[float],
                       total: float) -> list[str]:
-    """The ``_bucket``/``_sum``/``_count`` lines of one histogram series (a Desc of kind HISTOGRAM).
+    """The ``_bucket``/``_sum``/``_count`` lines of one histogram series (a Desc of kind HISTOGRAM),
+    or only ``_sum``/``_count`` for a Desc of kind SUMMARY: the same observations without their
+    buckets (a quantile-less summary, valid in both formats, as prometheus_client's Summary serves).
 
     ``counts`` holds one count per bucket, *not* cumulative, the last one for +Inf (so it is one
     longer than ``bounds``); the lines are cumulative, as both formats require.  ``labels`` comes
     from :func:`label_string`; ``le`` is appended to it.
     """
+    if desc.kind == SUMMARY:
+        return [f"{desc.name}_sum{labels} {format_value(float(total))}\n",
+                f"{desc.name}_count{labels} {_format_count(float(sum(counts)))}\n"]
     prefix = f"{desc.name}_bucket{labels[:-1]}," if labels else f"{desc.name}_bucket{{"
     lines = []
     running = 0.0

@@ -30,6 +30,8 @@ import yaml
 
 from . import config as c
 from .durations import duration, seconds
+from .sources import evaluation_order
+from .sources import rule_files as rule_files_of_rules
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS_FILE = os.path.join(HERE, "tests", "scenarios.yml")
@@ -1188,9 +1190,22 @@ def built(only: Iterable[str] = ()) -> list[Scenario]:
     return [scenario for scenario in scenarios if not wanted or scenario.name in wanted]
 
 
+def promtool_test(rule_files: list[str], tests: list[dict]) -> dict:
+    """A promtool test file: ``rule_files`` evaluated every STEP in the order the groups read each other."""
+    return {"rule_files": rule_files, "evaluation_interval": f"{STEP}s",
+            "group_eval_order": evaluation_order_of(rule_files), "tests": tests}
+
+
+def evaluation_order_of(rule_files: list[str]) -> list[str]:
+    """The groups of ``rule_files`` (names as rules/<name>.yml), in the order they read each other."""
+    loaded = {os.path.basename(path)[: -len(".yml")] for path in rule_files}
+    groups = {group["name"] for name, content in rule_files_of_rules().items() if name in loaded
+              for group in content["groups"]}
+    return [name for name in evaluation_order() if name in groups]
+
+
 def render() -> str:
-    content = {"rule_files": RULE_FILES, "evaluation_interval": f"{STEP}s",
-               "tests": [test_group(scenario) for scenario in built()]}
+    content = promtool_test(RULE_FILES, [test_group(scenario) for scenario in built()])
     return HEADER + yaml.safe_dump(content, sort_keys=False, width=200)
 
 
@@ -1203,11 +1218,10 @@ def probe(scenario: Scenario, directory: str) -> dict[int, list[dict[str, str]]]
     """What promtool says fires at every evaluation: t -> the labels of each firing alert."""
     query = f'ALERTS{{alertstate="firing",instance="{scenario.instance}"}}'
     times = range(0, scenario.minutes * MIN, STEP)
-    test = {"rule_files": [os.path.join(HERE, "rules", os.path.basename(f)) for f in RULE_FILES],
-            "evaluation_interval": f"{STEP}s",
-            "tests": [{"interval": f"{STEP}s", "input_series": scenario.input_series(),
-                       "promql_expr_test": [{"expr": query, "eval_time": duration(t), "exp_samples": []}
-                                            for t in times]}]}
+    test = promtool_test([os.path.join(HERE, "rules", os.path.basename(f)) for f in RULE_FILES],
+                         [{"interval": f"{STEP}s", "input_series": scenario.input_series(),
+                           "promql_expr_test": [{"expr": query, "eval_time": duration(t), "exp_samples": []}
+                                                for t in times]}])
     path = os.path.join(directory, f"{scenario.name}.yml")
     with open(path, "w") as handle:
         yaml.safe_dump(test, handle, width=200)
@@ -1226,10 +1240,10 @@ def probe(scenario: Scenario, directory: str) -> dict[int, list[dict[str, str]]]
 
 def rendered_annotations(scenario: Scenario, fire: Fire, t: int, directory: str) -> str:
     """The summary and description of ``fire`` at ``t``, as promtool renders them."""
-    test = {"rule_files": [os.path.join(HERE, "rules", os.path.basename(f)) for f in RULE_FILES],
-            "evaluation_interval": f"{STEP}s",
-            "tests": [{"interval": f"{STEP}s", "input_series": scenario.input_series(),
-                       "alert_rule_test": [{"alertname": fire.alertname, "eval_time": duration(t), "exp_alerts": []}]}]}
+    test = promtool_test([os.path.join(HERE, "rules", os.path.basename(f)) for f in RULE_FILES],
+                         [{"interval": f"{STEP}s", "input_series": scenario.input_series(),
+                           "alert_rule_test": [{"alertname": fire.alertname, "eval_time": duration(t),
+                                                "exp_alerts": []}]}])
     path = os.path.join(directory, f"{scenario.name}-annotations.yml")
     with open(path, "w") as handle:
         yaml.safe_dump(test, handle, width=200)

@@ -67,7 +67,7 @@ from .. import mounts
 from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
 from ..collect import Absent, Collector, Context, Pending, register
 from ..engines import discovery, model, spool
-from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, Desc, Family, histogram_samples, label_string
+from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, SUMMARY, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
 from ..mounts import MountCache
 from ..options import Option, parse_bool, parse_count, parse_seconds
@@ -188,13 +188,42 @@ ENGINE_GPU = ("engine", "gpu_uuid")  # what waits on one GPU is told apart from 
 ENGINE_FILE = ("engine", "path")
 
 
-def _declared(slot: str) -> Desc:
+def _declared(slot: str, kind: str = "", doc: str = "") -> Desc:
     """The family of an ENGINE-record series, as the library declares it (gpuio.spool.ENGINE_SERIES)."""
     series = fmt.SERIES[slot]
-    return Desc(series.name, series.type, series.help, labels=series.labels, unit=series.unit)
+    return Desc(series.name, kind or series.type, series.help, labels=series.labels, unit=series.unit, doc=doc)
 
 
-HISTOGRAM_DESCS = {series.slot: _declared(series.slot) for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM}
+# The histograms whose buckets some rule, board or `gpuio top` takes a quantile of
+# (tests/unit/test_dashboards.py holds the boards and rules to this list).  The others are served by
+# default as their _count and _sum only: the boards read their means, and their buckets would be 1,600
+# of a node's ~4,000 series with 20 engines (docs/performance.md, "Series per node").
+DEFAULT_BUCKETED = tuple(fmt.SERIES[slot].name for slot in ("inference_seconds", "inference_gpu_seconds",
+                                                             "pool_wait_seconds"))
+HISTOGRAM_NAMES = tuple(series.name for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM)
+_WITHOUT_BUCKETS = (" Served by default as a summary of _count and _sum (no quantiles); with buckets, as a "
+                    "histogram, when named in --collector.engines.histogram-buckets.")
+
+
+def served_histograms(bucketed: tuple[str, ...]) -> dict[str, Desc]:
+    """slot -> the Desc each engine histogram is served with: a histogram where its buckets are wanted,
+    else a summary of the same name (its _count and _sum)."""
+    return {series.slot: _declared(series.slot) if series.name in bucketed
+            else _declared(series.slot, SUMMARY, series.help + _WITHOUT_BUCKETS)
+            for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM}
+
+
+HISTOGRAM_DESCS = served_histograms(DEFAULT_BUCKETED)  # as served by default: what the reference lists
+
+
+def _parse_histogram_names(value: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in value.split(",") if part.strip())
+    if names == ("all",):
+        return HISTOGRAM_NAMES
+    unknown = sorted(set(names) - set(HISTOGRAM_NAMES))
+    if unknown:
+        raise ValueError(f"not an engine histogram: {', '.join(unknown)} (one of {', '.join(HISTOGRAM_NAMES)})")
+    return names
 LOAD_BYTES = _declared("load_read_bytes")
 ERRORS = Desc("gpuio_engine_errors_total", COUNTER,
               "Failed loads and inferences by reason (enqueue_failed, timeout, pool_timeout, out_of_memory, "
@@ -460,6 +489,10 @@ class EnginesCollector(Collector):
                "At most this many pods are looked at for a spool volume."),
         Option("pod-spool-interval", "15s", parse_seconds, DURATION_ACCEPTED,
                "How often the kubelet's pods directory is scanned for spool volumes (in the background)."),
+        Option("histogram-buckets", ",".join(DEFAULT_BUCKETED), _parse_histogram_names,
+               "comma-separated engine histogram names, or all",
+               "Engine histograms served with their buckets; the others are served as their _count and _sum "
+               "only (a summary without quantiles), which is what the boards read of them."),
         Option("discover", "true", parse_bool, "true or false",
                "Find engines served without the library: processes holding model files open for reading "
                "under the path-include directories, from /proc (needs root, or CAP_SYS_PTRACE and "
@@ -477,6 +510,8 @@ class EnginesCollector(Collector):
         self.globs: tuple[str, ...] = options.get("path") or ()
         self.max_engines: int = options.get("max-engines") or 200
         self.max_files: int = options.get("max-files") or 1000
+        bucketed = options.get("histogram-buckets")
+        self.histogram_descs = served_histograms(DEFAULT_BUCKETED if bucketed is None else bucketed)
         self._writer_gpus = spool.WriterGpus(context.gpu_processes.get, context.procfs)
         self.reader = spool.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
@@ -698,7 +733,7 @@ class EnginesCollector(Collector):
 
     def _engine_families(self, totals: model.Totals, engines: list[str]) -> list[Family]:
         layout = fmt.ENGINE_LAYOUT
-        histogram_names = [name for name in HISTOGRAM_DESCS if name not in model.PER_GPU_HISTOGRAMS]
+        histogram_names = [name for name in self.histogram_descs if name not in model.PER_GPU_HISTOGRAMS]
         columns: list[list[str]] = [[] for _ in histogram_names]
         load_bytes, profiled, processes, last_load = [], [], [], []
         rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
@@ -712,7 +747,7 @@ class EnginesCollector(Collector):
                 lines = []
                 for name in histogram_names:
                     first, total, bounds = layout.histograms[name]
-                    lines.append(histogram_samples(HISTOGRAM_DESCS[name], labels, bounds, values[first:total],
+                    lines.append(histogram_samples(self.histogram_descs[name], labels, bounds, values[first:total],
                                                    values[total]))
             rendered[engine] = (values, lines)
             for column, block in zip(columns, lines, strict=True):
@@ -725,7 +760,7 @@ class EnginesCollector(Collector):
             if engine in totals.last_load:
                 last_load.append(LAST_LOAD.sample(labels, totals.last_load[engine]))
         self._rendered = rendered
-        families = [Family(HISTOGRAM_DESCS[name], column) for name, column in zip(histogram_names, columns,
+        families = [Family(self.histogram_descs[name], column) for name, column in zip(histogram_names, columns,
                                                                                    strict=True)]
         families += [Family(LOAD_BYTES, load_bytes), Family(PROCESSES, processes), Family(LAST_LOAD, last_load),
                      Family(PROFILED, profiled)]
@@ -783,11 +818,11 @@ class EnginesCollector(Collector):
             labels = label_string({"engine": engine, "gpu_uuid": uuid})
             for name, lines in histograms.items():
                 first, total, bounds = layout.histograms[name]
-                lines.extend(histogram_samples(HISTOGRAM_DESCS[name], labels, bounds, values[first:total],
+                lines.extend(histogram_samples(self.histogram_descs[name], labels, bounds, values[first:total],
                                                values[total]))
             for desc, lines in gauges.items():
                 lines.append(desc.sample(labels, max(0.0, values[slots[desc]])))
-        return ([Family(HISTOGRAM_DESCS[name], lines) for name, lines in histograms.items()]
+        return ([Family(self.histogram_descs[name], lines) for name, lines in histograms.items()]
                 + [Family(desc, lines) for desc, lines in gauges.items()])
 
     def _load_families(self, totals: model.Totals, files: FileDevices, pairs: list[tuple[str, str]]) -> list[Family]:

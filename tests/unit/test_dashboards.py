@@ -109,6 +109,21 @@ def test_every_metric_used_is_documented() -> None:
         assert set(re.findall(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", text)) - recorded == set()
 
 
+def test_buckets_are_read_only_of_the_histograms_served_with_buckets() -> None:
+    """The exporter serves the buckets of DEFAULT_BUCKETED only (the other engine histograms as _count and
+    _sum): every bucket a board, a rule or `gpuio top` reads is of one of those, and each of those is read."""
+    from deploy.prometheus.generate import rendered
+    from exporter.collectors.engines import DEFAULT_BUCKETED
+    from exporter.top import data, iostat
+    texts = [expr for board in BOARDS.values() for expr in exprs(board)] + list(rendered().values())
+    read = {name for text in texts for name in re.findall(r"(gpuio_engine_[a-z_]+)_bucket", text)}
+    with open(iostat.__file__, encoding="utf-8") as source:
+        top = re.findall(r"_bucket_increase\(\w+, \w+, (\w+)\)", source.read())
+    assert top, "gpuio top reads a histogram's buckets through _bucket_increase()"
+    read |= {getattr(data, constant) for constant in top}
+    assert read == set(DEFAULT_BUCKETED)
+
+
 def test_disk_io_board_has_the_iostat_figures() -> None:
     titles = " ".join(panel["title"] for panel in panels(BOARDS[c.DISK_IO_UID]))
     for figure in ("r/s", "w/s", "rkB/s", "wkB/s", "r_await", "w_await", "aqu-sz", "%util", "IO pressure"):

@@ -211,6 +211,36 @@ def test_every_engine_family_is_served_as_declared(spool_dir, tmp_path) -> None:
     assert undeclared(text) == []
 
 
+def test_histograms_without_read_buckets_are_served_as_summaries_unless_asked(spool_dir, tmp_path) -> None:
+    """By default a load's times are a summary (count and sum: what the boards read), inference latency a
+    histogram; --collector.engines.histogram-buckets=all serves every histogram's buckets; both parse as
+    OpenMetrics with the same count and sum."""
+    plan = tmp_path / "a.engine"
+    plan.write_bytes(os.urandom(1 << 16))
+    gpuio.load(str(plan), bytes, device=0, gpu_uuid="GPU-1").metrics.inference_seconds.observe(0.003)
+    served = {}
+    for bucketed in (None, engines._parse_histogram_names("all")):
+        target = collector(spool_dir, histogram_buckets=bucketed) if bucketed else collector(spool_dir)
+        families = {family.name: family for family in parse_openmetrics(scrape(target, openmetrics=True))}
+        served[bucketed is None] = families
+        load = families["gpuio_engine_load_read_seconds"]
+        assert load.type == ("summary" if bucketed is None else "histogram")
+        assert {sample.name for sample in load.samples} == (
+            {"gpuio_engine_load_read_seconds_count", "gpuio_engine_load_read_seconds_sum"}
+            | (set() if bucketed is None else {"gpuio_engine_load_read_seconds_bucket"}))
+        assert families["gpuio_engine_inference_seconds"].type == "histogram"
+    totals = [{(s.name, s.value) for s in families["gpuio_engine_load_read_seconds"].samples
+               if not s.name.endswith("_bucket")} for families in served.values()]
+    assert totals[0] == totals[1] and ("gpuio_engine_load_read_seconds_count", 1.0) in totals[0]
+
+
+def test_histogram_buckets_option_names_only_engine_histograms() -> None:
+    assert engines._parse_histogram_names(" gpuio_engine_warmup_seconds ,") == ("gpuio_engine_warmup_seconds",)
+    assert engines._parse_histogram_names("") == ()
+    with pytest.raises(ValueError, match="not an engine histogram: gpuio_disk_x"):
+        engines._parse_histogram_names("gpuio_disk_x,gpuio_engine_warmup_seconds")
+
+
 def test_histogram_lines_are_cumulative_and_parse_in_both_formats() -> None:
     from prometheus_client.parser import text_string_to_metric_families as parse_text
 

@@ -93,6 +93,33 @@ def test_alert_has_severity_summary_description_runbook_and_dashboard(alert: dic
     assert os.path.isfile(os.path.join(REPO, "dashboards", f"{uid.group(1)}.json"))
 
 
+def test_each_group_reads_only_the_groups_before_it() -> None:
+    """Groups run concurrently, each reading the others' last results: the order in which they read each
+    other has no cycle, and every group of the chain reads what the one before it records."""
+    order = sources.evaluation_order()
+    groups = {group["name"]: group for content in sources.rule_files().values() for group in content["groups"]}
+    assert sorted(order) == sorted(groups)
+    owner = {rule["record"]: name for name, group in groups.items() for rule in group["rules"] if "record" in rule}
+    for position, name in enumerate(order):
+        read = {owner[found] for rule in groups[name]["rules"]
+                for found in sources.RECORDED.findall(rule["expr"]) if found in owner}
+        assert read - {name} <= set(order[:position]), name
+    chain = ["gpuio.inputs", "gpuio.baselines", "gpuio.starvation"]
+    assert [name for name in order if name in chain] == chain
+
+
+@pytest.mark.parametrize("path", TEST_FILES, ids=os.path.basename)
+def test_promtool_tests_evaluate_the_groups_in_the_order_they_read_each_other(path: str) -> None:
+    """Without group_eval_order promtool evaluates the groups in a random order at each timestamp, so a
+    group reading another's result would see this evaluation's or the last one's by chance."""
+    from deploy.prometheus.scenarios import evaluation_order_of
+
+    with open(path, encoding="utf-8") as file:
+        test = yaml.safe_load(file)
+    order = evaluation_order_of(test["rule_files"])
+    assert test.get("group_eval_order", order if len(order) < 2 else None) == order
+
+
 def test_every_alert_has_a_firing_test_and_a_quiet_test() -> None:
     """For each alert and severity, deploy/prometheus/tests has a case where it fires and one where it must
     not: an alert_rule_test, or (the scenario suite) a check of the ALERTS series a node has firing."""

@@ -38,6 +38,7 @@ from .templates import (
 
 
 def recording_rules(c: Config) -> list[Rule]:
+    """Each device's rates, awaits and saturation now (raw series and the class limits)."""
     n = names(c)
     guard = f"{c.AWAIT_MIN_IOPS:g}"
     # An idle device's awaits have no value: dividing by (ops > 0) yields no series, never NaN.
@@ -68,6 +69,13 @@ def recording_rules(c: Config) -> list[Rule]:
                             f"({n.AWAIT} >= {n.TO_LIMIT} {n.AWAIT_LIMIT})\n"
                             f"and {n.ON_NODE}\n"
                             f"(\n{indent(io_pressure_high(c, no_psi_counts=False))}\n)"),
+    ]
+
+
+def baseline_rules(c: Config) -> list[Rule]:
+    """Each device's calm normal: medians over BASELINE_WINDOW of its calm evaluations, held."""
+    n = names(c)
+    return [
         # The device's own normal, from calm evaluations only: a storm never feeds its baseline.
         record(n.CALM_AWAIT, f"{n.AWAIT} unless {n.ON_DEVICE} {n.SATURATED}"),
         record(n.CALM_QUEUE, f"{n.QUEUE} unless {n.ON_DEVICE} {n.SATURATED}"),
@@ -79,9 +87,12 @@ def recording_rules(c: Config) -> list[Rule]:
         # Held through a storm: the last calm median, for up to BASELINE_HOLD.
         record(n.AWAIT_BASELINE, f"last_over_time({n.AWAIT_LEARNED}[{c.BASELINE_HOLD}])"),
         record(n.QUEUE_BASELINE, f"last_over_time({n.QUEUE_LEARNED}[{c.BASELINE_HOLD}])"),
-        # The storm (DiskIOStorm's condition before its `for`; value: the await).
-        record(n.STORM, storm_expr(c)),
     ]
+
+
+def storm_rules(c: Config) -> list[Rule]:
+    # The storm (DiskIOStorm's condition before its `for`; value: the await).
+    return [record(names(c).STORM, storm_expr(c))]
 
 
 def class_rules(c: Config) -> list[Rule]:

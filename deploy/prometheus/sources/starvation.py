@@ -24,12 +24,38 @@ from .names import names
 from .templates import COUNT, DEVICE_NAME, GPU_NAME, ONE_DECIMAL, engine_gpu_figure, figure, node_figure
 
 
+def input_rules(c: Config) -> list[Rule]:
+    """What each engine on each GPU does now (in flight, pool wait, loads abandoned: raw series), and the
+    device and storage under it (the engine joins)."""
+    n = names(c)
+    sel = c.selector()
+    return [
+        *engine_join_rules(c),
+        record(n.ENGINE_IN_FLIGHT, f"avg_over_time(gpuio_engine_inferences_in_flight{sel}[{n.W}])"),
+        record(n.ENGINE_POOL_WAIT, f"{rate(c, 'gpuio_engine_pool_wait_seconds_sum')}\n/\n"
+                                   f"({rate(c, 'gpuio_engine_pool_wait_seconds_count')} > 0)"),
+        # Loads of each engine on each GPU abandoned within LOAD_CRASH_LOOP_WINDOW (processes that exited
+        # while loading), where there were some.
+        record(n.ENGINE_LOADS_ABANDONED, f"increase({abandoned(c)}[{c.LOAD_CRASH_LOOP_WINDOW}]) > 0"),
+    ]
+
+
+def abandoned(c: Config) -> str:
+    return f"gpuio_engine_loads_abandoned_total{c.selector()}"
+
+
+def baseline_rules(c: Config) -> list[Rule]:
+    """The calm normals: each GPU's activity and each engine's p99 latency."""
+    return [*gpu_calm_rules(c), *latency_rules(c)]
+
+
 def recording_rules(c: Config) -> list[Rule]:
-    return [*gpu_calm_rules(c), *engine_join_rules(c), *latency_rules(c), *waiting_rules(c)]
+    """What the alerts judge: GPUs that lost their work, engines' storage and work waiting, starved."""
+    return [gpu_lost_rule(c), *waiting_rules(c)]
 
 
 def gpu_calm_rules(c: Config) -> list[Rule]:
-    """Each device's calm activity, its normal and "lost its work" (GPU_ACTIVITY_DROP)."""
+    """Each device's calm activity and its normal."""
     n = names(c)
     # Not calm: a saturated disk or slow mount, a disk far above its own calm await or all of the node's
     # tasks stalling on IO (a storm that no class limit calls saturated still takes the GPU's work: on an
@@ -42,6 +68,19 @@ def gpu_calm_rules(c: Config) -> list[Rule]:
         f"  or {n.IO_FULL} >= {c.STORM_PAGE_IO_FULL:g}",
         ")",
     ])
+    return [
+        # The activity of the evaluations in which no disk of the node was saturated, no mount slow, IO
+        # pressure low and the GPU data fresh: a storm never becomes the activity it is compared with.
+        record(n.GPU_CALM_ACTIVITY, f"{n.GPU_ACTIVITY}\nunless on ({c.NODE_LABEL}) {storming}"),
+        record(n.GPU_ACTIVITY_LEARNED, learned(c, n.GPU_CALM_ACTIVITY, n.GPU_ACTIVITY)),
+        record(n.GPU_ACTIVITY_BASELINE, f"last_over_time({n.GPU_ACTIVITY_LEARNED}[{c.BASELINE_HOLD}])"),
+    ]
+
+
+def gpu_lost_rule(c: Config) -> Rule:
+    """Lost its work: below GPU_ACTIVITY_DROP of its calm normal, or mostly idle (the absolute floors
+    alone decide for a device with no calm normal).  Value: the activity."""
+    n = names(c)
     lost = "\n".join([
         f"{n.GPU_ACTIVITY} < {c.GPU_ACTIVITY_DROP:g} * {n.GPU_ACTIVITY_BASELINE}",
         "or",
@@ -50,16 +89,7 @@ def gpu_calm_rules(c: Config) -> list[Rule]:
         "or",
         f'{n.GPU_ACTIVITY}{{gpu_instance!=""}} < {c.GPU_SM_ACTIVE_LOW:g}',
     ])
-    return [
-        # The activity of the evaluations in which no disk of the node was saturated, no mount slow, IO
-        # pressure low and the GPU data fresh: a storm never becomes the activity it is compared with.
-        record(n.GPU_CALM_ACTIVITY, f"{n.GPU_ACTIVITY}\nunless on ({c.NODE_LABEL}) {storming}"),
-        record(n.GPU_ACTIVITY_LEARNED, learned(c, n.GPU_CALM_ACTIVITY, n.GPU_ACTIVITY)),
-        record(n.GPU_ACTIVITY_BASELINE, f"last_over_time({n.GPU_ACTIVITY_LEARNED}[{c.BASELINE_HOLD}])"),
-        # Lost its work: below GPU_ACTIVITY_DROP of its calm normal, or mostly idle (the absolute floors
-        # alone decide for a device with no calm normal).  Value: the activity.
-        record(n.GPU_ACTIVITY_LOST, lost),
-    ]
+    return record(n.GPU_ACTIVITY_LOST, lost)
 
 
 def engine_join_rules(c: Config) -> list[Rule]:
@@ -101,17 +131,11 @@ def engine_join_rules(c: Config) -> list[Rule]:
 
 
 def latency_rules(c: Config) -> list[Rule]:
-    """Per engine and GPU (the writer's GPU, gpu_uuid: one replica's queue is not another's): in flight,
-    pool wait, latency quantiles and the engine's calm p99."""
+    """Per engine and GPU (the writer's GPU, gpu_uuid: one replica's queue is not another's): the engine's
+    calm p99."""
     n = names(c)
-    sel = c.selector()
-    rules = [
-        record(n.ENGINE_IN_FLIGHT, f"avg_over_time(gpuio_engine_inferences_in_flight{sel}[{n.W}])"),
-        record(n.ENGINE_POOL_WAIT, f"{rate(c, 'gpuio_engine_pool_wait_seconds_sum')}\n/\n"
-                                   f"({rate(c, 'gpuio_engine_pool_wait_seconds_count')} > 0)"),
-    ]
     storage_slow = f"({n.ENGINE_DISK_SATURATED} or {n.ENGINE_MOUNT_SLOW})"
-    return rules + [
+    return [
         # The engine's normal p99, from evaluations in which its storage was not slow (held like the
         # disk baselines): a storm never becomes the latency it is compared with.
         record(n.ENGINE_LATENCY_CALM, f"{p99(c)}\nunless on ({c.NODE_LABEL}, engine)\n{storage_slow}"),
@@ -120,14 +144,18 @@ def latency_rules(c: Config) -> list[Rule]:
     ]
 
 
-def quantile_rules(c: Config) -> list[Rule]:
-    """Latency quantiles per engine and GPU from the inference histograms: the costliest rules at fleet
-    scale (every bucket of every engine), reading nothing but raw series, so a group of their own
-    evaluated beside the chain (the calm p99 above reads their last result)."""
-    n = names(c)
+def bucket_rules(c: Config) -> list[Rule]:
+    """The rate of every inference-latency bucket per engine and GPU, once for the three quantiles: the
+    costliest rule at fleet scale (every bucket of every engine)."""
     per_gpu = f"job, {c.NODE_LABEL}, engine, gpu_uuid"
-    rules = [record(n.ENGINE_LATENCY_BUCKETS,
-                    f"sum by ({per_gpu}, le) ({rate(c, 'gpuio_engine_inference_seconds_bucket')})")]
+    return [record(names(c).ENGINE_LATENCY_BUCKETS,
+                   f"sum by ({per_gpu}, le) ({rate(c, 'gpuio_engine_inference_seconds_bucket')})")]
+
+
+def quantile_rules(c: Config) -> list[Rule]:
+    """Latency quantiles per engine and GPU from the bucket rates (the calm p99 reads the 0.99)."""
+    n = names(c)
+    rules = []
     for q in (0.5, 0.95, 0.99):
         rule = record(n.ENGINE_LATENCY, f"histogram_quantile({q:g}, {n.ENGINE_LATENCY_BUCKETS})")
         rule["labels"] = {"quantile": f"{q:g}"}
@@ -143,14 +171,13 @@ def waiting_rules(c: Config) -> list[Rule]:
     """Work waiting per engine and GPU, by reason; loads waited for; starved."""
     n = names(c)
     sel = c.selector()
-    abandoned = f"gpuio_engine_loads_abandoned_total{sel}"
     # "loads abandoned": at least two loads died unfinished in LOAD_CRASH_LOOP_WINDOW (increase() of a
     # counter stepping by one reads ~1.0 per load: 1.5 means two), or one did within LOAD_RESTART_GRACE
     # (the first attempts of a crash loop restart within seconds), or one did and the engine's GPU is lost
     # (its process died with the GPU; the load starts again after the reset).
     lost_gpus = f'label_replace(gpuio_gpu_up{sel} == 0, "gpu_uuid", "$1", "uuid", "(.+)")'
     crash_looping = (f"{n.ENGINE_LOADS_ABANDONED} >= 1.5\n  or\n"
-                     f"  increase({abandoned}[{c.LOAD_RESTART_GRACE}]) > 0\n  or\n"
+                     f"  increase({abandoned(c)}[{c.LOAD_RESTART_GRACE}]) > 0\n  or\n"
                      f"  {n.ENGINE_LOADS_ABANDONED} and on ({c.NODE_LABEL}, gpu_uuid) {lost_gpus}")
     waiting = "\nor\n".join([
         reason(f"{n.ENGINE_POOL_WAIT} >= {c.ENGINE_POOL_WAIT_SECONDS:g}", "pool wait"),
@@ -169,9 +196,6 @@ def waiting_rules(c: Config) -> list[Rule]:
         "  + on ({node}, engine, path) group_left ({label}) (0 * {storage})",
     ])
     return [
-        # Loads of each engine on each GPU abandoned within LOAD_CRASH_LOOP_WINDOW (processes that exited
-        # while loading), where there were some.
-        record(n.ENGINE_LOADS_ABANDONED, f"increase({abandoned}[{c.LOAD_CRASH_LOOP_WINDOW}]) > 0"),
         # Work queueing for an engine on one GPU, one series per reason.  Never "a request is in
         # flight": a spare replica serving a request now and then is idle, not starved.
         record(n.WORK_WAITING, waiting),
