@@ -73,7 +73,7 @@ class Node:
     """One node's series: name{labels} -> a function of the sample index giving its value."""
 
     def __init__(self, index: int, gpus: int, engines: int, disks: int, storming: bool, storm_from: int,
-                 calm_loads: float = 0.01, bucketed: tuple[str, ...] = DEFAULT_BUCKETED) -> None:
+                 calm_loads: float = 0.01, bucketed: tuple[str, ...] = DEFAULT_BUCKETED, up: bool = False) -> None:
         self.instance = f"node-{index:04d}:9817"
         self.calm_loads = calm_loads  # loads each engine finishes per second on a calm node
         self.bucketed = bucketed  # the engine histograms served with buckets (the others: _sum, _count)
@@ -84,6 +84,8 @@ class Node:
         self._disks(disks)
         uuids = self._gpus(gpus)
         self._engines(engines, uuids)
+        if up:  # what a scrape would add, for a history that stands in for the scrapes (not counted)
+            self.series.append(("up", "", self.gauge(1, 1)))
 
     def add(self, kind: str, family: str, value: Value, **pairs: str) -> None:
         self.series.append((family, labels(**pairs), value))
@@ -103,6 +105,8 @@ class Node:
 
     # --- the parts of a node ------------------------------------------------------------------------
     def _node(self) -> None:
+        started = time.time() - 86400.0  # the exporter process, up for a day (the storm alerts' gap hold)
+        self.add("node", "process_start_time_seconds", self.gauge(started, started))
         self.add("node", "gpuio_pressure_io_waiting_seconds_total", self.counter(0.02, 0.7))
         self.add("node", "gpuio_pressure_io_stalled_seconds_total", self.counter(0.0, 0.3))
         self.add("node", "gpuio_pressure_memory_waiting_seconds_total", self.counter(0.0, 0.0))
@@ -222,8 +226,8 @@ def stormy(args: argparse.Namespace) -> int:
 def fleet(args: argparse.Namespace) -> list[Node]:
     storm_from = (args.history - 8) * 60 // STEP
     bucketed = tuple(s.name for s in spool.ENGINE_SERIES) if args.all_buckets else DEFAULT_BUCKETED
-    return [Node(n, args.gpus, args.engines, args.disks, n < stormy(args), storm_from, args.calm_loads, bucketed)
-            for n in range(args.nodes)]
+    return [Node(n, args.gpus, args.engines, args.disks, n < stormy(args), storm_from, args.calm_loads, bucketed,
+                 up=not args.live) for n in range(args.nodes)]
 
 
 def write_openmetrics(path: str, nodes: list[Node], samples: int, start: float, milliseconds: bool = False) -> None:
@@ -429,6 +433,10 @@ class Backend:
         """Start scraping (``scrape``: the scrape_configs section) and evaluating the rules."""
         raise NotImplementedError
 
+    def evaluate(self) -> None:
+        """Start evaluating the rules over the history alone (no scrapes: it reaches past now)."""
+        raise NotImplementedError(f"{self.name} takes no samples ahead of now: run it with --live")
+
     def groups(self, samples: int) -> list[dict]:
         """The rule groups, each with its mean evaluation time over ``samples`` evaluations."""
         raise NotImplementedError
@@ -487,11 +495,15 @@ class VictoriaMetricsBackend(Backend):
                                        f"-remoteWrite.url={self.base}/api/v1/write",
                                        f"-remoteWrite.tmpDataPath={os.path.join(self.work, 'vmagent')}"],
                                       "-httpListenAddr=", "/health")
+        self.processes.append(agent)
+        self.evaluate()
+
+    def evaluate(self) -> None:
         alert, self.vmalert = serve_on_free_port(
             ["vmalert", f"-rule={os.path.join(os.path.dirname(self.rules[0]), '*.yml')}",
              f"-datasource.url={self.base}", f"-remoteWrite.url={self.base}", f"-remoteRead.url={self.base}",
              "-notifier.url=http://127.0.0.1:1", f"-evaluationInterval={STEP}s"], "-httpListenAddr=", "/health")
-        self.processes += [agent, alert]
+        self.processes.append(alert)
 
     def iterations(self) -> dict[str, tuple[float, float]]:
         """group -> (seconds of all its evaluations, how many) so far, from vmalert's own metrics."""
@@ -532,7 +544,10 @@ def main() -> int:
     parser.add_argument("--engines", type=int, default=20)
     parser.add_argument("--disks", type=int, default=24)
     parser.add_argument("--history", type=int, default=20, help="minutes of history written as blocks")
-    parser.add_argument("--live", type=int, default=3, help="minutes of live scrapes before measuring")
+    parser.add_argument("--live", type=int, default=3, help="minutes of live scrapes before measuring (0: none, "
+                        "the history reaches --ahead minutes past now: for fleets the bench's exposition server "
+                        "cannot serve in time; VictoriaMetrics only)")
+    parser.add_argument("--ahead", type=int, default=10, help="with --live 0: minutes of history past now")
     parser.add_argument("--samples", type=int, default=4, help="rule evaluations to average")
     parser.add_argument("--storm", type=float, default=0.05, help="share of nodes in a storm")
     parser.add_argument("--keep", help="keep the data here")
@@ -566,28 +581,36 @@ def main() -> int:
     print("series per node: " + ", ".join(f"{k} {v}" + (f" ({v / getattr(args, k + 's'):.0f} per {k})"
                                                          if k != "node" else "") for k, v in counts.items()))
     try:
-        # the history; it ends a little before now, where the live scrapes take over
+        # the history; it ends a little before now, where the live scrapes take over (or past now)
         began = time.perf_counter()
-        size = backend.history(nodes, args.history * 60 // STEP - 4, start, args.jobs)
-        print(f"history: {args.history} min at {STEP} s, {size / 1e9:.1f} GB of text -> {backend.name} in "
+        samples = (args.history + args.ahead) * 60 // STEP if not args.live else args.history * 60 // STEP - 4
+        size = backend.history(nodes, samples, start, args.jobs)
+        print(f"history: {samples * STEP // 60} min at {STEP} s, {size / 1e9:.1f} GB of text -> {backend.name} in "
               f"{time.perf_counter() - began:.0f} s ({args.jobs} processes)")
-        # then live: each node served at /metrics?node=N, scraped every STEP seconds as an exporter would be
-        Exposition.nodes, Exposition.start = nodes, start
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        backend.live(scrape_configs(nodes, f"127.0.0.1:{server.server_address[1]}"))
-        time.sleep(args.live * 60)
+        server = None
+        if args.live:
+            # then live: each node served at /metrics?node=N, scraped every STEP seconds as an exporter would be
+            Exposition.nodes, Exposition.start = nodes, start
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            backend.live(scrape_configs(nodes, f"127.0.0.1:{server.server_address[1]}"))
+            time.sleep(args.live * 60)
+        else:
+            backend.evaluate()
+            time.sleep(2 * STEP)  # the first evaluations, before the ones measured
         groups = backend.groups(args.samples)
         base = backend.base
         up = get(base, "/api/v1/query", query='count(up{job="gpuio"} == 1)')["data"]["result"]
-        print(f"live: {up[0]['value'][1] if up else 0} of {args.nodes} nodes scraped for {args.live} min; "
-              f"memory (RSS) of {backend.name}: {rss_mib(backend.processes):,.0f} MiB")
+        scraped = (f"{up[0]['value'][1] if up else 0} of {args.nodes} nodes scraped for {args.live} min"
+                   if args.live else f"no scrapes, {args.ahead} min of history past now")
+        print(f"live: {scraped}; memory (RSS) of {backend.name}: {rss_mib(backend.processes):,.0f} MiB")
         alerts = get(base, "/api/v1/query", query="count by (alertname, alertstate) (ALERTS)")["data"]["result"]
         print("alerts: " + (", ".join(f"{a['metric']['alertname']} {a['metric']['alertstate']} x{a['value'][1]}"
                                       for a in alerts) or "none"))
         print_groups(groups, args.samples)
         rows = panel_queries(base, time.time(), args.history * 60, args.query_runs)
-        server.shutdown()
+        if server is not None:
+            server.shutdown()
         print_panels(rows, args.query_runs)
     finally:
         backend.stop()

@@ -78,16 +78,21 @@ def rule_files(c: Config = DEFAULT) -> dict[str, dict[str, Any]]:
     }
 
 
+def group_reads(c: Config = DEFAULT) -> dict[str, set[str]]:
+    """Each group's name -> the other groups whose recorded series it reads."""
+    groups = [group for content in rule_files(c).values() for group in content["groups"]]
+    owner = {rule["record"]: group["name"] for group in groups for rule in group["rules"] if "record" in rule}
+    return {group["name"]: {owner[name] for rule in group["rules"] for name in RECORDED.findall(rule["expr"])
+                            if name in owner} - {group["name"]} for group in groups}
+
+
 def evaluation_order(c: Config = DEFAULT) -> list[str]:
     """Every group's name, each after the groups whose recorded series it reads (the files' order where
     nothing decides): the order promtool's tests evaluate them in, as Prometheus would with no delay."""
-    groups = [group for content in rule_files(c).values() for group in content["groups"]]
-    owner = {rule["record"]: group["name"] for group in groups for rule in group["rules"] if "record" in rule}
-    reads = {group["name"]: {owner[name] for rule in group["rules"] for name in RECORDED.findall(rule["expr"])
-                             if name in owner} - {group["name"]} for group in groups}
+    reads = group_reads(c)
     order: list[str] = []
-    while len(order) < len(groups):
-        ready = [group["name"] for group in groups if group["name"] not in order and reads[group["name"]] <= set(order)]
+    while len(order) < len(reads):
+        ready = [name for name in reads if name not in order and reads[name] <= set(order)]
         if not ready:
             raise ValueError(f"rule groups read each other in a cycle: {sorted(set(reads) - set(order))}")
         order.append(ready[0])
