@@ -141,11 +141,6 @@ def value_table(title: str, description: str, expr: str, hide: list[str], width:
             .with_transformation(DataTransformerConfig(id_val="organize", options={"excludeByName": exclude})))
 
 
-def single_stat(title: str, description: str, expr: str, unit: str, width: int = 6, height: int = 4) -> stat.Panel:
-    return (stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
-            .span(width).height(height).with_target(query(expr)))
-
-
 # --- colours, thresholds, value mappings ------------------------------------------------------------
 OK, INFO, WARN, BAD, UNKNOWN = "green", "blue", "orange", "red", "purple"
 
@@ -341,10 +336,6 @@ def section(dashboard: db.Dashboard, title: str, panels: list) -> db.Dashboard:
     for panel in panels:
         dashboard = dashboard.with_panel(panel)
     return dashboard
-
-
-def hidden(variable: db.QueryVariable) -> db.QueryVariable:
-    return variable.hide(VariableHide.HIDE_VARIABLE)
 
 
 def board(uid: str, description: str, title: str = "") -> db.Dashboard:

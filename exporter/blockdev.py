@@ -36,10 +36,6 @@ class BlockDevice:
     def attribute(self, relative: str) -> str | None:
         return read_attribute(os.path.join(self.path, relative))
 
-    @property
-    def is_partition(self) -> bool:
-        return self.parent is not None
-
 
 def _listdir(path: str) -> list[str]:
     try:

@@ -18,8 +18,8 @@ sleeping disks (#61).  Here:
   its IO returns; its device is not polled again until it exits, so a hung disk holds one process,
   never one per sweep.  Devices are polled in parallel (``--collector.smart.concurrency``), so a hung
   disk delays no other.
-- Text, not ``--json``: pySMART (the card's choice) parses smartctl's text, and its authors test that
-  parser on the very recordings our tests replay (tests/fixtures/smartctl); text also works with
+- Text, not ``--json``: pySMART (gpuio's SMART library, docs/smart.md) parses smartctl's text, and its
+  authors test that parser on the very recordings our tests replay (tests/fixtures/smartctl); text also works with
   smartctl 6.x.  What pySMART does not read - the exit status, the power-mode answer, open failures -
   the Runner reads.  Numbers are read in the C locale (``LC_ALL=C``), so "1,234" is never "1 234".
 - ``device`` joins gpuio_disk_*: ``/dev/sda`` is ``sda``; an NVMe controller (``/dev/nvme0``) repeats

@@ -678,11 +678,6 @@ def pack_pod(namespace: str, pod: str, container: str, pod_uid: str) -> bytes:
     return POD_STRUCT.pack(*map(len, raw)) + b"".join(raw)
 
 
-def load_key(engine: str, gpu_uuid: str, dev: tuple[int, int]) -> str:
-    """The key of a LOAD record: ``engine\0gpu uuid\0MAJ:MIN``."""
-    return f"{engine}\0{gpu_uuid}\0{dev[0]}:{dev[1]}"
-
-
 def pack_mount(mountpoint: str, fstype: str, source: str, layer: str) -> bytes:
     """A MOUNT record's payload (each string cut to MAX_PATH_BYTES or MAX_SHORT_BYTES)."""
     raw = [mountpoint.encode("utf-8", "replace")[:MAX_PATH_BYTES], fstype.encode("utf-8", "replace")[:MAX_SHORT_BYTES],
