@@ -571,9 +571,8 @@ class EnginesCollector(Collector):
             sampler.stop()
 
     def _host_mountinfo(self) -> str:
-        """The host's mount table (its init's), else the exporter's own where /proc/1 is hidden."""
-        mountinfo = os.path.join(self.context.procfs, "1", "mountinfo")
-        return mountinfo if os.path.exists(mountinfo) else os.path.join(self.context.procfs, "self", "mountinfo")
+        """The host's mount table (its init's), else the exporter's own where /proc/1's cannot be read."""
+        return mounts.host_file(self.context.procfs, "mountinfo")
 
     def find_pod_spools(self) -> kubelet.Discovery:
         """Scan the kubelet's pods directory and hand what it holds to the spool reader (background)."""
