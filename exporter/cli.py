@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -83,9 +84,14 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
         lifespan="on", access_log=False, log_config=None, server_header=False, date_header=False,
         timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
     ), table, (lambda: watcher.current().ssl_context) if watcher else (lambda: None), accept_errors)
+    # Ctrl-C where it runs in a terminal (make run): a stop, not a crash.  uvicorn takes the SIGINT, shuts
+    # down and raises it again, which asyncio.run turns into KeyboardInterrupt only if the main task was
+    # still running: so the server says which signal stopped it.
     try:
         asyncio.run(server.serve(sockets=sockets))
-    except KeyboardInterrupt:  # Ctrl-C where it runs in a terminal (make run): a stop, not a crash
+    except KeyboardInterrupt:
+        server.stop_signal = signal.SIGINT
+    if server.stop_signal == signal.SIGINT:
         log.info("stopped by an interrupt")
 
 

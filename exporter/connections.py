@@ -33,6 +33,7 @@ import socket
 import ssl
 from collections import OrderedDict
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -240,6 +241,11 @@ class Server(uvicorn.Server):
         self.table = table
         self.tls = tls
         self.accept_errors = accept_errors
+        self.stop_signal: int | None = None  # the signal that stopped it, if one did
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.stop_signal = sig
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await self.lifespan.startup()
