@@ -97,13 +97,11 @@ def test_each_group_reads_only_the_groups_before_it() -> None:
     """Groups run concurrently, each reading the others' last results: the order in which they read each
     other has no cycle, and every group of the chain reads what the one before it records."""
     order = sources.evaluation_order()
-    groups = {group["name"]: group for content in sources.rule_files().values() for group in content["groups"]}
-    assert sorted(order) == sorted(groups)
-    owner = {rule["record"]: name for name, group in groups.items() for rule in group["rules"] if "record" in rule}
+    reads = sources.group_reads()
+    assert sorted(order) == sorted(group["name"] for content in sources.rule_files().values()
+                                   for group in content["groups"])
     for position, name in enumerate(order):
-        read = {owner[found] for rule in groups[name]["rules"]
-                for found in sources.RECORDED.findall(rule["expr"]) if found in owner}
-        assert read - {name} <= set(order[:position]), name
+        assert reads[name] <= set(order[:position]), name
     chain = ["gpuio.inputs", "gpuio.baselines", "gpuio.starvation"]
     assert [name for name in order if name in chain] == chain
 
