@@ -37,7 +37,7 @@ import tempfile
 import atheris
 
 with atheris.instrument_imports():
-    from exporter import collectors, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
+    from exporter import collectors, smartctl, webconfig  # noqa: F401  (collectors: registers them, creating their flags)
     from exporter.collect import Context, MalformedSource
     from exporter.collectors import diskstats, pressure, smart
     from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
@@ -147,10 +147,10 @@ def fuzz_smartctl(data: bytes) -> None:
     provider = atheris.FuzzedDataProvider(data)
     status = provider.ConsumeIntInRange(0, 255)
     params = [["--all"], ["-i"], ["--scan-open"], ["-d", "nvme", "--all"]][provider.ConsumeIntInRange(0, 3)]
-    lines = smart.decode(provider.ConsumeBytes(4096))
-    with contextlib.suppress(smart.SmartctlError):
-        smart.check(params, lines, [], status)
-    with contextlib.suppress(smart.SmartctlError):
+    lines = smartctl.decode(provider.ConsumeBytes(4096))
+    with contextlib.suppress(smartctl.SmartctlError):
+        smartctl.check(params, lines, [], status)
+    with contextlib.suppress(smartctl.SmartctlError):
         smart.parse_scan(lines, "/nonexistent")
 
 

@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
+from exporter import smartctl
 from exporter.collectors import smart
 from exporter.exposition import Family, render
 from tests.conftest import parse_samples
@@ -80,11 +81,11 @@ def mutate(lines: list[str], mutations: list[tuple]) -> list[str]:
         else:  # flip one byte of the line, decoded as smartctl's output is
             raw = bytearray(lines[index].encode("utf-8", "replace") or b" ")
             raw[int(where * (len(raw) - 1))] ^= argument[0]
-            lines[index] = smart.decode(bytes(raw))[0] if smart.decode(bytes(raw)) else ""
+            lines[index] = smartctl.decode(bytes(raw))[0] if smartctl.decode(bytes(raw)) else ""
     return lines
 
 
-class MutatingRunner(smart.Runner):
+class MutatingRunner(smartctl.Runner):
     """Answers from one recording directory, mutated; what ``check`` makes of it is the real code's."""
 
     directory = ""
@@ -95,9 +96,9 @@ class MutatingRunner(smart.Runner):
         args, _ = strip_powermode(argv[1:])
         path = os.path.join(self.directory, recording_name(args))
         if not os.path.isfile(path):
-            return smart.decode(f"{BANNER}Smartctl open device: {args[-1]} failed: No such device\n".encode()), [], 2
+            return smartctl.decode(f"{BANNER}Smartctl open device: {args[-1]} failed: No such device\n".encode()), [], 2
         with open(path, "rb") as handle:
-            lines = smart.decode(handle.read())
+            lines = smartctl.decode(handle.read())
         return mutate(lines, self.mutations), [], self.status
 
 
@@ -126,7 +127,7 @@ STATUS = st.sampled_from([0, 0, 0, 4, 64, 192, 1, 2, -9])
 def test_mutated_recordings(case: tuple[str, smart.Target], mutations: list[tuple], status: int) -> None:
     directory, target = case
     with mutating(directory, mutations, status):
-        result = smart.poll(target, "smartctl", "standby", 30.0, smart.Processes())
+        result = smart.poll(target, "smartctl", "standby", 30.0, smartctl.Processes())
         assert result.state in smart.STATES
         if not mutations and status == 0:  # the recording as the drive gave it
             assert result.state in ("ok", "unsupported"), result.detail
@@ -136,7 +137,7 @@ def test_mutated_recordings(case: tuple[str, smart.Target], mutations: list[tupl
         runner = MutatingRunner("smartctl", "standby", 30.0)
         try:
             device = Device(target.path, interface=target.kind, smartctl=smart.pysmart_smartctl(runner))
-        except smart.SmartctlError:
+        except smartctl.SmartctlError:
             device = None
         except Exception:  # pySMART's parser refusing the text: poll() said error, as it must
             assert result.state == "error"
@@ -163,7 +164,7 @@ SCAN_LINE = st.one_of(
 def test_scan_output(lines: list[str]) -> None:
     try:
         targets = smart.parse_scan(lines, "/nonexistent")
-    except smart.SmartctlError:
+    except smartctl.SmartctlError:
         return
     assert all(target.path and target.devices for target in targets)
 
@@ -171,6 +172,6 @@ def test_scan_output(lines: list[str]) -> None:
 @given(st.binary(max_size=512), st.lists(st.sampled_from(["--all", "-i", "--scan-open", "-d", "test"]), max_size=3),
        STATUS)
 def test_check_raises_only_smartctl_error(raw: bytes, params: list[str], status: int) -> None:
-    lines = smart.decode(raw)
-    with contextlib.suppress(smart.SmartctlError):
-        smart.check(params, lines, [], status)
+    lines = smartctl.decode(raw)
+    with contextlib.suppress(smartctl.SmartctlError):
+        smartctl.check(params, lines, [], status)

@@ -15,7 +15,6 @@ import re
 import pytest
 
 from exporter.collectors.smart import (
-    SmartctlError,
     device_labels,
     nvme_namespaces,
     parse_scan,
@@ -23,6 +22,7 @@ from exporter.collectors.smart import (
     raw_number,
 )
 from exporter.config import ConfigError, parse_args
+from exporter.smartctl import SmartctlError
 from tests.fixtures.smartctl.fake import LISTINGS
 from tests.fixtures.smartctl.harness import collector, make_sysfs
 
