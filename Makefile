@@ -109,10 +109,10 @@ run: run-venv
 	$(RUN_VENV)/bin/gpuio-exporter $(ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check exporter tests bench dashboards deploy
+	$(VENV)/bin/ruff check exporter tests bench deploy
 	$(VENV)/bin/mypy exporter
 	# The Grafana SDK needs 3.11 (StrEnum); the dashboards are generated at build time, not on nodes.
-	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 dashboards deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py deploy/generate.py
+	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 deploy/grafana deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py deploy/generate.py
 
 test: venv system-deps lint grafana-schema
 	$(PY) -m pytest -q -rs tests

@@ -1,5 +1,5 @@
-"""Write every generated file of gpuio in one pass: the Prometheus rules, the Grafana boards and the
-Kubernetes objects built from them (``make generate``).
+"""Write every generated file of gpuio in one pass, from one config: the Prometheus rules, the Grafana
+boards and the Kubernetes objects built from them (``make generate``).
 
     python -m deploy.generate          # rewrite deploy/prometheus/rules/*.yml, dashboards/*.json,
                                        # dashboards/kustomization.yaml, deploy/kubernetes/prometheusrule.yaml
@@ -12,9 +12,11 @@ Links in alerts (runbook_url, dashboard_url): by default the runbook's path in t
                               --grafana-url https://grafana.example.com
     GPUIO_RUNBOOK_URL=... GPUIO_GRAFANA_URL=... python -m deploy.generate   # the same, from the environment
 
-A rule variant for tests, written elsewhere (never into the repository; nothing else is written):
+Your own thresholds, windows or selectors (any knob of deploy/prometheus/config.py), written elsewhere
+(never into the repository): the rules in DIR, the boards in DIR/dashboards, the runbooks in DIR/runbooks,
+all from the same config, so a panel's threshold and its runbook say what the alert fires on:
 
-    python -m deploy.generate --set STORM_FOR=10s --set BASELINE_WINDOW=2m --out /tmp/rules
+    python -m deploy.generate --set STORM_FOR=10m --set IO_PRESSURE_FULL=0.2 --out /tmp/gpuio
 """
 
 from __future__ import annotations
@@ -33,18 +35,19 @@ from deploy.prometheus.config import DEFAULT, GRAFANA_URL_ENV, RUNBOOK_URL_ENV, 
 from deploy.prometheus.sources import rule_files
 
 
-def boards() -> dict[str, str]:
-    """Path of each dashboard's JSON -> its text.  Imported here: only the boards need the Grafana SDK."""
-    import dashboards
+def boards(config: Config, directory: str | None = None) -> dict[str, str]:
+    """Path of each dashboard's JSON -> its text under ``config`` (in dashboards/, or ``directory``).
+    Imported here: only the boards need the Grafana SDK (Python 3.11+)."""
+    from deploy.grafana import boards
 
-    return dashboards.rendered()
+    return boards.rendered(config) if directory is None else boards.rendered(config, directory)
 
 
 def rendered(config: Config = DEFAULT) -> dict[str, str]:
     """Every generated file of the repository -> its text, from one config."""
     files = prometheus.rendered(config)
     files.update(prometheus.rendered_node_exporter_mode(config))
-    json_files = boards()
+    json_files = boards(config)
     files.update(json_files)
     files.update(kubernetes.rendered(rule_files(config), [os.path.basename(path) for path in json_files],
                                      rule_files(prometheus.node_exporter_mode(config))))
@@ -67,6 +70,17 @@ def stale(config: Config = DEFAULT) -> list[str]:
     return stale_files(files, stray(files))
 
 
+# Where --out must never point: the checked-in rules, and the repository (whose dashboards/ it would overwrite).
+REPOSITORY_OUTPUTS = (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR, kubernetes.REPO)
+
+
+def variant_files(config: Config, out: str, note: str) -> dict[str, str]:
+    """What ``--out DIR`` writes: the rules in DIR, the boards in DIR/dashboards, from one config."""
+    files = prometheus.rendered(config, out, note)
+    files.update(boards(config, os.path.join(out, "dashboards")))
+    return files
+
+
 def configured(runbook_url: str | None, grafana_url: str | None, environ: Mapping[str, str]) -> Config:
     """DEFAULT with the links a flag or, failing that, the environment sets."""
     runbook = runbook_url if runbook_url is not None else environ.get(RUNBOOK_URL_ENV)
@@ -86,8 +100,9 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ)
                         help=f"your Grafana, the base of every dashboard_url (env {GRAFANA_URL_ENV}; "
                              f"default: none, the link is a path on your Grafana)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="replace a knob of deploy/prometheus/config.py (a rule variant: needs --out)")
-    parser.add_argument("--out", metavar="DIR", help="write the rule files only, into DIR (a variant)")
+                        help="replace a knob of deploy/prometheus/config.py (needs --out)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="write the rules into DIR, the boards into DIR/dashboards (not the repository's)")
     args = parser.parse_args(argv)
     try:
         config = configured(args.runbook_url, args.grafana_url, environ)
@@ -95,12 +110,12 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ)
     except ValueError as error:
         parser.error(str(error))
     out = os.path.abspath(args.out) if args.out else None
-    if (overrides or out) and (args.check or out in (None, prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR)):
-        parser.error("--set and --out write a variant: give --out DIR (never rules/), and no --check")
+    if (overrides or out) and (args.check or out in (None, *REPOSITORY_OUTPUTS)):
+        parser.error("--set and --out write your own variant: give --out DIR (never rules/ "
+                     "or the repository itself), and no --check")
     if out:
-        os.makedirs(out, exist_ok=True)
-        note = prometheus.variant_note(overrides) if overrides else ""
-        return write(prometheus.rendered(prometheus.variant(overrides, config), out, note))
+        return write(variant_files(prometheus.variant(overrides, config), out,
+                                   prometheus.variant_note(overrides) if overrides else ""))
     if args.check:
         return report_stale(stale(config), "make generate")
     return write(rendered(config))

@@ -2,8 +2,9 @@
 
 `gpuio top` highlights a row by these judgements, and the alert rules take the same numbers
 (deploy/prometheus/config.py imports this module), so that what is red on the node's screen is what
-pages.  The names are that module's interface: rename with it.  All values are in base units:
-seconds, ratios 0-1.
+pages.  The module's constants are the defaults; ``Thresholds`` holds one set of them, the knobs of the
+rules' config by the same names: ``gpuio top --set GPU_BUSY_LOW=0.2`` and ``python -m deploy.generate
+--set GPU_BUSY_LOW=0.2`` judge alike.  All values are in base units: seconds, ratios 0-1.
 
 Why these shapes (from node-mixin's history):
 - never %util alone: a parallel device (NVMe, a network volume, md/dm over several disks) can be
@@ -21,6 +22,7 @@ Why these shapes (from node-mixin's history):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -99,51 +101,79 @@ def disk_class(rotational: str | None, device: str | None = None) -> str:
     return SOLID_STATE if rotational == "0" else ROTATIONAL
 
 
-def io_pressure_high(some: float | None, full: float | None) -> bool:
-    return (some is not None and some >= IO_PRESSURE_SOME) or (full is not None and full >= IO_PRESSURE_FULL)
+@dataclass(frozen=True)
+class Thresholds:
+    """The numbers a row is judged by (defaults above).  Frozen: another set is
+    ``dataclasses.replace(DEFAULT, GPU_BUSY_LOW=0.2)`` or ``DEFAULT.with_overrides(["GPU_BUSY_LOW=0.2"])``."""
+
+    AWAIT_MIN_IOPS: float = AWAIT_MIN_IOPS
+    IO_PRESSURE_SOME: float = IO_PRESSURE_SOME
+    IO_PRESSURE_FULL: float = IO_PRESSURE_FULL
+    GPU_BUSY_LOW: float = GPU_BUSY_LOW
+    GPU_SM_ACTIVE_LOW: float = GPU_SM_ACTIVE_LOW
+    GPU_THROTTLE_REASONS: tuple[str, ...] = GPU_THROTTLE_REASONS
+    GPU_THROTTLE_RATIO: float = GPU_THROTTLE_RATIO
+    ENGINE_POOL_WAIT_SECONDS: float = ENGINE_POOL_WAIT_SECONDS
+
+    def with_overrides(self, settings: list[str]) -> Thresholds:
+        """These thresholds with ``NAME=VALUE`` settings in place (numbers only); ValueError names what is
+        wrong and the names that can be set."""
+        numbers = {field.name for field in dataclasses.fields(self) if isinstance(getattr(self, field.name), float)}
+        changes: dict[str, float] = {}
+        for setting in settings:
+            name, sep, value = setting.partition("=")
+            if not sep or name not in numbers:
+                raise ValueError(f"--set {setting!r}: expected NAME=VALUE, NAME one of {', '.join(sorted(numbers))}")
+            try:
+                changes[name] = float(value)
+            except ValueError:
+                raise ValueError(f"--set {name}={value!r}: expected a number") from None
+        return dataclasses.replace(self, **changes)
+
+    def io_pressure_high(self, some: float | None, full: float | None) -> bool:
+        return ((some is not None and some >= self.IO_PRESSURE_SOME)
+                or (full is not None and full >= self.IO_PRESSURE_FULL))
+
+    def disk_flags(self, rotational: str | None, reads_per_second: float | None, writes_per_second: float | None,
+                   read_await: float | None, write_await: float | None, queue_size: float | None,
+                   io_pressure: bool, device: str | None = None) -> list[str]:
+        """The flags of one device over one interval: [], or some of AWAIT, QUEUE, SATURATED."""
+        limits = DISK_CLASSES[disk_class(rotational, device)]
+        slow = any(
+            rate is not None and rate >= self.AWAIT_MIN_IOPS and wait is not None and wait >= limits.await_seconds
+            for rate, wait in ((reads_per_second, read_await), (writes_per_second, write_await))
+        )
+        deep = queue_size is not None and queue_size >= limits.queue_size
+        flags = [flag for flag, on in ((AWAIT, slow), (QUEUE, deep)) if on]
+        if slow and (deep or io_pressure):
+            flags.append(SATURATED)
+        return flags
+
+    def gpu_idle(self, busy: float | None, sm_active: float | None = None) -> bool:
+        """Mostly idle: NVML busy under GPU_BUSY_LOW, or (where GPM measures it) SM activity under
+        GPU_SM_ACTIVE_LOW: a GPU busy 100 % with no SM working is idle for its engines."""
+        if busy is not None and busy < self.GPU_BUSY_LOW:
+            return True
+        return sm_active is not None and sm_active < self.GPU_SM_ACTIVE_LOW
+
+    def gpu_starved(self, busy: float | None, any_disk_saturated: bool, sm_active: float | None = None) -> bool:
+        return self.gpu_idle(busy, sm_active) and any_disk_saturated
+
+    def gpu_throttled(self, active_reasons: list[str]) -> list[str]:
+        """The reasons among those active now that GPUThrottled judges (the alert also wants them to hold
+        the clocks down for GPU_THROTTLE_RATIO of its window; a live view judges the moment)."""
+        return [reason for reason in active_reasons if reason in self.GPU_THROTTLE_REASONS]
+
+    def engine_starved(self, gpu_busy: float | None, disk_saturated: bool, in_flight: float | None,
+                       pool_wait: float | None, contexts: float | None = None,
+                       gpu_sm_active: float | None = None) -> bool:
+        """An engine's GPU mostly idle while its backing disk is saturated and work queues for it: a mean
+        pool wait of at least ENGINE_POOL_WAIT_SECONDS, or as many requests in flight as it has execution
+        contexts.  A request in flight is not queueing: a spare replica serving one request now and then
+        is idle, not starved."""
+        saturated_pool = in_flight is not None and contexts is not None and 0 < contexts <= in_flight
+        waiting = saturated_pool or (pool_wait is not None and pool_wait >= self.ENGINE_POOL_WAIT_SECONDS)
+        return self.gpu_starved(gpu_busy, disk_saturated, gpu_sm_active) and waiting
 
 
-def disk_flags(rotational: str | None, reads_per_second: float | None, writes_per_second: float | None,
-               read_await: float | None, write_await: float | None, queue_size: float | None,
-               io_pressure: bool, device: str | None = None) -> list[str]:
-    """The flags of one device over one interval: [], or some of AWAIT, QUEUE, SATURATED."""
-    limits = DISK_CLASSES[disk_class(rotational, device)]
-    slow = any(
-        rate is not None and rate >= AWAIT_MIN_IOPS and wait is not None and wait >= limits.await_seconds
-        for rate, wait in ((reads_per_second, read_await), (writes_per_second, write_await))
-    )
-    deep = queue_size is not None and queue_size >= limits.queue_size
-    flags = [flag for flag, on in ((AWAIT, slow), (QUEUE, deep)) if on]
-    if slow and (deep or io_pressure):
-        flags.append(SATURATED)
-    return flags
-
-
-def gpu_idle(busy: float | None, sm_active: float | None = None) -> bool:
-    """Mostly idle: NVML busy under GPU_BUSY_LOW, or (where GPM measures it) SM activity under
-    GPU_SM_ACTIVE_LOW: a GPU busy 100 % with no SM working is idle for its engines."""
-    if busy is not None and busy < GPU_BUSY_LOW:
-        return True
-    return sm_active is not None and sm_active < GPU_SM_ACTIVE_LOW
-
-
-def gpu_starved(busy: float | None, any_disk_saturated: bool, sm_active: float | None = None) -> bool:
-    return gpu_idle(busy, sm_active) and any_disk_saturated
-
-
-def gpu_throttled(active_reasons: list[str]) -> list[str]:
-    """The reasons among those active now that GPUThrottled judges (the alert also wants them to hold
-    the clocks down for GPU_THROTTLE_RATIO of its window; a live view judges the moment)."""
-    return [reason for reason in active_reasons if reason in GPU_THROTTLE_REASONS]
-
-
-def engine_starved(gpu_busy: float | None, disk_saturated: bool, in_flight: float | None,
-                   pool_wait: float | None, contexts: float | None = None,
-                   gpu_sm_active: float | None = None) -> bool:
-    """An engine's GPU mostly idle while its backing disk is saturated and work queues for it: a mean
-    pool wait of at least ENGINE_POOL_WAIT_SECONDS, or as many requests in flight as it has execution
-    contexts.  A request in flight is not queueing: a spare replica serving one request now and then
-    is idle, not starved."""
-    saturated_pool = in_flight is not None and contexts is not None and 0 < contexts <= in_flight
-    waiting = saturated_pool or (pool_wait is not None and pool_wait >= ENGINE_POOL_WAIT_SECONDS)
-    return gpu_starved(gpu_busy, disk_saturated, gpu_sm_active) and waiting
+DEFAULT = Thresholds()

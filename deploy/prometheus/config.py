@@ -3,7 +3,9 @@
 ``Config`` holds every knob, with its default; ``DEFAULT`` is the config of the checked-in rules and
 boards.  It is frozen: a variant (shorter windows for an end-to-end test, your own Grafana) is
 ``dataclasses.replace(DEFAULT, STORM_FOR="10s")``, passed to the rule sources - nothing is changed in
-place.  ``config.STORM_FOR`` (module attribute) reads ``DEFAULT.STORM_FOR``: what the boards and docs use.
+place.  Every generator receives the config it writes for: the rules (sources/), the boards
+(deploy/grafana/boards/), the runbooks (runbooks.py); ``config.thresholds`` is what `gpuio top` judges by.
+``config.STORM_FOR`` (module attribute) reads ``DEFAULT.STORM_FOR``, for tests and examples.
 
 Change a default here, run ``make generate``, commit the regenerated YAML and JSON: the drift tests
 (tests/unit/test_rules.py, test_dashboards.py, test_deploy_kubernetes.py) fail while the checked-in
@@ -277,6 +279,13 @@ class Config:
             raise ValueError(f"RUNBOOK_URL {self.RUNBOOK_URL!r} must contain {{alert}} (the alert's name)")
         if self.DISK_SOURCE not in DISK_SOURCES:
             raise ValueError(f"DISK_SOURCE {self.DISK_SOURCE!r}: expected one of {', '.join(DISK_SOURCES)}")
+
+    @property
+    def thresholds(self) -> thresholds.Thresholds:
+        """The numbers `gpuio top` judges its rows by under this config (``gpuio top --set`` takes the same
+        names), so the node's screen and the alerts agree under any config, not only the default."""
+        return thresholds.Thresholds(**{field.name: getattr(self, field.name)
+                                        for field in dataclasses.fields(thresholds.Thresholds)})
 
     @property
     def from_node_exporter(self) -> bool:

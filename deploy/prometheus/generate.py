@@ -81,7 +81,7 @@ def rendered_node_exporter_mode(config: Config = DEFAULT) -> dict[str, str]:
 
 
 def variant_note(overrides: dict[str, Any]) -> str:
-    return "VARIANT, not for production: " + " ".join(f"{k}={v}" for k, v in overrides.items())
+    return "generated with --set " + " --set ".join(f"{k}={v}" for k, v in overrides.items()) + " (not the defaults)"
 
 
 def stale(config: Config = DEFAULT) -> list[str]:

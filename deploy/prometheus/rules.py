@@ -1,4 +1,4 @@
-"""The rules under the default config, for the dashboards and tests.
+"""The rules under the default config, for tests and examples (the generators take a Config).
 
 ``rules.SATURATED`` is the name of that recording rule under ``config.DEFAULT`` (its windows in the
 name: ``...:max_rate1m``); ``rule_files()`` and ``alerts()`` are the rules themselves.  The rules are

@@ -140,16 +140,17 @@ class View:
     failing_collectors: list[str]
 
 
-def compute(before: Snapshot, after: Snapshot, source: str = "", now: float | None = None) -> View:
-    """The figures of the interval between two snapshots of the same source."""
+def compute(before: Snapshot, after: Snapshot, source: str = "", now: float | None = None,
+            limits: th.Thresholds = th.DEFAULT) -> View:
+    """The figures of the interval between two snapshots of the same source, judged by ``limits``."""
     seconds = after.at - before.at
     if seconds <= 0:
         raise ValueError("the second snapshot must be later than the first")
-    pressure = _pressure(before, after, seconds)
-    disks = _disks(before, after, seconds, pressure.io_high)
+    pressure = _pressure(before, after, seconds, limits)
+    disks = _disks(before, after, seconds, pressure.io_high, limits)
     saturated = {row.device for row in disks if th.SATURATED in row.flags}
-    gpus = _gpus(before, after, seconds, bool(saturated))
-    engines = _engines(before, after, gpus, saturated)
+    gpus = _gpus(before, after, seconds, bool(saturated), limits)
+    engines = _engines(before, after, gpus, saturated, limits)
     failing = sorted(k for k, v in after.values(COLLECTOR_SUCCESS, "collector").items() if v == 0)
     return View(source, seconds, time.time() if now is None else now, pressure, disks, gpus, engines, failing)
 
@@ -158,17 +159,18 @@ def _rate(before: Snapshot, after: Snapshot, name: str, seconds: float) -> float
     return ratio(increase(before.scalar(name), after.scalar(name)), seconds)
 
 
-def _pressure(before: Snapshot, after: Snapshot, seconds: float) -> Pressure:
+def _pressure(before: Snapshot, after: Snapshot, seconds: float, limits: th.Thresholds) -> Pressure:
     def rate(name: str) -> float | None:
         return _rate(before, after, name, seconds)
 
     pressure = Pressure(io_some=rate(PSI_IO_SOME), io_full=rate(PSI_IO_FULL), memory_some=rate(PSI_MEMORY_SOME),
                         memory_full=rate(PSI_MEMORY_FULL), cpu_some=rate(PSI_CPU_SOME))
-    pressure.io_high = th.io_pressure_high(pressure.io_some, pressure.io_full)
+    pressure.io_high = limits.io_pressure_high(pressure.io_some, pressure.io_full)
     return pressure
 
 
-def _disks(before: Snapshot, after: Snapshot, seconds: float, io_pressure: bool) -> list[DiskRow]:
+def _disks(before: Snapshot, after: Snapshot, seconds: float, io_pressure: bool,
+           limits: th.Thresholds) -> list[DiskRow]:
     names = (DISK_READS, DISK_WRITES, DISK_READ_BYTES, DISK_WRITTEN_BYTES, DISK_READ_TIME, DISK_WRITE_TIME,
              DISK_IO_TIME, DISK_IO_TIME_WEIGHTED)
     old = {name: before.values(name, "device") for name in names}
@@ -194,7 +196,7 @@ def _disks(before: Snapshot, after: Snapshot, seconds: float, io_pressure: bool)
             queue_size=ratio(delta[DISK_IO_TIME_WEIGHTED], seconds),
             utilization=None if utilization is None else min(1.0, utilization),
         )
-        row.flags = th.disk_flags(rotational.get(device), row.reads_per_second, row.writes_per_second,
+        row.flags = limits.disk_flags(rotational.get(device), row.reads_per_second, row.writes_per_second,
                                   row.read_await_seconds, row.write_await_seconds, row.queue_size, io_pressure,
                                   device=device)
         if ({device} | physical.get(device, set())) & failed:
@@ -213,7 +215,8 @@ def _physical(snapshot: Snapshot) -> dict[str, set[str]]:
 
 
 
-def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: bool) -> list[GpuRow]:
+def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: bool,
+          limits: th.Thresholds) -> list[GpuRow]:
     identity: dict[str, Labels] = {}
     for name in (GPU_INFO, GPU_UP, GPU_BUSY, GPU_MEMORY_USED, GPU_TEMPERATURE):
         for labels in after.labels(name):
@@ -258,8 +261,8 @@ def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: boo
         )
         row.flags = [flag for flag, on in (
             (th.LOST, row.up is False),
-            (th.STARVED, th.gpu_starved(row.busy, disk_saturated, row.sm_active)),
-            (th.THROTTLED, bool(th.gpu_throttled(row.throttle_reasons))),
+            (th.STARVED, limits.gpu_starved(row.busy, disk_saturated, row.sm_active)),
+            (th.THROTTLED, bool(limits.gpu_throttled(row.throttle_reasons))),
         ) if on]
         rows.append(row)
     return rows
@@ -300,7 +303,8 @@ def _bucket_increase(before: Snapshot, after: Snapshot, histogram: str) -> dict[
             for engine, per in new.items() if engine in old}
 
 
-def _engines(before: Snapshot, after: Snapshot, gpus: list[GpuRow], saturated: set[str]) -> list[EngineRow]:
+def _engines(before: Snapshot, after: Snapshot, gpus: list[GpuRow], saturated: set[str],
+             limits: th.Thresholds) -> list[EngineRow]:
     def complete(labels: Labels) -> bool:
         return bool(labels.get(ENGINE_INFO_DEVICE_LABEL) and labels.get(ENGINE_INFO_GPU_LABEL))
 
@@ -338,7 +342,7 @@ def _engines(before: Snapshot, after: Snapshot, gpus: list[GpuRow], saturated: s
         )
         disks = engine_disks.get(engine, set()) | ({device} | physical.get(device, set()) if device else set())
         disk_saturated = bool(disks & saturated)
-        if th.engine_starved(gpu.busy if gpu else None, disk_saturated, row.in_flight, row.pool_wait_seconds,
+        if limits.engine_starved(gpu.busy if gpu else None, disk_saturated, row.in_flight, row.pool_wait_seconds,
                              contexts.get(engine), gpu.sm_active if gpu else None):
             row.flags.append(th.STARVED)
         rows.append(row)

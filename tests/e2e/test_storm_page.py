@@ -541,7 +541,7 @@ def test_benign_sequential_read_does_not_page(stack: Stack) -> None:
     assert Webhook.received[already:] == [], "the sequential read paged"
 
 
-# The Starvation board's state codes (dashboards/starvation.py STARVATION_STATES).
+# The Starvation board's state codes (deploy/grafana/boards/starvation.py STARVATION_STATES).
 BOARD_STATES = {0: "ok", 1: "loading", 2: "waiting for disk", 3: "starved", 4: "stale data"}
 
 

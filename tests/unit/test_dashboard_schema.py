@@ -18,14 +18,14 @@ import pytest
 pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk (Python 3.11+) is not installed")
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (pip install '.[dev]')")
 
-import dashboards  # noqa: E402
+from deploy.grafana import boards  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 
 SCHEMAS = os.path.join(REPO, "dashboards", "schema", "out")
 # The oldest Grafana the boards are built for (the grafana-foundation-sdk build pyproject.toml pins writes
 # its schema), and the one docker-compose.yml runs.
 VERSIONS = ("10.1", "11.3")
-BOARDS = {os.path.basename(path): json.loads(text) for path, text in dashboards.rendered().items()}
+BOARDS = {os.path.basename(path): json.loads(text) for path, text in boards.rendered().items()}
 
 
 def schema(version: str, name: str) -> dict | None:

@@ -21,11 +21,11 @@ import yaml
 
 pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk (Python 3.11+) is not installed")
 
-import dashboards  # noqa: E402
+from deploy.grafana import boards  # noqa: E402
 from deploy.prometheus import config as c  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 
-BOARDS = {os.path.basename(path): json.loads(text) for path, text in dashboards.rendered().items()}
+BOARDS = {os.path.basename(path): json.loads(text) for path, text in boards.rendered().items()}
 RULES = [rule for path in sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")))
          for group in yaml.safe_load(Path(path).read_text(encoding="utf-8"))["groups"] for rule in group["rules"]]
 RECORDED: dict[str, list[str]] = {}

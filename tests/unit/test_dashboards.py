@@ -14,14 +14,14 @@ import pytest
 
 pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk (Python 3.11+) is not installed")
 
-import dashboards  # noqa: E402
 from deploy.generate import stale  # noqa: E402
+from deploy.grafana import boards  # noqa: E402
 from deploy.prometheus import config as c  # noqa: E402
 from deploy.prometheus import rules as r  # noqa: E402
 from tests.conftest import catalogued  # noqa: E402
 
 BOARDS = {uid: json.loads(text) for uid, text in
-          ((os.path.basename(path)[:-5], text) for path, text in dashboards.rendered().items())}
+          ((os.path.basename(path)[:-5], text) for path, text in boards.rendered().items())}
 RANGE = re.compile(r"\[([^\]]+)\]")
 
 
@@ -43,14 +43,14 @@ def test_checked_in_json_matches_the_generator() -> None:
 
 
 def test_generation_is_deterministic() -> None:
-    assert dashboards.rendered() == dashboards.rendered()
+    assert boards.rendered() == boards.rendered()
 
 
 @pytest.mark.parametrize("uid", sorted(BOARDS))
 def test_board_identity_variables_and_links(uid: str) -> None:
     board = BOARDS[uid]
-    assert board["uid"] == uid and uid in dashboards.TITLES
-    assert board["title"] == dashboards.TITLES[uid]
+    assert board["uid"] == uid and uid in boards.TITLES
+    assert board["title"] == boards.TITLES[uid]
     assert c.DASHBOARD_TAG in board["tags"]
     variables = {variable["name"]: variable for variable in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"

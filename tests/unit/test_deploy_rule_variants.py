@@ -46,7 +46,8 @@ def test_variant_changes_only_the_knobs_and_leaves_production_as_it_was(tmp_path
         "instance_device:gpuio_disk_storm_await_seconds:max_rate1m"]
     assert production_storm.replace("rate1m", "rate10s").replace("median1h", "median2m") == recorded[condition]
     assert storm(variant, "critical")["for"] == config.STORM_PAGE_FOR
-    assert all("VARIANT, not for production: RATE_WINDOW=10s BASELINE_WINDOW=2m STORM_FOR=10s" in text
+    assert all("generated with --set RATE_WINDOW=10s --set BASELINE_WINDOW=2m --set STORM_FOR=10s (not the defaults)"
+               in text
                for text in variant.values())
     assert sorted(os.path.basename(p) for p in variant) == sorted(os.path.basename(p) for p in production)
 
@@ -79,6 +80,7 @@ def test_cli_links_come_from_flags_or_the_environment(tmp_path) -> None:
     (["--set", "GPU_THROTTLE_REASONS=hw_slowdown", "--out", "x"], "only numbers, durations and text"),
     (["--set", "STORM_FOR=10s"], "give --out DIR"),
     (["--set", "STORM_FOR=10s", "--out", os.path.join(REPO, "deploy", "prometheus", "rules")], "never rules/"),
+    (["--set", "STORM_FOR=10s", "--out", REPO], "or the repository itself"),
     (["--set", "STORM_FOR=10s", "--check"], "no --check"),
     (["--runbook-url", "https://wiki.example.com/runbooks", "--out", "x"], "must contain {alert}"),
 ])

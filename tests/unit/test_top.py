@@ -322,24 +322,37 @@ def test_histogram_quantile_is_prometheus_interpolation(quantile: float, expecte
 
 
 def test_thresholds_judge_by_device_class_and_need_waiting_work() -> None:
+    limits = th.DEFAULT
     # 20 ms reads: slow on flash, normal on a spinning disk
-    assert th.disk_flags("0", 100, 0, 0.020, None, 1.0, False) == ["await"]
-    assert th.disk_flags("1", 100, 0, 0.020, None, 1.0, False) == []
-    assert th.disk_flags("", 100, 0, 0.020, None, 1.0, False) == []  # unknown class: judged as rotational
+    assert limits.disk_flags("0", 100, 0, 0.020, None, 1.0, False) == ["await"]
+    assert limits.disk_flags("1", 100, 0, 0.020, None, 1.0, False) == []
+    assert limits.disk_flags("", 100, 0, 0.020, None, 1.0, False) == []  # unknown class: judged as rotational
     # slow and the node's tasks stall on IO: saturated without a deep queue
-    assert th.disk_flags("0", 100, 0, 0.020, None, 1.0, True) == ["await", "saturated"]
+    assert limits.disk_flags("0", 100, 0, 0.020, None, 1.0, True) == ["await", "saturated"]
     # a deep queue of fast requests (NVMe at work) is no saturation
-    assert th.disk_flags("0", 5000, 0, 0.001, None, 40.0, True) == ["queue"]
+    assert limits.disk_flags("0", 5000, 0, 0.001, None, 40.0, True) == ["queue"]
     # one slow read on an idle disk is no storm
-    assert th.disk_flags("0", 1.0, 0, 0.500, None, 0.5, True) == []
-    assert th.io_pressure_high(0.30, 0.0) and th.io_pressure_high(0.0, 0.10) and not th.io_pressure_high(0.2, 0.05)
-    assert th.gpu_starved(0.1, True) and not th.gpu_starved(0.1, False) and not th.gpu_starved(None, True)
-    assert not th.engine_starved(0.1, True, 0, 0.0)  # an idle GPU with no requests waiting is not starved
+    assert limits.disk_flags("0", 1.0, 0, 0.500, None, 0.5, True) == []
+    assert limits.io_pressure_high(0.30, 0.0) and limits.io_pressure_high(0.0, 0.10)
+    assert not limits.io_pressure_high(0.2, 0.05)
+    assert limits.gpu_starved(0.1, True) and not limits.gpu_starved(0.1, False) and not limits.gpu_starved(None, True)
+    assert not limits.engine_starved(0.1, True, 0, 0.0)  # an idle GPU with no requests waiting is not starved
     # pool wait counts as work waiting from the alert's ENGINE_POOL_WAIT_SECONDS (10 ms) on
-    assert not th.engine_starved(0.1, True, 0, 0.005) and th.engine_starved(0.1, True, 0, 0.010)
+    assert not limits.engine_starved(0.1, True, 0, 0.005) and limits.engine_starved(0.1, True, 0, 0.010)
     # the reasons GPUThrottled judges; a GPU at its power cap is working as designed
-    assert th.gpu_throttled(["sw_power_cap", "hw_thermal_slowdown"]) == ["hw_thermal_slowdown"]
-    assert th.gpu_throttled(["sw_power_cap", "sync_boost"]) == []
+    assert limits.gpu_throttled(["sw_power_cap", "hw_thermal_slowdown"]) == ["hw_thermal_slowdown"]
+    assert limits.gpu_throttled(["sw_power_cap", "sync_boost"]) == []
+
+
+def test_thresholds_set_by_name_judge_by_the_new_number_and_refuse_what_is_no_number() -> None:
+    lenient = th.DEFAULT.with_overrides(["GPU_BUSY_LOW=0.05", "IO_PRESSURE_SOME=0.5"])
+    assert th.DEFAULT.gpu_idle(0.1) and not lenient.gpu_idle(0.1)
+    assert th.DEFAULT.io_pressure_high(0.4, 0.0) and not lenient.io_pressure_high(0.4, 0.0)
+    assert th.DEFAULT.GPU_BUSY_LOW == th.GPU_BUSY_LOW  # the default is untouched
+    for setting, message in (("GPU_BUSY_LOW=low", "expected a number"), ("STORM_FOR=10m", "NAME one of"),
+                             ("GPU_THROTTLE_REASONS=hw_slowdown", "NAME one of"), ("GPU_BUSY_LOW", "NAME=VALUE")):
+        with pytest.raises(ValueError, match=message):
+            th.DEFAULT.with_overrides([setting])
 
 
 def fake_view(disks: int, gpus: int, engines: int) -> iostat.View:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from deploy.prometheus import config as c
+from deploy.prometheus.config import GPU_UID, Config
 
 from .common import (
     GPU,
@@ -34,8 +34,8 @@ from .common import (
 PER_GPU = "GPU {{gpu}}"
 
 
-def activity_panels() -> list:
-    g = sel(GPU)
+def activity_panels(config: Config) -> list:
+    g = sel(config, GPU)
     return [
         threshold_lines(graph(
             "GPU busy (counter) vs. utilisation gauge",
@@ -43,28 +43,31 @@ def activity_panels() -> list:
             "NVML sample (exact at any scrape interval). Gauge: NVML's utilisation of its last sample period "
             "only; it aliases when scrapes are further apart than that period, so trust the busy line. Neither "
             "is SM activity: a GPU copying an engine's weights in reads 100 % busy with no SM running. "
-            f"Under {c.GPU_BUSY_LOW:.0%} (the shaded band) while work waits on a saturated disk is what "
+            f"Under {config.GPU_BUSY_LOW:.0%} (the shaded band) while work waits on a saturated disk is what "
             "GPUStarvedByDiskIO fires on; under it with nothing waiting is an idle GPU, not a starved one.",
             "percentunit",
             query(rate("gpuio_gpu_busy_seconds_total", g), f"{PER_GPU} busy"),
             query(f"gpuio_gpu_utilization_ratio{g}", f"{PER_GPU} gauge"), max_value=1),
-            limit(c.GPU_BUSY_LOW, below=True)),
+            limit(config.GPU_BUSY_LOW, below=True)),
         series_limits(graph(
               "SM activity, occupancy and tensor pipes (GPM)",
               "What the SMs do, Hopper and newer (GPM): SM active = share of SMs with a warp resident; occupancy "
               "= resident warps over the SMs' capacity; tensor = share of time the tensor pipes worked. NVML busy "
               "reads 100 % while one thread spins or weights cross PCIe with no SM running; these do not. "
-              f"GPUStarvedByDiskIO counts a GPU under {c.GPU_SM_ACTIVE_LOW:.0%} SM active (the dashed line) as idle, "
+              f"GPUStarvedByDiskIO counts a GPU under {config.GPU_SM_ACTIVE_LOW:.0%} SM active (the dashed line) "
+              "as idle, "
               "with work waiting on saturated storage.", "percentunit",
               query(rate("gpuio_gpu_sm_active_seconds_total", g), f"{PER_GPU} SM active"),
               query(rate("gpuio_gpu_sm_occupancy_seconds_total", g), f"{PER_GPU} occupancy"),
-              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe="tensor"')), f"{PER_GPU} tensor"),
+              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(config, GPU, 'pipe="tensor"')),
+                    f"{PER_GPU} tensor"),
               max_value=1),
-              {"/ SM active$/": limit(c.GPU_SM_ACTIVE_LOW, below=True)}),
+              {"/ SM active$/": limit(config.GPU_SM_ACTIVE_LOW, below=True)}),
         graph("Pipes (GPM)", "Share of time each pipe of the SMs worked, averaged over the SMs: tensor by kind "
               "(hmma: fp16/bf16, imma: integer, dfma: fp64) and non-tensor fp64/fp32/fp16. Pipes overlap.",
               "percentunit",
-              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(GPU, 'pipe!="tensor"')), f"{PER_GPU} {{{{pipe}}}}"),
+              query(rate("gpuio_gpu_pipe_active_seconds_total", sel(config, GPU, 'pipe!="tensor"')),
+                    f"{PER_GPU} {{{{pipe}}}}"),
               max_value=1),
         graph("Memory bandwidth: DRAM (GPM) vs. NVML memory utilisation",
               "DRAM: share of the peak device-memory bandwidth used (GPM, a counter: exact at any interval). "
@@ -81,17 +84,17 @@ def activity_panels() -> list:
               query(f"gpuio_gpu_memory_used_bytes{g}", f"{PER_GPU} used"),
               query(f"gpuio_gpu_memory_total_bytes{g}", f"{PER_GPU} total")),
         timeline("GPUs up", "up while a GPU answers NVML; down: lost, reset required or gone from the bus "
-                 f"(GPULost fires after {c.GPU_LOST_FOR}). A GPU gone before the exporter started has no lane "
+                 f"(GPULost fires after {config.GPU_LOST_FOR}). A GPU gone before the exporter started has no lane "
                  "at all: compare the count enumerated below with the node's GPUs (GPUMissing).",
                  query(f"gpuio_gpu_up{g}", PER_GPU), mappings=UP, width=6),
         graph("GPUs enumerated", "How many GPUs NVML enumerates now. Fewer than the node had in the last "
-              f"{c.GPU_MISSING_WINDOW} fires GPUMissing.", "short",
-              query(f"gpuio_gpu_devices{sel()}", "GPUs enumerated"), width=6),
+              f"{config.GPU_MISSING_WINDOW} fires GPUMissing.", "short",
+              query(f"gpuio_gpu_devices{sel(config)}", "GPUs enumerated"), width=6),
     ]
 
 
-def thermal_panels() -> list:
-    g = sel(GPU)
+def thermal_panels(config: Config) -> list:
+    g = sel(config, GPU)
     return [
         graph("Temperature", "GPU die and memory (HBM) temperature.", "celsius",
               query(f"gpuio_gpu_temperature_celsius{g}", f"{PER_GPU} die"),
@@ -110,18 +113,19 @@ def thermal_panels() -> list:
         threshold_lines(graph(
             "Clocks held down (share of time, by reason)",
             f"Rate of the clock-event violation counters. GPUThrottled fires when "
-            f"{', '.join(c.GPU_THROTTLE_REASONS)} hold clocks down for over {c.GPU_THROTTLE_RATIO:.0%} (the red "
-            f"line) of {c.GPU_THROTTLE_WINDOW}; sw_power_cap on a fully loaded GPU is by design.", "percentunit",
+            f"{', '.join(config.GPU_THROTTLE_REASONS)} hold clocks down for over "
+            f"{config.GPU_THROTTLE_RATIO:.0%} (the red "
+            f"line) of {config.GPU_THROTTLE_WINDOW}; sw_power_cap on a fully loaded GPU is by design.", "percentunit",
             query(rate("gpuio_gpu_clocks_event_seconds_total", g), f"{PER_GPU} {{{{reason}}}}")),
-            limit(c.GPU_THROTTLE_RATIO)),
+            limit(config.GPU_THROTTLE_RATIO)),
         graph("Clock event reasons active now", "Each reason that holds clocks down at the last sample (1), "
               "as nvidia-smi's clocks_event_reasons.*.", "short",
               query(f"gpuio_gpu_clocks_event_reason_active{g} == 1", f"{PER_GPU} {{{{reason}}}}")),
     ]
 
 
-def pcie_panels() -> list:
-    g = sel(GPU)
+def pcie_panels(config: Config) -> list:
+    g = sel(config, GPU)
     return [
         graph("PCIe traffic", "Bytes per second over the GPU's PCIe link, TLP overhead included (Hopper and "
               "newer): host to GPU is receive. Engine loads and input batches cross here.", "binBps",
@@ -129,7 +133,7 @@ def pcie_panels() -> list:
               query(rate("gpuio_gpu_pcie_transmit_bytes_total", g), f"{PER_GPU} transmit")),
         graph("PCIe link (generation and width vs. maximum)",
               f"A width under its maximum is a degraded link (GPUPCIeLinkDegraded); the generation drops at idle "
-              f"to save power, so it is judged only while the GPU is over {c.PCIE_GENERATION_BUSY:.0%} busy.",
+              f"to save power, so it is judged only while the GPU is over {config.PCIE_GENERATION_BUSY:.0%} busy.",
               "short",
               query(f"gpuio_gpu_pcie_link_generation{g}", f"{PER_GPU} gen"),
               query(f"gpuio_gpu_pcie_link_generation_max{g}", f"{PER_GPU} gen max"),
@@ -141,8 +145,8 @@ def pcie_panels() -> list:
     ]
 
 
-def error_panels() -> list:
-    g = sel(GPU)
+def error_panels(config: Config) -> list:
+    g = sel(config, GPU)
     return [
         graph("Xid events", "Xid events per second by code (driver error reports). 13, 31, 43, 45 are usually the "
               "application's fault; others (48, 63, 64, 74, 79, 92-95...) the hardware's or driver's.", "short",
@@ -160,15 +164,15 @@ def error_panels() -> list:
               query(rate("gpuio_gpu_nvml_errors_total", g), f"{PER_GPU} {{{{call}}}} {{{{error}}}}"), width=6),
         threshold_lines(graph(
             "GPU snapshot age", "Age of the NVML snapshot scrapes serve (the sampler reads every second). Over "
-            f"{c.GPU_STALE_AFTER_SECONDS} s (the red line) the GPU data is stale: a frozen busy counter would "
+            f"{config.GPU_STALE_AFTER_SECONDS} s (the red line) the GPU data is stale: a frozen busy counter would "
             "read as an idle GPU, so no starvation alert judges the node's GPUs and GpuioGPUDataStale fires.",
-            "s", query(f"gpuio_gpu_snapshot_age_seconds{sel()}", "snapshot age"), width=6),
-            limit(c.GPU_STALE_AFTER_SECONDS)),
+            "s", query(f"gpuio_gpu_snapshot_age_seconds{sel(config)}", "snapshot age"), width=6),
+            limit(config.GPU_STALE_AFTER_SECONDS)),
     ]
 
 
-def process_panels() -> list:
-    g = sel(GPU)
+def process_panels(config: Config) -> list:
+    g = sel(config, GPU)
     return [
         value_table("Compute processes", "Processes holding device memory on each GPU (largest first, up to "
                     "--collector.nvml.max-processes): how an engine's process is tied to its GPU.",
@@ -179,10 +183,10 @@ def process_panels() -> list:
               "period, read every interval: an estimate), named by the engine it reports through the spool "
               "(gpuio_engine_process_info, joined on pid) or else by its process name.", "percentunit",
               query(f"{rate('gpuio_gpu_process_sm_busy_seconds_total', g)}\n"
-                    f"* on ({c.NODE_LABEL}, pid) group_left (engine) max by ({c.NODE_LABEL}, pid, engine) "
-                    f"(gpuio_engine_process_info{sel()})", f"{PER_GPU} {{{{engine}}}} (pid {{{{pid}}}})"),
+                    f"* on ({config.NODE_LABEL}, pid) group_left (engine) max by ({config.NODE_LABEL}, pid, engine) "
+                    f"(gpuio_engine_process_info{sel(config)})", f"{PER_GPU} {{{{engine}}}} (pid {{{{pid}}}})"),
               query(f"{rate('gpuio_gpu_process_sm_busy_seconds_total', g)}\n"
-                    f"unless on ({c.NODE_LABEL}, pid) gpuio_engine_process_info{sel()}",
+                    f"unless on ({config.NODE_LABEL}, pid) gpuio_engine_process_info{sel(config)}",
                     f"{PER_GPU} {{{{process_name}}}} (pid {{{{pid}}}})")),
         graph("MIG devices: memory", "Memory used and installed per MIG device, where MIG is on.", "bytes",
               query(f"gpuio_gpu_mig_device_memory_used_bytes{g}", f"{PER_GPU} {{{{mig_uuid}}}} used"),
@@ -195,9 +199,11 @@ def process_panels() -> list:
     ]
 
 
-def build() -> db.Dashboard:
-    return assemble(c.GPU_UID, "NVML state of every GPU of a node: busy time, memory, heat and power, clocks "
+def build(config: Config) -> db.Dashboard:
+    return assemble(config, GPU_UID, "NVML state of every GPU of a node: busy time, memory, heat and power, clocks "
                     "and throttling, PCIe, errors, processes.",
-                    (("Activity", activity_panels()), ("Heat, power and clocks", thermal_panels()),
-                     ("PCIe", pcie_panels()), ("Errors", error_panels()), ("Processes", process_panels())),
-                    variables=[namespace_variable(GPU_PODS), pod_variable(GPU_PODS), gpu_variable(by_pod=True)])
+                    (("Activity", activity_panels(config)), ("Heat, power and clocks", thermal_panels(config)),
+                     ("PCIe", pcie_panels(config)), ("Errors", error_panels(config)),
+                     ("Processes", process_panels(config))),
+                    variables=[namespace_variable(config, GPU_PODS), pod_variable(config, GPU_PODS),
+                               gpu_variable(config, by_pod=True)])

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from deploy.prometheus import config as c
-from deploy.prometheus import rules as r
+from deploy.prometheus.config import ENGINES_UID, Config
+from deploy.prometheus.sources.names import names
 
 from .common import (
     ENGINE,
@@ -36,19 +36,20 @@ from .common import (
 PER_ENGINE = "{{engine}}"
 
 
-def load_panels() -> list:
-    e = sel(ENGINE)
+def load_panels(config: Config) -> list:
+    recorded = names(config)
+    e = sel(config, ENGINE)
     return [
         threshold_lines(graph(
             "Cold start: load time and its disk part",
             f"Mean seconds per load (read + deserialize) and the read part, of the loads that finished in the "
-            f"last {c.ENGINE_LOAD_WINDOW} (recording rules). EngineColdStartSlow fires above "
-            f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s (the red line). Read close to the whole: the disk is the "
+            f"last {config.ENGINE_LOAD_WINDOW} (recording rules). EngineColdStartSlow fires above "
+            f"{config.ENGINE_LOAD_SLOW_SECONDS:g} s (the red line). Read close to the whole: the disk is the "
             "bottleneck. A warm load (from the page cache) counts too: a low mean is not proof the disk is fast.",
             "s",
-            query(f"{r.ENGINE_LOAD}{e}", f"{PER_ENGINE} load"),
-            query(f"{r.ENGINE_LOAD_READ}{e}", f"{PER_ENGINE} read")),
-            limit(c.ENGINE_LOAD_SLOW_SECONDS)),
+            query(f"{recorded.ENGINE_LOAD}{e}", f"{PER_ENGINE} load"),
+            query(f"{recorded.ENGINE_LOAD_READ}{e}", f"{PER_ENGINE} read")),
+            limit(config.ENGINE_LOAD_SLOW_SECONDS)),
         graph("Load read and deserialize (mean per load)", "Time to read the engine file (disk or page cache) and "
               "to deserialize it, per load finished in the interval (a single load's own times: loads are few, "
               "so a mean says more than a quantile's guess inside one bucket).", "s",
@@ -57,8 +58,8 @@ def load_panels() -> list:
               query(guarded_ratio("gpuio_engine_load_deserialize_seconds_sum",
                                   "gpuio_engine_load_deserialize_seconds_count", e), f"{PER_ENGINE} deserialize")),
         graph("Load read throughput", f"Bytes read by loads per second of reading, over the last "
-              f"{c.ENGINE_LOAD_WINDOW} (recording rule): what the disk (or page cache) delivered to loads.",
-              "binBps", query(f"{r.ENGINE_LOAD_THROUGHPUT}{e}", PER_ENGINE)),
+              f"{config.ENGINE_LOAD_WINDOW} (recording rule): what the disk (or page cache) delivered to loads.",
+              "binBps", query(f"{recorded.ENGINE_LOAD_THROUGHPUT}{e}", PER_ENGINE)),
         graph("Loads and bytes read", "Engine loads finished per second, and bytes read by loads per second.",
               "short",
               query(rate("gpuio_engine_load_read_seconds_count", e), f"{PER_ENGINE} loads/s"),
@@ -66,17 +67,18 @@ def load_panels() -> list:
     ]
 
 
-def inference_panels() -> list:
-    e = sel(ENGINE)
+def inference_panels(config: Config) -> list:
+    e = sel(config, ENGINE)
     latency = "gpuio_engine_inference_seconds"
     return [
         graph("Inference latency (p50, p95, p99)", "End-to-end latency (enqueue to stream synchronised) per engine, "
               "from the histograms.", "s",
-              *(query(histogram_quantile(q, latency, e), f"{PER_ENGINE} p{q * 100:g}") for q in (0.5, 0.95, 0.99))),
+              *(query(histogram_quantile(config, q, latency, e), f"{PER_ENGINE} p{q * 100:g}")
+                for q in (0.5, 0.95, 0.99))),
         graph("GPU time vs. end to end (p50)", "GPU time from CUDA events (where the process measures it) against "
               "end-to-end latency: a wide gap is time outside the GPU (input copies, queueing, the host).", "s",
-              query(histogram_quantile(0.5, "gpuio_engine_inference_gpu_seconds", e), f"{PER_ENGINE} GPU"),
-              query(histogram_quantile(0.5, latency, e), f"{PER_ENGINE} end to end")),
+              query(histogram_quantile(config, 0.5, "gpuio_engine_inference_gpu_seconds", e), f"{PER_ENGINE} GPU"),
+              query(histogram_quantile(config, 0.5, latency, e), f"{PER_ENGINE} end to end")),
         graph("Inferences and errors", "Completed inferences per second, and failed loads and inferences per "
               "second by reason.", "reqps",
               query(rate(f"{latency}_count", e), f"{PER_ENGINE} completed"),
@@ -89,8 +91,8 @@ def inference_panels() -> list:
     ]
 
 
-def pool_panels() -> list:
-    e = sel(ENGINE)
+def pool_panels(config: Config) -> list:
+    e = sel(config, ENGINE)
     return [
         graph("Pool contexts", "Execution contexts in the engine pools, and how many are free. None free while "
               "requests wait: the pool is too small or the GPU too slow.", "short",
@@ -98,12 +100,12 @@ def pool_panels() -> list:
               query(f"gpuio_engine_pool_idle_contexts{e}", f"{PER_ENGINE} idle")),
         series_limits(graph(
             "Pool wait (mean, p99)", f"Time a request waited for a free context. GPUStarvedByDiskIO counts a mean "
-            f"of {c.ENGINE_POOL_WAIT_SECONDS * 1000:g} ms or more (the dashed line on the means) as work waiting; "
+            f"of {config.ENGINE_POOL_WAIT_SECONDS * 1000:g} ms or more (the dashed line on the means) as work waiting; "
             "waiting alone is not starvation (a busy GPU with a small pool waits too).", "s",
             query(guarded_ratio("gpuio_engine_pool_wait_seconds_sum", "gpuio_engine_pool_wait_seconds_count", e),
                   f"{PER_ENGINE} mean"),
-            query(histogram_quantile(0.99, "gpuio_engine_pool_wait_seconds", e), f"{PER_ENGINE} p99")),
-            {"/ mean$/": limit(c.ENGINE_POOL_WAIT_SECONDS)}),
+            query(histogram_quantile(config, 0.99, "gpuio_engine_pool_wait_seconds", e), f"{PER_ENGINE} p99")),
+            {"/ mean$/": limit(config.ENGINE_POOL_WAIT_SECONDS)}),
         graph("Warm-up and first inference vs. steady state", "Mean warm-up time of a context before it served, "
               "the mean first (cold) inference of a context, and the steady mean inference: warm-up is what the "
               "pool spends so that requests do not pay the first-inference cost.", "s",
@@ -116,8 +118,8 @@ def pool_panels() -> list:
     ]
 
 
-def file_panels() -> list:
-    e = sel(ENGINE)
+def file_panels(config: Config) -> list:
+    e = sel(config, ENGINE)
     return [
         graph("Page-cache residency", "Share of each engine file in the page cache at the last background scan: "
               "a load of a resident file never touches the disk. `gpuio warm PATH` fills it before a rollout.",
@@ -125,7 +127,7 @@ def file_panels() -> list:
         graph("Files whose residency is unknown", "Engine files the last scan could not measure truthfully, by "
               "reason (permission: since Linux 5.2 the kernel reports files the exporter cannot write as "
               "resident; see docs/engines.md).", "short",
-              query(f"gpuio_engine_file_residency_unavailable{sel()}", "{{reason}}")),
+              query(f"gpuio_engine_file_residency_unavailable{sel(config)}", "{{reason}}")),
         value_table("Engine files: disk and GPU", "Each engine file a live process loaded, its block device and "
                     "GPU (gpuio_engine_info): the join the starvation alerts use.", f"gpuio_engine_info{e}",
                     ["job"], height=6),
@@ -135,10 +137,10 @@ def file_panels() -> list:
     ]
 
 
-def layer_panels() -> list:
-    e = sel(ENGINE)
+def layer_panels(config: Config) -> list:
+    e = sel(config, ENGINE)
     per_inference = (f"{rate('gpuio_engine_layer_seconds_total', e)}\n"
-                     f"/ on ({c.NODE_LABEL}, engine) group_left ()\n"
+                     f"/ on ({config.NODE_LABEL}, engine) group_left ()\n"
                      f"({rate('gpuio_engine_layer_profiled_inferences_total', e)} > 0)")
     return [
         graph("Layer time per inference (profiled)", "Mean seconds per profiled inference spent in each of the top "
@@ -147,13 +149,13 @@ def layer_panels() -> list:
     ]
 
 
-def spool_panels() -> list:
-    s = sel()
+def spool_panels(config: Config) -> list:
+    s = sel(config)
     return [
         graph("Serving processes", "Live inference processes with a spool file, and those serving each engine: "
               "through the library (spool) or found holding its file without it (proc: engine discovery).",
               "short", query(f"gpuio_engine_spool_processes{s}", "spool files"),
-              query(f"gpuio_engine_processes{sel(ENGINE)}", f"{PER_ENGINE} processes ({{{{source}}}})")),
+              query(f"gpuio_engine_processes{sel(config, ENGINE)}", f"{PER_ENGINE} processes ({{{{source}}}})")),
         graph("Spool errors and dropped series", "Spool files skipped or damaged per second by reason "
               "(GpuioEngineSpoolErrors), and series left out by the caps of the writers and of the exporter.",
               "short",
@@ -163,11 +165,12 @@ def spool_panels() -> list:
     ]
 
 
-def build() -> db.Dashboard:
-    return assemble(c.ENGINES_UID, "The engines of a node: cold starts, inference latency, pools, residency of the "
-                    "engine files and the disk and GPU behind each.",
-                    (("Cold starts", load_panels()), ("Inference", inference_panels()), ("Pool", pool_panels()),
-                     ("Engine files", file_panels()), ("Layers", layer_panels()), ("Spool", spool_panels())),
-                    variables=[namespace_variable(ENGINE_PODS), pod_variable(ENGINE_PODS),
-                               engine_variable(by_pod=True)],
-                    annotations=[engine_loads_annotation(sel(ENGINE))])
+def build(config: Config) -> db.Dashboard:
+    return assemble(config, ENGINES_UID, "The engines of a node: cold starts, inference latency, pools, residency "
+                    "of the engine files and the disk and GPU behind each.",
+                    (("Cold starts", load_panels(config)), ("Inference", inference_panels(config)),
+                     ("Pool", pool_panels(config)), ("Engine files", file_panels(config)),
+                     ("Layers", layer_panels(config)), ("Spool", spool_panels(config))),
+                    variables=[namespace_variable(config, ENGINE_PODS), pod_variable(config, ENGINE_PODS),
+                               engine_variable(config, by_pod=True)],
+                    annotations=[engine_loads_annotation(sel(config, ENGINE))])

@@ -26,8 +26,8 @@ from grafana_foundation_sdk.models.common import (
 from grafana_foundation_sdk.models.dashboard import DataTransformerConfig, FieldColorModeId
 from grafana_foundation_sdk.models.heatmap import HeatmapColorMode, HeatmapColorScale
 
-from deploy.prometheus import config as c
-from deploy.prometheus import rules as r
+from deploy.prometheus.config import STARVATION_UID, Config
+from deploy.prometheus.sources.names import names
 
 from .common import (
     DATASOURCE,
@@ -45,39 +45,43 @@ from .common import (
 
 FLEET_UID = "gpuio-fleet"
 FLEET_TITLE = "gpuio / Fleet"
-N = c.NODE_LABEL
 
 
-def starved_engines() -> str:
+def starved_engines(config: Config) -> str:
     """Engines on GPUs starved now (GPUStarvedByDiskIO's condition, before its `for`), per node."""
-    return f"count by ({N}) ({r.STARVED}{sel()})"
+    return f"count by ({config.NODE_LABEL}) ({names(config).STARVED}{sel(config)})"
 
 
-def storm_loads() -> str:
+def storm_loads(config: Config) -> str:
     """Engine loads waiting on a storming disk (DiskIOStorm's judgement), per node."""
-    return f"sum by ({N}) (gpuio_disk_engine_loads_in_progress{sel()} and on ({N}, device) {r.STORM}{sel()})"
+    node, selector = config.NODE_LABEL, sel(config)
+    return (f"sum by ({node}) (gpuio_disk_engine_loads_in_progress{selector} "
+            f"and on ({node}, device) {names(config).STORM}{selector})")
 
 
-def saturation() -> str:
+def saturation(config: Config) -> str:
     """Per node, the worst disk's judged await as a share of its class's limit (1: at the limit)."""
-    return f"max by ({N}) ({r.AWAIT}{sel()} / on ({N}, device) {r.AWAIT_LIMIT}{sel()})"
+    node, selector, recorded = config.NODE_LABEL, sel(config), names(config)
+    return f"max by ({node}) ({recorded.AWAIT}{selector} / on ({node}, device) {recorded.AWAIT_LIMIT}{selector})"
 
 
-def cold_loads() -> str:
+def cold_loads(config: Config) -> str:
     """Cold loads (most of the file read from the device) finished per minute, per node and engine: from
     the recorded per-engine rate, not a rate over every engine's load counters of every node."""
-    return f"60 * sum by ({N}, engine) ({r.ENGINE_COLD_LOADS}{sel()}) > 0"
+    return f"60 * sum by ({config.NODE_LABEL}, engine) ({names(config).ENGINE_COLD_LOADS}{sel(config)}) > 0"
 
 
-def ranking(title: str, description: str, expr: str, unit: str, thresholds: db.ThresholdsConfig) -> bargauge.Panel:
+def ranking(config: Config, title: str, description: str, expr: str, unit: str,
+            thresholds: db.ThresholdsConfig) -> bargauge.Panel:
     """Nodes as bars, worst first (top 20), each linking to its Starvation board."""
-    link = {"title": "Starvation board of ${__field.labels." + N + "}",
-            "url": f"/d/{c.STARVATION_UID}/{c.STARVATION_UID}?${{__url_time_range}}&var-datasource=${{datasource}}"
-                   f"&var-cluster=${{cluster}}&var-instance=${{__field.labels.{N}}}"}
+    node = config.NODE_LABEL
+    link = {"title": "Starvation board of ${__field.labels." + node + "}",
+            "url": f"/d/{STARVATION_UID}/{STARVATION_UID}?${{__url_time_range}}&var-datasource=${{datasource}}"
+                   f"&var-cluster=${{cluster}}&var-instance=${{__field.labels.{node}}}"}
     matcher, properties = override("/.*/", links=[link])
     return (bargauge.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
             .span(12).height(8)
-            .with_target(prometheus.Dataquery().expr(f"topk(20, {expr})").legend_format("{{" + N + "}}").ref_id("A")
+            .with_target(prometheus.Dataquery().expr(f"topk(20, {expr})").legend_format("{{" + node + "}}").ref_id("A")
                          .instant())
             .thresholds(thresholds).color_scheme(db.FieldColor().mode(FieldColorModeId.THRESHOLDS))
             .display_mode(BarGaugeDisplayMode.GRADIENT).value_mode(BarGaugeValueMode.COLOR)
@@ -86,7 +90,7 @@ def ranking(title: str, description: str, expr: str, unit: str, thresholds: db.T
             .with_override(matcher, properties).min(0))
 
 
-def saturation_heatmap() -> heatmap.Panel:
+def saturation_heatmap(config: Config) -> heatmap.Panel:
     return (heatmap.Panel().title("Disk saturation across nodes").datasource(DATASOURCE).span(24).height(10)
             .description(
                 "One row per node, one cell per time step: the worst disk's judged await (r_await or w_await, "
@@ -95,7 +99,7 @@ def saturation_heatmap() -> heatmap.Panel:
                 "class. A column lit across many nodes is a fleet-wide storm (a shared model store, a deploy "
                 "wave); one row lit is one node's disk. Slow alone is not saturated: DiskIOStorm also needs "
                 "a deep queue or IO pressure. No cell: the node's disks completed too few requests to judge.")
-            .with_target(query(saturation(), "{{" + N + "}}"))
+            .with_target(query(saturation(config), "{{" + config.NODE_LABEL + "}}"))
             .calculate(False).unit("percentunit")
             .color(heatmap.HeatmapColorOptions().mode(HeatmapColorMode.SCHEME).scheme("Oranges")
                    .scale(HeatmapColorScale.EXPONENTIAL).exponent(0.5).steps(32).reverse(False)
@@ -106,67 +110,69 @@ def saturation_heatmap() -> heatmap.Panel:
             .filter_values(heatmap.FilterValueRange().le(1e-9)))
 
 
-def top_row() -> list:
+def top_row(config: Config) -> list:
+    recorded = names(config)
     return [
         big_number("Engines starved now", "Engines on GPUs whose GPUStarvedByDiskIO condition holds now "
-                   f"(paging after {c.STARVED_FOR}), across the chosen nodes. 0 is green; it counts engine x "
-                   "GPU pairs, not alerts that paged.", f"sum({starved_engines()}) or vector(0)", "short",
+                   f"(paging after {config.STARVED_FOR}), across the chosen nodes. 0 is green; it counts engine x "
+                   "GPU pairs, not alerts that paged.", f"sum({starved_engines(config)}) or vector(0)", "short",
                    limit(1), width=6),
         big_number("Nodes with a starved engine", "Nodes with at least one engine whose GPUStarvedByDiskIO "
-                   "condition holds now (see the ranking below).", f"count({starved_engines()}) or vector(0)",
+                   "condition holds now (see the ranking below).", f"count({starved_engines(config)}) or vector(0)",
                    "short", limit(1), width=6),
         big_number("Disks storming", "Disks DiskIOStorm judges in a storm now: saturated for their class and "
-                   f"at least {c.STORM_BASELINE_FACTOR:g}x their own calm normal.",
-                   f"count({r.STORM}{sel()}) or vector(0)", "short", limit(1), width=6),
+                   f"at least {config.STORM_BASELINE_FACTOR:g}x their own calm normal.",
+                   f"count({recorded.STORM}{sel(config)}) or vector(0)", "short", limit(1), width=6),
         big_number("Engine loads in progress", "Loads (read + deserialize) started and not finished across "
                    "the chosen nodes: a cold-start wave while it happens. Many loads on few disks is a storm in "
                    "the making; many loads spread thin is a deploy going well.",
-                   f"sum(gpuio_engine_loads_in_progress{sel()}) or vector(0)", "short",
+                   f"sum(gpuio_engine_loads_in_progress{sel(config)}) or vector(0)", "short",
                    no_limit(), width=6),
     ]
 
 
-def rankings() -> list:
+def rankings(config: Config) -> list:
     return [
-        ranking("Nodes ranked by starvation", "Engines starved now per node (GPUStarvedByDiskIO's condition), "
-                "the 20 worst. Click a bar for the node's Starvation board.", starved_engines(), "short",
+        ranking(config, "Nodes ranked by starvation", "Engines starved now per node (GPUStarvedByDiskIO's condition), "
+                "the 20 worst. Click a bar for the node's Starvation board.", starved_engines(config), "short",
                 limit(1)),
-        ranking("Nodes ranked by storm", "Engine loads waiting on a disk in a storm (DiskIOStorm's "
+        ranking(config, "Nodes ranked by storm", "Engine loads waiting on a disk in a storm (DiskIOStorm's "
                 "judgement), per node, the 20 worst: the nodes a cold-start storm hurts most. Click a bar for the "
-                "node's Starvation board.", storm_loads(), "short", limit(1)),
+                "node's Starvation board.", storm_loads(config), "short", limit(1)),
     ]
 
 
-def cold_start_panels() -> list:
-    predicted = f"gpuio_engine_predicted_cold_start_seconds{sel()}"
+def cold_start_panels(config: Config) -> list:
+    predicted = f"gpuio_engine_predicted_cold_start_seconds{sel(config)}"
     return [
         graph("Cold starts by node and engine", "Loads that were cold (at least 80 % of the engine file read "
               "from the device, or not cached when the load began) per minute, by node and engine: which "
               "engines cold-start where. A cold start is not a fault; many at once on one disk is a storm.",
-              "short", query(cold_loads(), "{{" + N + "}} {{engine}}"), width=12),
+              "short", query(cold_loads(config), "{{" + config.NODE_LABEL + "}} {{engine}}"), width=12),
         threshold_lines(graph(
             "Predicted cold start: fleet median and worst node, by engine",
             "How long a load of each engine would take now (its file's bytes not in the page cache over the "
             "read throughput of past cold loads, plus the median deserialize), across the chosen nodes: the "
             f"median node and the worst one. EngineColdStartSlow fires when the loads that finished took "
-            f"more than {c.ENGINE_LOAD_SLOW_SECONDS:g} s (the red line); a prediction over it says where the "
+            f"more than {config.ENGINE_LOAD_SLOW_SECONDS:g} s (the red line); a prediction over it says where the "
             "next restart will be slow, it is not an alert.", "s",
             query(f"quantile by (engine) (0.5, {predicted})", "{{engine}} median"),
             query(f"max by (engine) ({predicted})", "{{engine}} worst node"), width=12),
-            limit(c.ENGINE_LOAD_SLOW_SECONDS)),
+            limit(config.ENGINE_LOAD_SLOW_SECONDS)),
     ]
 
 
-def cold_start_table() -> list:
-    predicted = f"gpuio_engine_predicted_cold_start_seconds{sel()}"
+def cold_start_table(config: Config) -> list:
+    predicted = f"gpuio_engine_predicted_cold_start_seconds{sel(config)}"
     exclude = {"Time": True}
     panel = (table.Panel().title("Engines: where they cold-start and how long it would take")
              .description("Per engine across the chosen nodes: nodes that report it, cold loads per minute now, "
                           "and the predicted cold start on the median and on the worst node (red from "
-                          f"EngineColdStartSlow's {c.ENGINE_LOAD_SLOW_SECONDS:g} s).")
+                          f"EngineColdStartSlow's {config.ENGINE_LOAD_SLOW_SECONDS:g} s).")
              .datasource(DATASOURCE).span(24).height(8).frame_index(0).show_header(True)
-             .with_target(table_query(f"count by (engine) (group by ({N}, engine) (gpuio_engine_info{sel()}))", "A"))
-             .with_target(table_query(f"sum by (engine) ({cold_loads()})", "B"))
+             .with_target(table_query(f"count by (engine) (group by ({config.NODE_LABEL}, engine) "
+                                      f"(gpuio_engine_info{sel(config)}))", "A"))
+             .with_target(table_query(f"sum by (engine) ({cold_loads(config)})", "B"))
              .with_target(table_query(f"quantile by (engine) (0.5, {predicted})", "C"))
              .with_target(table_query(f"max by (engine) ({predicted})", "D"))
              .with_transformation(DataTransformerConfig(id_val="merge", options={}))
@@ -175,16 +181,16 @@ def cold_start_table() -> list:
                  "renameByName": {"Value #A": "nodes", "Value #B": "cold loads / min",
                                   "Value #C": "predicted (median node)", "Value #D": "predicted (worst node)"}})))
     for column in ("predicted (median node)", "predicted (worst node)"):
-        matcher, properties = override(column, unit="s", thresholds=limit(c.ENGINE_LOAD_SLOW_SECONDS).build(),
+        matcher, properties = override(column, unit="s", thresholds=limit(config.ENGINE_LOAD_SLOW_SECONDS).build(),
                                        custom_cellOptions={"type": "color-background"})
         panel = panel.with_override(matcher, properties)
     return [panel]
 
 
-def build() -> db.Dashboard:
-    sections = (("Now", top_row()), ("Nodes", rankings()), ("Disks", [saturation_heatmap()]),
-                ("Cold starts", cold_start_panels() + cold_start_table()))
-    return assemble(FLEET_UID, "Every node of a cluster: starvation and storms ranked by node, disk saturation "
+def build(config: Config) -> db.Dashboard:
+    sections = (("Now", top_row(config)), ("Nodes", rankings(config)), ("Disks", [saturation_heatmap(config)]),
+                ("Cold starts", cold_start_panels(config) + cold_start_table(config)))
+    return assemble(config, FLEET_UID, "Every node of a cluster: starvation and storms ranked by node, disk saturation "
                     "across nodes over time, where engines cold-start and how long a cold start would take.",
                     sections, title=FLEET_TITLE, all_nodes=True)
 

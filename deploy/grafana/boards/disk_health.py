@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from deploy.prometheus import config as c
+from deploy.prometheus.config import DISK_HEALTH_UID, Config
 
 from .common import (
     BAD,
@@ -38,13 +38,16 @@ DEVICE = 'device=~"$device"'
 PER_DEVICE = "{{device}}"
 
 
-POLL_OUTCOME = state_set("gpuio_smart_device_state", sel(DEVICE), "device",
-                         [("ok", OK), ("asleep", INFO), ("unsupported", INFO), ("permission_denied", WARN),
-                          ("timeout", BAD), ("error", BAD)])
+def poll_outcome(config: Config) -> tuple[str, list]:
+    """The outcome of each disk's last SMART poll as one coded series per device, and its value mapping."""
+    return state_set(config, "gpuio_smart_device_state", sel(config, DEVICE), "device",
+                     [("ok", OK), ("asleep", INFO), ("unsupported", INFO), ("permission_denied", WARN),
+                      ("timeout", BAD), ("error", BAD)])
 
 
-def overview_panels() -> list:
-    d = sel(DEVICE)
+def overview_panels(config: Config) -> list:
+    d = sel(config, DEVICE)
+    outcome, outcome_mappings = poll_outcome(config)
     return [
         value_table("Disks", "Identity of each disk as smartctl reports it (gpuio_smart_device_info); device joins "
                     "the Disk IO board. rotational 0 is solid state.", f"gpuio_smart_device_info{d}", ["job"],
@@ -57,15 +60,15 @@ def overview_panels() -> list:
         timeline("Last poll outcome", "Each disk's last poll: ok; asleep (left asleep by the power-mode check, "
                  "keeping its last values); unsupported (no SMART on this device: not a fault); "
                  "permission_denied, timeout, error (the values shown are old; GpuioSmartDataStale fires after "
-                 f"{c.SMART_STALE_FOR}).", query(POLL_OUTCOME[0], PER_DEVICE), mappings=POLL_OUTCOME[1]),
+                 f"{config.SMART_STALE_FOR}).", query(outcome, PER_DEVICE), mappings=outcome_mappings),
     ]
 
 
-def ata_panels() -> list:
-    d = sel(DEVICE)
+def ata_panels(config: Config) -> list:
+    d = sel(config, DEVICE)
     return [
         graph("Sectors: reallocated, pending, offline uncorrectable",
-              f"ATA attributes 5, 197 and 198. Growth within {c.SMART_GROWTH_WINDOW} fires DiskHealthDegrading: "
+              f"ATA attributes 5, 197 and 198. Growth within {config.SMART_GROWTH_WINDOW} fires DiskHealthDegrading: "
               f"a disk that remaps sectors retries its reads first, and await climbs long before it fails.", "short",
               query(f"gpuio_smart_ata_reallocated_sectors_total{d}", f"{PER_DEVICE} reallocated"),
               query(f"gpuio_smart_ata_pending_sectors{d}", f"{PER_DEVICE} pending"),
@@ -75,16 +78,17 @@ def ata_panels() -> list:
               query(f"gpuio_smart_ata_reported_uncorrectable_errors_total{d}", f"{PER_DEVICE} uncorrectable"),
               query(f"gpuio_smart_ata_udma_crc_errors_total{d}", f"{PER_DEVICE} UDMA CRC")),
         value_table("ATA attributes (raw)", "Every ATA SMART attribute's raw value, for what the panels above "
-                    "leave out.", "gpuio_smart_ata_attribute" + sel(DEVICE, 'value_type="raw"'), ["job", "value_type"]),
+                    "leave out.", "gpuio_smart_ata_attribute" + sel(config, DEVICE, 'value_type="raw"'),
+                    ["job", "value_type"]),
     ]
 
 
-def nvme_panels() -> list:
-    d = sel(DEVICE)
+def nvme_panels(config: Config) -> list:
+    d = sel(config, DEVICE)
     return [
         graph("NVMe available spare vs. threshold",
               f"Spare capacity left, and the threshold under which the drive sets its critical warning. "
-              f"DiskHealthDegrading warns below {c.NVME_SPARE_WARN_FACTOR:g}x the threshold.", "percentunit",
+              f"DiskHealthDegrading warns below {config.NVME_SPARE_WARN_FACTOR:g}x the threshold.", "percentunit",
               query(f"gpuio_smart_nvme_available_spare_ratio{d}", f"{PER_DEVICE} spare"),
               query(f"gpuio_smart_nvme_available_spare_threshold_ratio{d}", f"{PER_DEVICE} threshold"),
               max_value=1),
@@ -102,8 +106,8 @@ def nvme_panels() -> list:
     ]
 
 
-def scsi_panels() -> list:
-    d = sel(DEVICE)
+def scsi_panels(config: Config) -> list:
+    d = sel(config, DEVICE)
     return [
         graph("SCSI grown defects and uncorrected errors", "Blocks reassigned since manufacture (grown defect "
               "list) and errors the disk could not correct, by operation.", "short",
@@ -113,8 +117,8 @@ def scsi_panels() -> list:
     ]
 
 
-def wear_panels() -> list:
-    d = sel(DEVICE)
+def wear_panels(config: Config) -> list:
+    d = sel(config, DEVICE)
     return [
         graph("Temperature", "Disk temperature at the last poll.", "celsius",
               query(f"gpuio_smart_temperature_celsius{d}", PER_DEVICE)),
@@ -129,30 +133,30 @@ def wear_panels() -> list:
     ]
 
 
-def freshness_panels() -> list:
-    d = sel(DEVICE)
+def freshness_panels(config: Config) -> list:
+    d = sel(config, DEVICE)
     return [
         threshold_lines(
             graph("Age of the SMART values", f"Seconds since each disk's values were last read. Over "
-                  f"{c.SMART_STALE_AFTER_SECONDS} s (the red line; and the disk not asleep) GpuioSmartDataStale "
+                  f"{config.SMART_STALE_AFTER_SECONDS} s (the red line; and the disk not asleep) GpuioSmartDataStale "
                   f"fires: the health alerts are blind for that disk. A sleeping disk's age grows by design.", "s",
                   query(f"time() - gpuio_smart_last_success_timestamp_seconds{d}", PER_DEVICE)),
-            limit(c.SMART_STALE_AFTER_SECONDS)),
+            limit(config.SMART_STALE_AFTER_SECONDS)),
         graph("Poll duration", "How long the last poll of each disk took, all its smartctl runs together "
               "(each run has its own timeout).", "s",
               query(f"gpuio_smart_poll_duration_seconds{d}", PER_DEVICE)),
         graph("Permission denied, disks not polled", "1: smartctl could not open a disk for lack of privileges "
               "(CAP_SYS_RAWIO and CAP_SYS_ADMIN, see docs/smart.md); disks left out by "
               "--collector.smart.max-devices.", "short",
-              query(f"gpuio_smart_permission_denied{sel()}", "permission denied"),
-              query(f"gpuio_smart_devices_dropped{sel()}", "disks not polled")),
+              query(f"gpuio_smart_permission_denied{sel(config)}", "permission denied"),
+              query(f"gpuio_smart_devices_dropped{sel(config)}", "disks not polled")),
     ]
 
 
-def build() -> db.Dashboard:
-    return assemble(c.DISK_HEALTH_UID, "SMART health of the disks of a node: sectors, spare, media errors, wear, "
+def build(config: Config) -> db.Dashboard:
+    return assemble(config, DISK_HEALTH_UID, "SMART health of the disks of a node: sectors, spare, media errors, wear, "
                     "temperature, and how fresh the values are.",
-                    (("Overview", overview_panels()), ("ATA", ata_panels()), ("NVMe", nvme_panels()),
-                     ("SCSI", scsi_panels()), ("Temperature, age, traffic", wear_panels()),
-                     ("Freshness", freshness_panels())),
-                    variables=[multi_variable("device", "Disk", "gpuio_smart_device_info", all_value=".+")])
+                    (("Overview", overview_panels(config)), ("ATA", ata_panels(config)), ("NVMe", nvme_panels(config)),
+                     ("SCSI", scsi_panels(config)), ("Temperature, age, traffic", wear_panels(config)),
+                     ("Freshness", freshness_panels(config))),
+                    variables=[multi_variable(config, "device", "Disk", "gpuio_smart_device_info", all_value=".+")])

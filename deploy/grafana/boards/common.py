@@ -1,7 +1,9 @@
 """Shared pieces of gpuio's dashboards: datasource, variables, selectors, panels, links, JSON output.
 
-Selectors, dashboard uids and titles come from deploy/prometheus/config.py (the one config of rules,
-alerts and dashboards); recording-rule names from deploy/prometheus/rules.py.
+Every board is built from one ``Config`` (deploy/prometheus/config.py, the config of the rules too):
+the helpers that write a selector or a threshold take it as their first argument, so a variant of the
+config reaches the panels exactly as it reaches the alerts.  Recording-rule names come from
+``names(config)`` (deploy/prometheus/sources/names.py), the names the rules record under that config.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from deploy.prometheus import config as c
-from deploy.prometheus import rules as r
+from deploy.prometheus.config import DASHBOARD_TAG, DASHBOARD_TITLES, Config
+from deploy.prometheus.sources.names import names
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 # The label that names a Prometheus (or a cluster) where one Grafana looks at several, the mixins'
@@ -58,17 +60,23 @@ CLUSTER_LABEL = "cluster"
 CLUSTER = f'{CLUSTER_LABEL}=~"$cluster"'
 # Every panel query: gpuio's job, the chosen cluster and node.  `$__rate_interval` in every rate():
 # Grafana makes it at least four scrape intervals, so a rate() never sees fewer than two samples.
-NODE = f'{c.SELECTOR},{CLUSTER},{c.NODE_LABEL}=~"$instance"'
-DEVICE = f'{NODE},device=~"$device"'
 RATE = "$__rate_interval"
+DEVICE = 'device=~"$device"'
 
 
-def sel(*matchers: str) -> str:
-    return "{" + ",".join((NODE, *matchers)) + "}"
+def node_matchers(config: Config) -> str:
+    """The matchers of gpuio's series on the chosen node, without braces."""
+    return f'{config.SELECTOR},{CLUSTER},{config.NODE_LABEL}=~"$instance"'
 
 
-def dev(*matchers: str) -> str:
-    return "{" + ",".join((DEVICE, *matchers)) + "}"
+def sel(config: Config, *matchers: str) -> str:
+    """``{job="gpuio",cluster=~"$cluster",instance=~"$instance",...}``: the chosen node, plus ``matchers``."""
+    return "{" + ",".join((node_matchers(config), *matchers)) + "}"
+
+
+def dev(config: Config, *matchers: str) -> str:
+    """``sel`` narrowed to the devices chosen in $device."""
+    return sel(config, DEVICE, *matchers)
 
 
 def rate(metric: str, selector: str) -> str:
@@ -83,26 +91,23 @@ def guarded_ratio(numerator: str, denominator: str, selector: str) -> str:
 # The disk counters come from gpuio's diskstats collector or, where it is off beside a node_exporter
 # (node_exporter mode, docs/deploy.md), from node_exporter's twins of the same node, whatever its job:
 # the boards need no setting for either, and show gpuio's where both exist.
-NODE_EXPORTER_NODE = f'{CLUSTER},{c.NODE_LABEL}=~"$instance"'
-
-
-def disk_series(name: str, device: bool = True, rated: bool = True) -> str:
+def disk_series(config: Config, name: str, device: bool = True, rated: bool = True) -> str:
     """gpuio_disk_<name>, or node_disk_<name> for the nodes and devices gpuio serves none of; rate()d
     where ``rated``.  ``device``: only the devices chosen in $device (else all of the node's)."""
-    mine = dev() if device else sel()
-    theirs = "{" + ",".join((NODE_EXPORTER_NODE, *(('device=~"$device"',) if device else ()))) + "}"
+    mine = dev(config) if device else sel(config)
+    theirs = "{" + ",".join((CLUSTER, f'{config.NODE_LABEL}=~"$instance"', *((DEVICE,) if device else ()))) + "}"
 
     def series(metric: str, selector: str) -> str:
         return rate(metric, selector) if rated else metric + selector
 
-    return (f"{series('gpuio_disk_' + name, mine)}\nor on ({CLUSTER_LABEL}, {c.NODE_LABEL}, device)\n"
+    return (f"{series('gpuio_disk_' + name, mine)}\nor on ({CLUSTER_LABEL}, {config.NODE_LABEL}, device)\n"
             f"{series('node_disk_' + name, theirs)}")
 
 
-def disk_ratio(numerator: str, denominator: str, device: bool = True) -> str:
+def disk_ratio(config: Config, numerator: str, denominator: str, device: bool = True) -> str:
     """rate(numerator) / rate(denominator) of two disk counters (``disk_series``), no series where the
     denominator did not move."""
-    return f"(\n{disk_series(numerator, device)}\n)\n/\n((\n{disk_series(denominator, device)}\n) > 0)"
+    return f"(\n{disk_series(config, numerator, device)}\n)\n/\n((\n{disk_series(config, denominator, device)}\n) > 0)"
 
 
 def query(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
@@ -166,12 +171,13 @@ def states(*values: tuple[float, str, str]) -> list:
 UP = states((0, "down", BAD), (1, "up", OK))
 
 
-def state_set(metric: str, selector: str, by: str, values: list[tuple[str, str]]) -> tuple[str, list]:
+def state_set(config: Config, metric: str, selector: str, by: str,
+              values: list[tuple[str, str]]) -> tuple[str, list]:
     """A state-set family (one series per state, 1 for the current one) as one series per ``by`` whose
     value codes the current state (1, 2, ... in the order of ``values``: (state, colour)), and the value
     mapping that names and colours the codes."""
     terms = [f'{code} * {metric}{selector[:-1]},state="{state}"}}' for code, (state, _) in enumerate(values, 1)]
-    expr = f"max by ({c.NODE_LABEL}, {by}) (\n  " + "\n  or ".join(terms) + "\n) > 0"
+    expr = f"max by ({config.NODE_LABEL}, {by}) (\n  " + "\n  or ".join(terms) + "\n) > 0"
     return expr, states(*((code, state, colour) for code, (state, colour) in enumerate(values, 1)))
 
 
@@ -179,8 +185,8 @@ def state_set(metric: str, selector: str, by: str, values: list[tuple[str, str]]
 COLLECTOR_STATES = [("ok", OK), ("absent", INFO), ("pending", INFO), ("stale", WARN), ("failing", BAD)]
 
 
-def collector_states(width: int = 12, height: int = 6) -> statetimeline.Panel:
-    expr, mappings = state_set("gpuio_scrape_collector_state", sel(), "collector", COLLECTOR_STATES)
+def collector_states(config: Config, width: int = 12, height: int = 6) -> statetimeline.Panel:
+    expr, mappings = state_set(config, "gpuio_scrape_collector_state", sel(config), "collector", COLLECTOR_STATES)
     return timeline("Collectors", "State of each collector at each scrape: ok; absent (no such source on this "
                     "node: not a failure); pending (its first background read has not finished); stale (its "
                     "background data is older than it should be: values shown are old); failing (it failed in "
@@ -241,12 +247,12 @@ def datasource_variable() -> db.DatasourceVariable:
     return db.DatasourceVariable("datasource").label("Data source").type("prometheus")
 
 
-def cluster_variable() -> db.QueryVariable:
+def cluster_variable(config: Config) -> db.QueryVariable:
     """The cluster (or Prometheus) to look at.  Hidden: with one Prometheus it has one value or none, and
     "All" (``.*``) matches series without the label; where one Grafana sees several, un-hide it in
-    Grafana's variable settings (or set MULTI_CLUSTER in dashboards/common.py and regenerate)."""
+    Grafana's variable settings (or set MULTI_CLUSTER in this module and regenerate)."""
     variable = (db.QueryVariable("cluster").label("Cluster").datasource(DATASOURCE)
-                .query(f"label_values(gpuio_scrape_collector_success{{{c.SELECTOR}}}, {CLUSTER_LABEL})")
+                .query(f"label_values(gpuio_scrape_collector_success{{{config.SELECTOR}}}, {CLUSTER_LABEL})")
                 .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
                 .include_all(True).all_value(".*"))
     return variable if MULTI_CLUSTER else variable.hide(VariableHide.HIDE_VARIABLE)
@@ -255,25 +261,25 @@ def cluster_variable() -> db.QueryVariable:
 MULTI_CLUSTER = False
 
 
-def node_variable() -> db.QueryVariable:
+def node_variable(config: Config) -> db.QueryVariable:
     # gpuio_scrape_collector_success exists on every gpuio target, whatever collectors run.
     return (db.QueryVariable("instance").label("Node").datasource(DATASOURCE)
-            .query(f"label_values(gpuio_scrape_collector_success{{{c.SELECTOR},{CLUSTER}}}, {c.NODE_LABEL})")
+            .query(f"label_values(gpuio_scrape_collector_success{{{config.SELECTOR},{CLUSTER}}}, {config.NODE_LABEL})")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC))
 
 
-def device_variable() -> db.QueryVariable:
+def device_variable(config: Config) -> db.QueryVariable:
     return (db.QueryVariable("device").label("Device").datasource(DATASOURCE)
             # The recorded class exists whichever exporter reads the disks (node_exporter mode).
-            .query(f"label_values({r.DISK_CLASS}{{{NODE}}}, device)")
+            .query(f"label_values({names(config).DISK_CLASS}{sel(config)}, device)")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
             .multi(True).include_all(True).all_value(".+"))
 
 
-def multi_variable(name: str, label: str, metric: str, all_value: str = ".*") -> db.QueryVariable:
+def multi_variable(config: Config, name: str, label: str, metric: str, all_value: str = ".*") -> db.QueryVariable:
     """A multi-value variable over the values of label ``name`` on ``metric`` of the chosen node."""
     return (db.QueryVariable(name).label(label).datasource(DATASOURCE)
-            .query(f"label_values({metric}{{{NODE}}}, {name})")
+            .query(f"label_values({metric}{sel(config)}, {name})")
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.NUMERICAL_ASC)
             .multi(True).include_all(True).all_value(all_value))
 
@@ -283,12 +289,13 @@ GPU = 'gpu=~"$gpu"'
 ENGINE = 'engine=~"$engine"'
 
 
-def pods_of(metric: str, on: str, pod_info: str) -> str:
+def pods_of(config: Config, metric: str, on: str, pod_info: str) -> str:
     """``metric`` of the chosen node, narrowed to the chosen namespace and pod where ``pod_info`` (the
     kubelet's or the processes' word on which pod holds what) names any: a node outside Kubernetes, or
     one where the pod collector does not run, keeps all of them."""
-    return (f"({metric}{{{NODE}}} and on ({c.NODE_LABEL}, {on}) {pod_info}{{{NODE},{NAMESPACE},{POD}}})"
-            f" or ({metric}{{{NODE}}} unless on ({c.NODE_LABEL}) {pod_info}{{{NODE}}})")
+    node, label = sel(config), config.NODE_LABEL
+    return (f"({metric}{node} and on ({label}, {on}) {pod_info}{sel(config, NAMESPACE, POD)})"
+            f" or ({metric}{node} unless on ({label}) {pod_info}{node})")
 
 
 NAMESPACE = 'namespace=~"$namespace"'
@@ -297,36 +304,36 @@ GPU_PODS = "gpuio_gpu_pod_info"
 ENGINE_PODS = "gpuio_engine_pod_info"
 
 
-def namespace_variable(pod_info: str) -> db.QueryVariable:
+def namespace_variable(config: Config, pod_info: str) -> db.QueryVariable:
     """Kubernetes namespaces of the pods on the node (empty, "All", outside Kubernetes)."""
-    return multi_variable("namespace", "Namespace", pod_info)
+    return multi_variable(config, "namespace", "Namespace", pod_info)
 
 
-def pod_variable(pod_info: str) -> db.QueryVariable:
-    return (multi_variable("pod", "Pod", pod_info)
-            .query(f"label_values({pod_info}{{{NODE},{NAMESPACE}}}, pod)").sort(VariableSort.ALPHABETICAL_ASC))
+def pod_variable(config: Config, pod_info: str) -> db.QueryVariable:
+    return (multi_variable(config, "pod", "Pod", pod_info)
+            .query(f"label_values({pod_info}{sel(config, NAMESPACE)}, pod)").sort(VariableSort.ALPHABETICAL_ASC))
 
 
-def gpu_variable(by_pod: bool = False) -> db.QueryVariable:
-    variable = multi_variable("gpu", "GPU", "gpuio_gpu_info")
+def gpu_variable(config: Config, by_pod: bool = False) -> db.QueryVariable:
+    variable = multi_variable(config, "gpu", "GPU", "gpuio_gpu_info")
     if by_pod:
         # label_values() takes a series selector only: a query over an expression goes through query_result()
-        variable = (variable.query(f"query_result({pods_of('gpuio_gpu_info', 'uuid', GPU_PODS)})")
+        variable = (variable.query(f"query_result({pods_of(config, 'gpuio_gpu_info', 'uuid', GPU_PODS)})")
                     .regex('/\\bgpu="([^"]+)"/'))
     return variable
 
 
-def engine_variable(by_pod: bool = False) -> db.QueryVariable:
-    variable = multi_variable("engine", "Engine", "gpuio_engine_info")
+def engine_variable(config: Config, by_pod: bool = False) -> db.QueryVariable:
+    variable = multi_variable(config, "engine", "Engine", "gpuio_engine_info")
     if by_pod:
-        variable = (variable.query(f"query_result({pods_of('gpuio_engine_info', 'engine', ENGINE_PODS)})")
+        variable = (variable.query(f"query_result({pods_of(config, 'gpuio_engine_info', 'engine', ENGINE_PODS)})")
                     .regex('/\\bengine="([^"]+)"/'))
     return variable
 
 
-def histogram_quantile(q: float, histogram: str, selector: str, by: str = "engine") -> str:
+def histogram_quantile(config: Config, q: float, histogram: str, selector: str, by: str = "engine") -> str:
     """The q-quantile of a histogram family per ``by`` (and node), over $__rate_interval."""
-    return (f"histogram_quantile({q:g}, sum by ({c.NODE_LABEL}, {by}, le) "
+    return (f"histogram_quantile({q:g}, sum by ({config.NODE_LABEL}, {by}, le) "
             f"({rate(histogram + '_bucket', selector)}))")
 
 
@@ -340,17 +347,17 @@ def section(dashboard: db.Dashboard, title: str, panels: list) -> db.Dashboard:
 
 def board(uid: str, description: str, title: str = "") -> db.Dashboard:
     """A gpuio dashboard with its uid, title, tags, time settings and links to the other boards."""
-    return (db.Dashboard(title or c.DASHBOARD_TITLES[uid]).uid(uid).description(description).tags([c.DASHBOARD_TAG])
+    return (db.Dashboard(title or DASHBOARD_TITLES[uid]).uid(uid).description(description).tags([DASHBOARD_TAG])
             .editable().tooltip(DashboardCursorSync.CROSSHAIR).refresh("30s").time("now-3h", "now")
             .timezone("browser")
-            .link(db.DashboardLink("gpuio").type(DashboardLinkType.DASHBOARDS).tags([c.DASHBOARD_TAG])
+            .link(db.DashboardLink("gpuio").type(DashboardLinkType.DASHBOARDS).tags([DASHBOARD_TAG])
                   .as_dropdown(True).include_vars(True).keep_time(True)))
 
 
-def alerts_annotation() -> db.AnnotationQuery:
+def alerts_annotation(config: Config) -> db.AnnotationQuery:
     """Firing alerts of the node as annotations on every graph (Prometheus' ALERTS series)."""
     return (db.AnnotationQuery().name("Firing alerts").datasource(DATASOURCE).enable(True).icon_color("red")
-            .expr(f'ALERTS{{alertstate="firing",{c.NODE_LABEL}=~"$instance"}}'))
+            .expr(f'ALERTS{{alertstate="firing",{config.NODE_LABEL}=~"$instance"}}'))
 
 
 def engine_loads_annotation(selector: str) -> db.AnnotationQuery:
@@ -359,20 +366,20 @@ def engine_loads_annotation(selector: str) -> db.AnnotationQuery:
             .expr(f"changes(gpuio_engine_last_load_timestamp_seconds{selector}[2m]) > 0"))
 
 
-def assemble(uid: str, description: str, sections: Iterable[tuple[str, list]],
+def assemble(config: Config, uid: str, description: str, sections: Iterable[tuple[str, list]],
              variables: Iterable[db.QueryVariable] = (),
              annotations: Iterable[db.AnnotationQuery] = (), title: str = "", all_nodes: bool = False) -> db.Dashboard:
     """A gpuio board: datasource, cluster and node variables (one node, or any and all with ``all_nodes``),
     then ``variables``; firing alerts, then ``annotations``; then each (row title, panels) of ``sections``."""
-    nodes = node_variable()
+    nodes = node_variable(config)
     if all_nodes:
         nodes = nodes.multi(True).include_all(True).all_value(".+").current(
             VariableOption(selected=True, text="All", value="$__all"))
     dashboard = (board(uid, description, title).with_variable(datasource_variable())
-                 .with_variable(cluster_variable()).with_variable(nodes))
+                 .with_variable(cluster_variable(config)).with_variable(nodes))
     for variable in variables:
         dashboard = dashboard.with_variable(variable)
-    dashboard = dashboard.annotation(alerts_annotation())
+    dashboard = dashboard.annotation(alerts_annotation(config))
     for annotation in annotations:
         dashboard = dashboard.annotation(annotation)
     for title, panels in sections:
