@@ -87,7 +87,7 @@ def test_alert_has_severity_summary_description_runbook_and_dashboard(alert: dic
     assert os.path.isfile(runbook), f"{name} has no runbook at docs/runbooks/{name}.md"
     with open(runbook) as handle:
         text = handle.read()
-    assert text.startswith(f"# {name}\n")
+    assert re.sub(r"\A<!--.*-->\n", "", text).startswith(f"# {name}\n")  # after the generated-file header
     uid = re.search(r"/d/([a-z0-9-]+)/", annotations["dashboard_url"])
     assert uid and uid.group(1) in c.DASHBOARD_TITLES
     assert os.path.isfile(os.path.join(REPO, "dashboards", f"{uid.group(1)}.json"))
