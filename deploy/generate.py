@@ -1,7 +1,7 @@
 """Write every generated file of gpuio in one pass, from one config: the Prometheus rules, the Grafana
-boards and the Kubernetes objects built from them (``make generate``).
+boards, the runbooks and the Kubernetes objects built from them (``make generate``).
 
-    python -m deploy.generate          # rewrite deploy/prometheus/rules/*.yml, dashboards/*.json,
+    python -m deploy.generate          # rewrite deploy/prometheus/rules/*.yml, dashboards/*.json, docs/runbooks,
                                        # dashboards/kustomization.yaml, deploy/kubernetes/prometheusrule.yaml
     python -m deploy.generate --check  # exit 1 if a checked-in file is stale (CI)
 
@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from deploy.generated import report_stale, stale_files, write
 from deploy.kubernetes import generate as kubernetes
 from deploy.prometheus import generate as prometheus
+from deploy.prometheus import runbooks
 from deploy.prometheus.config import DEFAULT, GRAFANA_URL_ENV, RUNBOOK_URL_ENV, Config
 from deploy.prometheus.sources import rule_files
 
@@ -47,6 +48,7 @@ def rendered(config: Config = DEFAULT) -> dict[str, str]:
     """Every generated file of the repository -> its text, from one config."""
     files = prometheus.rendered(config)
     files.update(prometheus.rendered_node_exporter_mode(config))
+    files.update(runbooks.rendered(config))
     json_files = boards(config)
     files.update(json_files)
     files.update(kubernetes.rendered(rule_files(config), [os.path.basename(path) for path in json_files],
@@ -62,6 +64,7 @@ def stray(files: Mapping[str, str]) -> list[str]:
     present += [os.path.join(kubernetes.DASHBOARDS_DIR, name) for name in os.listdir(kubernetes.DASHBOARDS_DIR)
                 if name.endswith(".json")]
     present += glob.glob(os.path.join(kubernetes.NODE_EXPORTER_COMPONENT, "prometheusrule-*.yaml"))
+    present += glob.glob(os.path.join(runbooks.RUNBOOKS_DIR, "*.md"))
     return [path for path in present if path not in files]
 
 
@@ -75,9 +78,11 @@ REPOSITORY_OUTPUTS = (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR, 
 
 
 def variant_files(config: Config, out: str, note: str) -> dict[str, str]:
-    """What ``--out DIR`` writes: the rules in DIR, the boards in DIR/dashboards, from one config."""
+    """What ``--out DIR`` writes: the rules in DIR, the boards in DIR/dashboards, the runbooks in
+    DIR/runbooks, from one config."""
     files = prometheus.rendered(config, out, note)
     files.update(boards(config, os.path.join(out, "dashboards")))
+    files.update(runbooks.rendered(config, os.path.join(out, "runbooks")))
     return files
 
 
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="replace a knob of deploy/prometheus/config.py (needs --out)")
     parser.add_argument("--out", metavar="DIR",
-                        help="write the rules into DIR, the boards into DIR/dashboards (not the repository's)")
+                        help="write the rules into DIR, the boards into DIR/dashboards, the runbooks into "
+                             "DIR/runbooks (not the repository's)")
     args = parser.parse_args(argv)
     try:
         config = configured(args.runbook_url, args.grafana_url, environ)

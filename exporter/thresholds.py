@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 ROTATIONAL = "rotational"
 SOLID_STATE = "solid_state"  # SATA/SAS SSDs, virtio and cloud disks that sysfs calls non-rotational
@@ -119,7 +120,7 @@ class Thresholds:
         """These thresholds with ``NAME=VALUE`` settings in place (numbers only); ValueError names what is
         wrong and the names that can be set."""
         numbers = {field.name for field in dataclasses.fields(self) if isinstance(getattr(self, field.name), float)}
-        changes: dict[str, float] = {}
+        changes: dict[str, Any] = {}
         for setting in settings:
             name, sep, value = setting.partition("=")
             if not sep or name not in numbers:

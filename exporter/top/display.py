@@ -400,7 +400,7 @@ class ScreenLog(logging.Handler):
 
 
 def interactive(source: Source, interval: float, ui: UiState, console: Console,
-                stdin: IO[str] | None = None) -> None:
+                stdin: IO[str] | None = None, limits: th.Thresholds = th.DEFAULT) -> None:
     stdin = stdin or sys.stdin
     fd = stdin.fileno()
     ascii_only = not (console.encoding or "").lower().startswith("utf")
@@ -430,7 +430,7 @@ def interactive(source: Source, interval: float, ui: UiState, console: Console,
                         try:
                             current = source.sample()
                             if previous is not None:
-                                view = compute(previous, current, source.description)
+                                view = compute(previous, current, source.description, limits=limits)
                             previous, error = current, None
                         except SourceError as exc:
                             error = str(exc)
@@ -479,6 +479,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sort", metavar="COLUMN", help="Sort by this column header (e.g. r_await, %%util, busy%%).")
     parser.add_argument("--filter", default="", metavar="TEXT", help="Show only rows whose device/GPU/engine "
                         "contains TEXT.")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="Judge by your own threshold, the knob of the same name you give the rules "
+                             "(python -m deploy.generate --set NAME=VALUE), e.g. GPU_BUSY_LOW=0.2; repeatable.")
     return parser
 
 
@@ -498,6 +501,10 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
     except ValueError as exc:
         parser.error(f"invalid value {args.interval!r} for --interval: {exc}; accepted: a duration above zero "
                      "such as 500ms, 1s, 2s")
+    try:
+        limits = th.DEFAULT.with_overrides(args.set)
+    except ValueError as exc:
+        parser.error(str(exc))
     ui = UiState(filter=args.filter)
     if args.sort and not ui.sort_by(args.sort):
         headers = sorted({c.header for spec in TABLES for c in spec.columns})
@@ -524,7 +531,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
     try:
         if not once:
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C quits as q does
-                interactive(source, interval, ui, Console(file=out))
+                interactive(source, interval, ui, Console(file=out), limits=limits)
             return 0
         try:
             first = source.sample()
@@ -535,7 +542,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
                 # the first sample: one interval more, so that its rates have two samples too.
                 sleep(interval)
                 first, second = second, source.sample()
-            view = compute(first, second, source.description)
+            view = compute(first, second, source.description, limits=limits)
         except SourceError as exc:
             print(f"gpuio top: error: {printable(exc)}", file=sys.stderr)
             return 1

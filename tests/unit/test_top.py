@@ -178,6 +178,20 @@ def test_json_takes_filter_and_sort(tmp_path) -> None:
     assert [disk["device"] for disk in view["disks"]] == ["nvme1n1", "nvme0n1", "nvme2n1"]
 
 
+def test_set_judges_the_rows_by_your_own_thresholds(tmp_path, capsys) -> None:
+    """The knobs the rules take by the same name: PSI some 25 % is high from 20 %, and one read a second
+    at 50 ms is slow once a single read a second counts."""
+    live = LiveProcfs(str(tmp_path))
+    view = json.loads(run_top(["--json", "--set", "IO_PRESSURE_SOME=0.2", "--set", "AWAIT_MIN_IOPS=1",
+                               f"--path.procfs={live.path}", f"--path.sysfs={SYS}"], live))
+    disks = {disk["device"]: disk for disk in view["disks"]}
+    assert view["pressure"]["io_high"] is True
+    assert disks["nvme0n1"]["flags"] == ["await", "saturated"]  # slow, and the node now stalls on IO
+    with pytest.raises(SystemExit) as exit_:
+        display.main(["--json", "--set", "STORM_FOR=10m"])
+    assert exit_.value.code == 2 and "NAME one of AWAIT_MIN_IOPS" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("value", "text"), [(None, "-"), (0, "0.00"), (9.994, "9.99"), (9.996, "10.0"),
                                              (999.96, "1000"), (99999.7, "100k"), (1.5e8, "150M")])
 def test_numbers_fit_six_characters(value: float | None, text: str) -> None:
