@@ -89,7 +89,7 @@ def engine_gpu_state(config: Config, engines: str = "") -> str:
     return "\n or ".join([
         f"max by ({key}) (\n 0 * group by ({key}) ({loaded})",
         _as(config, 1, "loading", f"gpuio_engine_loads_in_progress{s} > 0 or "
-                          f'{recorded.WORK_WAITING}{s[:-1]},reason="{CRASH_LOOPING}"}}'),
+                                  f'{recorded.WORK_WAITING}{s[:-1]},reason="{CRASH_LOOPING}"}}'),
         _as(config, 2, "waiting", f"{recorded.WORK_WAITING}{s} and on ({config.NODE_LABEL}, engine) {storage}"),
         _as(config, 3, "starved", f'label_replace({recorded.STARVED}{s}, "gpu_uuid", "$1", "uuid", "(.+)")'),
         _as(config, 4, "stale", f"{loaded} and on ({config.NODE_LABEL}) {recorded.GPU_STALE}{sel(config)}"),
