@@ -4,12 +4,28 @@ runbook and dashboard links), and the PromQL pieces they share."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from ..config import SEVERITIES, Config
 from .names import names
 
 Rule = dict[str, Any]
+
+PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+
+
+def fill(text: str, **values: object) -> str:
+    """PromQL or an alert template written as it reads, each ``${name}`` replaced by ``values[name]``:
+    ``fill("rate(${metric}{${node}='%s'}[${window}])", metric=..., node=..., window=...)``.
+
+    Braces stay braces (a selector, a Go template's ``{{ }}``), so nothing is doubled as in an f-string;
+    ``$`` alone is no placeholder, so PromQL's ``$1`` and a template's ``$labels`` and ``$value`` stay
+    as written.  A placeholder without a value, or a value without a placeholder, is an error."""
+    used = set(PLACEHOLDER.findall(text))
+    if used != set(values):
+        raise ValueError(f"placeholders {sorted(used)} and values {sorted(values)} differ in: {text!r}")
+    return PLACEHOLDER.sub(lambda match: str(values[match[1]]), text)
 
 
 def record(name: str, expr: str) -> Rule:
@@ -53,7 +69,8 @@ def held_through_gaps(c: Config, condition: str, name: str, severity: str) -> st
     its exporter's restart; a resolved one is not revived by it (only a firing alert is held); a node
     that stays away resolves after GAP_HOLD (GpuioExporterDown says why)."""
     n = names(c)
-    firing = f'ALERTS{{alertname="{name}",alertstate="firing",severity="{severity}",{c.SELECTOR}}}'
+    firing = fill('ALERTS{alertname="${name}",alertstate="firing",severity="${severity}",${selector}}',
+                  name=name, severity=severity, selector=c.SELECTOR)
     return "\n".join([
         condition,
         "# through a scrape gap (the exporter restarting, its node unreachable): firing on its last judgement",

@@ -16,6 +16,7 @@ from .base import (
     disk_info,
     disk_rate,
     engine_disks,
+    fill,
     held_through_gaps,
     indent,
     learned,
@@ -30,8 +31,10 @@ from .templates import (
     gpus_on,
     label_of,
     node_figure,
+    query_figure,
     starved_count,
     starved_on,
+    storage_args,
     top_io_cgroups,
     waiting_to_load,
 )
@@ -102,9 +105,9 @@ def class_rules(c: Config) -> list[Rule]:
     They read nothing but the devices' identity: a group of their own, evaluated beside the chain."""
     n = names(c)
     return [
-        record(n.DISK_CLASS, class_expr(c, lambda name: f'label_replace({{}}, "class", "{name}", "", "")')),
-        record(n.AWAIT_LIMIT, class_expr(c, lambda name: f"{DISK_CLASSES[name].await_seconds:g} * {{}}")),
-        record(n.QUEUE_LIMIT, class_expr(c, lambda name: f"{DISK_CLASSES[name].queue_size:g} * {{}}")),
+        record(n.DISK_CLASS, class_expr(c, lambda name, disks: f'label_replace({disks}, "class", "{name}", "", "")')),
+        record(n.AWAIT_LIMIT, class_expr(c, lambda name, disks: f"{DISK_CLASSES[name].await_seconds:g} * {disks}")),
+        record(n.QUEUE_LIMIT, class_expr(c, lambda name, disks: f"{DISK_CLASSES[name].queue_size:g} * {disks}")),
     ]
 
 
@@ -113,13 +116,13 @@ def direction(await_rule: str, ops_rule: str, guard: str, name: str) -> str:
     return f'label_replace({await_rule} and ({ops_rule} >= {guard}), "direction", "{name}", "", "")'
 
 
-def class_expr(c: Config, shape: Callable[[str], str]) -> str:
-    """One term per device class, ``shape(class)`` applied to that class's devices, joined by ``or``."""
+def class_expr(c: Config, shape: Callable[[str, str], str]) -> str:
+    """One term per device class, ``shape(class, its devices)``, joined by ``or``."""
     by = f"max by (job, {c.NODE_LABEL}, device)"
     selectors: list[tuple[str, tuple[str, ...]]] = [(name, (f'device=~"{pattern}"',))
                                                     for name, pattern in DEVICE_NAME_CLASSES]
     selectors += [(thresholds.SOLID_STATE, ('rotational="0"',)), (thresholds.ROTATIONAL, ())]
-    return "\nor\n".join(shape(name).format(f"{by} ({disk_info(c, *matchers)})") for name, matchers in selectors)
+    return "\nor\n".join(shape(name, f"{by} ({disk_info(c, *matchers)})") for name, matchers in selectors)
 
 
 def storm_expr(c: Config) -> str:
@@ -176,21 +179,21 @@ def page_rules(c: Config) -> list[Rule]:
 
 def alerts(c: Config) -> list[Rule]:
     n = names(c)
-    node = f"$labels.{c.NODE_LABEL}"
     two_decimals = 'printf "%.2f"'
     baseline = device_figure(c, n.AWAIT_BASELINE, "humanizeDuration", "none: no calm evidence")
-    loads = (f"sum(increase(gpuio_engine_load_read_seconds_count{{{c.NODE_LABEL}='%s'}}"
-             f"[{c.STORM_ENGINE_LOADS_WINDOW}]) and on ({c.NODE_LABEL}, engine) "
-             f"gpuio_engine_physical_device_info{{{c.NODE_LABEL}='%s',physical_device='%s'}})")
-    engine_loads = (f'{{{{ with printf "{loads}" {node} {node} $labels.device | query }}}}'
-                    f'{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}0{{{{ end }}}}')
+    loads = fill("sum(increase(gpuio_engine_load_read_seconds_count{${node}='%s'}[${window}]) "
+                 "and on (${node}, engine) gpuio_engine_physical_device_info{${node}='%s',physical_device='%s'})",
+                 node=c.NODE_LABEL, window=c.STORM_ENGINE_LOADS_WINDOW)
+    engine_loads = query_figure(loads, storage_args(c, "device"), COUNT, "0")
     disk_class = label_of(n.DISK_CLASS, "class", (c.NODE_LABEL, "device"), "?")
-    figures = (f"Requests on {{{{ $labels.device }}}} ({disk_class}) at {{{{ {node} }}}} wait "
-               f"{{{{ $value | humanizeDuration }}}} (its calm median: {baseline}) "
-               f"with {device_figure(c, n.QUEUE, two_decimals)} requests queued "
-               f"(calm median {device_figure(c, n.QUEUE_BASELINE, two_decimals, 'none')}); "
-               f"tasks on the node waited on IO {node_figure(c, n.IO_SOME, 'humanizePercentage', 'n/a (no PSI)')} "
-               f"of the time (all of them at once: {node_figure(c, n.IO_FULL, 'humanizePercentage', 'n/a')}).")
+    figures = fill(
+        "Requests on {{ $labels.device }} (${disk_class}) at ${node} wait {{ $value | humanizeDuration }} "
+        "(its calm median: ${baseline}) with ${queue} requests queued (calm median ${queue_baseline}); "
+        "tasks on the node waited on IO ${io_some} of the time (all of them at once: ${io_full}).",
+        disk_class=disk_class, node=n.NODE, baseline=baseline, queue=device_figure(c, n.QUEUE, two_decimals),
+        queue_baseline=device_figure(c, n.QUEUE_BASELINE, two_decimals, "none"),
+        io_some=node_figure(c, n.IO_SOME, "humanizePercentage", "n/a (no PSI)"),
+        io_full=node_figure(c, n.IO_FULL, "humanizePercentage", "n/a"))
     loads_waiting = device_figure(c, "gpuio_disk_engine_loads_in_progress", COUNT, "0")
     oldest = device_figure(c, "gpuio_disk_engine_load_oldest_in_progress_seconds", "humanizeDuration", "-")
     info = "gpuio_engine_physical_device_info"
@@ -199,21 +202,24 @@ def alerts(c: Config) -> list[Rule]:
     return [
         alert(
             c, "DiskIOStorm", held_through_gaps(c, n.STORM, "DiskIOStorm", WARNING), c.STORM_FOR, WARNING,
-            f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}}: requests wait "
-            f"{{{{ $value | humanizeDuration }}}}, far above its normal.",
+            fill("IO storm on {{ $labels.device }} at ${node}: requests wait {{ $value | humanizeDuration }}, "
+                 "far above its normal.", node=n.NODE),
             f"{figures} Engine loads from this disk that finished in the last {c.STORM_ENGINE_LOADS_WINDOW}: "
             f"{engine_loads}. This ticket is the storm itself; it pages (the same alert, severity critical) "
             f"while engine loads wait on the disk or engines on it starve their GPUs.{culprits}",
             this_disk),
         alert(
             c, "DiskIOStorm", held_through_gaps(c, n.STORM_PAGE, "DiskIOStorm", CRITICAL), c.STORM_PAGE_FOR, CRITICAL,
-            f"IO storm on {{{{ $labels.device }}}} at {{{{ {node} }}}} hurts serving: "
-            f"{waiting_to_load(c, info, 'physical_device', 'device')} engine(s) waiting to load, "
-            f"{starved_count(c, 'device')} engine(s) starving their GPU.",
-            f"{figures} Engine loads waiting on this disk: {loads_waiting} (oldest in progress for {oldest}). "
-            f"Starved engines: {starved_on(c, 'device')}. Engines with files on {{{{ $labels.device }}}}: "
-            f"{engines_on(c, info, 'physical_device', 'device')}on GPUs: "
-            f"{gpus_on(c, info, 'physical_device', 'device')}. Loads that finished in the last "
-            f"{c.STORM_ENGINE_LOADS_WINDOW}: {engine_loads}.{culprits}",
+            fill("IO storm on {{ $labels.device }} at ${node} hurts serving: ${waiting} engine(s) waiting to load, "
+                 "${starved} engine(s) starving their GPU.",
+                 node=n.NODE, waiting=waiting_to_load(c, info, "physical_device", "device"),
+                 starved=starved_count(c, "device")),
+            fill("${figures} Engine loads waiting on this disk: ${loads_waiting} (oldest in progress for ${oldest}). "
+                 "Starved engines: ${starved}. Engines with files on {{ $labels.device }}: ${engines}on GPUs: "
+                 "${gpus}. Loads that finished in the last ${window}: ${engine_loads}.${culprits}",
+                 figures=figures, loads_waiting=loads_waiting, oldest=oldest, starved=starved_on(c, "device"),
+                 engines=engines_on(c, info, "physical_device", "device"),
+                 gpus=gpus_on(c, info, "physical_device", "device"), window=c.STORM_ENGINE_LOADS_WINDOW,
+                 engine_loads=engine_loads, culprits=culprits),
             this_disk),
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..config import ENGINES_UID, WARNING, Config
 from ..durations import duration, seconds
-from .base import Rule, alert, board, held_through_gaps, record
+from .base import Rule, alert, board, fill, held_through_gaps, record
 from .names import names
 from .templates import figure
 
@@ -104,10 +104,10 @@ def alerts(c: Config) -> list[Rule]:
     return [
         alert(
             c, "GpuioEngineSpoolErrors", spool, None, WARNING,
-            f"gpuio at {n.NODE} skips damaged engine spool files ({{{{ $labels.reason }}}}).",
-            f"gpuio-exporter at {n.NODE} found {{{{ $value | printf \"%.0f\" }}}} more spool file(s) it could "
-            f"not read in the last {w} (reason {{{{ $labels.reason }}}}): the engine metrics of those "
-            f"inference processes are missing or incomplete.", board(ENGINES_UID)),
+            fill("gpuio at ${node} skips damaged engine spool files ({{ $labels.reason }}).", node=n.NODE),
+            fill('gpuio-exporter at ${node} found {{ $value | printf "%.0f" }} more spool file(s) it could not '
+                 "read in the last ${window} (reason {{ $labels.reason }}): the engine metrics of those inference "
+                 "processes are missing or incomplete.", node=n.NODE, window=w), board(ENGINES_UID)),
     ]
 
 
@@ -118,12 +118,14 @@ def cold_start_alert(c: Config) -> Rule:
     return alert(
         c, "EngineColdStartSlow", held_through_gaps(c, n.ENGINE_LOAD_SLOW, "EngineColdStartSlow", WARNING), None,
         WARNING,
-        f"Engine {{{{ $labels.engine }}}} at {n.NODE} takes {{{{ $value | humanizeDuration }}}} to load.",
-        f"Loads of engine {{{{ $labels.engine }}}} at {n.NODE} take {{{{ $value | humanizeDuration }}}} "
-        f"(the mean of those that finished in the last {c.ENGINE_LOAD_WINDOW}, the oldest still in "
-        f"progress, or, where loads were abandoned (their processes killed while loading), the longest of the "
-        f"last {c.LOAD_CRASH_LOOP_WINDOW}; over {c.ENGINE_LOAD_SLOW_SECONDS:g}s); reading the file took "
-        f"{figure(n.ENGINE_LOAD_READ, engine_labels, 'humanizeDuration', '?')} of it, at "
-        f"{figure(n.ENGINE_LOAD_THROUGHPUT, engine_labels, 'humanize1024', '?')}B/s. The rest is "
-        f"deserialization. Until loads finish, the GPU behind them waits.",
+        fill("Engine {{ $labels.engine }} at ${node} takes {{ $value | humanizeDuration }} to load.", node=n.NODE),
+        fill("Loads of engine {{ $labels.engine }} at ${node} take {{ $value | humanizeDuration }} (the mean of "
+             "those that finished in the last ${window}, the oldest still in progress, or, where loads were "
+             "abandoned (their processes killed while loading), the longest of the last ${crash_loop_window}; "
+             "over ${slow}s); reading the file took ${read} of it, at ${throughput}B/s. The rest is "
+             "deserialization. Until loads finish, the GPU behind them waits.",
+             node=n.NODE, window=c.ENGINE_LOAD_WINDOW, crash_loop_window=c.LOAD_CRASH_LOOP_WINDOW,
+             slow=f"{c.ENGINE_LOAD_SLOW_SECONDS:g}",
+             read=figure(n.ENGINE_LOAD_READ, engine_labels, "humanizeDuration", "?"),
+             throughput=figure(n.ENGINE_LOAD_THROUGHPUT, engine_labels, "humanize1024", "?")),
         board(ENGINES_UID, engine="{{ $labels.engine }}"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config import STARVATION_UID, WARNING, Config
 from ..durations import seconds
-from .base import Rule, alert, board, record
+from .base import Rule, alert, board, fill, record
 from .names import names
 
 
@@ -33,7 +33,7 @@ def unbroken(c: Config, sel: str, by: tuple[str, ...] = ("job",)) -> list[str]:
 
 
 def alerts(c: Config) -> list[Rule]:
-    node = f"$labels.{c.NODE_LABEL}"
+    node = names(c).NODE
     failing = (
         f"1 - avg_over_time(gpuio_scrape_collector_success{c.selector()}[{c.COLLECTOR_FAILING_WINDOW}])"
         f" > {c.COLLECTOR_FAILING_RATIO:g}"
@@ -41,17 +41,17 @@ def alerts(c: Config) -> list[Rule]:
     return [
         alert(
             c, "GpuioExporterDown", f"up{c.selector()} == 0", c.EXPORTER_DOWN_FOR, WARNING,
-            f"gpuio-exporter on {{{{ {node} }}}} cannot be scraped.",
-            f"Prometheus has failed to scrape gpuio-exporter at {{{{ {node} }}}} (job {{{{ $labels.job }}}}) "
-            f"for {c.EXPORTER_DOWN_FOR}: the exporter, its node or the network to it is down. "
-            f"Until it is back, no disk, GPU or engine alert can fire for this node.",
+            f"gpuio-exporter on {node} cannot be scraped.",
+            fill("Prometheus has failed to scrape gpuio-exporter at ${node} (job {{ $labels.job }}) for ${down_for}: "
+                 "the exporter, its node or the network to it is down. Until it is back, no disk, GPU or engine "
+                 "alert can fire for this node.", node=node, down_for=c.EXPORTER_DOWN_FOR),
             board(STARVATION_UID)),
         alert(
             c, "GpuioCollectorFailing", failing, c.COLLECTOR_FAILING_FOR, WARNING,
-            f"gpuio collector {{{{ $labels.collector }}}} is failing on {{{{ {node} }}}}.",
-            f"The {{{{ $labels.collector }}}} collector of gpuio-exporter at {{{{ {node} }}}} failed in "
-            f"{{{{ $value | humanizePercentage }}}} of its scrapes over the last {c.COLLECTOR_FAILING_WINDOW}. "
-            f"Its series are missing or stale, and the alerts built on them cannot fire. "
-            f"The exporter's landing page (/) and its log show the error.",
+            fill("gpuio collector {{ $labels.collector }} is failing on ${node}.", node=node),
+            fill("The {{ $labels.collector }} collector of gpuio-exporter at ${node} failed in "
+                 "{{ $value | humanizePercentage }} of its scrapes over the last ${window}. Its series are missing "
+                 "or stale, and the alerts built on them cannot fire. The exporter's landing page (/) and its log "
+                 "show the error.", node=node, window=c.COLLECTOR_FAILING_WINDOW),
             board(STARVATION_UID)),
     ]

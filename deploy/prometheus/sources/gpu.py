@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..config import CRITICAL, GPU_UID, WARNING, Config
-from .base import Rule, alert, board, rate, reason, record
+from .base import Rule, alert, board, fill, rate, reason, record
 from .names import names
-from .templates import COUNT, GPU_NAME, figure, node_figure
+from .templates import COUNT, GPU_NAME, figure, node_figure, query_figure
 
 
 def recording_rules(c: Config) -> list[Rule]:
@@ -62,7 +62,8 @@ def dcgm_sm_active(c: Config) -> str:
     return "\n".join([
         f"({n.GPU_BUSY} * 0) + on (uuid) group_left ()",
         "max by (uuid) (",
-        f'  label_replace(avg_over_time(DCGM_FI_PROF_SM_ACTIVE{{{dcgm}}}[{n.W}]), "uuid", "$1", "UUID", "(.+)")',
+        fill('  label_replace(avg_over_time(DCGM_FI_PROF_SM_ACTIVE{${dcgm}}[${window}]), "uuid", "$1", "UUID", "(.+)")',
+             dcgm=dcgm, window=n.W),
         ")",
     ])
 
@@ -71,12 +72,12 @@ def alerts(c: Config) -> list[Rule]:
     n = names(c)
     sel = c.selector()
     reasons = "|".join(c.GPU_THROTTLE_REASONS)
+    throttling = c.selector(f'reason=~"{reasons}"')
     throttled = "\n".join([
-        f"rate(gpuio_gpu_clocks_event_seconds_total{c.selector(f'reason=~{chr(34)}{reasons}{chr(34)}')}"
-        f"[{c.GPU_THROTTLE_WINDOW}]) > {c.GPU_THROTTLE_RATIO:g}",
+        f"rate(gpuio_gpu_clocks_event_seconds_total{throttling}[{c.GPU_THROTTLE_WINDOW}]) > {c.GPU_THROTTLE_RATIO:g}",
         "or",
         "# reasons (or GPUs) without a violation counter: the sampled reason itself",
-        f"(gpuio_gpu_clocks_event_reason_active{c.selector(f'reason=~{chr(34)}{reasons}{chr(34)}')} == 1",
+        f"(gpuio_gpu_clocks_event_reason_active{throttling} == 1",
         f"  unless on ({c.NODE_LABEL}, gpu, reason) gpuio_gpu_clocks_event_seconds_total{sel})",
     ])
     degraded = "\n".join([
@@ -85,9 +86,9 @@ def alerts(c: Config) -> list[Rule]:
         f"(gpuio_gpu_pcie_link_generation{sel} < gpuio_gpu_pcie_link_generation_max{sel})",
         f"  and on ({c.NODE_LABEL}, gpu) {n.GPU_BUSY} >= {c.PCIE_GENERATION_BUSY:g}",
     ])
-    app_xids = "|".join(c.XID_APPLICATION)
-    xid = (f"time() - gpuio_gpu_xid_last_timestamp_seconds{c.selector(f'xid!~{chr(34)}{app_xids}{chr(34)}')}"
-           f" < {c.XID_RECENT_SECONDS}")
+    application_xids = "|".join(c.XID_APPLICATION)
+    not_application = c.selector(f'xid!~"{application_xids}"')
+    xid = f"time() - gpuio_gpu_xid_last_timestamp_seconds{not_application} < {c.XID_RECENT_SECONDS}"
     ecc_window = c.GPU_ECC_WINDOW
     uncorrected = "gpuio_gpu_ecc_errors_total" + c.selector('error="uncorrected"')
     ecc = "\nor\n".join([
@@ -96,13 +97,13 @@ def alerts(c: Config) -> list[Rule]:
         reason(f"gpuio_gpu_remapped_rows_pending{sel} == 1", "a row remap waits for a GPU reset"),
         reason(f"gpuio_gpu_remapped_rows_failure{sel} == 1", "a row remap failed"),
     ])
-    width = figure("gpuio_gpu_pcie_link_width", n.GPU_LABELS, "printf \"%.0f\"", "?")
-    width_max = figure("gpuio_gpu_pcie_link_width_max", n.GPU_LABELS, "printf \"%.0f\"", "?")
-    gen = figure("gpuio_gpu_pcie_link_generation", n.GPU_LABELS, "printf \"%.0f\"", "?")
-    gen_max = figure("gpuio_gpu_pcie_link_generation_max", n.GPU_LABELS, "printf \"%.0f\"", "?")
-    xid_count = figure("gpuio_gpu_xid_errors_total", (*n.GPU_LABELS, "xid"), "printf \"%.0f\"", "?")
+    width = figure("gpuio_gpu_pcie_link_width", n.GPU_LABELS, COUNT, "?")
+    width_max = figure("gpuio_gpu_pcie_link_width_max", n.GPU_LABELS, COUNT, "?")
+    gen = figure("gpuio_gpu_pcie_link_generation", n.GPU_LABELS, COUNT, "?")
+    gen_max = figure("gpuio_gpu_pcie_link_generation_max", n.GPU_LABELS, COUNT, "?")
+    xid_count = figure("gpuio_gpu_xid_errors_total", (*n.GPU_LABELS, "xid"), COUNT, "?")
     this_gpu = board(GPU_UID, gpu="{{ $labels.gpu }}")
-    missing = f"{{{{ $value | {COUNT} }}}}"
+    missing = fill("{{ $value | ${count} }}", count=COUNT)
     return [
         alert(c, "GPULost", f"gpuio_gpu_up{sel} == 0", c.GPU_LOST_FOR, CRITICAL,
               f"{GPU_NAME} at {n.NODE} is lost.",
@@ -117,26 +118,33 @@ def alerts(c: Config) -> list[Rule]:
               f"since a restart, so no gpuio_gpu_up series is left to go to 0. Work scheduled for it fails or "
               f"waits. After a planned removal, silence this for {c.GPU_MISSING_WINDOW}.", board(GPU_UID)),
         alert(c, "GPUThrottled", throttled, c.GPU_THROTTLE_FOR, WARNING,
-              f"{GPU_NAME} at {n.NODE} is throttled: {{{{ $labels.reason }}}}.",
-              f"Clocks of {GPU_NAME} at {n.NODE} are held down by {{{{ $labels.reason }}}} "
-              f"(share of the last {c.GPU_THROTTLE_WINDOW}: {{{{ $value | humanizePercentage }}}}; 1 = active now "
-              f"where the GPU has no counter). Work on it runs slower; this is heat or power delivery, "
-              f"not the disk.", this_gpu),
+              fill("${gpu} at ${node} is throttled: {{ $labels.reason }}.", gpu=GPU_NAME, node=n.NODE),
+              fill("Clocks of ${gpu} at ${node} are held down by {{ $labels.reason }} (share of the last ${window}: "
+                   "{{ $value | humanizePercentage }}; 1 = active now where the GPU has no counter). Work on it runs "
+                   "slower; this is heat or power delivery, not the disk.",
+                   gpu=GPU_NAME, node=n.NODE, window=c.GPU_THROTTLE_WINDOW), this_gpu),
         alert(c, "GPUPCIeLinkDegraded", degraded, c.PCIE_DEGRADED_FOR, WARNING,
               f"PCIe link of {GPU_NAME} at {n.NODE} is degraded.",
               f"The PCIe link of {GPU_NAME} at {n.NODE} runs at x{width} of x{width_max}, Gen {gen} of "
               f"Gen {gen_max} (generation judged only while the GPU is busy: it downshifts when idle). "
               f"Host-to-GPU copies (engine loads, inputs) are slower.", this_gpu),
         alert(c, "GPUXidError", xid, None, WARNING,
-              f"Xid {{{{ $labels.xid }}}} on {GPU_NAME} at {n.NODE}.",
-              f"{GPU_NAME} at {n.NODE} reported Xid {{{{ $labels.xid }}}} {{{{ $value | humanizeDuration }}}} ago "
-              f"({xid_count} since the exporter started). Xids {', '.join(c.XID_APPLICATION)} (application "
-              f"faults) do not alert.", this_gpu),
+              fill("Xid {{ $labels.xid }} on ${gpu} at ${node}.", gpu=GPU_NAME, node=n.NODE),
+              fill("${gpu} at ${node} reported Xid {{ $labels.xid }} {{ $value | humanizeDuration }} ago "
+                   "(${count} since the exporter started). Xids ${application} (application faults) do not alert.",
+                   gpu=GPU_NAME, node=n.NODE, count=xid_count, application=", ".join(c.XID_APPLICATION)), this_gpu),
         alert(c, "GPUECCUncorrectable", ecc, None, WARNING,
-              f"{GPU_NAME} at {n.NODE}: {{{{ $labels.reason }}}}.",
-              f"Memory of {GPU_NAME} at {n.NODE}: {{{{ $labels.reason }}}} (now {{{{ $value | printf \"%.4g\" }}}}). "
-              f"Work on it may have been killed or computed on bad memory; drain it and reset it.", this_gpu),
+              fill("${gpu} at ${node}: {{ $labels.reason }}.", gpu=GPU_NAME, node=n.NODE),
+              fill('Memory of ${gpu} at ${node}: {{ $labels.reason }} (now {{ $value | printf "%.4g" }}). '
+                   "Work on it may have been killed or computed on bad memory; drain it and reset it.",
+                   gpu=GPU_NAME, node=n.NODE), this_gpu),
     ]
+
+
+def nvml_success_now(c: Config) -> str:
+    """An alert template: whether the nvml collector of the alert's node succeeded at its last scrape."""
+    query = fill("gpuio_scrape_collector_success{collector='nvml',${node}='%s'}", node=c.NODE_LABEL)
+    return query_figure(query, f"$labels.{c.NODE_LABEL}", COUNT, "none")
 
 
 def data_stale_alert(c: Config) -> Rule:
@@ -145,9 +153,10 @@ def data_stale_alert(c: Config) -> Rule:
     return alert(
         c, "GpuioGPUDataStale", n.GPU_STALE, c.GPU_STALE_FOR, WARNING,
         f"GPU data of gpuio at {n.NODE} is stale or failing.",
-        f"The NVML snapshot gpuio-exporter serves at {n.NODE} is "
-        f"{node_figure(c, 'gpuio_gpu_snapshot_age_seconds', 'humanizeDuration', '?')} old (stale after "
-        f"{c.GPU_STALE_AFTER_SECONDS}s), or its nvml collector failed (success now: "
-        f"{n.NVML_SUCCESS_NOW}"
-        f"): NVML calls are slow, hanging or failing, and a frozen busy counter reads as an idle GPU. No "
-        f"starvation alert judges this node's GPUs until the data is fresh again.", board(GPU_UID))
+        fill("The NVML snapshot gpuio-exporter serves at ${node} is ${age} old (stale after ${stale_after}s), or "
+             "its nvml collector failed (success now: ${success}): NVML calls are slow, hanging or failing, and a "
+             "frozen busy counter reads as an idle GPU. No starvation alert judges this node's GPUs until the "
+             "data is fresh again.",
+             node=n.NODE, age=node_figure(c, "gpuio_gpu_snapshot_age_seconds", "humanizeDuration", "?"),
+             stale_after=c.GPU_STALE_AFTER_SECONDS, success=nvml_success_now(c)),
+        board(GPU_UID))

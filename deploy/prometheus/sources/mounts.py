@@ -4,7 +4,7 @@ mount is slow", and MountIOStorm."""
 from __future__ import annotations
 
 from ..config import CRITICAL, STARVATION_UID, WARNING, Config
-from .base import Rule, alert, board, engine_mounts, held_through_gaps, indent, record
+from .base import Rule, alert, board, engine_mounts, fill, held_through_gaps, indent, record
 from .names import names
 from .pressure import io_pressure_high
 from .templates import (
@@ -76,29 +76,32 @@ def page_rules(c: Config) -> list[Rule]:
 
 def alerts(c: Config) -> list[Rule]:
     n = names(c)
-    node = f"$labels.{c.NODE_LABEL}"
     mount = (c.NODE_LABEL, "mountpoint")
     info = "gpuio_engine_mount_info"
     loads_waiting = figure("gpuio_mount_engine_loads_in_progress", mount, COUNT, "0")
     oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "-")
     fstype = label_of("gpuio_mount_info", "fstype", mount, "?")
     source = label_of("gpuio_mount_info", "source", mount, "?")
-    figures = (f"The {fstype} mount {{{{ $labels.mountpoint }}}} ({source}) at {{{{ {node} }}}} is slow: NFS READ "
-               f"round trip {figure(n.NFS_READ_RTT, mount, 'humanizeDuration', 'n/a (not NFS, or idle)')}, reading "
-               f"{figure(n.NFS_READ_BYTES, mount, 'humanize1024', 'n/a')}B/s; the oldest engine load in progress on "
-               f"it started {oldest} ago; tasks on the node waited on IO "
-               f"{node_figure(c, n.IO_SOME, 'humanizePercentage', 'n/a (no PSI)')} of the time.")
+    figures = fill(
+        "The ${fstype} mount {{ $labels.mountpoint }} (${source}) at ${node} is slow: NFS READ round trip ${rtt}, "
+        "reading ${read}B/s; the oldest engine load in progress on it started ${oldest} ago; tasks on the node "
+        "waited on IO ${io_some} of the time.",
+        fstype=fstype, source=source, node=n.NODE, oldest=oldest,
+        rtt=figure(n.NFS_READ_RTT, mount, "humanizeDuration", "n/a (not NFS, or idle)"),
+        read=figure(n.NFS_READ_BYTES, mount, "humanize1024", "n/a"),
+        io_some=node_figure(c, n.IO_SOME, "humanizePercentage", "n/a (no PSI)"))
     on_call = board(STARVATION_UID)
     return [
         alert(c, "MountIOStorm", held_through_gaps(c, n.MOUNT_SLOW, "MountIOStorm", WARNING), c.STORM_FOR, WARNING,
-              f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow.",
+              fill("Network storage {{ $labels.mountpoint }} at ${node} is slow.", node=n.NODE),
               f"{figures} This ticket is the slow mount itself; it pages (the same alert, severity critical) "
               f"while engine loads wait on it or engines on it starve their GPUs.", on_call),
         alert(c, "MountIOStorm", held_through_gaps(c, n.MOUNT_STORM_PAGE, "MountIOStorm", CRITICAL),
               c.STORM_PAGE_FOR, CRITICAL,
-              f"Network storage {{{{ $labels.mountpoint }}}} at {{{{ {node} }}}} is slow and hurts serving: "
-              f"{waiting_to_load(c, info, 'mountpoint', 'mountpoint')} engine(s) waiting to load, "
-              f"{starved_count(c, 'mountpoint')} engine(s) starving their GPU.",
+              fill("Network storage {{ $labels.mountpoint }} at ${node} is slow and hurts serving: ${waiting} "
+                   "engine(s) waiting to load, ${starved} engine(s) starving their GPU.", node=n.NODE,
+                   waiting=waiting_to_load(c, info, "mountpoint", "mountpoint"),
+                   starved=starved_count(c, "mountpoint")),
               f"{figures} Engine loads waiting on it: {loads_waiting}. Starved engines: "
               f"{starved_on(c, 'mountpoint')}. Engines with files on it: "
               f"{engines_on(c, info, 'mountpoint', 'mountpoint')}"

@@ -190,12 +190,6 @@ class Names:
     def NVML_SUCCESS(self) -> str:
         return 'gpuio_scrape_collector_success{collector="nvml",' + self.c.SELECTOR + "}"
 
-    @property
-    def NVML_SUCCESS_NOW(self) -> str:
-        return (f'{{{{ with printf "gpuio_scrape_collector_success{{collector=\'nvml\',{self.c.NODE_LABEL}=\'%s\'}}" '
-                f'$labels.{self.c.NODE_LABEL} | query }}}}{{{{ . | first | value | printf "%.0f" }}}}{{{{ else }}}}none'
-                f"{{{{ end }}}}")
-
     # Each engine file's device (GPU or MIG device) and its activity; the engine's file and GPU are held for
     # ENGINE_HOLD after its last process, so a crash loop's restarts do not break the join.
     @property
@@ -326,7 +320,7 @@ class Names:
     # The alert's node, as a template.
     @property
     def NODE(self) -> str:
-        return f"{{{{ $labels.{self.c.NODE_LABEL} }}}}"
+        return "{{ $labels." + self.c.NODE_LABEL + " }}"
 
     @property
     def WITH_GPU(self) -> str:

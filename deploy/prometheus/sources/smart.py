@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from ..config import DISK_HEALTH_UID, WARNING, Config
-from .base import Rule, alert, board, reason
+from .base import Rule, alert, board, fill, reason
 from .names import names
 from .templates import figure, label_of
 
 
 def alerts(c: Config) -> list[Rule]:
     n = names(c)
-    node = f"$labels.{c.NODE_LABEL}"
     device = (c.NODE_LABEL, "device")
     g = c.SMART_GROWTH_WINDOW
     sel = c.selector()
@@ -55,20 +54,19 @@ def alerts(c: Config) -> list[Rule]:
     return [
         alert(
             c, "DiskHealthDegrading", "\nor\n".join(conditions), c.SMART_HEALTH_FOR, WARNING,
-            f"Disk {{{{ $labels.device }}}} at {{{{ {node} }}}} is degrading: {{{{ $labels.reason }}}}.",
-            f"SMART of {{{{ $labels.device }}}} (model {model}, serial {serial}) at {{{{ {node} }}}}: "
-            f"{{{{ $labels.reason }}}} (now {{{{ $value | printf \"%.4g\" }}}}). A disk that remaps sectors "
-            f"or logs media errors retries its reads first: await rises and IO storms follow long before "
-            f"it fails. Plan its replacement and move engines and data off it.",
+            fill("Disk {{ $labels.device }} at ${node} is degrading: {{ $labels.reason }}.", node=n.NODE),
+            fill("SMART of {{ $labels.device }} (model ${model}, serial ${serial}) at ${node}: {{ $labels.reason }} "
+                 '(now {{ $value | printf "%.4g" }}). A disk that remaps sectors or logs media errors retries its '
+                 "reads first: await rises and IO storms follow long before it fails. Plan its replacement and "
+                 "move engines and data off it.", model=model, serial=serial, node=n.NODE),
             this_disk),
         alert(
             c, "GpuioSmartDataStale", stale, c.SMART_STALE_FOR, WARNING,
-            f"SMART data of {{{{ $labels.device }}}} at {{{{ {node} }}}} is stale.",
-            f"gpuio has not read the SMART values of {{{{ $labels.device }}}} at {{{{ {node} }}}} for "
-            + figure("time() - gpuio_smart_last_success_timestamp_seconds", device, "humanizeDuration",
-                     "as long as it has run")
-            + "; last poll: "
-            + label_of("gpuio_smart_device_state", "state", device, "unknown", " == 1")
-            + ". DiskHealthDegrading cannot fire for this disk until it is read again.",
+            fill("SMART data of {{ $labels.device }} at ${node} is stale.", node=n.NODE),
+            fill("gpuio has not read the SMART values of {{ $labels.device }} at ${node} for ${age}; last poll: "
+                 "${state}. DiskHealthDegrading cannot fire for this disk until it is read again.", node=n.NODE,
+                 age=figure("time() - gpuio_smart_last_success_timestamp_seconds", device, "humanizeDuration",
+                            "as long as it has run"),
+                 state=label_of("gpuio_smart_device_state", "state", device, "unknown", " == 1")),
             this_disk),
     ]

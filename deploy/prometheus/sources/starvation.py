@@ -14,6 +14,7 @@ from .base import (
     engine_devices,
     engine_disks,
     engine_mounts,
+    fill,
     held_through_gaps,
     learned,
     rate,
@@ -191,10 +192,13 @@ def waiting_rules(c: Config) -> list[Rule]:
     ])
     loads = f'max without (reason) ({n.WORK_WAITING}{{reason=~"{LOAD_REASONS}"}})'
     busy = f"({n.GPU_ACTIVITY} unless on ({c.NODE_LABEL}, uuid) {n.GPU_ACTIVITY_LOST})"
-    starved_on = "\n".join([
-        f"  (0 * {n.ENGINE_GPU_ACTIVITY} + on ({c.NODE_LABEL}, uuid) group_left () {n.GPU_ACTIVITY_LOST})",
-        "  + on ({node}, engine, path) group_left ({label}) (0 * {storage})",
-    ])
+
+    def starved_by(storage: str, label: str) -> str:
+        """The device's activity, where it lost its work, on the engine files over ``storage`` (named in ``label``)."""
+        return "\n".join([
+            f"  (0 * {n.ENGINE_GPU_ACTIVITY} + on ({c.NODE_LABEL}, uuid) group_left () {n.GPU_ACTIVITY_LOST})",
+            f"  + on ({c.NODE_LABEL}, engine, path) group_left ({label}) (0 * {storage})",
+        ])
     return [
         # Work queueing for an engine on one GPU, one series per reason.  Never "a request is in
         # flight": a spare replica serving a request now and then is idle, not starved.
@@ -210,9 +214,9 @@ def waiting_rules(c: Config) -> list[Rule]:
         # GPUStarvedByDiskIO is this for `for`.
         record(n.STARVED, "\n".join([
             "(",
-            starved_on.format(node=c.NODE_LABEL, label="device", storage=n.ENGINE_DISK_SATURATED),
+            starved_by(n.ENGINE_DISK_SATURATED, "device"),
             "  or",
-            starved_on.format(node=c.NODE_LABEL, label="mountpoint", storage=n.ENGINE_MOUNT_SLOW),
+            starved_by(n.ENGINE_MOUNT_SLOW, "mountpoint"),
             ")",
             f"and on ({c.NODE_LABEL}, engine, uuid)",
             f'  label_replace({n.WORK_WAITING}, "uuid", "$1", "gpu_uuid", "(.+)")',
@@ -227,35 +231,41 @@ def alerts(c: Config) -> list[Rule]:
 
 def starved_alert(c: Config) -> Rule:
     n = names(c)
-    node = f"$labels.{c.NODE_LABEL}"
     device_labels = (c.NODE_LABEL, "device")
-    reasons = (f'{{{{ range printf "{n.WORK_WAITING}{{{c.NODE_LABEL}=\'%s\',engine=\'%s\',gpu_uuid=\'%s\'}}" '
-               f'{node} $labels.engine $labels.uuid | query | sortByLabel "reason" }}}}{{{{ .Labels.reason }}}}; '
-               f"{{{{ end }}}}")
+    waiting = fill("${work_waiting}{${node}='%s',engine='%s',gpu_uuid='%s'}",
+                   work_waiting=n.WORK_WAITING, node=c.NODE_LABEL)
+    reasons = fill('{{ range printf "${waiting}" $labels.${node} $labels.engine $labels.uuid | query '
+                   '| sortByLabel "reason" }}{{ .Labels.reason }}; {{ end }}', waiting=waiting, node=c.NODE_LABEL)
     mount = (c.NODE_LABEL, "mountpoint")
     oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "none")
-    storage = ("{{ if $labels.device }}the disk under {{ $labels.path }}, {{ $labels.device }}, is saturated: "
-               f"await {figure(n.AWAIT, device_labels, 'humanizeDuration', '?')}, "
-               f"{figure(n.QUEUE, device_labels, ONE_DECIMAL, '?')} requests queued"
-               "{{ else }}the network mount under {{ $labels.path }}, {{ $labels.mountpoint }}, is slow: "
-               f"NFS READ round trip {figure(n.NFS_READ_RTT, mount, 'humanizeDuration', 'n/a')}, "
-               f"oldest engine load in progress {oldest}"
-               f"{{{{ end }}}}; IO pressure on the node "
-               f"{node_figure(c, n.IO_SOME, 'humanizePercentage', 'n/a (no PSI)')}")
+    storage = fill(
+        "{{ if $labels.device }}the disk under {{ $labels.path }}, {{ $labels.device }}, is saturated: "
+        "await ${disk_await}, ${queue} requests queued"
+        "{{ else }}the network mount under {{ $labels.path }}, {{ $labels.mountpoint }}, is slow: "
+        "NFS READ round trip ${rtt}, oldest engine load in progress ${oldest}{{ end }}; "
+        "IO pressure on the node ${io_some}",
+        disk_await=figure(n.AWAIT, device_labels, "humanizeDuration", "?"),
+        queue=figure(n.QUEUE, device_labels, ONE_DECIMAL, "?"),
+        rtt=figure(n.NFS_READ_RTT, mount, "humanizeDuration", "n/a"), oldest=oldest,
+        io_some=node_figure(c, n.IO_SOME, "humanizePercentage", "n/a (no PSI)"))
     calm = figure(n.GPU_ACTIVITY_BASELINE, (c.NODE_LABEL, "uuid"), "humanizePercentage", "none learned")
     return alert(
         c, "GPUStarvedByDiskIO", held_through_gaps(c, n.STARVED, "GPUStarvedByDiskIO", CRITICAL), c.STARVED_FOR,
         CRITICAL,
-        f"Engine {{{{ $labels.engine }}}} on {DEVICE_NAME} at {n.NODE} is starved by "
-        f"{{{{ $labels.device }}}}{{{{ $labels.mountpoint }}}}.",
-        f"{DEVICE_NAME} ({{{{ $labels.uuid }}}}) at {n.NODE} is active only "
-        f"{{{{ $value | humanizePercentage }}}} (SM activity where GPM measures it, else NVML busy; its calm "
-        f"normal: {calm}) while work queues for engine {{{{ $labels.engine }}}} on it "
-        f"({reasons}in flight: {engine_gpu_figure(c, n.ENGINE_IN_FLIGHT, ONE_DECIMAL, '0')}, contexts: "
-        f"{engine_gpu_figure(c, 'gpuio_engine_pool_contexts', COUNT, 'n/a')}, pool wait: "
-        f"{engine_gpu_figure(c, n.ENGINE_POOL_WAIT, 'humanizeDuration', 'none')}, loads in progress: "
-        f"{engine_gpu_figure(c, 'gpuio_engine_loads_in_progress', COUNT, '0')}, loads abandoned in the last "
-        f"{c.LOAD_CRASH_LOOP_WINDOW}: {engine_gpu_figure(c, n.ENGINE_LOADS_ABANDONED, COUNT, '0')}), and {storage}.",
+        fill("Engine {{ $labels.engine }} on ${device} at ${node} is starved by "
+             "{{ $labels.device }}{{ $labels.mountpoint }}.", device=DEVICE_NAME, node=n.NODE),
+        fill("${device} ({{ $labels.uuid }}) at ${node} is active only {{ $value | humanizePercentage }} "
+             "(SM activity where GPM measures it, else NVML busy; its calm normal: ${calm}) while work queues "
+             "for engine {{ $labels.engine }} on it (${reasons}in flight: ${in_flight}, contexts: ${contexts}, "
+             "pool wait: ${pool_wait}, loads in progress: ${loading}, loads abandoned in the last ${window}: "
+             "${abandoned}), and ${storage}.",
+             device=DEVICE_NAME, node=n.NODE, calm=calm, reasons=reasons,
+             in_flight=engine_gpu_figure(c, n.ENGINE_IN_FLIGHT, ONE_DECIMAL, "0"),
+             contexts=engine_gpu_figure(c, "gpuio_engine_pool_contexts", COUNT, "n/a"),
+             pool_wait=engine_gpu_figure(c, n.ENGINE_POOL_WAIT, "humanizeDuration", "none"),
+             loading=engine_gpu_figure(c, "gpuio_engine_loads_in_progress", COUNT, "0"),
+             window=c.LOAD_CRASH_LOOP_WINDOW,
+             abandoned=engine_gpu_figure(c, n.ENGINE_LOADS_ABANDONED, COUNT, "0"), storage=storage),
         board(STARVATION_UID, gpu="{{ $labels.gpu }}", engine="{{ $labels.engine }}"))
 
 
@@ -280,13 +290,15 @@ def node_gpu_starved(c: Config) -> Rule:
         "# a frozen or failing NVML reading is no evidence of an idle GPU",
         f"unless on ({c.NODE_LABEL}) {n.GPU_STALE}",
     ])
-    disks = (f'{{{{ range printf "{n.SATURATED}{{{c.NODE_LABEL}=\'%s\'}}" $labels.{c.NODE_LABEL} | query }}}}'
-             f"{{{{ .Labels.device }}}} (await {{{{ .Value | humanizeDuration }}}}) {{{{ end }}}}")
+    saturated = fill("${saturated}{${node}='%s'}", saturated=n.SATURATED, node=c.NODE_LABEL)
+    disks = fill('{{ range printf "${saturated}" $labels.${node} | query }}'
+                 "{{ .Labels.device }} (await {{ .Value | humanizeDuration }}) {{ end }}",
+                 saturated=saturated, node=c.NODE_LABEL)
     return alert(
         c, "NodeGPUStarvedByIO", expr, c.NODE_STARVED_FOR, WARNING,
         f"{GPU_NAME} at {n.NODE} is mostly idle while a disk of the node is saturated.",
-        f"{GPU_NAME} at {n.NODE} is active only {{{{ $value | humanizePercentage }}}} (NVML busy, or SM activity "
-        f"where GPM measures it) although compute "
-        f"processes hold it, while these disks are saturated: {disks}- its data loader is probably "
-        f"waiting on IO. No engine reports for this GPU, so this is the node-level guess.",
+        fill("${gpu} at ${node} is active only {{ $value | humanizePercentage }} (NVML busy, or SM activity "
+             "where GPM measures it) although compute processes hold it, while these disks are saturated: "
+             "${disks}- its data loader is probably waiting on IO. No engine reports for this GPU, so this is "
+             "the node-level guess.", gpu=GPU_NAME, node=n.NODE, disks=disks),
         board(STARVATION_UID, gpu="{{ $labels.gpu }}"))
