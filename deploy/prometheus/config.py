@@ -5,7 +5,8 @@ boards.  It is frozen: a variant (shorter windows for an end-to-end test, your o
 ``dataclasses.replace(DEFAULT, STORM_FOR="10s")``, passed to the rule sources - nothing is changed in
 place.  Every generator receives the config it writes for: the rules (sources/), the boards
 (deploy/grafana/boards/), the runbooks (runbooks.py); ``config.thresholds`` is what `gpuio top` judges by.
-``config.STORM_FOR`` (module attribute) reads ``DEFAULT.STORM_FOR``, for tests and examples.
+A knob is read from the config at hand (``config.STORM_FOR``), never from a module default, so
+nothing can judge by a number the config did not give it.
 
 Change a default here, run ``make generate``, commit the regenerated YAML and JSON: the drift tests
 (tests/unit/test_rules.py, test_dashboards.py, test_deploy_kubernetes.py) fail while the checked-in
@@ -43,7 +44,6 @@ Why these shapes (see docs/runbooks/DiskIOStorm.md for the on-call view):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from exporter import thresholds
 
@@ -310,10 +310,3 @@ class Config:
 
 DEFAULT = Config()
 KNOBS = frozenset(field.name for field in dataclasses.fields(Config))
-
-
-def __getattr__(name: str) -> Any:
-    """``config.STORM_FOR`` and the like: the knobs of DEFAULT, read-only (there is nothing to set)."""
-    if name in KNOBS:
-        return getattr(DEFAULT, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -268,9 +268,15 @@ def expand(phases: list) -> list:
 
 # --- the scenarios ---------------------------------------------------------------------------------
 MIN = 60
-PAGE_BOUND = 2 * (seconds(c.STORM_PAGE_FOR) + STEP)  # first page within 2 x (for + scrape interval)
-STARVED_BOUND = 2 * (seconds(c.STARVED_FOR) + STEP)
-TICKET_BOUND = 2 * (seconds(c.STORM_FOR) + STEP)
+# The durations of the checked-in rules (the default config), in seconds: when each alert may first fire.
+STORM_FOR = seconds(c.DEFAULT.STORM_FOR)
+STORM_PAGE_FOR = seconds(c.DEFAULT.STORM_PAGE_FOR)
+STARVED_FOR = seconds(c.DEFAULT.STARVED_FOR)
+GPU_LOST_FOR = seconds(c.DEFAULT.GPU_LOST_FOR)
+GPU_STALE_FOR = seconds(c.DEFAULT.GPU_STALE_FOR)
+PAGE_BOUND = 2 * (STORM_PAGE_FOR + STEP)  # first page within 2 x (for + scrape interval)
+STARVED_BOUND = 2 * (STARVED_FOR + STEP)
+TICKET_BOUND = 2 * (STORM_FOR + STEP)
 # When a storm's condition first holds: once the 1 m rate windows hold enough of its scrapes for the
 # queue and IO pressure to pass their limits.  With IO pressure "some" at 0.6-0.7 that is the storm's
 # second evaluation (two of four increments: (0.7 + 0.7 + ~0) / 4 >= 0.3); at 0.5 its third.  First
@@ -302,16 +308,16 @@ def cold_start_storm() -> Scenario:
     start = s.storm_start + FIRST_STORM
     names = ("nvme0n1", "8 engine(s) waiting to load", *engines, "GPU 0", "GPU 7")
     s.fires = [
-        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), exact=True,
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + STORM_PAGE_FOR, exact=True,
              names=names),
-        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + seconds(c.STORM_FOR), exact=True),
+        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + STORM_FOR, exact=True),
     ]
     for i, engine in enumerate(engines):
         # the loads started at 20m: over 60 s old from 21m15s, the alert has no `for`
         s.fires.append(Fire("EngineColdStartSlow", c.WARNING, {"engine": engine}, s.storm_start + 75))
         s.fires.append(Fire("GPUStarvedByDiskIO", c.CRITICAL, {
             "engine": engine, "path": f"/models/{engine}.plan", "gpu": str(i), "uuid": f"GPU-cold-start-{i}",
-            "device": "nvme0n1"}, start + seconds(c.STARVED_FOR), exact=i == 0))
+            "device": "nvme0n1"}, start + STARVED_FOR, exact=i == 0))
     return s
 
 
@@ -333,17 +339,17 @@ def long_storm() -> Scenario:
     start = s.storm_start + FIRST_STORM
     end = s.storm_start + 120 * MIN
     s.fires = [
-        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), end + MIN,
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + STORM_PAGE_FOR, end + MIN,
              exact=True, names=("nvme0n1", "1 engine(s) waiting to load", "vit")),
-        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + seconds(c.STORM_FOR), end + MIN, exact=True),
-        Fire("DiskIOStorm", c.WARNING, {"device": "nvme1n1"}, start + seconds(c.STORM_FOR), end + MIN, exact=True),
+        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + STORM_FOR, end + MIN, exact=True),
+        Fire("DiskIOStorm", c.WARNING, {"device": "nvme1n1"}, start + STORM_FOR, end + MIN, exact=True),
         # the load is over 60 s old 75 s into the storm (EngineColdStartSlow has no `for`)
         Fire("EngineColdStartSlow", c.WARNING, {"engine": "vit"}, s.storm_start + 75, end + MIN, exact=True),
         # GPU idle and loading from the start: starved as soon as the disk is saturated, at the storm's
         # first scrape (await and queue over the NVMe limits; the storm also needs IO pressure, a scrape later)
         Fire("GPUStarvedByDiskIO", c.CRITICAL, {"engine": "vit", "path": "/models/vit.plan", "gpu": "0",
                                                  "uuid": uuid, "device": "nvme0n1"},
-             s.storm_start + STEP + seconds(c.STARVED_FOR), end + MIN, exact=True),
+             s.storm_start + STEP + STARVED_FOR, end + MIN, exact=True),
     ]
     return s
 
@@ -433,10 +439,10 @@ def one_of_eight() -> Scenario:
     s.fires = [
         Fire("GPUStarvedByDiskIO", c.CRITICAL, {"engine": "llm-5", "path": "/models/llm-5.plan", "gpu": "5",
                                                  "uuid": "GPU-one-of-eight-5", "device": "nvme0n1"},
-             start + seconds(c.STARVED_FOR), exact=True, names=("llm-5", "GPU 5", "nvme0n1", "pool wait")),
-        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), exact=True,
+             start + STARVED_FOR, exact=True, names=("llm-5", "GPU 5", "nvme0n1", "pool wait")),
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + STORM_PAGE_FOR, exact=True,
              names=("nvme0n1", "llm-5 on GPU 5")),
-        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + seconds(c.STORM_FOR), exact=True),
+        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + STORM_FOR, exact=True),
     ]
     return s
 
@@ -455,7 +461,7 @@ def backup_light_traffic() -> Scenario:
     s.serving("resnet", uuid, in_flight=[(10, 0), (10, 2), (10, 1), (10, 0), (10, 2)], contexts=4,
               requests=[(50, 5)], pool_wait=[(50, 0.0005)], latency=[(50, (0.6, 0.995, 1, 1, 1))])
     # "full" at 0.3 passes its limit (0.1) at the storm's second evaluation
-    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, s.storm_start + FIRST_STORM + seconds(c.STORM_FOR),
+    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, s.storm_start + FIRST_STORM + STORM_FOR,
                     exact=True)]
     return s
 
@@ -477,7 +483,7 @@ def drained_replica() -> Scenario:
     s.serving("resnet", spare, in_flight=[(40, 0)], contexts=4, requests=[(40, 0)], pool_wait=[(40, 0)],
               latency=[(40, (1, 1, 1, 1, 1))])
     s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"},
-                    s.storm_start + FIRST_STORM_PSI_HALF + seconds(c.STORM_FOR), exact=True)]
+                    s.storm_start + FIRST_STORM_PSI_HALF + STORM_FOR, exact=True)]
     return s
 
 
@@ -497,9 +503,9 @@ def frozen_nvml() -> Scenario:
                   pool_wait=[(20, 0.002), (25, 0.3)], latency=[(20, (0.3, 0.99, 1, 1, 1)), (25, (0, 0, 0.5, 1, 1))])
     s.fires = [
         # the nvml collector fails from the first frozen scrape
-        Fire("GpuioGPUDataStale", c.WARNING, {}, s.storm_start + seconds(c.GPU_STALE_FOR), exact=True),
+        Fire("GpuioGPUDataStale", c.WARNING, {}, s.storm_start + GPU_STALE_FOR, exact=True),
         Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"},
-             s.storm_start + FIRST_STORM_PSI_HALF + seconds(c.STORM_FOR), exact=True),
+             s.storm_start + FIRST_STORM_PSI_HALF + STORM_FOR, exact=True),
         Fire("GpuioCollectorFailing", c.WARNING, {"collector": "nvml"}, s.storm_start + 10 * MIN),
     ]
     return s
@@ -528,10 +534,10 @@ def nfs_engine() -> Scenario:
     s.fires = [
         Fire("GPUStarvedByDiskIO", c.CRITICAL, {"engine": "llama", "path": "/mnt/models/llama.plan", "gpu": "3",
                                                  "uuid": uuid, **mount},
-             starved + seconds(c.STARVED_FOR), exact=True, names=("llama", "GPU 3", "/mnt/models")),
-        Fire("MountIOStorm", c.CRITICAL, mount, starved + seconds(c.STORM_PAGE_FOR), exact=True,
+             starved + STARVED_FOR, exact=True, names=("llama", "GPU 3", "/mnt/models")),
+        Fire("MountIOStorm", c.CRITICAL, mount, starved + STORM_PAGE_FOR, exact=True,
              names=("/mnt/models", "nfs4", "filer:/export/models", "llama on GPU 3")),
-        Fire("MountIOStorm", c.WARNING, mount, start + seconds(c.STORM_FOR), exact=True),
+        Fire("MountIOStorm", c.WARNING, mount, start + STORM_FOR, exact=True),
     ]
     return s
 
@@ -554,15 +560,15 @@ def fuse_cold_start() -> Scenario:
     # the loads are over 60 s old from 11m; the mount counts as slow from then on
     slow = s.storm_start + seconds("1m")
     s.fires = [
-        Fire("MountIOStorm", c.CRITICAL, {"mountpoint": "/mnt/s3"}, slow + seconds(c.STORM_PAGE_FOR), exact=True,
+        Fire("MountIOStorm", c.CRITICAL, {"mountpoint": "/mnt/s3"}, slow + STORM_PAGE_FOR, exact=True,
              names=("/mnt/s3", "fuse.s3fs", "4 engine(s) waiting to load", "sd-0", "GPU 3")),
-        Fire("MountIOStorm", c.WARNING, {"mountpoint": "/mnt/s3"}, slow + seconds(c.STORM_FOR), exact=True),
+        Fire("MountIOStorm", c.WARNING, {"mountpoint": "/mnt/s3"}, slow + STORM_FOR, exact=True),
     ]
     for i in range(4):
         s.fires.append(Fire("EngineColdStartSlow", c.WARNING, {"engine": f"sd-{i}"}, slow + STEP))
         s.fires.append(Fire("GPUStarvedByDiskIO", c.CRITICAL, {
             "engine": f"sd-{i}", "path": f"/mnt/s3/sd-{i}.plan", "gpu": str(i), "uuid": f"GPU-fuse-cold-start-{i}",
-            "mountpoint": "/mnt/s3"}, slow + seconds(c.STARVED_FOR)))
+            "mountpoint": "/mnt/s3"}, slow + STARVED_FOR))
     return s
 
 
@@ -722,11 +728,11 @@ def churn_fires(s: Scenario, engines: list[str], disks: tuple[str, ...], end: in
     # one disk storms from the storm's second scrape; two mirror members share the reads (half the queue
     # each) and pass the queue limit a scrape later
     storming = start if len(disks) == 1 else s.storm_start + FIRST_STORM_PSI_HALF
-    page = storming + seconds(c.STORM_PAGE_FOR)
+    page = storming + STORM_PAGE_FOR
     for disk in disks:
         s.fires.append(Fire("DiskIOStorm", c.CRITICAL, {"device": disk}, page, end + MIN, exact=True,
                             names=(disk, "8 engine(s) waiting to load", *engines, "GPU 0", "GPU 7"), steady_from=page))
-        s.fires.append(Fire("DiskIOStorm", c.WARNING, {"device": disk}, storming + seconds(c.STORM_FOR), end + MIN,
+        s.fires.append(Fire("DiskIOStorm", c.WARNING, {"device": disk}, storming + STORM_FOR, end + MIN,
                             exact=True))
     for index, engine in enumerate(engines):
         # engine i's first attempt starts i scrapes into the storm; its first load is over 60 s old at its
@@ -735,7 +741,7 @@ def churn_fires(s: Scenario, engines: list[str], disks: tuple[str, ...], end: in
         s.fires.append(Fire("EngineColdStartSlow", c.WARNING, {"engine": engine}, first + 4 * STEP, end + MIN,
                             exact=True, steady_from=first + 4 * STEP))
         # starved once it loads and the disk is saturated (the storm's second scrape)
-        paged = max(first, start) + seconds(c.STARVED_FOR)
+        paged = max(first, start) + STARVED_FOR
         s.fires.append(Fire("GPUStarvedByDiskIO", c.CRITICAL, {
             "engine": engine, "path": f"/models/{engine}.plan", "gpu": str(index), "uuid": f"GPU-{s.name}-{index}",
             "device": disks[0]}, paged, end + MIN, exact=True,
@@ -770,11 +776,11 @@ def mig_starved() -> Scenario:
     s.fires = [
         Fire("GPUStarvedByDiskIO", c.CRITICAL, {
             "engine": "embedder-3", "path": "/models/embedder-3.plan", "gpu": "0", "uuid": "MIG-mig-starved-3",
-            "gpu_instance": "10", "device": "nvme0n1"}, start + seconds(c.STARVED_FOR), exact=True,
+            "gpu_instance": "10", "device": "nvme0n1"}, start + STARVED_FOR, exact=True,
              names=("embedder-3", "GPU 0 MIG instance 10", "nvme0n1")),
-        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), exact=True,
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + STORM_PAGE_FOR, exact=True,
              names=("nvme0n1", "1 engine(s) starving", "embedder-3 on GPU 0 MIG instance 10")),
-        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + seconds(c.STORM_FOR), exact=True),
+        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + STORM_FOR, exact=True),
     ]
     return s
 
@@ -802,7 +808,7 @@ def blue_green() -> Scenario:
     in_progress = [(40, 0), (2, 1), (2, 2), (2, 3), (6, 4), (2, 3), (2, 2), (2, 3), (2, 4), (6, 4), (2, 3), (2, 2),
                    (2, 1), (18, 0)]
     s.add("gpuio_disk_engine_loads_in_progress", gauge(in_progress), device="nvme0n1")
-    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, s.storm_start + FIRST_STORM + seconds(c.STORM_FOR),
+    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, s.storm_start + FIRST_STORM + STORM_FOR,
                     s.storm_start + 45 * MIN + MIN, exact=True)]
     s.only_listed = True  # the slow loads' tickets (EngineColdStartSlow) open and close with each generation
     return s
@@ -853,12 +859,12 @@ def exporter_restart() -> Scenario:
               process_start=samples(gap([0.0 if i < back else back * STEP - 5.0 for i in range(total)], down, length)))
     start = s.storm_start + FIRST_STORM
     end = 45 * MIN
-    page = start + seconds(c.STORM_PAGE_FOR)
-    starved = start + seconds(c.STARVED_FOR)
+    page = start + STORM_PAGE_FOR
+    starved = start + STARVED_FOR
     s.fires = [
         Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, page, end + MIN, exact=True, steady_from=page),
-        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + seconds(c.STORM_FOR), end + MIN, exact=True,
-             steady_from=start + seconds(c.STORM_FOR)),
+        Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"}, start + STORM_FOR, end + MIN, exact=True,
+             steady_from=start + STORM_FOR),
     ]
     for i in range(4):
         s.fires.append(Fire("GPUStarvedByDiskIO", c.CRITICAL, {
@@ -900,11 +906,11 @@ def gpu_reset() -> Scenario:
     s.add("gpuio_disk_engine_loads_in_progress", gauge([(20, 0), (20, 2), (5, 0)]), device="nvme0n1")
     start = s.storm_start + FIRST_STORM
     end = 40 * MIN
-    starved = start + seconds(c.STARVED_FOR)
+    starved = start + STARVED_FOR
     s.fires = [
-        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + seconds(c.STORM_PAGE_FOR), end + MIN, exact=True,
-             steady_from=start + seconds(c.STORM_PAGE_FOR)),
-        Fire("GPULost", c.CRITICAL, {"gpu": "1", "uuid": "GPU-gpu-reset-1"}, lost * STEP + seconds(c.GPU_LOST_FOR),
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + STORM_PAGE_FOR, end + MIN, exact=True,
+             steady_from=start + STORM_PAGE_FOR),
+        Fire("GPULost", c.CRITICAL, {"gpu": "1", "uuid": "GPU-gpu-reset-1"}, lost * STEP + GPU_LOST_FOR,
              back * STEP, exact=True),
     ]
     for i in range(2):
@@ -941,7 +947,7 @@ def node_drain() -> Scenario:
         s.add("gpuio_engine_loads_abandoned_total", samples(float(reloading and j >= drained) for j in range(total)),
               engine=engine, gpu_uuid=uuid)
     s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "nvme0n1"},
-                    s.storm_start + FIRST_STORM + seconds(c.STORM_FOR), exact=True)]
+                    s.storm_start + FIRST_STORM + STORM_FOR, exact=True)]
     return s
 
 
@@ -985,13 +991,13 @@ def activity_drop() -> Scenario:
     engines = [f"matmul-{k}" for k in range(4)]
     s.fires = [Fire("GPUStarvedByDiskIO", c.CRITICAL, {
         "engine": engine, "path": f"/models/{engine}.plan", "gpu": "0", "uuid": f"GPU-{s.name}-0", "device": "vda"},
-        s.storm_start + seconds(c.STARVED_FOR) + MIN, names=(engine, "GPU 0", "vda", "its calm normal: 90.5%"))
+        s.storm_start + STARVED_FOR + MIN, names=(engine, "GPU 0", "vda", "its calm normal: 90.5%"))
         for engine in engines]
     s.fires += [
         # the pools are full and all tasks stall on IO (PSI full 0.84) from the storm's second scrape
-        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, s.storm_start + FIRST_STORM + seconds(c.STORM_PAGE_FOR),
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, s.storm_start + FIRST_STORM + STORM_PAGE_FOR,
              exact=True, names=("vda", "4 engine(s) starving their GPU", *engines)),
-        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + seconds(c.STORM_FOR) + MIN),
+        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + STORM_FOR + MIN),
     ]
     return s
 
@@ -1001,7 +1007,7 @@ def activity_fell() -> Scenario:
     calm).  An idle GPU, not a starved one: the storm stays a ticket."""
     s = drop_case("activity-fell", "ticket", "the same drop, fewer requests: pools half free, nothing waits",
                   0.905, 0.34, waiting=False)
-    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + seconds(c.STORM_FOR) + MIN)]
+    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + STORM_FOR + MIN)]
     return s
 
 
@@ -1010,7 +1016,7 @@ def always_low() -> Scenario:
     with less IO pressure: its work did not fall, so it is not starved; the storm is a ticket."""
     s = drop_case("always-0.35", "ticket", "GPU always at SM 0.35 with full pools; storm on vda, PSI full 0.15",
                   0.35, 0.34, waiting=True, psi_full=0.15)
-    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + seconds(c.STORM_FOR) + MIN)]
+    s.fires = [Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + STORM_FOR + MIN)]
     return s
 
 
@@ -1033,13 +1039,13 @@ def slow_creep_then_storm() -> Scenario:
                   pool_wait=[(40, 0.0005), (90, 0.4)], latency=[(40, (0.2, 0.9, 1, 1, 1)), (90, (0, 0, 0.2, 0.9, 1))])
     s.fires = [Fire("GPUStarvedByDiskIO", c.CRITICAL, {
         "engine": f"matmul-{k}", "path": f"/models/matmul-{k}.plan", "gpu": "0", "uuid": f"GPU-{s.name}-0",
-        "device": "vda"}, s.storm_start + seconds(c.STARVED_FOR) + MIN, names=(f"matmul-{k}", "its calm normal: 76%"))
+        "device": "vda"}, s.storm_start + STARVED_FOR + MIN, names=(f"matmul-{k}", "its calm normal: 76%"))
         for k in range(4)]
     s.fires += [
         # the node already stalls on IO: the storm holds from the first scrape of the saturated disk
-        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, s.storm_start + STEP + seconds(c.STORM_PAGE_FOR),
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, s.storm_start + STEP + STORM_PAGE_FOR,
              exact=True, names=("vda", "4 engine(s) starving their GPU")),
-        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + seconds(c.STORM_FOR) + MIN),
+        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, s.storm_start + STORM_FOR + MIN),
     ]
     return s
 
@@ -1062,11 +1068,11 @@ def no_calm_baseline() -> Scenario:
     s.fires = [
         Fire("GPUStarvedByDiskIO", c.CRITICAL, {"engine": "matmul-1", "path": "/models/matmul-1.plan", "gpu": "1",
                                                  "uuid": "GPU-no-calm-baseline-1", "device": "vda"},
-             seconds(c.STARVED_FOR) + MIN, names=("matmul-1", "GPU 1", "none learned")),
+             STARVED_FOR + MIN, names=("matmul-1", "GPU 1", "none learned")),
         # the storm holds from the second scrape (the first rate)
-        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, STEP + seconds(c.STORM_PAGE_FOR), exact=True,
+        Fire("DiskIOStorm", c.CRITICAL, {"device": "vda"}, STEP + STORM_PAGE_FOR, exact=True,
              names=("vda", "matmul-1", "GPU 1")),
-        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, seconds(c.STORM_FOR) + MIN),
+        Fire("DiskIOStorm", c.WARNING, {"device": "vda"}, STORM_FOR + MIN),
     ]
     return s
 

@@ -252,7 +252,8 @@ def test_servicemonitor_relabelings_name_job_and_instance_in_a_real_prometheus(t
             assert time.monotonic() < deadline, "no scrape in 30 s"
             time.sleep(0.2)
         (sample,) = result
-        assert sample["metric"] == {"__name__": "up", "job": JOB, c.NODE_LABEL: "gpu-node-7", "namespace": NAMESPACE}
+        assert sample["metric"] == {"__name__": "up", "job": JOB, c.DEFAULT.NODE_LABEL: "gpu-node-7",
+                                    "namespace": NAMESPACE}
         assert sample["value"][1] == "1"
     finally:
         if process:
@@ -270,7 +271,7 @@ def test_plain_prometheus_scrape_config_matches_the_servicemonitor(tmp_path) -> 
     assert (job["scrape_interval"], job["scrape_timeout"], job["metrics_path"]) == (
         endpoint["interval"], endpoint["scrapeTimeout"], endpoint["path"])
     relabel = {r.get("target_label"): r for r in job["relabel_configs"]}
-    assert relabel[c.NODE_LABEL]["source_labels"] == ["__meta_kubernetes_pod_node_name"]
+    assert relabel[c.DEFAULT.NODE_LABEL]["source_labels"] == ["__meta_kubernetes_pod_node_name"]
     service = one("Service")
     keep = relabel[None]
     assert keep["action"] == "keep" and keep["regex"] == f"{service['metadata']['name']};{endpoint['port']}"

@@ -84,7 +84,7 @@ def test_saturated_rule_agrees_with_gpuio_top(tmp_path) -> None:
         "rule_files": [os.path.join(RULES_DIR, "starvation.yml")],
         "evaluation_interval": "15s",
         "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": [
-            {"expr": f"count by (instance) ({r.SATURATED})", "eval_time": "2m", "exp_samples": expected}]}],
+            {"expr": f"count by (instance) ({r.NAMES.SATURATED})", "eval_time": "2m", "exp_samples": expected}]}],
     }
     path = tmp_path / "saturated.yml"
     path.write_text(yaml.safe_dump(test))

@@ -55,5 +55,5 @@ def test_every_gpuio_alert_reaches_the_receiver_of_its_severity(alert: dict) -> 
     severity = alert["labels"]["severity"]
     result = amtool("config", "routes", "test", f"--config.file={CONFIG}",
                     f"--verify.receivers={RECEIVER_OF[severity]}", f"alertname={alert['alert']}",
-                    f"severity={severity}", f"{c.NODE_LABEL}=gpu-a:9817")
+                    f"severity={severity}", f"{c.DEFAULT.NODE_LABEL}=gpu-a:9817")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -52,11 +52,12 @@ def generated(tmp_path: Path, *settings: str) -> Path:
 
 
 def test_io_pressure_full_reaches_rule_panel_runbook_and_top(tmp_path) -> None:
-    assert config.IO_PRESSURE_FULL == 0.1  # the default this test moves away from
+    assert config.DEFAULT.IO_PRESSURE_FULL == 0.1  # the default this test moves away from
     out = generated(tmp_path, "IO_PRESSURE_FULL=0.22")
     stalled = " ".join(expr for expr in rule_exprs(out) if "gpuio_pressure_io_stalled_seconds:rate1m >=" in expr)
     # STORM_PAGE_IO_FULL (0.25, the page's own knob) is compared on the same series and stays
-    assert set(re.findall(r"stalled_seconds:rate1m >= ([0-9.]+)", stalled)) == {"0.22", str(config.STORM_PAGE_IO_FULL)}
+    compared = set(re.findall(r"stalled_seconds:rate1m >= ([0-9.]+)", stalled))
+    assert compared == {"0.22", str(config.DEFAULT.STORM_PAGE_IO_FULL)}
     pressure = panel(out, "gpuio-disk-io", "IO pressure (PSI)")
     assert override_limits(pressure, "io full") == [0.22]
     assert "22% full" in pressure["description"] and "10% full" not in pressure["description"]
@@ -68,7 +69,7 @@ def test_io_pressure_full_reaches_rule_panel_runbook_and_top(tmp_path) -> None:
 
 
 def test_gpu_busy_low_reaches_rule_panel_runbook_and_top(tmp_path) -> None:
-    assert config.GPU_BUSY_LOW == 0.3
+    assert config.DEFAULT.GPU_BUSY_LOW == 0.3
     out = generated(tmp_path, "GPU_BUSY_LOW=0.15")
     busy = [expr for expr in rule_exprs(out) if "gpuio_gpu_busy_seconds:rate1m <" in expr]
     assert busy and all(re.search(r"busy_seconds:rate1m < 0\.15\b", expr) for expr in busy)

@@ -22,7 +22,7 @@ import yaml
 pytest.importorskip("grafana_foundation_sdk", reason="grafana-foundation-sdk (Python 3.11+) is not installed")
 
 from deploy.grafana import boards  # noqa: E402
-from deploy.prometheus import config as c  # noqa: E402
+from deploy.prometheus.config import DEFAULT  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 
 BOARDS = {os.path.basename(path): json.loads(text) for path, text in boards.rendered().items()}
@@ -101,9 +101,10 @@ def test_every_limit_on_a_board_is_a_limit_of_an_alert_the_panel_names() -> None
 def test_the_alert_limits_on_call_reads_are_on_the_boards() -> None:
     """The limits of the starvation and storm alerts, and of the staleness alerts that blind them."""
     drawn = {value for _, panel in limited_panels() for value in limits(panel)}
-    expected = {c.GPU_BUSY_LOW, c.IO_PRESSURE_SOME, c.IO_PRESSURE_FULL, c.ENGINE_POOL_WAIT_SECONDS,
-                c.ENGINE_LOAD_SLOW_SECONDS, c.GPU_STALE_AFTER_SECONDS, c.SMART_STALE_AFTER_SECONDS,
-                c.GPU_THROTTLE_RATIO}
+    expected = {DEFAULT.GPU_BUSY_LOW, DEFAULT.IO_PRESSURE_SOME, DEFAULT.IO_PRESSURE_FULL,
+                DEFAULT.ENGINE_POOL_WAIT_SECONDS,
+                DEFAULT.ENGINE_LOAD_SLOW_SECONDS, DEFAULT.GPU_STALE_AFTER_SECONDS, DEFAULT.SMART_STALE_AFTER_SECONDS,
+                DEFAULT.GPU_THROTTLE_RATIO}
     assert expected - drawn == set()
 
 
@@ -113,5 +114,5 @@ def test_a_limit_typed_into_a_board_is_caught() -> None:
                                                            for p in panels(board)))
     panel = next(p for p in panels(board) if "GPU busy" in p["title"] and limits(p))
     named = [alert for alert in ALERTS if re.search(rf"\b{alert}\b", panel["description"])]
-    assert named and c.GPU_BUSY_LOW in set().union(*(compared(alert) for alert in named))
+    assert named and DEFAULT.GPU_BUSY_LOW in set().union(*(compared(alert) for alert in named))
     assert 0.27 not in set().union(*(compared(alert) for alert in named))

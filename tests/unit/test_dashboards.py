@@ -75,8 +75,8 @@ def test_panels_use_the_datasource_variable_the_node_and_rate_interval(uid: str)
         assert len(refs) == len(set(refs)) and all(refs)
         for target in panel["targets"]:
             expr = target["expr"]
-            assert c.SELECTOR in expr or expr.startswith("ALERTS{"), (panel["title"], expr)
-            assert f'{c.NODE_LABEL}=~"$instance"' in expr, (panel["title"], expr)
+            assert c.DEFAULT.SELECTOR in expr or expr.startswith("ALERTS{"), (panel["title"], expr)
+            assert f'{c.DEFAULT.NODE_LABEL}=~"$instance"' in expr, (panel["title"], expr)
             # raw counters go through rate() over $__rate_interval, never a fixed window
             assert set(RANGE.findall(expr)) <= {"$__rate_interval"}, (panel["title"], expr)
 

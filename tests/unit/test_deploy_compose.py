@@ -146,7 +146,7 @@ def test_prometheus_config_is_the_example_with_compose_targets() -> None:
         config["alerting"]["alertmanagers"][0]["static_configs"] = None
         config["scrape_configs"][0]["static_configs"] = None
     assert ours == example
-    assert f'job_name: {c.SELECTOR.split("=")[1].strip(chr(34))}' in yaml.safe_dump(ours)
+    assert f'job_name: {c.DEFAULT.SELECTOR.split("=")[1].strip(chr(34))}' in yaml.safe_dump(ours)
     # the service mounts the rules where rule_files looks for them, next to the config
     service = compose()["services"]["prometheus"]
     (config,) = service["configs"]
@@ -192,4 +192,4 @@ def test_grafana_provisioning_points_at_the_compose_prometheus_and_the_dashboard
         # boards pick their datasource by variable, so the provisioned default serves them
         assert any(v["type"] == "datasource" and v["query"] == "prometheus" for v in board["templating"]["list"])
     # alerts' dashboard links are paths on Grafana (http://localhost:3000/d/... on this stack)
-    assert c.GRAFANA_URL == "" and "3000:3000" in service["ports"]
+    assert c.DEFAULT.GRAFANA_URL == "" and "3000:3000" in service["ports"]

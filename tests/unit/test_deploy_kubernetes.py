@@ -37,7 +37,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 HERE = os.path.join(REPO, "deploy", "kubernetes")
 VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-JOB = c.SELECTOR.split("=", 1)[1].strip('"')
+JOB = c.DEFAULT.SELECTOR.split("=", 1)[1].strip('"')
 
 DURATION = "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
 STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
@@ -264,10 +264,10 @@ def test_service_and_servicemonitor_select_the_pods_and_name_job_and_instance() 
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     relabel = {r["targetLabel"]: r for r in endpoint["relabelings"] if "targetLabel" in r}
-    assert relabel["job"]["replacement"] == JOB, "the job every rule and dashboard selects (config.SELECTOR)"
-    assert relabel[c.NODE_LABEL]["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
+    assert relabel["job"]["replacement"] == JOB, "the job every rule and dashboard selects (config.DEFAULT.SELECTOR)"
+    assert relabel[c.DEFAULT.NODE_LABEL]["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
     # two scrapes inside the recording rules' rate() window
-    assert 2 * seconds(endpoint["interval"]) <= seconds(c.RATE_WINDOW)
+    assert 2 * seconds(endpoint["interval"]) <= seconds(c.DEFAULT.RATE_WINDOW)
 
 
 def test_the_image_is_a_placeholder_that_never_pulls_until_you_set_yours() -> None:

@@ -34,7 +34,7 @@ def test_variant_changes_only_the_knobs_and_leaves_production_as_it_was(tmp_path
     production = generate.rendered()
     variant = generate.rendered(generate.variant(VARIANT), str(tmp_path), generate.variant_note(VARIANT))
     assert generate.rendered() == production, "the default config changed under the variant"
-    assert config.STORM_FOR == "5m" and rules.W == "1m"
+    assert config.DEFAULT.STORM_FOR == "5m" and rules.NAMES.W == "1m"
     alert = storm(variant)
     assert alert["for"] == "10s"
     condition = "instance_device:gpuio_disk_storm_await_seconds:max_rate10s"
@@ -45,7 +45,7 @@ def test_variant_changes_only_the_knobs_and_leaves_production_as_it_was(tmp_path
     production_storm = {rule["record"]: rule["expr"] for rule in disk_rules(production) if "record" in rule}[
         "instance_device:gpuio_disk_storm_await_seconds:max_rate1m"]
     assert production_storm.replace("rate1m", "rate10s").replace("median1h", "median2m") == recorded[condition]
-    assert storm(variant, "critical")["for"] == config.STORM_PAGE_FOR
+    assert storm(variant, "critical")["for"] == config.DEFAULT.STORM_PAGE_FOR
     assert all("generated with --set RATE_WINDOW=10s --set BASELINE_WINDOW=2m --set STORM_FOR=10s (not the defaults)"
                in text
                for text in variant.values())

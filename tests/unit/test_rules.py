@@ -17,6 +17,7 @@ import yaml
 from deploy.prometheus import config as c
 from deploy.prometheus import generate, sources
 from deploy.prometheus import rules as r
+from deploy.prometheus.config import DEFAULT
 from tests.conftest import REPO, catalogued
 
 RULES_DIR = os.path.join(REPO, "deploy", "prometheus", "rules")
@@ -56,12 +57,12 @@ def test_every_alert_takes_its_links_from_the_config() -> None:
 
 def test_config_is_immutable_and_a_variant_leaves_the_default_alone() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
-        c.DEFAULT.STORM_FOR = "10s"  # type: ignore[misc]
+        DEFAULT.STORM_FOR = "10s"  # type: ignore[misc]
     variant = dataclasses.replace(c.DEFAULT, STORM_FOR="10s", RATE_WINDOW="10s")
     storm = [a for a in sources.alerts(variant) if a["alert"] == "DiskIOStorm" and a["labels"]["severity"] == "warning"]
     assert storm[0]["for"] == "10s"
     assert storm[0]["expr"].startswith("instance_device:gpuio_disk_storm_await_seconds:max_rate10s\n")
-    assert c.STORM_FOR == c.DEFAULT.STORM_FOR == "5m" and r.STORM.endswith(":max_rate1m")
+    assert DEFAULT.STORM_FOR == "5m" and r.NAMES.STORM.endswith(":max_rate1m")
 
 
 def test_recording_rule_names_follow_level_metric_operations() -> None:
@@ -81,7 +82,7 @@ def test_alert_has_severity_summary_description_runbook_and_dashboard(alert: dic
     assert set(annotations) >= {"summary", "description", "runbook_url", "dashboard_url"}
     # summary and description name the objects: the node at least, from the alert's own labels
     for key in ("summary", "description"):
-        assert f"$labels.{c.NODE_LABEL}" in annotations[key], key
+        assert f"$labels.{DEFAULT.NODE_LABEL}" in annotations[key], key
     assert annotations["runbook_url"] == f"docs/runbooks/{name}.md"
     runbook = os.path.join(REPO, "docs", "runbooks", f"{name}.md")
     assert os.path.isfile(runbook), f"{name} has no runbook at docs/runbooks/{name}.md"
@@ -195,28 +196,31 @@ def ms(seconds: float) -> str:
 RUNBOOK_FIGURES = {
     "DiskIOStorm": [ms(c.SOLID_STATE.await_seconds), ms(c.ROTATIONAL.await_seconds),
                     f"solid state {c.SOLID_STATE.queue_size:g}, rotational {c.ROTATIONAL.queue_size:g}",
-                    f"{c.STORM_BASELINE_FACTOR:g}x", pct(c.IO_PRESSURE_SOME), pct(c.IO_PRESSURE_FULL),
-                    f"{c.AWAIT_MIN_IOPS:g} requests/s", f"for {c.STORM_FOR.removesuffix('m')} minutes",
+                    f"{DEFAULT.STORM_BASELINE_FACTOR:g}x", pct(DEFAULT.IO_PRESSURE_SOME), pct(DEFAULT.IO_PRESSURE_FULL),
+                    f"{DEFAULT.AWAIT_MIN_IOPS:g} requests/s", f"for {DEFAULT.STORM_FOR.removesuffix('m')} minutes",
                     f"NVMe {ms(c.NVME.await_seconds)}", f"network block devices {ms(c.NETWORK.await_seconds)}",
                     f"NVMe {c.NVME.queue_size:g}", f"network block devices {c.NETWORK.queue_size:g}",
-                    f"for {c.STORM_PAGE_FOR.removesuffix('m')} minutes", pct(c.STORM_PAGE_IO_FULL),
-                    f"held for {c.BASELINE_HOLD.removesuffix('h')} hours"],
-    "GPUStarvedByDiskIO": [pct(c.GPU_BUSY_LOW), ms(c.ENGINE_POOL_WAIT_SECONDS), f"{c.ENGINE_LATENCY_FACTOR:g}x",
+                    f"for {DEFAULT.STORM_PAGE_FOR.removesuffix('m')} minutes", pct(DEFAULT.STORM_PAGE_IO_FULL),
+                    f"held for {DEFAULT.BASELINE_HOLD.removesuffix('h')} hours"],
+    "GPUStarvedByDiskIO": [pct(DEFAULT.GPU_BUSY_LOW), ms(DEFAULT.ENGINE_POOL_WAIT_SECONDS),
+                           f"{DEFAULT.ENGINE_LATENCY_FACTOR:g}x",
                            ms(c.SOLID_STATE.await_seconds), ms(c.ROTATIONAL.await_seconds),
                            f"NVMe {ms(c.NVME.await_seconds)}", f"network block devices {ms(c.NETWORK.await_seconds)}",
-                           ms(c.NFS_READ_RTT_SLOW_SECONDS), f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s",
-                           f"older than {c.GPU_STALE_AFTER_SECONDS} s"],
-    "MountIOStorm": [ms(c.NFS_READ_RTT_SLOW_SECONDS), f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s", pct(c.IO_PRESSURE_SOME),
-                     pct(c.IO_PRESSURE_FULL), f"{c.AWAIT_MIN_IOPS:g} READs/s",
-                     f"for {c.STORM_PAGE_FOR.removesuffix('m')} minutes",
-                     f"for {c.STORM_FOR.removesuffix('m')} minutes"],
-    "GpuioGPUDataStale": [f"older than {c.GPU_STALE_AFTER_SECONDS} s",
-                          f"For {c.GPU_STALE_FOR.removesuffix('m')} minutes"],
-    "NodeGPUStarvedByIO": [pct(c.GPU_BUSY_LOW)],
-    "EngineColdStartSlow": [f"{c.ENGINE_LOAD_SLOW_SECONDS:g} s", f"{c.ENGINE_LOAD_WINDOW.removesuffix('m')} minutes"],
-    "GPUThrottled": [pct(c.GPU_THROTTLE_RATIO), *c.GPU_THROTTLE_REASONS],
-    "GPUPCIeLinkDegraded": [pct(c.PCIE_GENERATION_BUSY)],
-    "GPUXidError": list(c.XID_APPLICATION),
+                           ms(DEFAULT.NFS_READ_RTT_SLOW_SECONDS), f"{DEFAULT.ENGINE_LOAD_SLOW_SECONDS:g} s",
+                           f"older than {DEFAULT.GPU_STALE_AFTER_SECONDS} s"],
+    "MountIOStorm": [ms(DEFAULT.NFS_READ_RTT_SLOW_SECONDS), f"{DEFAULT.ENGINE_LOAD_SLOW_SECONDS:g} s",
+                     pct(DEFAULT.IO_PRESSURE_SOME),
+                     pct(DEFAULT.IO_PRESSURE_FULL), f"{DEFAULT.AWAIT_MIN_IOPS:g} READs/s",
+                     f"for {DEFAULT.STORM_PAGE_FOR.removesuffix('m')} minutes",
+                     f"for {DEFAULT.STORM_FOR.removesuffix('m')} minutes"],
+    "GpuioGPUDataStale": [f"older than {DEFAULT.GPU_STALE_AFTER_SECONDS} s",
+                          f"For {DEFAULT.GPU_STALE_FOR.removesuffix('m')} minutes"],
+    "NodeGPUStarvedByIO": [pct(DEFAULT.GPU_BUSY_LOW)],
+    "EngineColdStartSlow": [f"{DEFAULT.ENGINE_LOAD_SLOW_SECONDS:g} s",
+                            f"{DEFAULT.ENGINE_LOAD_WINDOW.removesuffix('m')} minutes"],
+    "GPUThrottled": [pct(DEFAULT.GPU_THROTTLE_RATIO), *DEFAULT.GPU_THROTTLE_REASONS],
+    "GPUPCIeLinkDegraded": [pct(DEFAULT.PCIE_GENERATION_BUSY)],
+    "GPUXidError": list(DEFAULT.XID_APPLICATION),
 }
 
 

@@ -27,7 +27,7 @@ OTHER_ALERTS = {"NodeDown", "InstanceDown"}
 def test_groups_by_node_and_alert() -> None:
     with open(CONFIG) as handle:
         config = yaml.safe_load(handle)
-    assert config["route"]["group_by"] == [c.NODE_LABEL, "alertname"]
+    assert config["route"]["group_by"] == [c.DEFAULT.NODE_LABEL, "alertname"]
     for child in config["route"]["routes"]:
         assert "group_by" not in child, "a child route would regroup"
 
@@ -43,7 +43,7 @@ def test_stale_gpu_data_holds_back_starvation() -> None:
     with open(CONFIG) as handle:
         config = yaml.safe_load(handle)
     stale = [rule for rule in config["inhibit_rules"] if rule["source_matchers"] == ['alertname="GpuioGPUDataStale"']]
-    assert len(stale) == 1 and stale[0]["equal"] == [c.NODE_LABEL]
+    assert len(stale) == 1 and stale[0]["equal"] == [c.DEFAULT.NODE_LABEL]
     held = set(re.fullmatch(r'alertname=~"([^"]+)"', stale[0]["target_matchers"][0]).group(1).split("|"))
     assert held == {"GPUStarvedByDiskIO", "NodeGPUStarvedByIO"}
 
@@ -54,7 +54,7 @@ def test_inhibit_rules_name_known_alerts_and_match_on_the_node() -> None:
     known = {alert["alert"] for alert in r.alerts()} | OTHER_ALERTS
     named = set()
     for rule in config["inhibit_rules"]:
-        assert c.NODE_LABEL in rule["equal"]
+        assert c.DEFAULT.NODE_LABEL in rule["equal"]
         for matcher in rule["source_matchers"] + rule["target_matchers"]:
             found = re.fullmatch(r'alertname=~?"([^"]+)"', matcher)
             if found:
