@@ -109,32 +109,10 @@ class BlockDevices:
 # that is the device itself: /sys/dev/block/MAJ:MIN links to its sysfs directory (a partition's
 # parent disk and a dm/md device's slaves then come from BlockDevices).  Filesystems without one of
 # their own get an anonymous st_dev (major 0): btrfs (one per subvolume), overlayfs (container
-# images), tmpfs, NFS and FUSE.  /proc/<pid>/mountinfo knows them by the same MAJ:MIN: its mount
-# source names btrfs's block device, its super options name overlayfs's upper (or first lower)
-# directory, whose own st_dev is followed in turn; tmpfs and network filesystems have no block
-# device and say so with an empty device and their fstype.
-
-
-@dataclass(frozen=True)
-class Mount:
-    major: int
-    minor: int
-    root: str
-    mount_point: str
-    fstype: str
-    source: str
-    super_options: str
-
-
-def read_mountinfo(path: str) -> list[Mount]:
-    """The mounts of a /proc/<pid>/mountinfo file (proc(5)), read and parsed as :mod:`exporter.mounts`
-    does (bounded, malformed lines skipped); [] when it cannot be read."""
-    try:
-        text = mounts.read_bounded(path)
-    except OSError:
-        return []
-    return [Mount(*mount.dev, mount.root, mount.mountpoint, mount.fstype, mount.source, mount.super_options)
-            for mount in mounts.parse(text).mounts]
+# images), tmpfs, NFS and FUSE.  The mount table (:mod:`exporter.mounts`) knows them by the same
+# MAJ:MIN: its mount source names btrfs's block device, its super options name overlayfs's upper (or
+# first lower) directory, whose own st_dev is followed in turn; tmpfs and network filesystems have no
+# block device and say so with an empty device and their fstype.
 
 
 def device_by_number(sysfs: str, major: int, minor: int) -> str | None:
@@ -154,28 +132,26 @@ class FileDevice:
 
 
 class PathDevices:
-    """Resolves files (or st_dev numbers) to block devices; mountinfo is read once per instance.
+    """Resolves files (or st_dev numbers) to block devices through one mount table: ``table``, else the
+    exporter's own mountinfo read now (for one-shot tools and tests).
 
     ``rootfs`` prefixes paths taken from mountinfo (overlayfs upper directories, /dev nodes) when
     the exporter sees the host's filesystem under --path.rootfs.
     """
 
-    def __init__(self, sysfs: str = "/sys", mountinfo: str = "/proc/self/mountinfo", rootfs: str = "/") -> None:
+    def __init__(self, sysfs: str = "/sys", table: mounts.MountTable | None = None, rootfs: str = "/") -> None:
         self.sysfs = sysfs
         self.rootfs = rootfs
-        self.mounts = read_mountinfo(mountinfo)
-        # By MAJ:MIN, in mountinfo's order: a look-up is a dictionary read, whatever the number of mounts
-        # (a node of thousands of pod volumes) and however many numbers spool writers name.
-        self._by_number: dict[tuple[int, int], list[Mount]] = {}
-        for mount in self.mounts:
-            self._by_number.setdefault((mount.major, mount.minor), []).append(mount)
+        # Mounts by MAJ:MIN (MountTable.by_dev): a look-up is a dictionary read, whatever the number of
+        # mounts (a node of thousands of pod volumes) and however many numbers spool writers name.
+        self.table = table if table is not None else mounts.read_file(mounts.SELF_MOUNTINFO)
 
     def of_path(self, path: str) -> FileDevice:
         st = os.stat(path)
         return self.of_dev(os.major(st.st_dev), os.minor(st.st_dev))
 
     def of_dev(self, major: int, minor: int, depth: int = 0) -> FileDevice:
-        holding = self._by_number.get((major, minor), [])
+        holding = self.table.by_dev.get((major, minor), [])
         fstype = holding[0].fstype if holding else ""
         name = device_by_number(self.sysfs, major, minor)
         if name is not None:
@@ -189,12 +165,11 @@ class PathDevices:
     def _host(self, path: str) -> str:
         return path if self.rootfs in ("", "/") else os.path.join(self.rootfs, path.lstrip("/"))
 
-    def _through_mount(self, mount: Mount, depth: int) -> str | None:
+    def _through_mount(self, mount: mounts.MountPoint, depth: int) -> str | None:
         if mount.source.startswith("/dev/"):
             return self._device_node(mount.source)
         if mount.fstype == "overlay" and depth < 4:
-            options = dict(option.partition("=")[::2] for option in mount.super_options.split(","))
-            directory = options.get("upperdir") or options.get("lowerdir", "").split(":")[0]
+            directory = mount.option("upperdir") or (mount.option("lowerdir") or "").split(":")[0]
             if directory:
                 try:
                     st = os.stat(self._host(directory))
@@ -244,9 +219,11 @@ class DeviceNumbers:
 
     What a look-up costs and how many there are is bounded, whatever the numbers:
 
-    * one mount table (:class:`PathDevices`) and one sysfs index (:class:`BlockDevices`) serve every
-      look-up until they are ``ttl`` seconds old: a look-up is a readlink under /sys/dev/block and
-      dictionary reads, not a read of mountinfo and a walk of /sys/block;
+    * one mount table and one sysfs index (:class:`BlockDevices`) serve every look-up: the table is
+      ``mount_table()``'s (the reader every collector shares, read again only when the mounts change;
+      one look-up a round at its start), the index is read again once ``ttl`` seconds old.  A look-up
+      is a readlink under /sys/dev/block and dictionary reads, not a read of mountinfo and a walk of
+      /sys/block;
     * at most ``budget`` look-ups a round (:meth:`lookup`), in the order asked: a caller that asks in a
       fair order (each writer's first engines first) makes a flood of numbers wait behind the others.  A
       number with no answer yet is None for this round; one whose answer is older than ``ttl`` keeps it
@@ -255,31 +232,37 @@ class DeviceNumbers:
       asks cannot push out what another asks, and memory is that of what is shown now.
     """
 
-    def __init__(self, sysfs: str, mountinfo: Callable[[], str], rootfs: str, ttl: float = 60.0,
+    def __init__(self, sysfs: str, mount_table: Callable[[], mounts.MountTable], rootfs: str, ttl: float = 60.0,
                  budget: int = 256) -> None:
         self.sysfs = sysfs
         self.rootfs = rootfs
         self.ttl = ttl
         self.budget = budget
-        self._mountinfo = mountinfo  # where the host's mount table is (read at each refresh)
-        self._tables: tuple[float, PathDevices, BlockDevices] | None = None
+        self._mount_table = mount_table
+        self._paths: PathDevices | None = None
+        self._sysfs_index: tuple[float, BlockDevices] | None = None
+        self._round: tuple[PathDevices, BlockDevices] | None = None
         self._answers: dict[tuple[int, int], DeviceAnswer] = {}
         self._asked: set[tuple[int, int]] = set()
         self._left = budget
 
     def tables(self) -> tuple[PathDevices, BlockDevices]:
-        """The mount table and sysfs index, read again once ``ttl`` old (any thread may ask: they are
-        replaced whole, never changed)."""
+        """The current mount table and the sysfs index, read again once ``ttl`` old (any thread may ask:
+        they are replaced whole, never changed)."""
+        table = self._mount_table()
+        paths = self._paths
+        if paths is None or paths.table is not table:
+            paths = self._paths = PathDevices(self.sysfs, table, self.rootfs)
         now = time.monotonic()
-        tables = self._tables
-        if tables is None or now - tables[0] >= self.ttl:
-            tables = (now, PathDevices(self.sysfs, self._mountinfo(), self.rootfs), BlockDevices(self.sysfs))
-            self._tables = tables
-        return tables[1], tables[2]
+        index = self._sysfs_index
+        if index is None or now - index[0] >= self.ttl:
+            index = self._sysfs_index = (now, BlockDevices(self.sysfs))
+        return paths, index[1]
 
     def start_round(self) -> None:
         self._left = self.budget
         self._asked = set()
+        self._round = self.tables()
 
     def lookup(self, dev: tuple[int, int]) -> DeviceAnswer | None:
         """The answer for ``dev`` within this round's budget; None when it has none yet."""
@@ -290,15 +273,18 @@ class DeviceNumbers:
         if self._left <= 0:
             return known  # stale, or None: looked up at a later round
         self._left -= 1
-        return self.resolve(dev)
+        return self._answer(dev, *(self._round or self.tables()))
 
     def end_round(self) -> None:
         """Forget every answer not asked for in this round."""
         self._answers = {dev: answer for dev, answer in self._answers.items() if dev in self._asked}
+        self._round = None
 
     def resolve(self, dev: tuple[int, int]) -> DeviceAnswer:
         """Look ``dev`` up now (no budget: for one-shot tools), and keep the answer until the next round."""
-        paths, devices = self.tables()
+        return self._answer(dev, *self.tables())
+
+    def _answer(self, dev: tuple[int, int], paths: PathDevices, devices: BlockDevices) -> DeviceAnswer:
         device = paths.of_dev(*dev).device if dev != (0, 0) else ""
         answer = DeviceAnswer(device, tuple(devices.physical(device)) if device else (), time.monotonic())
         self._answers[dev] = answer

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 from .exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from .logsetup import fields
+from .mounts import MountTableWatch
 from .options import Option
 from .pods.attribution import PodAttribution
 
@@ -92,6 +93,12 @@ class Context:
     # Who holds each GPU (the pods collector) and which pod each spool writer is in (engines): the nvml
     # collector names GPU processes' pods from it.
     pods: PodAttribution = field(default_factory=PodAttribution, compare=False)
+    # The host's mount table under ``procfs``, one reader for every collector that needs it (mountstats,
+    # engines): read once, again only when the mounts change, and the same table for all of them.
+    host_mounts: MountTableWatch = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host_mounts", MountTableWatch(self.procfs))  # frozen: set once, here
 
 
 class Failing(Exception):  # noqa: N818  (it is an outcome, not only an error)

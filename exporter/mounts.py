@@ -1,12 +1,18 @@
-"""Mounts as the host sees them: which mount holds a file, and which mounts are network or FUSE.
+"""Mount tables: the one reader of mountinfo, which mount holds a file, which mounts are network or FUSE.
 
 The source is ``/proc/<pid>/mountinfo`` (proc(5)): one line per mount,
 ``ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS``.
 
-Which process's table: ``<procfs>/1/mountinfo`` (the host's init, so the host's mount namespace when
-the exporter runs with the host's /proc and its pid namespace, as the DaemonSet does), falling back
-to ``<procfs>/self/mountinfo`` where /proc/1 is not visible (hidepid, ProtectProc=invisible, a
-container without hostPID): then the exporter sees its own namespace's mounts only (docs/mounts.md).
+Which process's table (:func:`host_file`): ``<procfs>/1/mountinfo`` (the host's init, so the host's mount
+namespace when the exporter runs with the host's /proc and its pid namespace, as the DaemonSet does),
+falling back to ``<procfs>/self/mountinfo`` where /proc/1 is not visible (hidepid, ProtectProc=invisible,
+a container without hostPID): then the exporter sees its own namespace's mounts only (docs/mounts.md).
+
+Every user asks one reader, :class:`MountTableWatch`, which reads the file again only when it changed.
+The collectors share the host's through ``Context.host_mounts``: the mountstats collector (every network
+mount, NFS mount addresses) and the engines collector (the mount of each engine file, and the st_dev ->
+block device look-ups of :class:`exporter.blockdev.DeviceNumbers`), so after a mount or unmount they all
+see the same new table, read once.
 
 A file belongs to the mount whose MAJ:MIN equals the file's st_dev (exact even when the path means
 something else in the exporter's namespace: an inference pod's /models is a kubelet volume path on
@@ -15,8 +21,9 @@ the one whose mount point is the longest prefix of the path wins, else the first
 whose st_dev no mount has (it was read in another namespace the host table does not show) falls back
 to the longest mount point that is a prefix of its path.
 
-Untrusted input, bounded: at most ``MAX_BYTES`` of the file and ``max_mounts`` mounts are read;
-malformed lines are counted and skipped, never fatal.
+Untrusted input, bounded: mount points are names any user of the node chose (a pod's volumes, a FUSE
+mount), so at most ``MAX_BYTES`` of the file, ``MAX_LINES`` lines of at most ``MAX_LINE_CHARS`` and
+``max_mounts`` mounts are read; malformed lines are counted and skipped, never fatal.
 """
 
 from __future__ import annotations
@@ -24,15 +31,21 @@ from __future__ import annotations
 import os
 import re
 import select
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from .pagecache import SymlinkMet, Unavailable, walk_nofollow
 from .procstat import whole_number
 
 MAX_BYTES = 8 << 20  # a node with thousands of pod volumes has a mountinfo of a few hundred KiB
 DEFAULT_MAX_MOUNTS = 10_000
+MAX_LINES = 50_000  # lines looked at, junk included: the rest of a longer file is not
+# The kernel's longest line: two escaped PATH_MAX paths (root and mount point, 16 KiB each), a source,
+# and the options, where an overlay lists every layer directory (about 16 KiB for a hundred layers).
+MAX_LINE_CHARS = 128 << 10
 
 # Filesystems whose data lives on another machine (or behind a FUSE daemon, which is usually an
 # object store or a network filesystem client): no local block device carries their IO.
@@ -50,6 +63,7 @@ def is_network(fstype: str) -> bool:
 
 @dataclass(frozen=True)
 class MountPoint:
+    mount_id: int  # unique within its mount namespace: the mnt_id /proc/<pid>/fdinfo names
     dev: tuple[int, int]
     root: str
     mountpoint: str
@@ -58,11 +72,11 @@ class MountPoint:
     super_options: str
 
     def option(self, name: str) -> str | None:
-        """A super option's value (``addr`` of an NFS mount), or None."""
+        """A super option's value (``addr`` of an NFS mount, ``upperdir`` of an overlay), or None."""
         for item in self.super_options.split(","):
             key, _, value = item.partition("=")
             if key == name:
-                return value
+                return unescape(value)
         return None
 
 
@@ -74,6 +88,7 @@ class MountTable:
     source: str = ""  # the file read ("" when none could be)
     by_dev: dict[tuple[int, int], list[MountPoint]] = field(default_factory=dict)
     _by_point: dict[str, MountPoint] | None = field(default=None, repr=False, compare=False)  # by_mountpoint()
+    _by_id: dict[int, MountPoint] | None = field(default=None, repr=False, compare=False)  # by_id()
 
     def of_file(self, dev: tuple[int, int], path: str) -> MountPoint | None:
         """The mount holding a file with st_dev ``dev`` at ``path`` (see the module docstring)."""
@@ -100,6 +115,13 @@ class MountTable:
         """Each mount point's visible mount (the last one listed: later mounts cover earlier ones)."""
         return {mount.mountpoint: mount for mount in self.mounts}
 
+    def by_id(self) -> dict[int, MountPoint]:
+        """The mounts by mount id, what :func:`mount_id_of` answers for a descriptor (built once: a
+        table is shared, and never changed once read)."""
+        if self._by_id is None:
+            self._by_id = {mount.mount_id: mount for mount in self.mounts}
+        return self._by_id
+
 
 def _prefixes(path: str) -> Iterator[str]:
     """The mount points that could hold ``path``, longest first: itself, each leading part of it that
@@ -123,7 +145,9 @@ def _longest_prefix(mounts: list[MountPoint], path: str) -> MountPoint | None:
     return best
 
 
-_ESCAPE = re.compile(r"\\([0-7]{3})")
+# --- the parser: one line, one file --------------------------------------------------------------------
+
+_ESCAPE = re.compile(r"\\([0-3][0-7]{2})")  # the kernel escapes bytes: \000 to \377, nothing above
 
 
 def unescape(text: str) -> str:
@@ -132,23 +156,34 @@ def unescape(text: str) -> str:
 
 
 def parse_line(line: str) -> MountPoint | None:
-    """One mountinfo line, or None when it makes no sense."""
-    before, separator, after = line.partition(" - ")
-    head, tail = before.split(), after.split()
-    if not separator or len(head) < 6 or len(tail) < 2:
+    """One mountinfo line, or None when it makes no sense or is longer than any the kernel writes."""
+    if len(line) > MAX_LINE_CHARS:
         return None
-    major, colon, minor = head[2].partition(":")
+    # Split at ASCII spaces only: the kernel escapes space, tab, newline and backslash in names, but
+    # leaves the other characters str.split() would split at (\x1c, \x85, U+00A0) in a mount point.
+    fields = [item for item in line.split(" ") if item]
+    try:
+        dash = fields.index("-", 6)  # the separator comes after the six fixed fields and any optional ones
+    except ValueError:
+        return None
+    if len(fields) < dash + 3:
+        return None
+    mount_id = whole_number(fields[0])
+    major, colon, minor = fields[2].partition(":")
     numbers = (whole_number(major), whole_number(minor))
-    if not colon or numbers[0] is None or numbers[1] is None:
+    if mount_id is None or not colon or numbers[0] is None or numbers[1] is None:
         return None
-    return MountPoint((numbers[0], numbers[1]), unescape(head[3]), unescape(head[4]), tail[0], unescape(tail[1]),
-                      tail[2] if len(tail) > 2 else "")
+    tail = fields[dash + 1:]
+    return MountPoint(mount_id, (numbers[0], numbers[1]), unescape(fields[3]), unescape(fields[4]), tail[0],
+                      unescape(tail[1]), tail[2] if len(tail) > 2 else "")
 
 
 def parse(text: str, max_mounts: int = DEFAULT_MAX_MOUNTS) -> MountTable:
+    """A mount table of mountinfo text: MAX_LINES lines looked at, at most, and ``max_mounts`` mounts kept."""
     table = MountTable()
-    for line in text.splitlines():
-        if not line.strip():
+    lines = text.split("\n", MAX_LINES)  # the item past MAX_LINES, if any, is the unread rest
+    for line in lines[:MAX_LINES]:
+        if not line or line.isspace():
             continue
         mount = parse_line(line)
         if mount is None:
@@ -164,18 +199,16 @@ def parse(text: str, max_mounts: int = DEFAULT_MAX_MOUNTS) -> MountTable:
 def read_bounded(path: str, limit: int = MAX_BYTES) -> str:
     """At most ``limit`` bytes of a /proc file as text (OSError when it cannot be opened)."""
     with open(path, "rb") as handle:
-        return handle.read(limit).decode("utf-8", "replace")
+        return _text_of(handle, limit)
 
 
-def host_file(procfs: str, name: str) -> str:
-    """``<procfs>/1/<name>`` when it can be read (the host's mount namespace), else ``<procfs>/self/<name>``."""
-    host = os.path.join(procfs, "1", name)
-    return host if os.access(host, os.R_OK) else os.path.join(procfs, "self", name)
+def _text_of(handle: BinaryIO, limit: int = MAX_BYTES) -> str:
+    return handle.read(limit).decode("utf-8", "replace")
 
 
-def read_table(procfs: str, max_mounts: int = DEFAULT_MAX_MOUNTS) -> MountTable:
-    """The host's mount table (see :func:`host_file`); an empty table when none can be read."""
-    path = host_file(procfs, "mountinfo")
+def read_file(path: str, max_mounts: int = DEFAULT_MAX_MOUNTS) -> MountTable:
+    """One mountinfo file read once, for one-shot look-ups; an empty table (``source`` "") when it cannot
+    be read.  What is read more than once goes through a :class:`MountTableWatch`."""
     try:
         text = read_bounded(path)
     except OSError:
@@ -185,96 +218,135 @@ def read_table(procfs: str, max_mounts: int = DEFAULT_MAX_MOUNTS) -> MountTable:
     return table
 
 
-class MountCache:
-    """The mount table, read again at most every ``ttl`` seconds, or sooner (but at most every
-    ``miss_ttl``) when asked for a st_dev it does not know (a volume mounted since)."""
+def host_file(procfs: str, name: str) -> str:
+    """``<procfs>/1/<name>`` when it can be read (the host's mount namespace), else ``<procfs>/self/<name>``."""
+    host = os.path.join(procfs, "1", name)
+    return host if os.access(host, os.R_OK) else os.path.join(procfs, "self", name)
 
-    def __init__(self, procfs: str, ttl: float = 60.0, miss_ttl: float = 5.0) -> None:
-        self.procfs = procfs
-        self.ttl = ttl
-        self.miss_ttl = miss_ttl
-        self._table: MountTable | None = None
-        self._read_at = 0.0
 
-    def table(self) -> MountTable:
-        now = time.monotonic()
-        if self._table is None or now - self._read_at >= self.ttl:
-            self._refresh(now)
-        assert self._table is not None
-        return self._table
+# --- the reader every user shares ----------------------------------------------------------------------
 
-    def of_file(self, dev: tuple[int, int], path: str) -> MountPoint | None:
-        table = self.table()
-        now = time.monotonic()
-        if dev not in table.by_dev and now - self._read_at >= self.miss_ttl:
-            table = self._refresh(now)
-        return table.of_file(dev, path)
+FileIdentity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
-    def _refresh(self, now: float) -> MountTable:
-        self._table = read_table(self.procfs)
-        self._read_at = now
-        return self._table
+
+def _identity(st: os.stat_result) -> FileIdentity:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class MountTableWatch:
-    """The host's mount table (see :func:`read_table`), read again only when the kernel says it changed.
+    """A mount table, read again only when it changed: the one reader of mountinfo every user asks.
 
-    A mountinfo file is pollable: poll() on an open descriptor reports POLLPRI|POLLERR once the mount
-    namespace's table changed since the last poll (proc(5)).  Parsing the table at every scrape cost
-    about 0.5 ms on a node of 20 mounts, more than diskstats and pressure together; a poll with no
-    timeout costs a few microseconds.  A file that cannot be opened is tried again at most every
-    ``retry`` seconds, with an empty table meanwhile.
+    Which file: the host's (:func:`host_file`), picked at each open; with ``own``, the exporter's own
+    ``<procfs>/self/mountinfo`` (the mount ids /proc/self/fdinfo gives are of its namespace).
+
+    A change is seen two ways, both cheap enough to check at every call:
+
+    * the kernel's word: a mountinfo file is pollable: poll() on an open descriptor reports
+      POLLPRI|POLLERR once the mount namespace's table changed since the last poll (proc(5)).  A poll
+      with no timeout costs a few microseconds; parsing the table cost about 0.5 ms on a node of 20
+      mounts, more than diskstats and pressure together;
+    * the file's: a table in a plain file (a copy of a node's, a test's) says nothing to poll(), so its
+      path naming another file, or the file another size or mtime, is a change too.  A procfs mountinfo
+      never looks changed this way: its inode, size (0) and mtime stay while it is held open.
+
+    A file that cannot be opened is tried again at most every ``retry`` seconds, with an empty table
+    meanwhile.  Thread-safe: scrapes and background samplers ask the same watch.
     """
 
-    def __init__(self, procfs: str, max_mounts: int = DEFAULT_MAX_MOUNTS, retry: float = 10.0) -> None:
+    def __init__(self, procfs: str = "/proc", *, own: bool = False, max_mounts: int = DEFAULT_MAX_MOUNTS,
+                 retry: float = 10.0) -> None:
         self.procfs = procfs
+        self.own = own
         self.max_mounts = max_mounts
         self.retry = retry
-        self._fd: int | None = None
+        self._lock = threading.Lock()
         self._poll = select.poll()
+        self._handle: BinaryIO | None = None
+        self._path = ""
+        self._identity: FileIdentity | None = None
         self._table = MountTable()
         self._failed_at: float | None = None
 
+    def path(self) -> str:
+        """The file the next open reads."""
+        return os.path.join(self.procfs, "self", "mountinfo") if self.own else host_file(self.procfs, "mountinfo")
+
     def table(self) -> MountTable:
-        """The current table; a new object only when it was read again."""
-        if self._fd is None:
-            self._open()
-        elif self._poll.poll(0):
-            self._table = self._read(self._fd, self._table.source)
-        return self._table
+        """The current table; a new object only when it was read again (callers may compare by identity).
+        Shared: nobody changes it."""
+        with self._lock:
+            if self._handle is not None and self._replaced():
+                self._close()
+            if self._handle is None:
+                self._open()
+            elif self._poll.poll(0):
+                self._read()
+            return self._table
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _replaced(self) -> bool:
+        try:
+            return _identity(os.stat(self._path)) != self._identity
+        except OSError:
+            return True
 
     def _open(self) -> None:
         now = time.monotonic()
         if self._failed_at is not None and now - self._failed_at < self.retry:
             return
-        path = host_file(self.procfs, "mountinfo")
+        path = self.path()
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            handle = open(path, "rb")  # noqa: SIM115  (held open: poll() watches it)
         except OSError:
-            self._failed_at = now
+            self._failed(now)
             return
-        self._fd = fd
-        self._poll.register(fd, select.POLLPRI | select.POLLERR)
-        self._table = self._read(fd, path)
+        self._handle, self._path = handle, path
+        self._poll.register(handle.fileno(), select.POLLPRI | select.POLLERR)
+        self._read()
 
-    def _read(self, fd: int, path: str) -> MountTable:
-        os.lseek(fd, 0, os.SEEK_SET)
-        chunks, size = [], 0
-        while size < MAX_BYTES:
-            chunk = os.read(fd, min(1 << 16, MAX_BYTES - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        table = parse(b"".join(chunks).decode("utf-8", "replace"), self.max_mounts)
-        table.source = path
-        return table
+    def _read(self) -> None:
+        assert self._handle is not None
+        try:
+            # Taken before the read: a change while it reads shows at the next call.
+            self._identity = _identity(os.fstat(self._handle.fileno()))
+            self._handle.seek(0)
+            text = _text_of(self._handle)
+        except OSError:
+            self._close()
+            self._failed(time.monotonic())
+            return
+        table = parse(text, self.max_mounts)
+        table.source = self._path
+        self._table = table
+        self._failed_at = None
 
-    def close(self) -> None:
-        if self._fd is not None:
-            self._poll.unregister(self._fd)
-            os.close(self._fd)
-            self._fd = None
+    def _failed(self, now: float) -> None:
+        self._failed_at = now
+        if self._table.source:  # what was read is no table now; the empty one stays the same object
+            self._table = MountTable()
+
+    def _close(self) -> None:
+        if self._handle is not None:
+            self._poll.unregister(self._handle.fileno())
+            self._handle.close()
+            self._handle = None
+
+
+class MountCache:
+    """The mount holding a file, for a caller that asks by file (``gpuio engines``): the host's table of
+    its own :class:`MountTableWatch`, asked at each look-up.  A collector asks ``Context.host_mounts``."""
+
+    def __init__(self, procfs: str) -> None:
+        self._watch = MountTableWatch(procfs)
+
+    def table(self) -> MountTable:
+        return self._watch.table()
+
+    def of_file(self, dev: tuple[int, int], path: str) -> MountPoint | None:
+        return self._watch.table().of_file(dev, path)
 
 
 # --- walking a path someone else named, without waiting on a server ------------------------------------
@@ -306,21 +378,6 @@ def answers_locally(mount: MountPoint) -> bool:
     return mount.source.startswith("/dev/") or mount.fstype in LOCAL_WITHOUT_DEVICE
 
 
-def mounts_by_id(path: str = SELF_MOUNTINFO) -> dict[int, MountPoint]:
-    """A mount table by mount id (mountinfo's first field); {} when it cannot be read."""
-    try:
-        text = read_bounded(path)
-    except OSError:
-        return {}
-    table: dict[int, MountPoint] = {}
-    for line in text.splitlines():
-        mount = parse_line(line)
-        number = whole_number(line.partition(" ")[0])
-        if mount is not None and number is not None:
-            table[number] = mount
-    return table
-
-
 def mount_id_of(fd: int) -> int | None:
     """The id of the mount an open descriptor is on (/proc/self/fdinfo: procfs answers, not that mount)."""
     try:
@@ -349,8 +406,8 @@ def open_without_waiting(root: str, path: str, table: dict[int, MountPoint]) -> 
     """An O_PATH descriptor of ``path`` under ``root`` (the caller closes it) and its fstat; or Refused.
 
     ``path`` is absolute, without ``.`` or ``..``; it is walked by :func:`exporter.pagecache.walk_nofollow`
-    from ``root``, each component judged by its mount (``table``: :func:`mounts_by_id` of the exporter's
-    own mountinfo) before it is fstat'ed: on a file system that does not
+    from ``root``, each component judged by its mount (``table``: the exporter's own mounts by id,
+    :meth:`MountTable.by_id` of ``MountTableWatch(own=True)``) before it is fstat'ed: on a file system that does not
     :func:`answer locally <answers_locally>`, or on a mount the table does not know, the walk stops
     ("not_local", "unknown_mount").  A symlink anywhere is refused, never followed; every component but the
     last must be a directory.  Nothing is opened for reading: an O_PATH open reaches no driver."""

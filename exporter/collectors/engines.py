@@ -30,8 +30,9 @@ those with live writers, then any with observations, then those shown before (no
 equals).  Engines no live process reports (folded totals of exited ones) get the slots left over.
 
 Devices, bounded per scrape whatever the writers name (each names any st_dev it likes): the st_dev ->
-block device look-ups (:class:`exporter.blockdev.DeviceNumbers`) share one mount table and one sysfs
-index, at most MAX_DEVICE_LOOKUPS a scrape, in the order the engines were chosen (each tenant's first
+block device look-ups (:class:`exporter.blockdev.DeviceNumbers`) share one mount table (the host's,
+``Context.host_mounts``, which the mount of each engine file and the mountstats collector read too) and
+one sysfs index, at most MAX_DEVICE_LOOKUPS a scrape, in the order the engines were chosen (each tenant's first
 engines first: a flood waits behind them, its info series show ``device=""`` until their turn), and
 only the answers of what is shown are kept: one writer cannot flush another's.
 
@@ -69,7 +70,6 @@ from ..collect import Absent, Collector, Context, Pending, register
 from ..engines import discovery, model, spool
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, SUMMARY, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
-from ..mounts import MountCache
 from ..options import Option, parse_bool, parse_count, parse_seconds
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..pods import kubelet
@@ -533,8 +533,10 @@ class EnginesCollector(Collector):
         self._files_left_out = LeftOut()  # the background scan's own (another thread)
         self._labels: dict[str, str] = {}  # of the engines shown now
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
-        self._devices = DeviceNumbers(context.sysfs, self._host_mountinfo, context.rootfs,
+        self._devices = DeviceNumbers(context.sysfs, context.host_mounts.table, context.rootfs,
                                       ttl=DEVICE_CACHE_SECONDS, budget=MAX_DEVICE_LOOKUPS)
+        # The exporter's own mount table, by mount id: what a walk of a writer-named path is judged by.
+        self._own_mounts = mounts.MountTableWatch(own=True)
         # Writers' mount records the last scrape wanted a device for (in the order it asked), and the
         # background sampler that walks them (the scrape reads its last answers).
         self._layer_wants: dict[LayerKey, model.WriterMount] = {}
@@ -542,7 +544,6 @@ class EnginesCollector(Collector):
             "engine-layers", LAYER_INTERVAL, self.resolve_layers, log)
         self._started = False  # start() called: the samplers run on their threads
         self._bad = LogOnce(log)
-        self._mounts = MountCache(context.procfs)
         self.pods_dir: str = options.get("kubelet-pods-dir") or kubelet.DEFAULT_PODS_DIR
         self.pod_volume: str = options.get("pod-spool-volume") or kubelet.DEFAULT_VOLUME
         self.max_pod_spools: int = options.get("max-pod-spools") or kubelet.DEFAULT_MAX_PODS
@@ -569,10 +570,6 @@ class EnginesCollector(Collector):
     def stop(self) -> None:
         for sampler in self._samplers():
             sampler.stop()
-
-    def _host_mountinfo(self) -> str:
-        """The host's mount table (its init's), else the exporter's own where /proc/1's cannot be read."""
-        return mounts.host_file(self.context.procfs, "mountinfo")
 
     def find_pod_spools(self) -> kubelet.Discovery:
         """Scan the kubelet's pods directory and hand what it holds to the spool reader (background)."""
@@ -832,10 +829,11 @@ class EnginesCollector(Collector):
         per_disk: dict[str, list[float]] = {}  # count, age
         per_mount: dict[str, list[float]] = {}
         mount_info: dict[str, None] = {}
+        mount_table = self.context.host_mounts.table()  # one table for every file of this scrape
         for engine, path, dev in self._engine_files(files):
             for disk in files.disks(dev):
                 per_disk.setdefault(disk, [0.0, 0.0])
-            mount = self._mounts.of_file(dev, path)
+            mount = mount_table.of_file(dev, path)
             if mount is not None:
                 per_mount.setdefault(mount.mountpoint, [0.0, 0.0])
                 mount_info[ENGINE_MOUNT.sample(label_string({"engine": engine, "path": path, "mountpoint":
@@ -854,7 +852,7 @@ class EnginesCollector(Collector):
                 continue
             for disk in files.disks(dev):
                 _add_load(per_disk.setdefault(disk, [0.0, 0.0]), count, age)
-            mount = self._mounts.of_file(dev, load_path)
+            mount = mount_table.of_file(dev, load_path)
             if mount is not None:
                 _add_load(per_mount.setdefault(mount.mountpoint, [0.0, 0.0]), count, age)
         families = [Family(desc, [desc.sample(label_string({"engine": engine, "gpu_uuid": uuid}), values[index])
@@ -1028,7 +1026,7 @@ class EnginesCollector(Collector):
                       key=lambda key: answers[key].at)
         if not due:
             return answers
-        table = mounts.mounts_by_id()  # read once a pass: the exporter's own mounts, by id
+        table = self._own_mounts.table().by_id()  # once a pass: the exporter's own mounts, by id
         deadline = now + LAYER_PASS_SECONDS
         for key in due[:MAX_LAYER_WALKS]:
             if time.monotonic() >= deadline:
@@ -1048,11 +1046,11 @@ class EnginesCollector(Collector):
         --path.rootfs by :func:`mounts.open_without_waiting` -- no symlink, no component on a network,
         FUSE or automount file system, each judged by its mount before it is asked anything -- and only
         the st_dev of the directory it reaches (the st_rdev of the node) is used; a /dev source the walk
-        refuses is looked for in sysfs by its name.  ``table``: :func:`mounts.mounts_by_id`, read here
-        when not given."""
+        refuses is looked for in sysfs by its name.  ``table``: the exporter's own mounts by id, asked of
+        its mount table here when not given."""
         if mount is None:
             return "", []
-        table = mounts.mounts_by_id() if table is None else table
+        table = self._own_mounts.table().by_id() if table is None else table
         paths, devices = self._devices.tables()
         if mount.fstype == "overlay":
             st = self._walked(mount.layer, table)

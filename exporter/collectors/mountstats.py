@@ -353,11 +353,10 @@ class MountstatsCollector(Collector):
         self.max_operations: int = options.get("max-operations") or 64
         self.malformed = 0
         self._dropped: dict[str, set[Any]] = {}
-        self._watch = mounts.MountTableWatch(context.procfs)
         self._counted: mounts.MountTable | None = None  # the table whose malformed lines are counted
 
     def collect(self) -> list[Family]:
-        table = self._watch.table()
+        table = self.context.host_mounts.table()  # shared with the engines collector
         text, source = self._read_mountstats(table) if _may_have_nfs(table) else (None, "")
         if not table.source and text is None:
             raise Absent(f"no mount table under {self.context.procfs} (no mountinfo or mountstats readable)")

@@ -1,4 +1,5 @@
-"""The mount table is read again when, and only when, the kernel says it changed (poll on mountinfo).
+"""The mount table is read again when, and only when, the kernel says it changed (poll on mountinfo), and
+every user of the collectors' shared reader sees the new one.
 
 Runs as pid 1 of a pid and mount namespace of its own (unshare, as root), so the tmpfs it mounts touches nothing else.
 """
@@ -32,6 +33,17 @@ SCRIPT = textwrap.dedent("""
     assert watch.table() is changed, "read again without a change"
     subprocess.run(["umount", point], check=True)
     assert not any(m.mountpoint == point for m in watch.table().mounts), "an unmount was missed"
+    # The collectors' shared reader: the device look-ups see a mount made after they first asked.
+    from exporter.blockdev import DeviceNumbers
+    from exporter.collect import Context
+    context = Context("/proc")
+    devices = DeviceNumbers("/sys", context.host_mounts.table, "/")
+    before, _ = devices.tables()
+    subprocess.run(["mount", "-t", "tmpfs", "gpuio-shared-test", point], check=True)
+    st = os.stat(point)
+    after, _ = devices.tables()
+    assert after.table is context.host_mounts.table() and after.table is not before.table
+    assert after.of_dev(os.major(st.st_dev), os.minor(st.st_dev)).fstype == "tmpfs", "a new mount was missed"
     print("ok")
 """)
 

@@ -89,7 +89,7 @@ class Source:
     def __init__(self, work: str) -> None:
         self.work = work
         self.loop: str | None = None
-        device = PathDevices("/sys", "/proc/self/mountinfo").of_path(work).device
+        device = PathDevices("/sys").of_path(work).device
         if device:
             self.disk = whole_disk(device)
             self.paths = [os.path.join(work, f"reader-{index}") for index in range(len(READ_MIB))]

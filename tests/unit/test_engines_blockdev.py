@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from exporter.blockdev import BlockDevices, PathDevices, device_by_number, read_mountinfo
+from exporter import mounts
+from exporter.blockdev import BlockDevices, PathDevices, device_by_number
 
 
 def root_device() -> tuple[str, int, int]:
@@ -33,7 +34,7 @@ def test_a_file_on_a_block_device_names_it() -> None:
 def test_tmpfs_has_no_device_and_says_what_it_is(tmp_path) -> None:
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text("30 1 0:27 / /dev/shm rw,relatime shared:2 - tmpfs tmpfs rw,size=1024k\n")
-    found = PathDevices(mountinfo=str(mountinfo)).of_dev(0, 27)
+    found = PathDevices(table=mounts.read_file(str(mountinfo))).of_dev(0, 27)
     assert (found.device, found.fstype) == ("", "tmpfs")
 
 
@@ -47,7 +48,7 @@ def test_overlayfs_resolves_through_its_upper_directory(tmp_path) -> None:
     mountinfo.write_text(
         f"900 1 0:912 / /run/containerd/rootfs rw,relatime - overlay overlay "
         f"rw,lowerdir=/nonexistent/l1:/nonexistent/l2,upperdir={upper},workdir={tmp_path}/work\n")
-    found = PathDevices(mountinfo=str(mountinfo)).of_dev(0, 912)
+    found = PathDevices(table=mounts.read_file(str(mountinfo))).of_dev(0, 912)
     assert (found.device, found.fstype) == (name, "overlay")
 
 
@@ -58,7 +59,7 @@ def test_btrfs_resolves_through_its_mount_source(tmp_path) -> None:
         pytest.skip(f"{node} does not exist here")
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(f"40 1 0:45 /@home /home rw,relatime - btrfs {node} rw,ssd,subvolid=257\n")
-    assert PathDevices(mountinfo=str(mountinfo)).of_dev(0, 45).device == name
+    assert PathDevices(table=mounts.read_file(str(mountinfo))).of_dev(0, 45).device == name
 
 
 def test_mountinfo_escapes_and_malformed_lines(tmp_path) -> None:
@@ -66,14 +67,16 @@ def test_mountinfo_escapes_and_malformed_lines(tmp_path) -> None:
     mountinfo.write_text("36 35 98:0 /mnt1 /mnt\\040with\\040space rw,noatime master:1 - ext3 /dev/root rw\n"
                          "garbage line\n"
                          "37 35 x:y / /bad rw - ext4 /dev/sda rw\n")
-    (mount,) = read_mountinfo(str(mountinfo))
-    assert (mount.major, mount.minor, mount.mount_point, mount.fstype, mount.source) == (
-        98, 0, "/mnt with space", "ext3", "/dev/root")
-    assert read_mountinfo(str(tmp_path / "absent")) == []
+    table = mounts.read_file(str(mountinfo))
+    (mount,) = table.mounts
+    assert (mount.dev, mount.mountpoint, mount.fstype, mount.source) == (
+        (98, 0), "/mnt with space", "ext3", "/dev/root")
+    assert table.malformed == 2
+    assert mounts.read_file(str(tmp_path / "absent")).mounts == []
 
 
 def test_unknown_device_numbers_resolve_to_nothing(tmp_path) -> None:
-    found = PathDevices(sysfs=str(tmp_path), mountinfo=str(tmp_path / "absent")).of_dev(259, 99)
+    found = PathDevices(sysfs=str(tmp_path), table=mounts.read_file(str(tmp_path / "absent"))).of_dev(259, 99)
     assert (found.device, found.fstype) == ("", "")
 
 

@@ -65,7 +65,7 @@ def disk_directory() -> Iterator[str]:
 def test_the_walk_refuses_a_symlink_anywhere_and_opens_a_plain_directory(disk_directory: str) -> None:
     os.mkdir(os.path.join(disk_directory, "fs"))
     os.symlink(os.path.join(disk_directory, "fs"), os.path.join(disk_directory, "link"))
-    table = mounts.mounts_by_id()
+    table = mounts.read_file(mounts.SELF_MOUNTINFO).by_id()
     fd, st = mounts.open_without_waiting("/", os.path.join(disk_directory, "fs"), table)
     os.close(fd)
     assert st.st_ino == os.stat(os.path.join(disk_directory, "fs")).st_ino
@@ -90,7 +90,7 @@ def test_the_walk_stops_at_a_fuse_mount_without_asking_it_anything() -> None:
     def walk() -> None:
         try:
             mounts.open_without_waiting("/", os.path.join(hung.mountpoint, "snapshots", "7", "fs"),
-                                        mounts.mounts_by_id())
+                                        mounts.read_file(mounts.SELF_MOUNTINFO).by_id())
         except mounts.Refused as refused:
             outcome.append(refused.reason)
 

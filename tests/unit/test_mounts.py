@@ -1,13 +1,19 @@
 """Mount tables (exporter.mounts) on mountinfo lines in the kernel's format: which mount holds a file,
-which mounts are network or FUSE, and what a malformed or oversized table costs; and the engines
-collector's mount of each engine file on this machine, against findmnt."""
+which mounts are network or FUSE, and what a malformed, hostile or oversized table costs; the one reader
+(MountTableWatch) on files in temporary directories and on this machine's own table, and the collectors
+that share it."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
 from exporter import mounts
-from tests.conftest import REPO
+from exporter.collect import Context
+from exporter.collectors import engines, mountstats
+from exporter.exposition import render
+from tests.conftest import REPO, parse_samples
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "mounts")
 
@@ -76,10 +82,129 @@ def test_caps_bound_a_huge_table() -> None:
 def test_host_table_comes_from_pid_1_then_self(tmp_path) -> None:
     (tmp_path / "self").mkdir()
     (tmp_path / "self" / "mountinfo").write_text("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n")
-    assert mounts.read_table(str(tmp_path)).mounts[0].fstype == "ext4"
+    assert mounts.MountTableWatch(str(tmp_path)).table().mounts[0].fstype == "ext4"
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "mountinfo").write_text("1 0 0:50 / / rw - nfs4 srv:/ rw\n")
-    assert mounts.read_table(str(tmp_path)).mounts[0].fstype == "nfs4"
-    assert mounts.read_table(str(tmp_path / "absent")).mounts == []
+    assert mounts.MountTableWatch(str(tmp_path)).table().mounts[0].fstype == "nfs4"
+    assert mounts.MountTableWatch(str(tmp_path), own=True).table().mounts[0].fstype == "ext4"
+    assert mounts.MountTableWatch(str(tmp_path / "absent")).table().mounts == []
 
 
+
+
+# --- the parser on hostile lines --------------------------------------------------------------------
+
+
+def test_escapes_are_decoded_and_only_ascii_spaces_split_fields() -> None:
+    # Kernel escapes (space, tab, newline, backslash) decode; what is no byte's escape stays as written;
+    # whitespace the kernel leaves in a name (\x1c, U+00A0, \r) is part of it, not a field separator.
+    parsed = mounts.parse(
+        "40 1 0:40 / /a\\040b\\011c\\012d\\134e rw - tmpfs tmpfs rw\n"
+        "41 1 0:41 / /not\\777an\\04escape rw - tmpfs tmpfs rw\n"
+        "42 1 0:42 / /x\x1cy\u00a0z\rw rw shared:3 - fuse.s3fs s3\\040fs rw,addr=a\\054b\n")
+    assert [m.mountpoint for m in parsed.mounts] == ["/a b\tc\nd\\e", "/not\\777an\\04escape", "/x\x1cy\u00a0z\rw"]
+    assert parsed.mounts[2].source == "s3 fs" and parsed.mounts[2].option("addr") == "a,b"
+    assert parsed.malformed == 0
+
+
+def test_a_line_no_kernel_writes_is_skipped_and_counted_never_fatal() -> None:
+    huge = "9" * 5000
+    lines = [
+        f"50 1 0:50 / /{'a' * mounts.MAX_LINE_CHARS} rw - tmpfs tmpfs rw",  # longer than any kernel line
+        f"{huge} 1 0:51 / /m rw - tmpfs tmpfs rw",  # a mount id past any u64
+        f"52 1 {huge}:0 / /m rw - tmpfs tmpfs rw",
+        "53 1 0:53 / /m rw tmpfs tmpfs rw",  # no separator
+        "54 1 0:54 / /m - tmpfs",  # separator too early, source missing
+        "x 1 0:55 / /m rw - tmpfs tmpfs rw",
+        " " * 1000,  # blank: neither a mount nor junk
+        "56 1 0:56 / /kept rw - tmpfs tmpfs rw",
+    ]
+    parsed = mounts.parse("\n".join(lines))
+    assert [m.mountpoint for m in parsed.mounts] == ["/kept"] and parsed.malformed == 6
+
+
+def test_a_table_of_more_lines_than_any_node_has_is_read_no_further() -> None:
+    last = "60 1 0:60 / /past-the-cap rw - tmpfs tmpfs rw\n"
+    assert mounts.parse("\n" * (mounts.MAX_LINES - 1) + last).mounts  # the last line looked at
+    assert not mounts.parse("\n" * mounts.MAX_LINES + last).mounts
+
+
+def test_a_file_longer_than_the_byte_bound_is_read_no_further(tmp_path) -> None:
+    path = tmp_path / "mountinfo"
+    filler = "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"
+    path.write_text(filler + " " * mounts.MAX_BYTES + "\n70 1 0:70 / /past rw - tmpfs tmpfs rw\n")
+    table = mounts.read_file(str(path))
+    assert [m.mountpoint for m in table.mounts] == ["/"] and table.malformed == 0
+
+
+# --- the one reader: read again when, and only when, the table changed ------------------------------------
+
+
+def host_procfs(tmp_path, text: str) -> str:
+    (tmp_path / "1").mkdir(exist_ok=True)
+    (tmp_path / "1" / "mountinfo").write_text(text)
+    return str(tmp_path)
+
+
+ROOT = "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"
+NFS = "40 1 0:50 / /models rw - nfs4 srv:/export rw,addr=10.0.0.5\n"
+
+
+def test_a_plain_file_is_read_again_when_rewritten_or_replaced_and_not_otherwise(tmp_path) -> None:
+    procfs = host_procfs(tmp_path, ROOT)
+    watch = mounts.MountTableWatch(procfs, retry=0)
+    first = watch.table()
+    assert [m.mountpoint for m in first.mounts] == ["/"] and watch.table() is first
+    host_procfs(tmp_path, ROOT + NFS)  # rewritten in place
+    rewritten = watch.table()
+    assert rewritten is not first and [m.mountpoint for m in rewritten.mounts] == ["/", "/models"]
+    assert watch.table() is rewritten
+    replacement = tmp_path / "new"
+    replacement.write_text(NFS + ROOT)  # the same size: another file renamed over it
+    os.replace(replacement, tmp_path / "1" / "mountinfo")
+    assert [m.mountpoint for m in watch.table().mounts] == ["/models", "/"]
+    os.unlink(tmp_path / "1" / "mountinfo")
+    gone = watch.table()
+    assert gone.mounts == [] and gone.source == "" and watch.table() is gone
+    host_procfs(tmp_path, ROOT)
+    assert [m.mountpoint for m in watch.table().mounts] == ["/"]
+
+
+def test_the_exporters_own_table_is_this_machines_and_knows_each_descriptors_mount() -> None:
+    watch = mounts.MountTableWatch(own=True)
+    table = watch.table()
+    assert table.source == "/proc/self/mountinfo" and watch.table() is table  # nothing mounted meanwhile
+    assert table.mounts == mounts.read_file("/proc/self/mountinfo").mounts and table.malformed == 0
+    fd = os.open("/proc", os.O_PATH)
+    try:
+        number = mounts.mount_id_of(fd)
+    finally:
+        os.close(fd)
+    assert number is not None and table.by_id()[number].fstype == "proc"
+    watch.close()
+
+
+def test_every_collector_sees_the_same_table_after_a_change(tmp_path) -> None:
+    """The mountstats collector and the engines collector's device look-ups ask one reader: a mount added
+    to the host's table shows in both at their next call."""
+    disks = sorted(os.listdir("/sys/class/block")) if os.path.isdir("/sys/class/block") else []
+    if not disks or not os.path.exists(f"/dev/{disks[0]}"):
+        pytest.skip("no block device node here")
+    procfs = host_procfs(tmp_path, ROOT)
+    context = Context(procfs=procfs)
+    stats = mountstats.MountstatsCollector(context, {})
+    settings = {option.name: option.parse(option.default) if option.default is not None else None
+                for option in engines.EnginesCollector.options}
+    settings.update({"spool-dir": str(tmp_path), "discover": False})
+    files = engines.EnginesCollector(context, settings)
+
+    def network_mounts() -> set[str]:
+        samples = parse_samples(render(stats.collect()))
+        return {dict(labels)["mountpoint"] for name, labels in samples if name == "gpuio_mount_info"}
+
+    assert network_mounts() == set() and files.device_of((0, 45)) == ("", [])
+    # A btrfs subvolume: an anonymous st_dev whose block device only the mount table names.
+    host_procfs(tmp_path, ROOT + NFS + f"41 1 0:45 / /home rw - btrfs /dev/{disks[0]} rw\n")
+    assert network_mounts() == {"/models"}
+    assert files.device_of((0, 45))[0] == disks[0]
+    assert context.host_mounts.table() is context.host_mounts.table()
