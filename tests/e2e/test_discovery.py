@@ -17,7 +17,7 @@ import time
 import pytest
 
 from exporter.engines.discovery import Discovery
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import ExporterProcess, parse_samples
 
 pytestmark = pytest.mark.e2e
@@ -116,11 +116,11 @@ def test_a_triton_layout_load_is_followed_from_open_to_close(tmp_path, loaders) 
     totals = found.sample().totals
     assert totals.loads == {}
     values = totals.engines["resnet50"]
-    first, total, _ = fmt.ENGINE_LAYOUT.histograms["load_read_seconds"]
+    first, total, _ = spool_format.ENGINE_LAYOUT.histograms["load_read_seconds"]
     assert sum(values[first:total]) == 1 and values[total] >= 0.3
-    assert values[fmt.ENGINE_LAYOUT.counters["load_read_bytes"]] == 1 << 20
+    assert values[spool_format.ENGINE_LAYOUT.counters["load_read_bytes"]] == 1 << 20
     waterfall = totals.waterfalls["resnet50"]
-    slot = fmt.WATERFALL
+    slot = spool_format.WATERFALL
     assert waterfall[slot["device_bytes"]] + waterfall[slot["cache_bytes"]] == 1 << 20
     assert waterfall[slot["last_read"]] == waterfall[slot["last_wall"]] >= 0.3
     # the process lives on with the engine loaded: it still serves it (info kept, no load in progress)
@@ -169,7 +169,7 @@ def test_a_read_found_under_way_counts_from_when_it_was_found(tmp_path, loaders)
     loader.do("read", path, 1 << 20)
     loader.do("close", path)
     values = found.sample().totals.engines["resnet50"]
-    assert values[fmt.ENGINE_LAYOUT.counters["load_read_bytes"]] == 1 << 20
+    assert values[spool_format.ENGINE_LAYOUT.counters["load_read_bytes"]] == 1 << 20
 
     held = model(tmp_path, "repo/bert/1/model.plan", 1 << 20)
     loader.do("open", held)
@@ -203,7 +203,7 @@ def test_a_load_that_stands_still_ends_at_its_last_movement(tmp_path, loaders) -
     time.sleep(0.6)
     totals = found.sample().totals
     assert totals.loads == {}
-    first, total, _ = fmt.ENGINE_LAYOUT.histograms["load_read_seconds"]
+    first, total, _ = spool_format.ENGINE_LAYOUT.histograms["load_read_seconds"]
     assert sum(totals.engines["idle"][first:total]) == 1 and totals.engines["idle"][total] < 0.4
 
 
@@ -226,7 +226,7 @@ def test_what_is_not_a_model_read_is_left_alone(tmp_path, loaders) -> None:
 
 def test_a_process_using_the_library_is_left_to_the_spool(tmp_path, loaders) -> None:
     path = model(tmp_path, "repo/ranker/1/model.plan")
-    spool = tmp_path / "spool" / f"gpuio-1-2-0000000000000003{fmt.SUFFIX}"
+    spool = tmp_path / "spool" / f"gpuio-1-2-0000000000000003{spool_format.SUFFIX}"
     spool.parent.mkdir()
     spool.write_bytes(b"\0" * 64)
     found = finder(tmp_path)
@@ -248,7 +248,7 @@ def test_a_process_holding_its_own_spool_file_is_the_librarys_before_any_scrape(
     path = model(tmp_path, "repo/ranker/1/model.plan")
     found = finder(tmp_path)
     loader = loaders()
-    own = tmp_path / f"gpuio-7-{_start(loader.pid)}-00000000000000ab{fmt.SUFFIX}"
+    own = tmp_path / f"gpuio-7-{_start(loader.pid)}-00000000000000ab{spool_format.SUFFIX}"
     own.write_bytes(b"\0" * 64)
     loader.do("open", str(own))
     loader.do("open", path)
@@ -278,7 +278,7 @@ def test_a_process_without_a_gpu_context_loads_no_engine_until_it_has_one(tmp_pa
     assert found.sample().totals.engines == {}  # its load ended before NVML listed it
     on_gpus.append(server.pid)  # NVML lists it now: its load counts
     totals = found.sample().totals
-    first, total, _ = fmt.ENGINE_LAYOUT.histograms["load_read_seconds"]
+    first, total, _ = spool_format.ENGINE_LAYOUT.histograms["load_read_seconds"]
     assert sum(totals.engines["resnet50"][first:total]) == 1
 
 

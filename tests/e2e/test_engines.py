@@ -10,7 +10,7 @@ import pytest
 
 from exporter.collectors import engines  # noqa: F401  (registers the collector)
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import parse_samples
 from tests.unit.test_engines import busy_engine, collector, scrape
 
@@ -42,10 +42,10 @@ def test_a_writer_cannot_claim_another_process_as_its_own(spool_dir, tmp_path) -
         start = 0
         while not start:  # the child's stat exists once it runs
             start = procstat.start_ticks(victim.pid)
-        hostile = fmt.SpoolFile(spool_dir)
-        fields = list(fmt.HEADER.unpack_from(hostile._map))
+        hostile = spool_format.SpoolFile(spool_dir)
+        fields = list(spool_format.HEADER.unpack_from(hostile._map))
         fields[5], fields[7] = victim.pid, start  # pid, start ticks
-        fmt.HEADER.pack_into(hostile._map, 0, *fields)
+        spool_format.HEADER.pack_into(hostile._map, 0, *fields)
         metrics.EngineMetrics("impostor", hostile).inference_seconds.observe(0.001)
         target = collector(spool_dir)
         target.context.gpu_processes.update({(victim.pid, start): "GPU-of-the-victim"})

@@ -32,7 +32,7 @@ from exporter.blockdev import PathDevices
 from exporter.collect import Context
 from exporter.collectors import engines
 from exporter.exposition import render
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 from gpuio.spool import SpoolFile
 from tests.conftest import REPO, ExporterProcess, engines_collector, parse_samples
@@ -223,8 +223,8 @@ def test_a_flood_of_device_numbers_costs_a_bounded_scrape_and_never_the_victims_
                 number = junk_numbers[writer * JUNK_ENGINES + index]
                 metrics = EngineMetrics(f"junk-{writer}-{index:02d}", file)
                 metrics.inference_seconds.observe(0.01)
-                metrics._append_info(fmt.pack_info(0, number, 7, 4096, 1, 1.0, f"/models/junk-{number[1]}.plan",
-                                                   "", "tensorrt"))
+                metrics._append_info(spool_format.pack_info(0, number, 7, 4096, 1, 1.0,
+                                                            f"/models/junk-{number[1]}.plan", "", "tensorrt"))
         work.take()
         junk_with_device = []
         for _ in range(3):
@@ -262,11 +262,11 @@ def planted_writer(spool: str, root: str, target: str) -> SpoolFile:
     hostile = SpoolFile(spool)
     dev = (0, 4242)
     with hostile.lock:
-        hostile.add_record(fmt.KIND_ENGINE, "planted", fmt.ENGINE_LAYOUT.size * 8)
-        info = fmt.pack_info(0, dev, 7, 4096, 1, 1.0, "/opt/model/planted.engine", "", "tensorrt")
-        hostile.add_record(fmt.KIND_INFO, "planted", len(info), info)
-        mount = fmt.pack_mount("/", "overlay", "overlay", planted)
-        hostile.add_record(fmt.KIND_MOUNT, f"planted\0{dev[0]}:{dev[1]}", len(mount), mount)
+        hostile.add_record(spool_format.KIND_ENGINE, "planted", spool_format.ENGINE_LAYOUT.size * 8)
+        info = spool_format.pack_info(0, dev, 7, 4096, 1, 1.0, "/opt/model/planted.engine", "", "tensorrt")
+        hostile.add_record(spool_format.KIND_INFO, "planted", len(info), info)
+        mount = spool_format.pack_mount("/", "overlay", "overlay", planted)
+        hostile.add_record(spool_format.KIND_MOUNT, f"planted\0{dev[0]}:{dev[1]}", len(mount), mount)
     return hostile
 
 

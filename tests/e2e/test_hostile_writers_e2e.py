@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.spool import SpoolFile
 from tests.conftest import REPO, ExporterProcess, parse_samples
 from tests.unit.test_load_waterfall import HungFilesystem
@@ -57,13 +57,14 @@ def engines_served(exporter: ExporterProcess) -> dict:
 
 def test_a_waterfall_whose_throughput_rounds_to_zero_does_not_take_the_engines_off(spool: str) -> None:
     hostile = SpoolFile(spool)
-    values = [0.0] * len(fmt.WATERFALL_SLOTS)
+    values = [0.0] * len(spool_format.WATERFALL_SLOTS)
     for name, value in (("cold_device_bytes", 5e-324), ("cold_read_seconds", 1e10), ("residency_method", 1.0),
                         ("file_bytes", 4096.0)):
-        values[fmt.WATERFALL[name]] = value
+        values[spool_format.WATERFALL[name]] = value
     with hostile.lock:
-        hostile.add_record(fmt.KIND_ENGINE, "hostile", fmt.ENGINE_LAYOUT.size * 8)
-        hostile.add_record(fmt.KIND_WATERFALL, "hostile", len(values) * 8, struct.pack(f"<{len(values)}d", *values))
+        hostile.add_record(spool_format.KIND_ENGINE, "hostile", spool_format.ENGINE_LAYOUT.size * 8)
+        hostile.add_record(spool_format.KIND_WATERFALL, "hostile", len(values) * 8,
+                           struct.pack(f"<{len(values)}d", *values))
     exporter = ExporterProcess([f"--collector.engines.spool-dir={spool}"]).start()
     try:
         assert engines_served(exporter)[VICTIM_SERIES] == 1
@@ -77,11 +78,12 @@ def test_a_layer_under_a_mount_that_never_answers_does_not_hold_the_scrape(spool
     hostile = SpoolFile(spool)
     dev = (0, 4242)
     with hostile.lock:
-        hostile.add_record(fmt.KIND_ENGINE, "hostile", fmt.ENGINE_LAYOUT.size * 8)
-        info = fmt.pack_info(0, dev, 7, 4096, 1, 1.0, "/opt/model/hostile.engine", "", "tensorrt")
-        hostile.add_record(fmt.KIND_INFO, "hostile", len(info), info)
-        mount = fmt.pack_mount("/", "overlay", "overlay", os.path.join(hung.mountpoint, "snapshots", "7", "fs"))
-        hostile.add_record(fmt.KIND_MOUNT, f"hostile\0{dev[0]}:{dev[1]}", len(mount), mount)
+        hostile.add_record(spool_format.KIND_ENGINE, "hostile", spool_format.ENGINE_LAYOUT.size * 8)
+        info = spool_format.pack_info(0, dev, 7, 4096, 1, 1.0, "/opt/model/hostile.engine", "", "tensorrt")
+        hostile.add_record(spool_format.KIND_INFO, "hostile", len(info), info)
+        mount = spool_format.pack_mount("/", "overlay", "overlay",
+                                        os.path.join(hung.mountpoint, "snapshots", "7", "fs"))
+        hostile.add_record(spool_format.KIND_MOUNT, f"hostile\0{dev[0]}:{dev[1]}", len(mount), mount)
     exporter = ExporterProcess([f"--collector.engines.spool-dir={spool}"]).start()
     try:
         for _ in range(2):  # the second scrape too: no collector thread left waiting on the mount

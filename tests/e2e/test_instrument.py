@@ -12,7 +12,7 @@ import pytest
 
 from exporter.engines import model
 from exporter.engines import spool as spool_source
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import REPO
 from tests.unit.test_instrument import _spool_totals
 
@@ -108,7 +108,7 @@ def test_two_processes_of_one_engine_on_two_gpus_give_two_in_flight_series(tmp_p
         assert {key: values[in_flight] for key, values in totals.per_gpu.items()} == {
             ("shared", "GPU-0000"): 1.0, ("shared", "GPU-1111"): 0.0}
         assert totals.per_gpu[("shared", "GPU-1111")][idle] == 2.0
-        assert totals.engines["shared"][fmt.ENGINE_LAYOUT.gauges["in_flight"]] == 1.0  # per engine: both
+        assert totals.engines["shared"][spool_format.ENGINE_LAYOUT.gauges["in_flight"]] == 1.0  # per engine: both
     finally:
         for process in (busy, spare):
             process.kill()

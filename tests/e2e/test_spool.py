@@ -295,11 +295,11 @@ def test_a_directory_of_200000_names_is_walked_a_bounded_slice_a_read_and_in_ful
     looks at ``scan_entries`` entries (65,536) and the next one goes on from there, so the writers made
     before and after 200,000 junk names are all found within ceil(200,003 / 65,536) = 4 reads, whatever
     the directory's order, and later passes count nothing twice."""
-    from gpuio import spool as fmt
+    from gpuio import spool as spool_format
     from gpuio.metrics import EngineMetrics
 
-    def made(observations: int) -> fmt.SpoolFile:
-        file = fmt.SpoolFile(big_directory, 64 * 1024)
+    def made(observations: int) -> spool_format.SpoolFile:
+        file = spool_format.SpoolFile(big_directory, 64 * 1024)
         metrics = EngineMetrics("busy", file)
         for _ in range(observations):
             metrics.inference_seconds.observe(0.01)

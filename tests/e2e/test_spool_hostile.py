@@ -32,13 +32,13 @@ import pytest
 
 from exporter.engines import model, parse
 from exporter.engines import spool as spool_source
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import REPO
 from tests.unit.test_spool_trust import fill_with_engines
 
 pytestmark = pytest.mark.e2e
 
-LAYOUT = fmt.ENGINE_LAYOUT
+LAYOUT = spool_format.ENGINE_LAYOUT
 # What one file may keep (parse.FILE_LIMITS): devices named, engines, error reasons per engine.
 LIMITS = getattr(parse, "FILE_LIMITS", None)
 DEVICES_PER_FILE = LIMITS.devices if LIMITS else 64
@@ -125,7 +125,7 @@ def inferences(totals: model.Totals, engine: str) -> float:
 
 
 def spool_names(directory: str) -> list[str]:
-    return sorted(name for name in os.listdir(directory) if name.endswith(fmt.SUFFIX))
+    return sorted(name for name in os.listdir(directory) if name.endswith(spool_format.SUFFIX))
 
 
 # --- 4. published counters never fall ------------------------------------------------------------
@@ -135,12 +135,12 @@ def records(path: str) -> dict[tuple[int, str], tuple[int, int]]:
     """(kind, key) -> (offset of the record, offset of its payload) of the records a spool file holds."""
     with open(path, "rb") as handle:
         data = handle.read()
-    used = struct.unpack_from("<Q", data, fmt.USED_OFFSET)[0]
-    found, offset = {}, fmt.HEADER_SIZE
-    while offset + fmt.RECORD_HEAD.size <= used:
-        size, kind, key_length = fmt.RECORD_HEAD.unpack_from(data, offset)
+    used = struct.unpack_from("<Q", data, spool_format.USED_OFFSET)[0]
+    found, offset = {}, spool_format.HEADER_SIZE
+    while offset + spool_format.RECORD_HEAD.size <= used:
+        size, kind, key_length = spool_format.RECORD_HEAD.unpack_from(data, offset)
         key = data[offset + 8 : offset + 8 + key_length].decode()
-        found[(kind, key)] = (offset, offset + 8 + fmt.pad8(key_length))
+        found[(kind, key)] = (offset, offset + 8 + spool_format.pad8(key_length))
         offset += size
     return found
 
@@ -151,34 +151,35 @@ def rewrite(path: str, offset: int, data: bytes) -> None:
     fd = os.open(path, os.O_RDWR)
     try:
         os.pwrite(fd, data, offset)
-        generation = struct.unpack("<d", os.pread(fd, 8, fmt.GENERATION_OFFSET))[0]
-        os.pwrite(fd, struct.pack("<d", generation + 1), fmt.GENERATION_OFFSET)
+        generation = struct.unpack("<d", os.pread(fd, 8, spool_format.GENERATION_OFFSET))[0]
+        os.pwrite(fd, struct.pack("<d", generation + 1), spool_format.GENERATION_OFFSET)
     finally:
         os.close(fd)
 
 
 def double_at(path: str, engine: str, slot: int, value: float) -> None:
-    _, payload = records(path)[(fmt.KIND_ENGINE, engine)]
+    _, payload = records(path)[(spool_format.KIND_ENGINE, engine)]
     rewrite(path, payload + slot * 8, struct.pack("<d", value))
 
 
-FIRST_BUCKET = LAYOUT.histograms["inference_seconds"][0] + fmt.LATENCY_BOUNDS.index(0.01)  # where 0.01 s counts
+# where 0.01 s counts
+FIRST_BUCKET = LAYOUT.histograms["inference_seconds"][0] + spool_format.LATENCY_BOUNDS.index(0.01)
 SUM = LAYOUT.histograms["inference_seconds"][1]
 
 
 def cut_used(path: str) -> None:
-    rewrite(path, fmt.USED_OFFSET, struct.pack("<Q", fmt.HEADER_SIZE))
+    rewrite(path, spool_format.USED_OFFSET, struct.pack("<Q", spool_format.HEADER_SIZE))
 
 
 def rename_record(path: str) -> None:
-    offset, _ = records(path)[(fmt.KIND_ENGINE, "resnet50")]
+    offset, _ = records(path)[(spool_format.KIND_ENGINE, "resnet50")]
     rewrite(path, offset + 8, b"resnet5X")  # same length: the record now says it is another engine's
 
 
 def lower_values(path: str) -> None:
     double_at(path, "resnet50", FIRST_BUCKET, 0.0)
     double_at(path, "resnet50", LOAD_BYTES, 0.0)
-    _, payload = records(path)[(fmt.KIND_ERROR, "resnet50\0timeout")]
+    _, payload = records(path)[(spool_format.KIND_ERROR, "resnet50\0timeout")]
     rewrite(path, payload, struct.pack("<d", 0.0))
 
 
@@ -189,7 +190,7 @@ ATTACKS = {
     "NaN": lambda path: double_at(path, "resnet50", FIRST_BUCKET, math.nan),
     "+Inf": lambda path: double_at(path, "resnet50", SUM, math.inf),
     "negative": lambda path: double_at(path, "resnet50", LOAD_BYTES, -1.0),
-    "drop count lowered": lambda path: rewrite(path, fmt.DROPPED_OFFSET, struct.pack("<Q", 0)),
+    "drop count lowered": lambda path: rewrite(path, spool_format.DROPPED_OFFSET, struct.pack("<Q", 0)),
 }
 
 
@@ -214,7 +215,7 @@ def test_a_writer_rewriting_its_own_file_cannot_make_a_published_counter_fall(tm
     start(writers, directory).observe("resnet50", 200)
     hostile = start(writers, directory)
     hostile.observe("resnet50", 100)
-    rewrite(hostile.path, fmt.DROPPED_OFFSET, struct.pack("<Q", 7))  # its own count of series it dropped
+    rewrite(hostile.path, spool_format.DROPPED_OFFSET, struct.pack("<Q", 7))  # its own count of series it dropped
     reader = spool_source.SpoolReader(directory)
     before = published(reader.read())
     assert before == (600, 600, 3, 7) and reader.folded_processes == 1
@@ -375,10 +376,10 @@ def test_a_live_file_renamed_onto_a_dead_files_name_while_it_is_folded_is_not_de
         writer.observe("resnet50", 100)
     dead = []
     for index in range(6):
-        file = fmt.SpoolFile(directory)
+        file = spool_format.SpoolFile(directory)
         with file.lock:  # a few hundred engines: its read and fold take a while, as a busy node's would
             for number in range(300):
-                file.add_record(fmt.KIND_ENGINE, f"dead{index}-{number:03d}", LAYOUT.size * 8)
+                file.add_record(spool_format.KIND_ENGINE, f"dead{index}-{number:03d}", LAYOUT.size * 8)
         file.close()
         dead.append(os.path.basename(str(file.path)))
     pairs = [item for name, writer in zip(dead, live, strict=True) for item in (name, writer.path)]
@@ -449,7 +450,7 @@ def test_the_reaping_directory_is_the_readers_own_and_what_a_crash_left_in_it_is
     may write, and a symlink would do as well) is not used: another, of its own, is made.  What a reader
     killed mid-removal left in its own: a dead file is removed, a live one put back and read (once)."""
     directory = str(tmp_path)
-    taken = os.path.join(directory, f".{fmt.PREFIX}reaping-{os.geteuid()}")
+    taken = os.path.join(directory, f".{spool_format.PREFIX}reaping-{os.geteuid()}")
     os.mkdir(taken)
     os.chmod(taken, 0o777)
     live = start(writers, directory)
@@ -465,7 +466,7 @@ def test_the_reaping_directory_is_the_readers_own_and_what_a_crash_left_in_it_is
     os.rmdir(taken)
 
     # A crash left the live file and a dead one in the reader's own reaping directory.
-    own = os.path.join(directory, f".{fmt.PREFIX}reaping-{os.geteuid()}")
+    own = os.path.join(directory, f".{spool_format.PREFIX}reaping-{os.geteuid()}")
     os.mkdir(own, 0o700)
     left_dead = start(writers, directory)
     left_dead.observe("bert", 1)
@@ -479,20 +480,20 @@ def test_the_reaping_directory_is_the_readers_own_and_what_a_crash_left_in_it_is
         totals = reader.read()
     assert totals.live_files == 1 and inferences(totals, "resnet50") == 110 and "bert" not in totals.engines
     assert live.links() == 1 and not os.path.exists(own)
-    assert [name for name in spool_names(directory) if name.startswith(f"{fmt.PREFIX}restored-")]
+    assert [name for name in spool_names(directory) if name.startswith(f"{spool_format.PREFIX}restored-")]
 
 
 # --- 3. one writer's flood costs only its own series ----------------------------------------------------
 
 
-def flood_of_infos(directory: str, count: int) -> fmt.SpoolFile:
+def flood_of_infos(directory: str, count: int) -> spool_format.SpoolFile:
     """A live writer whose file holds ``count`` INFO records, each naming an engine and a device of its own."""
-    file = fmt.SpoolFile(directory, 2 << 20)
+    file = spool_format.SpoolFile(directory, 2 << 20)
     with file.lock:
         for number in range(count):
-            payload = fmt.pack_info(0, (300 + number // 256, number % 256), 1000 + number, 4096, 0, 1.0,
-                                    f"/models/flood/{number:05d}.engine", f"GPU-{number:08d}", "tensorrt")
-            assert file.add_record(fmt.KIND_INFO, f"flood-{number:05d}", len(payload), payload) is not None
+            payload = spool_format.pack_info(0, (300 + number // 256, number % 256), 1000 + number, 4096, 0, 1.0,
+                                             f"/models/flood/{number:05d}.engine", f"GPU-{number:08d}", "tensorrt")
+            assert file.add_record(spool_format.KIND_INFO, f"flood-{number:05d}", len(payload), payload) is not None
     return file
 
 
@@ -534,14 +535,14 @@ def test_a_writer_naming_twelve_thousand_devices_costs_only_its_own_series(tmp_p
 def test_a_writer_flooding_engines_and_a_neighbours_error_reasons_keeps_only_its_share(tmp_path, writers) -> None:
     """Hundreds of engines, and a thousand error reasons on the honest writer's own engine, from one file."""
     directory = str(tmp_path)
-    flood = fmt.SpoolFile(directory)
+    flood = spool_format.SpoolFile(directory)
     with flood.lock:
         for number in range(1000):
-            offset = flood.add_record(fmt.KIND_ERROR, f"resnet50\0reason{number:04d}", 8)
+            offset = flood.add_record(spool_format.KIND_ERROR, f"resnet50\0reason{number:04d}", 8)
             assert offset is not None
             flood.values[offset // 8] = 1.0
         for number in range(600):
-            assert flood.add_record(fmt.KIND_ENGINE, f"junk-{number:03d}", LAYOUT.size * 8) is not None
+            assert flood.add_record(spool_format.KIND_ENGINE, f"junk-{number:03d}", LAYOUT.size * 8) is not None
     honest_neighbour(writers, directory)
     reader = spool_source.SpoolReader(directory)
     totals = reader.read()
@@ -558,7 +559,7 @@ def test_a_small_file_listed_after_twenty_full_ones_is_read_at_once(tmp_path, wr
     file listed after them used to wait for ever: each big file that could not be kept was still read
     whole first, and the read budget ran out just before it, read after read."""
     directory = str(tmp_path)
-    hostile = [fmt.SpoolFile(directory) for _ in range(20)]
+    hostile = [spool_format.SpoolFile(directory) for _ in range(20)]
     for index, file in enumerate(hostile):
         fill_with_engines(file, f"big{index:02d}")
     honest = honest_neighbour(writers, directory)
@@ -576,7 +577,7 @@ def test_a_new_writer_is_read_while_full_files_change_at_every_read(tmp_path, wr
     (4 MiB, here exactly what they take).  Live files were read first: a writer that started after them
     was never read.  Now the files a read had no budget for are the first the next read looks at."""
     directory = str(tmp_path)
-    hostile = [fmt.SpoolFile(directory) for _ in range(4)]
+    hostile = [spool_format.SpoolFile(directory) for _ in range(4)]
     for index, file in enumerate(hostile):
         fill_with_engines(file, f"big{index:02d}")
     reader = spool_source.SpoolReader(directory)

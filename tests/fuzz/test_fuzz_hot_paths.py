@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import c_path_can_be_built
 
 DOUBLES = 256
@@ -54,7 +54,7 @@ def outcome(observe: Callable[[object], None], value: object) -> str | None:
     return None
 
 
-@given(bounds=bounds_strategy, first=st.integers(min_value=fmt.GENERATION_INDEX + 1, max_value=DOUBLES - 26),
+@given(bounds=bounds_strategy, first=st.integers(min_value=spool_format.GENERATION_INDEX + 1, max_value=DOUBLES - 26),
        data=st.data())
 def test_c_and_python_observe_store_the_same(bounds: list[float], first: int, data: st.DataObject) -> None:
     # Values exactly on a bound too: where a bisect that is one comparison off would differ.
@@ -62,14 +62,14 @@ def test_c_and_python_observe_store_the_same(bounds: list[float], first: int, da
     observed = data.draw(st.lists(st.one_of(values_strategy, on_bounds), max_size=40))
     c_map, python_map = mmap.mmap(-1, DOUBLES * 8), mmap.mmap(-1, DOUBLES * 8)
     c_values, python_values = memoryview(c_map).cast("d"), memoryview(python_map).cast("d")
-    c_observe = metrics._hotpath.Observer(c_values, first, fmt.GENERATION_INDEX, tuple(bounds)).observe
+    c_observe = metrics._hotpath.Observer(c_values, first, spool_format.GENERATION_INDEX, tuple(bounds)).observe
     python_observe = python_observer(python_values, first, tuple(bounds))
     for value in observed:
         assert outcome(c_observe, value) == outcome(python_observe, value), value
         assert c_map[:] == python_map[:], value  # bytes: NaN payloads, -0.0 and all
     count = sum(1 for value in observed if not (isinstance(value, float) and math.isnan(value))
                 and outcome(float, value) is None)
-    assert struct.unpack_from("<d", c_map, fmt.GENERATION_OFFSET)[0] == count
+    assert struct.unpack_from("<d", c_map, spool_format.GENERATION_OFFSET)[0] == count
     del c_observe
     c_values.release()
     python_values.release()

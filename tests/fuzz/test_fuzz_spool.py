@@ -160,14 +160,14 @@ RICH_WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
     import gpuio
-    from gpuio import spool as fmt
+    from gpuio import spool as spool_format
     gpuio.configure({spool!r})
     for number in range(4):  # four engines, each on files of devices of its own, with loads and errors
         engine = gpuio.engine(f"engine{{number}}")
         for copy in range(3):
             dev = (8, 16 * number + copy)
-            engine._append_info(fmt.pack_info(0, dev, 100 + copy, 4096, 0, 1.0 + copy, f"/m/{{number}}-{{copy}}",
-                                              f"GPU-{{copy}}", "tensorrt"))
+            engine._append_info(spool_format.pack_info(0, dev, 100 + copy, 4096, 0, 1.0 + copy,
+                                                       f"/m/{{number}}-{{copy}}", f"GPU-{{copy}}", "tensorrt"))
             engine.record_mount(dev, f"/m{{copy}}", "ext4", f"/dev/sd{{copy}}", "")
             with engine.loading(None, gpu_uuid=f"GPU-{{copy}}"):
                 pass

@@ -11,17 +11,17 @@ from exporter.collectors import engines
 from exporter.engines.model import PER_GPU_HISTOGRAMS
 from exporter.exposition import render
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import engines_collector, parse_samples, undeclared
 
 KINDS = {"histogram": "Histogram", "counter": "Counter", "gauge": "Gauge"}
 
 
 def test_the_record_layout_follows_the_declarations() -> None:
-    layout = fmt.ENGINE_LAYOUT
-    declared = [series.slot for series in fmt.ENGINE_SERIES]
+    layout = spool_format.ENGINE_LAYOUT
+    declared = [series.slot for series in spool_format.ENGINE_SERIES]
     assert list(layout.histograms) + list(layout.counters) + list(layout.gauges) == declared
-    for series in fmt.ENGINE_SERIES:
+    for series in spool_format.ENGINE_SERIES:
         if series.type == "histogram":
             assert layout.histograms[series.slot][2] == series.bounds
 
@@ -29,14 +29,14 @@ def test_the_record_layout_follows_the_declarations() -> None:
 def test_each_declared_series_is_an_attribute_of_the_library_of_its_kind(spool_dir: str) -> None:
     hints = typing.get_type_hints(metrics.EngineMetrics)
     assert {name: hint.__name__ for name, hint in hints.items()} == {
-        series.slot: KINDS[series.type] for series in fmt.ENGINE_SERIES}
+        series.slot: KINDS[series.type] for series in spool_format.ENGINE_SERIES}
     bound = metrics.engine("declared")
-    for series in fmt.ENGINE_SERIES:
+    for series in spool_format.ENGINE_SERIES:
         assert type(getattr(bound, series.slot)).__name__ == KINDS[series.type]
 
 
-@pytest.mark.parametrize("series", fmt.ENGINE_SERIES, ids=lambda series: series.slot)
-def test_the_catalogue_holds_the_declared_family(series: fmt.Series) -> None:
+@pytest.mark.parametrize("series", spool_format.ENGINE_SERIES, ids=lambda series: series.slot)
+def test_the_catalogue_holds_the_declared_family(series: spool_format.Series) -> None:
     """Name, type, help, labels and unit as the library declares them: what docs/metrics.md (generated from
     the catalogue) says about the family."""
     desc = catalogue.by_name(series.name)
@@ -52,13 +52,13 @@ def test_the_catalogue_holds_the_declared_family(series: fmt.Series) -> None:
 def test_the_exporter_serves_the_declared_labels(spool_dir: str) -> None:
     assert PER_GPU_HISTOGRAMS == ("inference_seconds", "pool_wait_seconds")
     bound = metrics.engine("labelled")
-    for series in fmt.ENGINE_SERIES:
+    for series in spool_format.ENGINE_SERIES:
         if series.type == "histogram":
             getattr(bound, series.slot).observe(1.0)
     text = render(engines_collector(spool_dir).collect())
     assert undeclared(text) == []
     samples = parse_samples(text)
-    for series in fmt.ENGINE_SERIES:
+    for series in spool_format.ENGINE_SERIES:
         suffix = "_count" if series.type == "histogram" else ""
         found = [set(dict(labels)) for name, labels in samples if name == series.name + suffix]
         assert found and all(labels == set(series.labels) for labels in found), series.slot

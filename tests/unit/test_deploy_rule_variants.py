@@ -34,7 +34,7 @@ def test_variant_changes_only_the_knobs_and_leaves_production_as_it_was(tmp_path
     production = generate.rendered()
     variant = generate.rendered(generate.variant(VARIANT), str(tmp_path), generate.variant_note(VARIANT))
     assert generate.rendered() == production, "the default config changed under the variant"
-    assert config.DEFAULT.STORM_FOR == "5m" and rules.NAMES.W == "1m"
+    assert config.DEFAULT.STORM_FOR == "5m" and rules.NAMES.READS.endswith(":rate1m")
     alert = storm(variant)
     assert alert["for"] == "10s"
     condition = "instance_device:gpuio_disk_storm_await_seconds:max_rate10s"

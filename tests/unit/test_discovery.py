@@ -12,7 +12,7 @@ from exporter.collect import GpuProcesses
 from exporter.engines import discovery, model
 from exporter.engines.discovery import engine_identity
 from exporter.pods.attribution import PodAttribution
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 
 
 @pytest.mark.parametrize(("path", "identity"), [
@@ -54,7 +54,7 @@ def test_a_process_on_several_gpus_is_on_none_of_them() -> None:
 def test_discovered_engines_join_the_spools_without_changing_it() -> None:
     """model.combined adds discovered totals to the spool's; the spool's merge (reused between reads) is
     left as it was, and discovered processes are counted apart."""
-    size = fmt.ENGINE_LAYOUT.size
+    size = spool_format.ENGINE_LAYOUT.size
     spool = model.Totals(engines={"ranker": [1.0] * size}, processes={"ranker": 2},
                       loads={("ranker", "GPU-a", (8, 1)): [1.0, 100.0, 50.0]},
                       abandoned={("ranker", "GPU-a"): 1.0})

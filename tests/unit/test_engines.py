@@ -15,7 +15,7 @@ from exporter.collect import REGISTRY, Absent, Context
 from exporter.collectors import engines  # noqa: F401  (registers the collector)
 from exporter.exposition import render
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import engines_collector, parse_samples, undeclared
 
 
@@ -136,7 +136,7 @@ def test_layer_cap_in_the_exporter(spool_dir) -> None:
     gpuio.engine("deep")
     with file.lock:
         for index in range(engines.MAX_LAYERS + 6):
-            offset = file.add_record(fmt.KIND_LAYER, f"deep\0layer{index:03d}", 16)
+            offset = file.add_record(spool_format.KIND_LAYER, f"deep\0layer{index:03d}", 16)
             assert offset is not None
             file.values[offset // 8] = 0.001
     samples = parse_samples(scrape(collector(spool_dir)))
@@ -186,8 +186,8 @@ def test_a_file_the_exporter_sees_differently_is_not_measured(spool_dir, tmp_pat
     m = busy_engine(tmp_path)
     plan = tmp_path / "resnet50.engine"
     st = plan.stat()
-    m._append_info(fmt.pack_info(1, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino + 1, st.st_size,
-                                 st.st_mtime_ns, 0.0, str(plan), "GPU-5a1e", "generic"))
+    m._append_info(spool_format.pack_info(1, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino + 1, st.st_size,
+                                          st.st_mtime_ns, 0.0, str(plan), "GPU-5a1e", "generic"))
     target = collector(spool_dir, path_include=(str(tmp_path),))
     target.collect()
     target.scanner.sample_now()

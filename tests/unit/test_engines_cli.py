@@ -11,7 +11,7 @@ import pytest
 import gpuio
 from exporter.engines_cli import engines_main, warm_main
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 
 
 def evicted(path: str) -> str:
@@ -28,7 +28,7 @@ def test_engines_lists_spool_and_glob_engines_without_touching_dead_files(spool_
     loaded = gpuio.load(str(plan), bytes, device=0, gpu_uuid="GPU-77")
     with loaded.metrics.infer():
         pass
-    dead = fmt.SpoolFile(spool_dir)
+    dead = spool_format.SpoolFile(spool_dir)
     metrics.EngineMetrics("retired", dead).inference_seconds.observe(0.1)
     dead.close()
     other = tmp_path / "models" / "bert.plan"
@@ -109,7 +109,7 @@ def test_warm_evict_makes_the_next_load_cold(spool_dir, tmp_path, capsys) -> Non
 def test_engines_json_is_valid_json_for_an_absurd_throughput(spool_dir, capsys) -> None:
     """A writer's numbers are its own: 2**53 bytes read in 5e-324 s is an infinite throughput, which
     Python's json prints as ``Infinity`` (not JSON).  The row says null instead: no figure."""
-    writer = fmt.SpoolFile(spool_dir)
+    writer = spool_format.SpoolFile(spool_dir)
     engine = metrics.EngineMetrics("absurd", writer)
     engine.load_read_seconds.observe(5e-324)
     engine.load_read_bytes.inc(2.0**53)
@@ -127,7 +127,7 @@ def test_engines_walks_a_spool_directory_too_big_for_one_read(spool_dir, monkeyp
     from exporter.engines import spool as spool_source
 
     monkeypatch.setattr(spool_source, "MAX_SCANNED_ENTRIES", 2)
-    writers = [fmt.SpoolFile(spool_dir) for _ in range(5)]
+    writers = [spool_format.SpoolFile(spool_dir) for _ in range(5)]
     for file in writers:
         metrics.EngineMetrics("sliced", file).inference_seconds.observe(0.01)
     assert engines_main(["--spool-dir", spool_dir, "--json"]) == 0

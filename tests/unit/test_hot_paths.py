@@ -17,7 +17,7 @@ import os
 import pytest
 
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 from tests.conftest import c_path_can_be_built
 
@@ -32,18 +32,18 @@ def usable(hot_path: str) -> None:
         pytest.skip("gpuio._hotpath cannot be built here")
 
 
-def bound(tmp_path, monkeypatch, hot_path: str) -> tuple[fmt.SpoolFile, EngineMetrics]:
+def bound(tmp_path, monkeypatch, hot_path: str) -> tuple[spool_format.SpoolFile, EngineMetrics]:
     usable(hot_path)
     monkeypatch.setattr(metrics, "HOT_PATH", hot_path)
     directory = tmp_path / hot_path
     directory.mkdir()
-    file = fmt.SpoolFile(str(directory), 64 * 1024)
+    file = spool_format.SpoolFile(str(directory), 64 * 1024)
     return file, EngineMetrics("resnet50", file)
 
 
-def doubles(file: fmt.SpoolFile) -> list[float]:
+def doubles(file: spool_format.SpoolFile) -> list[float]:
     """The file's doubles after the header (the records), NaN-safe for comparing."""
-    return [value for value in file.values[fmt.HEADER_SIZE // 8:]]
+    return [value for value in file.values[spool_format.HEADER_SIZE // 8:]]
 
 
 class Subclass(float):
@@ -60,13 +60,13 @@ VALUES = [0.0, 0.00005, 0.0000501, 0.001, 0.0025, 1.0, 7.5, 60.0, 1e9, -1.0, mat
 
 def observed_through(directory, monkeypatch, hot_path: str) -> list[float]:
     file, engine = bound(directory, monkeypatch, hot_path)
-    generation = file.values[fmt.GENERATION_INDEX]
+    generation = file.values[spool_format.GENERATION_INDEX]
     for value in VALUES:
         engine.inference_seconds.observe(value)
         engine.batch_size.observe(value)
     engine.warmup_seconds.observe(math.inf)
     engine.first_inference_seconds.observe(-math.inf)
-    return doubles(file) + [file.values[fmt.GENERATION_INDEX] - generation]
+    return doubles(file) + [file.values[spool_format.GENERATION_INDEX] - generation]
 
 
 @pytest.mark.parametrize("hot_path", PATHS)
@@ -91,23 +91,23 @@ def test_observe_refuses_what_is_not_a_number(tmp_path, monkeypatch, hot_path: s
 @pytest.mark.parametrize("hot_path", PATHS)
 def test_an_inference_moves_in_flight_latency_and_generation(tmp_path, monkeypatch, hot_path: str) -> None:
     file, engine = bound(tmp_path, monkeypatch, hot_path)
-    generation = file.values[fmt.GENERATION_INDEX]
+    generation = file.values[spool_format.GENERATION_INDEX]
     call = engine.infer()
     assert call.latency is None
     with call as entered:
         assert entered is call
         assert engine.in_flight.value() == 1
-        assert file.values[fmt.GENERATION_INDEX] == generation + 1
+        assert file.values[spool_format.GENERATION_INDEX] == generation + 1
         call.enqueued()  # no GPU timer: nothing to stop
     assert engine.in_flight.value() == 0
     assert call.latency is not None and 0 <= call.latency < 1
     assert engine.inference_seconds.count() == 1
     assert engine.inference_seconds.total() == pytest.approx(call.latency, abs=1e-6)
-    bucket = next(index for index, bound in enumerate(fmt.LATENCY_BOUNDS) if call.latency <= bound)
+    bucket = next(index for index, bound in enumerate(spool_format.LATENCY_BOUNDS) if call.latency <= bound)
     histogram = engine.inference_seconds
-    assert [histogram._values[histogram._first + index] for index in range(len(fmt.LATENCY_BOUNDS) + 1)] == [
-        1.0 if index == bucket else 0.0 for index in range(len(fmt.LATENCY_BOUNDS) + 1)]
-    assert file.values[fmt.GENERATION_INDEX] == generation + 2
+    assert [histogram._values[histogram._first + index] for index in range(len(spool_format.LATENCY_BOUNDS) + 1)] == [
+        1.0 if index == bucket else 0.0 for index in range(len(spool_format.LATENCY_BOUNDS) + 1)]
+    assert file.values[spool_format.GENERATION_INDEX] == generation + 2
 
 
 @pytest.mark.parametrize("hot_path", PATHS)
@@ -142,29 +142,29 @@ def test_c_handles_check_what_they_are_given(tmp_path) -> None:
     buffer = mmap.mmap(-1, 4096)
     values = memoryview(buffer).cast("d")
     with pytest.raises(IndexError):
-        hotpath.Observer(values, 500, 17, fmt.LATENCY_BOUNDS)  # its sum would lie past the 512 doubles
+        hotpath.Observer(values, 500, 17, spool_format.LATENCY_BOUNDS)  # its sum would lie past the 512 doubles
     with pytest.raises(IndexError):
-        hotpath.Inferences(values, 40, 60, 4096, fmt.LATENCY_BOUNDS, print)  # generation outside
+        hotpath.Inferences(values, 40, 60, 4096, spool_format.LATENCY_BOUNDS, print)  # generation outside
     with pytest.raises(ValueError, match="increasing"):
         hotpath.Observer(values, 40, 17, (1.0, 0.5))
     with pytest.raises(TypeError, match="doubles"):
-        hotpath.Observer(memoryview(buffer), 40, 17, fmt.LATENCY_BOUNDS)  # bytes, not doubles
+        hotpath.Observer(memoryview(buffer), 40, 17, spool_format.LATENCY_BOUNDS)  # bytes, not doubles
     with pytest.raises(BufferError, match="not writable"):
-        hotpath.Observer(memoryview(bytes(4096)).cast("d"), 40, 17, fmt.LATENCY_BOUNDS)  # read-only
+        hotpath.Observer(memoryview(bytes(4096)).cast("d"), 40, 17, spool_format.LATENCY_BOUNDS)  # read-only
     with pytest.raises(TypeError, match="callable"):
-        hotpath.Inferences(values, 40, 60, 17, fmt.LATENCY_BOUNDS, None)
+        hotpath.Inferences(values, 40, 60, 17, spool_format.LATENCY_BOUNDS, None)
     with pytest.raises(TypeError, match="not initialised"):
         hotpath.Observer.__new__(hotpath.Observer).observe(1.0)  # made without __init__: no buffer to store into
     failed = hotpath.Observer.__new__(hotpath.Observer)
     with pytest.raises(IndexError):
-        failed.__init__(values, 40, 4096, fmt.LATENCY_BOUNDS)
+        failed.__init__(values, 40, 4096, spool_format.LATENCY_BOUNDS)
     with pytest.raises(TypeError, match="not initialised"):
         failed.observe(1.0)  # an __init__ that failed holds nothing and stores nothing
     with pytest.raises(TypeError, match="not initialised"):
         hotpath.Inferences.__new__(hotpath.Inferences).infer()
-    observer = hotpath.Observer(values, 40, 17, fmt.LATENCY_BOUNDS)
+    observer = hotpath.Observer(values, 40, 17, spool_format.LATENCY_BOUNDS)
     with pytest.raises(TypeError, match="once"):
-        observer.__init__(values, 40, 17, fmt.LATENCY_BOUNDS)
+        observer.__init__(values, 40, 17, spool_format.LATENCY_BOUNDS)
     observer.observe(0.001)
     # While a handle lives the mapping cannot be closed under it (a store would fault): closing refuses.
     with pytest.raises(BufferError):

@@ -14,7 +14,7 @@ from exporter import pagecache
 from exporter.engines import model, parse
 from exporter.engines import spool as spool_source
 from gpuio import gpu, metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 
 
 def test_generic_load_times_the_read_apart_from_the_loader(spool_dir, tmp_path) -> None:
@@ -308,9 +308,9 @@ def test_concurrent_loads_count_and_the_oldest_start_is_kept(spool_dir, tmp_path
 
 
 def test_a_bad_load_record_is_refused_and_counted() -> None:
-    spool = fmt.SpoolFile(None)
+    spool = spool_format.SpoolFile(None)
     with spool.lock:
-        offset = spool.add_record(fmt.KIND_LOAD, "engine-without-gpu-and-device", 24)
+        offset = spool.add_record(spool_format.KIND_LOAD, "engine-without-gpu-and-device", 24)
     assert offset is not None
     parsed = parse.parse(bytes(spool._map[: spool.used]))
     assert parsed.bad_record and parsed.loads == {}
@@ -352,7 +352,7 @@ def test_many_threads_hammering_one_engine_lose_no_update(spool_dir) -> None:
     finally:
         sys.setswitchinterval(interval)
     values = spool_source.SpoolReader(spool_dir, remove_dead=False).read().engines["shared"]
-    layout = fmt.ENGINE_LAYOUT
+    layout = spool_format.ENGINE_LAYOUT
     calls = threads * rounds
     first, total, _ = layout.histograms["inference_seconds"]
     assert sum(values[first:total]) == calls

@@ -17,7 +17,7 @@ import pytest
 
 import gpuio
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import c_path_can_be_built
 
 THREADS = 8
@@ -54,7 +54,7 @@ def noop() -> None:
 
 def test_the_harness_catches_an_increment_another_thread_can_enter(spool_dir, switching_every_microsecond) -> None:
     values = metrics.spool_file().values
-    slot = fmt.HEADER_SIZE // 8 + 1  # a scratch double past the header of this test's own file
+    slot = spool_format.HEADER_SIZE // 8 + 1  # a scratch double past the header of this test's own file
 
     def split_increment(thread: int) -> None:
         before = values[slot]
@@ -86,7 +86,7 @@ def test_observe_and_infer_from_many_threads_lose_nothing(spool_dir, switching_e
     monkeypatch.setattr(metrics, "HOT_PATH", hot_path)
     engine = gpuio.engine(f"threads-{hot_path}")
     assert variant(engine) == hot_path  # the variant under test is the one bound
-    generation = metrics.spool_file().values[fmt.GENERATION_INDEX]
+    generation = metrics.spool_file().values[spool_format.GENERATION_INDEX]
 
     def work(thread: int) -> None:
         engine.load_read_seconds.observe(0.001 * (thread + 1))
@@ -100,4 +100,4 @@ def test_observe_and_infer_from_many_threads_lose_nothing(spool_dir, switching_e
     assert engine.inference_seconds.count() == calls
     assert engine.in_flight.value() == 0
     # every store moved the file's generation (three per inference, one per observation)
-    assert metrics.spool_file().values[fmt.GENERATION_INDEX] - generation == 3 * calls
+    assert metrics.spool_file().values[spool_format.GENERATION_INDEX] - generation == 3 * calls

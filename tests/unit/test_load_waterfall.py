@@ -19,8 +19,8 @@ import gpuio
 from exporter.engines import model, parse
 from exporter.engines import spool as spool_source
 from exporter.exposition import render
-from gpuio import spool as fmt
-from gpuio import waterfall as wf
+from gpuio import spool as spool_format
+from gpuio import waterfall
 from gpuio.spool import SpoolFile
 from tests.conftest import engines_collector
 
@@ -55,12 +55,12 @@ def spool() -> Iterator[str]:
 
 
 def test_classify_thresholds() -> None:
-    assert wf.classify(100, 100, None) == "cold"
-    assert wf.classify(100, 80, None) == "cold"
-    assert wf.classify(100, 50, None) == "partial"
-    assert wf.classify(100, 10, None) == "warm"
-    assert wf.classify(100, 0, 0) == "cold"  # NFS: no device bytes, but nothing was cached
-    assert wf.classify(100, 0, 100) == "warm"
+    assert waterfall.classify(100, 100, None) == "cold"
+    assert waterfall.classify(100, 80, None) == "cold"
+    assert waterfall.classify(100, 50, None) == "partial"
+    assert waterfall.classify(100, 10, None) == "warm"
+    assert waterfall.classify(100, 0, 0) == "cold"  # NFS: no device bytes, but nothing was cached
+    assert waterfall.classify(100, 0, 100) == "warm"
 
 
 def test_cold_then_warm_load_device_bytes_and_phases(model_file: str, spool: str) -> None:
@@ -120,7 +120,7 @@ def test_prediction_adds_the_exact_mean_deserialize_time_not_a_bucket_median(mod
     collector.engine_files_now()
     totals = collector.spool_totals()
     cold = totals.waterfalls["timed"]
-    throughput = cold[fmt.WATERFALL["cold_device_bytes"]] / cold[fmt.WATERFALL["cold_read_seconds"]]
+    throughput = cold[spool_format.WATERFALL["cold_device_bytes"]] / cold[spool_format.WATERFALL["cold_read_seconds"]]
     deserialize = sum(w.phases["deserialize"] for w in loads if w is not None) / 2
     expected = os.path.getsize(model_file) / throughput + deserialize
     assert collector.predicted_cold_start(totals, "timed") == pytest.approx(expected, rel=0.01)
@@ -135,15 +135,16 @@ def test_torn_copy_keeps_the_last_good_load(model_file: str, spool: str) -> None
     assert index is not None
     values = metrics._file.values
     values[index] += 1  # a writer between its first and last store
-    values[index + fmt.WATERFALL["last_start"]] = 12345.0
+    values[index + spool_format.WATERFALL["last_start"]] = 12345.0
     torn = reader.read().waterfalls["torn"]
-    assert torn[fmt.WATERFALL["last_start"]] == good[fmt.WATERFALL["last_start"]]
+    assert torn[spool_format.WATERFALL["last_start"]] == good[spool_format.WATERFALL["last_start"]]
 
 
 def test_reader_without_the_new_kinds_skips_them(model_file: str, spool: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exporter older than the library: the new records are skipped, what came before still counts."""
     gpuio.load(model_file, bytes, name="old")
-    monkeypatch.setattr(parse, "KINDS", (fmt.KIND_ENGINE, fmt.KIND_ERROR, fmt.KIND_LAYER, fmt.KIND_INFO, fmt.KIND_LOAD))
+    monkeypatch.setattr(parse, "KINDS", (spool_format.KIND_ENGINE, spool_format.KIND_ERROR, spool_format.KIND_LAYER,
+                                         spool_format.KIND_INFO, spool_format.KIND_LOAD))
     path = gpuio.describe()["spool"]
     with open(path, "rb") as handle:
         parsed = parse.parse(handle.read())
@@ -152,15 +153,17 @@ def test_reader_without_the_new_kinds_skips_them(model_file: str, spool: str, mo
 
 @pytest.mark.parametrize(("fixture", "dev", "path", "expected"), [
     ("containerd-overlay.mountinfo", (0, 347), "/opt/model/resnet.engine",
-     wf.OwnMount("/", "overlay", "overlay",
-                 "/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots/5344/fs")),
-    ("csi-block-pvc.mountinfo", (259, 6), "/models/llm.plan", wf.OwnMount("/models", "ext4", "/dev/nvme2n1", "")),
-    ("nfs.mountinfo", (0, 88), "/models/a.onnx", wf.OwnMount("/models", "nfs4", "10.0.4.20:/exports/models", "")),
-    ("hostpath.mountinfo", (8, 17), "/models/b.pt", wf.OwnMount("/models", "xfs", "/dev/sdb1", "")),
+     waterfall.OwnMount("/", "overlay", "overlay",
+                        "/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots/5344/fs")),
+    ("csi-block-pvc.mountinfo", (259, 6), "/models/llm.plan",
+     waterfall.OwnMount("/models", "ext4", "/dev/nvme2n1", "")),
+    ("nfs.mountinfo", (0, 88), "/models/a.onnx",
+     waterfall.OwnMount("/models", "nfs4", "10.0.4.20:/exports/models", "")),
+    ("hostpath.mountinfo", (8, 17), "/models/b.pt", waterfall.OwnMount("/models", "xfs", "/dev/sdb1", "")),
 ])
 def test_writer_mount_of_real_mountinfo_lines(fixture: str, dev: tuple[int, int], path: str,
-                                              expected: wf.OwnMount) -> None:
-    assert wf.mount_of(dev, path, os.path.join(FIXTURES, fixture)) == expected
+                                              expected: waterfall.OwnMount) -> None:
+    assert waterfall.mount_of(dev, path, os.path.join(FIXTURES, fixture)) == expected
 
 
 def test_overlay_layer_resolves_to_the_disk_under_it(spool: str) -> None:
@@ -233,11 +236,11 @@ def test_the_join_engine_to_disk_for_image_pvc_hostpath_and_nfs(spool: str, requ
     }
     for engine, (fixture, dev, path) in cases.items():
         metrics = gpuio.engine(engine)
-        metrics._append_info(fmt.pack_info(0, dev, 7, 1 << 20, 0, 1.0, path, "GPU-1", "generic"))
-        own = wf.mount_of(dev, path, os.path.join(FIXTURES, fixture))
+        metrics._append_info(spool_format.pack_info(0, dev, 7, 1 << 20, 0, 1.0, path, "GPU-1", "generic"))
+        own = waterfall.mount_of(dev, path, os.path.join(FIXTURES, fixture))
         assert own is not None
         if engine == "image":  # the layer as the exporter sees the host: under its --path.rootfs
-            own = wf.OwnMount(own.mountpoint, own.fstype, own.source, layer)
+            own = waterfall.OwnMount(own.mountpoint, own.fstype, own.source, layer)
         metrics.record_mount(dev, own.mountpoint, own.fstype, own.source, own.layer)
         metrics.load_read_bytes.inc(1)
     settings = {option.name: option.parse(option.default) if option.default is not None else None
@@ -254,22 +257,23 @@ def test_the_join_engine_to_disk_for_image_pvc_hostpath_and_nfs(spool: str, requ
     assert 'gpuio_engine_physical_device_info{engine="hostpath",path="/models/b.pt",physical_device="sdb"} 1' in text
 
 
-SLOTS = len(fmt.WATERFALL_SLOTS)
+SLOTS = len(spool_format.WATERFALL_SLOTS)
 
 
 @pytest.mark.parametrize(("kind", "key", "payload"), [
-    (fmt.KIND_MOUNT, "e\x001:2", fmt.MOUNT_STRUCT.pack(4000, 0, 0, 0) + b"/x"),  # strings past the record
-    (fmt.KIND_MOUNT, "e\x00one:2", fmt.pack_mount("/", "ext4", "/dev/vda", "")),  # not MAJ:MIN
-    (fmt.KIND_MOUNT, "e", fmt.pack_mount("/", "ext4", "/dev/vda", "")),  # no device in the key
-    (fmt.KIND_WATERFALL, "e", b"\0" * 8 * 3),  # short
-    (fmt.KIND_WATERFALL, "e", struct.pack(f"<{SLOTS}d", *([float("nan")] * SLOTS))),  # NaN
-    (fmt.KIND_WATERFALL, "e", struct.pack(f"<{SLOTS}d", *([-1.0] * SLOTS))),  # negative
+    # strings past the record
+    (spool_format.KIND_MOUNT, "e\x001:2", spool_format.MOUNT_STRUCT.pack(4000, 0, 0, 0) + b"/x"),
+    (spool_format.KIND_MOUNT, "e\x00one:2", spool_format.pack_mount("/", "ext4", "/dev/vda", "")),  # not MAJ:MIN
+    (spool_format.KIND_MOUNT, "e", spool_format.pack_mount("/", "ext4", "/dev/vda", "")),  # no device in the key
+    (spool_format.KIND_WATERFALL, "e", b"\0" * 8 * 3),  # short
+    (spool_format.KIND_WATERFALL, "e", struct.pack(f"<{SLOTS}d", *([float("nan")] * SLOTS))),  # NaN
+    (spool_format.KIND_WATERFALL, "e", struct.pack(f"<{SLOTS}d", *([-1.0] * SLOTS))),  # negative
 ])
 def test_hostile_waterfall_and_mount_records_stop_the_parse_there(kind: int, key: str, payload: bytes) -> None:
     """A writer is untrusted: a record that makes no sense ends the parse (kept: what came before)."""
-    file = fmt.SpoolFile(None)
+    file = spool_format.SpoolFile(None)
     with file.lock:
-        file.add_record(fmt.KIND_ERROR, "good\x00reason", 8, struct.pack("<d", 1.0))
+        file.add_record(spool_format.KIND_ERROR, "good\x00reason", 8, struct.pack("<d", 1.0))
         file.add_record(kind, key, len(payload), payload)
     parsed = parse.parse(bytes(file._map))
     assert parsed.bad_record and parsed.errors == {("good", "reason"): 1.0}
@@ -331,11 +335,12 @@ def test_a_layer_the_writer_names_on_a_hung_mount_does_not_hang_the_scrape(spool
     try:
         dev = (0, 4242)  # a st_dev no mount of this machine has: the exporter's own view finds no device
         with writer.lock:
-            offset = writer.add_record(fmt.KIND_ENGINE, "trapped", fmt.ENGINE_LAYOUT.size * 8)
-            info = fmt.pack_info(0, dev, 7, 4096, 1, 1.0, "/opt/model/trapped.engine", "", "tensorrt")
-            writer.add_record(fmt.KIND_INFO, "trapped", len(info), info)
-            mount = fmt.pack_mount("/", "overlay", "overlay", os.path.join(hung.mountpoint, "snapshots", "7", "fs"))
-            writer.add_record(fmt.KIND_MOUNT, f"trapped\0{dev[0]}:{dev[1]}", len(mount), mount)
+            offset = writer.add_record(spool_format.KIND_ENGINE, "trapped", spool_format.ENGINE_LAYOUT.size * 8)
+            info = spool_format.pack_info(0, dev, 7, 4096, 1, 1.0, "/opt/model/trapped.engine", "", "tensorrt")
+            writer.add_record(spool_format.KIND_INFO, "trapped", len(info), info)
+            mount = spool_format.pack_mount("/", "overlay", "overlay",
+                                            os.path.join(hung.mountpoint, "snapshots", "7", "fs"))
+            writer.add_record(spool_format.KIND_MOUNT, f"trapped\0{dev[0]}:{dev[1]}", len(mount), mount)
         assert offset is not None
         collector = engines_collector(spool)
         scraped: list[object] = []
@@ -358,13 +363,14 @@ def test_a_writers_waterfall_cannot_break_the_scrape_of_every_engine(model_file:
     gpuio.load(model_file, bytes, name="victim")
     hostile = SpoolFile(spool)
     try:
-        values = [0.0] * len(fmt.WATERFALL_SLOTS)
+        values = [0.0] * len(spool_format.WATERFALL_SLOTS)
         for name, value in (("cold_device_bytes", 5e-324), ("cold_read_seconds", 1e10), ("residency_method", 1.0),
                             ("file_bytes", 4096.0), ("cached_end_bytes", 0.0)):
-            values[fmt.WATERFALL[name]] = value
+            values[spool_format.WATERFALL[name]] = value
         with hostile.lock:
-            hostile.add_record(fmt.KIND_ENGINE, "hostile", fmt.ENGINE_LAYOUT.size * 8)
-            hostile.add_record(fmt.KIND_WATERFALL, "hostile", len(values) * 8, struct.pack(f"<{len(values)}d", *values))
+            hostile.add_record(spool_format.KIND_ENGINE, "hostile", spool_format.ENGINE_LAYOUT.size * 8)
+            hostile.add_record(spool_format.KIND_WATERFALL, "hostile", len(values) * 8,
+                               struct.pack(f"<{len(values)}d", *values))
         collector = engines_collector(spool)
         text = render(collector.collect())
     finally:

@@ -15,7 +15,7 @@ import gpuio
 from exporter.collect import Absent
 from exporter.exposition import render
 from exporter.pods import kubelet
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import engines_collector
 
 UID_A = "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4e5"
@@ -92,7 +92,7 @@ def test_symlinks_are_refused(tmp_path, pod_env) -> None:
     pods = str(tmp_path / "pods")
     victim = pod_spool(pods, UID_A)
     write_engine(victim, "victim-engine", __file__)
-    (victim_file,) = [name for name in os.listdir(victim) if name.endswith(fmt.SUFFIX)]
+    (victim_file,) = [name for name in os.listdir(victim) if name.endswith(spool_format.SUFFIX)]
     attacker = pod_spool(pods, UID_B)
     os.symlink(os.path.join(victim, victim_file), os.path.join(attacker, "gpuio-1-1-0000000000000001.spool"))
     other = str(tmp_path / "elsewhere" / "gpuio-spool")
@@ -162,18 +162,18 @@ def test_a_pod_record_that_lies_about_its_lengths_is_a_bad_record(tmp_path, monk
     what came before stands, nothing raises; invalid UTF-8 is replaced, not fatal."""
     from exporter.engines import parse
 
-    for name in fmt.POD_ENVIRONMENT:
+    for name in spool_format.POD_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
-    file = fmt.SpoolFile(str(tmp_path))
+    file = spool_format.SpoolFile(str(tmp_path))
     assert file.path is not None
-    payload = fmt.POD_STRUCT.pack(3, 60000, 0, 0) + b"abc"
-    file.add_record(fmt.KIND_POD, "pod", len(payload), payload)
+    payload = spool_format.POD_STRUCT.pack(3, 60000, 0, 0) + b"abc"
+    file.add_record(spool_format.KIND_POD, "pod", len(payload), payload)
     parsed = parse.parse(read(file.path))
     assert parsed.bad_record and parsed.pod is None
     file.close()
-    other = fmt.SpoolFile(str(tmp_path))
-    junk = fmt.POD_STRUCT.pack(2, 2, 0, 0) + b"\xff\xfe\xc3("
-    other.add_record(fmt.KIND_POD, "pod", len(junk), junk)
+    other = spool_format.SpoolFile(str(tmp_path))
+    junk = spool_format.POD_STRUCT.pack(2, 2, 0, 0) + b"\xff\xfe\xc3("
+    other.add_record(spool_format.KIND_POD, "pod", len(junk), junk)
     assert other.path is not None
     parsed = parse.parse(read(other.path))
     assert not parsed.bad_record and parsed.pod is not None and parsed.pod.namespace == "\ufffd\ufffd"
@@ -184,10 +184,10 @@ def test_no_pod_record_without_a_pod_name_or_uid(tmp_path, monkeypatch) -> None:
     """CONTAINER_NAME alone is common outside Kubernetes (this very machine sets it): no POD record."""
     from exporter.engines import parse
 
-    for name in fmt.POD_ENVIRONMENT:
+    for name in spool_format.POD_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CONTAINER_NAME", "some-sandbox")
-    file = fmt.SpoolFile(str(tmp_path))
+    file = spool_format.SpoolFile(str(tmp_path))
     assert file.path is not None
     assert parse.parse(read(file.path)).pod is None
     file.close()
@@ -201,10 +201,10 @@ def test_an_engine_on_more_gpus_than_the_cap_is_counted_not_a_crash(tmp_path) ->
 
     files = []
     for index in range(engines.MAX_GPUS_PER_ENGINE + 1):
-        file = fmt.SpoolFile(str(tmp_path))
+        file = spool_format.SpoolFile(str(tmp_path))
         metrics = EngineMetrics("wide", file)
-        metrics._append_info(fmt.pack_info(0, (0, 0), 0, 0, 0, 1.0, "/models/wide.engine",
-                                           f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd", "generic"))
+        metrics._append_info(spool_format.pack_info(0, (0, 0), 0, 0, 0, 1.0, "/models/wide.engine",
+                                                    f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd", "generic"))
         metrics.inference_seconds.observe(0.001)
         files.append(file)
     text = scrape(engines_collector(str(tmp_path), kubelet_pods_dir=str(tmp_path / "none")))
@@ -224,10 +224,10 @@ def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_pat
     crowded, quiet = pod_spool(pods, UID_B), pod_spool(pods, UID_A)  # UID_B's directory is listed first
     files = []
     for _ in range(12):
-        file = fmt.SpoolFile(crowded)
+        file = spool_format.SpoolFile(crowded)
         EngineMetrics("crowd", file).inference_seconds.observe(0.001)
         files.append(file)
-    victim = fmt.SpoolFile(quiet)
+    victim = spool_format.SpoolFile(quiet)
     EngineMetrics("victim", victim).inference_seconds.observe(0.001)
     collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods)
     collector.pod_spools.sample_now()
@@ -278,12 +278,12 @@ def test_pod_names_longer_than_kubernetes_allows_are_refused(tmp_path) -> None:
 
     spool = str(tmp_path / "spool")
     os.mkdir(spool)
-    file = fmt.SpoolFile(spool)
+    file = spool_format.SpoolFile(spool)
     try:
         names = [b"n" * 63, b"p" * 60_000, b"c" * 63, UID_A.encode()]
-        payload = fmt.POD_STRUCT.pack(*map(len, names)) + b"".join(names)
+        payload = spool_format.POD_STRUCT.pack(*map(len, names)) + b"".join(names)
         with file.lock:
-            file.add_record(fmt.KIND_POD, "pod", len(payload), payload)
+            file.add_record(spool_format.KIND_POD, "pod", len(payload), payload)
         EngineMetrics("bloated", file).inference_seconds.observe(0.001)
         text = scrape(engines_collector(spool))
     finally:

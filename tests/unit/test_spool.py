@@ -15,15 +15,15 @@ import pytest
 
 from exporter.engines import parse
 from exporter.engines import spool as spool_source
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 
-LAYOUT = fmt.ENGINE_LAYOUT
+LAYOUT = spool_format.ENGINE_LAYOUT
 
 
-def writer(directory: str, engine: str = "resnet50", size: int = fmt.DEFAULT_FILE_BYTES
-           ) -> tuple[fmt.SpoolFile, EngineMetrics]:
-    file = fmt.SpoolFile(directory, size)
+def writer(directory: str, engine: str = "resnet50", size: int = spool_format.DEFAULT_FILE_BYTES
+           ) -> tuple[spool_format.SpoolFile, EngineMetrics]:
+    file = spool_format.SpoolFile(directory, size)
     assert file.path is not None, "the spool directory should be usable"
     return file, EngineMetrics(engine, file)
 
@@ -38,7 +38,7 @@ def total(values: list[float], histogram: str) -> float:
 
 
 def spool_files(directory: str) -> list[str]:
-    return sorted(name for name in os.listdir(directory) if name.endswith(fmt.SUFFIX))
+    return sorted(name for name in os.listdir(directory) if name.endswith(spool_format.SUFFIX))
 
 
 def test_round_trip_of_every_series(tmp_path) -> None:
@@ -139,9 +139,9 @@ def test_damaged_and_foreign_files_are_skipped_counted_once_and_left_alone(tmp_p
     foreign = bytearray(good)
     struct.pack_into("<I", foreign, 8, 99)  # a newer library's format
     garbage_records = bytearray(good)
-    struct.pack_into("<IHH", garbage_records, fmt.HEADER_SIZE, 7, 77, 3)  # first record makes no sense
+    struct.pack_into("<IHH", garbage_records, spool_format.HEADER_SIZE, 7, 77, 3)  # first record makes no sense
     oversized_used = bytearray(good)
-    struct.pack_into("<Q", oversized_used, fmt.USED_OFFSET, len(good) + 4096)
+    struct.pack_into("<Q", oversized_used, spool_format.USED_OFFSET, len(good) + 4096)
     files = {
         "gpuio-1-1-empty.spool": b"",
         "gpuio-1-1-short.spool": good[:100],
@@ -174,7 +174,7 @@ def test_bad_record_after_good_ones_keeps_the_good_ones(tmp_path) -> None:
     metrics.error("boom")  # a second record, after the ENGINE record
     assert file.path is not None
     with open(file.path, "r+b") as handle:  # scribble over the second record's header
-        handle.seek(fmt.HEADER_SIZE + fmt.RECORD_HEAD.size + 8 + LAYOUT.size * 8)
+        handle.seek(spool_format.HEADER_SIZE + spool_format.RECORD_HEAD.size + 8 + LAYOUT.size * 8)
         handle.write(b"\xff" * 8)
     reader = spool_source.SpoolReader(directory)
     totals = reader.read()
@@ -224,7 +224,7 @@ def test_symlinks_are_not_followed(tmp_path) -> None:
 
 def test_a_full_file_drops_new_series_and_says_so(tmp_path) -> None:
     directory = str(tmp_path)
-    file, metrics = writer(directory, size=fmt.HEADER_SIZE + 4096)  # room for the engine and a few errors
+    file, metrics = writer(directory, size=spool_format.HEADER_SIZE + 4096)  # room for the engine and a few errors
     for index in range(15):
         metrics.error(f"reason{index}-" + "x" * 190)
     metrics.inference_seconds.observe(0.01)  # existing series keep working

@@ -16,22 +16,22 @@ import pytest
 
 from exporter.engines import spool as spool_source
 from gpuio import metrics as gm
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 
-LAYOUT = fmt.ENGINE_LAYOUT
+LAYOUT = spool_format.ENGINE_LAYOUT
 
 
-def writer(directory: str, engine: str = "resnet50") -> tuple[fmt.SpoolFile, EngineMetrics]:
-    file = fmt.SpoolFile(directory, 64 * 1024)
+def writer(directory: str, engine: str = "resnet50") -> tuple[spool_format.SpoolFile, EngineMetrics]:
+    file = spool_format.SpoolFile(directory, 64 * 1024)
     assert file.path is not None
     return file, EngineMetrics(engine, file)
 
 
-def generation(file: fmt.SpoolFile) -> float:
+def generation(file: spool_format.SpoolFile) -> float:
     assert file.path is not None
     with open(file.path, "rb") as handle:
-        return struct.unpack_from("<d", handle.read(fmt.HEADER_SIZE), fmt.GENERATION_OFFSET)[0]
+        return struct.unpack_from("<d", handle.read(spool_format.HEADER_SIZE), spool_format.GENERATION_OFFSET)[0]
 
 
 def inferences(values: list[float]) -> float:
@@ -39,7 +39,7 @@ def inferences(values: list[float]) -> float:
     return sum(values[first:total])
 
 
-def sneak(file: fmt.SpoolFile, metrics: EngineMetrics, value: float) -> None:
+def sneak(file: spool_format.SpoolFile, metrics: EngineMetrics, value: float) -> None:
     """Set the engine's inference count in the file without moving the generation (a lying writer)."""
     assert file.path is not None
     index = metrics.inference_seconds._first  # its first bucket, as an index into the file's doubles
@@ -82,7 +82,7 @@ def test_every_change_the_library_makes_moves_the_generation(tmp_path) -> None:
 
 def test_a_new_file_starts_with_a_counted_generation(tmp_path) -> None:
     """0 means "this writer does not count" (read whole every time): a fresh file must not say so."""
-    file = fmt.SpoolFile(str(tmp_path), 64 * 1024)
+    file = spool_format.SpoolFile(str(tmp_path), 64 * 1024)
     assert generation(file) == 1.0
     file.close()
 
@@ -151,7 +151,7 @@ def test_a_writer_that_does_not_count_generations_is_read_whole_every_time(tmp_p
     metrics.inference_seconds.observe(0.01)
     assert file.path is not None
     fd = os.open(file.path, os.O_WRONLY)
-    os.pwrite(fd, struct.pack("<d", 0.0), fmt.GENERATION_OFFSET)
+    os.pwrite(fd, struct.pack("<d", 0.0), spool_format.GENERATION_OFFSET)
     reader = spool_source.SpoolReader(str(tmp_path))
     reader.read()
     sneak(file, metrics, 7.0)
@@ -252,7 +252,7 @@ def test_the_merge_follows_nvml_for_writers_that_recorded_no_gpu(tmp_path, answe
 
 def test_the_process_lock_still_serialises_changes(tmp_path) -> None:
     """The lock that publishes is still a lock: a with-block holds it, and releasing it publishes."""
-    file = fmt.SpoolFile(str(tmp_path), 64 * 1024)
+    file = spool_format.SpoolFile(str(tmp_path), 64 * 1024)
     before = generation(file)
     with file.lock:
         assert file.lock.locked()
@@ -260,7 +260,7 @@ def test_the_process_lock_still_serialises_changes(tmp_path) -> None:
     file.close()
     with file.lock:  # a closed file's lock publishes nothing and does not fail
         pass
-    assert gm.GENERATION == fmt.GENERATION_INDEX
+    assert gm.GENERATION == spool_format.GENERATION_INDEX
 
 
 def test_a_plain_infer_and_one_with_options_record_the_same(tmp_path) -> None:

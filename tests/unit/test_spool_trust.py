@@ -17,32 +17,33 @@ import gpuio
 from exporter.collectors import engines
 from exporter.engines import model
 from exporter.engines import spool as spool_source
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 from tests.conftest import engines_collector, parse_samples
 
-LAYOUT = fmt.ENGINE_LAYOUT
+LAYOUT = spool_format.ENGINE_LAYOUT
 MiB = 1 << 20
 
 
-def live_writer(directory: str, engine: str | None = None, size: int = fmt.DEFAULT_FILE_BYTES) -> fmt.SpoolFile:
-    file = fmt.SpoolFile(directory, size)
+def live_writer(directory: str, engine: str | None = None,
+                size: int = spool_format.DEFAULT_FILE_BYTES) -> spool_format.SpoolFile:
+    file = spool_format.SpoolFile(directory, size)
     assert file.path is not None
     if engine is not None:
         EngineMetrics(engine, file).inference_seconds.observe(0.01)
     return file
 
 
-def claim_used(file: fmt.SpoolFile, used: int) -> None:
+def claim_used(file: spool_format.SpoolFile, used: int) -> None:
     """What a hostile writer does: say that ``used`` bytes of its (sparse) file hold records."""
-    struct.pack_into("<Q", file._map, fmt.USED_OFFSET, used)
+    struct.pack_into("<Q", file._map, spool_format.USED_OFFSET, used)
 
 
-def fill_with_engines(file: fmt.SpoolFile, prefix: str) -> int:
+def fill_with_engines(file: spool_format.SpoolFile, prefix: str) -> int:
     """Valid ENGINE records until the file is full: the most a real writer's file can hold."""
     count = 0
     with file.lock:
-        while file.add_record(fmt.KIND_ENGINE, f"{prefix}-{count:04d}", LAYOUT.size * 8) is not None:
+        while file.add_record(spool_format.KIND_ENGINE, f"{prefix}-{count:04d}", LAYOUT.size * 8) is not None:
             count += 1
     return count
 
@@ -162,7 +163,8 @@ def test_one_engine_named_with_thousands_of_paths_has_bounded_info_series(spool_
     for index in range(3000):
         file = live_writer(spool_dir, size=8192)
         m = EngineMetrics("resnet50", file)
-        m._append_info(fmt.pack_info(0, (0, 0), 0, 0, 0, float(index), f"/models/copy-{index}.engine", "", "x"))
+        m._append_info(spool_format.pack_info(0, (0, 0), 0, 0, 0, float(index), f"/models/copy-{index}.engine", "",
+                                              "x"))
         files.append(file)
     target = collector(spool_dir)
     samples = parse_samples(_render(target))
@@ -244,12 +246,12 @@ def test_junk_names_past_the_listing_slice_cannot_make_a_live_file_count_twice(t
     its totals would be folded; listed again, counted again on top (its counters doubled at each round)."""
     directory = tmp_path / "spool"
     directory.mkdir()
-    victim = fmt.SpoolFile(str(directory))
+    victim = spool_format.SpoolFile(str(directory))
     EngineMetrics("victim", victim).inference_seconds.observe(0.001)
     reader = spool_source.SpoolReader(str(directory))
     reader.scan_entries = 5
     counts = []
-    junk = [directory / f"{fmt.PREFIX}junk-{index}{fmt.SUFFIX}" for index in range(300)]
+    junk = [directory / f"{spool_format.PREFIX}junk-{index}{spool_format.SUFFIX}" for index in range(300)]
     try:
         for _ in range(2):  # junk comes, junk goes, twice
             for path in junk:
@@ -276,13 +278,13 @@ def test_temporary_files_are_swept_a_few_a_read_and_never_in_a_pods_volume(tmp_p
     directory.mkdir()
     old = os.stat(tmp_path).st_mtime - 3600
     for index in range(500):
-        path = directory / f".{fmt.PREFIX}{index}-1-0000000000000001{fmt.SUFFIX}.tmp"
+        path = directory / f".{spool_format.PREFIX}{index}-1-0000000000000001{spool_format.SUFFIX}.tmp"
         path.touch()
         os.utime(path, (old, old))
     uid = "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4e5"
     pod_volume = tmp_path / "pods" / uid / "volumes" / kubelet.EMPTY_DIR / "gpuio-spool"
     pod_volume.mkdir(parents=True)
-    in_pod = pod_volume / f".{fmt.PREFIX}7-1-0000000000000001{fmt.SUFFIX}.tmp"
+    in_pod = pod_volume / f".{spool_format.PREFIX}7-1-0000000000000001{spool_format.SUFFIX}.tmp"
     in_pod.touch()
     os.utime(in_pod, (old, old))
     reader = spool_source.SpoolReader(str(directory))
@@ -302,7 +304,7 @@ def test_a_file_gone_while_the_listing_takes_several_reads_is_folded_once_at_the
     without it, and nothing else is taken for gone on the way."""
     directory = tmp_path / "spool"
     directory.mkdir()
-    writers = [fmt.SpoolFile(str(directory)) for _ in range(3)]
+    writers = [spool_format.SpoolFile(str(directory)) for _ in range(3)]
     for file in writers:
         EngineMetrics("steady", file).inference_seconds.observe(0.001)
     for index in range(20):
@@ -338,7 +340,7 @@ def test_bad_files_remembered_are_capped_however_many_the_walk_reaches(tmp_path,
     directory = tmp_path / "spool"
     directory.mkdir()
     for index in range(10):
-        (directory / f"{fmt.PREFIX}junk-{index}{fmt.SUFFIX}").touch()
+        (directory / f"{spool_format.PREFIX}junk-{index}{spool_format.SUFFIX}").touch()
     reader = spool_source.SpoolReader(str(directory))
     reader.scan_entries = 3
     for _ in range(8):  # two walks of the directory

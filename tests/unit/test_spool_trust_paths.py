@@ -24,7 +24,7 @@ import pytest
 from exporter import pagecache
 from exporter.collectors import engines
 from exporter.exposition import render
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 from tests.conftest import engines_collector, parse_samples
 
@@ -66,11 +66,11 @@ class OpenWatch:
         os.close(self.fd)
 
 
-def claim(file: fmt.SpoolFile, engine: str, path: str, st: os.stat_result | None = None,
+def claim(file: spool_format.SpoolFile, engine: str, path: str, st: os.stat_result | None = None,
           ino: int | None = None) -> None:
     """An INFO record naming ``path`` with the device and inode of ``st`` (what a writer can stat)."""
     dev = (os.major(st.st_dev), os.minor(st.st_dev)) if st else (0, 0)
-    EngineMetrics(engine, file)._append_info(fmt.pack_info(
+    EngineMetrics(engine, file)._append_info(spool_format.pack_info(
         0, dev, st.st_ino if ino is None and st else (ino or 0), st.st_size if st else 0, 0, 1.0, path, "GPU-1", "x"))
 
 
@@ -84,7 +84,8 @@ def models() -> Iterator[Path]:
 
 
 @pytest.fixture
-def hostile(tmp_path: Path, models: Path) -> Iterator[tuple[engines.EnginesCollector, dict[str, str], fmt.SpoolFile]]:
+def hostile(tmp_path: Path,
+            models: Path) -> Iterator[tuple[engines.EnginesCollector, dict[str, str], spool_format.SpoolFile]]:
     spool = tmp_path / "spool"
     spool.mkdir()
     real = models / "real.engine"
@@ -102,7 +103,7 @@ def hostile(tmp_path: Path, models: Path) -> Iterator[tuple[engines.EnginesColle
     secret.chmod(0o600)
     unverified = models / "noino.engine"
     unverified.write_bytes(b"n" * 4096)
-    file = fmt.SpoolFile(str(spool))
+    file = spool_format.SpoolFile(str(spool))
     assert file.path is not None
     paths = {
         "shadow": "/etc/shadow",

@@ -30,7 +30,7 @@ from .base import Rule
 RECORDED = re.compile(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+\b")  # a recording rule's name (level:metric:operations)
 
 
-def rule_files(c: Config = DEFAULT) -> dict[str, dict[str, Any]]:
+def rule_files(config: Config = DEFAULT) -> dict[str, dict[str, Any]]:
     """rules/<name>.yml -> its content.
 
     The storm and starvation alerts chain recording rules of several sources (disk -> mount -> engine on
@@ -47,49 +47,49 @@ def rule_files(c: Config = DEFAULT) -> dict[str, dict[str, Any]]:
     """
     return {
         "starvation": {"groups": [
-            {"name": "gpuio.disk.classes", "rules": disk.class_rules(c)},
-            {"name": "gpuio.engines.latency.buckets", "rules": starvation.bucket_rules(c)},
-            {"name": "gpuio.engines.latency", "rules": starvation.quantile_rules(c)},
+            {"name": "gpuio.disk.classes", "rules": disk.class_rules(config)},
+            {"name": "gpuio.engines.latency.buckets", "rules": starvation.bucket_rules(config)},
+            {"name": "gpuio.engines.latency", "rules": starvation.quantile_rules(config)},
             {"name": "gpuio.inputs", "rules": [
-                *exporter.recording_rules(c), *pressure.recording_rules(c), *disk.recording_rules(c),
-                *gpu.recording_rules(c), *mounts.recording_rules(c), *starvation.input_rules(c),
+                *exporter.recording_rules(config), *pressure.recording_rules(config), *disk.recording_rules(config),
+                *gpu.recording_rules(config), *mounts.recording_rules(config), *starvation.input_rules(config),
             ]},
-            {"name": "gpuio.baselines", "rules": [*disk.baseline_rules(c), *starvation.baseline_rules(c)]},
+            {"name": "gpuio.baselines", "rules": [*disk.baseline_rules(config), *starvation.baseline_rules(config)]},
             {"name": "gpuio.starvation", "rules": [
-                *disk.storm_rules(c), *starvation.recording_rules(c),
-                *disk.page_rules(c), *mounts.page_rules(c), *engines.load_slow_rules(c),
-                *disk.alerts(c), *mounts.alerts(c), *starvation.alerts(c), gpu.data_stale_alert(c),
-                engines.cold_start_alert(c),
+                *disk.storm_rules(config), *starvation.recording_rules(config),
+                *disk.page_rules(config), *mounts.page_rules(config), *engines.load_slow_rules(config),
+                *disk.alerts(config), *mounts.alerts(config), *starvation.alerts(config), gpu.data_stale_alert(config),
+                engines.cold_start_alert(config),
             ]},
         ]},
         "gpu": {"groups": [
-            {"name": "gpuio.gpu.alerts", "rules": gpu.alerts(c)},
+            {"name": "gpuio.gpu.alerts", "rules": gpu.alerts(config)},
         ]},
         "engines": {"groups": [
-            {"name": "gpuio.engines.rules", "rules": engines.recording_rules(c)},
-            {"name": "gpuio.engines.alerts", "rules": engines.alerts(c)},
+            {"name": "gpuio.engines.rules", "rules": engines.recording_rules(config)},
+            {"name": "gpuio.engines.alerts", "rules": engines.alerts(config)},
         ]},
         "smart": {"groups": [
-            {"name": "gpuio.smart.alerts", "rules": smart.alerts(c)},
+            {"name": "gpuio.smart.alerts", "rules": smart.alerts(config)},
         ]},
         "exporter": {"groups": [
-            {"name": "gpuio.exporter.alerts", "rules": exporter.alerts(c)},
+            {"name": "gpuio.exporter.alerts", "rules": exporter.alerts(config)},
         ]},
     }
 
 
-def group_reads(c: Config = DEFAULT) -> dict[str, set[str]]:
+def group_reads(config: Config = DEFAULT) -> dict[str, set[str]]:
     """Each group's name -> the other groups whose recorded series it reads."""
-    groups = [group for content in rule_files(c).values() for group in content["groups"]]
+    groups = [group for content in rule_files(config).values() for group in content["groups"]]
     owner = {rule["record"]: group["name"] for group in groups for rule in group["rules"] if "record" in rule}
     return {group["name"]: {owner[name] for rule in group["rules"] for name in RECORDED.findall(rule["expr"])
                             if name in owner} - {group["name"]} for group in groups}
 
 
-def evaluation_order(c: Config = DEFAULT) -> list[str]:
+def evaluation_order(config: Config = DEFAULT) -> list[str]:
     """Every group's name, each after the groups whose recorded series it reads (the files' order where
     nothing decides): the order promtool's tests evaluate them in, as Prometheus would with no delay."""
-    reads = group_reads(c)
+    reads = group_reads(config)
     order: list[str] = []
     while len(order) < len(reads):
         ready = [name for name in reads if name not in order and reads[name] <= set(order)]
@@ -99,6 +99,6 @@ def evaluation_order(c: Config = DEFAULT) -> list[str]:
     return order
 
 
-def alerts(c: Config = DEFAULT) -> list[Rule]:
-    return [rule for content in rule_files(c).values() for group in content["groups"]
+def alerts(config: Config = DEFAULT) -> list[Rule]:
+    return [rule for content in rule_files(config).values() for group in content["groups"]
             for rule in group["rules"] if "alert" in rule]

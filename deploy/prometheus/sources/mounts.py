@@ -20,63 +20,65 @@ from .templates import (
 )
 
 
-def recording_rules(c: Config) -> list[Rule]:
-    n = names(c)
-    sel = c.selector()
-    read = c.selector('operation="READ"')
+def recording_rules(config: Config) -> list[Rule]:
+    recorded = names(config)
+    sel = config.selector()
+    read = config.selector('operation="READ"')
+    window = config.RATE_WINDOW
     rtt = "\n".join([
-        f"max by (job, {c.NODE_LABEL}, mountpoint) (",
-        f"  rate(gpuio_mountstats_nfs_operations_response_time_seconds_total{read}[{n.W}])",
+        f"max by (job, {config.NODE_LABEL}, mountpoint) (",
+        f"  rate(gpuio_mountstats_nfs_operations_response_time_seconds_total{read}[{window}])",
         "  /",
-        f"  (rate(gpuio_mountstats_nfs_operations_requests_total{read}[{n.W}]) >= {c.AWAIT_MIN_IOPS:g})",
+        f"  (rate(gpuio_mountstats_nfs_operations_requests_total{read}[{window}]) >= {config.AWAIT_MIN_IOPS:g})",
         ")",
     ])
     slow = "\n".join([
         "(",
-        f"  {n.NFS_READ_RTT} >= {c.NFS_READ_RTT_SLOW_SECONDS:g}",
+        f"  {recorded.NFS_READ_RTT} >= {config.NFS_READ_RTT_SLOW_SECONDS:g}",
         "  or",
-        f"  max by (job, {c.NODE_LABEL}, mountpoint) (gpuio_mount_engine_load_oldest_in_progress_seconds{sel})",
-        f"    >= {c.ENGINE_LOAD_SLOW_SECONDS:g}",
+        f"  max by (job, {config.NODE_LABEL}, mountpoint) (gpuio_mount_engine_load_oldest_in_progress_seconds{sel})",
+        f"    >= {config.ENGINE_LOAD_SLOW_SECONDS:g}",
         ")",
         "# network and FUSE mounts only",
-        f"and on ({c.NODE_LABEL}, mountpoint) gpuio_mount_info{sel}",
-        f"and {n.ON_NODE}",
-        f"(\n{indent(io_pressure_high(c, no_psi_counts=True))}\n)",
+        f"and on ({config.NODE_LABEL}, mountpoint) gpuio_mount_info{sel}",
+        f"and {recorded.ON_NODE}",
+        f"(\n{indent(io_pressure_high(config, no_psi_counts=True))}\n)",
     ])
     return [
         # Mean round trip of an NFS READ per mount (node_exporter's mountstats semantics): requests
         # under AWAIT_MIN_IOPS a second give no series.
-        record(n.NFS_READ_RTT, rtt),
-        record(n.NFS_READ_BYTES, f"sum by (job, {c.NODE_LABEL}, mountpoint) "
-                                 f"(rate(gpuio_mountstats_nfs_read_bytes_total{sel}[{n.W}]))"),
+        record(recorded.NFS_READ_RTT, rtt),
+        record(recorded.NFS_READ_BYTES, f"sum by (job, {config.NODE_LABEL}, mountpoint) "
+                                        f"(rate(gpuio_mountstats_nfs_read_bytes_total{sel}[{window}]))"),
         # A slow network mount: READs with a slow round trip, or an engine load on it crawling for longer
         # than ENGINE_LOAD_SLOW_SECONDS, while the node stalls on IO.  Value: the RTT or the load's age.
-        record(n.MOUNT_SLOW, slow),
+        record(recorded.MOUNT_SLOW, slow),
     ]
 
 
-def mount_victims(c: Config) -> str:
+def mount_victims(config: Config) -> str:
     """Per mount: engines on it whose loads are waited for (loading or crash-looping on a device that is not
     busy serving), or engines on it starving their GPUs."""
-    n = names(c)
-    per_mount = f"count by (job, {c.NODE_LABEL}, mountpoint)"
+    recorded = names(config)
+    per_mount = f"count by (job, {config.NODE_LABEL}, mountpoint)"
     return "\n".join([
-        f"{per_mount} ({engine_mounts(c)} and on ({c.NODE_LABEL}, engine) {n.LOADS_WAITED_FOR})",
-        f"or on ({c.NODE_LABEL}, mountpoint)",
-        f'{per_mount} ({n.STARVED}{{mountpoint!=""}})',
+        f"{per_mount} ({engine_mounts(config)} and on ({config.NODE_LABEL}, engine) {recorded.LOADS_WAITED_FOR})",
+        f"or on ({config.NODE_LABEL}, mountpoint)",
+        f'{per_mount} ({recorded.STARVED}{{mountpoint!=""}})',
     ])
 
 
-def page_rules(c: Config) -> list[Rule]:
+def page_rules(config: Config) -> list[Rule]:
     """MountIOStorm's paging condition, recorded after the starvation rules it reads.  Value: as MOUNT_SLOW."""
-    n = names(c)
-    return [record(n.MOUNT_STORM_PAGE,
-                   f"{n.MOUNT_SLOW}\nand on ({c.NODE_LABEL}, mountpoint)\n(\n{indent(mount_victims(c))}\n)")]
+    recorded = names(config)
+    victims = indent(mount_victims(config))
+    return [record(recorded.MOUNT_STORM_PAGE,
+                   f"{recorded.MOUNT_SLOW}\nand on ({config.NODE_LABEL}, mountpoint)\n(\n{victims}\n)")]
 
 
-def alerts(c: Config) -> list[Rule]:
-    n = names(c)
-    mount = (c.NODE_LABEL, "mountpoint")
+def alerts(config: Config) -> list[Rule]:
+    recorded = names(config)
+    mount = (config.NODE_LABEL, "mountpoint")
     info = "gpuio_engine_mount_info"
     loads_waiting = figure("gpuio_mount_engine_loads_in_progress", mount, COUNT, "0")
     oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "-")
@@ -86,24 +88,25 @@ def alerts(c: Config) -> list[Rule]:
         "The ${fstype} mount {{ $labels.mountpoint }} (${source}) at ${node} is slow: NFS READ round trip ${rtt}, "
         "reading ${read}B/s; the oldest engine load in progress on it started ${oldest} ago; tasks on the node "
         "waited on IO ${io_some} of the time.",
-        fstype=fstype, source=source, node=n.NODE, oldest=oldest,
-        rtt=figure(n.NFS_READ_RTT, mount, "humanizeDuration", "n/a (not NFS, or idle)"),
-        read=figure(n.NFS_READ_BYTES, mount, "humanize1024", "n/a"),
-        io_some=node_figure(c, n.IO_SOME, "humanizePercentage", "n/a (no PSI)"))
+        fstype=fstype, source=source, node=recorded.NODE, oldest=oldest,
+        rtt=figure(recorded.NFS_READ_RTT, mount, "humanizeDuration", "n/a (not NFS, or idle)"),
+        read=figure(recorded.NFS_READ_BYTES, mount, "humanize1024", "n/a"),
+        io_some=node_figure(config, recorded.IO_SOME, "humanizePercentage", "n/a (no PSI)"))
     on_call = board(STARVATION_UID)
     return [
-        alert(c, "MountIOStorm", held_through_gaps(c, n.MOUNT_SLOW, "MountIOStorm", WARNING), c.STORM_FOR, WARNING,
-              fill("Network storage {{ $labels.mountpoint }} at ${node} is slow.", node=n.NODE),
+        alert(config, "MountIOStorm", held_through_gaps(config, recorded.MOUNT_SLOW, "MountIOStorm", WARNING),
+              config.STORM_FOR, WARNING,
+              fill("Network storage {{ $labels.mountpoint }} at ${node} is slow.", node=recorded.NODE),
               f"{figures} This ticket is the slow mount itself; it pages (the same alert, severity critical) "
               f"while engine loads wait on it or engines on it starve their GPUs.", on_call),
-        alert(c, "MountIOStorm", held_through_gaps(c, n.MOUNT_STORM_PAGE, "MountIOStorm", CRITICAL),
-              c.STORM_PAGE_FOR, CRITICAL,
+        alert(config, "MountIOStorm", held_through_gaps(config, recorded.MOUNT_STORM_PAGE, "MountIOStorm", CRITICAL),
+              config.STORM_PAGE_FOR, CRITICAL,
               fill("Network storage {{ $labels.mountpoint }} at ${node} is slow and hurts serving: ${waiting} "
-                   "engine(s) waiting to load, ${starved} engine(s) starving their GPU.", node=n.NODE,
-                   waiting=waiting_to_load(c, info, "mountpoint", "mountpoint"),
-                   starved=starved_count(c, "mountpoint")),
+                   "engine(s) waiting to load, ${starved} engine(s) starving their GPU.", node=recorded.NODE,
+                   waiting=waiting_to_load(config, info, "mountpoint", "mountpoint"),
+                   starved=starved_count(config, "mountpoint")),
               f"{figures} Engine loads waiting on it: {loads_waiting}. Starved engines: "
-              f"{starved_on(c, 'mountpoint')}. Engines with files on it: "
-              f"{engines_on(c, info, 'mountpoint', 'mountpoint')}"
-              f"on GPUs: {gpus_on(c, info, 'mountpoint', 'mountpoint')}.", on_call),
+              f"{starved_on(config, 'mountpoint')}. Engines with files on it: "
+              f"{engines_on(config, info, 'mountpoint', 'mountpoint')}"
+              f"on GPUs: {gpus_on(config, info, 'mountpoint', 'mountpoint')}.", on_call),
     ]

@@ -30,12 +30,12 @@ def figure(metric: str, labels: tuple[str, ...], fmt: str, missing: str = "none"
     return query_figure(fill("${metric}{${matchers}}", metric=metric, matchers=matchers), args, fmt, missing)
 
 
-def node_figure(c: Config, metric: str, fmt: str, missing: str = "none") -> str:
-    return figure(metric, (c.NODE_LABEL,), fmt, missing)
+def node_figure(config: Config, metric: str, fmt: str, missing: str = "none") -> str:
+    return figure(metric, (config.NODE_LABEL,), fmt, missing)
 
 
-def device_figure(c: Config, metric: str, fmt: str, missing: str = "none") -> str:
-    return figure(metric, (c.NODE_LABEL, "device"), fmt, missing)
+def device_figure(config: Config, metric: str, fmt: str, missing: str = "none") -> str:
+    return figure(metric, (config.NODE_LABEL, "device"), fmt, missing)
 
 
 def label_of(metric: str, label: str, labels: tuple[str, ...], missing: str = "", condition: str = "") -> str:
@@ -47,74 +47,76 @@ def label_of(metric: str, label: str, labels: tuple[str, ...], missing: str = ""
                 metric=metric, matchers=matchers, condition=condition, args=args, label=label, missing=missing)
 
 
-def held_on_storage(c: Config, info: str, label: str) -> str:
+def held_on_storage(config: Config, info: str, label: str) -> str:
     """A printf pattern (node, then storage) of ``info`` (an engine -> disk or mount info family) for one disk
     or mount, held for ENGINE_HOLD as the rules hold it: a crash loop's engines are named between attempts."""
     return fill("last_over_time(${info}{${node}='%s',${label}='%s'}[${hold}])",
-                info=info, node=c.NODE_LABEL, label=label, hold=c.ENGINE_HOLD)
+                info=info, node=config.NODE_LABEL, label=label, hold=config.ENGINE_HOLD)
 
 
-def engines_on(c: Config, info: str, label: str, value_label: str) -> str:
+def engines_on(config: Config, info: str, label: str, value_label: str) -> str:
     """An alert template listing the engines whose files are on the alert's disk or mount."""
     return fill('{{ range printf "count by (engine) (${on_storage})" $labels.${node} $labels.${value_label} '
                 '| query | sortByLabel "engine" }}{{ .Labels.engine }} {{ else }}none {{ end }}',
-                on_storage=held_on_storage(c, info, label), node=c.NODE_LABEL, value_label=value_label)
+                on_storage=held_on_storage(config, info, label), node=config.NODE_LABEL, value_label=value_label)
 
 
-def gpus_on(c: Config, info: str, label: str, value_label: str) -> str:
+def gpus_on(config: Config, info: str, label: str, value_label: str) -> str:
     """An alert template listing the GPUs of the engines whose files are on the alert's disk or mount: by
     NVML index and UUID where the node's GPU data joins, else by the UUID the engines' processes report."""
-    on_storage = f"on ({c.NODE_LABEL}, engine, path) {held_on_storage(c, info, label)}"
+    on_storage = f"on ({config.NODE_LABEL}, engine, path) {held_on_storage(config, info, label)}"
     by_nvml = fill("count by (gpu, uuid) (${activity}{${node}='%s'} and ${on_storage})",
-                   activity=names(c).ENGINE_GPU_ACTIVITY, node=c.NODE_LABEL, on_storage=on_storage)
+                   activity=names(config).ENGINE_GPU_ACTIVITY, node=config.NODE_LABEL, on_storage=on_storage)
     by_writer = fill("count by (gpu_uuid) (last_over_time(gpuio_engine_info{${node}='%s',gpu_uuid!=''}[${hold}]) "
-                     "and ${on_storage})", node=c.NODE_LABEL, hold=c.ENGINE_HOLD, on_storage=on_storage)
+                     "and ${on_storage})", node=config.NODE_LABEL, hold=config.ENGINE_HOLD, on_storage=on_storage)
     return fill('{{ range printf "${by_nvml}" ${args} | query | sortByLabel "gpu" }}'
                 "GPU {{ .Labels.gpu }} ({{ .Labels.uuid }}) {{ else }}"
                 '{{ range printf "${by_writer}" ${args} | query | sortByLabel "gpu_uuid" }}'
                 "{{ .Labels.gpu_uuid }} {{ else }}none known {{ end }}{{ end }}",
-                by_nvml=by_nvml, by_writer=by_writer, args=storage_args(c, value_label))
+                by_nvml=by_nvml, by_writer=by_writer, args=storage_args(config, value_label))
 
 
-def storage_args(c: Config, value_label: str) -> str:
+def storage_args(config: Config, value_label: str) -> str:
     """The printf arguments of a pattern that names the alert's node twice, then its disk or mount."""
-    node = f"$labels.{c.NODE_LABEL}"
+    node = f"$labels.{config.NODE_LABEL}"
     return f"{node} {node} $labels.{value_label}"
 
 
-def waiting_to_load(c: Config, info: str, label: str, value_label: str) -> str:
+def waiting_to_load(config: Config, info: str, label: str, value_label: str) -> str:
     """An alert template: how many engines on the alert's disk or mount are waited for while they load or
     crash-loop (LOADS_WAITED_FOR, one per engine and device; a crash loop counts between attempts too)."""
     query = fill("count(${waited_for}{${node}='%s'} and on (${node}, engine) ${held})",
-                 waited_for=names(c).LOADS_WAITED_FOR, node=c.NODE_LABEL, held=held_on_storage(c, info, label))
-    return query_figure(query, storage_args(c, value_label), COUNT, "0")
+                 waited_for=names(config).LOADS_WAITED_FOR, node=config.NODE_LABEL,
+                 held=held_on_storage(config, info, label))
+    return query_figure(query, storage_args(config, value_label), COUNT, "0")
 
 
-def starved_count(c: Config, label: str) -> str:
+def starved_count(config: Config, label: str) -> str:
     query = fill("count(${starved}{${node}='%s',${label}='%s'})",
-                 starved=names(c).STARVED, node=c.NODE_LABEL, label=label)
-    return query_figure(query, f"$labels.{c.NODE_LABEL} $labels.{label}", COUNT, "0")
+                 starved=names(config).STARVED, node=config.NODE_LABEL, label=label)
+    return query_figure(query, f"$labels.{config.NODE_LABEL} $labels.{label}", COUNT, "0")
 
 
-def starved_on(c: Config, label: str) -> str:
-    pattern = fill("${starved}{${node}='%s',${label}='%s'}", starved=names(c).STARVED, node=c.NODE_LABEL, label=label)
+def starved_on(config: Config, label: str) -> str:
+    pattern = fill("${starved}{${node}='%s',${label}='%s'}",
+                   starved=names(config).STARVED, node=config.NODE_LABEL, label=label)
     return fill('{{ range printf "${pattern}" $labels.${node} $labels.${label} | query | sortByLabel "gpu" }}'
                 "{{ .Labels.engine }} on GPU {{ .Labels.gpu }}{{ with .Labels.gpu_instance }} MIG instance "
                 "{{ . }}{{ end }} (active {{ .Value | humanizePercentage }}) {{ else }}none {{ end }}",
-                pattern=pattern, node=c.NODE_LABEL, label=label)
+                pattern=pattern, node=config.NODE_LABEL, label=label)
 
 
-def engine_gpu_figure(c: Config, metric: str, fmt: str, missing: str) -> str:
+def engine_gpu_figure(config: Config, metric: str, fmt: str, missing: str) -> str:
     """An alert template: ``metric`` of the alert's engine on the alert's GPU (labels engine, uuid)."""
-    query = fill("${metric}{${node}='%s',engine='%s',gpu_uuid='%s'}", metric=metric, node=c.NODE_LABEL)
-    return query_figure(query, f"$labels.{c.NODE_LABEL} $labels.engine $labels.uuid", fmt, missing)
+    query = fill("${metric}{${node}='%s',engine='%s',gpu_uuid='%s'}", metric=metric, node=config.NODE_LABEL)
+    return query_figure(query, f"$labels.{config.NODE_LABEL} $labels.engine $labels.uuid", fmt, missing)
 
 
-def top_io_cgroups(c: Config) -> str:
+def top_io_cgroups(config: Config) -> str:
     """An alert template naming the cgroups that read and wrote the most on the alert's disk (bytes a
     second over STORM_TOP_CGROUPS_WINDOW, the cgroup_io collector's series), with the pod UID or systemd
     service where the cgroup is one; nothing at all where the collector serves none for the disk."""
-    node, window = c.NODE_LABEL, c.STORM_TOP_CGROUPS_WINDOW
+    node, window = config.NODE_LABEL, config.STORM_TOP_CGROUPS_WINDOW
     on_disk = fill("{${node}='%s',device='%s'}", node=node)
     # read and written are served together for every cgroup and disk (collectors/cgroup_io.py)
     io_bytes = (f"rate(gpuio_cgroup_io_read_bytes_total{on_disk}[{window}]) + "
@@ -122,7 +124,7 @@ def top_io_cgroups(c: Config) -> str:
     per_cgroup = (f"sum by ({node}, cgroup) ({io_bytes}) "
                   f"* on ({node}, cgroup) group_left (pod_uid, service) "
                   f"max by ({node}, cgroup, pod_uid, service) (gpuio_cgroup_info)")
-    query = f"sort_desc(topk({c.STORM_TOP_CGROUPS}, {per_cgroup} > 0))"
+    query = f"sort_desc(topk({config.STORM_TOP_CGROUPS}, {per_cgroup} > 0))"
     who = ("{{ with $cgroup.Labels.service }}service {{ . }}{{ else }}{{ with $cgroup.Labels.pod_uid }}pod {{ . }}"
            "{{ else }}cgroup {{ $cgroup.Labels.cgroup }}{{ end }}{{ end }}")
     node_and_disk = f"$labels.{node} $labels.device"

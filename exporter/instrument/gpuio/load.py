@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from . import gpu
-from . import waterfall as wf
 from .metrics import EngineMetrics, LoadProgress, engine
+from .spool import PHASES
+from .waterfall import Waterfall, WaterfallTimer, measure_residency, mount_of, residency_of_fd
 
 T = TypeVar("T")
 READ_CHUNK = 16 << 20
@@ -81,7 +82,7 @@ class Loaded(Generic[T]):
     bytes_read: int
     read_seconds: float
     deserialize_seconds: float
-    waterfall: wf.Waterfall | None = None
+    waterfall: Waterfall | None = None
 
 
 def load(path: str, loader: Callable[[bytearray], T], name: str | None = None, device: Any = None,
@@ -106,12 +107,12 @@ def read_and_deserialize(metrics: EngineMetrics, path: str, deserialize: Callabl
     deserialize that raises, or returns None (how a TensorRT runtime says it failed; then ``nothing()``
     is raised), counts ``load_deserialize_failed``."""
     with metrics.loading(path, *gpu.resolve(device, gpu_uuid), runtime) as progress:
-        timer = wf.WaterfallTimer()
+        timer = WaterfallTimer()
         try:
             begin = time.perf_counter()
             with open(path, "rb", buffering=0) as handle:
                 size = os.fstat(handle.fileno()).st_size
-                timer.waterfall.cached_start = wf.residency_of_fd(handle.fileno(), size)
+                timer.waterfall.cached_start = residency_of_fd(handle.fileno(), size)
                 timer.phase("open", time.perf_counter() - begin)
                 begin = time.perf_counter()
                 with timer.reading():
@@ -140,16 +141,16 @@ def read_and_deserialize(metrics: EngineMetrics, path: str, deserialize: Callabl
     return Loaded(model, metrics, path, len(data), read_seconds, deserialize_seconds, waterfall)
 
 
-def finish_waterfall(metrics: EngineMetrics, path: str | None, waterfall: wf.Waterfall) -> None:
+def finish_waterfall(metrics: EngineMetrics, path: str | None, waterfall: Waterfall) -> None:
     """After a load (outside its timing): the file's residency now and its mount, then record it all."""
     if path is not None:
         real = os.path.realpath(path)
-        waterfall.cached_end = wf.measure_residency(real) if waterfall.cached_start is not None else None
+        waterfall.cached_end = measure_residency(real) if waterfall.cached_start is not None else None
         try:
             st = os.stat(real)
             dev = (os.major(st.st_dev), os.minor(st.st_dev))
             if not metrics.has_mount(dev):  # a file system's mount does not change under its st_dev
-                mount = wf.mount_of(dev, real)
+                mount = mount_of(dev, real)
                 if mount is not None:
                     metrics.record_mount(dev, mount.mountpoint, mount.fstype, mount.source, mount.layer)
         except OSError:
@@ -182,9 +183,9 @@ class LoadTimer:
         self.bytes_read = 0
         self.deserialize_seconds = 0.0
         self._progress: LoadProgress | None = None
-        self._waterfall: wf.WaterfallTimer | None = None
+        self._waterfall: WaterfallTimer | None = None
         self.file_bytes = 0
-        self.waterfall: wf.Waterfall | None = None  # set when the load ends cleanly
+        self.waterfall: Waterfall | None = None  # set when the load ends cleanly
 
     def __enter__(self) -> LoadTimer:
         cuda_device, uuid = gpu.resolve(self.device, self.gpu_uuid)
@@ -193,8 +194,8 @@ class LoadTimer:
         if self.path is not None:  # measured before the load's clock starts: it is not one of its phases
             with contextlib.suppress(OSError):
                 self.file_bytes = os.stat(self.path).st_size
-                cached = wf.measure_residency(self.path)
-        self._waterfall = wf.WaterfallTimer()
+                cached = measure_residency(self.path)
+        self._waterfall = WaterfallTimer()
         self._waterfall.waterfall.cached_start = cached
         return self
 
@@ -202,8 +203,8 @@ class LoadTimer:
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase of the load the caller performs (``context``, ``warmup``, ``first_inference``;
         ``read`` and ``deserialize`` have their own methods)."""
-        if name not in wf.fmt.PHASES:
-            raise ValueError(f"unknown phase {name!r}; one of {', '.join(wf.fmt.PHASES)}")
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
         start = time.perf_counter()
         try:
             yield

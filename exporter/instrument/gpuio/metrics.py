@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
-from . import spool as fmt
+from . import spool
 
 log = logging.getLogger("gpuio.instrument")
 
@@ -103,20 +103,20 @@ class _Slot:
 
     __slots__ = ("_values", "_lock", "_acquire", "_release")
 
-    def __init__(self, file: fmt.SpoolFile) -> None:
+    def __init__(self, file: spool.SpoolFile) -> None:
         self._values = file.values
         self._lock = file.lock
         self._acquire = file.lock.acquire
         self._release = file.lock.release_quietly
 
 
-GENERATION = fmt.GENERATION_INDEX
+GENERATION = spool.GENERATION_INDEX
 
 
 class Histogram(_Slot):
     __slots__ = ("_first", "_sum", "_bounds", "observe")
 
-    def __init__(self, file: fmt.SpoolFile, first: int, bounds: tuple[float, ...], hot_path: str) -> None:
+    def __init__(self, file: spool.SpoolFile, first: int, bounds: tuple[float, ...], hot_path: str) -> None:
         super().__init__(file)
         self._first = first
         self._sum = first + len(bounds) + 1
@@ -180,7 +180,7 @@ class Histogram(_Slot):
 class Counter(_Slot):
     __slots__ = ("_index",)
 
-    def __init__(self, file: fmt.SpoolFile, index: int) -> None:
+    def __init__(self, file: spool.SpoolFile, index: int) -> None:
         super().__init__(file)
         self._index = index
 
@@ -202,7 +202,7 @@ class Counter(_Slot):
 class Gauge(_Slot):
     __slots__ = ("_index",)
 
-    def __init__(self, file: fmt.SpoolFile, index: int) -> None:
+    def __init__(self, file: spool.SpoolFile, index: int) -> None:
         super().__init__(file)
         self._index = index
 
@@ -313,7 +313,7 @@ class Inference:
                 metrics.inference_gpu_seconds.observe(gpu)
 
 
-def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int, hot_path: str
+def _inference_steps(metrics: EngineMetrics, file: spool.SpoolFile, base: int, hot_path: str
                      ) -> tuple[Callable[[], None], Callable[[float], None], Callable[[], TimedInference] | None]:
     """What ``with infer():`` stores on entry and on success, one lock section each: in flight up; then
     in flight down and the latency observed together (the handles would take the lock twice).  And what
@@ -323,8 +323,8 @@ def _inference_steps(metrics: EngineMetrics, file: fmt.SpoolFile, base: int, hot
     no room for a method call, a lock or an attribute lookup that can be avoided); None where the
     steps take the lock."""
     values, acquire, release, generation = file.values, file.lock.acquire, file.lock.release_quietly, GENERATION
-    in_flight = base + fmt.ENGINE_LAYOUT.gauges["in_flight"]
-    first, total, bounds = fmt.ENGINE_LAYOUT.histograms["inference_seconds"]
+    in_flight = base + spool.ENGINE_LAYOUT.gauges["in_flight"]
+    first, total, bounds = spool.ENGINE_LAYOUT.histograms["inference_seconds"]
     first, total = base + first, base + total
     perf_counter = _perf_counter
 
@@ -411,7 +411,7 @@ class EngineMetrics:
     pool_contexts: Gauge
     pool_idle: Gauge
 
-    def __init__(self, name: str, file: fmt.SpoolFile) -> None:
+    def __init__(self, name: str, file: spool.SpoolFile) -> None:
         self.name = name
         self._lock = threading.Lock()
         self._errors: dict[str, int | None] = {}
@@ -426,25 +426,25 @@ class EngineMetrics:
         self._active_loads: dict[str, list[list[float]]] = {}  # same key -> [start time, bytes] per load
         # The WATERFALL record: this process's copy of its doubles (written whole on each change) and
         # where they live; MOUNT records written, by key.
-        self._waterfall = [0.0] * len(fmt.WATERFALL_SLOTS)
+        self._waterfall = [0.0] * len(spool.WATERFALL_SLOTS)
         self._waterfall_index: int | None = None
         self._mounts: dict[str, bytes] = {}
         self._bind(file)
 
     # --- records -------------------------------------------------------------------------------
 
-    def _bind(self, file: fmt.SpoolFile) -> None:
+    def _bind(self, file: spool.SpoolFile) -> None:
         """Create this engine's records in ``file`` (the process's spool; a new one after a fork)."""
         self._file = file
-        layout = fmt.ENGINE_LAYOUT
+        layout = spool.ENGINE_LAYOUT
         with file.lock:
-            offset = file.add_record(fmt.KIND_ENGINE, self.name, layout.size * 8)
+            offset = file.add_record(spool.KIND_ENGINE, self.name, layout.size * 8)
         if offset is None:  # the file is full: keep working against scratch memory
             log.warning("gpuio spool file full; engine %s is not reported", self.name)
-            scratch = fmt.SpoolFile(None, fmt.HEADER_SIZE + layout.size * 8 + 4096)
-            file, offset = scratch, fmt.HEADER_SIZE
+            scratch = spool.SpoolFile(None, spool.HEADER_SIZE + layout.size * 8 + 4096)
+            file, offset = scratch, spool.HEADER_SIZE
         base = offset // 8
-        # One attribute per declared series (fmt.ENGINE_SERIES), named by its slot, at its place in the record.
+        # One attribute per declared series (spool.ENGINE_SERIES), named by its slot, at its place in the record.
         for name, (first, _, bounds) in layout.histograms.items():
             setattr(self, name, Histogram(file, base + first, bounds, HOT_PATH))
         for name, index in layout.counters.items():
@@ -456,27 +456,27 @@ class EngineMetrics:
         errors, layers = list(self._errors), list(self._layers)
         self._errors, self._layers = {}, {}
         for reason in errors:
-            self._labelled(fmt.KIND_ERROR, self._errors, reason, 1)
+            self._labelled(spool.KIND_ERROR, self._errors, reason, 1)
         for layer in layers:
-            self._labelled(fmt.KIND_LAYER, self._layers, layer, 2)
+            self._labelled(spool.KIND_LAYER, self._layers, layer, 2)
         if self._info is not None:
             self._append_info(self._info)
         loads, self._load_records = list(self._load_records), {}
         for label in loads:
-            self._labelled(fmt.KIND_LOAD, self._load_records, label, len(fmt.LOAD_SLOTS))
+            self._labelled(spool.KIND_LOAD, self._load_records, label, len(spool.LOAD_SLOTS))
             self._write_load(label)
-        self._waterfall = [0.0] * len(fmt.WATERFALL_SLOTS)  # a new file: its counts start at zero
+        self._waterfall = [0.0] * len(spool.WATERFALL_SLOTS)  # a new file: its counts start at zero
         self._waterfall_index = None
         for key, payload in self._mounts.items():
             with file.lock:
-                file.add_record(fmt.KIND_MOUNT, key, len(payload), payload)
+                file.add_record(spool.KIND_MOUNT, key, len(payload), payload)
 
     def _start_after_fork(self) -> None:
         """In a forked child whose spool was taken over: the records are the parent's, at zero; what this
         object keeps beside them starts over too (the parent's loads are the parent's threads')."""
         self._lock = threading.Lock()
         self._active_loads.clear()
-        self._waterfall = [0.0] * len(fmt.WATERFALL_SLOTS)
+        self._waterfall = [0.0] * len(spool.WATERFALL_SLOTS)
 
     def _labelled(self, kind: int, table: dict[str, int | None], label: str, slots: int) -> int | None:
         index = table.get(label)
@@ -516,7 +516,7 @@ class EngineMetrics:
         with self._lock:
             if reason not in self._errors and len(self._errors) >= MAX_ERROR_REASONS:
                 reason = OTHER
-            index = self._labelled(fmt.KIND_ERROR, self._errors, reason, 1)
+            index = self._labelled(spool.KIND_ERROR, self._errors, reason, 1)
         if index is not None:
             with self._file.lock:
                 self._file.values[index] += amount
@@ -554,8 +554,8 @@ class EngineMetrics:
             dev, ino, size, mtime_ns = (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns
         except OSError:
             dev, ino, size, mtime_ns = (0, 0), 0, 0, 0
-        payload = fmt.pack_info(-1 if cuda_device is None else cuda_device, dev, ino, size, mtime_ns, load_time,
-                                absolute, gpu_uuid or "", runtime)
+        payload = spool.pack_info(-1 if cuda_device is None else cuda_device, dev, ino, size, mtime_ns, load_time,
+                                  absolute, gpu_uuid or "", runtime)
         if payload != self._info:
             self._info = payload
             self._append_info(payload)
@@ -569,7 +569,7 @@ class EngineMetrics:
         from .waterfall import pack_waterfall_last
 
         with self._lock:
-            values, slot = self._waterfall, fmt.WATERFALL
+            values, slot = self._waterfall, spool.WATERFALL
             values[slot[f"loads_{waterfall.load_class}"]] += 1
             for name, seconds in waterfall.phases.items():
                 values[slot[f"phase_{name}"]] += seconds
@@ -585,17 +585,17 @@ class EngineMetrics:
     def record_phase(self, phase: str, seconds: float) -> None:
         """A phase that follows the load (an execution context created, warmed, its first inference):
         counted, and added to the last load's waterfall."""
-        if phase not in fmt.PHASES or not seconds >= 0:
+        if phase not in spool.PHASES or not seconds >= 0:
             return
         with self._lock:
-            self._waterfall[fmt.WATERFALL[f"phase_{phase}"]] += seconds
-            self._waterfall[fmt.WATERFALL[f"last_{phase}"]] += seconds
+            self._waterfall[spool.WATERFALL[f"phase_{phase}"]] += seconds
+            self._waterfall[spool.WATERFALL[f"last_{phase}"]] += seconds
             self._write_waterfall()
 
     def last_waterfall(self) -> dict[str, float]:
         """This process's WATERFALL values by slot name (for tests and tools)."""
         with self._lock:
-            return dict(zip(fmt.WATERFALL_SLOTS, self._waterfall, strict=True))
+            return dict(zip(spool.WATERFALL_SLOTS, self._waterfall, strict=True))
 
     def _write_waterfall(self) -> None:
         """Store the whole WATERFALL vector (caller holds ``self._lock``): ``seq`` up first, ``seq_end``
@@ -603,7 +603,7 @@ class EngineMetrics:
         index = self._waterfall_index
         if index is None:
             with self._file.lock:
-                offset = self._file.add_record(fmt.KIND_WATERFALL, self.name, len(fmt.WATERFALL_SLOTS) * 8)
+                offset = self._file.add_record(spool.KIND_WATERFALL, self.name, len(spool.WATERFALL_SLOTS) * 8)
             if offset is None:
                 return
             index = self._waterfall_index = offset // 8
@@ -625,13 +625,13 @@ class EngineMetrics:
     def record_mount(self, dev: tuple[int, int], mountpoint: str, fstype: str, source: str, layer: str) -> None:
         """The writer's mountinfo line of an engine file's st_dev (once per device and content)."""
         key = f"{self.name}\0{dev[0]}:{dev[1]}"
-        payload = fmt.pack_mount(mountpoint, fstype, source, layer)
+        payload = spool.pack_mount(mountpoint, fstype, source, layer)
         with self._lock:
             if self._mounts.get(key) == payload or (key not in self._mounts and len(self._mounts) >= MAX_LOAD_RECORDS):
                 return
             self._mounts[key] = payload
         with self._file.lock:
-            self._file.add_record(fmt.KIND_MOUNT, key, len(payload), payload)
+            self._file.add_record(spool.KIND_MOUNT, key, len(payload), payload)
 
     # --- loads in progress -----------------------------------------------------------------------
 
@@ -649,7 +649,7 @@ class EngineMetrics:
         entry = [time.time(), 0.0]
         with self._lock:
             if label in self._load_records or len(self._load_records) < MAX_LOAD_RECORDS:
-                self._labelled(fmt.KIND_LOAD, self._load_records, label, len(fmt.LOAD_SLOTS))
+                self._labelled(spool.KIND_LOAD, self._load_records, label, len(spool.LOAD_SLOTS))
             self._active_loads.setdefault(label, []).append(entry)
             self._write_load(label)
         return LoadProgress(self, label, entry)
@@ -698,7 +698,7 @@ class EngineMetrics:
 
     def _append_info(self, payload: bytes) -> None:
         with self._file.lock:
-            self._file.add_record(fmt.KIND_INFO, self.name, len(payload), payload)
+            self._file.add_record(spool.KIND_INFO, self.name, len(payload), payload)
 
     # --- layers --------------------------------------------------------------------------------
 
@@ -721,8 +721,8 @@ class EngineMetrics:
                 chosen = [_clean(layer, MAX_LABEL_BYTES) or "?" for layer in ranked[: self.layer_top_k]]
                 pending = dict(self._layer_buffer)
                 for layer in chosen:
-                    self._labelled(fmt.KIND_LAYER, self._layers, layer, 2)
-                self._labelled(fmt.KIND_LAYER, self._layers, OTHER_LAYERS, 2)
+                    self._labelled(spool.KIND_LAYER, self._layers, layer, 2)
+                self._labelled(spool.KIND_LAYER, self._layers, OTHER_LAYERS, 2)
                 self._layer_buffer.clear()
                 self._add_layers(pending, self.layer_select_after)
                 return
@@ -776,9 +776,9 @@ class LoadProgress:
 # --------------------------------------------------------------------------------------------------
 
 _state_lock = threading.Lock()
-_spool: fmt.SpoolFile | None = None
+_spool: spool.SpoolFile | None = None
 _spool_dir: str | None = None
-_file_bytes = fmt.DEFAULT_FILE_BYTES
+_file_bytes = spool.DEFAULT_FILE_BYTES
 _engines: dict[str, EngineMetrics] = {}
 
 
@@ -797,19 +797,19 @@ def configure(spool_dir: str | None = None, file_bytes: int | None = None) -> No
             _replace_spool(after_fork=False)
 
 
-def spool_file() -> fmt.SpoolFile:
+def spool_file() -> spool.SpoolFile:
     global _spool
     current = _spool
     if current is not None:
         return current
     with _state_lock:
         if _spool is None:
-            _spool = fmt.SpoolFile(_directory(), _file_bytes)
+            _spool = spool.SpoolFile(_directory(), _file_bytes)
         return _spool
 
 
 def _directory() -> str | None:
-    directory = _spool_dir or os.environ.get("GPUIO_SPOOL_DIR") or fmt.DEFAULT_DIR
+    directory = _spool_dir or os.environ.get("GPUIO_SPOOL_DIR") or spool.DEFAULT_DIR
     if directory == "-":  # explicitly off
         return None
     if not os.path.isdir(directory):
@@ -842,7 +842,7 @@ def _replace_spool(after_fork: bool) -> None:
             old.abandon_after_fork()
         else:
             old.release_lock()  # the mapping stays valid for a handle still in use; the exporter folds the file
-    _spool = fmt.SpoolFile(_directory(), _file_bytes)
+    _spool = spool.SpoolFile(_directory(), _file_bytes)
     for metrics in _engines.values():
         metrics._lock = threading.Lock()
         if after_fork:  # the parent's loads are the parent's threads' (the child has none of them)
@@ -858,14 +858,14 @@ def _replace_spool(after_fork: bool) -> None:
 # the same records, counts from zero), so every handle it inherited counts the child's work.  The
 # process's lock is taken around fork() so that no other thread is half-way through adding a record.
 
-_lock_held_for_fork: fmt.SpoolFile | None = None
+_lock_held_for_fork: spool.SpoolFile | None = None
 
 
 def _before_fork() -> None:
     global _lock_held_for_fork
     file = _spool
     if file is not None:
-        fmt.prepare_for_fork()
+        spool.prepare_for_fork()
     # Bounded: a thread stuck while holding it must not hang fork(); the child then makes a new lock.
     if file is not None and file.lock.acquire(timeout=1.0):
         _lock_held_for_fork = file
@@ -883,7 +883,7 @@ def _after_fork_in_child() -> None:
     global _state_lock, _lock_held_for_fork
     _state_lock = threading.Lock()
     held, _lock_held_for_fork = _lock_held_for_fork, None
-    for file in fmt.mapped_files():
+    for file in spool.mapped_files():
         if file is not _spool and not file.take_over_after_fork(as_process_spool=False):
             file.abandon_after_fork()
     if _spool is None:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import spool as fmt
+from . import spool
 
 SYS_CACHESTAT = 451  # the same number on x86_64 and aarch64 (the generic syscall table)
 PROBE_STRIDE = 1 << 20
@@ -296,20 +296,20 @@ def _layer(fstype: str, super_options: str) -> str:
 
 def pack_waterfall_last(values: list[float], w: Waterfall) -> None:
     """Store ``w`` into a WATERFALL vector's last-load slots (a list of doubles, in place)."""
-    slot = fmt.WATERFALL
+    slot = spool.WATERFALL
     values[slot["last_start"]] = w.started
     values[slot["last_wall"]] = w.wall_seconds
-    for name in fmt.PHASES:
+    for name in spool.PHASES:
         values[slot[f"last_{name}"]] = w.phases.get(name, 0.0)
     values[slot["last_bytes"]] = w.bytes_read
     values[slot["last_device_bytes"]] = w.device_bytes
     values[slot["last_cache_bytes"]] = w.cache_bytes
     values[slot["last_major_faults"]] = w.major_faults
-    values[slot["last_class"]] = fmt.LOAD_CLASSES.index(w.load_class) + 1 if w.load_class else 0
+    values[slot["last_class"]] = spool.LOAD_CLASSES.index(w.load_class) + 1 if w.load_class else 0
     values[slot["file_bytes"]] = w.file_bytes
     start, end = w.cached_start, w.cached_end
     values[slot["cached_start_bytes"]] = start.cached_bytes if start else 0
     values[slot["cached_end_bytes"]] = end.cached_bytes if end else 0
     measured = end or start
-    values[slot["residency_method"]] = fmt.RESIDENCY_METHODS.index(measured.method) + 1 if measured else 0
+    values[slot["residency_method"]] = spool.RESIDENCY_METHODS.index(measured.method) + 1 if measured else 0
     values[slot["residency_time"]] = time.time() if measured else 0
