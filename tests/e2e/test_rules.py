@@ -75,9 +75,9 @@ def test_saturated_rule_agrees_with_gpuio_top(tmp_path) -> None:
                 {"series": f"gpuio_pressure_io_waiting_seconds_total{{{node}}}", "values": f"0+{psi[0] * 15:g}x8"},
                 {"series": f"gpuio_pressure_io_stalled_seconds_total{{{node}}}", "values": f"0+{psi[1] * 15:g}x8"},
             ]
-        pressure = psi is not None and thresholds.io_pressure_high(*psi)
-        if thresholds.SATURATED in thresholds.disk_flags(rotational, iops, None, wait, None, queue, pressure,
-                                                         device=name):
+        pressure = psi is not None and thresholds.DEFAULT.io_pressure_high(*psi)
+        if thresholds.SATURATED in thresholds.DEFAULT.disk_flags(rotational, iops, None, wait, None, queue,
+                                                                 pressure, device=name):
             expected.append({"labels": f'{{instance="case-{index}"}}', "value": 1})
     assert 0 < len(expected) < len(cases)
     test = {
