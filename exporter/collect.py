@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 from .exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from .logsetup import fields
 from .mounts import MountTableWatch
-from .options import Option
+from .options import Option, with_defaults
 from .pods.attribution import PodAttribution
 
 log = logging.getLogger("gpuio.collect")
@@ -195,7 +195,9 @@ class Collector:
 
     def __init__(self, context: Context, options: dict[str, Any]) -> None:
         self.context = context
-        self.settings = options
+        # Every option at its value or its Option's default: a collector built without flags (a test, a
+        # bench, `gpuio engines`) behaves as the exporter does when no flag is given.
+        self.settings = with_defaults(self.options, options)
         self.dropped_lines = DroppedLines()
 
     def collect(self) -> list[Family]:

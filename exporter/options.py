@@ -33,6 +33,14 @@ class Option:
         return self.flag or f"collector.{collector}.{self.name}"
 
 
+def with_defaults(declared: Sequence[Option], given: dict[str, Any]) -> dict[str, Any]:
+    """Every declared option's value: as given, else (not given, or given as None: unset) its default
+    parsed as a flag's would be, None where it has none.  The Option is the one place a default is written."""
+    values = {option.name: None if option.default is None else option.parse(option.default) for option in declared}
+    values.update((name, value) for name, value in given.items() if value is not None)
+    return values
+
+
 def parse_seconds(value: str) -> float:
     """A duration: plain seconds ("2.5") or Prometheus style ("500ms", "2s", "5m", "1h")."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", value.strip())

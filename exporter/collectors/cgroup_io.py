@@ -267,16 +267,16 @@ class CgroupIoCollector(Collector):
 
     def __init__(self, context: Context, options: dict[str, Any]) -> None:
         super().__init__(context, options)
-        count: int = options.get("top") or 10
-        self._max_cgroups: int = options.get("max-cgroups") or 5000
-        self._selection = Selection(count, options.get("hold") or 600.0, HOLD_SLOTS * count)
+        count: int = self.settings["top"]
+        self._max_cgroups: int = self.settings["max-cgroups"]
+        self._selection = Selection(count, self.settings["hold"], HOLD_SLOTS * count)
         self._growth = Growth()
         self._dropped = dict.fromkeys(DROPPED_KINDS, 0)
         self._absent: str | None = None  # why the last walk found no cgroup tree
         self._bad_lines = LogOnce(log)
         self.first_gap = FIRST_GAP_SECONDS  # between the first two walks (tests that grow counters set 0)
         self.sampler: PeriodicSampler[list[Family]] = PeriodicSampler(
-            "cgroup_io", options.get("interval") or 10.0, self.sample, log)
+            "cgroup_io", self.settings["interval"], self.sample, log)
 
     def start(self) -> None:
         self.sampler.start()

@@ -159,7 +159,7 @@ class DiskstatsCollector(Collector):
 
     def __init__(self, context: Context, options: dict[str, Any]) -> None:
         super().__init__(context, options)
-        include, exclude = options.get("device-include"), options.get("device-exclude")
+        include, exclude = self.settings["device-include"], self.settings["device-exclude"]
         if include is not None and exclude is not None:
             raise ConfigError(
                 "--collector.diskstats.device-include and --collector.diskstats.device-exclude are mutually "

@@ -506,24 +506,21 @@ class EnginesCollector(Collector):
 
     def __init__(self, context: Context, options: dict[str, Any], read_only: bool = False) -> None:
         super().__init__(context, options)
-        self.spool_dir: str = options.get("spool-dir") or fmt.DEFAULT_DIR
-        self.globs: tuple[str, ...] = options.get("path") or ()
-        self.max_engines: int = options.get("max-engines") or 200
-        self.max_files: int = options.get("max-files") or 1000
-        bucketed = options.get("histogram-buckets")
-        self.histogram_descs = served_histograms(DEFAULT_BUCKETED if bucketed is None else bucketed)
+        self.spool_dir: str = self.settings["spool-dir"]
+        self.globs: tuple[str, ...] = self.settings["path"]
+        self.max_engines: int = self.settings["max-engines"]
+        self.max_files: int = self.settings["max-files"]
+        self.histogram_descs = served_histograms(self.settings["histogram-buckets"])
         self._writer_gpus = spool.WriterGpus(context.gpu_processes.get, context.procfs)
         self.reader = spool.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
                                       gpu_of=self._writer_gpus,
-                                      max_file_bytes=options.get("max-file-bytes") or fmt.DEFAULT_FILE_BYTES,
+                                      max_file_bytes=self.settings["max-file-bytes"],
                                       procfs=context.procfs)
-        include = options.get("path-include")
-        if include is None:
-            include = _parse_directories(DEFAULT_PATH_INCLUDE)
-        self.path_include: tuple[str, ...] = tuple(include) + tuple(_glob_directory(g) for g in self.globs)
+        self.path_include: tuple[str, ...] = (tuple(self.settings["path-include"])
+                                              + tuple(_glob_directory(g) for g in self.globs))
         self.scanner: PeriodicSampler[ScanResult] = PeriodicSampler(
-            "engine-files", options.get("residency-interval") or 30.0, self.scan_files, log)
+            "engine-files", self.settings["residency-interval"], self.scan_files, log)
         self._targets: dict[tuple[str, str], Target] = {}
         self._targets_lock = threading.Lock()
         self._exported: set[str] = set()
@@ -544,19 +541,19 @@ class EnginesCollector(Collector):
             "engine-layers", LAYER_INTERVAL, self.resolve_layers, log)
         self._started = False  # start() called: the samplers run on their threads
         self._bad = LogOnce(log)
-        self.pods_dir: str = options.get("kubelet-pods-dir") or kubelet.DEFAULT_PODS_DIR
-        self.pod_volume: str = options.get("pod-spool-volume") or kubelet.DEFAULT_VOLUME
-        self.max_pod_spools: int = options.get("max-pod-spools") or kubelet.DEFAULT_MAX_PODS
+        self.pods_dir: str = self.settings["kubelet-pods-dir"]
+        self.pod_volume: str = self.settings["pod-spool-volume"]
+        self.max_pod_spools: int = self.settings["max-pod-spools"]
         self.pod_spools: PeriodicSampler[kubelet.Discovery] = PeriodicSampler(
-            "pod-spools", options.get("pod-spool-interval") or 15.0, self.find_pod_spools, log)
+            "pod-spools", self.settings["pod-spool-interval"], self.find_pod_spools, log)
         self.discovery: discovery.Discovery | None = None
         self.discoveries: PeriodicSampler[discovery.Discovered] | None = None
-        if options.get("discover", True):
+        if self.settings["discover"]:
             self.discovery = discovery.Discovery(self.path_include,
-                                                 options.get("discover-patterns") or discovery.MODEL_PATTERNS,
+                                                 self.settings["discover-patterns"],
                                                  context.procfs, gpu_of=context.gpu_processes.get,
                                                  gpu_pids=context.gpu_processes.pids)
-            self.discoveries = PeriodicSampler("engine-discovery", options.get("discover-interval") or 1.0,
+            self.discoveries = PeriodicSampler("engine-discovery", self.settings["discover-interval"],
                                                self.discovery.sample, log)
 
     def _samplers(self) -> list[PeriodicSampler[Any]]:

@@ -349,8 +349,8 @@ class MountstatsCollector(Collector):
 
     def __init__(self, context: Context, options: dict[str, Any]) -> None:
         super().__init__(context, options)
-        self.max_mounts: int = options.get("max-mounts") or 100
-        self.max_operations: int = options.get("max-operations") or 64
+        self.max_mounts: int = self.settings["max-mounts"]
+        self.max_operations: int = self.settings["max-operations"]
         self.malformed = 0
         self._dropped: dict[str, set[Any]] = {}
         self._counted: mounts.MountTable | None = None  # the table whose malformed lines are counted

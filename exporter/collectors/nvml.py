@@ -668,11 +668,11 @@ class NvmlCollector(Collector):
     def __init__(self, context: Context, options: dict[str, Any], nvml: Nvml | None = None) -> None:
         super().__init__(context, options)
         self._nvml = nvml
-        self._interval: float = options.get("interval") or 1.0
-        self._slow_interval: float = options.get("slow-interval") or 10.0
-        self._hang_timeout: float = options.get("hang-timeout") or 10.0
-        self._reinit_interval: float = options.get("reinit-interval") or 30.0
-        self._max_processes: int = options.get("max-processes") or 64
+        self._interval: float = self.settings["interval"]
+        self._slow_interval: float = self.settings["slow-interval"]
+        self._hang_timeout: float = self.settings["hang-timeout"]
+        self._reinit_interval: float = self.settings["reinit-interval"]
+        self._max_processes: int = self.settings["max-processes"]
         self._gpus: dict[str, Gpu] = {}
         self._session: Session | None = None
         self._retry_at = 0.0  # when to try nvmlInit again while there is no session

@@ -55,8 +55,8 @@ class PodsCollector(Collector):
                  poller: podresources.PodResourcesPoller | None = None) -> None:
         super().__init__(context, options)
         self.poller = poller or podresources.PodResourcesPoller(
-            options.get("pod-resources-socket") or podresources.DEFAULT_SOCKET,
-            options.get("pod-resources-interval") or 10.0, options.get("pod-resources-timeout") or 2.0)
+            self.settings["pod-resources-socket"],
+            self.settings["pod-resources-interval"], self.settings["pod-resources-timeout"])
         self.poller.on_answer = self._share
 
     def start(self) -> None:

@@ -507,17 +507,18 @@ class SmartCollector(Collector):
 
     def __init__(self, context: Context, options: dict[str, Any]) -> None:
         super().__init__(context, options)
-        if options.get("device-include") is not None and options.get("device-exclude") is not None:
+        settings = self.settings
+        if settings["device-include"] is not None and settings["device-exclude"] is not None:
             raise ConfigError("--collector.smart.device-include and --collector.smart.device-exclude are mutually "
                               "exclusive; accepted: at most one of them")
-        self._smartctl: str = options.get("smartctl-path") or "smartctl"
-        self._timeout: float = options.get("timeout") or 30.0
-        self._powermode: str = options.get("powermode-check") or "standby"
-        self._concurrency: int = options.get("concurrency") or 4
-        self._max_devices: int = options.get("max-devices") or 256
-        self._include: re.Pattern[str] | None = options.get("device-include")
-        self._exclude: re.Pattern[str] | None = options.get("device-exclude")
-        self._configured: tuple[tuple[str, str | None], ...] | None = options.get("devices")
+        self._smartctl: str = settings["smartctl-path"] or "smartctl"
+        self._timeout: float = settings["timeout"]
+        self._powermode: str = settings["powermode-check"]
+        self._concurrency: int = settings["concurrency"]
+        self._max_devices: int = settings["max-devices"]
+        self._include: re.Pattern[str] | None = settings["device-include"]
+        self._exclude: re.Pattern[str] | None = settings["device-exclude"]
+        self._configured: tuple[tuple[str, str | None], ...] | None = settings["devices"]
         self._records: dict[Target, Record] = {}  # this sweep's disks; a Record outlives a Target (see sweep)
         self._targets: list[Target] = []
         self._scan_stuck: subprocess.Popen[bytes] | None = None  # a scan killed but not exited: no new one
@@ -527,7 +528,7 @@ class SmartCollector(Collector):
         self._absent: str | None = None  # why the last sweep had nothing to poll (no smartctl, no disk)
         self._strays_killed = 0
         self.sampler: PeriodicSampler[list[Family]] = PeriodicSampler(
-            "smart", options.get("interval") or 300.0, self.sweep, log)
+            "smart", self.settings["interval"], self.sweep, log)
 
     def start(self) -> None:
         if not become_subreaper():

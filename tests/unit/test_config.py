@@ -154,3 +154,15 @@ def test_one_spool_variable_for_the_library_the_exporter_and_its_tools(tmp_path)
     assert not [w for w in same.warnings if "differ" in w]
     flag = parse_args([f"--collector.engines.spool-dir={twin_dir}"], {"GPUIO_SPOOL_DIR": library_dir})
     assert flag.collector_options["engines"]["spool-dir"] == twin_dir  # the command line first, as ever
+
+
+def test_a_collector_built_without_flags_has_the_settings_of_an_exporter_given_none() -> None:
+    """The Option is the one place a default is written: what the flag layer parses when no flag is given
+    and what a collector fills in when built directly (a test, a bench, `gpuio engines`) are the same."""
+    from exporter.options import with_defaults
+
+    parsed = parse_args([], environ={}, server=False).collector_options
+    for name, collector in REGISTRY.items():
+        assert with_defaults(collector.options, {}) == parsed[name], name
+    smart = REGISTRY["smart"]
+    assert with_defaults(smart.options, {"timeout": 5.0, "interval": None})["interval"] == 300.0  # None: unset
