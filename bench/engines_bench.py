@@ -248,12 +248,12 @@ def report_breakdown() -> None:
 
 def writer_helper(directory: str, count: int) -> None:
     """Holds ``count`` spool writers (one engine each); on "tick" observes into every one."""
-    from gpuio import spool as fmt
+    from gpuio import spool as spool_format
     from gpuio.metrics import EngineMetrics
 
     writers = []
     for index in range(count):
-        file = fmt.SpoolFile(directory, 64 * 1024)
+        file = spool_format.SpoolFile(directory, 64 * 1024)
         metrics = EngineMetrics(f"engine{index % ENGINES}", file)
         fill(metrics, index)
         writers.append((file, metrics))
@@ -512,19 +512,19 @@ def flood_spool(directory: str, flood: bool) -> tuple[list[object], list[Any]]:
     """An honest live writer of 3 engines and, with ``flood``, a live writer of FLOOD_RECORDS INFO records
     each naming an engine and a device of its own.  Returns the files (their locks held) and the honest
     writer's engine metrics."""
-    from gpuio import spool as fmt
+    from gpuio import spool as spool_format
     from gpuio.metrics import EngineMetrics
 
     files: list[object] = []
     if flood:
-        file = fmt.SpoolFile(directory, 2 << 20)
+        file = spool_format.SpoolFile(directory, 2 << 20)
         with file.lock:
             for number in range(FLOOD_RECORDS):
-                payload = fmt.pack_info(0, (300 + number // 256, number % 256), 1000 + number, 4096, 0, 1.0,
+                payload = spool_format.pack_info(0, (300 + number // 256, number % 256), 1000 + number, 4096, 0, 1.0,
                                         f"/models/flood/{number:05d}.engine", f"GPU-{number:08d}", "tensorrt")
-                file.add_record(fmt.KIND_INFO, f"flood-{number:05d}", len(payload), payload)
+                file.add_record(spool_format.KIND_INFO, f"flood-{number:05d}", len(payload), payload)
         files.append(file)
-    honest = fmt.SpoolFile(directory)
+    honest = spool_format.SpoolFile(directory)
     files.append(honest)
     engines = [EngineMetrics(name, honest) for name in ("resnet50", "bert", "yolo")]
     for metrics in engines:

@@ -46,7 +46,7 @@ LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumenta
 sys.path.insert(0, LIBRARY)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
-from gpuio import spool as fmt  # noqa: E402
+from gpuio import spool as spool_format  # noqa: E402
 from gpuio.metrics import EngineMetrics  # noqa: E402
 from tests.conftest import free_port, parse_samples, root  # noqa: E402
 
@@ -96,8 +96,8 @@ def engines_success(text: str) -> float:
     return parse_samples(text).get(("gpuio_scrape_collector_success", frozenset({("collector", "engines")})), -1)
 
 
-def writer(spool: str, engine: str | None = None, size: int = 8192) -> fmt.SpoolFile:
-    file = fmt.SpoolFile(spool, size)
+def writer(spool: str, engine: str | None = None, size: int = 8192) -> spool_format.SpoolFile:
+    file = spool_format.SpoolFile(spool, size)
     if engine is not None:
         EngineMetrics(engine, file).load_read_bytes.inc(1)
     return file
@@ -106,7 +106,7 @@ def writer(spool: str, engine: str | None = None, size: int = 8192) -> fmt.Spool
 def attack_memory(tree: str, spool: str, args: argparse.Namespace) -> str:
     files = [writer(spool, size=args.claim_gib * GIB) for _ in range(3)]
     for file in files:
-        struct.pack_into("<Q", file._map, fmt.USED_OFFSET, args.claim_gib * GIB)
+        struct.pack_into("<Q", file._map, spool_format.USED_OFFSET, args.claim_gib * GIB)
     real = writer(spool, "resnet50")
     with exporter(tree, spool) as scrape:
         before = rss(scrape.pid)[0]  # type: ignore[attr-defined]
@@ -129,7 +129,7 @@ def attack_paths(tree: str, spool: str, args: argparse.Namespace) -> str:
     file = writer(spool)
     for engine, path in (("shadow", "/etc/shadow"), ("ptmx", "/dev/ptmx"), ("fifo", fifo)):
         st = os.stat(path)
-        EngineMetrics(engine, file)._append_info(fmt.pack_info(
+        EngineMetrics(engine, file)._append_info(spool_format.pack_info(
             0, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, 0, 1.0, path, "", "x"))
     with exporter(tree, spool, f"--collector.engines.path-include=/etc,/dev,{os.path.dirname(fifo)}"
                   if args.include_hostile else "--log.level=warn") as scrape:
@@ -163,7 +163,7 @@ def attack_infos(tree: str, spool: str, args: argparse.Namespace) -> str:
     files = []
     for index in range(3000):
         file = writer(spool)
-        EngineMetrics("resnet50", file)._append_info(fmt.pack_info(0, (0, 0), 0, 0, 0, float(index),
+        EngineMetrics("resnet50", file)._append_info(spool_format.pack_info(0, (0, 0), 0, 0, 0, float(index),
                                                                    f"/models/copy-{index}.engine", "", "x"))
         files.append(file)
     with exporter(tree, spool) as scrape:

@@ -21,14 +21,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from exporter.engines import spool as spool_source  # noqa: E402
-from gpuio import spool as fmt  # noqa: E402
+from gpuio import spool as spool_format  # noqa: E402
 from gpuio.metrics import EngineMetrics  # noqa: E402
 
 
 def one(count: int) -> None:
     directory = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
-        writers = [fmt.SpoolFile(directory) for _ in range(3)]
+        writers = [spool_format.SpoolFile(directory) for _ in range(3)]
         for file in writers:
             EngineMetrics("engine", file).inference_seconds.observe(0.01)
         for index in range(count):

@@ -61,7 +61,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.load import engine_name
 
 from .. import mounts
@@ -190,7 +190,7 @@ ENGINE_FILE = ("engine", "path")
 
 def _declared(slot: str, kind: str = "", doc: str = "") -> Desc:
     """The family of an ENGINE-record series, as the library declares it (gpuio.spool.ENGINE_SERIES)."""
-    series = fmt.SERIES[slot]
+    series = spool_format.SERIES[slot]
     return Desc(series.name, kind or series.type, series.help, labels=series.labels, unit=series.unit, doc=doc)
 
 
@@ -198,9 +198,9 @@ def _declared(slot: str, kind: str = "", doc: str = "") -> Desc:
 # (tests/unit/test_dashboards.py holds the boards and rules to this list).  The others are served by
 # default as their _count and _sum only: the boards read their means, and their buckets would be 1,600
 # of a node's ~4,000 series with 20 engines (docs/performance.md, "Series per node").
-DEFAULT_BUCKETED = tuple(fmt.SERIES[slot].name for slot in ("inference_seconds", "inference_gpu_seconds",
+DEFAULT_BUCKETED = tuple(spool_format.SERIES[slot].name for slot in ("inference_seconds", "inference_gpu_seconds",
                                                              "pool_wait_seconds"))
-HISTOGRAM_NAMES = tuple(series.name for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM)
+HISTOGRAM_NAMES = tuple(series.name for series in spool_format.ENGINE_SERIES if series.type == HISTOGRAM)
 _WITHOUT_BUCKETS = (" Served by default as a summary of _count and _sum (no quantiles); with buckets, as a "
                     "histogram, when named in --collector.engines.histogram-buckets.")
 
@@ -210,7 +210,7 @@ def served_histograms(bucketed: tuple[str, ...]) -> dict[str, Desc]:
     else a summary of the same name (its _count and _sum)."""
     return {series.slot: _declared(series.slot) if series.name in bucketed
             else _declared(series.slot, SUMMARY, series.help + _WITHOUT_BUCKETS)
-            for series in fmt.ENGINE_SERIES if series.type == HISTOGRAM}
+            for series in spool_format.ENGINE_SERIES if series.type == HISTOGRAM}
 
 
 HISTOGRAM_DESCS = served_histograms(DEFAULT_BUCKETED)  # as served by default: what the reference lists
@@ -463,7 +463,7 @@ class FileDevices:
 class EnginesCollector(Collector):
     name = "engines"
     options = (
-        Option("spool-dir", fmt.DEFAULT_DIR, _parse_directory_name, "an absolute directory path",
+        Option("spool-dir", spool_format.DEFAULT_DIR, _parse_directory_name, "an absolute directory path",
                "Directory where inference processes write their spool files (GPUIO_SPOOL_DIR in them)."),
         Option("path", "", _parse_globs, "comma-separated absolute glob patterns, e.g. /models/*.engine",
                "Engine files to watch (size, residency, device) even when no process reports them."),
@@ -476,7 +476,7 @@ class EnginesCollector(Collector):
                "comma-separated absolute directories, e.g. /models,/mnt/cache",
                "Directories where engine files named by spool writers may be opened (size, residency); "
                "the --collector.engines.path directories are added."),
-        Option("max-file-bytes", str(fmt.DEFAULT_FILE_BYTES), parse_count(fmt.HEADER_SIZE + 4096),
+        Option("max-file-bytes", str(spool_format.DEFAULT_FILE_BYTES), parse_count(spool_format.HEADER_SIZE + 4096),
                "a whole number of bytes, at least 4352",
                "Spool files bigger than this are refused unread (the library makes 1 MiB files)."),
         Option("kubelet-pods-dir", kubelet.DEFAULT_PODS_DIR, _parse_directory_name, "an absolute directory path",
@@ -693,7 +693,7 @@ class EnginesCollector(Collector):
 
     def _note_activity(self, totals: model.Totals, now: float) -> None:
         """When each engine's counters last moved, as this exporter saw them (not as a writer says)."""
-        prefix = fmt.ENGINE_LAYOUT.monotonic_prefix
+        prefix = spool_format.ENGINE_LAYOUT.monotonic_prefix
         activity: dict[str, tuple[float, float]] = {}
         for name, values in totals.engines.items():
             signature = sum(values[:prefix])
@@ -725,7 +725,7 @@ class EnginesCollector(Collector):
         return self._labels.get(engine) or label_string({"engine": engine})
 
     def _engine_families(self, totals: model.Totals, engines: list[str]) -> list[Family]:
-        layout = fmt.ENGINE_LAYOUT
+        layout = spool_format.ENGINE_LAYOUT
         histogram_names = [name for name in self.histogram_descs if name not in model.PER_GPU_HISTOGRAMS]
         columns: list[list[str]] = [[] for _ in histogram_names]
         load_bytes, profiled, processes, last_load = [], [], [], []
@@ -1174,7 +1174,7 @@ class EnginesCollector(Collector):
         if view.cached_bytes is not None and view.size is not None:
             return view.size, view.cached_bytes, "scan", scanned
         values = totals.waterfalls.get(view.engine)
-        slot = fmt.WATERFALL
+        slot = spool_format.WATERFALL
         if values is None or values[slot["residency_method"]] <= 0 or values[slot["file_bytes"]] <= 0:
             return None
         infos = totals.infos.get(view.engine, [])
@@ -1188,7 +1188,7 @@ class EnginesCollector(Collector):
     # --- the waterfall of loads -----------------------------------------------------------------
 
     def _waterfall_families(self, totals: model.Totals, engines: list[str]) -> list[Family]:
-        slot = fmt.WATERFALL
+        slot = spool_format.WATERFALL
         lines: dict[Desc, list[str]] = {desc: [] for desc in (LOADS_BY_CLASS, PHASE_SECONDS, SOURCE_BYTES, MAJOR_FAULTS,
                                                               LAST_PHASE, LAST_DURATION, LAST_BYTES, LAST_CLASS,
                                                               LAST_START_CACHED, PREDICTED)}
@@ -1197,10 +1197,10 @@ class EnginesCollector(Collector):
             if values is None:
                 continue
             labels = self._label(engine)
-            for name in fmt.LOAD_CLASSES:
+            for name in spool_format.LOAD_CLASSES:
                 lines[LOADS_BY_CLASS].append(LOADS_BY_CLASS.sample(
                     label_string({"engine": engine, "class": name}), values[slot[f"loads_{name}"]]))
-            for name in fmt.PHASES:
+            for name in spool_format.PHASES:
                 phase = label_string({"engine": engine, "phase": name})
                 lines[PHASE_SECONDS].append(PHASE_SECONDS.sample(phase, values[slot[f"phase_{name}"]]))
                 if values[slot["last_start"]] > 0:
@@ -1215,9 +1215,9 @@ class EnginesCollector(Collector):
             if values[slot["last_start"]] > 0:
                 lines[LAST_DURATION].append(LAST_DURATION.sample(labels, values[slot["last_wall"]]))
                 klass = int(values[slot["last_class"]])
-                if 1 <= klass <= len(fmt.LOAD_CLASSES):
+                if 1 <= klass <= len(spool_format.LOAD_CLASSES):
                     lines[LAST_CLASS].append(LAST_CLASS.sample(
-                        label_string({"engine": engine, "class": fmt.LOAD_CLASSES[klass - 1]}), 1))
+                        label_string({"engine": engine, "class": spool_format.LOAD_CLASSES[klass - 1]}), 1))
                 if values[slot["residency_method"]] > 0 and values[slot["file_bytes"]] > 0:
                     lines[LAST_START_CACHED].append(LAST_START_CACHED.sample(
                         labels, min(1.0, values[slot["cached_start_bytes"]] / values[slot["file_bytes"]])))
@@ -1247,7 +1247,7 @@ class EnginesCollector(Collector):
         if figures:
             return max(file_bytes - cached for file_bytes, cached, _, _ in figures)
         values = totals.waterfalls.get(engine)  # no file view at all: the loader's own figure
-        slot = fmt.WATERFALL
+        slot = spool_format.WATERFALL
         if values is not None and values[slot["residency_method"]] > 0 and values[slot["file_bytes"]] > 0:
             return int(max(0.0, values[slot["file_bytes"]] - values[slot["cached_end_bytes"]]))
         return None
@@ -1256,7 +1256,7 @@ class EnginesCollector(Collector):
     def _cold_throughput(totals: model.Totals, engine: str) -> float | None:
         """Bytes per second of the engine's cold loads; else of every engine's cold loads from the same
         st_dev (its file's filesystem)."""
-        slot = fmt.WATERFALL
+        slot = spool_format.WATERFALL
 
         def rate(names: list[str]) -> float | None:
             known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
@@ -1312,7 +1312,7 @@ def mean_observation(values: list[float], name: str) -> float | None:
     """The exact mean of an ENGINE vector's histogram ``name`` (its sum over its count); None with no
     observation.  Why not a quantile: the load buckets are coarse (1 s, then 2.5 s), and a median
     interpolated inside them was off by 0.7 s for loads that all deserialized in about 1 s."""
-    first, sum_index, _ = fmt.ENGINE_LAYOUT.histograms[name]
+    first, sum_index, _ = spool_format.ENGINE_LAYOUT.histograms[name]
     count = sum(values[first:sum_index])
     return values[sum_index] / count if count > 0 else None
 

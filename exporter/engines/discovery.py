@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from gpuio.waterfall import classify
 
 from .. import procstat
@@ -93,8 +93,9 @@ MAX_FILES_PER_PROCESS = 64  # model files one process is followed for (open, and
 MAX_ENGINES = 4096  # engines with a history of discovered loads (the least recent forgotten first)
 FDINFO_BYTES = 4096
 IO_BYTES = 1024
-SPOOL_SUFFIX = fmt.SUFFIX
-_SPOOL_NAME = re.compile(re.escape(fmt.PREFIX) + r"\d{1,10}-(?P<start>\d{1,20})-[0-9a-f]{16}" + re.escape(fmt.SUFFIX))
+SPOOL_SUFFIX = spool_format.SUFFIX
+_SPOOL_NAME = re.compile(re.escape(spool_format.PREFIX) + r"\d{1,10}-(?P<start>\d{1,20})-[0-9a-f]{16}"
+                         + re.escape(spool_format.SUFFIX))
 _SHARD = re.compile(r"-\d+-of-\d+$")
 _GENERIC = re.compile(r"^(model|pytorch_model|tf_model|weights|engine|rank\d+|consolidated(\.\d+)?)$")
 _ACCESS_MODE = 0o3  # O_ACCMODE: fdinfo's flags are octal
@@ -511,10 +512,10 @@ class Discovery:
     def _record_load(self, held: HeldFile, started: float, seconds: float, read: int, device: int) -> None:
         history = self._history(held.engine)
         values = history.engine_values
-        first, total, bounds = fmt.ENGINE_LAYOUT.histograms["load_read_seconds"]
+        first, total, bounds = spool_format.ENGINE_LAYOUT.histograms["load_read_seconds"]
         values[first + _bucket(bounds, seconds)] += 1.0
         values[total] += seconds
-        values[fmt.ENGINE_LAYOUT.counters["load_read_bytes"]] += read
+        values[spool_format.ENGINE_LAYOUT.counters["load_read_bytes"]] += read
         self._add_waterfall(history.waterfall, held, started, seconds, read, device)
         history.touched = time.monotonic()
 
@@ -542,14 +543,14 @@ class Discovery:
             if len(self._histories) >= MAX_ENGINES:
                 oldest = min(self._histories, key=lambda name: self._histories[name].touched)
                 del self._histories[oldest]
-            history = self._histories[engine] = EngineHistory([0.0] * fmt.ENGINE_LAYOUT.size,
-                                                              [0.0] * len(fmt.WATERFALL_SLOTS))
+            history = self._histories[engine] = EngineHistory([0.0] * spool_format.ENGINE_LAYOUT.size,
+                                                              [0.0] * len(spool_format.WATERFALL_SLOTS))
         return history
 
     @staticmethod
     def _add_waterfall(values: list[float], held: HeldFile, started: float, seconds: float, read: int,
                        device: int) -> None:
-        slot = fmt.WATERFALL
+        slot = spool_format.WATERFALL
         load_class = classify(held.file.size, device, None) if read else "warm"
         values[slot["seq"]] += 1.0
         values[slot[f"loads_{load_class}"]] += 1.0
@@ -561,12 +562,12 @@ class Discovery:
             values[slot["cold_read_seconds"]] += seconds
         values[slot["last_start"]] = started
         values[slot["last_wall"]] = seconds
-        for phase in fmt.PHASES:
+        for phase in spool_format.PHASES:
             values[slot[f"last_{phase}"]] = seconds if phase == "read" else 0.0
         values[slot["last_bytes"]] = read
         values[slot["last_device_bytes"]] = device
         values[slot["last_cache_bytes"]] = read - device
-        values[slot["last_class"]] = fmt.LOAD_CLASSES.index(load_class) + 1
+        values[slot["last_class"]] = spool_format.LOAD_CLASSES.index(load_class) + 1
         values[slot["file_bytes"]] = held.file.size
         values[slot["seq_end"]] = values[slot["seq"]]
 
@@ -608,7 +609,7 @@ class Discovery:
         for held in process.files.values():
             engine = held.engine
             engines.add(engine)
-            totals.engines.setdefault(engine, [0.0] * fmt.ENGINE_LAYOUT.size)
+            totals.engines.setdefault(engine, [0.0] * spool_format.ENGINE_LAYOUT.size)
             file = held.file
             info = model.EngineInfo(file.path, -1, process.gpu, "", file.dev, file.ino, file.size, file.mtime_ns,
                                     held.loaded_at)
