@@ -23,12 +23,17 @@ import pwd
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .pagecache import NamedPaths, Unavailable, lexical, open_named, residency_fd
 from .terminal import printable
+
+if TYPE_CHECKING:
+    from .collectors.engines import EnginesCollector, FileView
+    from .engines.model import Totals
+    from .remote import ClientOptions
 
 WARM_CHUNK = 8 << 20
 # Reads of the spool one ``gpuio engines`` may take to walk directories that one read does not list in
@@ -41,29 +46,32 @@ def _mib(value: float) -> str:
 
 
 def _age(timestamp: float | None) -> str:
-    if not timestamp:
-        return "-"
-    seconds = max(0.0, time.time() - timestamp)
+    return f"{_elapsed(timestamp)} ago" if timestamp else "-"
+
+
+def _elapsed(since: float) -> str:
+    """The time from ``since`` (a Unix time) to now: "12s", "1.5m", "2.0h", "3.1d"."""
+    seconds = max(0.0, time.time() - since)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
-            return f"{seconds / size:.1f}{unit} ago"
-    return f"{seconds:.0f}s ago"
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def json_text(value: Any) -> str:
     """``value`` as JSON that every parser reads: a number that is not finite (a writer's absurd figures,
     say 2**53 bytes read in 5e-324 s) becomes null, "no figure", where Python's json would print
     ``Infinity`` or ``NaN``, which are not JSON."""
-    return json.dumps(_finite(value), indent=2, allow_nan=False)
+    return json.dumps(finite(value), indent=2, allow_nan=False)
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {key: finite(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
+        return [finite(item) for item in value]
     return value
 
 
@@ -76,7 +84,6 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
     too, as the exporter reads them: found by one scan, now."""
     from .collect import Context
     from .collectors.engines import EnginesCollector
-    from .engines.model import counter, histogram_count_and_sum
 
     options = {"spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
                "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None,
@@ -90,45 +97,117 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
         if not totals.unfinished_listings:
             break
         totals = collector.spool_totals()
-    rows = []
-    engines = sorted(set(totals.engines) | {engine for engine, _ in files})
-    for engine in engines:
+    join = EngineJoin(collector, totals, files)
+    return join.rows(join.engines())
+
+
+# Every field of a row, in the order --json prints them; None where nothing is known.  The exporter's
+# JSON API (exporter/api.py) serves the same rows, so a remote table is this table.
+ROW_FIELDS = (
+    "engine", "path", "processes", "pods", "size_bytes", "cached_ratio", "residency_unavailable", "device",
+    "disks", "mountpoint", "fstype", "gpus", "loads", "read_mib_per_second", "inferences", "mean_latency_seconds",
+    "loads_in_progress", "load_in_progress_read_bytes", "load_in_progress_since", "last_load_timestamp",
+    "last_load_class", "last_load_seconds", "last_load_phases", "last_load_device_bytes", "last_load_cache_bytes",
+    "last_load_read_bytes_per_second", "predicted_cold_start_seconds",
+)
+
+
+class EngineJoin:
+    """The join behind ``gpuio engines`` and the exporter's /api/v1/engines: each engine's spool figures
+    with its files (size, residency, device), the disks and mount under them, its GPUs and pods.
+
+    ``collector`` is an engines collector (a read-only one of ``gpuio engines``, or the exporter's own,
+    held by its caller alone: device look-ups use its caches); ``files`` its last scan of engine files.
+    Mounts come from the host's table the collector reads (``Context.host_mounts``), as /metrics' do."""
+
+    def __init__(self, collector: EnginesCollector, totals: Totals,
+                 files: Mapping[tuple[str, str], FileView]) -> None:
+        self.collector = collector
+        self.totals = totals
+        self.files = files
+        self.mount_table = collector.context.host_mounts.table()  # one table for every row
+
+    def engines(self) -> list[str]:
+        """Every engine known: reported through the spool or discovery, or only a file."""
+        return sorted(set(self.totals.engines) | {engine for engine, _ in self.files})
+
+    def paths(self, engine: str) -> list[str]:
+        """The engine's files, by name ("" alone when none is known)."""
+        infos = self.totals.infos.get(engine, [])
+        return sorted({path for name, path in self.files if name == engine} | {info.path for info in infos}) or [""]
+
+    def rows(self, engines: Iterable[str]) -> list[dict[str, Any]]:
+        return [self.row(engine, path) for engine in engines for path in self.paths(engine)]
+
+    def row(self, engine: str, path: str) -> dict[str, Any]:
+        row = dict.fromkeys(ROW_FIELDS)
+        row.update(self._engine_figures(engine))
+        row.update(self._file_figures(engine, path))
+        row.update(_last_load(self.totals.waterfalls.get(engine)))
+        row["predicted_cold_start_seconds"] = self.collector.predicted_cold_start(self.totals, engine)
+        return row
+
+    def _engine_figures(self, engine: str) -> dict[str, Any]:
+        """What the engine's writers report, the same in each of its rows."""
+        from .engines.model import counter, histogram_count_and_sum
+
+        totals = self.totals
+        figures: dict[str, Any] = {
+            "engine": engine,
+            "processes": totals.processes.get(engine, 0) + totals.discovered_processes.get(engine, 0),
+            "pods": sorted({f"{pod.namespace}/{pod.pod}" for (name, _), pods in totals.pods.items()
+                            if name == engine for pod in pods if pod.pod}),
+            "last_load_timestamp": totals.last_load.get(engine),
+            **self._loads_in_progress(engine),
+        }
         values = totals.engines.get(engine)
-        infos = totals.infos.get(engine, [])
-        paths = sorted({path for name, path in files if name == engine} | {info.path for info in infos}) or [""]
-        for path in paths:
-            view = files.get((engine, path))
-            info = next((i for i in infos if i.path == path), None)
-            dev = info.dev if info is not None else view.dev if view is not None else None
-            device, disks = collector.device_of(dev) if dev else ("", [])
-            row: dict[str, Any] = {
-                "engine": engine, "path": path, "processes": (totals.processes.get(engine, 0)
-                              + totals.discovered_processes.get(engine, 0)),
-                "pods": sorted({f"{pod.namespace}/{pod.pod}" for (name, _), pods in totals.pods.items()
-                                if name == engine for pod in pods if pod.pod}),
-                "size_bytes": view.size if view else (info.size if info else None),
-                "cached_ratio": (view.cached_bytes / view.size if view.size else 1.0)
-                if view is not None and view.cached_bytes is not None and view.size is not None else None,
-                "residency_unavailable": view.unavailable if view else None,
-                "device": device, "disks": disks,
-                "gpus": sorted({_gpu(i.cuda_device, i.gpu_uuid) for i in infos
-                                if i.path == path and (i.cuda_device >= 0 or i.gpu_uuid)}),
-                "last_load_timestamp": totals.last_load.get(engine),
-            }
-            row.update(_last_load(totals.waterfalls.get(engine)))
-            row["predicted_cold_start_seconds"] = collector.predicted_cold_start(totals, engine)
-            if values is not None:
-                loads, read_seconds = histogram_count_and_sum(values, "load_read_seconds")
-                inferences, inference_seconds = histogram_count_and_sum(values, "inference_seconds")
-                row.update({
-                    "loads": loads,
-                    "read_mib_per_second": counter(values, "load_read_bytes") / 2**20 / read_seconds
-                    if read_seconds > 0 else None,
-                    "inferences": inferences,
-                    "mean_latency_seconds": inference_seconds / inferences if inferences else None,
-                })
-            rows.append(row)
-    return rows
+        if values is not None:
+            loads, read_seconds = histogram_count_and_sum(values, "load_read_seconds")
+            inferences, inference_seconds = histogram_count_and_sum(values, "inference_seconds")
+            figures.update({
+                "loads": loads,
+                "read_mib_per_second": counter(values, "load_read_bytes") / 2**20 / read_seconds
+                if read_seconds > 0 else None,
+                "inferences": inferences,
+                "mean_latency_seconds": inference_seconds / inferences if inferences else None,
+            })
+        return figures
+
+    def _loads_in_progress(self, engine: str) -> dict[str, Any]:
+        """The engine's loads started and not finished by live processes, on every GPU, and when the
+        oldest began (None when none is in progress)."""
+        count = read_bytes = 0.0
+        since: float | None = None
+        for (name, _, _), (in_progress, progress_bytes, oldest) in self.totals.loads.items():
+            if name != engine or in_progress <= 0:
+                continue
+            count += in_progress
+            read_bytes += progress_bytes
+            if oldest > 0 and (since is None or oldest < since):
+                since = oldest
+        return {"loads_in_progress": count, "load_in_progress_read_bytes": read_bytes,
+                "load_in_progress_since": since}
+
+    def _file_figures(self, engine: str, path: str) -> dict[str, Any]:
+        """The file's size and residency (the last scan), the device, disks and mount under it, and the
+        GPUs the engine was loaded on from it."""
+        view = self.files.get((engine, path))
+        infos = self.totals.infos.get(engine, [])
+        info = next((i for i in infos if i.path == path), None)
+        dev = info.dev if info is not None else view.dev if view is not None else None
+        device, disks = self.collector.device_of(dev) if dev else ("", [])
+        mount = self.mount_table.of_file(dev, path) if dev and dev != (0, 0) and path else None
+        return {
+            "path": path,
+            "size_bytes": view.size if view else (info.size if info else None),
+            "cached_ratio": (view.cached_bytes / view.size if view.size else 1.0)
+            if view is not None and view.cached_bytes is not None and view.size is not None else None,
+            "residency_unavailable": view.unavailable if view else None,
+            "device": device, "disks": disks,
+            "mountpoint": mount.mountpoint if mount else None, "fstype": mount.fstype if mount else None,
+            "gpus": sorted({_gpu(i.cuda_device, i.gpu_uuid) for i in infos
+                            if i.path == path and (i.cuda_device >= 0 or i.gpu_uuid)}),
+        }
 
 
 def _last_load(values: list[float] | None) -> dict[str, Any]:
@@ -162,6 +241,15 @@ def _gpu(cuda_device: int, uuid: str) -> str:
     return " ".join(part for part in (f"cuda:{cuda_device}" if cuda_device >= 0 else "", uuid) if part)
 
 
+def _loading(row: dict[str, Any]) -> str:
+    """Loads in progress and how long the oldest has taken so far: "1 for 12s"."""
+    count = row.get("loads_in_progress") or 0
+    if not count:
+        return "-"
+    since = row.get("load_in_progress_since")
+    return f"{count:.0f} for {_elapsed(since)}" if since else f"{count:.0f}"
+
+
 # The table's columns: (heading, the cell of a row, shown without --wide).  What on-call reads first is
 # compact (~120 columns for typical names); --wide adds the load's detail and the inference figures.
 COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str], bool], ...] = (
@@ -173,7 +261,9 @@ COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str], bool], ...] = (
     ("DEVICE", lambda row: row["device"] or "-", False),
     ("DISKS", lambda row: ",".join(row["disks"]) or "-", True),
     ("GPU", lambda row: " ".join(_short_gpu(gpu) for gpu in row["gpus"]) or "-", True),
-    ("LOADS", lambda row: f"{row.get('loads', 0):.0f}", True),
+    ("MOUNT", lambda row: row.get("mountpoint") or "-", False),
+    ("LOADS", lambda row: f"{row.get('loads') or 0:.0f}", True),
+    ("LOADING", _loading, False),
     ("LAST LOAD", lambda row: _age(row["last_load_timestamp"]), True),
     ("READ MiB/s", lambda row: f"{row['read_mib_per_second']:.0f}" if row.get("read_mib_per_second") else "-", True),
     ("LAST LOAD WATERFALL", _waterfall, False),
@@ -181,7 +271,7 @@ COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str], bool], ...] = (
     ("FROM DISK MiB", lambda row: _mib(row["last_load_device_bytes"]) if row.get("last_load_class") else "-", False),
     ("COLD START s", lambda row: "-" if row.get("predicted_cold_start_seconds") is None
      else f"{row['predicted_cold_start_seconds']:.2f}", True),
-    ("INFERENCES", lambda row: f"{row.get('inferences', 0):.0f}", False),
+    ("INFERENCES", lambda row: f"{row.get('inferences') or 0:.0f}", False),
     ("MEAN ms", lambda row: f"{row['mean_latency_seconds'] * 1000:.2f}" if row.get("mean_latency_seconds") else "-",
      False),
     ("PATH", lambda row: row["path"] or "-", True),
@@ -205,12 +295,24 @@ def _table(rows: list[dict[str, Any]], wide: bool = False) -> str:
                      for line in shown) + "\n"
 
 
-def engines_main(argv: Sequence[str]) -> int:
+# The exporter's JSON API of the join (exporter/api.py), and the most of its answer read: above the
+# exporter's own bound on it, so that a whole answer always fits.
+ENGINES_API = "/api/v1/engines"
+MAX_API_ANSWER_BYTES = 16 << 20
+# Flags that say where on this node to look: they mean nothing with --url.
+LOCAL_FLAGS = (("--spool-dir", "spool_dir"), ("--path", "path"), ("--path.procfs", "procfs"),
+               ("--path.sysfs", "sysfs"), ("--path.rootfs", "rootfs"), ("--path-include", "path_include"),
+               ("--kubelet-pods-dir", "kubelet_pods_dir"))
+
+
+def _engines_parser() -> argparse.ArgumentParser:
     from gpuio.spool import DEFAULT_DIR
 
     from .pods import kubelet
+    from .remote import add_client_options
 
-    parser = argparse.ArgumentParser(prog="gpuio engines", description="The engines on this node.")
+    parser = argparse.ArgumentParser(prog="gpuio engines", description="The engines on this node, or on the "
+                                     "node of the exporter --url names.")
     spool_dir = os.environ.get("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR") or os.environ.get("GPUIO_SPOOL_DIR") or DEFAULT_DIR
     parser.add_argument("--spool-dir", default=spool_dir,
                         help="spool directory (env GPUIO_COLLECTOR_ENGINES_SPOOL_DIR, else GPUIO_SPOOL_DIR as the "
@@ -229,8 +331,32 @@ def engines_main(argv: Sequence[str]) -> int:
                              "(env GPUIO_COLLECTOR_ENGINES_KUBELET_PODS_DIR; default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--wide", action="store_true",
-                        help="every column: the device, the last load's waterfall and disk bytes, inferences")
+                        help="every column: the device and mount, loads in progress, the last load's waterfall and "
+                             "disk bytes, inferences")
+    parser.add_argument("--url", metavar="URL",
+                        help="read the engines of the node a running exporter serves (e.g. https://node7:9817), "
+                             "from its /api/v1/engines, instead of this node's")
+    add_client_options(parser)
+    return parser
+
+
+def engines_main(argv: Sequence[str]) -> int:
+    from .remote import client_options
+
+    parser = _engines_parser()
     args = parser.parse_args(list(argv))
+    options = client_options(args)
+    if args.url:
+        local = [flag for flag, dest in LOCAL_FLAGS if getattr(args, dest) != parser.get_default(dest)]
+        if local:
+            parser.error(f"{', '.join(local)}: where to look on this node; not with --url, which reads the exporter's")
+        return _print_remote(args, options)
+    if options.given():
+        parser.error(f"{', '.join(options.given())}: how to reach the exporter --url names; give --url")
+    return _print_local(args)
+
+
+def _print_local(args: argparse.Namespace) -> int:
     globs = [part.strip() for value in args.path for part in value.split(",") if part.strip()]
     if not globs and env_globs():
         globs = env_globs()
@@ -244,13 +370,58 @@ def engines_main(argv: Sequence[str]) -> int:
     include = [part.strip() for part in args.path_include.split(",") if part.strip()]
     rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs, include or None,
                        args.kubelet_pods_dir)
+    _print_rows(rows, args, f"nothing in {printable(args.spool_dir)} and no --path files")
+    return 0
+
+
+def _print_remote(args: argparse.Namespace, options: ClientOptions) -> int:
+    from .remote import RemoteError
+
+    try:
+        rows, answer, url = remote_rows(args.url, options)
+        try:
+            _print_rows(rows, args, f"the exporter at {printable(url)} reports none")
+        except (TypeError, ValueError, AttributeError):  # a field of a type the table cannot print
+            raise RemoteError(f"{url}: not an answer of gpuio's engines API") from None
+    except RemoteError as exc:
+        print(f"gpuio engines: error: {printable(exc)}", file=sys.stderr)
+        return 1
+    left_out = [f"{answer[key]} {what}" for key, what in (
+        ("engines_left_out", "engines over the exporter's --collector.engines.max-engines"),
+        ("rows_left_out", "files over the answer's bounds")) if isinstance(answer.get(key), int) and answer[key]]
+    if left_out:
+        print(f"gpuio engines: not listed: {'; '.join(left_out)} (docs/engines.md, The JSON API)", file=sys.stderr)
+    return 0
+
+
+def _print_rows(rows: list[dict[str, Any]], args: argparse.Namespace, why_none: str) -> None:
     if args.json:
         print(json_text(rows))
     elif not rows:
-        print(f"no engines: nothing in {printable(args.spool_dir)} and no --path files")
-    else:
-        sys.stdout.write(_table(rows, args.wide))
-    return 0
+        print(f"no engines: {why_none}")
+    else:  # a figure that is no finite number shows as "-" (no figure), as --json's null says
+        sys.stdout.write(_table(finite(rows), args.wide))
+
+
+def remote_rows(url: str, options: ClientOptions) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """The rows of the exporter at ``url``'s /api/v1/engines, every field present; its whole answer; and the
+    API's URL.  RemoteError (one line) when it cannot be read or is no such answer."""
+    from .remote import Exporter, RemoteError
+
+    exporter = Exporter(url, options)
+    api = exporter.url(_api_path(exporter.path), "")
+    answer = exporter.get_json(api, MAX_API_ANSWER_BYTES)
+    rows = answer.get("engines") if isinstance(answer, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(row, dict) and "engine" in row for row in rows):
+        raise RemoteError(f"{api}: not an answer of gpuio's engines API")
+    return [{**dict.fromkeys(ROW_FIELDS), **row} for row in rows], answer, api
+
+
+def _api_path(path: str) -> str:
+    """The API's path under the path --url gives: "" or "/" (the exporter itself), a proxy's prefix, or
+    the API's own URL."""
+    path = path.rstrip("/")
+    return path if path.endswith(ENGINES_API) else path + ENGINES_API
 
 
 def env_globs() -> list[str]:

@@ -4,10 +4,12 @@ The telemetry path is answered by a small ASGI function in front of FastAPI.  Wh
 dependency and response machinery cost about as much per request as node_exporter's whole scrape
 (docs/performance.md), and /metrics is the one endpoint hit every few seconds for months.  The
 GETs of the landing page and of /healthz (which Kubernetes probes call every few seconds) are answered
-there too, and the lifespan events start and stop the collectors.  Everything else — a wrong method, an
-unknown path — is plain FastAPI, with its /docs, /redoc and /openapi.json switched off (the exporter
-serves only what the README lists, and /docs would load scripts from a CDN), imported the first time
-such a request comes: FastAPI and pydantic are ~15 MiB of every node's resident memory otherwise.
+there too, and the lifespan events start and stop the collectors.  Everything else is FastAPI: the JSON
+API of the engines (/api/v1/engines, exporter/api.py), and the answers to a wrong method or an unknown
+path.  FastAPI is imported the first time such a request comes: FastAPI and pydantic are ~15 MiB of
+every node's resident memory otherwise.  Its /docs, /redoc and /openapi.json are switched off: the
+exporter serves only what the README lists, /docs would load scripts from a CDN, and the document
+describes an API whose users read docs/engines.md (``python -m exporter.api`` prints it).
 """
 
 from __future__ import annotations
@@ -144,12 +146,13 @@ def landing_page(config: Config, scraper: Scraper) -> str:
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{'on' if enabled else 'off'}</td><td>{status}</td>"
                     f"<td>{duration}</td><td>{html.escape(why)}</td></tr>")
     path = html.escape(config.telemetry_path)
+    engines = ' &middot; <a href="/api/v1/engines">Engines (JSON)</a>' if config.enabled.get("engines") else ""
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>gpuio-exporter</title>
 <style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:.2em 1em;text-align:left}}</style></head>
 <body><h1>gpuio-exporter {__version__}</h1>
 <p>Is this GPU idle because its engine or its data cannot come off the disk fast enough?</p>
-<p><a href="{path}">Metrics</a> &middot; <a href="/healthz">Health</a></p>
+<p><a href="{path}">Metrics</a> &middot; <a href="/healthz">Health</a>{engines}</p>
 <h2>Collectors</h2>
 <p>ok: read this scrape; absent: no such source on this host (not a failure); failing: the source
 failed; stale: it failed and its last good data is served.</p>
@@ -160,11 +163,15 @@ failed; stale: it failed and its last good data is served.</p>
 
 
 def fastapi_app(config: Config, scraper: Scraper) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """The landing page and /healthz as FastAPI serves them, with FastAPI's answers to everything else."""
+    """The JSON API, the landing page and /healthz as FastAPI serves them, with FastAPI's answers to
+    everything else."""
     from fastapi import FastAPI
     from fastapi.responses import HTMLResponse, PlainTextResponse
 
+    from .api import engines_router
+
     api = FastAPI(title="gpuio-exporter", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    api.include_router(engines_router(scraper))
 
     @api.get("/", response_class=HTMLResponse)
     def index() -> str:

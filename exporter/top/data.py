@@ -3,16 +3,11 @@ the sources that take them (the exporter's own collectors in-process, or a runni
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import gzip
 import logging
 import math
 import operator
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,6 +16,7 @@ from gpuio.spool import SERIES
 
 from .. import collect
 from ..collectors import diskstats, engines, nvml, pressure, smart
+from ..remote import ClientOptions, Exporter, RemoteError
 
 # --- The families top reads, from their declarations in the collectors (never a copied literal). ---
 # Disks (diskstats collector; node_exporter's node_disk_* semantics).
@@ -78,6 +74,8 @@ COLLECTOR_SUCCESS = collect.SUCCESS.name
 log = logging.getLogger("gpuio.top")
 MIB = 1024.0 * 1024.0  # iostat's "MB" in rMB/s is 2^20 bytes (sectors / 2048)
 GIB = 1024.0**3
+# The most of an exposition read, decompressed: a bound on what an answer can make top hold, not a size expected.
+MAX_EXPOSITION_BYTES = 64 << 20
 
 Labels = dict[str, str]
 
@@ -168,37 +166,25 @@ class LocalSource:
 
 
 class UrlSource:
-    """A running exporter's /metrics (text format; gzip accepted)."""
+    """A running exporter's /metrics (text format; gzip accepted), reached with the TLS and basic auth
+    ``options`` give (exporter/remote.py)."""
 
-    def __init__(self, url: str, clock: Callable[[], float] = time.monotonic, timeout: float = 5.0) -> None:
-        parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
-        self.headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip", "User-Agent": "gpuio-top"}
-        if parts.username is not None:  # http://user:password@node:9817 (--web.config.file basic auth)
-            user = urllib.parse.unquote(parts.username)
-            password = urllib.parse.unquote(parts.password or "")
-            self.headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        host = parts.hostname or ""
-        netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
-        # A bare host:port means the default telemetry path.
-        self.url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path or "/metrics", parts.query, ""))
+    def __init__(self, url: str, clock: Callable[[], float] = time.monotonic, timeout: float = 5.0,
+                 options: ClientOptions | None = None) -> None:
+        self.exporter = Exporter(url, options or ClientOptions(timeout=timeout))
+        self.headers = self.exporter.headers
+        self.url = self.exporter.url(self.exporter.path or "/metrics")  # a bare host:port: the default path
         self.clock = clock
-        self.timeout = timeout
         self.description = self.url  # without the password
 
     def start(self) -> None:
         pass
 
     def sample(self) -> Snapshot:
-        request = urllib.request.Request(self.url, headers=self.headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                body = response.read()
-                if response.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-        except urllib.error.HTTPError as exc:
-            raise SourceError(f"{self.url}: HTTP {exc.code} {exc.reason}") from None
-        except (OSError, EOFError) as exc:
-            raise SourceError(f"{self.url}: {getattr(exc, 'reason', None) or exc}") from None
+            body = self.exporter.get(self.url, MAX_EXPOSITION_BYTES, accept="text/plain;version=0.0.4", gzip=True)
+        except RemoteError as exc:
+            raise SourceError(str(exc)) from None
         try:
             return Snapshot(self.clock(), parse_exposition(body.decode("utf-8", errors="replace")))
         except ValueError as exc:
@@ -206,5 +192,3 @@ class UrlSource:
 
     def close(self) -> None:
         pass
-
-

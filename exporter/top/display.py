@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import thresholds as th
+from ..remote import RemoteError, add_client_options, client_options
 from ..sorting import natural_key
 from ..terminal import printable, safe_text
 from .data import GIB, MIB, LocalSource, Snapshot, Source, SourceError, UrlSource
@@ -482,6 +483,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="Judge by your own threshold, the knob of the same name you give the rules "
                              "(python -m deploy.generate --set NAME=VALUE), e.g. GPU_BUSY_LOW=0.2; repeatable.")
+    add_client_options(parser, timeout=5.0)
     return parser
 
 
@@ -510,10 +512,17 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
         headers = sorted({c.header for spec in TABLES for c in spec.columns})
         parser.error(f"invalid value {args.sort!r} for --sort; accepted: {', '.join(headers)}")
     source: Source
+    remote = client_options(args)
     if args.url:
         if rest:
             parser.error(f"exporter flags ({' '.join(rest)}) apply to this machine, not with --url")
-        source = UrlSource(args.url, clock)
+        try:
+            source = UrlSource(args.url, clock, options=remote)
+        except RemoteError as exc:
+            print(f"gpuio top: error: {printable(exc)}", file=sys.stderr)
+            return 2
+    elif remote.given():
+        parser.error(f"{', '.join(remote.given())}: how to reach the exporter --url names; give --url")
     else:
         try:
             config = parse_args(rest, prog="gpuio top", server=False)

@@ -103,6 +103,8 @@ def test_url_as_a_process(exporter) -> None:
     (["--json", "--interval=100ms", "--url=127.0.0.1:1"], 1, "error: http://127.0.0.1:1/metrics: "),
     (["--json", "--url=127.0.0.1:1", "--path.procfs=/proc"], 2, "(--path.procfs=/proc) apply to this machine, "
                                                                 "not with --url"),
+    (["--json", "--ca-file=/ca.crt"], 2, "--ca-file: how to reach the exporter --url names; give --url"),
+    (["--json", "--url=127.0.0.1:1", "--username=a"], 2, "error: --username and --password-file go together"),
     (["--json", "--interval=soon"], 2, "invalid value 'soon' for --interval: not a duration; accepted: "),
     (["--json", "--sort=speed"], 2, "invalid value 'speed' for --sort; accepted: %util, aqu-sz, busy%, "),
     (["--json", "--path.procfs=/nonexistent"], 2, "invalid value '/nonexistent' for --path.procfs"),

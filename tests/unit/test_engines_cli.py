@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
+import time
 
 import pytest
 
@@ -171,3 +173,41 @@ def test_a_blocked_read_is_abandoned_after_the_stall_bound_and_stops_when_it_ret
     assert within_stall_bound(lambda beat, abandoned: "done", 0.2) == "done"
     with pytest.raises(ZeroDivisionError):  # the work's own failure reaches the caller
         within_stall_bound(lambda beat, abandoned: 1 / 0, 0.2)
+
+
+def test_engines_shows_a_load_in_progress_and_the_mount_under_the_file(spool_dir, tmp_path, capsys) -> None:
+    """A load held in its loader (deserialize) is in progress: counted, its bytes so far and its start,
+    in --json and in --wide's LOADING column; the file's mount point is in both too."""
+    plan = tmp_path / "slow.engine"
+    plan.write_bytes(b"s" * 65536)
+    release = threading.Event()
+    loading = threading.Thread(target=gpuio.load, args=(str(plan), lambda data: release.wait(30) and data))
+    started = time.time()
+    loading.start()
+    try:
+        deadline = time.monotonic() + 10
+        while gpuio.engine("slow").loads_in_progress() == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engines_main(["--spool-dir", spool_dir, "--path-include", str(tmp_path), "--json"]) == 0
+        row = json.loads(capsys.readouterr().out)[0]
+        assert (row["engine"], row["loads_in_progress"], row["load_in_progress_read_bytes"]) == ("slow", 1, 65536)
+        assert started - 1 <= row["load_in_progress_since"] <= time.time()
+        assert row["mountpoint"] == mount_point_of(str(plan)) and row["fstype"]
+        assert engines_main(["--spool-dir", spool_dir, "--path-include", str(tmp_path), "--wide"]) == 0
+        heading, line = capsys.readouterr().out.splitlines()
+        assert re.search(r"\b1 for \d+s\b", line) and "LOADING" in heading and "MOUNT" in heading
+    finally:
+        release.set()
+        loading.join()
+    assert engines_main(["--spool-dir", spool_dir, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert (row["loads_in_progress"], row["load_in_progress_since"], row["loads"]) == (0, None, 1)
+
+
+def mount_point_of(path: str) -> str:
+    """The mount point under ``path``, as os.path.ismount finds it walking up."""
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path

@@ -17,7 +17,7 @@ LIBRARY_FOLDER = os.path.join(REPO, "exporter", "instrument")
 # The entry points and the web stack: a collector, the library or a parser never imports these.
 TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.server", "exporter.config",
        "exporter.webconfig", "exporter.connections", "exporter.top", "exporter.top.__main__", "exporter.top.data",
-       "exporter.top.iostat", "exporter.top.display", "exporter.engines_cli"}
+       "exporter.top.iostat", "exporter.top.display", "exporter.engines_cli", "exporter.api", "exporter.remote"}
 
 
 def modules() -> dict[str, str]:
