@@ -335,20 +335,6 @@ class MountTableWatch:
             self._handle = None
 
 
-class MountCache:
-    """The mount holding a file, for a caller that asks by file (``gpuio engines``): the host's table of
-    its own :class:`MountTableWatch`, asked at each look-up.  A collector asks ``Context.host_mounts``."""
-
-    def __init__(self, procfs: str) -> None:
-        self._watch = MountTableWatch(procfs)
-
-    def table(self) -> MountTable:
-        return self._watch.table()
-
-    def of_file(self, dev: tuple[int, int], path: str) -> MountPoint | None:
-        return self._watch.table().of_file(dev, path)
-
-
 # --- walking a path someone else named, without waiting on a server ------------------------------------
 #
 # A path a spool writer names (the overlay layer directory of its MOUNT record) is the writer's word: any
