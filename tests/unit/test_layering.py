@@ -162,3 +162,38 @@ def test_gpuio_top_reads_data_then_arithmetic_then_screen() -> None:
     for rank, name in enumerate(layers):
         above = set(layers[rank + 1:]) | {"exporter.top"}
         assert imports_of(name, known[name], names) & above == set(), name
+
+
+# The folders of the repository, each above the ones it may import: the generators (deploy/: rules, boards,
+# runbooks, manifests) read the exporter's thresholds, never the other way round; dashboards/ holds only the
+# JSON Grafana loads (the Python that writes it is deploy/grafana/boards/).
+# The benches reuse the tests' recordings and fakes (smartctl outputs, NVML without a GPU).
+FOLDERS_BELOW = {"exporter": set(), "deploy": {"exporter"}, "bench": {"exporter", "deploy", "tests"}}
+
+
+def folder_imports(folder: str) -> set[str]:
+    """The top-level folders of this repository that Python files under ``folder`` import."""
+    tops = {name for name in os.listdir(REPO) if os.path.isdir(os.path.join(REPO, name))} - {".git"}
+    found: set[str] = set()
+    for directory, folders, files in os.walk(os.path.join(REPO, folder)):
+        folders[:] = [name for name in folders if name not in ("__pycache__", "node_modules", "build")]
+        for name in (name for name in files if name.endswith(".py")):
+            with open(os.path.join(directory, name), encoding="utf-8") as file:
+                tree = ast.parse(file.read())
+            for node in _import_nodes(tree):
+                modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if not node.level else [])
+                found.update(module.split(".")[0] for module in modules)
+    return (found & tops) - {folder}
+
+
+def test_the_folders_import_one_way_down() -> None:
+    for folder, allowed in FOLDERS_BELOW.items():
+        assert folder_imports(folder) <= allowed, folder
+    assert folder_imports("deploy") == {"exporter"}  # the walk reads imports (deploy reads the thresholds)
+
+
+def test_the_dashboards_folder_holds_only_what_grafana_loads() -> None:
+    python = [os.path.join(directory, name) for directory, folders, files in os.walk(os.path.join(REPO, "dashboards"))
+              if "node_modules" not in directory for name in files if name.endswith(".py")]
+    assert python == []
