@@ -215,14 +215,25 @@ def _read(response: http.client.HTTPResponse, limit: int, deadline: float, url: 
 
 
 def _gunzip(body: bytes, limit: int, url: str) -> bytes:
-    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        out = inflate.decompress(body, limit + 1)
-    except zlib.error:
-        raise RemoteError(f"{url}: the answer is not valid gzip") from None
-    if len(out) > limit or inflate.unconsumed_tail:
-        raise RemoteError(f"{url}: the answer is over {limit // 2**20} MiB once decompressed; not read")
-    return out
+    """``body`` decompressed, at most ``limit`` bytes.  A gzip body may be several members one after the
+    other (RFC 1952; the exporter compresses each collector's part as it is ready): each is inflated in turn."""
+    out: list[bytes] = []
+    size = 0
+    rest = body
+    while rest:
+        inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            part = inflate.decompress(rest, limit + 1 - size)
+        except zlib.error:
+            raise RemoteError(f"{url}: the answer is not valid gzip") from None
+        size += len(part)
+        if size > limit or inflate.unconsumed_tail:
+            raise RemoteError(f"{url}: the answer is over {limit // 2**20} MiB once decompressed; not read")
+        if not inflate.eof:
+            raise RemoteError(f"{url}: the answer is not valid gzip (it ends inside a member)")
+        out.append(part)
+        rest = inflate.unused_data
+    return b"".join(out)
 
 
 def _http_problem(url: str, exc: urllib.error.HTTPError) -> str:

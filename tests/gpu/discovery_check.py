@@ -13,8 +13,9 @@ Expected, read from /metrics: while it loads, ``gpuio_engine_loads_in_progress{e
 gpu_uuid=<the loader's GPU>} 1`` and ``gpuio_engine_info`` with that GPU's UUID (the one torch reports for
 cuda:0) and the file's path; after, one load in ``gpuio_engine_load_read_seconds`` whose duration is the
 loader's own within one discovery pass plus 0.5 s, its bytes the file's within 5 %,
-``gpuio_engine_processes{source="proc"} 1`` and the loader's pid in ``gpuio_engine_process_info``; once the
-loader exits, its engine has no live process and no load was abandoned.
+``gpuio_engine_processes{source="proc"} 1`` and the loader's pid in ``gpuio_engine_process_info``; the JSON
+API (``/api/v1/engines``, and ``gpuio engines --url``) tells the same file, GPU and load; once the loader
+exits, its engine has no live process and no load was abandoned.
 
     python3 tests/gpu/discovery_check.py          # from the repository root (as root, for the eviction)
 
@@ -161,6 +162,19 @@ def main() -> int:
         check.verdict(abs(read - size) <= 0.05 * size, f"its bytes {read:.0f} within 5 % of the file's {size}")
         check.verdict(processes.get("proc") == 1 and str(loader.pid) in pids,
                       f"the process, by source {processes}, pids {sorted(pids)}")
+        # The JSON API (what `gpuio engines --url` reads) tells the same engine: its file and GPU, the load.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/engines", timeout=10) as response:
+            rows = [row for row in json.load(response)["engines"] if row["engine"] == engine]
+        print(f"/api/v1/engines: {json.dumps(rows)[:600]}", flush=True)
+        check.verdict(len(rows) == 1 and rows[0]["path"] == path and any(uuid in gpu for gpu in rows[0]["gpus"])
+                      and rows[0]["last_load_seconds"] is not None
+                      and abs(rows[0]["last_load_seconds"] - seconds) <= PASS_S + 0.5,
+                      "the API's row names the file, the loader's GPU and the load /metrics counted")
+        remote = subprocess.run([sys.executable, "-c", "from exporter.cli import tools_main; tools_main()",
+                                 "engines", "--url", f"http://127.0.0.1:{port}"],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        print(remote.stdout[-1500:], remote.stderr[-500:], flush=True)
+        check.verdict(remote.returncode == 0 and engine in remote.stdout, "gpuio engines --url prints the engine")
         loader.wait(timeout=SERVE_S + 30)
         time.sleep(2 * PASS_S + 0.2)
         found = samples(port)

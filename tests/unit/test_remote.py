@@ -88,6 +88,17 @@ def test_answers_over_the_limit_are_refused_compressed_or_not(canned: Canned) ->
         exporter.get(canned.url, 1 << 20, gzip=True)
     canned.handle = reply(200, gzip.compress(b"fits"), Content_Encoding="gzip")
     assert exporter.get(canned.url, 1 << 20, gzip=True) == b"fits"
+    # Several gzip members one after the other, as the exporter writes a scrape (a part per collector): all
+    # of them, and the limit counts them together.
+    members = gzip.compress(b"disk 1\n") + gzip.compress(b"gpu 2\n") + gzip.compress(b"engine 3\n")
+    canned.handle = reply(200, members, Content_Encoding="gzip")
+    assert exporter.get(canned.url, 1 << 20, gzip=True) == b"disk 1\ngpu 2\nengine 3\n"
+    canned.handle = reply(200, gzip.compress(b"a" * 1000) * 3, Content_Encoding="gzip")  # ~90 bytes
+    with pytest.raises(RemoteError, match="once decompressed"):
+        exporter.get(canned.url, 2000, gzip=True)  # each member fits, the three do not
+    canned.handle = reply(200, members[:-5], Content_Encoding="gzip")
+    with pytest.raises(RemoteError, match="not valid gzip"):
+        exporter.get(canned.url, 1 << 20, gzip=True)
     canned.handle = reply(200, b"<html>a login page</html>")
     with pytest.raises(RemoteError, match="the answer is not JSON"):
         exporter.get_json(canned.url, 1 << 20)
