@@ -100,6 +100,8 @@ def main() -> int:
         top = subprocess.run([sys.executable, "-c", tools, "top", "--once", f"--url={url}"],
                              capture_output=True, text=True, cwd=REPO, env={**os.environ, "COLUMNS": "100"})
         print(top.stdout or top.stderr)
+        if top.returncode != 0 or "no gpuio_gpu_* series" in top.stdout:
+            failures.append("gpuio top --url shows no GPU row of an exporter that serves them")
     finally:
         process.terminate()
         output, _ = process.communicate(timeout=15)
