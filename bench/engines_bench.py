@@ -36,6 +36,11 @@
    passes (the loaders followed every pass, the rest in turn within the pass budget), against GNU
    find walking every descriptor of every process for the same names (``find /proc/[0-9]*/fd -lname``,
    what a one-off lookup with a shell does; lsof reads more).  ``--only-discovery`` runs this alone.
+7. The JSON API (``GET /api/v1/engines``, what ``gpuio engines --url`` reads): a running exporter over a spool
+   of API_ENGINES live writers, one engine each; the first answer (FastAPI imported, the collector scraped
+   once) and the steady ones, against the peer an operator with a shell has, ``gpuio engines --json`` run
+   on the node (a process that reads the spool and joins the same rows).  Both must name the same engines.
+   ``--only-api`` runs this alone.
 
     .venv/bin/python bench/engines_bench.py                     # all of it
     .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
@@ -52,12 +57,14 @@ import importlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import types
+import urllib.request
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -246,15 +253,16 @@ def report_breakdown() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def writer_helper(directory: str, count: int) -> None:
-    """Holds ``count`` spool writers (one engine each); on "tick" observes into every one."""
+def writer_helper(directory: str, count: int, engines: int = ENGINES) -> None:
+    """Holds ``count`` spool writers (one engine each, ``engines`` distinct names); on "tick" observes into
+    every one."""
     from gpuio import spool as spool_format
     from gpuio.metrics import EngineMetrics
 
     writers = []
     for index in range(count):
         file = spool_format.SpoolFile(directory, 64 * 1024)
-        metrics = EngineMetrics(f"engine{index % ENGINES}", file)
+        metrics = EngineMetrics(f"engine{index % engines}", file)
         fill(metrics, index)
         writers.append((file, metrics))
     print("ready", flush=True)
@@ -660,9 +668,72 @@ def report_discovery(repeats: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+API_ENGINES = 200  # the engines collector's default --collector.engines.max-engines
+
+
+def api_answer(url: str) -> tuple[float, bytes]:
+    started = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=30) as response:
+        body = response.read()
+    return time.perf_counter() - started, body
+
+
+def report_api(repeats: int) -> None:
+    print(f"7. JSON API, {API_ENGINES} engines (one live writer each)")
+    directory = tempfile.mkdtemp(prefix="gpuio-bench-api-")
+    helper = subprocess.Popen([sys.executable, __file__, "--writer-helper", directory, str(API_ENGINES),
+                               str(API_ENGINES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    exporter = None
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((REPO, os.path.join(REPO, "exporter", "instrument")))}
+    try:
+        assert helper.stdout is not None and helper.stdout.readline().strip() == "ready"
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        exporter = subprocess.Popen([sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+                                     "--collector.disable-defaults", "--collector.engines",
+                                     f"--collector.engines.spool-dir={directory}",
+                                     "--collector.engines.discover=false"],
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}/api/v1/engines"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                first, body = api_answer(url)
+                break
+            except OSError:
+                if time.monotonic() > deadline or exporter.poll() is not None:
+                    raise SystemExit("the exporter did not answer") from None
+                time.sleep(0.1)
+        steady = [api_answer(url)[0] for _ in range(repeats)]
+        command = [sys.executable, "-c", "from exporter.cli import tools_main; tools_main()", "engines", "--json",
+                   f"--spool-dir={directory}"]
+        local = []
+        for _ in range(max(3, repeats // 4)):
+            started = time.perf_counter()
+            result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            local.append(time.perf_counter() - started)
+        over_api = {row["engine"] for row in json.loads(body)["engines"]}
+        on_node = {row["engine"] for row in json.loads(result.stdout)}
+        if over_api != on_node or len(over_api) != API_ENGINES:
+            raise SystemExit(f"the API and gpuio engines disagree: {len(over_api)} vs {len(on_node)} engines")
+        steady.sort()
+        p50 = statistics.median(steady)
+        print(f"   first answer {first * 1000:.0f} ms; steady p50 {p50 * 1000:.1f} ms, "
+              f"p99 {steady[int(len(steady) * 0.99) - 1] * 1000:.1f} ms, {len(body) / 1024:.0f} KiB")
+        print(f"   gpuio engines --json on the node (a process): p50 {statistics.median(local) * 1000:.0f} ms; "
+              f"ratio API / local {p50 / statistics.median(local):.3f}\n")
+    finally:
+        for process in (exporter, helper):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--writer-helper", nargs=2, metavar=("DIR", "COUNT"), help=argparse.SUPPRESS)
+    parser.add_argument("--writer-helper", nargs="+", metavar="DIR COUNT [ENGINES]", help=argparse.SUPPRESS)
     parser.add_argument("--scrapes", type=int, default=30)
     parser.add_argument("--residency-gib", type=float, default=10.0)
     parser.add_argument("--residency-dir", default=tempfile.gettempdir())
@@ -670,9 +741,10 @@ def main() -> None:
     parser.add_argument("--skip-scrapes", action="store_true", help="observe() and infer() only")
     parser.add_argument("--only-flood", action="store_true", help="5 only: one writer's flood")
     parser.add_argument("--only-discovery", action="store_true", help="6 only: engine discovery")
+    parser.add_argument("--only-api", action="store_true", help="7 only: the JSON API")
     args = parser.parse_args()
     if args.writer_helper:
-        writer_helper(args.writer_helper[0], int(args.writer_helper[1]))
+        writer_helper(args.writer_helper[0], *(int(number) for number in args.writer_helper[1:]))
         return
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, kernel {os.uname().release}\n")
     if args.only_flood:
@@ -680,6 +752,9 @@ def main() -> None:
         return
     if args.only_discovery:
         report_discovery(args.scrapes)
+        return
+    if args.only_api:
+        report_api(args.scrapes)
         return
     report_observe(observe_costs())
     report_breakdown()
@@ -689,6 +764,7 @@ def main() -> None:
     report_scrapes(args.scrapes)
     report_flood(args.scrapes)
     report_discovery(args.scrapes)
+    report_api(args.scrapes)
     if not args.skip_residency:
         report_residency(args.residency_gib, args.residency_dir)
 
