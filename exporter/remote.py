@@ -21,6 +21,7 @@ import http.client
 import json
 import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -162,22 +163,39 @@ class Exporter:
 
     def get(self, url: str, limit: int, accept: str = "application/json", gzip: bool = False) -> bytes:
         """The body of a 200 answer to GET ``url``, at most ``limit`` bytes (decompressed); RemoteError
-        for anything else."""
+        for anything else, and for no complete answer within ``--timeout``."""
         headers = {**self.headers, "Accept": accept}
         if gzip:
             headers["Accept-Encoding"] = "gzip"
-        request = urllib.request.Request(url, headers=headers)
         timeout = self.options.timeout
+        outcome: list[bytes | BaseException] = []
+        # The exchange runs on a thread the caller stops waiting for at the deadline: the socket's timeout
+        # bounds each receive, not the whole (a server sending its headers a byte at a time would hold the
+        # caller for as long as it liked).  A thread given up on ends at its socket's next timeout.
+        exchange = threading.Thread(target=self._exchange, name="gpuio-remote", daemon=True,
+                                    args=(urllib.request.Request(url, headers=headers), limit, outcome))
+        exchange.start()
+        exchange.join(timeout)
+        if not outcome:
+            raise RemoteError(f"{url}: no complete answer in {timeout:g} s (--timeout)")
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def _exchange(self, request: urllib.request.Request, limit: int, outcome: list[bytes | BaseException]) -> None:
+        url, timeout = request.full_url, self.options.timeout
         deadline = time.monotonic() + timeout
         try:
             with self._opener.open(request, timeout=timeout) as response:
                 body = _read(response, limit, deadline, url)
                 encoding = response.headers.get("Content-Encoding", "")
+            outcome.append(_gunzip(body, limit, url, deadline) if encoding == "gzip" else body)
         except urllib.error.HTTPError as exc:
-            raise RemoteError(_http_problem(url, exc)) from None
+            outcome.append(RemoteError(_http_problem(url, exc)))
         except (OSError, EOFError, ValueError, http.client.HTTPException) as exc:
-            raise RemoteError(f"{url}: {_connection_problem(exc, timeout, self.scheme == 'https')}") from None
-        return _gunzip(body, limit, url) if encoding == "gzip" else body
+            outcome.append(RemoteError(f"{url}: {_connection_problem(exc, timeout, self.scheme == 'https')}"))
+        except RemoteError as exc:
+            outcome.append(exc)
 
     def get_json(self, url: str, limit: int) -> Any:
         body = self.get(url, limit)
@@ -214,25 +232,41 @@ def _read(response: http.client.HTTPResponse, limit: int, deadline: float, url: 
     return b"".join(chunks)
 
 
-def _gunzip(body: bytes, limit: int, url: str) -> bytes:
+# A gzip body's members (RFC 1952): the exporter writes one per collector's part; more is not an exporter.
+MAX_GZIP_MEMBERS = 1024
+
+
+def _gunzip(body: bytes, limit: int, url: str, deadline: float) -> bytes:
     """``body`` decompressed, at most ``limit`` bytes.  A gzip body may be several members one after the
-    other (RFC 1952; the exporter compresses each collector's part as it is ready): each is inflated in turn."""
+    other (the exporter compresses each collector's part as it is ready): each is inflated in turn.  The
+    input goes in READ_CHUNK slices, so what a finished member leaves over is at most one slice: many
+    members cost time in proportion to the body, not to its square."""
     out: list[bytes] = []
-    size = 0
-    rest = body
-    while rest:
-        inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        try:
-            part = inflate.decompress(rest, limit + 1 - size)
-        except zlib.error:
-            raise RemoteError(f"{url}: the answer is not valid gzip") from None
-        size += len(part)
-        if size > limit or inflate.unconsumed_tail:
-            raise RemoteError(f"{url}: the answer is over {limit // 2**20} MiB once decompressed; not read")
-        if not inflate.eof:
-            raise RemoteError(f"{url}: the answer is not valid gzip (it ends inside a member)")
-        out.append(part)
-        rest = inflate.unused_data
+    size, members = 0, 1
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    view = memoryview(body)
+    pending = b""
+    for start in range(0, len(body), READ_CHUNK):
+        pending += view[start:start + READ_CHUNK]
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            try:
+                part = inflate.decompress(pending, limit + 1 - size)
+            except zlib.error:
+                raise RemoteError(f"{url}: the answer is not valid gzip") from None
+            size += len(part)
+            if size > limit or inflate.unconsumed_tail:
+                raise RemoteError(f"{url}: the answer is over {limit // 2**20} MiB once decompressed; not read")
+            out.append(part)
+            pending = inflate.unused_data if inflate.eof else b""
+            if inflate.eof and pending:
+                members += 1
+                if members > MAX_GZIP_MEMBERS:
+                    raise RemoteError(f"{url}: the answer is over {MAX_GZIP_MEMBERS} gzip members; not read")
+                inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if not inflate.eof:
+        raise RemoteError(f"{url}: the answer is not valid gzip (it ends inside a member)")
     return b"".join(out)
 
 

@@ -96,6 +96,13 @@ def test_answers_over_the_limit_are_refused_compressed_or_not(canned: Canned) ->
     canned.handle = reply(200, gzip.compress(b"a" * 1000) * 3, Content_Encoding="gzip")  # ~90 bytes
     with pytest.raises(RemoteError, match="once decompressed"):
         exporter.get(canned.url, 2000, gzip=True)  # each member fits, the three do not
+    # Many members cost time in proportion to the body (an answer of 40,000 empty members, quadratic once);
+    # past MAX_GZIP_MEMBERS it is no exporter's answer.
+    canned.handle = reply(200, gzip.compress(b"") * 40_000, Content_Encoding="gzip")
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="over 1024 gzip members"):
+        exporter.get(canned.url, 64 << 20, gzip=True)
+    assert time.monotonic() - start < 2
     canned.handle = reply(200, members[:-5], Content_Encoding="gzip")
     with pytest.raises(RemoteError, match="not valid gzip"):
         exporter.get(canned.url, 1 << 20, gzip=True)
@@ -119,7 +126,23 @@ def test_an_exporter_that_answers_too_slowly_or_a_byte_at_a_time_is_given_up_on(
             request.wfile.flush()
             time.sleep(0.1)
 
-    for handle in (silent, trickling):
+    def trickling_headers(request: http.server.BaseHTTPRequestHandler) -> None:
+        request.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(30):  # a header line a byte at a time: each receive in time, the headers never done
+            request.wfile.write(b"X")
+            request.wfile.flush()
+            time.sleep(0.1)
+
+    def trickling_error(request: http.server.BaseHTTPRequestHandler) -> None:
+        request.send_response(500)
+        request.send_header("Content-Length", "30")
+        request.end_headers()
+        for _ in range(30):
+            request.wfile.write(b"x")
+            request.wfile.flush()
+            time.sleep(0.1)
+
+    for handle in (silent, trickling, trickling_headers, trickling_error):
         canned.handle = handle
         start = time.monotonic()
         with pytest.raises(RemoteError, match=r"no complete answer in 0\.5 s \(--timeout\)"):
