@@ -151,7 +151,8 @@ class EnginesReport:
 
     def _make(self, collector: EnginesCollector, state: CollectorState) -> dict[str, Any]:
         scan = collector.scanner.snapshot()
-        join = EngineJoin(collector, collector.spool_totals(), dict(scan.value.files) if scan.value else {})
+        join = EngineJoin(collector, collector.spool_totals(), dict(scan.value.files) if scan.value else {},
+                          look_up=False)
         engines = join.engines()
         shown = sorted(_ranked(join, engines)[:collector.max_engines])
         rows, rows_left_out = _bounded_rows(join, shown)

@@ -280,6 +280,10 @@ class DeviceNumbers:
         self._answers = {dev: answer for dev, answer in self._answers.items() if dev in self._asked}
         self._round = None
 
+    def known(self, dev: tuple[int, int]) -> DeviceAnswer | None:
+        """The answer the last rounds learned for ``dev``, however old, without looking anything up."""
+        return self._answers.get(dev)
+
     def resolve(self, dev: tuple[int, int]) -> DeviceAnswer:
         """Look ``dev`` up now (no budget: for one-shot tools), and keep the answer until the next round."""
         return self._answer(dev, *self.tables())

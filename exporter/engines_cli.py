@@ -117,12 +117,15 @@ class EngineJoin:
     with its files (size, residency, device), the disks and mount under them, its GPUs and pods.
 
     ``collector`` is an engines collector (a read-only one of ``gpuio engines``, or the exporter's own,
-    held by its caller alone: device look-ups use its caches); ``files`` its last scan of engine files.
+    held by its caller alone); ``files`` its last scan of engine files.  ``look_up``: devices are looked
+    up now (a one-shot tool), else taken from what the exporter's scrapes learned within their budget (the
+    API: st_dev numbers are what spool writers report, so a request must not make a look-up per row).
     Mounts come from the host's table the collector reads (``Context.host_mounts``), as /metrics' do."""
 
     def __init__(self, collector: EnginesCollector, totals: Totals,
-                 files: Mapping[tuple[str, str], FileView]) -> None:
+                 files: Mapping[tuple[str, str], FileView], look_up: bool = True) -> None:
         self.collector = collector
+        self.look_up = look_up
         self.totals = totals
         self.files = files
         self.mount_table = collector.context.host_mounts.table()  # one table for every row
@@ -195,7 +198,7 @@ class EngineJoin:
         infos = self.totals.infos.get(engine, [])
         info = next((i for i in infos if i.path == path), None)
         dev = info.dev if info is not None else view.dev if view is not None else None
-        device, disks = self.collector.device_of(dev) if dev else ("", [])
+        device, disks = self.collector.device_of(dev, self.look_up) if dev else ("", [])
         mount = self.mount_table.of_file(dev, path) if dev and dev != (0, 0) and path else None
         return {
             "path": path,
@@ -212,17 +215,19 @@ class EngineJoin:
 
 def _last_load(values: list[float] | None) -> dict[str, Any]:
     """The waterfall of the engine's latest load, as a row's fields (empty before any)."""
-    from gpuio import spool as fmt
+    from gpuio import spool as spool_format
 
-    slot = fmt.WATERFALL
+    slot = spool_format.WATERFALL
     if values is None or values[slot["last_start"]] <= 0:
         return {}
     klass = int(values[slot["last_class"]])
+    classes = spool_format.LOAD_CLASSES
     read = values[slot["last_read"]]
     return {
-        "last_load_class": fmt.LOAD_CLASSES[klass - 1] if 1 <= klass <= len(fmt.LOAD_CLASSES) else None,
+        "last_load_class": classes[klass - 1] if 1 <= klass <= len(classes) else None,
         "last_load_seconds": values[slot["last_wall"]],
-        "last_load_phases": {name: values[slot[f"last_{name}"]] for name in fmt.PHASES if values[slot[f"last_{name}"]]},
+        "last_load_phases": {name: values[slot[f"last_{name}"]] for name in spool_format.PHASES
+                             if values[slot[f"last_{name}"]]},
         "last_load_device_bytes": values[slot["last_device_bytes"]],
         "last_load_cache_bytes": values[slot["last_cache_bytes"]],
         "last_load_read_bytes_per_second": values[slot["last_bytes"]] / read if read > 0 else None,

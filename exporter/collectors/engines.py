@@ -1075,13 +1075,12 @@ class EnginesCollector(Collector):
         os.close(fd)
         return st
 
-    def device_of(self, dev: tuple[int, int]) -> tuple[str, list[str]]:
-        """The block device behind st_dev MAJ:MIN and the whole disks under it, looked up now (for
-        ``gpuio engines``; the scrape looks up within its budget, see _file_devices)."""
-        if dev == (0, 0):
-            return "", []
-        answer = self._devices.resolve(dev)
-        return answer.device, list(answer.disks)
+    def device_of(self, dev: tuple[int, int], look_up: bool = True) -> tuple[str, list[str]]:
+        """The block device behind st_dev MAJ:MIN and the whole disks under it: looked up now (for
+        ``gpuio engines``), or with ``look_up`` False what the scrapes learned within their budget (see
+        _file_devices; for the API, whose rows name numbers spool writers chose): ("", []) if nothing."""
+        answer = self._devices.resolve(dev) if look_up and dev != (0, 0) else self._devices.known(dev)
+        return (answer.device, list(answer.disks)) if answer is not None else ("", [])
 
     # --- files: background scan ----------------------------------------------------------------
 

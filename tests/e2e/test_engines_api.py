@@ -24,7 +24,7 @@ import pytest
 import gpuio
 from exporter.engines_cli import engine_rows, json_text
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import REPO, free_port
 from tests.e2e.test_server import loaded_libraries
 from tests.e2e.test_tls import HASH, PASSWORD, Certs, basic, certs, client_context, tls_config  # noqa: F401
@@ -54,7 +54,7 @@ class Node:
         (models / "bert.plan").write_bytes(b"b" * 8192)  # a file only the glob names, not in the page cache
         evicted(str(models / "bert.plan"))
         # A writer's absurd figures: 2**53 bytes read in 5e-324 s, an infinite throughput (JSON has none).
-        self.writer = fmt.SpoolFile(spool)
+        self.writer = spool_format.SpoolFile(spool)
         absurd = metrics.EngineMetrics("absurd", self.writer)
         absurd.load_read_seconds.observe(5e-324)
         absurd.load_read_bytes.inc(2.0**53)

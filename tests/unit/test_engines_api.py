@@ -17,7 +17,7 @@ from exporter import api
 from exporter.collect import Scraper
 from exporter.engines_cli import ROW_FIELDS
 from gpuio import metrics
-from gpuio import spool as fmt
+from gpuio import spool as spool_format
 from tests.conftest import engines_collector
 
 
@@ -31,8 +31,8 @@ def answer(report: api.EnginesReport) -> dict[str, Any]:
     return asyncio.run(report.answer())
 
 
-def engine(spool: str, name: str) -> fmt.SpoolFile:
-    writer = fmt.SpoolFile(spool)
+def engine(spool: str, name: str) -> spool_format.SpoolFile:
+    writer = spool_format.SpoolFile(spool)
     metrics.EngineMetrics(name, writer).inference_seconds.observe(0.01)
     return writer
 
@@ -105,7 +105,7 @@ def test_the_schema_is_the_row_gpuio_engines_prints() -> None:
 
 
 def test_rows_hold_only_numbers_json_has(spool_dir: str) -> None:
-    writer = fmt.SpoolFile(spool_dir)
+    writer = spool_format.SpoolFile(spool_dir)
     absurd = metrics.EngineMetrics("absurd", writer)
     absurd.load_read_seconds.observe(5e-324)
     absurd.load_read_bytes.inc(2.0**53)
@@ -113,3 +113,26 @@ def test_rows_hold_only_numbers_json_has(spool_dir: str) -> None:
     assert row["read_mib_per_second"] is None and row["loads"] == 1
     api.EnginesAnswer.model_validate(answer(report_of(spool_dir)))  # what FastAPI checks before sending
     writer.close()
+
+
+def test_devices_come_from_what_the_scrapes_learned_never_a_lookup_per_request(
+        spool_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The st_dev numbers in a spool are what its writers report: a request must not make a sysfs look-up
+    per row.  The scrape looks them up within its budget; the API serves those answers."""
+    from exporter.blockdev import DeviceNumbers
+    from exporter.engines_cli import EngineJoin
+
+    (tmp_path / "m.plan").write_bytes(b"m" * 4096)
+    report = report_of(spool_dir, path=(str(tmp_path / "m.*"),))
+
+    def no_lookup(self: DeviceNumbers, dev: tuple[int, int]) -> None:
+        raise AssertionError(f"the API looked {dev} up")
+
+    monkeypatch.setattr(DeviceNumbers, "resolve", no_lookup)
+    (row,) = answer(report)["engines"]  # its first answer scrapes once: the scrape learns the device
+    monkeypatch.undo()
+    collector = report.state.collector  # type: ignore[union-attr]
+    scan = collector.scanner.snapshot().value
+    looked_up_now = EngineJoin(collector, collector.spool_totals(), dict(scan.files)).rows(["m"])[0]
+    assert looked_up_now["device"]  # this machine's tmp directory is on a block device sysfs knows
+    assert (row["device"], row["disks"]) == (looked_up_now["device"], looked_up_now["disks"])
