@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ)
         parser.error("--set and --out write your own variant: give --out DIR (never rules/ "
                      "or the repository itself), and no --check")
     if out:
+        if overrides and config.RUNBOOK_URL == DEFAULT.RUNBOOK_URL:
+            # The alerts would link the repository's runbooks, which quote the default numbers.
+            print(f"note: the alerts' runbook_url is {DEFAULT.RUNBOOK_URL}, the pages of the default config; "
+                  f"publish {os.path.join(args.out, 'runbooks')} and give --runbook-url", file=sys.stderr)
         return write(variant_files(prometheus.variant(overrides, config), out,
                                    prometheus.variant_note(overrides) if overrides else ""))
     if args.check:

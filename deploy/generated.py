@@ -37,7 +37,7 @@ def stale_files(files: Mapping[str, str], present: Iterable[str] = ()) -> list[s
     out = []
     for path, text in files.items():
         try:
-            with open(path) as handle:
+            with open(path, encoding="utf-8") as handle:
                 if handle.read() == text:
                     continue
         except FileNotFoundError:
@@ -56,7 +56,7 @@ def report_stale(paths: list[str], remedy: str) -> int:
 def write(files: Mapping[str, str]) -> int:
     for path, text in files.items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as handle:
+        with open(path, "w", encoding="utf-8") as handle:
             handle.write(text)
         print(f"wrote {os.path.relpath(path)}")
     return 0

@@ -37,6 +37,9 @@ def with_defaults(declared: Sequence[Option], given: dict[str, Any]) -> dict[str
     """Every declared option's value: as given, else (not given, or given as None: unset) its default
     parsed as a flag's would be, None where it has none.  The Option is the one place a default is written."""
     values = {option.name: None if option.default is None else option.parse(option.default) for option in declared}
+    unknown = set(given) - set(values)
+    if unknown:  # a misspelt option would quietly run at its default
+        raise ValueError(f"no such option: {', '.join(sorted(unknown))}; declared: {', '.join(sorted(values))}")
     values.update((name, value) for name, value in given.items() if value is not None)
     return values
 

@@ -23,6 +23,7 @@ Why these shapes (from node-mixin's history):
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,23 @@ def disk_class(rotational: str | None, device: str | None = None) -> str:
     return SOLID_STATE if rotational == "0" else ROTATIONAL
 
 
+# The thresholds that are shares of time or of a whole (0-1); the others are counts or seconds (>= 0).
+RATIOS = frozenset({"IO_PRESSURE_SOME", "IO_PRESSURE_FULL", "GPU_BUSY_LOW", "GPU_SM_ACTIVE_LOW", "GPU_THROTTLE_RATIO"})
+
+
+def parse_threshold(name: str, value: str, ratio: bool) -> float:
+    """A threshold set by name (``--set NAME=VALUE``): a finite number, at least 0, at most 1 for a ratio.
+    nan would compare false everywhere (an alert that never fires), so it is refused like a typo."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"--set {name}={value!r}: expected a number") from None
+    if not math.isfinite(number) or number < 0 or (ratio and number > 1):
+        accepted = "a share between 0 and 1" if ratio else "a finite number of at least 0"
+        raise ValueError(f"--set {name}={value!r}: expected {accepted}")
+    return number
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """The numbers a row is judged by (defaults above).  Frozen: another set is
@@ -125,10 +143,7 @@ class Thresholds:
             name, sep, value = setting.partition("=")
             if not sep or name not in numbers:
                 raise ValueError(f"--set {setting!r}: expected NAME=VALUE, NAME one of {', '.join(sorted(numbers))}")
-            try:
-                changes[name] = float(value)
-            except ValueError:
-                raise ValueError(f"--set {name}={value!r}: expected a number") from None
+            changes[name] = parse_threshold(name, value, name in RATIOS)
         return dataclasses.replace(self, **changes)
 
     def io_pressure_high(self, some: float | None, full: float | None) -> bool:

@@ -123,6 +123,11 @@ class Config:
     # dcgm-exporter, no such series.
     DCGM_SELECTOR: str = 'job=~".*dcgm.*"'
 
+    # One Grafana looking at several Prometheus servers (or clusters), told apart by a `cluster` label (an
+    # external label, or one added by federation or remote write): the boards show their Cluster variable.
+    # Off, it is hidden: with one Prometheus it has one value or none, and "All" matches series without it.
+    MULTI_CLUSTER: bool = False
+
     # --- windows -------------------------------------------------------------------------------------
     # rate() window of the recording rules: needs at least two scrapes inside it, so a scrape interval
     # of 30 s or less (15 s recommended).  Recording-rule names carry it (`:rate1m`).
@@ -310,3 +315,6 @@ class Config:
 
 DEFAULT = Config()
 KNOBS = frozenset(field.name for field in dataclasses.fields(Config))
+# The knobs that are shares (0-1): `--set` refuses more than 1 for them.
+RATIO_KNOBS = thresholds.RATIOS | {"BASELINE_MIN_COVERAGE", "STORM_PAGE_IO_FULL", "PCIE_GENERATION_BUSY",
+                                   "GPU_ACTIVITY_DROP", "COLLECTOR_FAILING_RATIO"}

@@ -18,8 +18,10 @@ import re
 from typing import Any
 
 from deploy.generated import stale_files, yaml_text
+from exporter.options import parse_bool
+from exporter.thresholds import parse_threshold
 
-from .config import DEFAULT, KNOBS, NODE_EXPORTER, Config
+from .config import DEFAULT, KNOBS, NODE_EXPORTER, RATIO_KNOBS, Config
 from .sources import rule_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,14 +48,20 @@ def parse_override(text: str, base: Config = DEFAULT) -> tuple[str, Any]:
     if not sep or name not in KNOBS:
         raise ValueError(f"--set {text!r}: expected NAME=VALUE with NAME a knob of deploy/prometheus/config.py")
     current = getattr(base, name)
-    if isinstance(current, bool) or not isinstance(current, (int, float, str)):
-        raise ValueError(f"--set {name}: only numbers, durations and text can be replaced, "
-                         f"not {type(current).__name__}")
-    if isinstance(current, (int, float)):
+    if isinstance(current, bool):
         try:
-            return name, type(current)(value)
+            return name, parse_bool(value)
         except ValueError:
-            raise ValueError(f"--set {name}={value!r}: expected a {type(current).__name__}") from None
+            raise ValueError(f"--set {name}={value!r}: expected true or false") from None
+    if isinstance(current, int):
+        if not (value.isascii() and value.isdigit()):
+            raise ValueError(f"--set {name}={value!r}: expected a whole number of at least 0")
+        return name, int(value)
+    if isinstance(current, float):
+        return name, parse_threshold(name, value, name in RATIO_KNOBS)
+    if not isinstance(current, str):
+        raise ValueError(f"--set {name}: only numbers, durations, text and true/false can be replaced, "
+                         f"not {type(current).__name__}")
     if DURATION.match(current) and not DURATION.match(value):
         raise ValueError(f"--set {name}={value!r}: expected a Prometheus duration such as 30s, 2m or 1h")
     return name, value

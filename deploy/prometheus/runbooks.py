@@ -189,7 +189,7 @@ def template_names() -> list[str]:
 
 
 def read_template(name: str) -> str:
-    with open(os.path.join(TEMPLATES_DIR, name)) as handle:
+    with open(os.path.join(TEMPLATES_DIR, name), encoding="utf-8") as handle:
         return handle.read()
 
 

@@ -511,6 +511,8 @@ class SmartCollector(Collector):
         if settings["device-include"] is not None and settings["device-exclude"] is not None:
             raise ConfigError("--collector.smart.device-include and --collector.smart.device-exclude are mutually "
                               "exclusive; accepted: at most one of them")
+        # No default in the Option: parse_executable checks a path it is given, and smartctl on PATH is
+        # looked for when the collector runs (absent there: no SMART data, not a bad flag).
         self._smartctl: str = settings["smartctl-path"] or "smartctl"
         self._timeout: float = settings["timeout"]
         self._powermode: str = settings["powermode-check"]

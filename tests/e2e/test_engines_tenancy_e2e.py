@@ -210,10 +210,7 @@ def test_a_flood_of_device_numbers_costs_a_bounded_scrape_and_never_the_victims_
     shutil.copy("/proc/self/mountinfo", os.path.join(procfs, "1", "mountinfo"))
     victim = start_victim(spool, LOADS.format(model=model))
     writers = []
-    settings = {option.name: option.parse(option.default) if option.default is not None else None
-                for option in engines.EnginesCollector.options}
-    settings.update({"spool-dir": spool, "max-engines": 500})
-    collector = engines.EnginesCollector(Context(procfs, sysfs, "/"), settings)
+    collector = engines.EnginesCollector(Context(procfs, sysfs, "/"), {"spool-dir": spool, "max-engines": 500})
     work = Work(os.path.join(procfs, "1", "mountinfo"), os.path.join(sysfs, "block"))
     try:
         for writer in range(JUNK_WRITERS):

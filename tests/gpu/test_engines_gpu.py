@@ -123,13 +123,8 @@ def run(work: str) -> dict[str, Any]:
 
     from exporter.collectors import engines
 
-    options = {option.name: option.parse(option.default) if option.default is not None else None
-               for option in engines.EnginesCollector.options}
-    options["spool-dir"] = spool
     # the model lies in a temporary directory: the exporter opens writer-named files only inside these
-    options["path-include"] = next(option for option in engines.EnginesCollector.options
-                                   if option.name == "path-include").parse(work)
-    collector = engines.EnginesCollector(Context(), options)
+    collector = engines.EnginesCollector(Context(), {"spool-dir": spool, "path-include": (work,)})
     collector.collect()
     collector.scanner.sample_now()
     text = render(collector.collect())

@@ -86,3 +86,13 @@ def test_every_threshold_top_judges_by_is_a_knob_of_the_rules_with_the_same_defa
     """`gpuio top --set NAME` and `python -m deploy.generate --set NAME` mean the same number."""
     assert config.DEFAULT.thresholds == thresholds.DEFAULT
     assert {field for field in thresholds.Thresholds.__dataclass_fields__} <= config.KNOBS
+
+
+def test_a_switch_of_the_boards_is_a_knob_too(tmp_path) -> None:
+    """MULTI_CLUSTER shows every board's Cluster variable (hidden by default: one Prometheus)."""
+    def cluster_hidden(out: Path) -> set[bool]:
+        return {variable.get("hide") == 2 for path in sorted((out / "dashboards").glob("*.json"))
+                for variable in json.loads(path.read_text())["templating"]["list"] if variable["name"] == "cluster"}
+
+    assert cluster_hidden(generated(tmp_path / "default")) == {True}
+    assert cluster_hidden(generated(tmp_path / "several", "MULTI_CLUSTER=true")) == {False}

@@ -58,6 +58,10 @@ def test_cli_writes_a_variant_elsewhere_and_nothing_else(tmp_path, capsys) -> No
     written = {str(p): p.read_text() for p in tmp_path.glob("*.yml")}
     assert written == generate.rendered(generate.variant(VARIANT), str(tmp_path), generate.variant_note(VARIANT))
     assert generator.stale() == []
+    # the alerts of your own numbers would link the repository's runbooks: the command says so
+    assert "publish" in capsys.readouterr().err
+    assert generator.main([*sets, "--out", str(tmp_path), "--runbook-url", "https://wiki/{alert}"], environ={}) == 0
+    assert "publish" not in capsys.readouterr().err
 
 
 def test_cli_links_come_from_flags_or_the_environment(tmp_path) -> None:
@@ -76,8 +80,15 @@ def test_cli_links_come_from_flags_or_the_environment(tmp_path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--set", "STORM_FOR=5 minutes", "--out", "x"], "expected a Prometheus duration"),
     (["--set", "NO_SUCH_KNOB=1", "--out", "x"], "a knob of deploy/prometheus/config.py"),
-    (["--set", "STORM_BASELINE_FACTOR=four", "--out", "x"], "expected a float"),
-    (["--set", "GPU_THROTTLE_REASONS=hw_slowdown", "--out", "x"], "only numbers, durations and text"),
+    (["--set", "STORM_BASELINE_FACTOR=four", "--out", "x"], "expected a number"),
+    # nan compares false everywhere: an alert that would never fire, refused like a typo
+    (["--set", "GPU_BUSY_LOW=nan", "--out", "x"], "expected a share between 0 and 1"),
+    (["--set", "IO_PRESSURE_FULL=1.5", "--out", "x"], "expected a share between 0 and 1"),
+    (["--set", "STORM_BASELINE_FACTOR=-1", "--out", "x"], "a finite number of at least 0"),
+    (["--set", "ENGINE_LOAD_SLOW_SECONDS=inf", "--out", "x"], "a finite number of at least 0"),
+    (["--set", "XID_RECENT_SECONDS=-5", "--out", "x"], "a whole number of at least 0"),
+    (["--set", "MULTI_CLUSTER=maybe", "--out", "x"], "expected true or false"),
+    (["--set", "GPU_THROTTLE_REASONS=hw_slowdown", "--out", "x"], "only numbers, durations, text and true/false"),
     (["--set", "STORM_FOR=10s"], "give --out DIR"),
     (["--set", "STORM_FOR=10s", "--out", os.path.join(REPO, "deploy", "prometheus", "rules")], "never rules/"),
     (["--set", "STORM_FOR=10s", "--out", REPO], "or the repository itself"),

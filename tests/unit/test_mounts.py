@@ -193,10 +193,7 @@ def test_every_collector_sees_the_same_table_after_a_change(tmp_path) -> None:
     procfs = host_procfs(tmp_path, ROOT)
     context = Context(procfs=procfs)
     stats = mountstats.MountstatsCollector(context, {})
-    settings = {option.name: option.parse(option.default) if option.default is not None else None
-                for option in engines.EnginesCollector.options}
-    settings.update({"spool-dir": str(tmp_path), "discover": False})
-    files = engines.EnginesCollector(context, settings)
+    files = engines.EnginesCollector(context, {"spool-dir": str(tmp_path), "discover": False})
 
     def network_mounts() -> set[str]:
         samples = parse_samples(render(stats.collect()))

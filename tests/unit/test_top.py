@@ -364,7 +364,8 @@ def test_thresholds_set_by_name_judge_by_the_new_number_and_refuse_what_is_no_nu
     assert th.DEFAULT.io_pressure_high(0.4, 0.0) and not lenient.io_pressure_high(0.4, 0.0)
     assert th.DEFAULT.GPU_BUSY_LOW == th.GPU_BUSY_LOW  # the default is untouched
     for setting, message in (("GPU_BUSY_LOW=low", "expected a number"), ("STORM_FOR=10m", "NAME one of"),
-                             ("GPU_THROTTLE_REASONS=hw_slowdown", "NAME one of"), ("GPU_BUSY_LOW", "NAME=VALUE")):
+                             ("GPU_THROTTLE_REASONS=hw_slowdown", "NAME one of"), ("GPU_BUSY_LOW", "NAME=VALUE"),
+                             ("GPU_BUSY_LOW=nan", "between 0 and 1"), ("AWAIT_MIN_IOPS=-1", "at least 0")):
         with pytest.raises(ValueError, match=message):
             th.DEFAULT.with_overrides([setting])
 

@@ -250,15 +250,12 @@ def datasource_variable() -> db.DatasourceVariable:
 def cluster_variable(config: Config) -> db.QueryVariable:
     """The cluster (or Prometheus) to look at.  Hidden: with one Prometheus it has one value or none, and
     "All" (``.*``) matches series without the label; where one Grafana sees several, un-hide it in
-    Grafana's variable settings (or set MULTI_CLUSTER in this module and regenerate)."""
+    Grafana's variable settings, or generate with ``--set MULTI_CLUSTER=true``)."""
     variable = (db.QueryVariable("cluster").label("Cluster").datasource(DATASOURCE)
                 .query(f"label_values(gpuio_scrape_collector_success{{{config.SELECTOR}}}, {CLUSTER_LABEL})")
                 .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
                 .include_all(True).all_value(".*"))
-    return variable if MULTI_CLUSTER else variable.hide(VariableHide.HIDE_VARIABLE)
-
-
-MULTI_CLUSTER = False
+    return variable if config.MULTI_CLUSTER else variable.hide(VariableHide.HIDE_VARIABLE)
 
 
 def node_variable(config: Config) -> db.QueryVariable:
