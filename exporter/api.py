@@ -167,12 +167,7 @@ class EnginesReport:
 
 def _ranked(join: EngineJoin, engines: list[str]) -> list[str]:
     """Engines with live processes first (what on-call asks about), then the rest; by name within each."""
-    totals = join.totals
-
-    def idle(engine: str) -> bool:
-        return totals.processes.get(engine, 0) + totals.discovered_processes.get(engine, 0) == 0
-
-    return sorted(engines, key=lambda engine: (idle(engine), engine))
+    return sorted(engines, key=lambda engine: (join.totals.live_processes(engine) == 0, engine))
 
 
 def _bounded_rows(join: EngineJoin, engines: list[str]) -> tuple[list[dict[str, Any]], int]:

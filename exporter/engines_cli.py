@@ -157,7 +157,7 @@ class EngineJoin:
         totals = self.totals
         figures: dict[str, Any] = {
             "engine": engine,
-            "processes": totals.processes.get(engine, 0) + totals.discovered_processes.get(engine, 0),
+            "processes": totals.live_processes(engine),
             "pods": sorted({f"{pod.namespace}/{pod.pod}" for (name, _), pods in totals.pods.items()
                             if name == engine for pod in pods if pod.pod}),
             "last_load_timestamp": totals.last_load.get(engine),

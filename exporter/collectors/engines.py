@@ -709,7 +709,7 @@ class EnginesCollector(Collector):
         moved most recently; then the name (a stable order among equals)."""
         moved = self._activity[name][1]
         values = totals.engines[name]
-        live = totals.processes.get(name, 0) + totals.discovered_processes.get(name, 0)
+        live = totals.live_processes(name)
         return (now - moved > ACTIVE_SECONDS, live == 0,
                 model.observations(values) == 0, name not in self._exported, -moved, name)
 

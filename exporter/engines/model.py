@@ -135,6 +135,10 @@ class Totals:
     # engine -> live processes found holding its file without the library (exporter.engines.discovery)
     discovered_processes: dict[str, int] = field(default_factory=dict)
 
+    def live_processes(self, engine: str) -> int:
+        """The engine's live processes, whichever source reports them (the spool or discovery)."""
+        return self.processes.get(engine, 0) + self.discovered_processes.get(engine, 0)
+
 
 def combined(spool: Totals, discovered: Totals) -> Totals:
     """The spool's totals with the engines discovery found (exporter.engines.discovery) added in: one model of
