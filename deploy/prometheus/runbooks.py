@@ -23,6 +23,7 @@ from typing import Any
 
 from exporter.thresholds import DiskClass
 
+from . import durations
 from .config import DEFAULT, KNOBS, NETWORK, NVME, ROTATIONAL, SOLID_STATE, Config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,22 +66,14 @@ def number(value: Any) -> float:
     return value
 
 
-# A Prometheus duration as the config writes it (90s, 1h30m, 500ms), or a number of seconds.
-DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
-DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
-UNIT_MILLISECONDS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000,
-                     "w": 7 * 86_400_000, "y": 365 * 86_400_000}
 # The words a duration is written in: the largest unit that divides it (1h30m reads "90 minutes").
 UNIT_WORDS = (("day", 86_400_000), ("hour", 3_600_000), ("minute", 60_000), ("second", 1_000),
               ("millisecond", 1))
 
 
 def milliseconds(value: Any) -> int:
-    if isinstance(value, str):
-        if not DURATION.fullmatch(value):
-            raise ValueError(f"{value!r} is not a duration")
-        return sum(int(count) * UNIT_MILLISECONDS[unit] for count, unit in DURATION_PART.findall(value))
-    return round(number(value) * 1000)
+    """A duration knob as the config writes it (90s, 1h30m), or a knob in seconds, in milliseconds."""
+    return durations.milliseconds(value) if isinstance(value, str) else round(number(value) * 1000)
 
 
 def count_and_unit(value: Any) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from deploy.generated import stale_files
-from deploy.prometheus import runbooks
+from deploy.prometheus import durations, runbooks
 from deploy.prometheus.config import DEFAULT
 
 TEMPLATES = runbooks.template_names()
@@ -68,7 +68,7 @@ def distinct(value: Any) -> Any:
     if isinstance(value, tuple):
         return ("99",)
     if isinstance(value, str):
-        return "17h" if runbooks.DURATION.fullmatch(value) else 'job="elsewhere"'
+        return "17h" if durations.DURATION.fullmatch(value) else 'job="elsewhere"'
     return value * 3 + 7
 
 
