@@ -28,7 +28,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from deploy.generated import report_stale, stale_files, write
+from deploy.generated import DASHBOARDS_DIR, REPO, report_stale, stale_files, write
 from deploy.kubernetes import generate as kubernetes
 from deploy.prometheus import generate as prometheus
 from deploy.prometheus import runbooks
@@ -41,7 +41,7 @@ def boards(config: Config, directory: str | None = None) -> dict[str, str]:
     Imported here: only the boards need the Grafana SDK (Python 3.11+)."""
     from deploy.grafana import boards
 
-    return boards.rendered(config) if directory is None else boards.rendered(config, directory)
+    return boards.rendered(config, directory or DASHBOARDS_DIR)
 
 
 def rendered(config: Config = DEFAULT) -> dict[str, str]:
@@ -61,8 +61,7 @@ def stray(files: Mapping[str, str]) -> list[str]:
     present = [os.path.join(directory, name)
                for directory in (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR) if os.path.isdir(directory)
                for name in os.listdir(directory) if name.endswith(".yml")]
-    present += [os.path.join(kubernetes.DASHBOARDS_DIR, name) for name in os.listdir(kubernetes.DASHBOARDS_DIR)
-                if name.endswith(".json")]
+    present += [os.path.join(DASHBOARDS_DIR, name) for name in os.listdir(DASHBOARDS_DIR) if name.endswith(".json")]
     present += glob.glob(os.path.join(kubernetes.NODE_EXPORTER_COMPONENT, "prometheusrule-*.yaml"))
     present += glob.glob(os.path.join(runbooks.RUNBOOKS_DIR, "*.md"))
     return [path for path in present if path not in files]
@@ -74,7 +73,7 @@ def stale(config: Config = DEFAULT) -> list[str]:
 
 
 # Where --out must never point: the checked-in rules, and the repository (whose dashboards/ it would overwrite).
-REPOSITORY_OUTPUTS = (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR, kubernetes.REPO)
+REPOSITORY_OUTPUTS = (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR, REPO)
 
 
 def variant_files(config: Config, out: str, note: str) -> dict[str, str]:

@@ -10,6 +10,10 @@ from typing import Any
 
 import yaml
 
+# The repository, and its folder of the boards' JSON (what Grafana loads, what the ConfigMaps are made of).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DASHBOARDS_DIR = os.path.join(REPO, "dashboards")
+
 
 class _Dumper(yaml.SafeDumper):
     """Block literals for multi-line strings (PromQL reads as written), folded long lines, keys in order."""

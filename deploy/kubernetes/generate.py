@@ -17,11 +17,9 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from deploy.generated import yaml_text
+from deploy.generated import DASHBOARDS_DIR, yaml_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-DASHBOARDS_DIR = os.path.join(REPO, "dashboards")
 RULES_OUT = os.path.join(HERE, "prometheusrule.yaml")
 NODE_EXPORTER_COMPONENT = os.path.join(HERE, "components", "node-exporter")
 DASHBOARDS_KUSTOMIZATION = os.path.join(DASHBOARDS_DIR, "kustomization.yaml")

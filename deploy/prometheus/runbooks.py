@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from deploy.generated import REPO
 from exporter.thresholds import DiskClass
 
 from . import durations
@@ -28,7 +29,7 @@ from .config import DEFAULT, KNOBS, NETWORK, NVME, ROTATIONAL, SOLID_STATE, Conf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEMPLATES_DIR = os.path.join(HERE, "runbooks")
-RUNBOOKS_DIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "docs", "runbooks")
+RUNBOOKS_DIR = os.path.join(REPO, "docs", "runbooks")
 
 # The numbers come from config.py, the text from the template: an edit of the output is lost.
 HEADER = ("<!-- Generated from deploy/prometheus/runbooks/{name} by `make generate`: "

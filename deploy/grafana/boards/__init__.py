@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 
+from deploy.generated import DASHBOARDS_DIR
 from deploy.prometheus.config import (
     DASHBOARD_TITLES,
     DEFAULT,
@@ -25,9 +26,6 @@ from deploy.prometheus.config import (
 
 from . import disk_health, disk_io, engines, fleet, gpu, starvation
 from .common import render
-
-# The folder of the boards' JSON files: dashboards/ at the top of the repository.
-DASHBOARDS_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "dashboards"))
 
 # uid -> the function that builds it under a config; the JSON is dashboards/<uid>.json.
 BOARDS: dict[str, Callable[[Config], Dashboard]] = {
