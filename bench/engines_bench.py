@@ -57,7 +57,6 @@ import importlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -679,6 +678,8 @@ def api_answer(url: str) -> tuple[float, bytes]:
 
 
 def report_api(repeats: int) -> None:
+    from tests.conftest import free_port
+
     print(f"7. JSON API, {API_ENGINES} engines (one live writer each)")
     directory = tempfile.mkdtemp(prefix="gpuio-bench-api-")
     helper = subprocess.Popen([sys.executable, __file__, "--writer-helper", directory, str(API_ENGINES),
@@ -687,9 +688,7 @@ def report_api(repeats: int) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((REPO, os.path.join(REPO, "exporter", "instrument")))}
     try:
         assert helper.stdout is not None and helper.stdout.readline().strip() == "ready"
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         exporter = subprocess.Popen([sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
                                      "--collector.disable-defaults", "--collector.engines",
                                      f"--collector.engines.spool-dir={directory}",
