@@ -350,14 +350,12 @@ def engines_main(argv: Sequence[str]) -> int:
 
     parser = _engines_parser()
     args = parser.parse_args(list(argv))
-    options = client_options(args)
+    options = client_options(parser, args)
     if args.url:
         local = [flag for flag, dest in LOCAL_FLAGS if getattr(args, dest) != parser.get_default(dest)]
         if local:
             parser.error(f"{', '.join(local)}: where to look on this node; not with --url, which reads the exporter's")
         return _print_remote(args, options)
-    if options.given():
-        parser.error(f"{', '.join(options.given())}: how to reach the exporter --url names; give --url")
     return _print_local(args)
 
 

@@ -86,9 +86,13 @@ def add_client_options(parser: argparse.ArgumentParser, timeout: float = DEFAULT
                        help="give up on an exporter that has not answered in full this long (default %(default)g)")
 
 
-def client_options(args: argparse.Namespace) -> ClientOptions:
-    return ClientOptions(args.ca_file, args.cert_file, args.key_file, args.username, args.password_file,
-                         args.timeout)
+def client_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ClientOptions:
+    """The client flags parsed; a usage error (exit 2) where they are given without the --url they serve."""
+    options = ClientOptions(args.ca_file, args.cert_file, args.key_file, args.username, args.password_file,
+                            args.timeout)
+    if options.given() and not args.url:
+        parser.error(f"{', '.join(options.given())}: how to reach the exporter --url names; give --url")
+    return options
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):

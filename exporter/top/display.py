@@ -512,7 +512,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
         headers = sorted({c.header for spec in TABLES for c in spec.columns})
         parser.error(f"invalid value {args.sort!r} for --sort; accepted: {', '.join(headers)}")
     source: Source
-    remote = client_options(args)
+    remote = client_options(parser, args)
     if args.url:
         if rest:
             parser.error(f"exporter flags ({' '.join(rest)}) apply to this machine, not with --url")
@@ -521,8 +521,6 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
         except RemoteError as exc:
             print(f"gpuio top: error: {printable(exc)}", file=sys.stderr)
             return 2
-    elif remote.given():
-        parser.error(f"{', '.join(remote.given())}: how to reach the exporter --url names; give --url")
     else:
         try:
             config = parse_args(rest, prog="gpuio top", server=False)
