@@ -64,14 +64,9 @@ RATE = "$__rate_interval"
 DEVICE = 'device=~"$device"'
 
 
-def node_matchers(config: Config) -> str:
-    """The matchers of gpuio's series on the chosen node, without braces."""
-    return f'{config.SELECTOR},{CLUSTER},{config.NODE_LABEL}=~"$instance"'
-
-
 def sel(config: Config, *matchers: str) -> str:
     """``{job="gpuio",cluster=~"$cluster",instance=~"$instance",...}``: the chosen node, plus ``matchers``."""
-    return "{" + ",".join((node_matchers(config), *matchers)) + "}"
+    return config.selector(CLUSTER, f'{config.NODE_LABEL}=~"$instance"', *matchers)
 
 
 def dev(config: Config, *matchers: str) -> str:
