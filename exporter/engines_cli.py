@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from .hosttext import visible
 from .pagecache import NamedPaths, Unavailable, lexical, open_named, residency_fd
 from .terminal import printable
 
@@ -66,10 +67,14 @@ def json_text(value: Any) -> str:
 
 
 def finite(value: Any) -> Any:
+    """``value`` fit for JSON: a figure that is no finite number becomes null (JSON has no Infinity), and a
+    host string valid UTF-8 (hosttext.visible)."""
+    if isinstance(value, str):
+        return visible(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {key: finite(item) for key, item in value.items()}
+        return {finite(key): finite(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [finite(item) for item in value]
     return value

@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
+from .hosttext import visible
+
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
@@ -25,7 +27,8 @@ SUMMARY = "summary"  # a histogram served without its buckets (histogram_samples
 
 
 def escape_label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    """The value as both formats quote it; made valid UTF-8 first (a host name may not be: hosttext)."""
+    return visible(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def escape_help(text: str) -> str:

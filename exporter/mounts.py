@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from . import hosttext
 from .pagecache import SymlinkMet, Unavailable, walk_nofollow
 from .procstat import whole_number
 
@@ -151,8 +152,10 @@ _ESCAPE = re.compile(r"\\([0-3][0-7]{2})")  # the kernel escapes bytes: \000 to 
 
 
 def unescape(text: str) -> str:
-    """mountinfo and mountstats write space, tab, newline and backslash as octal escapes (\\040 ...)."""
-    return _ESCAPE.sub(lambda match: chr(int(match[1], 8)), text) if "\\" in text else text
+    """mountinfo and mountstats write space, tab, newline and backslash as octal escapes (\\040 ...).  A
+    byte of 0x80 or more becomes what os.fsdecode makes of it (hosttext.decode), so a mount point compares
+    equal to the paths under it as os.readlink names them."""
+    return _ESCAPE.sub(lambda match: hosttext.decode(bytes((int(match[1], 8),))), text) if "\\" in text else text
 
 
 def parse_line(line: str) -> MountPoint | None:
@@ -203,7 +206,7 @@ def read_bounded(path: str, limit: int = MAX_BYTES) -> str:
 
 
 def _text_of(handle: BinaryIO, limit: int = MAX_BYTES) -> str:
-    return handle.read(limit).decode("utf-8", "replace")
+    return hosttext.decode(handle.read(limit))
 
 
 def read_file(path: str, max_mounts: int = DEFAULT_MAX_MOUNTS) -> MountTable:

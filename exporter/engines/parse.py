@@ -43,7 +43,7 @@ from gpuio.spool import (
     pad8,
 )
 
-from .. import procstat
+from .. import hosttext, procstat
 from .model import EngineInfo, LoadKey, MountKey, PodIdentity, WriterMount, bucket_values
 
 MAX_VALUE = 2.0**53
@@ -201,7 +201,7 @@ def parse(data: bytes, limits: FileLimits = FILE_LIMITS) -> Parsed:
             offset += size
             continue
         try:
-            key = bytes(view[offset + RECORD_HEAD.size : offset + RECORD_HEAD.size + key_len]).decode("utf-8")
+            key = hosttext.decode(view[offset + RECORD_HEAD.size : offset + RECORD_HEAD.size + key_len])
             _parse_record(budget, kind, key, view[payload : offset + size])
         except (ValueError, struct.error):
             parsed.bad_record = True
@@ -230,7 +230,7 @@ def _parse_mount(budget: FileBudget, key: str, payload: memoryview) -> None:
         return
     text, start, parts = bytes(payload), MOUNT_STRUCT.size, []
     for length in lengths:
-        parts.append(text[start : start + length].decode("utf-8", "replace"))
+        parts.append(hosttext.decode(text[start : start + length]))
         start += length
     mounts[(engine, device)] = WriterMount(*parts)
 
@@ -246,7 +246,7 @@ def _parse_pod(parsed: Parsed, payload: memoryview) -> None:
     text, offset = bytes(payload[POD_STRUCT.size :]), 0
     values = []
     for length in lengths:
-        values.append(text[offset : offset + length].decode("utf-8", "replace"))
+        values.append(hosttext.decode(text[offset : offset + length]))
         offset += length
     parsed.pod = PodIdentity(*values)
 
@@ -260,9 +260,9 @@ def _parse_info(budget: FileBudget, key: str, payload: memoryview) -> None:
     if not budget.admit(infos, key, KIND_INFO, key, (major, minor)):
         return  # decided before the strings are decoded: a flood of INFO records costs little
     text = bytes(payload[start : start + n_path + n_uuid + n_runtime])
-    infos[key] = EngineInfo(
-        text[:n_path].decode("utf-8", "replace"), cuda, text[n_path : n_path + n_uuid].decode("utf-8", "replace"),
-        text[n_path + n_uuid :].decode("utf-8", "replace"), (major, minor), ino, size, mtime_ns, load_time)
+    path, uuid, runtime = (hosttext.decode(part) for part in
+                           (text[:n_path], text[n_path : n_path + n_uuid], text[n_path + n_uuid :]))
+    infos[key] = EngineInfo(path, cuda, uuid, runtime, (major, minor), ino, size, mtime_ns, load_time)
 
 
 def _parse_record(budget: FileBudget, kind: int, key: str, payload: memoryview) -> None:

@@ -59,8 +59,12 @@ def error_reason(exc: BaseException) -> str:
 
 
 def _clean(text: str, limit: int) -> str:
-    raw = text.replace("\0", "").encode("utf-8", "replace")[:limit]
-    return raw.decode("utf-8", "ignore")
+    """At most ``limit`` bytes of the name, no NUL, cut at a character (a byte that is not UTF-8 is kept:
+    spool.encoded)."""
+    raw = spool.encoded(text.replace("\0", ""))
+    if len(raw) > limit:
+        raw = raw[:limit].decode("utf-8", "ignore").encode()
+    return raw.decode("utf-8", "surrogateescape")
 
 
 # Whether the hot paths (observe(), `with infer():`) may store without the process's lock.  On CPython

@@ -391,7 +391,7 @@ class SpoolFile:
         return mapped
 
     def _write_header(self, target: mmap.mmap) -> None:
-        comm = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python").encode()[:64]
+        comm = os.fsencode(os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python"))[:64]
         HEADER.pack_into(target, 0, MAGIC, VERSION, HEADER_SIZE, self.size, HEADER_SIZE, self.pid, 0,
                          self.start_ticks, time.time(), self.instance, 0, comm)
         struct.pack_into("<d", target, GENERATION_OFFSET, 1.0)  # not 0: this writer counts its changes
@@ -401,7 +401,7 @@ class SpoolFile:
 
         Caller holds ``self.lock``.  The record is complete before ``used`` moves past it.
         """
-        raw = key.encode("utf-8")[:MAX_KEY_BYTES]
+        raw = encoded(key)[:MAX_KEY_BYTES]
         size = RECORD_HEAD.size + pad8(len(raw)) + pad8(payload_bytes)
         if self.used + size > self.size or not self._reserve(self.used + size):
             dropped = struct.unpack_from("<Q", self._map, DROPPED_OFFSET)[0] + 1
@@ -633,11 +633,22 @@ def _address_of(mapped: mmap.mmap) -> int | None:
     return address
 
 
+def encoded(text: str) -> bytes:
+    """A name as the bytes it stands for: a path Python read from the OS keeps its bytes that are not UTF-8
+    (lone surrogates, os.fsencode's way: the exporter shows them as \\xNN, as it shows the same file found
+    from /proc); any other text that UTF-8 cannot hold gets "?" there.  Never raises: a name must not
+    break the process it describes."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace")
+
+
 def pack_info(cuda_device: int, dev: tuple[int, int], ino: int, size: int, mtime_ns: int, load_time: float,
               path: str, gpu_uuid: str, runtime: str) -> bytes:
-    raw_path = path.encode("utf-8", "replace")[:MAX_PATH_BYTES]
-    raw_uuid = gpu_uuid.encode("utf-8", "replace")[:MAX_SHORT_BYTES]
-    raw_runtime = runtime.encode("utf-8", "replace")[:MAX_SHORT_BYTES]
+    raw_path = encoded(path)[:MAX_PATH_BYTES]
+    raw_uuid = encoded(gpu_uuid)[:MAX_SHORT_BYTES]
+    raw_runtime = encoded(runtime)[:MAX_SHORT_BYTES]
     head = INFO_STRUCT.pack(cuda_device, dev[0], dev[1], ino, size, mtime_ns, load_time,
                             len(raw_path), len(raw_uuid), len(raw_runtime))
     return head + raw_path + raw_uuid + raw_runtime
@@ -672,7 +683,7 @@ def pod_identity(environ: Mapping[str, str] | None = None) -> tuple[str, str, st
 
 
 def pack_pod(namespace: str, pod: str, container: str, pod_uid: str) -> bytes:
-    raw = [text.encode("utf-8", "replace")[:limit] for text, limit in
+    raw = [encoded(text)[:limit] for text, limit in
            ((namespace, MAX_POD_NAME_BYTES), (pod, MAX_POD_NAME_BYTES), (container, MAX_POD_NAME_BYTES),
             (pod_uid, MAX_SHORT_BYTES))]
     return POD_STRUCT.pack(*map(len, raw)) + b"".join(raw)
@@ -680,6 +691,6 @@ def pack_pod(namespace: str, pod: str, container: str, pod_uid: str) -> bytes:
 
 def pack_mount(mountpoint: str, fstype: str, source: str, layer: str) -> bytes:
     """A MOUNT record's payload (each string cut to MAX_PATH_BYTES or MAX_SHORT_BYTES)."""
-    raw = [mountpoint.encode("utf-8", "replace")[:MAX_PATH_BYTES], fstype.encode("utf-8", "replace")[:MAX_SHORT_BYTES],
-           source.encode("utf-8", "replace")[:MAX_PATH_BYTES], layer.encode("utf-8", "replace")[:MAX_PATH_BYTES]]
+    raw = [encoded(mountpoint)[:MAX_PATH_BYTES], encoded(fstype)[:MAX_SHORT_BYTES],
+           encoded(source)[:MAX_PATH_BYTES], encoded(layer)[:MAX_PATH_BYTES]]
     return MOUNT_STRUCT.pack(*(len(part) for part in raw)) + b"".join(raw)
