@@ -60,7 +60,7 @@ class GpuProcesses:
 
     def __init__(self) -> None:
         self._by_process: dict[tuple[int, int], str] = {}
-        self._pids: frozenset[int] = frozenset()
+        self._processes: frozenset[tuple[int, int]] = frozenset()
 
     def update(self, by_process: Mapping[tuple[int, int], str] | Iterable[tuple[tuple[int, int], str]]) -> None:
         """From (process, GPU) pairs: a process NVML lists on several GPUs is on none of them here (which
@@ -71,14 +71,14 @@ class GpuProcesses:
             if key[1] > 0:
                 table[key] = uuid if table.get(key, uuid) == uuid else ""
         self._by_process = {key: uuid for key, uuid in table.items() if uuid}
-        self._pids = frozenset(pid for pid, _ in table)
+        self._processes = frozenset(table)
 
     def get(self, pid: int, start_ticks: int) -> str | None:
         return self._by_process.get((pid, start_ticks))
 
-    def pids(self) -> frozenset[int]:
-        """Every process with a GPU context at the last sweep (on one GPU or several)."""
-        return self._pids
+    def processes(self) -> frozenset[tuple[int, int]]:
+        """Every process (pid, start time) with a GPU context at the last sweep (on one GPU or several)."""
+        return self._processes
 
 
 @dataclass(frozen=True)

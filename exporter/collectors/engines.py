@@ -66,7 +66,7 @@ from gpuio.load import engine_name
 
 from .. import mounts
 from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
-from ..collect import Absent, Collector, Context, Pending, register
+from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..engines import discovery, model, spool
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, SUMMARY, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
@@ -386,6 +386,20 @@ DISCOVERY_TIME = Desc("gpuio_engine_discovery_timestamp_seconds", GAUGE,
 DISCOVERY_BEHIND = Desc("gpuio_engine_discovery_unfinished_rotation", GAUGE,
                         "1 while discovery's passes have not yet looked at every process once this round (its "
                         "per-pass budget is spent): a new loader is seen first, an old one in turn.")
+DISCOVERY_DROPPED = Desc("gpuio_engine_discovery_dropped_total", COUNTER,
+                         "What engine discovery's bounds left out, by kind: process (not followed: the table full, "
+                         "or its owner's share of it), file (past a process's files followed at once), engine and "
+                         "load (loads of engines past the history's bounds), unresponsive_mount (a file whose "
+                         "network or FUSE mount did not answer a stat in time), pass_deadline (a pass that ran "
+                         "out of time before every process of its priority list).", labels=("kind",),
+                         values={"kind": ("process", "file", "engine", "load", "unresponsive_mount",
+                                          "pass_deadline")})
+DISCOVERY_UNRESPONSIVE = Desc("gpuio_engine_discovery_unresponsive_mounts", GAUGE,
+                              "Network or FUSE mounts whose stat did not answer discovery in time: their files are "
+                              "not looked at for a minute (a dead NFS server or FUSE daemon).")
+# Discovery is stuck (the collector stale) when no pass has ended for this many intervals, and this long.
+DISCOVERY_STUCK_INTERVALS = 10
+DISCOVERY_STUCK_SECONDS = 60.0
 MAX_PODS_PER_ENGINE = 64
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
@@ -540,6 +554,7 @@ class EnginesCollector(Collector):
         self.layers: PeriodicSampler[dict[LayerKey, DeviceAnswer]] = PeriodicSampler(
             "engine-layers", LAYER_INTERVAL, self.resolve_layers, log)
         self._started = False  # start() called: the samplers run on their threads
+        self._started_at = 0.0  # wall clock: when start() was called
         self._bad = LogOnce(log)
         self.pods_dir: str = self.settings["kubelet-pods-dir"]
         self.pod_volume: str = self.settings["pod-spool-volume"]
@@ -552,7 +567,7 @@ class EnginesCollector(Collector):
             self.discovery = discovery.Discovery(self.path_include,
                                                  self.settings["discover-patterns"],
                                                  context.procfs, gpu_of=context.gpu_processes.get,
-                                                 gpu_pids=context.gpu_processes.pids)
+                                                 gpu_processes=context.gpu_processes.processes)
             self.discoveries = PeriodicSampler("engine-discovery", self.settings["discover-interval"],
                                                self.discovery.sample, log)
 
@@ -561,6 +576,7 @@ class EnginesCollector(Collector):
 
     def start(self) -> None:
         self._started = True
+        self._started_at = time.time()
         for sampler in self._samplers():
             sampler.start()
 
@@ -625,6 +641,9 @@ class EnginesCollector(Collector):
             left_out.commit()
         families += self._spool_families(totals)
         families += self._discovery_families()
+        stuck = self._discovery_stuck()
+        if stuck:
+            raise StaleData(stuck, families)
         if self.scanner.first_pending():
             raise Pending("the first scan of engine files (size, residency, device) is still running", families)
         return families
@@ -1275,6 +1294,23 @@ class EnginesCollector(Collector):
 
     # --- the sources themselves ----------------------------------------------------------------
 
+    def _discovery_stuck(self) -> str | None:
+        """Why discovery's passes have stopped finishing, or None: a pass has not ended for
+        DISCOVERY_STUCK_INTERVALS intervals (DISCOVERY_STUCK_SECONDS at least).  Passes never wait on a file
+        system (exporter.engines.descriptors), so this is a bug or a kernel that does not answer /proc: the
+        collector is ``stale`` (and GpuioCollectorFailing fires) while the spool's engines are still served."""
+        if self.discoveries is None or not self._started:
+            return None
+        snapshot = self.discoveries.snapshot()
+        since = snapshot.taken_at if snapshot.taken_at is not None else self._started_at
+        age = time.time() - since
+        allowed = max(DISCOVERY_STUCK_SECONDS, DISCOVERY_STUCK_INTERVALS * self.settings["discover-interval"])
+        if age <= allowed:
+            return None
+        return (f"engine discovery's last pass ended {age:.0f} s ago (one is due every "
+                f"{self.settings['discover-interval']:g} s): processes loading engines without the library are "
+                "not followed")
+
     def _discovery_families(self) -> list[Family]:
         snapshot = self.discoveries.snapshot() if self.discoveries is not None else None
         if snapshot is None or snapshot.value is None or snapshot.taken_at is None:
@@ -1284,7 +1320,10 @@ class EnginesCollector(Collector):
                 Family(DISCOVERY_REFUSED, [DISCOVERY_REFUSED.sample("", figures.not_permitted)]),
                 Family(DISCOVERY_DURATION, [DISCOVERY_DURATION.sample("", figures.duration)]),
                 Family(DISCOVERY_TIME, [DISCOVERY_TIME.sample("", snapshot.taken_at)]),
-                Family(DISCOVERY_BEHIND, [DISCOVERY_BEHIND.sample("", 1 if figures.unfinished else 0)])]
+                Family(DISCOVERY_BEHIND, [DISCOVERY_BEHIND.sample("", 1 if figures.unfinished else 0)]),
+                Family(DISCOVERY_DROPPED, [DISCOVERY_DROPPED.sample(label_string({"kind": kind}), count)
+                                           for kind, count in figures.dropped]),
+                Family(DISCOVERY_UNRESPONSIVE, [DISCOVERY_UNRESPONSIVE.sample("", figures.unresponsive_mounts)])]
 
     def _spool_families(self, totals: model.Totals) -> list[Family]:
         reader = self.reader

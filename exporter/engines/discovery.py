@@ -21,32 +21,49 @@ A load, seen from outside
 * It is in progress while the position moves, and at most ``idle`` seconds without a movement (three
   times that while the process waits on IO, state D: one read held up by a storm).
 * It finishes when the file is closed, or at its last movement when it stood ``idle`` seconds: the load
-  duration runs from the start to then.  Its bytes are the forward movement of the position; the share
-  from the device is the process's read_bytes over the same time (process-wide: a process reading two
-  models at once splits its device bytes by position), the rest came from the page cache.
+  duration runs from the start to then.  Its bytes are the forward movement of the position, at most what
+  the process's reads returned meanwhile (rchar: a seek moves the position without reading) and at most
+  the file's size; the share from the device is the process's read_bytes over the same time
+  (process-wide: a process reading two models at once splits its device bytes by position), the rest came
+  from the page cache.
 * It is abandoned when the process is gone before the position reached the end of the file (a pod
   killed by its startup probe while loading: a crash-looping cold start is one per attempt).
 
 Loaders that map the file (``mmap``) or read it with ``pread`` do not move the position: their load is
 seen from the open to the close, with no bytes.
 
+A process holding many model files (a checkpoint of 100 shards read one after another) is followed for
+MAX_FILES_PER_PROCESS at once: a closed file whose load is over makes room for the next.  Each engine's
+history of loads (its counters) is kept while a process holds its files and for FORGET_AFTER after;
+when MAX_ENGINES histories are kept and none can be forgotten, a new engine's loads are counted as
+dropped, never made room for by forgetting another's (a counter never falls), and one owner's
+processes make at most MAX_ENGINES_PER_OWNER of them.
+
 Engine names (:func:`engine_identity`): Triton's model repository ``<repo>/<model>/<version>/model.plan``
 is engine ``<model>`` version ``<version>``; a generic file name (``model.*``, ``rank0.engine``,
 ``pytorch_model.bin``, shards ``...-00001-of-00004.safetensors``) takes its directory's name; any other
 its file name without the suffix (as the library names an engine by default).
 
-Only inference processes: a process counts once NVML lists it with a GPU context (``gpu_pids``), and
-what it loaded before that counts from then on; a copy, a checksum or a backup reading model files is
+Only inference processes: a process counts once NVML lists it with a GPU context (``gpu_processes``: pid
+and start time, so a process that took the pid of one NVML listed is not it), and what it loaded before
+that counts from then on; a copy, a checksum or a backup reading model files is
 no load.  Never counted twice: a process holding a spool file the engines collector reads (the library's)
 is left to the spool (``library_files``).
 
-Bounded, and never on the scrape path (the engines collector serves the last pass): each pass looks
-first at the processes holding model files, those with GPU contexts and those new since the last listing
-(every pass, at most PRIORITY_FD_ENTRIES descriptors), then at the rest in turn (FD_ENTRIES_PER_PASS), all
-within PASS_SECONDS; a process's descriptors past MAX_FDS_PER_PROCESS are not looked at.  So a new
-loader is seen at the next pass, and a process that was running before opens a model in a round.  Nothing read from
-/proc here takes a process's memory lock (no cmdline, environ or maps), so a process stuck in the
-kernel cannot hold a pass; a slow pass only ages what the scrape serves.
+Bounded, fair, and never on the scrape path (the engines collector serves the last pass).  Each pass looks
+first at the processes with GPU contexts, then those new since the last listing, then those followed for
+holding model files (every pass, PRIORITY_FD_ENTRIES descriptors in all), then at the rest in turn
+(FD_ENTRIES_PER_PASS), all within PASS_SECONDS.  The priority budget is shared fairly among the processes'
+owners (uids), and a process's share among its descriptors is taken where its last look stopped, so that no
+tenant's processes -- however many, holding however many descriptors -- keep another's from being looked
+at: a new loader is seen at the next pass, and a process that was running before opens a model in a round.
+The model files a followed process holds are looked at again directly, every pass, whatever its share.
+At most MAX_TRACKED_PROCESSES processes are followed, at most a quarter of them per owner while not on a GPU;
+a process NVML lists on a GPU takes the place of one that is not.  Nothing read from /proc here takes a
+process's memory lock (no cmdline, environ or maps), and no file on a network or FUSE mount is stat'ed in the
+pass (exporter.engines.descriptors), so neither a process stuck in the kernel nor a server that does not
+answer can hold a pass; a slow pass only ages what the scrape serves, and a pass that stops finishing is
+the engines collector's state ``stale``.
 
 What it needs: permission to read other processes' fd directories: root on a host install; in a
 container, the host's pid namespace with CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH (docs/engines.md).
@@ -71,6 +88,7 @@ from gpuio.waterfall import classify
 from .. import procstat
 from ..pods import cgroup as pod_cgroup
 from . import model
+from .descriptors import AbandonableStat, MountJudge, Unresponsive, read_fdinfo
 
 log = logging.getLogger("gpuio.discovery")
 
@@ -88,10 +106,14 @@ PRIORITY_FD_ENTRIES = 16_384
 FD_ENTRIES_PER_PASS = 2048  # of the others: ~7 ms a pass, a node of 100k descriptors gone round in ~50 s
 MAX_FDS_PER_PROCESS = 4096  # a process's descriptors looked at per pass (a server with 100k sockets)
 MAX_LISTED = 1 << 17  # /proc entries looked at per listing (pid_max is 4M at most; a node runs ~10^3)
+MIN_FD_SHARE = 64  # descriptors a process of the priority list is looked at per pass, at the least
 MAX_TRACKED_PROCESSES = 1024  # processes holding or having loaded model files, kept between passes
-MAX_FILES_PER_PROCESS = 64  # model files one process is followed for (open, and loaded since)
-MAX_ENGINES = 4096  # engines with a history of discovered loads (the least recent forgotten first)
-FDINFO_BYTES = 4096
+MAX_TRACKED_OFF_GPU_PER_OWNER = MAX_TRACKED_PROCESSES // 4  # of one uid's processes without a GPU context
+MAX_FILES_PER_PROCESS = 64  # model files one process is followed for at once (open, and loaded since)
+MAX_PENDING_PER_PROCESS = 1024  # loads a process ended before NVML listed it (a checkpoint's shards), kept
+MAX_ENGINES = 4096  # engines with a history of discovered loads
+MAX_ENGINES_PER_OWNER = MAX_ENGINES // 4  # of them, made by one uid's processes
+FORGET_AFTER = 3600.0  # a history nobody holds a file of is forgotten after this long without a load
 IO_BYTES = 1024
 SPOOL_SUFFIX = spool_format.SUFFIX
 _SPOOL_NAME = re.compile(re.escape(spool_format.PREFIX) + r"\d{1,10}-(?P<start>\d{1,20})-[0-9a-f]{16}"
@@ -147,6 +169,7 @@ class OpenFile:
     size: int
     mtime_ns: int
     position: int
+    fd: str = ""  # the descriptor's number, as /proc names it: the next look starts there
 
 
 @dataclass
@@ -158,11 +181,12 @@ class HeldFile:
     sighted: float  # wall clock: when discovery first saw the process hold it
     device_at_sight: int  # the process's read_bytes then
     chars_at_sight: int  # and its rchar
+    chars_at_look: int = 0  # the process's rchar at the latest look that saw the file open
     looked_again: bool = False  # seen at a later pass too
     open: bool = True
     loading_since: float | None = None  # wall clock: the load in progress began then
     load_moved_at: float = 0.0  # monotonic: the load's last movement
-    read_forward: int = 0  # bytes the position moved forward during the load
+    read_forward: int = 0  # bytes the position moved forward during the load (at most what reads returned)
     device_at_start: int = 0  # the process's read_bytes when the load began
     chars_at_start: int = 0  # the process's rchar when the load began
     read_before: int = 0  # the position when the load was first seen (read before the look)
@@ -184,16 +208,18 @@ class Process:
     gpu: str = ""
     on_gpu: bool = False  # NVML listed it with a GPU context (once is enough: an inference process)
     pending: list[Callable[[], None]] = field(default_factory=list)  # ends of loads before it was on a GPU
+    fd_cursor: int = 0  # where in its descriptor listing the next look starts (its share ran out there)
 
 
 @dataclass
 class EngineHistory:
     """What discovered loads of one engine added up to (counters only grow)."""
 
+    owner: int  # the uid of the process whose load made it (one owner makes at most MAX_ENGINES_PER_OWNER)
     engine_values: list[float]  # an ENGINE record's doubles: load_read_seconds, load_read_bytes
     waterfall: list[float]  # a WATERFALL record's doubles
     abandoned: dict[str, float] = field(default_factory=dict)  # GPU uuid -> loads abandoned
-    touched: float = 0.0  # monotonic: the last load that ended here (the least recent are forgotten)
+    touched: float = 0.0  # monotonic: the last load that ended here (the least recent are forgotten first)
 
 
 @dataclass(frozen=True)
@@ -205,6 +231,8 @@ class PassFigures:
     not_permitted: int = 0  # processes this pass was refused (cumulative: a counter)
     unfinished: bool = False  # the pass ran out of its budget before the rotation came round
     duration: float = 0.0
+    dropped: tuple[tuple[str, int], ...] = ()  # (kind, count): what the bounds left out (cumulative)
+    unresponsive_mounts: int = 0  # mounts whose stat did not answer in time, not asked for now
 
 
 @dataclass(frozen=True)
@@ -224,19 +252,21 @@ class Discovery:
 
     def __init__(self, include: Iterable[str], patterns: Iterable[str] = MODEL_PATTERNS, procfs: str = "/proc",
                  gpu_of: Callable[[int, int], str | None] | None = None,
-                 gpu_pids: Callable[[], Iterable[int]] | None = None, idle: float = IDLE_SECONDS,
-                 fd_entries_per_pass: int = FD_ENTRIES_PER_PASS, require_gpu: bool = True) -> None:
+                 gpu_processes: Callable[[], Iterable[tuple[int, int]]] | None = None, idle: float = IDLE_SECONDS,
+                 fd_entries_per_pass: int = FD_ENTRIES_PER_PASS, require_gpu: bool = True,
+                 priority_fd_entries: int = PRIORITY_FD_ENTRIES) -> None:
         self.procfs = procfs
         self.include = tuple(directory.rstrip("/") + "/" for directory in include)
         self.matches = pattern_matcher(patterns)
         self.gpu_of = gpu_of or (lambda pid, start: None)  # (pid, start ticks) -> GPU uuid (NVML's list)
-        self.gpu_pids = gpu_pids or (lambda: ())  # pids with a GPU context (NVML's list)
+        self.gpu_processes = gpu_processes or (lambda: ())  # (pid, start ticks) with a GPU context (NVML's list)
         self.idle = idle
         self.fd_entries_per_pass = fd_entries_per_pass
+        self.priority_fd_entries = priority_fd_entries
         # Only processes with a GPU context load engines: a copy, a checksum or a backup reading model
         # files is no load (and must not make a storm page "hurt serving").
         self.require_gpu = require_gpu
-        self._on_gpus: set[int] = set()  # this pass's NVML list
+        self._on_gpus: frozenset[tuple[int, int]] = frozenset()  # this pass's NVML list
         self.library_files: frozenset[tuple[int, int]] = frozenset()  # (st_dev, st_ino) of spool files read
         self._tracked: dict[int, Process] = {}  # pid -> process (the start ticks tell a reused pid)
         self._histories: dict[str, EngineHistory] = {}
@@ -245,6 +275,10 @@ class Discovery:
         self._started_ticks = self._now_ticks()
         self._not_permitted = 0
         self._refused: set[tuple[int, int]] = set()  # processes that refused us (counted once each)
+        self._dropped: dict[str, int] = {}  # kind -> what the bounds left out (a counter)
+        self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
+        self._mounts = MountJudge(procfs)
+        self._remote = AbandonableStat()
         self._lock = threading.Lock()
 
     # --- one pass ----------------------------------------------------------------------------------
@@ -253,29 +287,58 @@ class Discovery:
         with self._lock:
             started = time.monotonic()
             deadline = started + PASS_SECONDS
-            budget = _Budget(PRIORITY_FD_ENTRIES, deadline)
             listed = self._list()
-            new = [pid for pid in listed if pid not in self._listed] if self._listed else []
+            new = {pid for pid in listed if pid not in self._listed} if self._listed else set()
             if not self._rotation:
                 self._rotation = sorted(listed)
-            self._on_gpus = set(self.gpu_pids())
-            gpu_pids = [pid for pid in self._on_gpus if pid in listed]
-            first = list(dict.fromkeys([*self._tracked, *gpu_pids, *new]))
-            looked = 0
-            for pid in first:
-                if not budget.left():
-                    break
-                looked += self._look_at(pid, budget, new_process=pid in new)
+            self._on_gpus = frozenset(self.gpu_processes())
+            first = self._priority(listed, new)
+            looked = self._look_fairly(first, new, deadline)
             budget = _Budget(self.fd_entries_per_pass, deadline)
+            chosen = set(first)
             while self._rotation and budget.left():
                 pid = self._rotation.pop()
-                if pid in listed and pid not in first:
+                if pid in listed and pid not in chosen:
                     looked += self._look_at(pid, budget, new_process=False)
             self._listed = listed
             self._end_pass(listed)
             figures = PassFigures(len(self._tracked), looked, self._not_permitted, bool(self._rotation),
-                                  time.monotonic() - started)
+                                  time.monotonic() - started, tuple(sorted(self._dropped.items())),
+                                  self._remote.unresponsive_mounts())
             return Discovered(self._totals(), figures)
+
+    def _priority(self, listed: set[int], new: set[int]) -> list[int]:
+        """The processes looked at every pass, in order: those NVML lists on a GPU (inference servers), the
+        new ones (a server just started), those followed for holding model files."""
+        on_gpus = sorted(pid for pid, _ in self._on_gpus if pid in listed)
+        return list(dict.fromkeys([*on_gpus, *sorted(new), *self._tracked]))
+
+    def _look_fairly(self, pids: list[int], new: set[int], deadline: float) -> int:
+        """Look at ``pids`` with the priority budget shared equally among their owners, and each owner's
+        share equally among its processes (at least MIN_FD_SHARE each): one tenant's many processes or
+        many descriptors cannot use up the pass."""
+        owner_of = {pid: owner for pid in pids if (owner := self._owner(pid)) is not None}
+        owned: dict[int, int] = {}  # uid -> how many of its processes are in the list
+        for owner in owner_of.values():
+            owned[owner] = owned.get(owner, 0) + 1
+        per_owner = self.priority_fd_entries // max(1, len(owned))
+        looked = 0
+        for pid, owner in owner_of.items():
+            if time.monotonic() >= deadline:
+                self._drop("pass_deadline")
+                break
+            share = max(MIN_FD_SHARE, per_owner // owned[owner])
+            looked += self._look_at(pid, _Budget(share, deadline), new_process=pid in new)
+        return looked
+
+    def _owner(self, pid: int) -> int | None:
+        known = self._tracked.get(pid)
+        if known is not None:
+            return known.uid
+        try:
+            return os.stat(f"{self.procfs}/{pid}").st_uid
+        except OSError:
+            return None
 
     def _list(self) -> set[int]:
         pids: set[int] = set()
@@ -300,6 +363,9 @@ class Discovery:
             return 0
         return int(uptime * os.sysconf("SC_CLK_TCK"))
 
+    def _drop(self, kind: str, count: int = 1) -> None:
+        self._dropped[kind] = self._dropped.get(kind, 0) + count
+
     # --- one process ------------------------------------------------------------------------------
 
     def _look_at(self, pid: int, budget: _Budget, new_process: bool) -> int:
@@ -316,17 +382,16 @@ class Discovery:
         if known is not None and known.start != start:
             self._process_gone(known)  # the pid was reused
             known = None
-        held = self._held_files(pid, start, budget)
+        held = self._held_files(pid, start, budget, known)
         if isinstance(held, _Library):  # the spool reports it: what was followed of it goes
             if known is not None:
                 del self._tracked[pid]
             return 1
         if held is None:
             return 1
+        on_gpu = (pid, start) in self._on_gpus or not self.require_gpu
         if known is None:
-            if not held:
-                return 1
-            if len(self._tracked) >= MAX_TRACKED_PROCESSES:
+            if not held or not self._make_room(uid, on_gpu):
                 return 1
             known = Process(pid, start, uid, pod_cgroup.of_pid(pid, self.procfs))
             fresh = new_process or start >= self._started_ticks
@@ -334,31 +399,50 @@ class Discovery:
         else:
             fresh = True  # files new in a process already followed were opened since the last pass
         known.waiting = waiting
+        chars_before = known.chars
         known.chars, known.device_bytes = self._io(pid)
         known.gpu = self.gpu_of(pid, start) or ""
-        if not known.on_gpu and (pid in self._on_gpus or not self.require_gpu):
+        if not known.on_gpu and on_gpu:
             known.on_gpu = True
             for settle in known.pending:  # its loads that ended before NVML listed it
                 settle()
             known.pending.clear()
-        self._follow(known, held, fresh)
+        self._follow(known, held, fresh, max(0, known.chars - chars_before))
         return 1
 
-    def _held_files(self, pid: int, start: int, budget: _Budget) -> HeldNow | _Library | None:
-        """The model files the process holds open for reading now; None if it may not be looked at or
-        holds a spool file the engines collector reads (the library reports it)."""
+    def _make_room(self, uid: int, on_gpu: bool) -> bool:
+        """Whether a new process may be followed: within the table, and within its owner's quarter while it
+        is not on a GPU; a process on a GPU takes the place of the least recent one that is not."""
+        if not on_gpu:
+            owned = sum(1 for process in self._tracked.values() if process.uid == uid and not process.on_gpu)
+            if owned >= MAX_TRACKED_OFF_GPU_PER_OWNER:
+                self._drop("process")
+                return False
+        if len(self._tracked) < MAX_TRACKED_PROCESSES:
+            return True
+        idle = [process for process in self._tracked.values()
+                if not process.on_gpu and not any(held.loading_since for held in process.files.values())]
+        if on_gpu and idle:
+            del self._tracked[idle[0].pid]  # the oldest followed first: dicts keep their order
+            self._drop("process")
+            return True
+        self._drop("process")
+        return False
+
+    def _held_files(self, pid: int, start: int, budget: _Budget, known: Process | None) -> HeldNow | _Library | None:
+        """The model files the process holds open for reading now; None if it may not be looked at, _LIBRARY
+        if it holds a spool file the engines collector reads (the library reports it).
+
+        The files it was known to hold are looked at again by their descriptors; then ``budget`` of its
+        descriptors, from where the last look's budget ran out (``fd_cursor``), round and round."""
         fd_dir = f"{self.procfs}/{pid}/fd"
         found: HeldNow = {}
+        again = [held.file.fd for held in known.files.values() if held.open] if known is not None else []
+        for name in again:
+            if self._add_file(found, pid, name, start) is _LIBRARY:
+                return _LIBRARY
         try:
-            with os.scandir(fd_dir) as entries:
-                for count, entry in enumerate(entries):
-                    if count >= MAX_FDS_PER_PROCESS or not budget.spend():
-                        break
-                    opened = self._model_file(fd_dir, entry.name, start)
-                    if isinstance(opened, _Library):
-                        return opened
-                    if isinstance(opened, OpenFile) and len(found) < MAX_FILES_PER_PROCESS:
-                        found[(opened.dev, opened.ino)] = opened
+            names = self._fd_names(fd_dir, known, budget)
         except PermissionError:
             if (pid, start) not in self._refused and len(self._refused) < MAX_TRACKED_PROCESSES:
                 self._refused.add((pid, start))
@@ -366,32 +450,69 @@ class Discovery:
             return None
         except OSError:
             return None
+        for name in names:
+            if name not in again and self._add_file(found, pid, name, start) is _LIBRARY:
+                return _LIBRARY
         return found
 
-    def _model_file(self, fd_dir: str, name: str, start: int) -> OpenFile | _Library | None:
+    def _fd_names(self, fd_dir: str, known: Process | None, budget: _Budget) -> list[str]:
+        """The descriptors to look at: ``budget`` of them from the process's cursor on (wrapping round)."""
+        with os.scandir(fd_dir) as entries:
+            names = [entry.name for _, entry in zip(range(MAX_FDS_PER_PROCESS), entries, strict=False)]
+        cursor = known.fd_cursor if known is not None and known.fd_cursor < len(names) else 0
+        chosen = []
+        for offset in range(len(names)):
+            if not budget.spend():
+                break
+            chosen.append(names[(cursor + offset) % len(names)])
+        if known is not None:
+            known.fd_cursor = (cursor + len(chosen)) % max(1, len(names))
+        return chosen
+
+    def _add_file(self, found: HeldNow, pid: int, name: str, start: int) -> _Library | None:
+        opened = self._model_file(pid, name, start)
+        if isinstance(opened, _Library):
+            return opened
+        if isinstance(opened, OpenFile) and len(found) < MAX_FILES_PER_PROCESS:
+            found[(opened.dev, opened.ino)] = opened
+        return None
+
+    def _model_file(self, pid: int, name: str, start: int) -> OpenFile | _Library | None:
+        fd_dir = f"{self.procfs}/{pid}/fd"
         try:
-            target = os.readlink(f"{fd_dir}/{name}")
+            target = os.readlink(f"{fd_dir}/{name}")  # the kernel's name of the file: asks its mount nothing
         except OSError:
             return None
         if target.endswith(SPOOL_SUFFIX):
-            return self._spool_file(fd_dir, name, target, start)
+            return self._spool_file(pid, name, target, start)
         if not target.startswith(self.include) or target.endswith(" (deleted)"):
             return None
         if not self.matches(os.path.basename(target)) or any(part in target for part in PACKAGE_DIRECTORIES):
             return None
-        info = self._fdinfo(fd_dir, name)
-        if info is None or info[1] & _ACCESS_MODE == _WRITE_ONLY:
+        info = read_fdinfo(f"{self.procfs}/{pid}/fdinfo/{name}")
+        if info is None or info.flags & _ACCESS_MODE == _WRITE_ONLY:
             return None
-        try:
-            st = os.stat(f"{fd_dir}/{name}")  # through the link: the file itself, in any mount namespace
-        except OSError:
-            return None
-        if not stat.S_ISREG(st.st_mode) or st.st_size < MIN_MODEL_BYTES:
+        st = self._stat_held(pid, name, info.mount_id)
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_size < MIN_MODEL_BYTES:
             return None
         return OpenFile(target, (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino, st.st_size, st.st_mtime_ns,
-                        info[0])
+                        info.position, name)
 
-    def _spool_file(self, fd_dir: str, name: str, target: str, start: int) -> _Library | None:
+    def _stat_held(self, pid: int, name: str, mount_id: int | None) -> os.stat_result | None:
+        """The file's stat through the descriptor's link (the file itself, in any mount namespace): in the
+        pass where its mount answers locally, else where the wait can be abandoned (descriptors module)."""
+        link = f"{self.procfs}/{pid}/fd/{name}"
+        try:
+            if self._mounts.answers_locally(mount_id, pid):
+                return os.stat(link)
+            return self._remote.stat(link, mount_id)
+        except Unresponsive:
+            self._drop("unresponsive_mount")
+        except OSError:
+            pass
+        return None
+
+    def _spool_file(self, pid: int, name: str, target: str, start: int) -> _Library | None:
         """_LIBRARY for the process's own spool file (named with its start time, which no pid namespace
         changes) or one the engines collector reads; None for any other file."""
         own = _SPOOL_NAME.fullmatch(os.path.basename(target))
@@ -399,26 +520,9 @@ class Discovery:
             return _LIBRARY
         if not self.library_files:
             return None
-        try:
-            st = os.stat(f"{fd_dir}/{name}")
-        except OSError:
-            return None
-        return _LIBRARY if (st.st_dev, st.st_ino) in self.library_files else None
-
-    def _fdinfo(self, fd_dir: str, name: str) -> tuple[int, int] | None:
-        """(read position, open flags) of a descriptor."""
-        read = procstat.read_bounded(f"{fd_dir[:-2]}fdinfo/{name}", FDINFO_BYTES)
-        if read is None:
-            return None
-        position = flags = None
-        for line in read[0].split("\n", 3)[:3]:
-            key, _, value = line.partition(":")
-            value = value.strip()
-            if key == "pos":
-                position = procstat.whole_number(value)
-            elif key == "flags" and value.isascii() and value.isdigit() and len(value) <= 12:
-                flags = int(value, 8) if set(value) <= set("01234567") else None
-        return (position, flags) if position is not None and flags is not None else None
+        info = read_fdinfo(f"{self.procfs}/{pid}/fdinfo/{name}")
+        st = self._stat_held(pid, name, info.mount_id if info is not None else None)
+        return _LIBRARY if st is not None and (st.st_dev, st.st_ino) in self.library_files else None
 
     def _io(self, pid: int) -> tuple[int, int]:
         """The process's rchar and read_bytes (/proc/<pid>/io): bytes its reads returned, and bytes it caused
@@ -433,16 +537,16 @@ class Discovery:
 
     # --- loads ------------------------------------------------------------------------------------
 
-    def _follow(self, process: Process, held: HeldNow, fresh: bool) -> None:
+    def _follow(self, process: Process, held: HeldNow, fresh: bool, returned: int) -> None:
+        """Follow the files ``held`` now; ``returned`` is what the process's reads returned since its last
+        look (rchar), which bounds how far the positions can have moved by reading (a seek moves them for
+        free)."""
         now = time.monotonic()
         for key, opened in held.items():
             known = process.files.get(key)
             if known is None:
-                if len(process.files) >= MAX_FILES_PER_PROCESS:
-                    continue
-                engine, _ = engine_identity(opened.path)  # Triton's version directory is not served (yet)
-                known = process.files[key] = HeldFile(engine, opened, time.time(), process.device_bytes, process.chars)
-                if fresh:
+                known = self._start_following(process, key, opened)
+                if known is not None and fresh:
                     self._begin(process, known, now, already_read=opened.position)
                 continue
             moved = opened.position != known.file.position or not known.open
@@ -450,10 +554,12 @@ class Discovery:
                 self._begin_moving(process, known, now)
             known.looked_again = True
             if known.loading_since is not None and opened.position > known.file.position:
-                known.read_forward += opened.position - known.file.position
+                forward = min(opened.position - known.file.position, returned)
+                returned -= forward
+                known.read_forward = min(known.file.size, known.read_forward + forward)
             if moved:
                 known.load_moved_at = now
-            known.file, known.open = opened, True
+            known.file, known.open, known.chars_at_look = opened, True, process.chars
         for key, known in process.files.items():
             if key not in held and known.open:
                 known.open = False
@@ -461,9 +567,21 @@ class Discovery:
                     self._finish(process, known, now)
             elif known.open and known.loading_since is not None and self._stood_still(process, known, now):
                 self._finish(process, known, known.load_moved_at)
-        if len(process.files) > MAX_FILES_PER_PROCESS:
-            for key in [key for key, held_file in process.files.items() if not held_file.open][:8]:
-                del process.files[key]
+
+    def _start_following(self, process: Process, key: FileKey, opened: OpenFile) -> HeldFile | None:
+        """A file new in the process, followed from now: room is made by forgetting a closed file whose
+        load is over (a checkpoint's shards read one after another); else it is counted as dropped."""
+        if len(process.files) >= MAX_FILES_PER_PROCESS:
+            done = next((file_key for file_key, held in process.files.items()
+                         if not held.open and held.loading_since is None), None)
+            if done is None:
+                self._drop("file")
+                return None
+            del process.files[done]
+        engine, _ = engine_identity(opened.path)  # Triton's version directory is not served (yet)
+        held = process.files[key] = HeldFile(engine, opened, time.time(), process.device_bytes, process.chars,
+                                             chars_at_look=process.chars)
+        return held
 
     def _stood_still(self, process: Process, held: HeldFile, now: float) -> bool:
         """The load's position has not moved for ``idle`` seconds, or for three times that while the
@@ -501,16 +619,21 @@ class Discovery:
         seconds = max(0.0, _wall_from_monotonic(ended) - started)
         read = self._bytes_read(process, held)
         device = min(read, max(0, process.device_bytes - held.device_at_start)) if read else 0
-        self._settle(process, lambda: self._record_load(held, started, seconds, read, device))
+        self._settle(process, lambda: self._record_load(process.uid, held, started, seconds, read, device))
 
     def _settle(self, process: Process, settle: Callable[[], None]) -> None:
         if process.on_gpu:
             settle()
-        elif len(process.pending) < MAX_FILES_PER_PROCESS:
+        elif len(process.pending) < MAX_PENDING_PER_PROCESS:
             process.pending.append(settle)
+        else:
+            self._drop("load")
 
-    def _record_load(self, held: HeldFile, started: float, seconds: float, read: int, device: int) -> None:
-        history = self._history(held.engine)
+    def _record_load(self, owner: int, held: HeldFile, started: float, seconds: float, read: int,
+                     device: int) -> None:
+        history = self._history(held.engine, owner)
+        if history is None:
+            return
         values = history.engine_values
         first, total, bounds = spool_format.ENGINE_LAYOUT.histograms["load_read_seconds"]
         values[first + _bucket(bounds, seconds)] += 1.0
@@ -521,11 +644,12 @@ class Discovery:
 
     @staticmethod
     def _bytes_read(process: Process, held: HeldFile) -> int:
-        """The load's bytes: the forward movement of the position seen, or, where more, what the process's
-        reads returned since the load began (the reads between the last look and the close), at most the
-        file's size."""
-        returned = min(held.file.size, held.read_before + max(0, process.chars - held.chars_at_start))
-        return max(held.read_forward, returned)
+        """The load's bytes: the forward movement of the position seen (each step at most what the reads
+        returned), and the reads after the last look that saw the file open (before its close), at most
+        what the file had left; at most the file's size."""
+        unseen = max(0, process.chars - held.chars_at_look)
+        tail = min(unseen, max(0, held.file.size - held.file.position))
+        return min(held.file.size, held.read_forward + tail)
 
     def _abandon(self, process: Process, held: HeldFile) -> None:
         """The process died while loading: an abandoned load, where it was on a GPU (a tool that dies
@@ -533,19 +657,37 @@ class Discovery:
         held.loading_since = None
         if not process.on_gpu:
             return
-        history = self._history(held.engine)
+        history = self._history(held.engine, process.uid)
+        if history is None:
+            return
         history.abandoned[process.gpu] = history.abandoned.get(process.gpu, 0.0) + 1.0
         history.touched = time.monotonic()
 
-    def _history(self, engine: str) -> EngineHistory:
+    def _history(self, engine: str, owner: int) -> EngineHistory | None:
+        """The engine's history, made if there is room (module note); None, counted, if there is none."""
         history = self._histories.get(engine)
-        if history is None:
-            if len(self._histories) >= MAX_ENGINES:
-                oldest = min(self._histories, key=lambda name: self._histories[name].touched)
-                del self._histories[oldest]
-            history = self._histories[engine] = EngineHistory([0.0] * spool_format.ENGINE_LAYOUT.size,
-                                                              [0.0] * len(spool_format.WATERFALL_SLOTS))
+        if history is not None:
+            return history
+        if sum(1 for kept in self._histories.values() if kept.owner == owner) >= MAX_ENGINES_PER_OWNER:
+            self._drop("engine")
+            return None
+        if len(self._histories) >= MAX_ENGINES and not self._forget_a_history():
+            self._drop("engine")
+            return None
+        history = self._histories[engine] = EngineHistory(owner, [0.0] * spool_format.ENGINE_LAYOUT.size,
+                                                          [0.0] * len(spool_format.WATERFALL_SLOTS))
         return history
+
+    def _forget_a_history(self) -> bool:
+        """Forget the least recent history that nobody holds a file of and that had no load for FORGET_AFTER:
+        its series go (Prometheus marks them stale), they never fall."""
+        cutoff = time.monotonic() - FORGET_AFTER
+        idle = [(history.touched, engine) for engine, history in self._histories.items()
+                if history.touched < cutoff and engine not in self._held_engines]
+        if not idle:
+            return False
+        del self._histories[min(idle)[1]]
+        return True
 
     @staticmethod
     def _add_waterfall(values: list[float], held: HeldFile, started: float, seconds: float, read: int,
@@ -588,6 +730,7 @@ class Discovery:
             elif not any(held.open for held in process.files.values()) and not process.files:
                 del self._tracked[pid]
         self._refused = {key for key in self._refused if key[0] in listed}
+        self._held_engines = {held.engine for process in self._tracked.values() for held in process.files.values()}
 
     # --- the answer -------------------------------------------------------------------------------
 

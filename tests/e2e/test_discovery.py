@@ -259,8 +259,8 @@ def test_a_process_without_a_gpu_context_loads_no_engine_until_it_has_one(tmp_pa
     """A copy, a checksum or a backup reading model files is no engine load: only processes NVML lists
     with a GPU context count, and what one loaded before it was listed counts from then on."""
     path = model(tmp_path, "repo/resnet50/1/model.plan")
-    on_gpus: list[int] = []
-    found = finder(tmp_path, require_gpu=True, gpu_pids=lambda: on_gpus)
+    on_gpus: list[tuple[int, int]] = []
+    found = finder(tmp_path, require_gpu=True, gpu_processes=lambda: on_gpus)
     copier = loaders()
     copier.do("open", path)
     copier.do("read", path, 1 << 20)
@@ -276,7 +276,7 @@ def test_a_process_without_a_gpu_context_loads_no_engine_until_it_has_one(tmp_pa
     assert found.sample().totals.engines == {}  # loading, not on a GPU yet
     server.do("close", path)
     assert found.sample().totals.engines == {}  # its load ended before NVML listed it
-    on_gpus.append(server.pid)  # NVML lists it now: its load counts
+    on_gpus.append((server.pid, _start(server.pid)))  # NVML lists it now: its load counts
     totals = found.sample().totals
     first, total, _ = spool_format.ENGINE_LAYOUT.histograms["load_read_seconds"]
     assert sum(totals.engines["resnet50"][first:total]) == 1
@@ -302,7 +302,7 @@ def test_gpu_processes_are_followed_first(tmp_path, loaders) -> None:
     path = model(tmp_path, "models/first.plan")
     loader = loaders()
     loader.do("open", path)
-    found = Discovery([str(tmp_path)], fd_entries_per_pass=8, gpu_pids=lambda: [loader.pid],
+    found = Discovery([str(tmp_path)], fd_entries_per_pass=8, gpu_processes=lambda: [(loader.pid, _start(loader.pid))],
                       gpu_of=lambda pid, start: "GPU-bb")
     totals = found.sample().totals
     assert [item.gpu_uuid for item in totals.infos["first"]] == ["GPU-bb"]

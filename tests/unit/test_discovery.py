@@ -46,9 +46,9 @@ def test_a_process_on_several_gpus_is_on_none_of_them() -> None:
     gpus = GpuProcesses()
     gpus.update([((10, 5), "GPU-a"), ((11, 6), "GPU-a"), ((11, 6), "GPU-b"), ((12, 0), "GPU-c")])
     assert gpus.get(10, 5) == "GPU-a" and gpus.get(11, 6) is None
-    assert gpus.pids() == {10, 11}  # the start time 0 (not read) is no process this exporter can name
+    assert gpus.processes() == {(10, 5), (11, 6)}  # the start time 0 (not read) is no process this exporter names
     gpus.update({(10, 5): "GPU-b"})
-    assert gpus.get(10, 5) == "GPU-b" and gpus.pids() == {10}
+    assert gpus.get(10, 5) == "GPU-b" and gpus.processes() == {(10, 5)}
 
 
 def test_discovered_engines_join_the_spools_without_changing_it() -> None:
