@@ -38,18 +38,30 @@ before anything a delegated subtree nests below them) and none deeper than MAX_D
 MAX_FILE_BYTES of any file (the rest is a ``truncated`` bad line); a line longer than MAX_LINE_CHARS is
 bad; numbers go through :func:`~exporter.procstat.whole_number` (at most 20 digits).  A bad line fails
 only itself.  Path labels are at most MAX_PATH_CHARS characters (a longer path is cut and keeps a hash
-of the whole, so two stay apart) and a name that is not UTF-8 shows U+FFFD where its bytes were.
+of the whole, so two stay apart) and a byte of a name that is not UTF-8 shows as ``\\xNN`` (names are kept as
+str, such bytes as surrogates, os.fsdecode, until the label is made: nothing raises on them).  A cgroup whose
+path passes PATH_MAX (4096 bytes: nesting 32 levels of 255-byte names makes 8 KiB) cannot be opened by its
+path (ENAMETOOLONG): each directory is opened once (a path that long a piece at a time, each piece relative
+to the directory the last one opened, openat) and its files are read relative to it, so it is read like any
+other.  A directory that is there but cannot be opened is counted with those left out (``skipped``); one
+removed while the walk goes on is not.
+
+**Owners** (for :mod:`exporter.pods.cgroup`'s rule 3: a pod's directory is believed where it and its
+ancestors are root's): each reading says how many of its leading segments are directories owned by root, as
+are all above them (``root_owned``), from the fstat() of the directory the walk opens anyway; None where the
+hierarchy's root is not root's (owners tell nothing there).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import procstat
+from . import hosttext, procstat
 from .collect import BadLine
 from .procstat import whole_number
 from .psi import parse_total
@@ -59,6 +71,8 @@ MAX_FILE_BYTES = 64 << 10  # io.stat: ~100 bytes a device (~300 with iocost's ke
 MAX_LINE_CHARS = 4096
 MAX_PATH_CHARS = 512  # a kind node's container path is ~260
 MAX_LISTED = 1 << 16  # entries of one directory looked at (a cgroup directory holds ~40 files)
+PATH_MAX = 4096  # bytes of a path the kernel takes, its NUL included (linux/limits.h)
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 V1, V2 = "v1", "v2"
 # The sources named in gpuio_scrape_collector_dropped_lines_total.
@@ -107,6 +121,9 @@ class CgroupReading:
     pressure: Pressure | None = None
     ranks_io: bool = False  # its IO counters are its workload's own (see the module note)
     ranks_pressure: bool = False
+    # How many leading segments of the path are directories owned by root, as are all above them; None where
+    # the hierarchy's root is not root's (exporter.pods.cgroup, rule 3).
+    root_owned: int | None = None
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,7 @@ class Hierarchy:
 class Walk:
     hierarchy: Hierarchy
     cgroups: list[CgroupReading] = field(default_factory=list)
-    skipped: int = 0  # cgroups found but not read (past max_cgroups or MAX_DEPTH): at least this many
+    skipped: int = 0  # cgroups found but not read (past max_cgroups or MAX_DEPTH, unopenable): at least this many
 
 
 def find_hierarchy(sysfs: str) -> Hierarchy | None:
@@ -288,18 +305,63 @@ def read_bounded(path: str, limit: int = MAX_FILE_BYTES) -> tuple[str, bool] | N
     return procstat.read_bounded(path, limit)
 
 
+def read_bounded_at(directory: int, name: str, limit: int = MAX_FILE_BYTES) -> tuple[str, bool] | None:
+    """:func:`read_bounded` of the file ``name`` in the open directory ``directory`` (whatever its path's length)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=directory)
+    except OSError:
+        return None
+    try:
+        data = procstat.read_at_most(fd, limit)
+    except OSError:
+        return None  # ENODEV and the like: the cgroup went after the open
+    finally:
+        os.close(fd)
+    return data[:limit].decode("ascii", "replace"), len(data) > limit
+
+
+def open_directory(path: str, follow: bool = False) -> int:
+    """An fd of the directory ``path`` (a symlink only where ``follow``: the hierarchy's root, which a v1 host
+    may link to a joint mount, never a cgroup).  A path of PATH_MAX bytes or more is opened a piece at a time,
+    each piece shorter than PATH_MAX and relative to the directory the last one opened.  OSError as open()
+    raises it."""
+    raw = os.fsencode(path)
+    if len(raw) < PATH_MAX:
+        return os.open(raw, _DIRECTORY & ~os.O_NOFOLLOW if follow else _DIRECTORY)
+    parts = raw.split(b"/")
+    pieces: list[list[bytes]] = [[parts[0]]]  # b"" first for an absolute path: the piece starts at "/"
+    for part in parts[1:]:
+        if not part:
+            continue
+        if len(b"/".join([*pieces[-1], part])) >= PATH_MAX:
+            pieces.append([])
+        pieces[-1].append(part)
+    fd = os.open(b"/".join(pieces[0]) or b".", _DIRECTORY)
+    try:
+        for piece in pieces[1:]:
+            below = os.open(b"/".join(piece), _DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def label_of(segments: list[str]) -> str:
-    """A cgroup's path as a label value: "/"-joined from the hierarchy's root, valid UTF-8, bounded."""
-    text = ("/" + "/".join(segments)).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    """A cgroup's path as a label value: "/"-joined from the hierarchy's root, valid UTF-8 (a byte that is
+    not shown \\xNN, as every host name is: hosttext), bounded."""
+    text = hosttext.visible("/" + "/".join(segments))
     if len(text) <= MAX_PATH_CHARS:
         return text
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return f"{text[:MAX_PATH_CHARS - len(digest) - 1]}~{digest}"
 
 
-def child_directories(directory: str, limit: int) -> tuple[list[str], bool]:
-    """The first ``limit`` child directories (the child cgroups) by name, and whether there were more.  At
-    most MAX_LISTED entries of a directory are looked at (the rest count as more)."""
+def child_directories(directory: str | int, limit: int) -> tuple[list[str], bool]:
+    """The first ``limit`` child directories (the child cgroups) of a directory (its path, or an open fd of
+    it) by name, and whether there were more.  At most MAX_LISTED entries of a directory are looked at (the
+    rest count as more).  Names are str (bytes that are not UTF-8 as surrogates, os.fsdecode)."""
     found: list[str] = []
     listed = 0
     more = False
@@ -322,38 +384,39 @@ def child_directories(directory: str, limit: int) -> tuple[list[str], bool]:
 
 
 class Reader:
-    """Reads one hierarchy's files for one cgroup; reports bad lines to ``report``."""
+    """Reads one hierarchy's files for one cgroup, from an open fd of its directory; reports bad lines to
+    ``report``."""
 
     def __init__(self, hierarchy: Hierarchy, report: BadLineSink) -> None:
         self.hierarchy = hierarchy
         self.report = report
 
-    def read(self, directory: str, path: str, has_children: bool) -> CgroupReading:
+    def read(self, directory: int, path: str, has_children: bool) -> CgroupReading:
         if self.hierarchy.version == V2:
             return self._read_v2(directory, path, has_children)
         return self._read_v1(directory, path)
 
-    def _read_v2(self, directory: str, path: str, has_children: bool) -> CgroupReading:
+    def _read_v2(self, directory: int, path: str, has_children: bool) -> CgroupReading:
         reading = CgroupReading(path)
-        stat = read_bounded(os.path.join(directory, "io.stat"))
+        stat = read_bounded_at(directory, "io.stat")
         if stat is not None:
             reading.io = parse_io_stat(*stat, self.report)
             reading.ranks_io = not has_children or not self._io_below(directory)
-        pressure = read_bounded(os.path.join(directory, "io.pressure"))
+        pressure = read_bounded_at(directory, "io.pressure")
         if pressure is not None:
             reading.pressure = parse_pressure(*pressure, self.report)
             reading.ranks_pressure = not has_children
         return reading
 
     @staticmethod
-    def _io_below(directory: str) -> bool:
+    def _io_below(directory: int) -> bool:
         """Whether the io controller is enabled for the cgroup's children (then they count their own IO)."""
-        enabled = read_bounded(os.path.join(directory, "cgroup.subtree_control"), 4096)
+        enabled = read_bounded_at(directory, "cgroup.subtree_control", 4096)
         return enabled is not None and "io" in enabled[0].split()
 
-    def _read_v1(self, directory: str, path: str) -> CgroupReading:
-        service_bytes = read_bounded(os.path.join(directory, "blkio.throttle.io_service_bytes"))
-        serviced = read_bounded(os.path.join(directory, "blkio.throttle.io_serviced"))
+    def _read_v1(self, directory: int, path: str) -> CgroupReading:
+        service_bytes = read_bounded_at(directory, "blkio.throttle.io_service_bytes")
+        serviced = read_bounded_at(directory, "blkio.throttle.io_serviced")
         reading = CgroupReading(path, ranks_io=True)
         if service_bytes is not None and serviced is not None:
             reading.io = join_blkio(parse_blkio(*service_bytes, BLKIO_BYTES, self.report),
@@ -361,23 +424,49 @@ class Reader:
         return reading
 
 
+def _root_owned(directory: int, depth: int, above: int | None) -> int | None:
+    """``root_owned`` of the directory open as ``directory``, ``depth`` levels below the root, whose parent's is
+    ``above`` (see CgroupReading)."""
+    try:
+        owner = os.fstat(directory).st_uid
+    except OSError:
+        owner = -1
+    if depth == 0:
+        return 0 if owner == 0 else None
+    if above is None:
+        return None
+    return depth if above == depth - 1 and owner == 0 else above
+
+
 def walk(hierarchy: Hierarchy, max_cgroups: int, report: BadLineSink) -> Walk:
     """Read up to ``max_cgroups`` cgroups below the root, breadth first, each directory's children in name
-    order (see the module note); a cgroup removed while the walk goes on is left out."""
+    order (see the module note); a cgroup removed while the walk goes on is left out, one that is there but
+    cannot be opened is counted in ``skipped``."""
     reader = Reader(hierarchy, report)
     result = Walk(hierarchy)
-    # (directory, path segments below the root); the root itself is listed, never read.
-    queue: deque[tuple[str, list[str]]] = deque([(hierarchy.root, [])])
+    # (directory, path segments below the root, the parent's root_owned); the root itself is listed, never read.
+    queue: deque[tuple[str, list[str], int | None]] = deque([(hierarchy.root, [], None)])
     while queue:
-        directory, segments = queue.popleft()
-        # Room below this cgroup: the cgroups read, this one and those queued are already counted.
-        room = max_cgroups - len(result.cgroups) - bool(segments) - len(queue) if len(segments) < MAX_DEPTH else 0
-        children, more = child_directories(directory, max(room, 0))
-        if more:
-            result.skipped += 1  # at least one cgroup below this one is not read
-        for name in children:
-            queue.append((os.path.join(directory, name), [*segments, name]))
-        if segments and os.path.isdir(directory):
-            has_children = bool(children) or more
-            result.cgroups.append(reader.read(directory, label_of(segments), has_children))
+        directory, segments, above = queue.popleft()
+        try:
+            fd = open_directory(directory, follow=not segments)
+        except OSError as error:
+            if segments and error.errno != errno.ENOENT:
+                result.skipped += 1  # there, but not to be opened: left out, and counted
+            continue
+        try:
+            owned = _root_owned(fd, len(segments), above)
+            # Room below this cgroup: the cgroups read, this one and those queued are already counted.
+            room = max_cgroups - len(result.cgroups) - bool(segments) - len(queue) if len(segments) < MAX_DEPTH else 0
+            children, more = child_directories(fd, max(room, 0))
+            if more:
+                result.skipped += 1  # at least one cgroup below this one is not read
+            for name in children:
+                queue.append((os.path.join(directory, name), [*segments, name], owned))
+            if segments:
+                reading = reader.read(fd, label_of(segments), bool(children) or more)
+                reading.root_owned = owned
+                result.cgroups.append(reading)
+        finally:
+            os.close(fd)
     return result

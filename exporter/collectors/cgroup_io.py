@@ -3,8 +3,10 @@
 When a disk storms, on-call asks who is doing it (an image pull by containerd, a backup, another pod's
 model download) and which pods stall on IO.  The kernel counts both per cgroup.  This collector serves,
 per device, the cgroups that do the most IO and the cgroups that stall most on IO, each with its pod and
-container (:func:`exporter.pods.cgroup.parse_path`) or its systemd service.  What is read, which cgroups
-are ranked and the bounds of the walk: :mod:`exporter.cgroups`.
+container (:func:`exporter.pods.cgroup.judge_path`: believed only in the kubelet's shape and where root owns
+the pod's directory and all above it, never in a tenant's delegated subtree; a claim refused is counted as
+kind="untrusted_pod") or its systemd service.  What is read, which cgroups are ranked and the bounds of the
+walk: :mod:`exporter.cgroups`.
 
 **Off the scrape path.**  A PeriodicSampler walks the tree every ``--collector.cgroup_io.interval`` (10 s)
 and renders the families there; a scrape serves the last walk's.  Values are up to one interval old
@@ -32,10 +34,10 @@ whose rank wobbles around N does not flap in and out.
 cgroups by pressure (3 x 10 = 30 by default); past that the pair chosen least recently goes before its hold
 ends, counted in gpuio_cgroup_io_dropped_series_total{kind="series"}.  With D devices seen in a walk (at most
 MAX_DEVICES = 32; more are counted as kind="device"): at most 6 counters x 3N x D IO series, 2 x 3N x (D + 1)
-pressure series and 3N x (D + 1) info series, plus 5 of the collector's own.  With N = 10 that is
-270 D + 95: 1,175 series on a node with 4 disks, 8,735 at 32 devices; engine pods' cgroups add at most
+pressure series and 3N x (D + 1) info series, plus 6 of the collector's own.  With N = 10 that is
+270 D + 96: 1,176 series on a node with 4 disks, 8,736 at 32 devices; engine pods' cgroups add at most
 3 x MAX_ENGINE_POD_CGROUPS = 192 (pressure and info).  A calm node serves a handful of pairs; an idle one
-only the collector's own 5.
+only the collector's own 6.
 
 **Engine pods.**  The IO pressure of every cgroup of a pod that serves engines (the spool writers' pod UIDs,
 :meth:`exporter.pods.attribution.PodAttribution.writer_pod_uids`) is served whatever its rank, at most
@@ -58,7 +60,7 @@ from ..collect import Absent, Collector, Context, Failing, Pending, StaleData, r
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce
 from ..options import Option, parse_count, parse_seconds
-from ..pods.cgroup import parse_path
+from ..pods.cgroup import PodRef, judge_path
 from ..sampler import PeriodicSampler
 
 log = logging.getLogger("gpuio.collector.cgroup_io")
@@ -67,7 +69,7 @@ DURATION = "a duration above zero such as 500ms, 2s, 5m"
 HOLD_SLOTS = 3  # pairs served per device (and cgroups by pressure), as a multiple of --collector.cgroup_io.top
 MAX_DEVICES = 32
 FIRST_GAP_SECONDS = 1.0
-DROPPED_KINDS = ("cgroup", "device", "series")
+DROPPED_KINDS = ("cgroup", "device", "series", "untrusted_pod")
 
 CGROUP_DEVICE = ("cgroup", "device")
 ISSUED = ("Counted when the IO is issued to the device (v2 io.stat; v1 blkio.throttle.*), not when it "
@@ -119,7 +121,9 @@ INFO_DESC = Desc("gpuio_cgroup_info", INFO,
                  labels=("cgroup", "pod_uid", "container_id", "service"),
                  doc="A cgroup that this scrape serves IO or pressure series of: its pod UID and container ID "
                      "where the path is a kubelet's pod cgroup (systemd or cgroupfs driver; containerd, CRI-O, "
-                     "cri-dockerd), else the last `*.service` unit in its path; empty where none. Join on `cgroup`.")
+                     "cri-dockerd) and believed (where the kubelet puts pods, owned by root, below no user "
+                     "session: docs/cgroup-io.md), else the last `*.service` unit in its path; empty where none. "
+                     "Join on `cgroup`.")
 WALK_CGROUPS = Desc("gpuio_cgroup_io_walk_cgroups", GAUGE, "Cgroups the last walk of the cgroup tree read.",
                     labels=("hierarchy",), values={"hierarchy": (cgroups.V1, cgroups.V2)})
 LAST_WALK = Desc("gpuio_cgroup_io_last_walk_timestamp_seconds", GAUGE,
@@ -128,10 +132,13 @@ DROPPED = Desc("gpuio_cgroup_io_dropped_series_total", COUNTER,
                "Cgroups, devices and series the cgroup_io collector left out by its caps, by kind.",
                labels=("kind",), values={"kind": DROPPED_KINDS},
                doc="What the cgroup_io collector left out by its caps, by kind: `cgroup`, cgroups not read "
-                   "because a walk reached `--collector.cgroup_io.max-cgroups` or 32 levels (at least this many, "
-                   "each walk) or whose path label repeats another's; `device`, a cgroup's line for a device "
-                   "past the 32 a walk names (each walk); `series`, a served pair (or pressure cgroup) let go "
-                   "before its hold ended to keep 3 x top per device.")
+                   "because a walk reached `--collector.cgroup_io.max-cgroups` or 32 levels, or that could not be "
+                   "opened (at least this many, each walk), or whose path label repeats another's; `device`, a "
+                   "cgroup's line for a device past the 32 a walk names (each walk); `series`, a served pair (or "
+                   "pressure cgroup) let go before its hold ended to keep 3 x top per device; `untrusted_pod`, "
+                   "cgroups whose path names a pod the exporter does not believe (a pod cgroup's name made in a "
+                   "delegated subtree: not root's, not where the kubelet puts pods, below a user's session), "
+                   "served without its pod (each walk; docs/cgroup-io.md).")
 
 
 @dataclass
@@ -142,6 +149,7 @@ class Observed:
     pressure: dict[str, Pressure] = field(default_factory=dict)  # cgroup -> totals
     ranks_io: set[str] = field(default_factory=set)
     ranks_pressure: set[str] = field(default_factory=set)
+    pods: dict[str, PodRef] = field(default_factory=dict)  # cgroup -> its pod, where one is believed
 
 
 def grown(before: int | None, now: int) -> int:
@@ -233,19 +241,20 @@ class Selection:
 MAX_ENGINE_POD_CGROUPS = 64
 
 
-def engine_pod_cgroups(cgroups_seen: list[str], pod_uids: frozenset[str]) -> tuple[list[str], int]:
-    """The cgroups (of ``cgroups_seen``, sorted) of the pods whose UIDs are ``pod_uids``, at most
-    MAX_ENGINE_POD_CGROUPS; and how many more there were."""
+def engine_pod_cgroups(cgroups_seen: list[str], pod_uids: frozenset[str],
+                       pods: dict[str, PodRef]) -> tuple[list[str], int]:
+    """The cgroups (of ``cgroups_seen``, sorted) of the pods whose UIDs are ``pod_uids`` (``pods``: each cgroup's
+    pod, where one is believed), at most MAX_ENGINE_POD_CGROUPS; and how many more there were."""
     if not pod_uids:
         return [], 0
     found = sorted(cgroup for cgroup in cgroups_seen
-                   if (pod := parse_path(cgroup)) is not None and pod.pod_uid in pod_uids)
+                   if (pod := pods.get(cgroup)) is not None and pod.pod_uid in pod_uids)
     return found[:MAX_ENGINE_POD_CGROUPS], max(0, len(found) - MAX_ENGINE_POD_CGROUPS)
 
 
-def info_labels(cgroup: str) -> dict[str, str]:
-    """gpuio_cgroup_info's labels: the pod and container a kubelet's cgroup path names, else the service."""
-    pod = parse_path(cgroup)
+def info_labels(cgroup: str, pod: PodRef | None) -> dict[str, str]:
+    """gpuio_cgroup_info's labels: the pod and container believed of a cgroup (Observed.pods), else the last
+    service in its path."""
     service = "" if pod is not None else next(
         (segment for segment in reversed(cgroup.split("/")) if segment.endswith(".service")), "")
     return {"cgroup": cgroup, "pod_uid": pod.pod_uid if pod else "", "container_id": pod.container_id if pod else "",
@@ -346,6 +355,10 @@ class CgroupIoCollector(Collector):
                 observed.ranks_io.add(reading.path)
             if reading.ranks_pressure:
                 observed.ranks_pressure.add(reading.path)
+            pod, refused = judge_path(reading.path, reading.root_owned)
+            if pod is not None:
+                observed.pods[reading.path] = pod
+            self._dropped["untrusted_pod"] += refused
         return observed
 
     def _device_name(self, names: dict[cgroups.DeviceNumber, str], number: cgroups.DeviceNumber) -> str | None:
@@ -374,7 +387,8 @@ class CgroupIoCollector(Collector):
                                               io.discarded_bytes, io.discards), strict=True):
                 if value is not None:
                     lines[desc].append(desc.sample(labels, value))
-        pinned, left_out = engine_pod_cgroups(list(observed.pressure), self.context.pods.writer_pod_uids())
+        pinned, left_out = engine_pod_cgroups(list(observed.pressure), self.context.pods.writer_pod_uids(),
+                                              observed.pods)
         self._dropped["series"] += left_out
         for cgroup in sorted(served | self._selection.pressure_cgroups() | set(pinned)):
             pressure = observed.pressure.get(cgroup)
@@ -385,7 +399,8 @@ class CgroupIoCollector(Collector):
             lines[PRESSURE_WAITING].append(PRESSURE_WAITING.sample(labels, pressure.waiting_us / 1000.0 / 1000.0))
             if pressure.stalled_us is not None:
                 lines[PRESSURE_STALLED].append(PRESSURE_STALLED.sample(labels, pressure.stalled_us / 1000.0 / 1000.0))
-        lines[INFO_DESC] = [INFO_DESC.sample(label_string(info_labels(cgroup)), 1) for cgroup in sorted(served)]
+        lines[INFO_DESC] = [INFO_DESC.sample(label_string(info_labels(cgroup, observed.pods.get(cgroup))), 1)
+                            for cgroup in sorted(served)]
         lines[WALK_CGROUPS] = [WALK_CGROUPS.sample(label_string({"hierarchy": walk.hierarchy.version}),
                                                    len(walk.cgroups))]
         lines[LAST_WALK] = [LAST_WALK.sample("", time.time())]

@@ -1206,7 +1206,8 @@ class NvmlCollector(Collector):
         gpu.dropped_processes = dropped_processes
         self._forget_recycled_pids(gpu, {p.pid: gpu.started[p.pid] for p in kept})
         gpu.names = {p.pid: gpu.names.get(p.pid) or self._process_name(p.pid) for p in kept}
-        gpu.pods = {p.pid: gpu.pods[p.pid] if p.pid in gpu.pods else cgroup.of_pid(p.pid, self.context.procfs)
+        gpu.pods = {p.pid: gpu.pods[p.pid] if p.pid in gpu.pods else cgroup.of_pid(p.pid, self.context.procfs,
+                                                                                   sysfs=self.context.sysfs)
                     for p in kept}
         readings: list[Reading] = [(PROCESSES, gpu.labels, len(processes)), (DROPPED, gpu.labels, gpu.dropped)]
         for process in kept:

@@ -7,6 +7,7 @@ cgroups do IO between two walks: it rewrites their files in the kernel's format 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -287,6 +288,7 @@ def test_deep_and_odd_names_stay_bounded_and_apart(tmp_path) -> None:
     deep.mkdir(parents=True)
     os.mkdir(os.path.join(os.fsencode(root), b"bad-\xff\xfe.scope"))
     os.mkdir(os.path.join(os.fsencode(root), b"bad-\xfe\xff.scope"))
+    os.mkdir(os.path.join(os.fsencode(root), b"bad-\\xff\\xfe.scope"))  # spelt as the first is shown
     walk = cgroups.walk(cgroups.find_hierarchy(str(tmp_path / "sys")), 5000, Bad())  # type: ignore[arg-type]
     paths = [reading.path for reading in walk.cgroups]
     assert max(len(path) for path in paths) <= cgroups.MAX_PATH_CHARS
@@ -295,8 +297,10 @@ def test_deep_and_odd_names_stay_bounded_and_apart(tmp_path) -> None:
     assert len(set(deep_paths)) == len(deep_paths)  # the cut paths keep a hash of the whole
     for path in paths:
         path.encode("utf-8")  # every label is valid UTF-8
-    # Two names whose bytes are not UTF-8 can make one label: the collector serves the first only.
-    assert sorted(path for path in paths if path.startswith("/bad-")) == ["/bad-\ufffd\ufffd.scope"] * 2
+    # A byte that is not UTF-8 is shown \xNN (hosttext.visible), so a name can read as another's shown: the
+    # collector serves the first only.
+    assert sorted(path for path in paths if path.startswith("/bad-")) == [
+        "/bad-\\xfe\\xff.scope", "/bad-\\xff\\xfe.scope", "/bad-\\xff\\xfe.scope"]
     made = collector(str(tmp_path / "sys"))
     walk_now(made)
     # Each walk (three: the first sample walks twice) drops the repeated label and what lies past MAX_DEPTH.
@@ -496,3 +500,88 @@ def test_the_pressure_of_an_engine_pods_cgroups_is_served_whatever_its_rank(tmp_
     waiting = series(text, "gpuio_cgroup_io_pressure_waiting_seconds_total")
     assert (app,) in waiting and ("/system.slice/crio.service",) in waiting
     assert info(text)[app]["pod_uid"] == "0d9e8f7a-6b5c-4d3e-9f2a-1b0c9d8e7f6a"
+
+
+def test_a_cgroup_past_path_max_is_read_and_odd_names_never_fail_the_walk(tmp_path) -> None:
+    """A tenant nests cgroups until the path passes PATH_MAX (4096 bytes): a path that long cannot be opened,
+    so the walk opens each directory relative to one it holds (openat), and the deepest cgroup's IO is read
+    like any other's.  Names that are not UTF-8 on the way (and beside it) are kept as str, never a crash."""
+    sysfs = tmp_path / "sys"
+    root = sysfs / "fs" / "cgroup"
+    root.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("io\n")
+    names = [os.fsencode("d" * 200 + f"{level:02d}") for level in range(22)]
+    names[3] = b"odd-\xff\xfe" + b"o" * 200  # not UTF-8
+    os.mkdir(os.path.join(os.fsencode(root), b"bad-\xff.scope"))
+
+    def write(fd: int, name: str, text: str) -> None:
+        file = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=fd)
+        try:
+            os.write(file, text.encode())
+        finally:
+            os.close(file)
+
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in names:  # each level one level down from the last: no path is ever spelt out whole
+            os.mkdir(name, dir_fd=fd)
+            below = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        write(fd, "io.stat", "259:1 rbytes=4096 wbytes=0 rios=1 wios=0 dbytes=0 dios=0\n")
+        write(fd, "io.pressure", "some avg10=0.00 avg60=0.00 avg300=0.00 total=10\n"
+                                 "full avg10=0.00 avg60=0.00 avg300=0.00 total=5\n")
+        deepest = len(os.fsencode(root)) + sum(len(name) + 1 for name in names)
+        assert deepest > 4096  # past PATH_MAX: open() of it fails with ENAMETOOLONG
+        with pytest.raises(OSError, match="too long"):
+            os.open(os.path.join(os.fsencode(root), *names, b"io.stat"), os.O_RDONLY)
+
+        walk = cgroups.walk(cgroups.find_hierarchy(str(sysfs)), 5000, Bad())  # type: ignore[arg-type]
+        assert walk.skipped == 0 and len(walk.cgroups) == len(names) + 1
+        deep = [reading for reading in walk.cgroups if reading.io]
+        assert [reading.io for reading in deep] == [{(259, 1): DeviceIo(4096, 0, 1, 0, 0, 0)}]
+        assert deep[0].pressure == Pressure(10, 5) and deep[0].ranks_io and deep[0].ranks_pressure
+        for reading in walk.cgroups:
+            assert isinstance(reading.path, str) and len(reading.path) <= cgroups.MAX_PATH_CHARS
+            reading.path.encode("utf-8")
+
+        made = collector(str(sysfs))
+        walk_now(made)
+        write(fd, "io.stat", "259:1 rbytes=1073745920 wbytes=0 rios=2 wios=0 dbytes=0 dios=0\n")
+        text = walk_now(made)
+    finally:
+        os.close(fd)
+    assert series(text, "gpuio_cgroup_io_read_bytes_total") == {(deep[0].path, "259:1"): 1073745920}
+    assert series(text, "gpuio_cgroup_io_dropped_series_total")[("cgroup",)] == 0
+
+
+def test_a_hierarchy_root_that_is_a_symlink_is_followed_and_a_cgroup_not_opened_is_counted(tmp_path,
+                                                                                           monkeypatch) -> None:
+    """A v1 host may mount blkio jointly and link its name to the mount (``blkio -> blkio,cpu``): the root is
+    followed, as the admin's; below it nothing is (a cgroup is never a symlink).  A cgroup there that cannot be
+    opened (EACCES, or swapped for a symlink between the listing and the open: ELOOP) is counted with what the
+    walk left out; one removed meanwhile (ENOENT) is simply gone."""
+    tree = Tree(tmp_path, "v1-cgroupfs")
+    joint = os.path.join(os.path.dirname(tree.root), "blkio,cpu")
+    os.rename(tree.root, joint)
+    os.symlink("blkio,cpu", tree.root)
+    hierarchy = cgroups.find_hierarchy(tree.sysfs)
+    assert hierarchy is not None and hierarchy.version == cgroups.V1
+    walk = cgroups.walk(hierarchy, 5000, Bad())
+    assert len(walk.cgroups) == 15 and walk.skipped == 0
+
+    opened = cgroups.open_directory
+    failing = {"system.slice": errno.EACCES, "burstable": errno.ELOOP, "user.slice": errno.ENOENT}
+
+    def open_directory(path: str, follow: bool = False) -> int:
+        code = failing.get(os.path.basename(path))
+        if code is not None:
+            raise OSError(code, os.strerror(code), path)
+        return opened(path, follow)
+
+    monkeypatch.setattr(cgroups, "open_directory", open_directory)
+    walk = cgroups.walk(hierarchy, 5000, Bad())
+    read = {reading.path for reading in walk.cgroups}
+    assert walk.skipped == 2  # system.slice and burstable: there, not opened; user.slice: gone
+    assert not any(path.startswith(("/system.slice", "/user.slice", "/kubepods/burstable")) for path in read)
+    assert "/kubepods" in read and "/kubepods/besteffort" in read and len(read) == 8  # 15 less 7
