@@ -566,7 +566,8 @@ class EnginesCollector(Collector):
         if self.settings["discover"]:
             self.discovery = discovery.Discovery(self.path_include,
                                                  self.settings["discover-patterns"],
-                                                 context.procfs, gpu_of=context.gpu_processes.get,
+                                                 context.procfs, context.sysfs,
+                                                 gpu_of=context.gpu_processes.get,
                                                  gpu_processes=context.gpu_processes.processes)
             self.discoveries = PeriodicSampler("engine-discovery", self.settings["discover-interval"],
                                                self.discovery.sample, log)

@@ -12,19 +12,18 @@ across namespaces, so any process that sees a mount can name its type).  So a fi
 first (:class:`MountJudge`): on a file system that answers from this machine alone
 (:func:`exporter.mounts.answers_locally`: a block device, tmpfs, overlay) it is stat'ed in the pass; on any
 other (network, FUSE, autofs, a mount no table names) the stat runs on a thread of its own that the pass
-waits for at most REMOTE_STAT_SECONDS (:class:`AbandonableStat`).  A stat that does not come back in time
+waits for at most REMOTE_STAT_SECONDS (:mod:`exporter.abandonable`).  A stat that does not come back in time
 marks its mount unresponsive for UNRESPONSIVE_SECONDS (its files are skipped, and counted), and at most
 MAX_STUCK_STATS stats are ever left waiting at once.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from dataclasses import dataclass
 
 from .. import mounts, procstat
+from ..abandonable import Abandonable
 
 FDINFO_BYTES = 4096
 MOUNTINFO_BYTES = 4 << 20  # a process's mount table read to judge a mount (a node with ~10^4 mounts)
@@ -94,75 +93,6 @@ class MountJudge:
             self._judged[mount.mount_id] = (mounts.answers_locally(mount), now)
 
 
-class Unresponsive(Exception):  # noqa: N818  (an outcome: the file was not stat'ed)
-    """The file is on a mount that did not answer a stat in time (or too many stats wait already)."""
-
-
-class AbandonableStat:
-    """``os.stat`` on a thread of its own, waited for at most ``timeout`` seconds (module note)."""
-
-    def __init__(self, timeout: float = REMOTE_STAT_SECONDS) -> None:
-        self.timeout = timeout
-        self._lock = threading.Lock()
-        self._stuck = 0  # stats abandoned that have not come back yet
-        self._unresponsive: dict[int | None, float] = {}  # mount id -> monotonic time it may be asked again
-
-    def unresponsive_mounts(self) -> int:
-        now = time.monotonic()
-        return sum(1 for until in self._unresponsive.values() if until > now)
-
-    def stat(self, path: str, mount_id: int | None) -> os.stat_result:
-        """The stat of ``path``; OSError as os.stat raises it; Unresponsive when its mount did not answer."""
-        now = time.monotonic()
-        if self._unresponsive.get(mount_id, 0.0) > now or self._stuck >= MAX_STUCK_STATS:
-            raise Unresponsive(path)
-        call = _StatCall(path, self)
-        threading.Thread(target=call.run, name="gpuio-discovery-stat", daemon=True).start()
-        if call.finished.wait(self.timeout) or not call.abandon():
-            return call.result()
-        if len(self._unresponsive) > MAX_MOUNTS_JUDGED:
-            self._unresponsive = {key: until for key, until in self._unresponsive.items() if until > now}
-        self._unresponsive[mount_id] = now + UNRESPONSIVE_SECONDS
-        raise Unresponsive(path)
-
-    def _count_stuck(self, change: int) -> None:
-        with self._lock:
-            self._stuck += change
-
-
-class _StatCall:
-    """One stat on its thread; ``abandon()`` and the end of ``run()`` agree under a lock on who counts it."""
-
-    def __init__(self, path: str, owner: AbandonableStat) -> None:
-        self.path = path
-        self.owner = owner
-        self.finished = threading.Event()
-        self._lock = threading.Lock()
-        self._abandoned = False
-        self._result: os.stat_result | None = None
-        self._error: OSError | None = None
-
-    def run(self) -> None:
-        try:
-            self._result = os.stat(self.path)
-        except OSError as error:
-            self._error = error
-        with self._lock:
-            self.finished.set()
-            if self._abandoned:
-                self.owner._count_stuck(-1)
-
-    def abandon(self) -> bool:
-        """Give up waiting: True, unless it finished meanwhile (then its result is taken after all)."""
-        with self._lock:
-            if self.finished.is_set():
-                return False
-            self._abandoned = True
-            self.owner._count_stuck(+1)
-            return True
-
-    def result(self) -> os.stat_result:
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+def abandonable_stats() -> Abandonable:
+    """Where discovery stats files on mounts that may not answer (module note)."""
+    return Abandonable(REMOTE_STAT_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_STATS, "discovery-stat")

@@ -86,9 +86,10 @@ from gpuio import spool as spool_format
 from gpuio.waterfall import classify
 
 from .. import procstat
+from ..abandonable import Unresponsive
 from ..pods import cgroup as pod_cgroup
 from . import model
-from .descriptors import AbandonableStat, MountJudge, Unresponsive, read_fdinfo
+from .descriptors import MountJudge, abandonable_stats, read_fdinfo
 
 log = logging.getLogger("gpuio.discovery")
 
@@ -251,11 +252,12 @@ class Discovery:
     """Finds processes holding model files and follows their loads; ``sample()`` is one pass."""
 
     def __init__(self, include: Iterable[str], patterns: Iterable[str] = MODEL_PATTERNS, procfs: str = "/proc",
-                 gpu_of: Callable[[int, int], str | None] | None = None,
+                 sysfs: str | None = None, gpu_of: Callable[[int, int], str | None] | None = None,
                  gpu_processes: Callable[[], Iterable[tuple[int, int]]] | None = None, idle: float = IDLE_SECONDS,
                  fd_entries_per_pass: int = FD_ENTRIES_PER_PASS, require_gpu: bool = True,
                  priority_fd_entries: int = PRIORITY_FD_ENTRIES) -> None:
         self.procfs = procfs
+        self.sysfs = sysfs  # where the cgroup hierarchy is seen: a pod's cgroup believed only if root owns it
         self.include = tuple(directory.rstrip("/") + "/" for directory in include)
         self.matches = pattern_matcher(patterns)
         self.gpu_of = gpu_of or (lambda pid, start: None)  # (pid, start ticks) -> GPU uuid (NVML's list)
@@ -278,7 +280,7 @@ class Discovery:
         self._dropped: dict[str, int] = {}  # kind -> what the bounds left out (a counter)
         self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
         self._mounts = MountJudge(procfs)
-        self._remote = AbandonableStat()
+        self._remote = abandonable_stats()
         self._lock = threading.Lock()
 
     # --- one pass ----------------------------------------------------------------------------------
@@ -304,7 +306,7 @@ class Discovery:
             self._end_pass(listed)
             figures = PassFigures(len(self._tracked), looked, self._not_permitted, bool(self._rotation),
                                   time.monotonic() - started, tuple(sorted(self._dropped.items())),
-                                  self._remote.unresponsive_mounts())
+                                  self._remote.unresponsive())
             return Discovered(self._totals(), figures)
 
     def _priority(self, listed: set[int], new: set[int]) -> list[int]:
@@ -393,7 +395,7 @@ class Discovery:
         if known is None:
             if not held or not self._make_room(uid, on_gpu):
                 return 1
-            known = Process(pid, start, uid, pod_cgroup.of_pid(pid, self.procfs))
+            known = Process(pid, start, uid, pod_cgroup.of_pid(pid, self.procfs, sysfs=self.sysfs))
             fresh = new_process or start >= self._started_ticks
             self._tracked[pid] = known
         else:
@@ -505,7 +507,7 @@ class Discovery:
         try:
             if self._mounts.answers_locally(mount_id, pid):
                 return os.stat(link)
-            return self._remote.stat(link, mount_id)
+            return self._remote.call(mount_id, lambda: os.stat(link))
         except Unresponsive:
             self._drop("unresponsive_mount")
         except OSError:

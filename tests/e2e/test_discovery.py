@@ -9,9 +9,6 @@ the exporter), here a table.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -19,72 +16,9 @@ import pytest
 from exporter.engines.discovery import Discovery
 from gpuio import spool as spool_format
 from tests.conftest import ExporterProcess, parse_samples
+from tests.e2e.loaders import model
 
 pytestmark = pytest.mark.e2e
-
-# A loader without the library: reads its commands from stdin, answers "ok" after each.
-LOADER = textwrap.dedent("""
-    import os, sys
-    handles = {}
-    for line in sys.stdin:
-        word, _, rest = line.strip().partition(" ")
-        if word == "open":
-            handles[rest] = open(rest, "rb", buffering=0)
-        elif word == "write":
-            handles[rest] = open(rest, "wb")
-        elif word == "read":
-            name, count = rest.rsplit(" ", 1)
-            handles[name].read(int(count))
-        elif word == "close":
-            handles.pop(rest).close()
-        print("ok", flush=True)
-""")
-
-
-class Loader:
-    def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", LOADER], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
-        self.pid = self.process.pid
-
-    def do(self, *words: object) -> None:
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(" ".join(str(word) for word in words) + "\n")
-        self.process.stdin.flush()
-        assert self.process.stdout.readline().strip() == "ok"
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-            self.process.wait(timeout=10)
-
-
-@pytest.fixture
-def loaders():
-    started: list[Loader] = []
-
-    def start() -> Loader:
-        loader = Loader()
-        started.append(loader)
-        return loader
-
-    yield start
-    for loader in started:
-        if loader.process.poll() is None:
-            loader.kill()
-
-
-def model(tmp_path, relative: str, size: int = 1 << 20) -> str:
-    path = tmp_path / relative
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(os.urandom(size))
-    return str(path)
-
 
 def finder(tmp_path, **options) -> Discovery:
     options.setdefault("require_gpu", False)  # these loaders have no GPU context: the loads are what is tested

@@ -22,7 +22,7 @@ from exporter import procstat
 from exporter.engines import discovery
 from exporter.engines.discovery import Discovery
 from gpuio import spool as spool_format
-from tests.e2e.test_discovery import Loader, loaders, model  # noqa: F401  (loaders: a fixture)
+from tests.e2e.loaders import model
 
 pytestmark = pytest.mark.e2e
 
@@ -43,26 +43,6 @@ HOARDER = textwrap.dedent("""
     print("ok", flush=True)
     sys.stdin.read()
 """)
-
-# A loader that also seeks: "seek PATH OFFSET" besides tests.e2e.test_discovery's open/read/close.
-SEEKER = textwrap.dedent("""
-    import os, sys
-    handles = {}
-    for line in sys.stdin:
-        word, _, rest = line.strip().partition(" ")
-        if word == "open":
-            handles[rest] = open(rest, "rb", buffering=0)
-        elif word == "read":
-            name, count = rest.rsplit(" ", 1)
-            handles[name].read(int(count))
-        elif word == "seek":
-            name, offset = rest.rsplit(" ", 1)
-            handles[name].seek(int(offset))
-        elif word == "close":
-            handles.pop(rest).close()
-        print("ok", flush=True)
-""")
-
 
 def _start(pid: int) -> int:
     return procstat.start_ticks(pid)
@@ -144,32 +124,26 @@ def test_a_thousand_idle_readers_do_not_fill_the_table_against_a_gpu_process(tmp
         _stop(sleepers)
 
 
-def test_seeking_back_and_forth_counts_no_bytes_that_were_not_read(tmp_path) -> None:
+def test_seeking_back_and_forth_counts_no_bytes_that_were_not_read(tmp_path, loaders) -> None:
     """A model read 1 MiB with 1 TiB seeks back and forth between passes: the load's bytes, in progress and
     finished, are at most what was read (at most the file), not the distance the position travelled."""
     path = model(tmp_path, "repo/seeker/1/model.plan", 2 << 20)
-    seeker = Loader.__new__(Loader)
-    seeker.process = subprocess.Popen([sys.executable, "-c", SEEKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True)
-    seeker.pid = seeker.process.pid
-    try:
-        found = Discovery([str(tmp_path)], require_gpu=False)
+    seeker = loaders()
+    found = Discovery([str(tmp_path)], require_gpu=False)
+    found.sample()
+    seeker.do("open", path)
+    seeker.do("read", path, 1 << 20)
+    found.sample()
+    for _ in range(3):
+        seeker.do("seek", path, 1 << 40)
+        loads = found.sample().totals.loads
+        assert all(read <= 2 << 20 for _, read, _ in loads.values()), loads
+        seeker.do("seek", path, 0)
         found.sample()
-        seeker.do("open", path)
-        seeker.do("read", path, 1 << 20)
-        found.sample()
-        for _ in range(3):
-            seeker.do("seek", path, 1 << 40)
-            loads = found.sample().totals.loads
-            assert all(read <= 2 << 20 for _, read, _ in loads.values()), loads
-            seeker.do("seek", path, 0)
-            found.sample()
-        seeker.do("close", path)
-        totals = found.sample().totals
-        assert _loads(totals, "seeker") == 1
-        assert totals.engines["seeker"][LOAD_BYTES] <= 2 << 20
-    finally:
-        seeker.kill()
+    seeker.do("close", path)
+    totals = found.sample().totals
+    assert _loads(totals, "seeker") == 1
+    assert totals.engines["seeker"][LOAD_BYTES] <= 2 << 20
 
 
 def test_many_engine_names_never_make_a_counter_fall(tmp_path, loaders, monkeypatch) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
-
 from exporter.collect import Context, StaleData
 from exporter.collectors import engines
 

@@ -1,0 +1,99 @@
+"""Calls that may wait for ever on a file system that does not answer, run where the wait can be abandoned.
+
+A stat(), an open() or a read of a file on a network or FUSE mount asks that mount's server or daemon and
+waits for as long as it does: for ever, on a dead NFS export mounted ``hard`` or a FUSE daemon that hangs.
+A thread blocked there cannot be interrupted.  :class:`Abandonable` runs such a call on a thread of its own
+and waits for it at most ``timeout`` seconds: a call that does not come back in time marks its key (a
+mount) unresponsive for ``quiet`` seconds, during which calls for that key are refused at once, and the
+thread is left to finish whenever the file system answers.  At most ``max_stuck`` threads are ever left
+waiting: past that every call is refused until one comes back, so a dead mount costs a few threads, never
+one per pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+MAX_KEYS = 65_536  # keys remembered as unresponsive (the expired ones are dropped past this)
+
+
+class Unresponsive(Exception):  # noqa: N818  (an outcome: the call was not made, or not waited for)
+    """The call's file system did not answer in time (or too many calls wait already)."""
+
+
+class Abandonable:
+    """Calls waited for at most ``timeout`` seconds each (module note)."""
+
+    def __init__(self, timeout: float, quiet: float, max_stuck: int, name: str) -> None:
+        self.timeout = timeout
+        self.quiet = quiet
+        self.max_stuck = max_stuck
+        self.name = name
+        self._lock = threading.Lock()
+        self._stuck = 0  # calls abandoned that have not come back yet
+        self._refused_until: dict[Hashable, float] = {}  # key -> monotonic time it may be asked again
+
+    def unresponsive(self) -> int:
+        """Keys (mounts) refused now."""
+        now = time.monotonic()
+        return sum(1 for until in list(self._refused_until.values()) if until > now)
+
+    def call(self, key: Hashable, work: Callable[[], T]) -> T:
+        """``work()``'s result or exception; Unresponsive when ``key`` is refused or the call took too long."""
+        now = time.monotonic()
+        if self._refused_until.get(key, 0.0) > now or self._stuck >= self.max_stuck:
+            raise Unresponsive(f"{key}: refused for now")
+        call: _Call[T] = _Call(work, self)
+        threading.Thread(target=call.run, name=f"gpuio-{self.name}", daemon=True).start()
+        if call.finished.wait(self.timeout) or not call.abandon():
+            return call.result()
+        if len(self._refused_until) > MAX_KEYS:
+            self._refused_until = {known: until for known, until in self._refused_until.items() if until > now}
+        self._refused_until[key] = now + self.quiet
+        raise Unresponsive(f"{key}: no answer in {self.timeout:g} s")
+
+    def _count_stuck(self, change: int) -> None:
+        with self._lock:
+            self._stuck += change
+
+
+class _Call(Generic[T]):
+    """One call on its thread; ``abandon()`` and the end of ``run()`` agree under a lock on who counts it."""
+
+    def __init__(self, work: Callable[[], T], owner: Abandonable) -> None:
+        self.work = work
+        self.owner = owner
+        self.finished = threading.Event()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._result: T | None = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._result = self.work()
+        except Exception as error:  # handed to the caller, who knows what to make of it
+            self._error = error
+        with self._lock:
+            self.finished.set()
+            if self._abandoned:
+                self.owner._count_stuck(-1)
+
+    def abandon(self) -> bool:
+        """Give up waiting: True, unless it finished meanwhile (then its result is taken after all)."""
+        with self._lock:
+            if self.finished.is_set():
+                return False
+            self._abandoned = True
+            self.owner._count_stuck(+1)
+            return True
+
+    def result(self) -> T:
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]  # None only where work() returned None
