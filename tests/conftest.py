@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.fuse_stub import fuse_stub  # noqa: F401  (a fixture: a real FUSE mount that can be made to hang)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The instrumentation library's project folder: its package, gpuio, imports from a checkout without
 # installing it, here and in every process the tests start (exporters, instrumented workers).

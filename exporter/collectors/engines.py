@@ -65,6 +65,7 @@ from gpuio import spool as spool_format
 from gpuio.load import engine_name
 
 from .. import mounts
+from ..abandonable import Abandonable, Unresponsive
 from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
 from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..engines import discovery, model, spool
@@ -296,7 +297,8 @@ RESIDENCY_UNAVAILABLE = Desc("gpuio_engine_file_residency_unavailable", GAUGE,
                              "reason (permission: the kernel refuses or fakes it without write access).",
                              labels=("reason",),
                              values={"reason": ("permission", "not_visible", "io", "not_regular", "unsupported",
-                                                "outside_paths", "unverified", "symlink", "writer_permission")})
+                                                "outside_paths", "unverified", "symlink", "writer_permission",
+                                                "unresponsive_mount")})
 SCAN_DURATION = Desc("gpuio_engine_residency_scan_duration_seconds", GAUGE,
                      "How long the last background scan of engine files took.", unit="seconds")
 SCAN_TIME = Desc("gpuio_engine_residency_scan_timestamp_seconds", GAUGE,
@@ -397,6 +399,11 @@ DISCOVERY_DROPPED = Desc("gpuio_engine_discovery_dropped_total", COUNTER,
 DISCOVERY_UNRESPONSIVE = Desc("gpuio_engine_discovery_unresponsive_mounts", GAUGE,
                               "Network or FUSE mounts whose stat did not answer discovery in time: their files are "
                               "not looked at for a minute (a dead NFS server or FUSE daemon).")
+# A file's view (stat, residency) in the background scan is abandoned after this long (its mount then skipped
+# for a minute): cachestat answers in microseconds, mincore maps and walks a file of 100 GiB in about a second.
+SCAN_FILE_SECONDS = 5.0
+SCAN_QUIET_SECONDS = 60.0
+SCAN_MAX_STUCK = 4
 # Discovery is stuck (the collector stale) when no pass has ended for this many intervals, and this long.
 DISCOVERY_STUCK_INTERVALS = 10
 DISCOVERY_STUCK_SECONDS = 60.0
@@ -535,6 +542,7 @@ class EnginesCollector(Collector):
                                               + tuple(_glob_directory(g) for g in self.globs))
         self.scanner: PeriodicSampler[ScanResult] = PeriodicSampler(
             "engine-files", self.settings["residency-interval"], self.scan_files, log)
+        self._scan_calls = Abandonable(SCAN_FILE_SECONDS, SCAN_QUIET_SECONDS, SCAN_MAX_STUCK, "engine-file")
         self._targets: dict[tuple[str, str], Target] = {}
         self._targets_lock = threading.Lock()
         self._exported: set[str] = set()
@@ -1113,7 +1121,7 @@ class EnginesCollector(Collector):
             key = (engine_name(path), path)
             if not any(target.path == path for target in targets.values()):
                 targets[key] = Target(key[0], path, None, None)
-        files = {key: self._view(target) for key, target in targets.items()}
+        files = {key: self._view_abandonable(target) for key, target in targets.items()}
         self._files_left_out.commit()
         return ScanResult(files, time.perf_counter() - start, time.time())
 
@@ -1126,6 +1134,17 @@ class EnginesCollector(Collector):
                 elif os.path.isfile(path):
                     found.append(path)
         return found
+
+    def _view_abandonable(self, target: Target) -> FileView:
+        """_view where its wait can be abandoned: any file (a writer's word, a glob's match) may sit on a
+        network or FUSE mount that stopped answering, and a stat, an open or a residency call there waits for
+        as long as it does.  A file whose view takes longer than SCAN_FILE_SECONDS is "unresponsive_mount",
+        and so are the files of its device for a minute (exporter.abandonable)."""
+        try:
+            return self._scan_calls.call(target.dev or target.path, lambda: self._view(target))
+        except Unresponsive:
+            return FileView(target.engine, target.path, target.dev is None, target.dev, None, None, None,
+                            "unresponsive_mount")
 
     def _view(self, target: Target) -> FileView:
         """Stat and residency of one file.  A file a writer named is opened only as

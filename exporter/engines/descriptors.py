@@ -41,6 +41,7 @@ class FdInfo:
     position: int
     flags: int  # open flags (octal in the file)
     mount_id: int | None  # None on kernels before 3.15, which do not write mnt_id
+    inode: int | None  # None on kernels before 5.14, which do not write ino
 
 
 def read_fdinfo(path: str) -> FdInfo | None:
@@ -48,8 +49,8 @@ def read_fdinfo(path: str) -> FdInfo | None:
     read = procstat.read_bounded(path, FDINFO_BYTES)
     if read is None:
         return None
-    position = flags = mount_id = None
-    for line in read[0].split("\n", 4)[:4]:
+    position = flags = mount_id = inode = None
+    for line in read[0].split("\n", 5)[:5]:
         key, _, value = line.partition(":")
         value = value.strip()
         if key == "pos":
@@ -58,9 +59,11 @@ def read_fdinfo(path: str) -> FdInfo | None:
             flags = int(value, 8) if set(value) <= set("01234567") else None
         elif key == "mnt_id":
             mount_id = procstat.whole_number(value)
+        elif key == "ino":
+            inode = procstat.whole_number(value)
     if position is None or flags is None:
         return None
-    return FdInfo(position, flags, mount_id)
+    return FdInfo(position, flags, mount_id, inode)
 
 
 class MountJudge:

@@ -72,6 +72,7 @@ Processes it may not look at are counted (``not_permitted``), never guessed at.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import os
@@ -277,6 +278,7 @@ class Discovery:
         self._started_ticks = self._now_ticks()
         self._not_permitted = 0
         self._refused: set[tuple[int, int]] = set()  # processes that refused us (counted once each)
+        self._left_out: set[tuple[int, int]] = set()  # processes not followed for the bounds (counted once each)
         self._dropped: dict[str, int] = {}  # kind -> what the bounds left out (a counter)
         self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
         self._mounts = MountJudge(procfs)
@@ -393,7 +395,10 @@ class Discovery:
             return 1
         on_gpu = (pid, start) in self._on_gpus or not self.require_gpu
         if known is None:
-            if not held or not self._make_room(uid, on_gpu):
+            if not held:
+                return 1
+            if not self._make_room(uid, on_gpu):
+                self._leave_out(pid, start)
                 return 1
             known = Process(pid, start, uid, pod_cgroup.of_pid(pid, self.procfs, sysfs=self.sysfs))
             fresh = new_process or start >= self._started_ticks
@@ -418,18 +423,22 @@ class Discovery:
         if not on_gpu:
             owned = sum(1 for process in self._tracked.values() if process.uid == uid and not process.on_gpu)
             if owned >= MAX_TRACKED_OFF_GPU_PER_OWNER:
-                self._drop("process")
                 return False
         if len(self._tracked) < MAX_TRACKED_PROCESSES:
             return True
-        idle = [process for process in self._tracked.values()
-                if not process.on_gpu and not any(held.loading_since for held in process.files.values())]
-        if on_gpu and idle:
-            del self._tracked[idle[0].pid]  # the oldest followed first: dicts keep their order
+        idle = next((process for process in self._tracked.values()  # the oldest followed first
+                     if not process.on_gpu and not any(held.loading_since for held in process.files.values())), None)
+        if not on_gpu or idle is None:
+            return False
+        del self._tracked[idle.pid]
+        self._leave_out(idle.pid, idle.start)
+        return True
+
+    def _leave_out(self, pid: int, start: int) -> None:
+        """A process not followed: counted once (it is looked at again, and left out again, pass after pass)."""
+        if (pid, start) not in self._left_out and len(self._left_out) < MAX_LISTED:
+            self._left_out.add((pid, start))
             self._drop("process")
-            return True
-        self._drop("process")
-        return False
 
     def _held_files(self, pid: int, start: int, budget: _Budget, known: Process | None) -> HeldNow | _Library | None:
         """The model files the process holds open for reading now; None if it may not be looked at, _LIBRARY
@@ -439,9 +448,9 @@ class Discovery:
         descriptors, from where the last look's budget ran out (``fd_cursor``), round and round."""
         fd_dir = f"{self.procfs}/{pid}/fd"
         found: HeldNow = {}
-        again = [held.file.fd for held in known.files.values() if held.open] if known is not None else []
-        for name in again:
-            if self._add_file(found, pid, name, start) is _LIBRARY:
+        again = {held.file.fd: held.file for held in known.files.values() if held.open} if known is not None else {}
+        for name, before in again.items():
+            if self._add_file(found, pid, name, start, before) is _LIBRARY:
                 return _LIBRARY
         try:
             names = self._fd_names(fd_dir, known, budget)
@@ -471,15 +480,18 @@ class Discovery:
             known.fd_cursor = (cursor + len(chosen)) % max(1, len(names))
         return chosen
 
-    def _add_file(self, found: HeldNow, pid: int, name: str, start: int) -> _Library | None:
-        opened = self._model_file(pid, name, start)
+    def _add_file(self, found: HeldNow, pid: int, name: str, start: int,
+                  before: OpenFile | None = None) -> _Library | None:
+        opened = self._model_file(pid, name, start, before)
         if isinstance(opened, _Library):
             return opened
         if isinstance(opened, OpenFile) and len(found) < MAX_FILES_PER_PROCESS:
             found[(opened.dev, opened.ino)] = opened
         return None
 
-    def _model_file(self, pid: int, name: str, start: int) -> OpenFile | _Library | None:
+    def _model_file(self, pid: int, name: str, start: int, before: OpenFile | None = None
+                    ) -> OpenFile | _Library | None:
+        """The model file at descriptor ``name``, if it is one; ``before``: what the last look found there."""
         fd_dir = f"{self.procfs}/{pid}/fd"
         try:
             target = os.readlink(f"{fd_dir}/{name}")  # the kernel's name of the file: asks its mount nothing
@@ -494,6 +506,11 @@ class Discovery:
         info = read_fdinfo(f"{self.procfs}/{pid}/fdinfo/{name}")
         if info is None or info.flags & _ACCESS_MODE == _WRITE_ONLY:
             return None
+        if before is not None and before.path == target and info.inode == before.ino \
+                and not self._mounts.answers_locally(info.mount_id, pid):
+            # The same file as at the last look (name and inode): its mount is not asked again.  A mount that
+            # stopped answering since does not make a file that is still held look closed.
+            return dataclasses.replace(before, position=info.position)
         st = self._stat_held(pid, name, info.mount_id)
         if st is None or not stat.S_ISREG(st.st_mode) or st.st_size < MIN_MODEL_BYTES:
             return None
@@ -732,6 +749,7 @@ class Discovery:
             elif not any(held.open for held in process.files.values()) and not process.files:
                 del self._tracked[pid]
         self._refused = {key for key in self._refused if key[0] in listed}
+        self._left_out = {key for key in self._left_out if key[0] in listed}
         self._held_engines = {held.engine for process in self._tracked.values() for held in process.files.values()}
 
     # --- the answer -------------------------------------------------------------------------------
