@@ -309,6 +309,14 @@ def _table(rows: list[dict[str, Any]], wide: bool = False) -> str:
 # exporter's own bound on it, so that a whole answer always fits.
 ENGINES_API = "/api/v1/engines"
 MAX_API_ANSWER_BYTES = 16 << 20
+# The most rows read, and the objects and arrays they may hold (counted before the answer is parsed): a few
+# KiB of gzip can pack a million rows into the byte bound above, each made a dict of every field here.  The
+# exporter serves at most 8 MiB of rows (exporter/api.py), each of every field: ~12,800 rows of nulls, 3,200
+# at its default caps (200 engines, 16 files each).  A row is an object with 4 more (pods, disks, gpus, its
+# last load's phases); the answer adds itself and its list.
+MAX_API_ROWS = 25_000
+CONTAINERS_PER_ROW = 5
+MAX_API_CONTAINERS = MAX_API_ROWS * CONTAINERS_PER_ROW + 2
 # Flags that say where on this node to look: they mean nothing with --url.
 LOCAL_FLAGS = (("--spool-dir", "spool_dir"), ("--path", "path"), ("--path.procfs", "procfs"),
                ("--path.sysfs", "sysfs"), ("--path.rootfs", "rootfs"), ("--path-include", "path_include"),
@@ -418,8 +426,11 @@ def remote_rows(url: str, options: ClientOptions) -> tuple[list[dict[str, Any]],
 
     exporter = Exporter(url, options)
     api = exporter.url(_api_path(exporter.path), "")
-    answer = exporter.get_json(api, MAX_API_ANSWER_BYTES)
+    answer = exporter.get_json(api, MAX_API_ANSWER_BYTES, MAX_API_CONTAINERS)
     rows = answer.get("engines") if isinstance(answer, dict) else None
+    if isinstance(rows, list) and len(rows) > MAX_API_ROWS:
+        raise RemoteError(f"{api}: the answer holds over {MAX_API_ROWS} rows (an exporter serves at most ~12,800); "
+                          "is this a gpuio exporter?")
     if not isinstance(rows, list) or not all(isinstance(row, dict) and "engine" in row for row in rows):
         raise RemoteError(f"{api}: not an answer of gpuio's engines API")
     return [{**dict.fromkeys(ROW_FIELDS), **row} for row in rows], answer, api

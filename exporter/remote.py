@@ -8,9 +8,13 @@ certificate (``tls_config.ca_file``), a client certificate where the exporter as
 ``ps`` and the shell's history.
 
 Every exchange is bounded: ``--timeout`` seconds for the connection and for the whole answer, at most
-``limit`` bytes of answer (after gzip, too), and no redirect is followed (one would carry the
-credentials to wherever it pointed).  Every failure is a :class:`RemoteError` whose message is one line
-naming the URL (never the password) and what to do about it.
+``limit`` bytes of answer (after gzip, too: the decompressor is never asked for more), and no redirect is
+followed (one would carry the credentials to wherever it pointed).  A JSON answer's shape is measured on
+its bytes before any Python object is made of it: its nesting (at most MAX_JSON_DEPTH, so that the parser
+cannot recurse into a RecursionError) and, where the caller bounds them, its objects and arrays (a few KiB
+of gzip can pack a million tiny objects into the byte bound, each costing 15 to 20 times its bytes once
+parsed, and more as the caller makes rows of them).  Every failure is a :class:`RemoteError` whose
+message is one line naming the URL (never the password) and what to do about it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import base64
 import http.client
 import json
+import operator
 import socket
 import ssl
 import threading
@@ -28,6 +33,7 @@ import urllib.parse
 import urllib.request
 import zlib
 from dataclasses import dataclass
+from itertools import accumulate, compress
 from typing import IO, Any
 
 from . import __version__
@@ -201,8 +207,11 @@ class Exporter:
         except RemoteError as exc:
             outcome.append(exc)
 
-    def get_json(self, url: str, limit: int) -> Any:
+    def get_json(self, url: str, limit: int, max_containers: int | None = None) -> Any:
+        """The JSON answer to GET ``url``: at most ``limit`` bytes, nested at most MAX_JSON_DEPTH deep, and
+        holding at most ``max_containers`` objects and arrays where given (module note)."""
         body = self.get(url, limit)
+        _check_json_shape(body, url, max_containers)
         try:
             return json.loads(body)
         except ValueError:
@@ -274,6 +283,54 @@ def _gunzip(body: bytes, limit: int, url: str, deadline: float) -> bytes:
     return b"".join(out)
 
 
+# The deepest nesting of a JSON answer read: the engines API nests 4 deep ({answer: [row: {phases}]}), and
+# json.loads recurses once a level (a RecursionError, a traceback, past ~1000).
+MAX_JSON_DEPTH = 32
+# The shape is measured on the skeleton of the JSON text: its quotes and brackets, escapes taken out first.
+_NOT_SKELETON = bytes(sorted(set(range(256)) - set(b'"[]{}')))
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_QUOTES = [0] * 256
+_QUOTES[ord('"')] = 1
+_NESTING = [0] * 256  # what each bracket does to the depth: in a level, or out of one
+_NESTING[ord("[")] = _NESTING[ord("{")] = 1
+_NESTING[ord("]")] = _NESTING[ord("}")] = -1
+
+
+def _brackets(body: bytes) -> bytes:
+    """The brackets of a JSON text outside its strings, in order, made by the C loops of bytes and itertools:
+    no Python object per string or bracket (re.sub would make one of each piece it keeps: a million of them,
+    where a few KiB of gzip pack a million tiny objects).
+
+    With the escapes of backslashes and quotes out (pairs read from the left, as the parser reads them), every
+    quote left opens or closes a string; then two quotes side by side are a string of no bracket, or two
+    strings with nothing between them, and go.  Brackets within the strings left are told by the parity of
+    the quotes before them.  A string left open hides no bracket here: the parser, which fails there, never
+    reaches them."""
+    skeleton = body.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_SKELETON).replace(b'""', b"")
+    if b'"' in skeleton:
+        inside = accumulate(map(_QUOTES.__getitem__, skeleton), operator.xor)
+        skeleton = bytes(compress(skeleton, map(operator.not_, inside)))
+    return skeleton.translate(None, _NOT_BRACKETS)
+
+
+def _too_deep(brackets: bytes) -> bool:
+    """Whether the brackets nest deeper than MAX_JSON_DEPTH (no more brackets than that cannot)."""
+    return len(brackets) > MAX_JSON_DEPTH and max(accumulate(map(_NESTING.__getitem__, brackets))) > MAX_JSON_DEPTH
+
+
+def _check_json_shape(body: bytes, url: str, max_containers: int | None) -> None:
+    """RemoteError unless ``body`` holds at most ``max_containers`` objects and arrays (where given) and nests
+    at most MAX_JSON_DEPTH deep."""
+    brackets = _brackets(body)
+    containers = brackets.count(b"[") + brackets.count(b"{")
+    if max_containers is not None and containers > max_containers:
+        raise RemoteError(f"{url}: the answer holds over {max_containers} JSON objects and arrays; is this a gpuio "
+                          "exporter?")
+    if _too_deep(brackets):
+        raise RemoteError(f"{url}: the answer nests over {MAX_JSON_DEPTH} deep (an exporter's nests 4); is this a "
+                          "gpuio exporter?")
+
+
 def _http_problem(url: str, exc: urllib.error.HTTPError) -> str:
     """One line: the status, the exporter's own message where it sent one, and what to do."""
     try:
@@ -294,7 +351,7 @@ def _http_problem(url: str, exc: urllib.error.HTTPError) -> str:
 def _detail(body: bytes) -> str:
     """The message of an error answer: FastAPI's {"detail": ...}, or a short plain-text body."""
     try:
-        detail = json.loads(body).get("detail")
+        detail = None if _too_deep(_brackets(body)) else json.loads(body).get("detail")
     except (ValueError, AttributeError):
         detail = None
     if isinstance(detail, str):

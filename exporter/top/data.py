@@ -10,7 +10,7 @@ import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO, cast
 
 from gpuio.spool import SERIES
 
@@ -76,6 +76,19 @@ MIB = 1024.0 * 1024.0  # iostat's "MB" in rMB/s is 2^20 bytes (sectors / 2048)
 GIB = 1024.0**3
 # The most of an exposition read, decompressed: a bound on what an answer can make top hold, not a size expected.
 MAX_EXPOSITION_BYTES = 64 << 20
+# ...and the most series, lines and labels in it, counted on the text before it is parsed: gzip packs 64 MiB of
+# "a 1" lines (16 M series) into 64 KiB, and a series parsed costs ~200 bytes, a label ~180, twice over (top
+# holds two scrapes).  A node serves a few thousand series (docs/performance.md: 2,422 with 8 GPUs, 20 engines
+# and 24 disks), ~40,000 at the engines collector's caps (200 engines of up to 173 series), each with about 5
+# labels (gpuio_disk_info has the most, 9).  A family's HELP and TYPE lines come on top of its series.  At these
+# bounds top's peak RSS stays near 200 MiB (200,000 series) and 400 MiB (1,000,000 labels), measured.
+MAX_EXPOSITION_SERIES = 200_000
+MAX_EXPOSITION_LINES = 3 * MAX_EXPOSITION_SERIES
+MAX_EXPOSITION_LABELS = 1_000_000
+# Labels of one series: prometheus_client's parser copies the rest of the line for each label it reads, so a
+# line of a million labels would take it hours.
+MAX_SERIES_LABELS = 64
+MAX_DETAIL_CHARS = 100  # of the parser's complaint, which quotes the line (a megabyte of it, where it is one)
 
 Labels = dict[str, str]
 
@@ -121,14 +134,37 @@ class Snapshot:
         return [labels for labels, _ in self.series.get(name, ())]
 
 
-def parse_exposition(text: str) -> dict[str, list[tuple[Labels, float]]]:
-    from prometheus_client.parser import text_string_to_metric_families
+def parse_exposition(text: str | list[str]) -> dict[str, list[tuple[Labels, float]]]:
+    """Every sample of a text exposition, by sample name: of ``text``, whole or split at its newlines.  The
+    parser is given the lines, as it reads them from a file: the StringIO it would make of a whole text holds
+    4 bytes a character."""
+    from prometheus_client.parser import text_fd_to_metric_families
 
+    lines = text.split("\n") if isinstance(text, str) else text
     series: dict[str, list[tuple[Labels, float]]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_fd_to_metric_families(cast(TextIO, lines)):  # it only iterates over them
         for sample in family.samples:
             series.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
     return series
+
+
+def bounded_lines(text: str, url: str) -> list[str]:
+    """``text``'s lines, once it holds no more series, lines and labels than top reads (above); SourceError,
+    one line, where it holds more.  Counted by str's C loops, so that nothing is made of an answer refused:
+    series are the lines that are no comment (blank ones count too), labels the ``="`` that open a value."""
+    lines = text.count("\n") + (not text.endswith("\n"))
+    series = lines - text.count("\n#") - text.startswith("#")
+    for what, count, bound, served in (("series", series, MAX_EXPOSITION_SERIES, "a few thousand, ~40,000 at its caps"),
+                                       ("lines", lines, MAX_EXPOSITION_LINES, "a few thousand, ~40,000 at its caps"),
+                                       ("labels", text.count('="'), MAX_EXPOSITION_LABELS,
+                                        "~10,000, ~200,000 at its caps")):
+        if count > bound:
+            raise SourceError(f"{url}: the answer holds over {bound} {what} (an exporter serves {served}); is this a "
+                              "gpuio exporter?")
+    split = text.split("\n")
+    if any(line.count('="') > MAX_SERIES_LABELS for line in split):
+        raise SourceError(f"{url}: a series has over {MAX_SERIES_LABELS} labels; is this a gpuio exporter?")
+    return split
 
 
 class Source(Protocol):
@@ -185,10 +221,15 @@ class UrlSource:
             body = self.exporter.get(self.url, MAX_EXPOSITION_BYTES, accept="text/plain;version=0.0.4", gzip=True)
         except RemoteError as exc:
             raise SourceError(str(exc)) from None
+        text = body.decode("utf-8", errors="replace")
+        del body  # copies of one answer are not held together: the body, its text, its lines
+        lines = bounded_lines(text, self.url)
+        del text
         try:
-            return Snapshot(self.clock(), parse_exposition(body.decode("utf-8", errors="replace")))
+            return Snapshot(self.clock(), parse_exposition(lines))
         except ValueError as exc:
-            raise SourceError(f"{self.url}: not a Prometheus text exposition ({exc})") from None
+            detail = str(exc) if len(str(exc)) <= MAX_DETAIL_CHARS else str(exc)[:MAX_DETAIL_CHARS] + "..."
+            raise SourceError(f"{self.url}: not a Prometheus text exposition ({detail})") from None
 
     def close(self) -> None:
         pass

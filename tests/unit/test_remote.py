@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from exporter import remote
 from exporter.remote import ClientOptions, Exporter, RemoteError
 
 Handler = Callable[[http.server.BaseHTTPRequestHandler], None]
@@ -183,3 +186,57 @@ def test_urls_and_credentials(tmp_path: Path) -> None:
             ("https://node7", ClientOptions(cert_file=str(password)), "--cert-file and --key-file go together")):
         with pytest.raises(RemoteError, match=message):
             Exporter(url, options)
+
+
+def test_json_nested_deeper_than_any_exporter_answer_is_refused_before_it_is_parsed(canned: Canned) -> None:
+    """232 bytes of gzip nesting 100,000 deep: json.loads would end in a RecursionError (a traceback); the
+    nesting is measured on the bytes first, outside strings, and refused in one line."""
+    bomb = gzip.compress(b"[" * 100_000 + b"]" * 100_000, 9)
+    assert len(bomb) < 300
+    canned.handle = reply(200, bomb, Content_Encoding="gzip")
+    exporter = Exporter(canned.url)
+    with pytest.raises(RemoteError) as refused:
+        exporter.get_json(canned.url + "/api/v1/engines", 1 << 20)
+    assert str(refused.value) == (f"{canned.url}/api/v1/engines: the answer nests over {remote.MAX_JSON_DEPTH} deep "
+                                  "(an exporter's nests 4); is this a gpuio exporter?")
+    canned.handle = reply(200, b"{" * 100_000)  # never closed: as deep for the parser
+    with pytest.raises(RemoteError, match="nests over"):
+        exporter.get_json(canned.url, 1 << 20)
+    # Brackets inside strings, escaped quotes and backslashes among them, are text, not nesting: the nesting
+    # and the objects and arrays counted are the parser's.
+    tricky = ['"[[{\\"' * 1000, "\\", '\\"]', '"', "[\\\\", "", '""[', "\\u0022[", '\\"\\\\"{']
+    nested: Any = []
+    for level in range(remote.MAX_JSON_DEPTH - 1):  # as deep as allowed, an object or an array a level
+        nested = ({**{f"{i}{text}": text for i, text in enumerate(tricky)}, "k": nested} if level % 2
+                  else [*tricky, nested])
+    canned.handle = reply(200, json.dumps(nested).encode())
+    assert exporter.get_json(canned.url, 1 << 20, max_containers=remote.MAX_JSON_DEPTH) == nested
+    with pytest.raises(RemoteError, match=f"holds over {remote.MAX_JSON_DEPTH - 1} JSON objects and arrays"):
+        exporter.get_json(canned.url, 1 << 20, max_containers=remote.MAX_JSON_DEPTH - 1)
+    canned.handle = reply(200, json.dumps([nested]).encode())
+    with pytest.raises(RemoteError, match=f"nests over {remote.MAX_JSON_DEPTH} deep"):
+        exporter.get_json(canned.url, 1 << 20)
+    canned.handle = reply(200, b'["open' + b"[" * 100_000)  # after a string left open: never parsed
+    with pytest.raises(RemoteError, match="the answer is not JSON"):
+        exporter.get_json(canned.url, 1 << 20)
+
+
+def test_json_of_more_objects_and_arrays_than_asked_is_refused_before_it_is_parsed(canned: Canned) -> None:
+    exporter = Exporter(canned.url)
+    canned.handle = reply(200, json.dumps({"engines": [{"engine": "[{"}] * 9}).encode())  # 10 objects, 1 array
+    assert len(exporter.get_json(canned.url, 1 << 20, max_containers=11)["engines"]) == 9
+    with pytest.raises(RemoteError) as refused:
+        exporter.get_json(canned.url, 1 << 20, max_containers=10)
+    assert str(refused.value) == (f"{canned.url}: the answer holds over 10 JSON objects and arrays; is this a gpuio "
+                                  "exporter?")
+
+
+def test_an_error_answer_nested_too_deep_is_still_one_line_of_its_status(canned: Canned, capsys) -> None:
+    """An error body is read for its message (json.loads, as FastAPI's {"detail": ...}): nested 60,000 deep,
+    it ended the exchange's thread in a RecursionError (its traceback on the terminal) and the caller waited
+    for --timeout."""
+    canned.handle = reply(500, b"[" * 60_000)
+    with pytest.raises(RemoteError) as refused:
+        Exporter(canned.url, ClientOptions(timeout=5)).get(canned.url, 1 << 20)
+    assert str(refused.value) == f"{canned.url}: HTTP 500 Internal Server Error"
+    assert "Traceback" not in capsys.readouterr().err
