@@ -41,12 +41,22 @@
    once) and the steady ones, against the peer an operator with a shell has, ``gpuio engines --json`` run
    on the node (a process that reads the spool and joins the same rows).  Both must name the same engines.
    ``--only-api`` runs this alone.
+8. Engine discovery under attack: HOSTILE_SLEEPERS processes of another user (uid 65534 where the bench runs as
+   root) each holding a model file open (``sleep 900 < model``), HOSTILE_HOARDERS more of that user holding a
+   model and HOARDER_FDS descriptors each, and HONEST processes holding a model each that the GPU process
+   list names (half started with the attack, half once it is established).  One Discovery in this process:
+   the pass that meets the attack, steady passes p50/p99, what it follows and drops, whether every honest
+   engine is found at the first pass after its process started, and a new Discovery's first pass over all
+   of it (an exporter started during the attack); then the exporter's
+   /metrics (the engines collector with discovery on, gzip) p50/p99 while it runs.  Both against the same
+   without the attack, in the same run.  ``--only-hostile`` runs this alone.
 
     .venv/bin/python bench/engines_bench.py                     # all of it
     .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
     .venv/bin/python bench/engines_bench.py --skip-scrapes      # 1 only
     .venv/bin/python bench/engines_bench.py --only-flood        # 5 only
     .venv/bin/python bench/engines_bench.py --only-discovery    # 6 only
+    .venv/bin/python bench/engines_bench.py --only-hostile      # 8 only (as root: the attack runs as uid 65534)
 """
 
 from __future__ import annotations
@@ -595,6 +605,7 @@ def report_flood(repeats: int) -> None:
 DISCOVERY_IDLE = 200
 DISCOVERY_FDS = 64
 DISCOVERY_LOADERS = 10
+MODEL_BYTES = 64 << 20  # a model file's size (sparse), above exporter.engines.discovery.MIN_MODEL_BYTES
 
 
 def hold_descriptors(paths: list[str], count: int) -> int:
@@ -621,7 +632,7 @@ def report_discovery(repeats: int) -> None:
             path = os.path.join(directory, f"model-{index}", "1", "model.plan")
             os.makedirs(os.path.dirname(path))
             with open(path, "wb") as handle:
-                handle.write(b"\0" * 4096)
+                handle.truncate(MODEL_BYTES)  # sparse: discovery ignores files under MIN_MODEL_BYTES
             models.append(path)
         children += [hold_descriptors([], DISCOVERY_FDS) for _ in range(DISCOVERY_IDLE)]
         children += [hold_descriptors([path], DISCOVERY_FDS) for path in models]
@@ -730,6 +741,318 @@ def report_api(repeats: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+# --------------------------------------------------------------------------------------------------
+# 8. engine discovery under attack
+# --------------------------------------------------------------------------------------------------
+
+NOBODY = 65534  # the hostile tenant's uid where the bench runs as root
+HOSTILE_SLEEPERS = 1000  # `sleep 900 < model` each, over HOSTILE_MODELS files
+HOSTILE_MODELS = 100
+HOSTILE_HOARDERS = 4  # each holding a model and HOARDER_FDS descriptors
+HOARDER_FDS = 4100  # past discovery's MAX_FDS_PER_PROCESS
+HONEST = 10  # processes on a GPU, each holding a model after HONEST_FDS other descriptors (a server's)
+HONEST_FDS = 256
+HOSTILE_PASSES = 200
+HOSTILE_SCRAPES = 300
+SCRAPE_PAUSE = 0.05  # the most a scrape waits after the last one (random, so scrapes meet discovery's passes
+#                      at every phase of its 1 s interval)
+HOLD_SECONDS = 900  # the longest any process started here lives, whatever happens to the bench
+
+# A holder: ``before`` descriptors of /dev/null, the model, ``after`` more; as ``uid``; then it becomes
+# ``sleep`` (exec: a process that only changed its uid is not dumpable, its /proc/<pid>/fd root's; after
+# the exec it is a plain process of ``uid``, as a tenant's own would be).
+HOLDER = r"""
+import os, resource, sys
+path, before, after, uid, seconds = sys.argv[1], *map(int, sys.argv[2:6])
+want = before + after + 64
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if want > soft:  # raised before the uid changes (root may raise the hard limit; nobody may not)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)) if os.getuid() == 0 else
+                       (min(want, hard), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(before)]
+held.append(os.open(path, os.O_RDONLY))
+held += [os.open(os.devnull, os.O_RDONLY) for _ in range(after)]
+for fd in held:
+    os.set_inheritable(fd, True)
+if uid != os.getuid():
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+print("ok", flush=True)
+sleep = "/bin/sleep" if os.path.exists("/bin/sleep") else "/usr/bin/sleep"
+os.execv(sleep, ["sleep", str(seconds)])
+"""
+
+
+def model_file(path: str) -> str:
+    """A sparse model file of MODEL_BYTES any user may read, its directories too."""
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.truncate(MODEL_BYTES)
+    os.chmod(path, 0o644)
+    return path
+
+
+def holders(paths: list[str], before: int, after: int, uid: int,
+            running: list[subprocess.Popen]) -> list[subprocess.Popen]:
+    """One holder (HOLDER) per path, started at once (each added to ``running`` as it starts, for the caller
+    to stop whatever happens); returned once each has become ``sleep``."""
+    started = []
+    for path in paths:
+        started.append(subprocess.Popen([sys.executable, "-c", HOLDER, path, str(before), str(after), str(uid),
+                                         str(HOLD_SECONDS)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        text=True))
+        running.append(started[-1])
+    for process in started:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ok":
+            raise SystemExit(f"a holder did not start (exit {process.wait()})")
+    deadline = time.monotonic() + 30
+    for process in started:
+        while True:
+            with contextlib.suppress(OSError), open(f"/proc/{process.pid}/comm") as handle:
+                if handle.read().strip() == "sleep":
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit("a holder did not become sleep")
+            time.sleep(0.01)
+    return started
+
+
+def sleepers(paths: list[str], count: int, uid: int, running: list[subprocess.Popen]) -> None:
+    """``count`` processes of ``uid`` running ``sleep HOLD_SECONDS < model``, over ``paths`` in turn, each
+    added to ``running`` as it starts."""
+    as_user: dict[str, Any] = {} if uid == os.getuid() else {"user": uid, "group": uid, "extra_groups": []}
+    handles = [open(path, "rb") for path in paths]  # noqa: SIM115  (closed below, each child has its own)
+    try:
+        for index in range(count):
+            running.append(subprocess.Popen(["sleep", str(HOLD_SECONDS)], stdin=handles[index % len(handles)],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **as_user))
+    finally:
+        for handle in handles:
+            handle.close()
+
+
+def stop_all(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        process.wait()
+
+
+def machine_counts() -> tuple[int, int]:
+    """Processes and descriptors on this machine now."""
+    processes = descriptors = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            processes += 1
+            with contextlib.suppress(OSError):  # exited since the listing
+                descriptors += len(os.listdir(f"/proc/{name}/fd"))
+    return processes, descriptors
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def hostile_discovery(directory: str, hostile: bool, passes: int, running: list[subprocess.Popen]) -> dict[str, Any]:
+    """One Discovery over this machine: the attack (if ``hostile``) and half the honest processes start, and
+    the next pass; passes until its rotation came round; the other half start, and the next pass; then
+    ``passes`` steady ones; then a new Discovery's first pass over all of it (an exporter started while the
+    attack runs).  The processes started are appended to ``running`` (left running for the exporter's turn)."""
+    from exporter import procstat
+    from exporter.engines.discovery import Discovery
+
+    uid = NOBODY if os.getuid() == 0 else os.getuid()
+    on_gpu: list[tuple[int, int]] = []
+
+    def new_discovery() -> Discovery:
+        return Discovery([directory], gpu_processes=lambda: on_gpu,
+                         gpu_of=lambda pid, start: "GPU-bench" if (pid, start) in on_gpu else None)
+
+    discovery = new_discovery()
+
+    def timed_pass() -> tuple[float, Any]:
+        started = time.perf_counter()
+        found = discovery.sample()
+        return time.perf_counter() - started, found
+
+    def start_honest(names: list[str]) -> None:
+        models = [os.path.join(directory, "honest", name, "1", "model.plan") for name in names]
+        started = holders(models, HONEST_FDS, 0, os.getuid(), running)
+        on_gpu.extend((process.pid, procstat.start_ticks(process.pid)) for process in started)
+
+    def found_of(names: list[str], found: Any) -> int:
+        return sum(1 for name in names if name in found.totals.infos)
+
+    names = [f"engine-{index}" for index in range(HONEST)]
+    timed_pass()
+    if hostile:
+        hostile_models = [os.path.join(directory, "hostile", f"m-{index:03d}.plan") for index in range(HOSTILE_MODELS)]
+        # The hoarders first, and a pass: followed from then on, their descriptors are in every pass's priority
+        # budget (started with the sleepers, they might be among those the tenant's quarter of the table leaves out).
+        holders(hostile_models[:HOSTILE_HOARDERS], 0, HOARDER_FDS, uid, running)
+        timed_pass()
+        sleepers(hostile_models, HOSTILE_SLEEPERS, uid, running)
+    start_honest(names[: HONEST // 2])
+    wave, found = timed_pass()
+    found_with_wave = found_of(names[: HONEST // 2], found)
+    for _ in range(100):  # until every process was looked at once
+        if not timed_pass()[1].figures.unfinished:
+            break
+    start_honest(names[HONEST // 2 :])
+    after, found = timed_pass()
+    found_later = found_of(names[HONEST // 2 :], found)
+    steady, looked = [], []
+    for _ in range(passes):
+        seconds, found = timed_pass()
+        steady.append(seconds)
+        looked.append(found.figures.looked_at)
+    figures, found_end = found.figures, found_of(names, found)
+    discovery = new_discovery()
+    first, found = timed_pass()
+    owners: dict[int, int] = {}
+    for process in running:
+        with contextlib.suppress(OSError):
+            owner = os.stat(f"/proc/{process.pid}").st_uid
+            owners[owner] = owners.get(owner, 0) + 1
+    processes, descriptors = machine_counts()
+    return {"first": first, "wave": wave, "after": after, "steady": steady, "figures": figures,
+            "looked_at": statistics.fmean(looked),
+            "found_with_wave": found_with_wave, "found_later": found_later,
+            "found_end": found_end, "found_first": found_of(names, found), "processes": processes,
+            "descriptors": descriptors, "owners": owners}
+
+
+def discovery_series(text: str) -> dict[str, float]:
+    """The exporter's discovery self-series (sample name and labels -> value) from a /metrics text."""
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("gpuio_engine_discovery_"):
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                values[name] = float(value)
+    return values
+
+
+def exporter_scrapes(directory: str, scrapes: int) -> dict[str, Any]:
+    """A real exporter (the engines collector, discovery on, every 1 s, over ``directory``; no spool): its
+    /metrics with gzip, ``scrapes`` times, paced 0 to SCRAPE_PAUSE apart, after 20 untimed."""
+    import gzip
+    import http.client
+    import random
+
+    from tests.conftest import free_port
+
+    spool = tempfile.mkdtemp(prefix="gpuio-bench-spool-")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((REPO, os.path.join(REPO, "exporter", "instrument")))}
+    exporter = subprocess.Popen([sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+                                 "--log.level=error", "--collector.disable-defaults", "--collector.engines",
+                                 f"--collector.engines.spool-dir={spool}",
+                                 f"--collector.engines.path-include={directory}"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                api_answer(f"http://127.0.0.1:{port}/metrics")
+                break
+            except OSError:
+                if time.monotonic() > deadline or exporter.poll() is not None:
+                    raise SystemExit("the exporter did not answer") from None
+                time.sleep(0.1)
+        time.sleep(5.0)  # discovery's passes came round every process (2,048 descriptors a pass)
+        pause = random.Random(8).uniform
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        latencies, body, encoding = [], b"", None
+        try:
+            for index in range(scrapes + 20):
+                time.sleep(pause(0, SCRAPE_PAUSE))
+                started = time.perf_counter()
+                connection.request("GET", "/metrics", headers={"Accept-Encoding": "gzip"})
+                response = connection.getresponse()
+                body = response.read()
+                elapsed = time.perf_counter() - started
+                if response.status != 200 or not body:
+                    raise SystemExit(f"the exporter answered HTTP {response.status}")
+                encoding = response.getheader("Content-Encoding")
+                if index >= 20:
+                    latencies.append(elapsed)
+        finally:
+            connection.close()
+        text = (gzip.decompress(body) if encoding == "gzip" else body).decode()
+        return {"latencies": latencies, "series": discovery_series(text), "gzip": encoding == "gzip",
+                "bytes": len(body)}
+    finally:
+        exporter.kill()
+        exporter.wait()
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+def report_hostile(passes: int, scrapes: int) -> None:
+    root = os.getuid() == 0
+    tenant = f"uid {NOBODY}" if root else f"uid {os.getuid()} (not root: the bench's own, so no fairness among owners)"
+    print(f"8. engine discovery under attack: {HOSTILE_SLEEPERS:,} `sleep {HOLD_SECONDS} < model` and "
+          f"{HOSTILE_HOARDERS} holding a model and {HOARDER_FDS:,} descriptors each, of {tenant}; "
+          f"{HONEST} honest processes of uid {os.getuid()} holding a model after {HONEST_FDS} descriptors each, "
+          f"on the GPU process list ({HONEST // 2} started with the attack, {HONEST - HONEST // 2} after); "
+          f"{MODEL_BYTES >> 20} MiB model files (sparse)")
+    results: dict[bool, dict[str, Any]] = {}
+    for hostile in (False, True):
+        directory = tempfile.mkdtemp(prefix="gpuio-bench-hostile-")
+        running: list[subprocess.Popen] = []
+        try:
+            os.chmod(directory, 0o755)
+            for index in range(HOSTILE_MODELS):
+                model_file(os.path.join(directory, "hostile", f"m-{index:03d}.plan"))
+            for index in range(HONEST):
+                model_file(os.path.join(directory, "honest", f"engine-{index}", "1", "model.plan"))
+            results[hostile] = hostile_discovery(directory, hostile, passes, running)
+            results[hostile].update(exporter_scrapes(directory, scrapes))
+        finally:
+            stop_all(running)
+            shutil.rmtree(directory, ignore_errors=True)
+    print(f"   in-process Discovery, ms: first, a new Discovery's first pass over all of it at the end; attack, "
+          f"the pass that meets the {HOSTILE_SLEEPERS:,} sleepers (the hoarders are followed by then) and "
+          f"{HONEST // 2} honest processes (quiet: the honest ones); {passes} steady passes; followed by the last "
+          "pass, looked at per pass (mean); found: honest engines found at the first pass after their processes "
+          "started")
+    print(f"   {'':8s} {'processes':>9s} {'descriptors':>11s} {'first':>6s} {'attack':>7s} {'steady p50':>10s} "
+          f"{'p99':>6s} {'followed':>8s} {'looked at':>9s} {'found':>6s}  dropped (so far); processes started by uid")
+    for hostile, result in results.items():
+        figures, steady = result["figures"], result["steady"]
+        found = f"{result['found_with_wave'] + result['found_later']}/{HONEST}"
+        print(f"   {'hostile' if hostile else 'quiet':8s} {result['processes']:9,d} {result['descriptors']:11,d} "
+              f"{result['first'] * 1000:6.1f} {result['wave'] * 1000:7.1f} "
+              f"{statistics.median(steady) * 1000:10.2f} {percentile(steady, 0.99) * 1000:6.2f} "
+              f"{figures.processes:8d} {result['looked_at']:9.0f} {found:>6s}  {dict(figures.dropped)}; "
+              f"{result['owners']}")
+    quiet, attacked = results[False], results[True]
+    print(f"   ratio hostile / quiet: steady p50 "
+          f"{statistics.median(attacked['steady']) / statistics.median(quiet['steady']):.2f}, "
+          f"p99 {percentile(attacked['steady'], 0.99) / percentile(quiet['steady'], 0.99):.2f}; "
+          f"honest found {attacked['found_with_wave']}/{HONEST // 2} in the pass that met the attack, "
+          f"{attacked['found_later']}/{HONEST - HONEST // 2} started later, "
+          f"{attacked['found_end']}/{HONEST} at the last pass, {attacked['found_first']}/{HONEST} at a new Discovery's "
+          "first pass")
+    print(f"   exporter /metrics (--collector.disable-defaults --collector.engines, discovery every 1 s), "
+          f"{scrapes} gzip scrapes 0-{SCRAPE_PAUSE * 1000:.0f} ms apart, ms; no NVML here, so to the exporter the "
+          "honest processes are on no GPU (followed, not served): the scrape's cost is the same")
+    print(f"   {'':8s} {'p50':>6s} {'p99':>6s} {'max':>6s} {'KiB':>5s}  exporter's last pass ms, processes followed")
+    for hostile, result in results.items():
+        latencies, series = result["latencies"], result["series"]
+        duration = series.get("gpuio_engine_discovery_pass_duration_seconds", float("nan")) * 1000
+        print(f"   {'hostile' if hostile else 'quiet':8s} {statistics.median(latencies) * 1000:6.2f} "
+              f"{percentile(latencies, 0.99) * 1000:6.2f} {max(latencies) * 1000:6.2f} {result['bytes'] / 1024:5.1f}  "
+              f"{duration:.1f}, {series.get('gpuio_engine_discovery_processes', float('nan')):.0f}")
+    print(f"   ratio hostile / quiet: scrape p50 "
+          f"{statistics.median(attacked['latencies']) / statistics.median(quiet['latencies']):.2f}, "
+          f"p99 {percentile(attacked['latencies'], 0.99) / percentile(quiet['latencies'], 0.99):.2f}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--writer-helper", nargs="+", metavar="DIR COUNT [ENGINES]", help=argparse.SUPPRESS)
@@ -741,6 +1064,9 @@ def main() -> None:
     parser.add_argument("--only-flood", action="store_true", help="5 only: one writer's flood")
     parser.add_argument("--only-discovery", action="store_true", help="6 only: engine discovery")
     parser.add_argument("--only-api", action="store_true", help="7 only: the JSON API")
+    parser.add_argument("--only-hostile", action="store_true", help="8 only: engine discovery under attack")
+    parser.add_argument("--hostile-passes", type=int, default=HOSTILE_PASSES, help="8: steady discovery passes")
+    parser.add_argument("--hostile-scrapes", type=int, default=HOSTILE_SCRAPES, help="8: timed scrapes")
     args = parser.parse_args()
     if args.writer_helper:
         writer_helper(args.writer_helper[0], *(int(number) for number in args.writer_helper[1:]))
@@ -755,6 +1081,9 @@ def main() -> None:
     if args.only_api:
         report_api(args.scrapes)
         return
+    if args.only_hostile:
+        report_hostile(args.hostile_passes, args.hostile_scrapes)
+        return
     report_observe(observe_costs())
     report_breakdown()
     report_fork()
@@ -764,6 +1093,7 @@ def main() -> None:
     report_flood(args.scrapes)
     report_discovery(args.scrapes)
     report_api(args.scrapes)
+    report_hostile(args.hostile_passes, args.hostile_scrapes)
     if not args.skip_residency:
         report_residency(args.residency_gib, args.residency_dir)
 

@@ -56,7 +56,9 @@ def _descs(value: object, depth: int) -> Iterator[Desc]:
 
 INTRO = """\
 Every family gpuio-exporter exposes today.  Units are base units; counters end in `_total`; `_info`
-families have the value 1 and carry metadata in labels.
+families have the value 1 and carry metadata in labels.  A label value taken from the host (a path, a
+mount point, a cgroup, an engine name a process chose) is valid UTF-8 whatever the host's bytes: a byte
+that is not UTF-8 shows as the four characters `\\xNN` (a file `bad\\xff.plan`), as `ls -b` shows it.
 
 Disk counters have node_exporter's semantics: `gpuio_disk_<suffix>` equals `node_disk_<suffix>` on the
 same /proc/diskstats.  A kernel before 4.18 writes no discard fields and one before 5.5 no flush
