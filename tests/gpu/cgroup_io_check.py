@@ -26,6 +26,7 @@ subtree_control is put back as it was.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -158,8 +159,13 @@ class Collector:
         return parse_exposition(render(self.scraper.scrape_sync()))
 
 
+def _unescaped(value: str) -> str:
+    return re.sub(r"\\(.)", lambda match: "\n" if match[1] == "n" else match[1], value) if "\\" in value else value
+
+
 def parse_exposition(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """(name, labels) -> value of a text exposition (label values without quotes or commas)."""
+    """(name, labels) -> value of a text exposition (label values without quotes or commas; their escapes
+    \\\\ and \\n read back)."""
     samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
     for line in text.splitlines():
         if line.startswith("#") or not line:
@@ -167,7 +173,7 @@ def parse_exposition(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], 
         name_labels, value = line.rsplit(" ", 1)
         name, _, labels = name_labels.partition("{")
         pairs = [item.split("=", 1) for item in labels.rstrip("}").split('",') if item]
-        samples[(name, frozenset((key, raw.strip('"')) for key, raw in pairs))] = float(value)
+        samples[(name, frozenset((key, _unescaped(raw.strip('"'))) for key, raw in pairs))] = float(value)
     return samples
 
 

@@ -18,6 +18,11 @@ API (``/api/v1/engines``, and ``gpuio engines --url``) tells the same file, GPU 
 exits, its engine has no live process and no load was abandoned.
 
     python3 tests/gpu/discovery_check.py          # from the repository root (as root, for the eviction)
+    python3 tests/gpu/discovery_check.py --name-not-utf8   # the model's directory named in bytes no UTF-8 has
+
+With ``--name-not-utf8`` the model sits in ``<work>/models/bad\\xff\\xfe-model/1/`` (a tenant's choice): every
+answer (/metrics read as strict UTF-8, the API's JSON, ``gpuio engines --url``) must stay whole and name the
+engine ``bad\\xff\\xfe-model``, during the load and after the loader exited.
 
 Prints the figures and PASS/FAIL lines; exit 1 on a failure.
 """
@@ -39,6 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
 
+from exporter.hosttext import visible  # noqa: E402
 from tests.gpu.cgroup_io_check import Check, parse_exposition  # noqa: E402
 
 MODEL_MIB = 4096
@@ -94,10 +100,10 @@ def engine_series(found: dict, name: str, engine: str) -> dict[frozenset, float]
             if metric == name and ("engine", engine) in labels}
 
 
-def main() -> int:
+def main(directory: str = "resnet-like") -> int:
     check = Check()
     work = tempfile.mkdtemp(prefix="gpuio-discovery-", dir="/var/tmp")
-    path = os.path.join(work, "models", "resnet-like", "1", "model.pt")
+    path = os.path.join(work, "models", directory, "1", "model.pt")
     os.makedirs(os.path.dirname(path))
     subprocess.run([sys.executable, "-c", SAVE, path, str(MODEL_MIB)], check=True)
     size = os.path.getsize(path)
@@ -110,7 +116,8 @@ def main() -> int:
                                  f"--collector.engines.spool-dir={work}/spool", "--collector.nvml.slow-interval=1s",
                                  f"--collector.engines.discover-interval={int(PASS_S * 1000)}ms"],
                                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    engine = "resnet-like"
+    engine = visible(directory)  # as labels and the API show it: a byte that is not UTF-8 as \\xNN
+    shown_path = visible(path)
     loader = None
     try:
         deadline = time.monotonic() + 30
@@ -155,7 +162,7 @@ def main() -> int:
               f"{by_source.get('page_cache', 0) / 2**20:.0f} MiB); seen loading on {sorted(seen_loading)}; "
               f"info {infos}", flush=True)
         check.verdict(uuid in seen_loading, "the load was seen in progress on the loader's GPU")
-        check.verdict(any(info.get("gpu_uuid") == uuid and info.get("path") == path for info in infos),
+        check.verdict(any(info.get("gpu_uuid") == uuid and info.get("path") == shown_path for info in infos),
                       "gpuio_engine_info names the file and the GPU torch reports for cuda:0")
         check.verdict(count == 1 and abs(seconds - figures["load_s"]) <= PASS_S + 0.5,
                       f"one load, {seconds:.2f} s against torch.load's {figures['load_s']:.2f} s")
@@ -166,7 +173,8 @@ def main() -> int:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/engines", timeout=10) as response:
             rows = [row for row in json.load(response)["engines"] if row["engine"] == engine]
         print(f"/api/v1/engines: {json.dumps(rows)[:600]}", flush=True)
-        check.verdict(len(rows) == 1 and rows[0]["path"] == path and any(uuid in gpu for gpu in rows[0]["gpus"])
+        check.verdict(len(rows) == 1 and rows[0]["path"] == shown_path
+                      and any(uuid in gpu for gpu in rows[0]["gpus"])
                       and rows[0]["last_load_seconds"] is not None
                       and abs(rows[0]["last_load_seconds"] - seconds) <= PASS_S + 0.5,
                       "the API's row names the file, the loader's GPU and the load /metrics counted")
@@ -194,4 +202,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(os.fsdecode(b"bad\xff\xfe-model") if "--name-not-utf8" in sys.argv[1:] else "resnet-like"))
