@@ -156,7 +156,7 @@ def main(directory: str = "resnet-like") -> int:
         processes = {dict(labels)["source"]: value
                      for labels, value in engine_series(found, "gpuio_engine_processes", engine).items()}
         pids = {dict(labels)["pid"] for labels in engine_series(found, "gpuio_engine_process_info", engine)}
-        print(f"model {size / 2**20:.0f} MiB at {path}; loader pid {loader.pid} on {uuid}: torch.load "
+        print(f"model {size / 2**20:.0f} MiB at {shown_path}; loader pid {loader.pid} on {uuid}: torch.load "
               f"{figures['load_s']:.2f} s; exporter: {count:g} load(s) of {seconds:.2f} s, {read / 2**20:.0f} MiB "
               f"(device {by_source.get('device', 0) / 2**20:.0f} MiB, page cache "
               f"{by_source.get('page_cache', 0) / 2**20:.0f} MiB); seen loading on {sorted(seen_loading)}; "
