@@ -36,6 +36,10 @@ step python3 tests/gpu/prefork_check.py
 step python3 -m pytest -q -p no:cacheprovider tests/e2e/test_spool.py tests/e2e/test_spool_full.py
 step python3 tests/gpu/cgroup_io_check.py  # the cgroup v2 path of the cgroup_io collector (io.stat, io.pressure)
 step python3 tests/gpu/discovery_check.py  # a plain PyTorch process loading a model, discovered with its GPU
+step python3 tests/gpu/discovery_check.py --name-not-utf8  # the same, its model named in bytes no UTF-8 has
+# discovery against hostile tenants and dead (FUSE) mounts on this host's kernel and cgroup v2 (root)
+step python3 -m pytest -q -p no:cacheprovider tests/e2e/test_dead_mounts_e2e.py tests/e2e/test_discovery_attacks.py \
+  tests/e2e/test_cgroup_trust_kernel.py
 step python3 bench/nvml_bench.py
 step python3 tests/gpu/exporter_http_check.py
 step python3 tests/gpu/smart_replay_check.py
