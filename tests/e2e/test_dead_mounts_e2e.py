@@ -51,6 +51,18 @@ def _within(seconds: float, work):
     return result[0]
 
 
+def _gpuio_engines(spool: str, include: str) -> str:
+    """What `gpuio engines --json` prints, run as a process; a failure if it waits past GIVE_UP_S."""
+    try:
+        done = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--json", f"--spool-dir={spool}",
+                               f"--path-include={include}"], capture_output=True, text=True, cwd=REPO,
+                              timeout=GIVE_UP_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"gpuio engines still waiting after {GIVE_UP_S:g} s: it waits on the dead mount")
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_discovery_passes_end_while_a_model_sits_on_a_dead_mount(loaders, fuse_stub, tmp_path) -> None:
     local = model(tmp_path, "models/local/1/model.plan")
     stub, holder = _held_on_a_dead_mount(fuse_stub, loaders)
@@ -71,13 +83,7 @@ def test_gpuio_engines_answers_while_a_model_sits_on_a_dead_mount(loaders, fuse_
     stub, _ = _held_on_a_dead_mount(fuse_stub, loaders)
     spool = tmp_path / "spool"
     spool.mkdir()
-    try:
-        done = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--json", f"--spool-dir={spool}",
-                               f"--path-include={stub.mountpoint}"], capture_output=True, text=True, cwd=REPO,
-                              timeout=GIVE_UP_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"gpuio engines still waiting after {GIVE_UP_S:g} s: it waits on the dead mount")
-    assert done.returncode == 0, done.stderr
+    _gpuio_engines(str(spool), stub.mountpoint)
 
 
 def test_the_exporter_serves_on_while_a_model_sits_on_a_dead_mount(loaders, fuse_stub, tmp_path) -> None:
@@ -124,14 +130,7 @@ def test_a_file_a_writer_named_on_a_dead_mount_holds_neither_gpuio_engines_nor_t
     engine.set_info(os.path.join(stub.mountpoint, "model.plan"))
     engine.observe_inference(0.01)
     stub.freeze()
-    try:
-        done = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--json", f"--spool-dir={spool_dir}",
-                               f"--path-include={stub.mountpoint}"], capture_output=True, text=True, cwd=REPO,
-                              timeout=GIVE_UP_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"gpuio engines still waiting after {GIVE_UP_S:g} s: it waits on the dead mount")
-    assert done.returncode == 0, done.stderr
-    (row,) = json.loads(done.stdout)
+    (row,) = json.loads(_gpuio_engines(spool_dir, stub.mountpoint))
     assert row["engine"] == "on-nfs" and row["residency_unavailable"] == "unresponsive_mount", row
 
 

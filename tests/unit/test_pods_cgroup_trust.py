@@ -123,18 +123,24 @@ def test_of_pid_believes_only_what_the_kernel_shows_root_made_or_what_has_the_ku
     assert cgroup.of_pid(11, str(procfs)) is None  # a user's session: refused by its shape alone
     assert cgroup.of_pid(13, str(procfs)) == cgroup.PodRef(OTHER, CONTAINER, "containerd")
 
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the tree's directories are chowned")
-    sysfs = tmp_path / "sys"
-    mount = sysfs / "fs" / "cgroup"
-    mount.mkdir(parents=True)
-    (mount / "cgroup.controllers").write_text("io memory\n")
+    sysfs, mount = cgroup_v2_tree(tmp_path)
     for path in (delegated, real):
         os.makedirs(mount / path.lstrip("/"))
     chown_below(mount / "system.slice" / "app.service", 1000)
     assert cgroup.of_pid(12, str(procfs), sysfs=str(sysfs)) is None
     assert cgroup.of_pid(13, str(procfs), sysfs=str(sysfs)) == cgroup.PodRef(OTHER, CONTAINER, "containerd")
     assert cgroup.of_pid(12, str(procfs)) is not None  # the shape alone cannot tell (documented)
+
+
+def cgroup_v2_tree(tmp_path):
+    """(sysfs, its cgroup v2 mount) under ``tmp_path``; root only: the tests chown its directories."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the tree's directories are chowned")
+    sysfs = tmp_path / "sys"
+    mount = sysfs / "fs" / "cgroup"
+    mount.mkdir(parents=True)
+    (mount / "cgroup.controllers").write_text("io memory\n")
+    return sysfs, mount
 
 
 def chown_below(directory, uid: int) -> None:
@@ -173,12 +179,7 @@ def grow(mount, path: str, read: int, stalled_us: int = 0) -> None:
 def node(tmp_path):
     """A cgroup v2 node: the victim's pod (kubelet, root) and a kind node's pod, both real; the same pod
     claimed in a user's session, in a delegated service (owned by uid 1000) and in an unowned odd place."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the tree's directories are chowned")
-    sysfs = tmp_path / "sys"
-    mount = sysfs / "fs" / "cgroup"
-    mount.mkdir(parents=True)
-    (mount / "cgroup.controllers").write_text("io memory\n")
+    sysfs, mount = cgroup_v2_tree(tmp_path)
     (sysfs / "dev" / "block").mkdir(parents=True)
     os.symlink("../../devices/pci0000:00/nvme/nvme1/nvme1n1", sysfs / "dev" / "block" / "259:1")
     paths = {
