@@ -4,10 +4,11 @@ A stat(), an open() or a read of a file on a network or FUSE mount asks that mou
 waits for as long as it does: for ever, on a dead NFS export mounted ``hard`` or a FUSE daemon that hangs.
 A thread blocked there cannot be interrupted.  :class:`Abandonable` runs such a call on a thread of its own
 and waits for it at most ``timeout`` seconds: a call that does not come back in time marks its key (a
-mount) unresponsive for ``quiet`` seconds, during which calls for that key are refused at once, and the
-thread is left to finish whenever the file system answers.  At most ``max_stuck`` threads are ever left
-waiting: past that every call is refused until one comes back, so a dead mount costs a few threads, never
-one per pass.
+mount) unresponsive, and the thread is left to finish whenever the file system answers.  A key is refused
+at once while a call of its is still out, and for ``quiet`` seconds after that call came back late, so a
+dead mount costs one thread for as long as it is dead, never one per pass or per retry.  At most
+``max_stuck`` threads are ever left waiting (as many dead mounts): past that a call for another key is
+refused until one comes back.
 """
 
 from __future__ import annotations
@@ -35,37 +36,46 @@ class Abandonable:
         self.max_stuck = max_stuck
         self.name = name
         self._lock = threading.Lock()
-        self._stuck = 0  # calls abandoned that have not come back yet
+        self._stuck: set[Hashable] = set()  # keys of calls abandoned that have not come back yet
         self._refused_until: dict[Hashable, float] = {}  # key -> monotonic time it may be asked again
 
     def unresponsive(self) -> int:
-        """Keys (mounts) refused now."""
+        """Keys (mounts) refused now: a call of theirs still out, or back late less than ``quiet`` ago."""
         now = time.monotonic()
-        return sum(1 for until in list(self._refused_until.values()) if until > now)
+        with self._lock:
+            return len(self._stuck | {key for key, until in self._refused_until.items() if until > now})
 
     def call(self, key: Hashable, work: Callable[[], T]) -> T:
         """``work()``'s result or exception; Unresponsive when ``key`` is refused or the call took too long."""
         now = time.monotonic()
-        if self._refused_until.get(key, 0.0) > now or self._stuck >= self.max_stuck:
-            raise Unresponsive(f"{key}: refused for now")
-        call: _Call[T] = _Call(work, self)
+        with self._lock:
+            if key in self._stuck or self._refused_until.get(key, 0.0) > now or len(self._stuck) >= self.max_stuck:
+                raise Unresponsive(f"{key}: refused for now")
+        call: _Call[T] = _Call(key, work, self)
         threading.Thread(target=call.run, name=f"gpuio-{self.name}", daemon=True).start()
         if call.finished.wait(self.timeout) or not call.abandon():
             return call.result()
-        if len(self._refused_until) > MAX_KEYS:
-            self._refused_until = {known: until for known, until in self._refused_until.items() if until > now}
-        self._refused_until[key] = now + self.quiet
         raise Unresponsive(f"{key}: no answer in {self.timeout:g} s")
 
-    def _count_stuck(self, change: int) -> None:
+    def _abandoned(self, key: Hashable) -> None:
         with self._lock:
-            self._stuck += change
+            self._stuck.add(key)
+
+    def _back(self, key: Hashable) -> None:
+        """An abandoned call came back: its key is refused ``quiet`` seconds more (it answered, but slowly)."""
+        now = time.monotonic()
+        with self._lock:
+            self._stuck.discard(key)
+            if len(self._refused_until) > MAX_KEYS:
+                self._refused_until = {known: until for known, until in self._refused_until.items() if until > now}
+            self._refused_until[key] = now + self.quiet
 
 
 class _Call(Generic[T]):
     """One call on its thread; ``abandon()`` and the end of ``run()`` agree under a lock on who counts it."""
 
-    def __init__(self, work: Callable[[], T], owner: Abandonable) -> None:
+    def __init__(self, key: Hashable, work: Callable[[], T], owner: Abandonable) -> None:
+        self.key = key
         self.work = work
         self.owner = owner
         self.finished = threading.Event()
@@ -82,7 +92,7 @@ class _Call(Generic[T]):
         with self._lock:
             self.finished.set()
             if self._abandoned:
-                self.owner._count_stuck(-1)
+                self.owner._back(self.key)
 
     def abandon(self) -> bool:
         """Give up waiting: True, unless it finished meanwhile (then its result is taken after all)."""
@@ -90,7 +100,7 @@ class _Call(Generic[T]):
             if self.finished.is_set():
                 return False
             self._abandoned = True
-            self.owner._count_stuck(+1)
+            self.owner._abandoned(self.key)
             return True
 
     def result(self) -> T:

@@ -49,6 +49,7 @@ at most MAX_LAYER_WALKS walks and LAYER_PASS_SECONDS a pass); the scrape uses it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import logging
 import math
@@ -110,6 +111,11 @@ def _parse_directories(value: str) -> tuple[str, ...]:
         if not os.path.isabs(directory) or any(part in (".", "..") for part in directory.split("/")):
             raise ValueError(f"{directory!r} is not an absolute path without . or ..")
     return directories
+
+
+def _files_of(pattern: str) -> list[str]:
+    """The regular files a glob pattern matches, sorted."""
+    return [path for path in sorted(glob.glob(pattern)) if os.path.isfile(path)]
 
 
 def _glob_directory(pattern: str) -> str:
@@ -1126,12 +1132,18 @@ class EnginesCollector(Collector):
         return ScanResult(files, time.perf_counter() - start, time.time())
 
     def _glob(self) -> list[str]:
+        """The files --collector.engines.path's patterns match now; a pattern whose directory does not answer
+        (a dead mount) matches nothing this scan, and is not asked again for a minute (_view_abandonable)."""
         found: list[str] = []
         for pattern in self.globs:
-            for path in sorted(glob.glob(pattern)):
+            try:
+                matched = self._scan_calls.call(_glob_directory(pattern), functools.partial(_files_of, pattern))
+            except Unresponsive:
+                continue
+            for path in matched:
                 if len(found) >= self.max_files:
                     self._files_left_out.add(path)
-                elif os.path.isfile(path):
+                else:
                     found.append(path)
         return found
 

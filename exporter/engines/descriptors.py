@@ -10,8 +10,9 @@ file), ``/proc/<pid>/fdinfo/<n>`` (read position, open flags and ``mnt_id``, the
 ``/proc/<pid>/mountinfo`` (that mount's type, in the process's own mount namespace: mount ids are unique
 across namespaces, so any process that sees a mount can name its type).  So a file is judged by its mount
 first (:class:`MountJudge`): on a file system that answers from this machine alone
-(:func:`exporter.mounts.answers_locally`: a block device, tmpfs, overlay) it is stat'ed in the pass; on any
-other (network, FUSE, autofs, a mount no table names) the stat runs on a thread of its own that the pass
+(:func:`exporter.mounts.answers_locally`: a block device, tmpfs; not an overlay, whose lower layers may be
+FUSE) it is stat'ed in the pass; on any other (network, FUSE, autofs, overlay, a mount no table names) the
+stat runs on a thread of its own that the pass
 waits for at most REMOTE_STAT_SECONDS (:mod:`exporter.abandonable`).  A stat that does not come back in time
 marks its mount unresponsive for UNRESPONSIVE_SECONDS (its files are skipped, and counted), and at most
 MAX_STUCK_STATS stats are ever left waiting at once.
@@ -73,6 +74,8 @@ class MountJudge:
     def __init__(self, procfs: str) -> None:
         self.procfs = procfs
         self._judged: dict[int, tuple[bool, float]] = {}  # mount id -> (answers locally, when judged)
+        self._pass = 0
+        self._read_in_pass: dict[int, int] = {}  # pid -> the pass its mountinfo was read in
 
     def answers_locally(self, mount_id: int | None, pid: int) -> bool:
         """False for a mount no table names (or no mount id at all): it is treated as one that may wait."""
@@ -82,10 +85,15 @@ class MountJudge:
         judged = self._judged.get(mount_id)
         if judged is None or now - judged[1] > MOUNT_JUDGED_SECONDS:
             self._learn(pid, now)
-            judged = self._judged.get(mount_id)
-        return judged is not None and judged[0]
+            judged = self._judged.setdefault(mount_id, (False, now))  # named by no table: judged so, a while
+        return judged[0]
 
     def _learn(self, pid: int, now: float) -> None:
+        """Judge every mount of the process's table (read once a pass per process at most: a table of tens of
+        thousands of mounts costs milliseconds)."""
+        if self._read_in_pass.get(pid) == self._pass:
+            return
+        self._read_in_pass[pid] = self._pass
         try:
             text = mounts.read_bounded(f"{self.procfs}/{pid}/mountinfo", MOUNTINFO_BYTES)
         except OSError:
@@ -93,7 +101,17 @@ class MountJudge:
         if len(self._judged) > MAX_MOUNTS_JUDGED:
             self._judged.clear()
         for mount in mounts.parse(text).mounts:
-            self._judged[mount.mount_id] = (mounts.answers_locally(mount), now)
+            self._judged[mount.mount_id] = (answers_in_pass(mount), now)
+
+    def new_pass(self) -> None:
+        self._pass += 1
+        self._read_in_pass.clear()
+
+
+def answers_in_pass(mount: mounts.MountPoint) -> bool:
+    """A mount whose files a pass may stat: one that answers from this machine alone, and no overlay (its
+    lower layers may be FUSE: a lazy-pulling snapshotter's, or one a tenant stacked in a user namespace)."""
+    return mounts.answers_locally(mount) and mount.fstype != "overlay"
 
 
 def abandonable_stats() -> Abandonable:

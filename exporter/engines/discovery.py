@@ -279,6 +279,7 @@ class Discovery:
         self._not_permitted = 0
         self._refused: set[tuple[int, int]] = set()  # processes that refused us (counted once each)
         self._left_out: set[tuple[int, int]] = set()  # processes not followed for the bounds (counted once each)
+        self._cursors: dict[int, int] = {}  # pid -> where the next look at a process not followed starts
         self._dropped: dict[str, int] = {}  # kind -> what the bounds left out (a counter)
         self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
         self._mounts = MountJudge(procfs)
@@ -296,6 +297,7 @@ class Discovery:
             if not self._rotation:
                 self._rotation = sorted(listed)
             self._on_gpus = frozenset(self.gpu_processes())
+            self._mounts.new_pass()
             first = self._priority(listed, new)
             looked = self._look_fairly(first, new, deadline)
             budget = _Budget(self.fd_entries_per_pass, deadline)
@@ -426,12 +428,13 @@ class Discovery:
                 return False
         if len(self._tracked) < MAX_TRACKED_PROCESSES:
             return True
-        idle = next((process for process in self._tracked.values()  # the oldest followed first
-                     if not process.on_gpu and not any(held.loading_since for held in process.files.values())), None)
-        if not on_gpu or idle is None:
+        # The oldest followed first: a process off the GPU loads nothing that counts yet (its loads wait for
+        # NVML to list it), so even one that keeps "loading" (seeking its file) gives way to a GPU process.
+        off_gpu = next((process for process in self._tracked.values() if not process.on_gpu), None)
+        if not on_gpu or off_gpu is None:
             return False
-        del self._tracked[idle.pid]
-        self._leave_out(idle.pid, idle.start)
+        del self._tracked[off_gpu.pid]
+        self._leave_out(off_gpu.pid, off_gpu.start)
         return True
 
     def _leave_out(self, pid: int, start: int) -> None:
@@ -446,14 +449,13 @@ class Discovery:
 
         The files it was known to hold are looked at again by their descriptors; then ``budget`` of its
         descriptors, from where the last look's budget ran out (``fd_cursor``), round and round."""
-        fd_dir = f"{self.procfs}/{pid}/fd"
         found: HeldNow = {}
         again = {held.file.fd: held.file for held in known.files.values() if held.open} if known is not None else {}
         for name, before in again.items():
             if self._add_file(found, pid, name, start, before) is _LIBRARY:
                 return _LIBRARY
         try:
-            names = self._fd_names(fd_dir, known, budget)
+            names = self._fd_names(pid, known, budget)
         except PermissionError:
             if (pid, start) not in self._refused and len(self._refused) < MAX_TRACKED_PROCESSES:
                 self._refused.add((pid, start))
@@ -466,18 +468,24 @@ class Discovery:
                 return _LIBRARY
         return found
 
-    def _fd_names(self, fd_dir: str, known: Process | None, budget: _Budget) -> list[str]:
+    def _fd_names(self, pid: int, known: Process | None, budget: _Budget) -> list[str]:
         """The descriptors to look at: ``budget`` of them from the process's cursor on (wrapping round)."""
-        with os.scandir(fd_dir) as entries:
+        with os.scandir(f"{self.procfs}/{pid}/fd") as entries:
             names = [entry.name for _, entry in zip(range(MAX_FDS_PER_PROCESS), entries, strict=False)]
-        cursor = known.fd_cursor if known is not None and known.fd_cursor < len(names) else 0
+        cursor = known.fd_cursor if known is not None else self._cursors.get(pid, 0)
+        cursor = cursor if cursor < len(names) else 0
         chosen = []
         for offset in range(len(names)):
             if not budget.spend():
                 break
             chosen.append(names[(cursor + offset) % len(names)])
+        after = (cursor + len(chosen)) % max(1, len(names))
         if known is not None:
-            known.fd_cursor = (cursor + len(chosen)) % max(1, len(names))
+            known.fd_cursor = after
+        elif after and len(self._cursors) < MAX_LISTED:  # a process not followed is taken up where it was left
+            self._cursors[pid] = after
+        else:
+            self._cursors.pop(pid, None)
         return chosen
 
     def _add_file(self, found: HeldNow, pid: int, name: str, start: int,
@@ -506,7 +514,7 @@ class Discovery:
         info = read_fdinfo(f"{self.procfs}/{pid}/fdinfo/{name}")
         if info is None or info.flags & _ACCESS_MODE == _WRITE_ONLY:
             return None
-        if before is not None and before.path == target and info.inode == before.ino \
+        if before is not None and before.path == target and info.inode in (None, before.ino) \
                 and not self._mounts.answers_locally(info.mount_id, pid):
             # The same file as at the last look (name and inode): its mount is not asked again.  A mount that
             # stopped answering since does not make a file that is still held look closed.
@@ -750,6 +758,7 @@ class Discovery:
                 del self._tracked[pid]
         self._refused = {key for key in self._refused if key[0] in listed}
         self._left_out = {key for key in self._left_out if key[0] in listed}
+        self._cursors = {pid: cursor for pid, cursor in self._cursors.items() if pid in listed}
         self._held_engines = {held.engine for process in self._tracked.values() for held in process.files.values()}
 
     # --- the answer -------------------------------------------------------------------------------

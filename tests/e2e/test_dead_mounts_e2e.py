@@ -149,3 +149,45 @@ def test_a_load_followed_when_its_mount_dies_stays_in_progress(loaders, fuse_stu
     stub.freeze()
     after = _within(GIVE_UP_S, found.sample).totals.loads
     assert after.keys() == before.keys() and [count for count, _, _ in after.values()] == [1]
+
+
+def test_a_path_glob_on_a_dead_mount_holds_neither_gpuio_engines_nor_the_scan(loaders, fuse_stub,
+                                                                               tmp_path) -> None:
+    """`--path` names files by a pattern: one whose directory stopped answering matches nothing this time."""
+    stub = fuse_stub(files={"model.plan": 4 << 20})
+    stub.freeze()
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    try:
+        done = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--json", f"--spool-dir={spool}",
+                               f"--path={stub.mountpoint}/*.plan"], capture_output=True, text=True, cwd=REPO,
+                              timeout=GIVE_UP_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"gpuio engines still waiting after {GIVE_UP_S:g} s: it waits on the dead mount")
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_overlay_over_a_dead_fuse_layer_holds_no_pass(loaders, fuse_stub, tmp_path) -> None:
+    """An overlay whose lower layer is FUSE (a lazy-pulling snapshotter's image): a stat through the overlay
+    asks the FUSE daemon, so an overlay is no file system a pass may stat in line."""
+    stub = fuse_stub(files={"model.plan": 4 << 20})
+    merged, upper, work = (tmp_path / name for name in ("merged", "upper", "work"))
+    for directory in (merged, upper, work):
+        directory.mkdir()
+    mounted = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                              f"lowerdir={stub.mountpoint},upperdir={upper},workdir={work}", str(merged)])
+    if mounted.returncode != 0:
+        pytest.skip("this kernel does not stack an overlay on FUSE")
+    try:
+        holder = loaders()
+        holder.do("open", str(merged / "model.plan"))
+        holder.do("read", str(merged / "model.plan"), 1 << 20)
+        found = Discovery([str(merged)], require_gpu=False)
+        _within(GIVE_UP_S, found.sample)
+        stub.freeze()
+        fresh = Discovery([str(merged)], require_gpu=False)  # one that has not stat'ed the file yet
+        _within(GIVE_UP_S, fresh.sample)
+        _within(GIVE_UP_S, found.sample)
+    finally:
+        stub.close()  # first: the holder cannot exit while its file's daemon hangs
+        subprocess.run(["umount", "-l", str(merged)], check=False)

@@ -217,3 +217,28 @@ def model_file(directory: str, relative: str, size: int = 1 << 20) -> str:
         handle.write(os.urandom(size))
     os.chmod(path, 0o644)
     return path
+
+
+def test_processes_that_keep_loading_off_the_gpu_give_way_to_a_gpu_process(tmp_path, loaders, monkeypatch) -> None:
+    """A full table of processes off the GPU that keep "loading" (moving their position by seeks and reads):
+    none of their loads counts yet, so a server on a GPU still takes the place of one of them."""
+    monkeypatch.setattr(discovery, "MAX_TRACKED_PROCESSES", 4)
+    monkeypatch.setattr(discovery, "MAX_TRACKED_OFF_GPU_PER_OWNER", 4)
+    found = Discovery([str(tmp_path)])
+    found.sample()
+    busy = [loaders() for _ in range(4)]
+    for index, loader in enumerate(busy):
+        path = model(tmp_path, f"busy/b{index}.plan", 2 << 20)
+        loader.do("open", path)
+    for round_ in range(3):
+        for index, loader in enumerate(busy):
+            loader.do("read", str(tmp_path / f"busy/b{index}.plan"), 4096)
+            loader.do("seek", str(tmp_path / f"busy/b{index}.plan"), 4096 * (round_ % 2))
+        found.sample()
+    assert found.sample().figures.processes == 4
+    server = loaders()
+    served = model(tmp_path, "served/model.plan")
+    found.gpu_processes = lambda: [(server.pid, _start(server.pid))]
+    server.do("open", served)
+    server.do("read", served, 4096)
+    assert "served" in found.sample().totals.infos
