@@ -43,6 +43,7 @@ The hardware sits behind :class:`exporter.nvml_device.Nvml`; tests run this modu
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -53,6 +54,7 @@ from typing import Any, TypeVar
 
 from .. import nvml_device as nv
 from .. import procstat
+from ..abandonable import Abandonable, Unresponsive
 from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
@@ -647,6 +649,9 @@ class XidListener:
 DURATION = "a duration above zero such as 500ms, 2s, 5m"
 
 
+PROC_READ_SECONDS = 0.2  # a GPU process's /proc/<pid>/stat, waited for this long (it answers in ~10 us)
+
+
 @register
 class NvmlCollector(Collector):
     name = "nvml"
@@ -673,6 +678,10 @@ class NvmlCollector(Collector):
         self._hang_timeout: float = self.settings["hang-timeout"]
         self._reinit_interval: float = self.settings["reinit-interval"]
         self._max_processes: int = self.settings["max-processes"]
+        # A GPU process's start time, read where the wait can be abandoned: /proc/<pid>/stat waits for a
+        # process stuck in execve (closing a file on a hung FUSE mount); such a process reads as start 0
+        # ("not read") for a minute, and the sweep goes on.
+        self._proc = Abandonable(PROC_READ_SECONDS, 60.0, 4, "nvml-proc", persistent=True)
         self._gpus: dict[str, Gpu] = {}
         self._session: Session | None = None
         self._retry_at = 0.0  # when to try nvmlInit again while there is no session
@@ -1189,6 +1198,12 @@ class NvmlCollector(Collector):
                 (REMAPPED, gpu.label((("cause", "uncorrectable"),)), uncorrectable),
                 (REMAP_PENDING, gpu.labels, 1 if pending else 0), (REMAP_FAILURE, gpu.labels, 1 if failure else 0)]
 
+    def _start_ticks(self, pid: int) -> int:
+        try:
+            return self._proc.call(pid, functools.partial(procstat.start_ticks, pid, self.context.procfs))
+        except Unresponsive:
+            return 0
+
     def _read_processes(self, gpu: Gpu) -> list[Reading]:
         assert self._nvml is not None
         processes = self._call(gpu, "compute_running_processes", self._nvml.device_compute_running_processes,
@@ -1197,7 +1212,7 @@ class NvmlCollector(Collector):
             return []
         # One small read of /proc/<pid>/stat per process: its start time tells a recycled pid's new
         # process from the one remembered under that pid.
-        gpu.started = {p.pid: procstat.start_ticks(p.pid, self.context.procfs) for p in processes}
+        gpu.started = {p.pid: self._start_ticks(p.pid) for p in processes}
         gpu.process_busy.keep(set(gpu.started))
         processes = sorted(processes, key=lambda p: (-(p.used_memory or 0), p.pid))
         kept, dropped = processes[: self._max_processes], processes[self._max_processes :]

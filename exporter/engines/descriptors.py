@@ -33,6 +33,7 @@ MAX_MOUNTS_JUDGED = 65_536  # mount ids remembered (all of them forgotten past t
 REMOTE_STAT_SECONDS = 0.2  # a stat on a network or FUSE mount waited for this long, at most
 UNRESPONSIVE_SECONDS = 60.0  # a mount whose stat did not come back in time is not asked again for this long
 MAX_STUCK_STATS = 4  # stats left waiting on mounts that do not answer; none is started past this
+PROC_READ_SECONDS = 0.2  # a process's /proc/<pid>/stat and io read waited for this long (it answers in ~10 us)
 
 
 @dataclass(frozen=True)
@@ -117,3 +118,9 @@ def answers_in_pass(mount: mounts.MountPoint) -> bool:
 def abandonable_stats() -> Abandonable:
     """Where discovery stats files on mounts that may not answer (module note)."""
     return Abandonable(REMOTE_STAT_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_STATS, "discovery-stat")
+
+
+def abandonable_proc_reads() -> Abandonable:
+    """Where discovery reads a process's stat and io: they wait for a process stuck in execve (closing a file
+    on a FUSE mount that hangs), so one such process is skipped, not the pass held (one worker thread)."""
+    return Abandonable(PROC_READ_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_STATS, "discovery-proc", persistent=True)

@@ -61,8 +61,10 @@ The model files a followed process holds are looked at again directly, every pas
 At most MAX_TRACKED_PROCESSES processes are followed, at most a quarter of them per owner while not on a GPU;
 a process NVML lists on a GPU takes the place of one that is not.  Nothing read from /proc here takes a
 process's memory lock (no cmdline, environ or maps), and no file on a network or FUSE mount is stat'ed in the
-pass (exporter.engines.descriptors), so neither a process stuck in the kernel nor a server that does not
-answer can hold a pass; a slow pass only ages what the scrape serves, and a pass that stops finishing is
+pass (exporter.engines.descriptors), and a process's stat and io are read where the wait can be abandoned
+(a process stuck in execve, closing a file of a hung FUSE daemon, makes them wait: it is skipped, counted as
+``unresponsive_process``), so neither a process stuck in the kernel nor a server that does not answer can
+hold a pass; a slow pass only ages what the scrape serves, and a pass that stops finishing all the same is
 the engines collector's state ``stale``.
 
 What it needs: permission to read other processes' fd directories: root on a host install; in a
@@ -74,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import logging
 import os
 import re
@@ -90,7 +93,7 @@ from .. import procstat
 from ..abandonable import Unresponsive
 from ..pods import cgroup as pod_cgroup
 from . import model
-from .descriptors import MountJudge, abandonable_stats, read_fdinfo
+from .descriptors import MountJudge, abandonable_proc_reads, abandonable_stats, read_fdinfo
 
 log = logging.getLogger("gpuio.discovery")
 
@@ -284,6 +287,7 @@ class Discovery:
         self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
         self._mounts = MountJudge(procfs)
         self._remote = abandonable_stats()
+        self._proc = abandonable_proc_reads()
         self._lock = threading.Lock()
 
     # --- one pass ----------------------------------------------------------------------------------
@@ -376,14 +380,14 @@ class Discovery:
 
     def _look_at(self, pid: int, budget: _Budget, new_process: bool) -> int:
         """List one process's descriptors and follow its model files; 1 if it was looked at."""
-        base = f"{self.procfs}/{pid}"
         try:
-            fields = procstat.stat_fields(pid, self.procfs)
-            start = int(fields[procstat.START_TIME])
-            waiting = fields[procstat.STATE] == b"D"
-            uid = os.stat(base).st_uid
-        except (OSError, ValueError, IndexError):
+            facts = self._proc.call(pid, functools.partial(self._facts, pid))
+        except Unresponsive:
+            self._drop("unresponsive_process")
             return 0
+        if facts is None:
+            return 0
+        start, waiting, uid, chars, device_bytes = facts
         known = self._tracked.get(pid)
         if known is not None and known.start != start:
             self._process_gone(known)  # the pid was reused
@@ -409,7 +413,7 @@ class Discovery:
             fresh = True  # files new in a process already followed were opened since the last pass
         known.waiting = waiting
         chars_before = known.chars
-        known.chars, known.device_bytes = self._io(pid)
+        known.chars, known.device_bytes = chars, device_bytes
         known.gpu = self.gpu_of(pid, start) or ""
         if not known.on_gpu and on_gpu:
             known.on_gpu = True
@@ -418,6 +422,20 @@ class Discovery:
             known.pending.clear()
         self._follow(known, held, fresh, max(0, known.chars - chars_before))
         return 1
+
+    def _facts(self, pid: int) -> tuple[int, bool, int, int, int] | None:
+        """(start ticks, waiting on IO, uid, rchar, read_bytes) of a process; None when it is gone.  Read where
+        the wait can be abandoned (self._proc): /proc/<pid>/stat and io wait for a process stuck in execve
+        (closing a file on a FUSE mount whose daemon hangs), while its fd/, fdinfo/ and cgroup answer."""
+        try:
+            fields = procstat.stat_fields(pid, self.procfs)
+            start = int(fields[procstat.START_TIME])
+            waiting = fields[procstat.STATE] == b"D"
+            uid = os.stat(f"{self.procfs}/{pid}").st_uid
+        except (OSError, ValueError, IndexError):
+            return None
+        chars, device_bytes = self._io(pid)
+        return start, waiting, uid, chars, device_bytes
 
     def _make_room(self, uid: int, on_gpu: bool) -> bool:
         """Whether a new process may be followed: within the table, and within its owner's quarter while it

@@ -191,3 +191,39 @@ def test_an_overlay_over_a_dead_fuse_layer_holds_no_pass(loaders, fuse_stub, tmp
     finally:
         stub.close()  # first: the holder cannot exit while its file's daemon hangs
         subprocess.run(["umount", "-l", str(merged)], check=False)
+
+
+# Opens its argument O_CLOEXEC, says so, and on a line from stdin execs sleep: the exec closes the file, which
+# on a FUSE mount asks the daemon (FLUSH), so with the daemon hung the process stays in execve.
+EXEC_ON_FUSE = ("import os, sys\n"
+                "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CLOEXEC)\n"
+                "print('open', flush=True)\n"
+                "sys.stdin.readline()\n"
+                "os.execv('/bin/sleep', ['sleep', '60'])\n")
+
+
+def test_a_process_stuck_in_execve_on_a_dead_mount_holds_no_pass(loaders, fuse_stub, tmp_path) -> None:
+    """A process stuck in execve (closing a file of a hung FUSE daemon) makes a reader of its /proc/<pid>/stat
+    and io wait; the pass skips it, counted, and goes on to find a server beside it."""
+    stub = fuse_stub(files={"f.bin": 1 << 20})
+    stuck = subprocess.Popen([sys.executable, "-c", EXEC_ON_FUSE, os.path.join(stub.mountpoint, "f.bin")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert stuck.stdout is not None and stuck.stdin is not None and stuck.stdout.readline().strip() == "open"
+        stub.freeze()
+        stuck.stdin.write("go\n")
+        stuck.stdin.flush()
+        time.sleep(0.5)  # it is in execve now, waiting on the daemon
+        local = model(tmp_path, "models/local/1/model.plan")
+        found = Discovery([str(tmp_path)], require_gpu=False)
+        _within(GIVE_UP_S, found.sample)
+        server = loaders()
+        server.do("open", local)
+        server.do("read", local, 4096)
+        discovered = _within(GIVE_UP_S, found.sample)
+        assert "local" in discovered.totals.infos
+        assert dict(discovered.figures.dropped).get("unresponsive_process", 0) >= 1
+    finally:
+        stub.close()  # first: the stuck process can only be reaped once its daemon's connection is gone
+        stuck.kill()
+        stuck.wait()

@@ -62,3 +62,13 @@ def test_an_error_of_the_call_is_the_callers() -> None:
     with pytest.raises(FileNotFoundError):
         calls.call("k", lambda: open("/nonexistent/gpuio"))  # noqa: SIM115
     assert calls.call("k", lambda: 3) == 3
+
+
+def test_a_persistent_worker_stuck_on_one_call_is_replaced_for_the_next() -> None:
+    calls = Abandonable(timeout=0.05, quiet=10.0, max_stuck=2, name="test", persistent=True)
+    assert [calls.call(index, lambda index=index: index * 2) for index in range(100)] == list(range(0, 200, 2))
+    dead = threading.Event()
+    with pytest.raises(Unresponsive):
+        calls.call("dead", dead.wait)
+    assert calls.call("next", lambda: "served") == "served"  # by a new worker: the stuck one is retired
+    dead.set()

@@ -1,8 +1,8 @@
 """A discovery whose passes stop ending is a state of the engines collector, not a silent freeze.
 
-A pass never waits on a file system (exporter.engines.descriptors), but a kernel interface that does not
-answer can still hold one: here a procfs tree whose ``<pid>/stat`` is a FIFO with no writer, which makes the
-pass's open() wait, as a real one would.  The engines collector must then say ``stale`` (its success 0, so
+A pass never waits on a file system (exporter.engines.descriptors) nor on a process's stat, but a kernel
+interface that does not answer can still hold one: here a procfs tree in which a process holds a model file
+whose ``fdinfo`` is a FIFO with no writer, which makes the pass's open() wait, as a real one would.  The engines collector must then say ``stale`` (its success 0, so
 GpuioCollectorFailing fires) and keep serving what the spool says.
 """
 
@@ -17,9 +17,14 @@ from exporter.collectors import engines
 
 def test_a_pass_that_never_ends_makes_the_collector_stale(tmp_path, monkeypatch) -> None:
     procfs = tmp_path / "proc"
-    (procfs / "4242").mkdir(parents=True)
+    (procfs / "4242" / "fd").mkdir(parents=True)
+    (procfs / "4242" / "fdinfo").mkdir()
     (procfs / "uptime").write_text("100.00 50.00\n")
-    fifo = procfs / "4242" / "stat"
+    (procfs / "4242" / "stat").write_text("4242 (server) S " + " ".join(["1"] * 50) + "\n")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.plan").write_bytes(b"\0" * (1 << 20))
+    os.symlink(tmp_path / "models" / "m.plan", procfs / "4242" / "fd" / "3")
+    fifo = procfs / "4242" / "fdinfo" / "3"
     os.mkfifo(fifo)  # opening it for reading waits for a writer: for ever
     spool = tmp_path / "spool"
     spool.mkdir()
