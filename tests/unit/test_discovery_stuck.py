@@ -2,8 +2,9 @@
 
 A pass never waits on a file system (exporter.engines.descriptors) nor on a process's stat, but a kernel
 interface that does not answer can still hold one: here a procfs tree in which a process holds a model file
-whose ``fdinfo`` is a FIFO with no writer, which makes the pass's open() wait, as a real one would.  The engines collector must then say ``stale`` (its success 0, so
-GpuioCollectorFailing fires) and keep serving what the spool says.
+whose ``fdinfo`` is a FIFO with no writer, which makes the pass's open() wait, as a real one would.  The
+engines collector must then say ``stale`` (its success 0, so GpuioCollectorFailing fires) and keep serving
+what the spool says.
 """
 
 from __future__ import annotations
