@@ -28,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from . import __version__
 from .collect import Scraper
 from .config import Config
-from .connections import BUSY, IDLE, Slot
+from .connections import BUSY, IDLE, ChunkedWrites, Slot, WriteWatch
 from .exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE, GzipRenderer, render, wants_openmetrics
 from .webconfig import BasicAuth, WebConfigWatcher, guard
 
@@ -272,7 +272,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     after its answer; uvicorn's rule above closed the connection before it).
 
     The acceptor (exporter/connections.py) sets ``_slot``: the protocol marks its connection busy
-    from a request's headers to its answer and idle after, which is what eviction looks at.
+    from a request's headers to its answer and idle after, which is what eviction looks at.  Its
+    :class:`~exporter.connections.WriteWatch` follows each answer until the client has taken it, and
+    drops a client that does not (exporter/connections.py says how); and a request that comes while the
+    client has not taken the answer before is answered once it has: uvicorn made the answer at once and
+    held it until the client read, one more for every request an unread connection sent.
     """
 
     _slot: Slot | None = None
@@ -282,11 +286,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     _head_timer: asyncio.TimerHandle | None = None
     _stopped = False  # a request was refused: nothing more is parsed on this connection
     _last_words = b""  # the refusal, written once every request read before it is answered; then close
+    _watch: WriteWatch | None = None  # with a slot: the answers its client has not taken yet
+    _answers: ChunkedWrites | None = None  # what each request's cycle writes its answer to
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._answers = ChunkedWrites(transport)
         if self._slot is not None:
             self._slot.close = self._evicted
+            self._watch = WriteWatch(transport, self._slot.table.unsent, self.loop)
         self._head_since = self.loop.time()  # a connection that never sends a byte is a slow head too
         self._head_timer = self.loop.call_later(REQUEST_HEAD_TIMEOUT, self._check_head)
 
@@ -296,7 +304,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer = None
         if self._slot is not None:
             self._slot.table.remove(self._slot)
+        if self._watch is not None:
+            self._watch.close()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._watch is not None:  # an answer, or part of one, the client is not taking as fast as it comes
+            self._watch.written()
 
     def data_received(self, data: bytes) -> None:
         # Fed in slices so that the head bound counts the bytes of the head now arriving: counted a read
@@ -350,7 +365,31 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head, self._head_bytes, self._head_since = False, 0, None
         if self._slot is not None:
             self._slot.table.move(self._slot, BUSY)
-        super().on_headers_complete()
+        before = self.cycle
+        if not self.flow.write_paused and (before is None or before.response_complete):
+            super().on_headers_complete()  # the usual case: nothing owed, answered at once
+        else:
+            # Answered after the one before (pipelined), or while the client has not taken it: made once the
+            # client has, so that an unread connection holds one answer (uvicorn takes the app from self.app).
+            app = self.app
+            self.app = self._when_taken(app)
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        if self.cycle is not before:  # its task has not run yet: it writes in chunks from the start
+            self.cycle.transport = self._answers  # type: ignore[assignment]
+
+    def _when_taken(self, app: Callable[[Scope, Receive, Send], Awaitable[None]],
+                    ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+            await self.flow.drain()  # at once unless the transport is over its high-water mark
+            if self.transport.is_closing():
+                # Dropped meanwhile: this request's cycle (``send`` is its method) writes nothing more.
+                getattr(send, "__self__").disconnected = True  # noqa: B009
+                return
+            await app(scope, receive, send)
+        return answer
 
     def on_message_complete(self) -> None:
         self._in_head = True
@@ -367,6 +406,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self._slot is not None and not pipelined and not self.transport.is_closing():
             self._slot.table.move(self._slot, IDLE)
+        if self._watch is not None:  # the answer is the transport's now (a close waits for it to be sent)
+            self._watch.written()
 
     def _evicted(self) -> None:
         """Another connection needs this one's place (see ConnectionTable.evict_one)."""

@@ -1,5 +1,5 @@
-"""The families the HTTP server adds to the exporter's own: connections, accept errors, web config reloads
-and basic-auth checks.
+"""The families the HTTP server adds to the exporter's own: connections, unsent answers, accept errors, web
+config reloads and basic-auth checks.
 
 The server's modules (exporter/connections.py, exporter/webconfig.py) keep the counts; the families are
 declared and rendered here, below the web stack, so that the catalogue of every family
@@ -20,6 +20,10 @@ WAITING, IDLE, BUSY = "waiting", "idle", "busy"
 RESOURCE_ERRORS = {errno.EMFILE: "emfile", errno.ENFILE: "enfile", errno.ENOBUFS: "enobufs", errno.ENOMEM: "enomem"}
 ACCEPT_ERROR_REASONS = ("emfile", "enfile", *(name for name in RESOURCE_ERRORS.values()
                                               if name not in ("emfile", "enfile")), "other")
+# Why a connection was dropped with its answer unsent (exporter/connections.py's WriteWatch): its client took
+# too little of it in time, or all connections together held too much.
+DEADLINE, BUDGET = "deadline", "budget"
+DROP_REASONS = (DEADLINE, BUDGET)
 RELOAD_RESULTS = ("success", "failure")  # of reading a changed web config again
 AUTH_RESULTS = ("bcrypt", "abandoned", "shed")  # of credentials not answered from the cache
 
@@ -37,6 +41,19 @@ EVICTED = Desc("gpuio_exporter_http_connections_evicted_total", COUNTER,
                "Connections closed to make room for new ones, by the state they were in (idle, waiting).",
                labels=("state",), values={"state": (IDLE, WAITING)},
                doc="Connections closed to make room for new ones, by the state they were in; a busy one never is.")
+UNSENT = Desc("gpuio_exporter_http_unsent_bytes", GAUGE,
+              "Bytes of answers written and not yet taken by their clients, held in the exporter's memory.",
+              unit="bytes",
+              doc="Bytes of answers written and not yet taken by their clients, held in the exporter's memory (the "
+                  "kernel's socket buffers aside); bounded: beyond the bound the connections that have held theirs "
+                  "longest are dropped (docs/reliability.md).")
+DROPPED = Desc("gpuio_exporter_http_answers_dropped_total", COUNTER,
+               "Connections closed with their answer not taken, by reason: deadline (the client took too little "
+               "of it in time), budget (all unsent answers together were over their bound; the longest held "
+               "went first).", labels=("reason",), values={"reason": DROP_REASONS},
+               doc="Connections closed with their answer not taken: `deadline`, the client took too little of what "
+                   "it was owed in time; `budget`, all unsent answers together were over their bound and this one "
+                   "had waited longest (docs/reliability.md). A prompt client (Prometheus) is never dropped.")
 ACCEPT_ERRORS = Desc("gpuio_exporter_accept_errors_total", COUNTER,
                      "Failed accept() calls by reason (emfile: out of file descriptors; enfile, enobufs, enomem, "
                      "other); each is followed by a back-off.", labels=("reason",),
@@ -62,6 +79,15 @@ AUTH_CHECKS = Desc("gpuio_exporter_basic_auth_checks_total", COUNTER,
 
 _STATE_LABELS = {state: label_string({"state": state}) for state in (WAITING, IDLE, BUSY)}
 _REASON_LABELS = {reason: label_string({"reason": reason}) for reason in ACCEPT_ERROR_REASONS}
+_DROP_LABELS = {reason: label_string({"reason": reason}) for reason in DROP_REASONS}
+
+
+class Unsent(Protocol):
+    """What the unsent answers' families read of exporter/connections.py's UnsentAnswers."""
+
+    dropped: dict[str, int]
+
+    def held_bytes(self) -> int: ...
 
 
 class Connections(Protocol):
@@ -69,6 +95,9 @@ class Connections(Protocol):
 
     limit: int
     evicted: dict[str, int]
+
+    @property
+    def unsent(self) -> Unsent: ...
 
     def count(self, state: str) -> int: ...
 
@@ -80,6 +109,9 @@ def connection_families(table: Connections, accept_errors: Mapping[str, int]) ->
                              for state, labels in _STATE_LABELS.items()]),
         Family(CONNECTIONS_LIMIT, [CONNECTIONS_LIMIT.sample("", table.limit)]),
         Family(EVICTED, [EVICTED.sample(_STATE_LABELS[state], count) for state, count in table.evicted.items()]),
+        Family(UNSENT, [UNSENT.sample("", table.unsent.held_bytes())]),
+        Family(DROPPED, [DROPPED.sample(_DROP_LABELS[reason], count)
+                         for reason, count in table.unsent.dropped.items()]),
         Family(ACCEPT_ERRORS, [ACCEPT_ERRORS.sample(_REASON_LABELS[reason], accept_errors[reason])
                                for reason in ("emfile", "enfile")] +
                [ACCEPT_ERRORS.sample(_REASON_LABELS[reason], count) for reason, count in accept_errors.items()
