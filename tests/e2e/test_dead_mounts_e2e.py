@@ -51,12 +51,11 @@ def _within(seconds: float, work):
     return result[0]
 
 
-def _gpuio_engines(spool: str, include: str) -> str:
+def _gpuio_engines(spool: str, *flags: str) -> str:
     """What `gpuio engines --json` prints, run as a process; a failure if it waits past GIVE_UP_S."""
     try:
-        done = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--json", f"--spool-dir={spool}",
-                               f"--path-include={include}"], capture_output=True, text=True, cwd=REPO,
-                              timeout=GIVE_UP_S)
+        done = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--json", f"--spool-dir={spool}", *flags],
+                              capture_output=True, text=True, cwd=REPO, timeout=GIVE_UP_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"gpuio engines still waiting after {GIVE_UP_S:g} s: it waits on the dead mount")
     assert done.returncode == 0, done.stderr
@@ -83,7 +82,7 @@ def test_gpuio_engines_answers_while_a_model_sits_on_a_dead_mount(loaders, fuse_
     stub, _ = _held_on_a_dead_mount(fuse_stub, loaders)
     spool = tmp_path / "spool"
     spool.mkdir()
-    _gpuio_engines(str(spool), stub.mountpoint)
+    _gpuio_engines(str(spool), f"--path-include={stub.mountpoint}")
 
 
 def test_the_exporter_serves_on_while_a_model_sits_on_a_dead_mount(loaders, fuse_stub, tmp_path) -> None:
@@ -130,7 +129,7 @@ def test_a_file_a_writer_named_on_a_dead_mount_holds_neither_gpuio_engines_nor_t
     engine.set_info(os.path.join(stub.mountpoint, "model.plan"))
     engine.observe_inference(0.01)
     stub.freeze()
-    (row,) = json.loads(_gpuio_engines(spool_dir, stub.mountpoint))
+    (row,) = json.loads(_gpuio_engines(spool_dir, f"--path-include={stub.mountpoint}"))
     assert row["engine"] == "on-nfs" and row["residency_unavailable"] == "unresponsive_mount", row
 
 
@@ -158,13 +157,7 @@ def test_a_path_glob_on_a_dead_mount_holds_neither_gpuio_engines_nor_the_scan(lo
     stub.freeze()
     spool = tmp_path / "spool"
     spool.mkdir()
-    try:
-        done = subprocess.run([sys.executable, "-c", GPUIO, "engines", "--json", f"--spool-dir={spool}",
-                               f"--path={stub.mountpoint}/*.plan"], capture_output=True, text=True, cwd=REPO,
-                              timeout=GIVE_UP_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"gpuio engines still waiting after {GIVE_UP_S:g} s: it waits on the dead mount")
-    assert done.returncode == 0, done.stderr
+    _gpuio_engines(str(spool), f"--path={stub.mountpoint}/*.plan")
 
 
 def test_an_overlay_over_a_dead_fuse_layer_holds_no_pass(loaders, fuse_stub, tmp_path) -> None:
