@@ -399,11 +399,12 @@ DISCOVERY_DROPPED = Desc("gpuio_engine_discovery_dropped_total", COUNTER,
                          "or its owner's share of it), file (past a process's files followed at once), engine and "
                          "load (loads of engines past the history's bounds), unresponsive_mount (a file whose "
                          "network or FUSE mount did not answer a stat in time), unresponsive_process (a process "
-                         "whose /proc/<pid>/stat did not answer: stuck in execve on such a mount), pass_deadline "
-                         "(a pass that ran out of time before every process of its priority list).",
-                         labels=("kind",),
+                         "whose /proc/<pid>/stat did not answer: stuck in execve on such a mount), descriptors "
+                         "(a process with more than 4,096 descriptors: those past the 4,096th are not looked "
+                         "at), pass_deadline (a pass that ran out of time before every process of its priority "
+                         "list).", labels=("kind",),
                          values={"kind": ("process", "file", "engine", "load", "unresponsive_mount",
-                                          "unresponsive_process", "pass_deadline")})
+                                          "unresponsive_process", "descriptors", "pass_deadline")})
 DISCOVERY_UNRESPONSIVE = Desc("gpuio_engine_discovery_unresponsive_mounts", GAUGE,
                               "Network or FUSE mounts whose stat did not answer discovery in time: their files are "
                               "not looked at for a minute (a dead NFS server or FUSE daemon).")

@@ -283,6 +283,7 @@ class Discovery:
         self._refused: set[tuple[int, int]] = set()  # processes that refused us (counted once each)
         self._left_out: set[tuple[int, int]] = set()  # processes not followed for the bounds (counted once each)
         self._cursors: dict[int, int] = {}  # pid -> where the next look at a process not followed starts
+        self._past_fd_cap: set[int] = set()  # pids with descriptors past MAX_FDS_PER_PROCESS (counted once each)
         self._dropped: dict[str, int] = {}  # kind -> what the bounds left out (a counter)
         self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
         self._mounts = MountJudge(procfs)
@@ -489,7 +490,12 @@ class Discovery:
     def _fd_names(self, pid: int, known: Process | None, budget: _Budget) -> list[str]:
         """The descriptors to look at: ``budget`` of them from the process's cursor on (wrapping round)."""
         with os.scandir(f"{self.procfs}/{pid}/fd") as entries:
-            names = [entry.name for _, entry in zip(range(MAX_FDS_PER_PROCESS), entries, strict=False)]
+            names = [entry.name for _, entry in zip(range(MAX_FDS_PER_PROCESS + 1), entries, strict=False)]
+        if len(names) > MAX_FDS_PER_PROCESS:  # the rest are never looked at: said, once a process
+            del names[MAX_FDS_PER_PROCESS:]
+            if pid not in self._past_fd_cap and len(self._past_fd_cap) < MAX_LISTED:
+                self._past_fd_cap.add(pid)
+                self._drop("descriptors")
         cursor = known.fd_cursor if known is not None else self._cursors.get(pid, 0)
         cursor = cursor if cursor < len(names) else 0
         chosen = []
@@ -777,6 +783,7 @@ class Discovery:
         self._refused = {key for key in self._refused if key[0] in listed}
         self._left_out = {key for key in self._left_out if key[0] in listed}
         self._cursors = {pid: cursor for pid, cursor in self._cursors.items() if pid in listed}
+        self._past_fd_cap &= listed
         self._held_engines = {held.engine for process in self._tracked.values() for held in process.files.values()}
 
     # --- the answer -------------------------------------------------------------------------------

@@ -242,3 +242,17 @@ def test_processes_that_keep_loading_off_the_gpu_give_way_to_a_gpu_process(tmp_p
     server.do("open", served)
     server.do("read", served, 4096)
     assert "served" in found.sample().totals.infos
+
+
+def test_descriptors_past_the_cap_are_said_not_looked_at(tmp_path) -> None:
+    """A process with more descriptors than discovery lists (4,096): those past them are never looked at, and
+    that is counted once for the process, not hidden."""
+    path = model(tmp_path, "late/model.plan")
+    hoarder = _hoard(path, discovery.MAX_FDS_PER_PROCESS + 100, os.getuid())
+    try:
+        found = Discovery([str(tmp_path)], require_gpu=False)
+        for _ in range(3):
+            figures = found.sample().figures
+        assert dict(figures.dropped).get("descriptors") == 1
+    finally:
+        _stop([hoarder])
