@@ -26,6 +26,10 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 MAX_KEYS = 65_536  # keys remembered as unresponsive (the expired ones are dropped past this)
+# A process's /proc/<pid>/stat or io (~10 us): waited for this long, then that process is skipped a minute.
+PROC_READ_SECONDS = 0.2
+PROC_QUIET_SECONDS = 60.0
+PROC_MAX_STUCK = 4
 
 
 class Unresponsive(Exception):  # noqa: N818  (an outcome: the call was not made, or not waited for)
@@ -147,3 +151,10 @@ class _Call(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]  # None only where work() returned None
+
+
+def proc_reads(name: str) -> Abandonable:
+    """Where a collector reads other processes' /proc/<pid>/stat and io: they wait for a process stuck in
+    execve (closing a file on a FUSE mount whose daemon hangs), while its fd/, fdinfo/ and cgroup answer.
+    One long-lived worker; a process whose read does not come back is skipped, its key the pid."""
+    return Abandonable(PROC_READ_SECONDS, PROC_QUIET_SECONDS, PROC_MAX_STUCK, name, persistent=True)

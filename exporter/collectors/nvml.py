@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 
 from .. import nvml_device as nv
 from .. import procstat
-from ..abandonable import Abandonable, Unresponsive
+from ..abandonable import Unresponsive, proc_reads
 from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
@@ -649,9 +649,6 @@ class XidListener:
 DURATION = "a duration above zero such as 500ms, 2s, 5m"
 
 
-PROC_READ_SECONDS = 0.2  # a GPU process's /proc/<pid>/stat, waited for this long (it answers in ~10 us)
-
-
 @register
 class NvmlCollector(Collector):
     name = "nvml"
@@ -678,10 +675,9 @@ class NvmlCollector(Collector):
         self._hang_timeout: float = self.settings["hang-timeout"]
         self._reinit_interval: float = self.settings["reinit-interval"]
         self._max_processes: int = self.settings["max-processes"]
-        # A GPU process's start time, read where the wait can be abandoned: /proc/<pid>/stat waits for a
-        # process stuck in execve (closing a file on a hung FUSE mount); such a process reads as start 0
-        # ("not read") for a minute, and the sweep goes on.
-        self._proc = Abandonable(PROC_READ_SECONDS, 60.0, 4, "nvml-proc", persistent=True)
+        # A GPU process's start time, read where the wait can be abandoned (abandonable.proc_reads): a process
+        # stuck in execve reads as start 0 ("not read") for a minute, and the sweep goes on.
+        self._proc = proc_reads("nvml-proc")
         self._gpus: dict[str, Gpu] = {}
         self._session: Session | None = None
         self._retry_at = 0.0  # when to try nvmlInit again while there is no session

@@ -12,10 +12,10 @@ across namespaces, so any process that sees a mount can name its type).  So a fi
 first (:class:`MountJudge`): on a file system that answers from this machine alone
 (:func:`exporter.mounts.answers_locally`: a block device, tmpfs; not an overlay, whose lower layers may be
 FUSE) it is stat'ed in the pass; on any other (network, FUSE, autofs, overlay, a mount no table names) the
-stat runs on a thread of its own that the pass
-waits for at most REMOTE_STAT_SECONDS (:mod:`exporter.abandonable`).  A stat that does not come back in time
-marks its mount unresponsive for UNRESPONSIVE_SECONDS (its files are skipped, and counted), and at most
-MAX_STUCK_STATS stats are ever left waiting at once.
+stat runs on a thread of its own that the pass waits for at most REMOTE_STAT_SECONDS
+(:mod:`exporter.abandonable`).  A stat that does not come back in time marks its mount unresponsive while it
+is out and for UNRESPONSIVE_SECONDS after (its files are skipped, and counted), and at most MAX_STUCK_STATS
+stats are ever left waiting at once.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ MAX_MOUNTS_JUDGED = 65_536  # mount ids remembered (all of them forgotten past t
 REMOTE_STAT_SECONDS = 0.2  # a stat on a network or FUSE mount waited for this long, at most
 UNRESPONSIVE_SECONDS = 60.0  # a mount whose stat did not come back in time is not asked again for this long
 MAX_STUCK_STATS = 4  # stats left waiting on mounts that do not answer; none is started past this
-PROC_READ_SECONDS = 0.2  # a process's /proc/<pid>/stat and io read waited for this long (it answers in ~10 us)
 
 
 @dataclass(frozen=True)
@@ -119,8 +118,3 @@ def abandonable_stats() -> Abandonable:
     """Where discovery stats files on mounts that may not answer (module note)."""
     return Abandonable(REMOTE_STAT_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_STATS, "discovery-stat")
 
-
-def abandonable_proc_reads() -> Abandonable:
-    """Where discovery reads a process's stat and io: they wait for a process stuck in execve (closing a file
-    on a FUSE mount that hangs), so one such process is skipped, not the pass held (one worker thread)."""
-    return Abandonable(PROC_READ_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_STATS, "discovery-proc", persistent=True)

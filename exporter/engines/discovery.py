@@ -90,10 +90,10 @@ from gpuio import spool as spool_format
 from gpuio.waterfall import classify
 
 from .. import procstat
-from ..abandonable import Unresponsive
+from ..abandonable import Unresponsive, proc_reads
 from ..pods import cgroup as pod_cgroup
 from . import model
-from .descriptors import MountJudge, abandonable_proc_reads, abandonable_stats, read_fdinfo
+from .descriptors import MountJudge, abandonable_stats, read_fdinfo
 
 log = logging.getLogger("gpuio.discovery")
 
@@ -288,7 +288,7 @@ class Discovery:
         self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
         self._mounts = MountJudge(procfs)
         self._remote = abandonable_stats()
-        self._proc = abandonable_proc_reads()
+        self._proc = proc_reads("discovery-proc")
         self._lock = threading.Lock()
 
     # --- one pass ----------------------------------------------------------------------------------
