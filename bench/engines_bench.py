@@ -51,12 +51,19 @@
    /metrics (the engines collector with discovery on, gzip) p50/p99 while it runs.  Both against the same
    without the attack, in the same run.  ``--only-hostile`` runs this alone.
 
+9. The maps of a GPU process (loaders that map a checkpoint and close its descriptor): a process with
+   MAPS_REGIONS mappings (a CUDA server maps a few thousand) and MAPS_MODELS model files mapped.  One read
+   and parse of its maps, against ``grep`` of the same file (a shell's look); and a discovery pass that
+   reads them, against the same pass when they are not due (the process's device reads did not grow).
+   ``--only-maps`` runs this alone.
+
     .venv/bin/python bench/engines_bench.py                     # all of it
     .venv/bin/python bench/engines_bench.py --skip-residency    # 1 and 2 only
     .venv/bin/python bench/engines_bench.py --skip-scrapes      # 1 only
     .venv/bin/python bench/engines_bench.py --only-flood        # 5 only
     .venv/bin/python bench/engines_bench.py --only-discovery    # 6 only
     .venv/bin/python bench/engines_bench.py --only-hostile      # 8 only (as root: the attack runs as uid 65534)
+    .venv/bin/python bench/engines_bench.py --only-maps         # 9 only
 """
 
 from __future__ import annotations
@@ -678,6 +685,78 @@ def report_discovery(repeats: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+MAPS_REGIONS = 3000
+MAPS_MODELS = 4
+
+MAPPER = """
+import ctypes, mmap, os, sys
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+regions = []
+for index in range(int(sys.argv[1])):  # alternating protections: neighbours never merge into one region
+    regions.append(mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | (mmap.PROT_WRITE if index % 2 else 0)))
+for path in sys.argv[2:]:
+    fd = os.open(path, os.O_RDONLY)
+    libc.mmap(None, os.fstat(fd).st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    os.close(fd)
+print("ok", flush=True)
+sys.stdin.read()
+"""
+
+
+def report_maps(repeats: int) -> None:
+    from exporter import procstat
+    from exporter.engines import mappings
+    from exporter.engines.discovery import Discovery
+
+    directory = tempfile.mkdtemp(prefix="gpuio-maps-")
+    paths = []
+    for index in range(MAPS_MODELS):
+        path = os.path.join(directory, f"llm-{index}", "model-00001-of-00004.safetensors")
+        os.makedirs(os.path.dirname(path))
+        with open(path, "wb") as handle:
+            handle.truncate(MODEL_BYTES)
+        paths.append(path)
+    mapper = subprocess.Popen([sys.executable, "-c", MAPPER, str(MAPS_REGIONS), *paths], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert mapper.stdout is not None and mapper.stdout.readline().strip() == "ok"
+        pid, start = mapper.pid, procstat.start_ticks(mapper.pid)
+        read = mappings.read_maps("/proc", pid)
+        assert read is not None
+        lines = read[0].count(b"\n")
+
+        def parse() -> int:
+            text, _ = mappings.read_maps("/proc", pid) or (b"", False)
+            return len(mappings.mapped_files(text, lambda path: path.startswith(directory), (os.fsencode(directory),)))
+
+        ours = timed(parse, repeats)
+        greps = timed(lambda: subprocess.run(["grep", "-F", directory, f"/proc/{pid}/maps"], capture_output=True,
+                                             check=False), max(3, repeats // 3))
+        discovery = Discovery([directory], gpu_processes=lambda: [(pid, start)], gpu_of=lambda *_: "GPU-bench",
+                              join_within=0.0)
+        discovery.sample()
+        found = len(discovery.sample().totals.infos)
+        def due_pass() -> None:
+            discovery._maps_reads.pop(pid, None)  # the bench reaches in: it times the pass with and without the read
+            discovery.sample()
+
+        with_maps = timed(due_pass, repeats)
+        without = timed(discovery.sample, repeats)
+        p50, grep50 = statistics.median(ours), statistics.median(greps)
+        print(f"\nthe maps of a GPU process: {lines:,} mappings, {MAPS_MODELS} model files mapped; found {found}")
+        print(f"  read + parse p50 {p50 * 1000:.2f} ms; grep -F of the same file p50 {grep50 * 1000:.2f} ms; "
+              f"ratio {p50 / grep50:.2f}")
+        pass_with, pass_without = statistics.median(with_maps), statistics.median(without)
+        print(f"  discovery pass reading them p50 {pass_with * 1000:.2f} ms; not due p50 {pass_without * 1000:.2f} ms;"
+              f" ratio {pass_with / pass_without:.2f}")
+    finally:
+        mapper.kill()
+        mapper.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 API_ENGINES = 200  # the engines collector's default --collector.engines.max-engines
 
 
@@ -1065,6 +1144,7 @@ def main() -> None:
     parser.add_argument("--only-discovery", action="store_true", help="6 only: engine discovery")
     parser.add_argument("--only-api", action="store_true", help="7 only: the JSON API")
     parser.add_argument("--only-hostile", action="store_true", help="8 only: engine discovery under attack")
+    parser.add_argument("--only-maps", action="store_true", help="9 only: the maps of a GPU process")
     parser.add_argument("--hostile-passes", type=int, default=HOSTILE_PASSES, help="8: steady discovery passes")
     parser.add_argument("--hostile-scrapes", type=int, default=HOSTILE_SCRAPES, help="8: timed scrapes")
     args = parser.parse_args()
@@ -1084,6 +1164,9 @@ def main() -> None:
     if args.only_hostile:
         report_hostile(args.hostile_passes, args.hostile_scrapes)
         return
+    if args.only_maps:
+        report_maps(args.scrapes)
+        return
     report_observe(observe_costs())
     report_breakdown()
     report_fork()
@@ -1094,6 +1177,7 @@ def main() -> None:
     report_discovery(args.scrapes)
     report_api(args.scrapes)
     report_hostile(args.hostile_passes, args.hostile_scrapes)
+    report_maps(args.scrapes)
     if not args.skip_residency:
         report_residency(args.residency_gib, args.residency_dir)
 

@@ -401,10 +401,11 @@ DISCOVERY_DROPPED = Desc("gpuio_engine_discovery_dropped_total", COUNTER,
                          "network or FUSE mount did not answer a stat in time), unresponsive_process (a process "
                          "whose /proc/<pid>/stat did not answer: stuck in execve on such a mount), descriptors "
                          "(a process with more than 4,096 descriptors: those past the 4,096th are not looked "
-                         "at), pass_deadline (a pass that ran out of time before every process of its priority "
-                         "list).", labels=("kind",),
+                         "at), mappings (a GPU process whose maps are longer than 2 MiB: the files mapped past "
+                         "that are not seen), pass_deadline (a pass that ran out of time before every process of "
+                         "its priority list).", labels=("kind",),
                          values={"kind": ("process", "file", "engine", "load", "unresponsive_mount",
-                                          "unresponsive_process", "descriptors", "pass_deadline")})
+                                          "unresponsive_process", "descriptors", "mappings", "pass_deadline")})
 DISCOVERY_UNRESPONSIVE = Desc("gpuio_engine_discovery_unresponsive_mounts", GAUGE,
                               "Network or FUSE mounts whose stat did not answer discovery in time: their files are "
                               "not looked at for a minute (a dead NFS server or FUSE daemon).")
@@ -541,12 +542,14 @@ class EnginesCollector(Collector):
         self.max_engines: int = self.settings["max-engines"]
         self.max_files: int = self.settings["max-files"]
         self.histogram_descs = served_histograms(self.settings["histogram-buckets"])
-        self._writer_gpus = spool.WriterGpus(context.gpu_processes.get, context.procfs)
+        self._writer_gpus = spool.WriterGpus(context.gpu_processes.get, context.procfs,
+                                             gpus_of_process=context.gpu_processes.gpus_of,
+                                             ordered=context.gpu_processes.ordered)
         self.reader = spool.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
                                       remove_dead=not read_only,
                                       gpu_of=self._writer_gpus,
                                       max_file_bytes=self.settings["max-file-bytes"],
-                                      procfs=context.procfs)
+                                      procfs=context.procfs, place_of=self._writer_gpus.placed)
         self.path_include: tuple[str, ...] = (tuple(self.settings["path-include"])
                                               + tuple(_glob_directory(g) for g in self.globs))
         self.scanner: PeriodicSampler[ScanResult] = PeriodicSampler(
@@ -585,7 +588,10 @@ class EnginesCollector(Collector):
                                                  self.settings["discover-patterns"],
                                                  context.procfs, context.sysfs,
                                                  gpu_of=context.gpu_processes.get,
-                                                 gpu_processes=context.gpu_processes.processes)
+                                                 gpu_processes=context.gpu_processes.processes,
+                                                 gpus_of=context.gpu_processes.gpus_of,
+                                                 memory_of=context.gpu_processes.memory_of,
+                                                 ordered_gpus=context.gpu_processes.ordered)
             self.discoveries = PeriodicSampler("engine-discovery", self.settings["discover-interval"],
                                                self.discovery.sample, log)
 

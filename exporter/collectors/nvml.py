@@ -556,6 +556,7 @@ class Gpu:
     mig_uuids: set[str] = field(default_factory=set)  # its MIG devices at the last slow read
     # Every compute process at the last slow read, cap or not: pid -> start time (0 where /proc shows none).
     started: dict[int, int] = field(default_factory=dict)
+    used: dict[int, int | None] = field(default_factory=dict)  # pid -> its used memory (bytes) at that read
     label_cache: dict[tuple[tuple[str, str], ...], str] = field(default_factory=dict)
 
     def attach(self, index: int, handle: Any) -> None:
@@ -759,14 +760,25 @@ class NvmlCollector(Collector):
                     for gpu in session.gpus:
                         self._read(gpu, slow)
                     if slow:
-                        self.context.gpu_processes.update(((pid, start), gpu.uuid) for gpu in session.gpus
-                                                          if gpu.up for pid, start in gpu.started.items())
+                        self.context.gpu_processes.update_sweep(
+                            (((pid, start), gpu.uuid, gpu.used.get(pid)) for gpu in session.gpus
+                             if gpu.up for pid, start in gpu.started.items()), self._cuda_order(session))
                         self.context.pods.set_mig_parents(
                             {mig: gpu.uuid for gpu in session.gpus if gpu.up for mig in gpu.mig_uuids})
                 return self._render()
             finally:
                 self._sweep_started = None
                 self._current_call = ""
+
+    @staticmethod
+    def _cuda_order(session: Session) -> tuple[str, ...]:
+        """Every GPU's UUID in NVML index order, what a process's CUDA ordinals are mapped onto
+        (exporter.engines.placement: CUDA enumerates in PCI bus order, as NVML does, on a node of one GPU
+        model); () where CUDA's order cannot be told from NVML's: an index whose handle NVML refused (is it
+        among CUDA's devices?), or a GPU in MIG mode (CUDA enumerates its MIG devices instead)."""
+        if session.missing or any(gpu.mig_uuids for gpu in session.gpus):
+            return ()
+        return tuple(gpu.uuid for gpu in sorted(session.gpus, key=lambda gpu: gpu.index))
 
     def _manage_session(self, now: float) -> None:
         if self._session is None:
@@ -1209,6 +1221,7 @@ class NvmlCollector(Collector):
         # One small read of /proc/<pid>/stat per process: its start time tells a recycled pid's new
         # process from the one remembered under that pid.
         gpu.started = {p.pid: self._start_ticks(p.pid) for p in processes}
+        gpu.used = {p.pid: p.used_memory for p in processes}
         gpu.process_busy.keep(set(gpu.started))
         processes = sorted(processes, key=lambda p: (-(p.used_memory or 0), p.pid))
         kept, dropped = processes[: self._max_processes], processes[self._max_processes :]

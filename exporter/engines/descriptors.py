@@ -114,6 +114,15 @@ def answers_in_pass(mount: mounts.MountPoint) -> bool:
     return mounts.answers_locally(mount) and mount.fstype != "overlay"
 
 
+CONFIG_READ_SECONDS = 1.0  # a model's config.pbtxt read waited for this long at most (a cold read in a storm)
+
+
+def abandonable_config_reads() -> Abandonable:
+    """Where discovery reads the config.pbtxt beside a model (exporter.engines.placement): on any mount, for
+    a tenant may mount a FUSE file system on the config's very name, where the model's mount says nothing."""
+    return Abandonable(CONFIG_READ_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_STATS, "discovery-config")
+
+
 def abandonable_stats() -> Abandonable:
     """Where discovery stats files on mounts that may not answer (module note)."""
     return Abandonable(REMOTE_STAT_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_STATS, "discovery-stat")

@@ -29,11 +29,18 @@ A load, seen from outside
 * It is abandoned when the process is gone before the position reached the end of the file (a pod
   killed by its startup probe while loading: a crash-looping cold start is one per attempt).
 
-Loaders that map the file (``mmap``) or read it with ``pread`` do not move the position: their load is
-seen from the open to the close, with no bytes.
+A load is all of an engine's files: a checkpoint of 100 shards read one after another (or several at once)
+is one load, from the first shard's start to the last one's end, with all their bytes; a shard that starts
+within JOIN_SECONDS of the previous one's end continues the load (a pass may fall between two shards), so
+the load in progress never ends and starts again between shards.  A process holding many model files is
+followed for MAX_FILES_PER_PROCESS at once: a closed file whose load is over makes room for the next.
 
-A process holding many model files (a checkpoint of 100 shards read one after another) is followed for
-MAX_FILES_PER_PROCESS at once: a closed file whose load is over makes room for the next.  Each engine's
+Loaders that read with ``pread`` do not move the position: their load is seen from the open to the close,
+with no bytes.  Loaders that map the file and close its descriptor (safetensors' Rust loader, llama.cpp)
+are seen in the maps of processes on a GPU (exporter.engines.mappings): a file mapped anew begins a load,
+which moves while the process's device reads grow (process-wide: at most the file's size) and ends when they
+stood still ``idle`` seconds, reached the file's size, or the file was unmapped.  A mapping found already
+there is no load, as a file found open and still is not.  Each engine's
 history of loads (its counters) is kept while a process holds its files and for FORGET_AFTER after;
 when MAX_ENGINES histories are kept and none can be forgotten, a new engine's loads are counted as
 dropped, never made room for by forgetting another's (a counter never falls), and one owner's
@@ -59,9 +66,10 @@ tenant's processes -- however many, holding however many descriptors -- keep ano
 at: a new loader is seen at the next pass, and a process that was running before opens a model in a round.
 The model files a followed process holds are looked at again directly, every pass, whatever its share.
 At most MAX_TRACKED_PROCESSES processes are followed, at most a quarter of them per owner while not on a GPU;
-a process NVML lists on a GPU takes the place of one that is not.  Nothing read from /proc here takes a
-process's memory lock (no cmdline, environ or maps), and no file on a network or FUSE mount is stat'ed in the
-pass (exporter.engines.descriptors), and a process's stat and io are read where the wait can be abandoned
+a process NVML lists on a GPU takes the place of one that is not.  Nothing read from /proc in the pass itself
+takes a process's memory lock (no cmdline): a GPU process's maps (read again only when its device reads grew,
+else every MAPS_EVERY) are read where the wait can be abandoned, and no file on a network or FUSE mount is
+stat'ed in the pass (exporter.engines.descriptors); a process's stat and io are read where the wait can be abandoned
 (a process stuck in execve, closing a file of a hung FUSE daemon, makes them wait: it is skipped, counted as
 ``unresponsive_process``), so neither a process stuck in the kernel nor a server that does not answer can
 hold a pass; a slow pass only ages what the scrape serves, and a pass that stops finishing all the same is
@@ -92,8 +100,8 @@ from gpuio.waterfall import classify
 from .. import procstat
 from ..abandonable import Unresponsive, proc_reads
 from ..pods import cgroup as pod_cgroup
-from . import model
-from .descriptors import MountJudge, abandonable_stats, read_fdinfo
+from . import mappings, model, placement
+from .descriptors import MountJudge, abandonable_config_reads, abandonable_stats, read_fdinfo
 
 log = logging.getLogger("gpuio.discovery")
 
@@ -120,6 +128,14 @@ MAX_ENGINES = 4096  # engines with a history of discovered loads
 MAX_ENGINES_PER_OWNER = MAX_ENGINES // 4  # of them, made by one uid's processes
 FORGET_AFTER = 3600.0  # a history nobody holds a file of is forgotten after this long without a load
 IO_BYTES = 1024
+# A file of an engine that starts loading within this of the end of the engine's last file continues that
+# load: a checkpoint's shards, opened one after another, are one load (a pass may fall between two shards).
+JOIN_SECONDS = 3.0
+# A GPU process's maps are read again when its device reads grew since the last look, else after this long.
+MAPS_EVERY = 30.0
+# How long after a load's end its process's GPU memory may still show where it went: NVML's process list
+# (and its used memory) is read every slow interval of the nvml collector (10 s), three of them.
+GROWTH_WAIT = 30.0
 SPOOL_SUFFIX = spool_format.SUFFIX
 _SPOOL_NAME = re.compile(re.escape(spool_format.PREFIX) + r"\d{1,10}-(?P<start>\d{1,20})-[0-9a-f]{16}"
                          + re.escape(spool_format.SUFFIX))
@@ -175,6 +191,7 @@ class OpenFile:
     mtime_ns: int
     position: int
     fd: str = ""  # the descriptor's number, as /proc names it: the next look starts there
+    mapped: bool = False  # found in the process's maps, not its descriptors: no position to follow
 
 
 @dataclass
@@ -196,6 +213,26 @@ class HeldFile:
     chars_at_start: int = 0  # the process's rchar when the load began
     read_before: int = 0  # the position when the load was first seen (read before the look)
     loaded_at: float = 0.0  # wall clock: the latest load's start (for the info's load time)
+    gpus: tuple[str, ...] = ()  # the GPUs it is placed on (placement module); () while the process has none
+    config: placement.ConfigGpus | None = None  # where the config.pbtxt beside it puts it (None: no config)
+    config_read: bool = False
+    memory_at_start: dict[str, int] | None = None  # the process's GPU memory when its load began (several GPUs)
+    grown: tuple[str, ...] = ()  # the GPUs that memory grew on while it loaded
+    grow_until: float = float("inf")  # monotonic: when to stop looking for that growth
+
+
+@dataclass
+class EngineLoad:
+    """One load of an engine by one process: every file of it read (a checkpoint's shards, one after another
+    or at once), from the first file's start to the last one's end."""
+
+    started: float  # wall clock: the first file's load began
+    device_at_start: int  # the process's read_bytes then
+    dev: tuple[int, int]  # the device of the file it began with: where the load waits
+    done_bytes: int = 0  # what its files that finished read
+    done_sizes: dict[FileKey, int] = field(default_factory=dict)  # each file read: its size
+    ended: float | None = None  # monotonic: its files all finished; recorded JOIN_SECONDS later unless one begins
+    device_at_end: int = 0  # the process's read_bytes when its last file finished
 
 
 @dataclass
@@ -210,10 +247,13 @@ class Process:
     device_bytes: int = 0  # /proc/<pid>/io read_bytes at the last look
     chars: int = 0  # /proc/<pid>/io rchar (every byte its reads returned) at the last look
     waiting: bool = False  # state D (uninterruptible: waiting on IO) at the last look
-    gpu: str = ""
+    gpus: tuple[str, ...] = ()  # every GPU NVML lists it on, in NVML index order
+    visible: tuple[str, ...] | None = None  # the GPUs its CUDA ordinals are (its CUDA_VISIBLE_DEVICES), once read
+    environ_read: bool = False
     on_gpu: bool = False  # NVML listed it with a GPU context (once is enough: an inference process)
     pending: list[Callable[[], None]] = field(default_factory=list)  # ends of loads before it was on a GPU
     fd_cursor: int = 0  # where in its descriptor listing the next look starts (its share ran out there)
+    loads: dict[str, EngineLoad] = field(default_factory=dict)  # engine -> its load in progress
 
 
 @dataclass
@@ -258,15 +298,26 @@ class Discovery:
     def __init__(self, include: Iterable[str], patterns: Iterable[str] = MODEL_PATTERNS, procfs: str = "/proc",
                  sysfs: str | None = None, gpu_of: Callable[[int, int], str | None] | None = None,
                  gpu_processes: Callable[[], Iterable[tuple[int, int]]] | None = None, idle: float = IDLE_SECONDS,
+                 gpus_of: Callable[[int, int], tuple[str, ...]] | None = None,
+                 memory_of: Callable[[int, int], dict[str, int]] | None = None,
+                 ordered_gpus: Callable[[], tuple[str, ...]] | None = None,
                  fd_entries_per_pass: int = FD_ENTRIES_PER_PASS, require_gpu: bool = True,
-                 priority_fd_entries: int = PRIORITY_FD_ENTRIES) -> None:
+                 priority_fd_entries: int = PRIORITY_FD_ENTRIES, join_within: float = JOIN_SECONDS) -> None:
         self.procfs = procfs
         self.sysfs = sysfs  # where the cgroup hierarchy is seen: a pod's cgroup believed only if root owns it
         self.include = tuple(directory.rstrip("/") + "/" for directory in include)
+        self._include_bytes = tuple(os.fsencode(directory) for directory in self.include)
         self.matches = pattern_matcher(patterns)
         self.gpu_of = gpu_of or (lambda pid, start: None)  # (pid, start ticks) -> GPU uuid (NVML's list)
+        # NVML's list again: every GPU of a process (NVML order), its used memory on each, every GPU's UUID in
+        # NVML order; for a process on several GPUs, where each of its models is (the placement module)
+        self.gpus_of = gpus_of
+        self.memory_of = memory_of or (lambda pid, start: {})
+        self.ordered_gpus = ordered_gpus or (lambda: ())
+        self._configs = placement.ConfigReader(procfs)
         self.gpu_processes = gpu_processes or (lambda: ())  # (pid, start ticks) with a GPU context (NVML's list)
         self.idle = idle
+        self.join_within = join_within
         self.fd_entries_per_pass = fd_entries_per_pass
         self.priority_fd_entries = priority_fd_entries
         # Only processes with a GPU context load engines: a copy, a checksum or a backup reading model
@@ -284,10 +335,13 @@ class Discovery:
         self._left_out: set[tuple[int, int]] = set()  # processes not followed for the bounds (counted once each)
         self._cursors: dict[int, int] = {}  # pid -> where the next look at a process not followed starts
         self._past_fd_cap: set[int] = set()  # pids with descriptors past MAX_FDS_PER_PROCESS (counted once each)
+        self._past_maps_cap: set[int] = set()  # pids whose maps were longer than mappings.MAPS_BYTES (the same)
+        self._maps_reads: dict[int, tuple[int, float, int]] = {}  # pid -> (start ticks, when, read_bytes): last read
         self._dropped: dict[str, int] = {}  # kind -> what the bounds left out (a counter)
         self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
         self._mounts = MountJudge(procfs)
         self._remote = abandonable_stats()
+        self._config_reads = abandonable_config_reads()
         self._proc = proc_reads("discovery-proc")
         self._lock = threading.Lock()
 
@@ -401,6 +455,8 @@ class Discovery:
         if held is None:
             return 1
         on_gpu = (pid, start) in self._on_gpus or not self.require_gpu
+        if on_gpu:
+            self._add_mapped(pid, start, held, known, device_bytes)
         if known is None:
             if not held:
                 return 1
@@ -413,16 +469,74 @@ class Discovery:
         else:
             fresh = True  # files new in a process already followed were opened since the last pass
         known.waiting = waiting
-        chars_before = known.chars
+        chars_before, device_before = known.chars, known.device_bytes
         known.chars, known.device_bytes = chars, device_bytes
-        known.gpu = self.gpu_of(pid, start) or ""
+        known.gpus = self._gpus(pid, start)
         if not known.on_gpu and on_gpu:
             known.on_gpu = True
             for settle in known.pending:  # its loads that ended before NVML listed it
                 settle()
             known.pending.clear()
-        self._follow(known, held, fresh, max(0, known.chars - chars_before))
+        self._follow(known, held, fresh, max(0, known.chars - chars_before), max(0, device_bytes - device_before))
+        self._place(known)
+        self._close_loads(known, time.monotonic())
         return 1
+
+    def _gpus(self, pid: int, start: int) -> tuple[str, ...]:
+        if self.gpus_of is not None:
+            return self.gpus_of(pid, start)
+        gpu = self.gpu_of(pid, start)
+        return (gpu,) if gpu else ()
+
+    # --- which GPUs ---------------------------------------------------------------------------------
+
+    def _place(self, process: Process) -> None:
+        """Each file's GPUs: the process's one GPU; for a process on several, where the placement module puts
+        the model (its config.pbtxt, the GPUs its memory grew on while it loaded, else all of them)."""
+        if len(process.gpus) <= 1:
+            for held in process.files.values():
+                held.gpus = process.gpus
+            return
+        now = time.monotonic()
+        memory: dict[str, int] | None = None
+        for held in process.files.values():
+            if not held.open and held.loading_since is None and held.gpus:
+                continue  # closed and done: where it was
+            if not held.config_read:
+                self._read_config(process, held)
+            if held.memory_at_start is not None and not held.grown:
+                memory = self.memory_of(process.pid, process.start) if memory is None else memory
+                held.grown = placement.grew_on(held.memory_at_start, memory)
+                if held.grown or now > held.grow_until:
+                    held.memory_at_start = None
+            visible = self._visible(process) if held.config is not None and held.config.ordinals else None
+            held.gpus, _ = placement.place(held.config, visible, process.gpus, held.grown)
+
+    def _read_config(self, process: Process, held: HeldFile) -> None:
+        """The config.pbtxt beside the file, in the process's root, where the wait can be abandoned (after
+        CONFIG_READ_SECONDS: a cold read from a local disk in a storm takes a fraction of that; a dead NFS export
+        or FUSE daemon never answers): read again at a later pass when it did not answer."""
+        try:
+            held.config = self._config_reads.call(held.file.dev, functools.partial(self._configs, process.pid,
+                                                                                   held.file.path))
+            held.config_read = True
+        except Unresponsive:
+            self._drop("unresponsive_mount")
+
+    def _visible(self, process: Process) -> tuple[str, ...] | None:
+        """The GPUs the process's CUDA ordinals are, from its CUDA_VISIBLE_DEVICES (read once, where the wait
+        can be abandoned: reading environ takes the process's memory lock); None when it cannot be read."""
+        if not process.environ_read:
+            try:
+                environ = self._proc.call(process.pid, functools.partial(placement.read_cuda_environ, self.procfs,
+                                                                         process.pid))
+            except Unresponsive:
+                self._drop("unresponsive_process")
+                return None
+            process.environ_read = True
+            if environ is not None:
+                process.visible = environ.visible(self.ordered_gpus())
+        return process.visible
 
     def _facts(self, pid: int) -> tuple[int, bool, int, int, int] | None:
         """(start ticks, waiting on IO, uid, rchar, read_bytes) of a process; None when it is gone.  Read where
@@ -512,6 +626,44 @@ class Discovery:
             self._cursors.pop(pid, None)
         return chosen
 
+    def _add_mapped(self, pid: int, start: int, held: HeldNow, known: Process | None, device_bytes: int) -> None:
+        """The model files a GPU process maps, added to ``held`` (a loader that maps a checkpoint and closes
+        its descriptor: the mappings module).  Its maps are read again only when its device reads grew since
+        the last read or MAPS_EVERY passed (followed or not: a training job on a GPU holds no model file);
+        else the files it mapped at the last read still count."""
+        now = time.monotonic()
+        last = self._maps_reads.get(pid)
+        due = last is None or last[0] != start or last[2] != device_bytes or now - last[1] >= MAPS_EVERY
+        read = None
+        if due:
+            if len(self._maps_reads) < MAX_LISTED:
+                self._maps_reads[pid] = (start, now, device_bytes)
+            try:
+                read = self._proc.call(pid, functools.partial(mappings.read_maps, self.procfs, pid))
+            except Unresponsive:
+                self._drop("unresponsive_process")
+        if read is None:
+            for key, file in (known.files.items() if known is not None else ()):
+                if file.open and file.file.mapped and len(held) < MAX_FILES_PER_PROCESS:
+                    held.setdefault(key, file.file)
+            return
+        text, more = read
+        if more and pid not in self._past_maps_cap and len(self._past_maps_cap) < MAX_LISTED:
+            self._past_maps_cap.add(pid)
+            self._drop("mappings")
+        held_paths = {file.path for file in held.values()}
+        for key, found in mappings.mapped_files(text, self._is_model_path, self._include_bytes).items():
+            if key in held or found.path in held_paths or found.extent < MIN_MODEL_BYTES:
+                continue
+            if len(held) >= MAX_FILES_PER_PROCESS:
+                break
+            held[key] = OpenFile(found.path, found.dev, found.ino, found.extent, 0, 0, mapped=True)
+
+    def _is_model_path(self, target: str) -> bool:
+        """A path (as the process names it) under the include directories with a model's file name."""
+        return (target.startswith(self.include) and not target.endswith(" (deleted)")
+                and self.matches(os.path.basename(target)) and not any(part in target for part in PACKAGE_DIRECTORIES))
+
     def _add_file(self, found: HeldNow, pid: int, name: str, start: int,
                   before: OpenFile | None = None) -> _Library | None:
         opened = self._model_file(pid, name, start, before)
@@ -531,9 +683,7 @@ class Discovery:
             return None
         if target.endswith(SPOOL_SUFFIX):
             return self._spool_file(pid, name, target, start)
-        if not target.startswith(self.include) or target.endswith(" (deleted)"):
-            return None
-        if not self.matches(os.path.basename(target)) or any(part in target for part in PACKAGE_DIRECTORIES):
+        if not self._is_model_path(target):
             return None
         info = read_fdinfo(f"{self.procfs}/{pid}/fdinfo/{name}")
         if info is None or info.flags & _ACCESS_MODE == _WRITE_ONLY:
@@ -588,10 +738,10 @@ class Discovery:
 
     # --- loads ------------------------------------------------------------------------------------
 
-    def _follow(self, process: Process, held: HeldNow, fresh: bool, returned: int) -> None:
+    def _follow(self, process: Process, held: HeldNow, fresh: bool, returned: int, grew: int) -> None:
         """Follow the files ``held`` now; ``returned`` is what the process's reads returned since its last
         look (rchar), which bounds how far the positions can have moved by reading (a seek moves them for
-        free)."""
+        free); ``grew`` what it read from the device since (a mapped file's load moves by that alone)."""
         now = time.monotonic()
         for key, opened in held.items():
             known = process.files.get(key)
@@ -599,6 +749,9 @@ class Discovery:
                 known = self._start_following(process, key, opened)
                 if known is not None and fresh:
                     self._begin(process, known, now, already_read=opened.position)
+                continue
+            if opened.mapped:
+                self._follow_mapped(process, known, opened, grew, now)
                 continue
             moved = opened.position != known.file.position or not known.open
             if moved and known.loading_since is None:
@@ -618,6 +771,21 @@ class Discovery:
                     self._finish(process, known, now)
             elif known.open and known.loading_since is not None and self._stood_still(process, known, now):
                 self._finish(process, known, known.load_moved_at)
+            elif known.open and known.loading_since is not None and known.file.mapped \
+                    and known.read_forward >= known.file.size:
+                self._finish(process, known, now)  # the device gave as much as the whole file: read
+
+    def _follow_mapped(self, process: Process, known: HeldFile, opened: OpenFile, grew: int, now: float) -> None:
+        """A mapped file: its load begins when it is mapped anew (never for a mapping found already there, as a
+        file found open and still is no load) and moves while the process reads from the device (its faults
+        reading the file in; process-wide, so at most the file's size)."""
+        if not known.open:  # unmapped, then mapped again
+            self._begin(process, known, now, already_read=0)
+        elif known.loading_since is not None and grew:
+            known.read_forward = min(known.file.size, known.read_forward + grew)
+            known.load_moved_at = now
+        known.looked_again = True
+        known.file, known.open = opened, True
 
     def _start_following(self, process: Process, key: FileKey, opened: OpenFile) -> HeldFile | None:
         """A file new in the process, followed from now: room is made by forgetting a closed file whose
@@ -640,13 +808,24 @@ class Discovery:
         still = now - held.load_moved_at
         return still >= (3 * self.idle if process.waiting else self.idle)
 
-    def _begin(self, process: Process, held: HeldFile, now: float, already_read: int) -> None:
-        held.loading_since = time.time()
+    def _begin(self, process: Process, held: HeldFile, now: float, already_read: int,
+               since: tuple[float, int, int] | None = None) -> None:
+        """A file's load begins: now, or ``since`` (wall clock, read_bytes and rchar when it was found), and
+        with it its engine's load, unless one is in progress (or ended within JOIN_SECONDS): the next file
+        of the same load."""
+        held.loading_since, held.device_at_start, held.chars_at_start = since or (
+            time.time(), process.device_bytes, process.chars)
         held.loaded_at = held.loading_since
         held.load_moved_at = now
         held.read_forward = held.read_before = max(0, min(already_read, held.file.size))
-        held.device_at_start = process.device_bytes
-        held.chars_at_start = process.chars
+        if len(process.gpus) > 1 and not held.grown:  # where its memory grows tells where the model goes
+            held.memory_at_start, held.grow_until = self.memory_of(process.pid, process.start), float("inf")
+        load = process.loads.get(held.engine)
+        if load is None:
+            process.loads[held.engine] = EngineLoad(held.loading_since, held.device_at_start, held.file.dev)
+        else:
+            load.ended = None
+            load.started = min(load.started, held.loading_since)
 
     def _begin_moving(self, process: Process, held: HeldFile, now: float) -> None:
         """A load of a file already open whose position moved.  Moving at the first look after the file
@@ -656,21 +835,39 @@ class Discovery:
         if held.looked_again or not held.open:
             self._begin(process, held, now, already_read=0)
             return
-        self._begin(process, held, now, already_read=held.file.position)
-        held.loading_since = held.loaded_at = held.sighted
-        held.device_at_start, held.chars_at_start = held.device_at_sight, held.chars_at_sight
+        self._begin(process, held, now, already_read=held.file.position,
+                    since=(held.sighted, held.device_at_sight, held.chars_at_sight))
 
     def _finish(self, process: Process, held: HeldFile, ended: float) -> None:
-        """A load ended (closed, or still for ``idle`` seconds): its duration, bytes and class go into the
-        engine's history (once the process is known to be on a GPU)."""
-        started = held.loading_since
-        held.loading_since = None
-        if started is None:
+        """A file's load ended (closed, or still for ``idle`` seconds): its bytes go to its engine's load,
+        which ends with the last of its files (recorded by _close_loads)."""
+        if held.loading_since is None:
             return
-        seconds = max(0.0, _wall_from_monotonic(ended) - started)
-        read = self._bytes_read(process, held)
-        device = min(read, max(0, process.device_bytes - held.device_at_start)) if read else 0
-        self._settle(process, lambda: self._record_load(process.uid, held, started, seconds, read, device))
+        held.loading_since = None
+        held.grow_until = time.monotonic() + GROWTH_WAIT
+        load = process.loads.get(held.engine)
+        if load is None:
+            return
+        load.done_bytes += self._bytes_read(process, held)
+        load.done_sizes[(held.file.dev, held.file.ino)] = held.file.size
+        if not any(other.loading_since is not None for other in process.files.values() if other.engine == held.engine):
+            load.ended = ended if load.ended is None else max(load.ended, ended)
+            load.device_at_end = process.device_bytes
+
+    def _close_loads(self, process: Process, now: float, join: float | None = None) -> None:
+        """Record the engine loads whose files all finished ``join`` (JOIN_SECONDS) ago: their duration from
+        the first file's start to the last one's end, their bytes, and the device's share of them."""
+        join = self.join_within if join is None else join
+        for engine, load in list(process.loads.items()):
+            if load.ended is None or now - load.ended < join:
+                continue
+            del process.loads[engine]
+            started, size = load.started, sum(load.done_sizes.values())
+            seconds = max(0.0, _wall_from_monotonic(load.ended) - started)
+            read = min(load.done_bytes, size)
+            device = min(read, max(0, load.device_at_end - load.device_at_start)) if read else 0
+            self._settle(process, functools.partial(self._record_load, process.uid, engine, started, seconds, read,
+                                                    device, size))
 
     def _settle(self, process: Process, settle: Callable[[], None]) -> None:
         if process.on_gpu:
@@ -680,9 +877,9 @@ class Discovery:
         else:
             self._drop("load")
 
-    def _record_load(self, owner: int, held: HeldFile, started: float, seconds: float, read: int,
-                     device: int) -> None:
-        history = self._history(held.engine, owner)
+    def _record_load(self, owner: int, engine: str, started: float, seconds: float, read: int, device: int,
+                     size: int) -> None:
+        history = self._history(engine, owner)
         if history is None:
             return
         values = history.engine_values
@@ -690,28 +887,30 @@ class Discovery:
         values[first + _bucket(bounds, seconds)] += 1.0
         values[total] += seconds
         values[spool_format.ENGINE_LAYOUT.counters["load_read_bytes"]] += read
-        self._add_waterfall(history.waterfall, held, started, seconds, read, device)
+        self._add_waterfall(history.waterfall, size, started, seconds, read, device)
         history.touched = time.monotonic()
 
     @staticmethod
     def _bytes_read(process: Process, held: HeldFile) -> int:
-        """The load's bytes: the forward movement of the position seen (each step at most what the reads
+        """The file's bytes: the forward movement of the position seen (each step at most what the reads
         returned), and the reads after the last look that saw the file open (before its close), at most
-        what the file had left; at most the file's size."""
+        what the file had left; at most the file's size.  A mapped file's: the device reads seen."""
+        if held.file.mapped:
+            return held.read_forward
         unseen = max(0, process.chars - held.chars_at_look)
         tail = min(unseen, max(0, held.file.size - held.file.position))
         return min(held.file.size, held.read_forward + tail)
 
-    def _abandon(self, process: Process, held: HeldFile) -> None:
-        """The process died while loading: an abandoned load, where it was on a GPU (a tool that dies
-        while reading a model file abandoned nothing)."""
-        held.loading_since = None
+    def _abandon(self, process: Process, engine: str) -> None:
+        """The process died while loading the engine: an abandoned load, where it was on a GPU (a tool that
+        dies while reading a model file abandoned nothing)."""
         if not process.on_gpu:
             return
-        history = self._history(held.engine, process.uid)
+        history = self._history(engine, process.uid)
         if history is None:
             return
-        history.abandoned[process.gpu] = history.abandoned.get(process.gpu, 0.0) + 1.0
+        for gpu in _engine_gpus(process, engine):
+            history.abandoned[gpu] = history.abandoned.get(gpu, 0.0) + 1.0
         history.touched = time.monotonic()
 
     def _history(self, engine: str, owner: int) -> EngineHistory | None:
@@ -741,10 +940,10 @@ class Discovery:
         return True
 
     @staticmethod
-    def _add_waterfall(values: list[float], held: HeldFile, started: float, seconds: float, read: int,
+    def _add_waterfall(values: list[float], size: int, started: float, seconds: float, read: int,
                        device: int) -> None:
         slot = spool_format.WATERFALL
-        load_class = classify(held.file.size, device, None) if read else "warm"
+        load_class = classify(size, device, None) if read else "warm"
         values[slot["seq"]] += 1.0
         values[slot[f"loads_{load_class}"]] += 1.0
         values[slot["phase_read"]] += seconds
@@ -761,17 +960,25 @@ class Discovery:
         values[slot["last_device_bytes"]] = device
         values[slot["last_cache_bytes"]] = read - device
         values[slot["last_class"]] = spool_format.LOAD_CLASSES.index(load_class) + 1
-        values[slot["file_bytes"]] = held.file.size
+        values[slot["file_bytes"]] = size
         values[slot["seq_end"]] = values[slot["seq"]]
 
     def _process_gone(self, process: Process) -> None:
+        """Its engine loads end: those whose files were all read to the end (or had finished) are recorded,
+        the others abandoned, once an engine."""
+        abandoned: set[str] = set()
         for held in process.files.values():
             if held.loading_since is None:
                 continue
-            if held.file.position >= held.file.size > 0:
+            if held.file.position >= held.file.size > 0 or (held.file.mapped and held.read_forward >= held.file.size):
                 self._finish(process, held, held.load_moved_at)  # read to the end, then exited
             else:
-                self._abandon(process, held)
+                held.loading_since = None
+                abandoned.add(held.engine)
+        for engine in abandoned:
+            process.loads.pop(engine, None)
+            self._abandon(process, engine)
+        self._close_loads(process, time.monotonic(), join=0.0)
         self._tracked.pop(process.pid, None)
 
     def _end_pass(self, listed: set[int]) -> None:
@@ -784,6 +991,8 @@ class Discovery:
         self._left_out = {key for key in self._left_out if key[0] in listed}
         self._cursors = {pid: cursor for pid, cursor in self._cursors.items() if pid in listed}
         self._past_fd_cap &= listed
+        self._past_maps_cap &= listed
+        self._maps_reads = {pid: last for pid, last in self._maps_reads.items() if pid in listed}
         self._held_engines = {held.engine for process in self._tracked.values() for held in process.files.values()}
 
     # --- the answer -------------------------------------------------------------------------------
@@ -808,25 +1017,35 @@ class Discovery:
             engines.add(engine)
             totals.engines.setdefault(engine, [0.0] * spool_format.ENGINE_LAYOUT.size)
             file = held.file
-            info = model.EngineInfo(file.path, -1, process.gpu, "", file.dev, file.ino, file.size, file.mtime_ns,
-                                    held.loaded_at)
             infos = totals.infos.setdefault(engine, [])
-            if info not in infos:
-                infos.append(info)
+            for gpu in held.gpus or ("",):  # a model on several GPUs: one info on each
+                info = model.EngineInfo(file.path, -1, gpu, "", file.dev, file.ino, file.size, file.mtime_ns,
+                                        held.loaded_at)
+                if info not in infos:
+                    infos.append(info)
             totals.info_uids.setdefault((engine, held.file.path), set()).add(process.uid)
             if held.loaded_at:
                 totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), held.loaded_at)
             if process.pod is not None:
-                totals.pods.setdefault((engine, process.gpu), set()).add(model.PodIdentity(pod_uid=process.pod.pod_uid))
-            if held.loading_since is not None:
-                key = (engine, process.gpu, held.file.dev)
-                load = totals.loads.setdefault(key, [0.0, 0.0, 0.0])
-                load[0] += 1.0
-                load[1] += held.read_forward
-                load[2] = held.loading_since if load[2] <= 0 else min(load[2], held.loading_since)
+                for gpu in held.gpus or ("",):
+                    totals.pods.setdefault((engine, gpu), set()).add(model.PodIdentity(pod_uid=process.pod.pod_uid))
+        for engine, load in process.loads.items():  # in progress, or ended less than JOIN_SECONDS ago
+            read = load.done_bytes + sum(held.read_forward for held in process.files.values()
+                                         if held.engine == engine and held.loading_since is not None)
+            for gpu in _engine_gpus(process, engine):  # a load onto several GPUs keeps each of them waiting
+                entry = totals.loads.setdefault((engine, gpu, load.dev), [0.0, 0.0, 0.0])
+                entry[0] += 1.0
+                entry[1] += read
+                entry[2] = load.started if entry[2] <= 0 else min(entry[2], load.started)
         for engine in engines:
             totals.processes[engine] = totals.processes.get(engine, 0) + 1
             totals.writers.setdefault(engine, []).append((process.pid, process.start))
+
+
+def _engine_gpus(process: Process, engine: str) -> tuple[str, ...]:
+    """The GPUs the process's files of ``engine`` are placed on (("",): none known)."""
+    gpus = {gpu: None for held in process.files.values() if held.engine == engine for gpu in held.gpus}
+    return tuple(gpus) or ("",)
 
 
 class _Library:

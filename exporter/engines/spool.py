@@ -45,6 +45,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import random
@@ -61,24 +62,55 @@ from dataclasses import dataclass, field
 from gpuio.spool import DEFAULT_FILE_BYTES, GENERATION_OFFSET, HEADER_SIZE, MAGIC, PREFIX, SUFFIX, USED_OFFSET
 
 from .. import procstat
+from ..abandonable import Abandonable, Unresponsive
+from . import placement
 from .fold import Folded, add_counts, not_carried_forward
 from .model import MAX_MOUNTS_PER_ENGINE, EngineInfo, InfoIdentity, PodIdentity, Totals, merge_load, per_gpu_values
 from .parse import FILE_LIMITS, BadFile, Parsed, instance_of, parse
 
+_T = typing.TypeVar("_T")
+
+# How long a writer's engine stays placed (placement.place) before its config and GPUs are looked at again,
+# and how many placements are kept; a config read or an environ read waits this long at most (a model
+# repository on a dead network mount, a writer stuck in a page fault), and a writer whose read did not come
+# back is not asked again for PLACED_SECONDS.
+PLACED_SECONDS = 60.0
+MAX_PLACED = 4096
+PLACEMENT_READ_SECONDS = 0.2
+PLACEMENT_MAX_STUCK = 4
+
 
 class WriterGpus:
-    """The GPU NVML lists a spool writer on, for a writer that recorded none: pid -> GPU, one way.
+    """The GPUs NVML lists a spool writer on, for a writer that recorded none, and where each of its
+    engines is among them.
 
     ``gpu_of_process`` is what the nvml collector last saw ((pid, start ticks) -> GPU UUID, the start
     time read from this exporter's procfs at its sweep).  A pid counts only when this exporter's procfs
     shows that very process now as well (same start time): a writer in another pid namespace (a pod
     without hostPID) has a pid that means another process here, or none, and NVML reports host pids.
+
+    ``placed`` (issue 41): a writer NVML lists on several GPUs (one server holding every GPU) has each
+    engine placed as discovery places a model (exporter.engines.placement): by the Triton config.pbtxt
+    beside the engine's file, read in the writer's root, its CUDA ordinals mapped through the writer's
+    CUDA_VISIBLE_DEVICES; else on every GPU the writer holds.  Not by memory growth: the library's loads
+    are not watched from outside.  Both reads run where the wait can be abandoned; a placement is kept
+    PLACED_SECONDS.  Without ``gpus_of_process`` (a tool, a test) a writer is on its one GPU or none.
     """
 
-    def __init__(self, gpu_of_process: Callable[[int, int], str | None], procfs: str = "/proc") -> None:
+    def __init__(self, gpu_of_process: Callable[[int, int], str | None], procfs: str = "/proc",
+                 gpus_of_process: Callable[[int, int], tuple[str, ...]] | None = None,
+                 ordered: Callable[[], tuple[str, ...]] | None = None) -> None:
         self.gpu_of_process = gpu_of_process
         self.procfs = procfs
+        self.gpus_of_process = gpus_of_process
+        self.ordered = ordered or (lambda: ())
+        self.config = placement.ConfigReader(procfs)
+        self.reads = Abandonable(PLACEMENT_READ_SECONDS, PLACED_SECONDS, PLACEMENT_MAX_STUCK, "spool-placement",
+                                 persistent=True)
         self._same_process: dict[tuple[int, int], bool] = {}  # (pid, start ticks) -> our /proc shows it
+        # (pid, start ticks, engine path, GPUs held) -> (GPUs placed on, until when: monotonic)
+        self._placed: dict[tuple[int, int, str, tuple[str, ...]], tuple[tuple[str, ...], float]] = {}
+        self._visible: dict[tuple[int, int], placement.CudaEnviron] = {}  # a writer's start environment
 
     def __call__(self, pid: int, start_ticks: int) -> str | None:
         uuid = self.gpu_of_process(pid, start_ticks)
@@ -97,6 +129,54 @@ class WriterGpus:
                 self._same_process.clear()
             same = self._same_process[key] = procstat.start_ticks(pid, self.procfs) == start_ticks
         return same
+
+    def placed(self, pid: int, start_ticks: int, path: str) -> tuple[str, ...]:
+        """The GPUs the writer's engine file ``path`` (as the writer names it; "" unknown) is on, in NVML
+        index order: () for a writer NVML does not list (or not this very process)."""
+        if self.gpus_of_process is None:
+            one = self(pid, start_ticks)
+            return (one,) if one else ()
+        if not self.same_process(pid, start_ticks):
+            return ()
+        held = self.gpus_of_process(pid, start_ticks)
+        if len(held) <= 1 or not path:
+            return held
+        key = (pid, start_ticks, path, held)
+        now = time.monotonic()
+        known = self._placed.get(key)
+        if known is not None and known[1] > now:
+            return known[0]
+        config = self._call(("config", pid), functools.partial(self.config, pid, path))
+        visible = self._visible_gpus(pid, start_ticks) if config is not None and config.ordinals else None
+        gpus = placement.place(config, visible, held)[0]
+        if len(self._placed) >= MAX_PLACED:
+            self._placed = {k: v for k, v in self._placed.items() if v[1] > now}
+            if len(self._placed) >= MAX_PLACED:
+                self._placed.clear()
+        self._placed[key] = (gpus, now + PLACED_SECONDS)
+        return gpus
+
+    def _visible_gpus(self, pid: int, start_ticks: int) -> tuple[str, ...] | None:
+        """The UUIDs of the writer's CUDA ordinals; None when they cannot be told (module placement)."""
+        ordered = self.ordered()
+        if not ordered:
+            return None
+        key = (pid, start_ticks)
+        if key not in self._visible:  # the environment a process started with never changes
+            if len(self._visible) > MAX_PLACED:
+                self._visible.clear()
+            found = self._call(("environ", pid), functools.partial(placement.read_cuda_environ, self.procfs, pid))
+            if found is None:
+                return None  # unreadable, or no answer in time: asked again at the next placement
+            self._visible[key] = found
+        environ = self._visible[key]
+        return environ.visible(ordered)
+
+    def _call(self, key: tuple[str, int], work: Callable[[], _T]) -> _T | None:
+        try:
+            return self.reads.call(key, work)
+        except (Unresponsive, OSError):
+            return None
 
 
 FileId = tuple[int, int]  # (st_dev, st_ino): which file, whatever names it has
@@ -419,7 +499,8 @@ class SpoolReader:
 
     def __init__(self, directory: str, max_folded_engines: int = 4096, remove_dead: bool = True,
                  gpu_of: Callable[[int, int], str | None] | None = None,
-                 max_file_bytes: int = DEFAULT_FILE_BYTES, procfs: str = "/proc") -> None:
+                 max_file_bytes: int = DEFAULT_FILE_BYTES, procfs: str = "/proc",
+                 place_of: Callable[[int, int, str], tuple[str, ...]] | None = None) -> None:
         self.directory = directory
         # Where the kernel's lock table is (<procfs>/locks): it says which process holds a file's lock, so
         # which writer a file's header may truthfully name (see _writer).
@@ -429,6 +510,11 @@ class SpoolReader:
         self._lock_table_read = False
         # The GPU of a live writer (pid, start ticks) that did not record one: the exporter asks NVML.
         self.gpu_of = gpu_of
+        # Where such a writer's engine file (by the path it names) is among its GPUs (WriterGpus.placed):
+        # a writer NVML lists on several GPUs.  Without it, on the one GPU ``gpu_of`` gives, or none.
+        self.place_of = place_of
+        # (file, engine) -> the GPUs its series without a GPU are placed on, at the last read
+        self._placed: dict[tuple[FileId, str], tuple[str, ...]] = {}
         # A tool (gpuio engines) reads without removing: the exporter must still fold what it finds.
         self.remove_dead = remove_dead
         self.max_file_bytes = max_file_bytes
@@ -523,6 +609,7 @@ class SpoolReader:
             self._reads += 1
             names = self._list()
             if names is None:
+                self._place_writers()
                 return self._with_owners(self._merge())
             self._start_budgets()
             try:
@@ -603,12 +690,7 @@ class SpoolReader:
     def _merged_totals(self) -> Totals:
         """The merge, reused while no file changed and NVML places the writers that recorded no GPU
         where it did (the only input of the merge that is not in the files)."""
-        gpus: tuple[str | None, ...] = ()
-        if self.gpu_of is not None:
-            gpu_of = self.gpu_of
-            gpus = tuple(gpu_of(*self._writer(state, state.parsed)) for state in self._live.values()
-                         if state.needs_gpu and state.parsed is not None)
-        key = (self._version, gpus)
+        key = (self._version, self._place_writers())
         if self._merged is None or self._merged[0] != key:
             self._merged = (key, self._with_owners(self._merge()))
         return dataclasses.replace(self._merged[1], deferred_files=self.deferred_files,
@@ -1266,6 +1348,37 @@ class SpoolReader:
 
     # --- merging -----------------------------------------------------------------------------
 
+    def _place_writers(self) -> tuple[object, ...]:
+        """Places the engines of live writers that recorded no GPU for them (``_placed``; see _placed_on);
+        returns what it found, as a key of the merge."""
+        placed: dict[tuple[FileId, str], tuple[str, ...]] = {}
+        if self.gpu_of is not None or self.place_of is not None:
+            for state in self._live.values():
+                parsed = state.parsed
+                if not state.needs_gpu or parsed is None:
+                    continue
+                writer = self._writer(state, parsed)
+                unplaced = {engine for engine, _, _ in parsed.loads} | parsed.engines.keys() | parsed.infos.keys()
+                for engine in unplaced:
+                    info = parsed.infos.get(engine)
+                    if info is None or not info.gpu_uuid:
+                        placed[(state.file_id, engine)] = self._place(writer, info.path if info else "")
+        self._placed = placed
+        return tuple(placed.items())
+
+    def _place(self, writer: tuple[int, int], path: str) -> tuple[str, ...]:
+        if self.place_of is not None:
+            return self.place_of(writer[0], writer[1], path)
+        found = self.gpu_of(*writer) if self.gpu_of is not None else None
+        return (found,) if found else ()
+
+    def _placed_on(self, state: FileState, engine: str) -> tuple[str, ...]:
+        """The GPUs a live writer's ``engine`` is on where the writer did not say: an engine info names
+        each of them (the engine is there); its per-GPU series and loads in progress go to the GPU only
+        when there is one, else stay on "" (which GPU served a request or reads a file, the writer did not
+        say, and a share of it on each would be invented)."""
+        return self._placed.get((state.file_id, engine), ())
+
     def _merge(self) -> Totals:
         """The folded totals of exited writers plus every live file, per engine, per engine and GPU and per
         load in progress."""
@@ -1286,39 +1399,47 @@ class SpoolReader:
                 if (engine, dev) in totals.mounts or len(kept) < MAX_MOUNTS_PER_ENGINE:
                     kept.add(dev)
                     totals.mounts[(engine, dev)] = mount
-            self._add_infos_and_pods(totals, infos, pod_of(state, parsed), parsed, writer)
+            self._add_infos_and_pods(totals, infos, pod_of(state, parsed), state, parsed)
         for identity, info in infos.items():
             totals.infos.setdefault(identity[0], []).append(info)
         self._merge_per_gpu_and_loads(totals)
         return totals
 
     def _add_infos_and_pods(self, totals: Totals, infos: dict[InfoIdentity, EngineInfo], pod: PodIdentity | None,
-                            parsed: Parsed, writer: tuple[int, int]) -> None:
-        """A live file's engine files (one INFO per distinct file and GPU, the latest load), the last load
-        of each engine, and the pod of each (engine, GPU) it reports."""
+                            state: FileState, parsed: Parsed) -> None:
+        """A live file's engine files (one INFO per distinct file and GPU, the latest load; one per GPU it
+        is placed on where the writer named none), the last load of each engine, and the pod of each
+        (engine, GPU) it reports."""
         if pod is not None:
             for engine in parsed.engines.keys() - parsed.infos.keys():
                 totals.pods.setdefault((engine, ""), set()).add(pod)
         for engine, info in parsed.infos.items():
-            found = self.gpu_of(*writer) if not info.gpu_uuid and self.gpu_of else None
-            if found:
-                info = dataclasses.replace(info, gpu_uuid=found)
-            if pod is not None:
-                totals.pods.setdefault((engine, info.gpu_uuid), set()).add(pod)
-            identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
-            seen = infos.get(identity)
-            if seen is None or seen.load_time < info.load_time:
-                infos[identity] = info
-            if info.load_time > 0:  # 0: loading, never finished a load
-                totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
+            placed = [info] if info.gpu_uuid else [dataclasses.replace(info, gpu_uuid=uuid)
+                                                   for uuid in self._placed_on(state, engine)] or [info]
+            for info in placed:
+                self._add_info(totals, infos, pod, engine, info)
+
+    @staticmethod
+    def _add_info(totals: Totals, infos: dict[InfoIdentity, EngineInfo], pod: PodIdentity | None, engine: str,
+                  info: EngineInfo) -> None:
+        if pod is not None:
+            totals.pods.setdefault((engine, info.gpu_uuid), set()).add(pod)
+        identity = (engine, info.path, info.cuda_device, info.gpu_uuid, info.runtime, info.dev, info.ino)
+        seen = infos.get(identity)
+        if seen is None or seen.load_time < info.load_time:
+            infos[identity] = info
+        if info.load_time > 0:  # 0: loading, never finished a load
+            totals.last_load[engine] = max(totals.last_load.get(engine, 0.0), info.load_time)
 
     # --- per engine and GPU; loads in progress ----------------------------------------------------
 
-    def _gpu_of_writer(self, writer: tuple[int, int], recorded: str) -> str:
-        """The GPU a live writer works on for ``engine``: what it recorded, else what NVML lists it on."""
-        if recorded or self.gpu_of is None:
+    def _one_gpu(self, state: FileState, engine: str, recorded: str = "") -> str:
+        """The GPU a live writer's per-GPU series and loads of ``engine`` go to: what it recorded, else the
+        one GPU it is placed on, else "" (see _placed_on)."""
+        if recorded:
             return recorded
-        return self.gpu_of(*writer) or ""
+        placed = self._placed_on(state, engine)
+        return placed[0] if len(placed) == 1 else ""
 
     def _merge_per_gpu_and_loads(self, totals: Totals) -> None:
         """Per (engine, GPU): the live writers' per-GPU slots plus the folded ones; and the loads in
@@ -1333,12 +1454,11 @@ class SpoolReader:
             if parsed is None:
                 continue
             infos = parsed.infos
-            writer = self._writer(state, parsed)
             for engine, values in parsed.engines.items():
                 info = infos.get(engine)
                 uuid = info.gpu_uuid if info is not None else ""
-                if not uuid and self.gpu_of is not None:
-                    uuid = seen[(parsed.instance, engine)] = self.gpu_of(*writer) or ""
+                if not uuid and (self.gpu_of is not None or self.place_of is not None):
+                    uuid = seen[(parsed.instance, engine)] = self._one_gpu(state, engine)
                 group = groups.get((engine, uuid))
                 if group is None:
                     groups[(engine, uuid)] = [per_gpu_values(values)]
@@ -1346,7 +1466,7 @@ class SpoolReader:
                     group.append(per_gpu_values(values))
             if parsed.loads:
                 for (engine, uuid, dev), values in parsed.loads.items():
-                    merge_load(totals.loads, (engine, self._gpu_of_writer(writer, uuid), dev), values)
+                    merge_load(totals.loads, (engine, self._one_gpu(state, engine, uuid), dev), values)
         self._gpu_seen = seen
         totals.per_gpu = {key: list(group[0]) if len(group) == 1 else list(map(sum, zip(*group, strict=True)))
                           for key, group in groups.items()}

@@ -20,12 +20,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
-def loaders() -> Iterator[Callable[[], Loader]]:
+def loaders() -> Iterator[Callable[..., Loader]]:
     """Starts :class:`tests.e2e.loaders.Loader` processes; kills those still running after the test."""
     started: list[Loader] = []
 
-    def start() -> Loader:
-        loader = Loader()
+    def start(env: dict[str, str] | None = None) -> Loader:
+        loader = Loader(env)
         started.append(loader)
         return loader
 

@@ -24,6 +24,7 @@ from tests.unit.test_nvml_fake import FakeGpu, FakeNvml
 
 SAMPLE_PERIOD_S = 0.2  # an H100 takes 5-6 utilisation samples a second
 IDLE_PERCENT = 3.0
+DEFAULT_USED_BYTES = 1 << 30  # a process's used memory on a GPU where the test's line does not say
 
 
 def idle_gpus(uuids: list[str]) -> list[FakeGpu]:
@@ -33,8 +34,8 @@ def idle_gpus(uuids: list[str]) -> list[FakeGpu]:
 
 def keep_sampling(gpus: list[FakeGpu], processes_file: str) -> None:
     """What the driver does on its own: a utilisation sample every period, GPM's counters moving, and
-    the compute processes each GPU runs (``GPUIO_FAKE_GPU_PROCESSES``: a file of "pid uuid" lines the test
-    rewrites as its processes create and lose their contexts)."""
+    the compute processes each GPU runs (``GPUIO_FAKE_GPU_PROCESSES``: a file of "pid uuid [used_bytes]" lines
+    the test rewrites as its processes create and lose their contexts and allocate memory)."""
     while True:
         now_us = int(time.time() * 1_000_000)
         for gpu in gpus:
@@ -43,22 +44,24 @@ def keep_sampling(gpus: list[FakeGpu], processes_file: str) -> None:
         if processes_file:
             listed = gpu_processes(processes_file)
             for gpu in gpus:
-                gpu.processes = [ProcessInfo(pid, 1 << 30) for pid in listed.get(gpu.uuid, [])]
+                gpu.processes = [ProcessInfo(pid, used) for pid, used in listed.get(gpu.uuid, [])]
         time.sleep(SAMPLE_PERIOD_S)
 
 
-def gpu_processes(path: str) -> dict[str, list[int]]:
-    """uuid -> pids, from the test's "pid uuid" lines (a missing file: none)."""
-    listed: dict[str, list[int]] = {}
+def gpu_processes(path: str) -> dict[str, list[tuple[int, int]]]:
+    """uuid -> (pid, used memory bytes), from the test's "pid uuid [used_bytes]" lines (used: 1 GiB when not
+    given); a process on several GPUs has a line per GPU.  A missing file: none."""
+    listed: dict[str, list[tuple[int, int]]] = {}
     try:
         with open(path) as handle:
             lines = handle.read().splitlines()
     except OSError:
         return listed
     for line in lines:
-        pid, _, uuid = line.partition(" ")
-        if pid.isdigit() and uuid:
-            listed.setdefault(uuid, []).append(int(pid))
+        fields = line.split()
+        if len(fields) in (2, 3) and fields[0].isdigit() and (len(fields) == 2 or fields[2].isdigit()):
+            used = int(fields[2]) if len(fields) == 3 else DEFAULT_USED_BYTES
+            listed.setdefault(fields[1], []).append((int(fields[0]), used))
     return listed
 
 

@@ -2,8 +2,9 @@
 
 Each :class:`Loader` is a real child process (plain Python, no gpuio) that reads its commands from a pipe
 and answers "ok" after each: ``open PATH``, ``write PATH`` (opened for writing), ``read PATH COUNT``,
-``seek PATH OFFSET`` and ``close PATH``.  The ``loaders`` fixture (tests/e2e/conftest.py) starts them and
-kills those still running after the test.
+``seek PATH OFFSET`` and ``close PATH``; ``map PATH`` (mapped whole, its descriptor closed), ``fault PATH
+COUNT`` (its first COUNT bytes read through the mapping) and ``unmap PATH``.  The ``loaders`` fixture
+(tests/e2e/conftest.py) starts them (``env``: variables to add) and kills those still running after the test.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ import sys
 import textwrap
 
 LOADER = textwrap.dedent("""
-    import os, sys
-    handles = {}
+    import ctypes, mmap, os, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    handles, maps = {}, {}
     for line in sys.stdin:
         word, _, rest = line.strip().partition(" ")
         if word == "open":
@@ -30,14 +35,28 @@ LOADER = textwrap.dedent("""
             handles[name].seek(int(offset))
         elif word == "close":
             handles.pop(rest).close()
+        elif word == "map":  # as safetensors' and llama.cpp's loaders do: map the whole file, close the descriptor
+            fd = os.open(rest, os.O_RDONLY)  # (Python's mmap object would keep a duplicate of it open)
+            size = os.fstat(fd).st_size
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            os.close(fd)
+            maps[rest] = (address, (ctypes.c_char * size).from_address(address))
+        elif word == "fault":  # read COUNT bytes of the mapping from its start: a fault a page
+            name, count = rest.rsplit(" ", 1)
+            view = maps[name][1]
+            sum(view[offset][0] for offset in range(0, min(int(count), len(view)), mmap.PAGESIZE))
+        elif word == "unmap":
+            address, view = maps.pop(rest)
+            libc.munmap(address, len(view))
         print("ok", flush=True)
 """)
 
 
 class Loader:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", LOADER], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+                                        stdout=subprocess.PIPE, text=True,
+                                        env=None if env is None else {**os.environ, **env})
         self.pid = self.process.pid
 
     def do(self, *words: object) -> None:

@@ -66,7 +66,7 @@ def test_discovery_passes_end_while_a_model_sits_on_a_dead_mount(loaders, fuse_s
     local = model(tmp_path, "models/local/1/model.plan")
     stub, holder = _held_on_a_dead_mount(fuse_stub, loaders)
     server = loaders()
-    found = Discovery([stub.mountpoint, str(tmp_path)], require_gpu=False)
+    found = Discovery([stub.mountpoint, str(tmp_path)], require_gpu=False, join_within=0.0)
     _within(GIVE_UP_S, found.sample)
     server.do("open", local)  # a server on a local disk, beside the dead mount: still followed
     server.do("read", local, 4096)
@@ -138,7 +138,7 @@ def test_a_load_followed_when_its_mount_dies_stays_in_progress(loaders, fuse_stu
     file is still held: fdinfo and the link say so, and its inode is the same), not taken for closed."""
     stub = fuse_stub(files={"model.plan": 4 << 20})
     path = os.path.join(stub.mountpoint, "model.plan")
-    found = Discovery([stub.mountpoint], require_gpu=False)
+    found = Discovery([stub.mountpoint], require_gpu=False, join_within=0.0)
     found.sample()
     server = loaders()
     server.do("open", path)
@@ -175,10 +175,10 @@ def test_an_overlay_over_a_dead_fuse_layer_holds_no_pass(loaders, fuse_stub, tmp
         holder = loaders()
         holder.do("open", str(merged / "model.plan"))
         holder.do("read", str(merged / "model.plan"), 1 << 20)
-        found = Discovery([str(merged)], require_gpu=False)
+        found = Discovery([str(merged)], require_gpu=False, join_within=0.0)
         _within(GIVE_UP_S, found.sample)
         stub.freeze()
-        fresh = Discovery([str(merged)], require_gpu=False)  # one that has not stat'ed the file yet
+        fresh = Discovery([str(merged)], require_gpu=False, join_within=0.0)  # one that has not stat'ed the file yet
         _within(GIVE_UP_S, fresh.sample)
         _within(GIVE_UP_S, found.sample)
     finally:
@@ -208,7 +208,7 @@ def test_a_process_stuck_in_execve_on_a_dead_mount_holds_no_pass(loaders, fuse_s
         stuck.stdin.flush()
         time.sleep(0.5)  # it is in execve now, waiting on the daemon
         local = model(tmp_path, "models/local/1/model.plan")
-        found = Discovery([str(tmp_path)], require_gpu=False)
+        found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
         _within(GIVE_UP_S, found.sample)
         server = loaders()
         server.do("open", local)

@@ -21,6 +21,7 @@ from tests.e2e.loaders import model
 pytestmark = pytest.mark.e2e
 
 def finder(tmp_path, **options) -> Discovery:
+    options.setdefault("join_within", 0.0)  # a load ends at its file's close (the join of shards: its own test)
     options.setdefault("require_gpu", False)  # these loaders have no GPU context: the loads are what is tested
     found = Discovery([str(tmp_path)], **options)
     found.sample()  # the first listing: what runs already is not new

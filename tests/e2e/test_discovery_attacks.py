@@ -86,7 +86,7 @@ def test_another_users_processes_full_of_descriptors_do_not_hide_a_new_server(sh
     bait = model_file(shared_models, "bait/model.plan")
     hoarders = [_hoard(bait, 4100, NOBODY) for _ in range(4)]
     try:
-        found = Discovery([shared_models], require_gpu=False)
+        found = Discovery([shared_models], require_gpu=False, join_within=0.0)
         for _ in range(100):  # the rotation reaches the hoarders, which are followed from then on
             if found.sample().figures.processes >= 4:
                 break
@@ -108,7 +108,7 @@ def test_a_thousand_idle_readers_do_not_fill_the_table_against_a_gpu_process(tmp
     bait = model(tmp_path, "bait/model.plan")
     sleepers = [subprocess.Popen(["sleep", "900"], stdin=open(bait, "rb")) for _ in range(1030)]  # noqa: SIM115
     try:
-        found = Discovery([str(tmp_path)])
+        found = Discovery([str(tmp_path)], join_within=0.0)
         for _ in range(50):
             found.sample()
         assert found.sample().figures.processes <= discovery.MAX_TRACKED_OFF_GPU_PER_OWNER
@@ -129,7 +129,7 @@ def test_seeking_back_and_forth_counts_no_bytes_that_were_not_read(tmp_path, loa
     finished, are at most what was read (at most the file), not the distance the position travelled."""
     path = model(tmp_path, "repo/seeker/1/model.plan", 2 << 20)
     seeker = loaders()
-    found = Discovery([str(tmp_path)], require_gpu=False)
+    found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
     found.sample()
     seeker.do("open", path)
     seeker.do("read", path, 1 << 20)
@@ -151,7 +151,7 @@ def test_many_engine_names_never_make_a_counter_fall(tmp_path, loaders, monkeypa
     finished-load counter would fall from 1 to 0); the newcomers' loads are counted as dropped."""
     monkeypatch.setattr(discovery, "MAX_ENGINES", 32)
     monkeypatch.setattr(discovery, "MAX_ENGINES_PER_OWNER", 32)
-    found = Discovery([str(tmp_path)], require_gpu=False)
+    found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
     found.sample()
     legit = loaders()
     path = model(tmp_path, "repo/legit/1/model.plan")
@@ -174,11 +174,12 @@ def test_many_engine_names_never_make_a_counter_fall(tmp_path, loaders, monkeypa
     assert dict(figures_and_totals.figures.dropped).get("engine", 0) >= 8
 
 
-def test_a_checkpoint_of_100_shards_is_counted_whole(tmp_path, loaders) -> None:
-    """A process reading a 100-shard checkpoint one shard after another: every shard's load counts (a
-    closed shard whose load is over makes room for the next), 100 loads of the checkpoint, all its bytes."""
+def test_a_checkpoint_of_100_shards_is_one_load_of_all_its_bytes(tmp_path, loaders) -> None:
+    """A process reading a 100-shard checkpoint one shard after another, a pass falling between every two
+    shards: one load of the checkpoint in progress from the first shard to the last (never ending and
+    starting again between shards), then one finished load of all its bytes."""
     shard_bytes = 1 << 20
-    found = Discovery([str(tmp_path)], require_gpu=False)
+    found = Discovery([str(tmp_path)], require_gpu=False, join_within=2.0)
     found.sample()
     reader = loaders()
     for index in range(1, 101):
@@ -187,9 +188,88 @@ def test_a_checkpoint_of_100_shards_is_counted_whole(tmp_path, loaders) -> None:
         found.sample()
         reader.do("read", shard, shard_bytes)
         reader.do("close", shard)
+        totals = found.sample().totals
+        ((count, read, _),) = [value for key, value in totals.loads.items() if key[0] == "ckpt"]
+        assert (count, read) == (1, index * shard_bytes), index
+        assert _loads(totals, "ckpt") == 0, index
+    time.sleep(2.0)
     totals = found.sample().totals
-    assert _loads(totals, "ckpt") == 100
+    assert totals.loads == {}
+    assert _loads(totals, "ckpt") == 1
     assert totals.engines["ckpt"][LOAD_BYTES] == 100 * shard_bytes
+    assert totals.waterfalls["ckpt"][spool_format.WATERFALL["file_bytes"]] == 100 * shard_bytes
+
+
+def test_two_models_loading_at_once_are_two_loads(tmp_path, loaders) -> None:
+    """The join is per engine: a process reading two models' files at once makes two loads, each its own."""
+    found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
+    found.sample()
+    reader = loaders()
+    first, second = model(tmp_path, "repo/a/1/model.plan"), model(tmp_path, "repo/b/1/model.plan", 2 << 20)
+    for path in (first, second):
+        reader.do("open", path)
+    found.sample()
+    reader.do("read", first, 1 << 20)
+    reader.do("read", second, 2 << 20)
+    reader.do("close", first)
+    reader.do("close", second)
+    totals = found.sample().totals
+    assert (_loads(totals, "a"), _loads(totals, "b")) == (1, 1)
+    assert (totals.engines["a"][LOAD_BYTES], totals.engines["b"][LOAD_BYTES]) == (1 << 20, 2 << 20)
+
+
+def _uncached(path: str) -> None:
+    """The file's pages out of the page cache: the next read of it comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_loader_that_maps_the_file_and_closes_it_is_seen_loading(tmp_path, loaders) -> None:
+    """safetensors' and llama.cpp's way: map the whole file, close its descriptor, fault the tensors in.  No
+    descriptor holds the file; the maps do, and the process's device reads move the load: in progress while
+    they grow, finished once they reached the file's size, its bytes what came from the device."""
+    size = 64 << 20  # past the disk's read-ahead, which a fault may read whole (8 MiB here)
+    path = model(tmp_path, "repo/llama/1/model.gguf", size)
+    _uncached(path)
+    found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
+    found.sample()
+    loader = loaders()
+    loader.do("map", path)
+    totals = found.sample().totals
+    (info,) = totals.infos["llama"]
+    assert (info.path, info.size) == (path, size)
+    ((key, (count, read, _)),) = totals.loads.items()
+    assert key[0] == "llama" and count == 1
+    loader.do("fault", path, 4 << 20)
+    ((count, read, _),) = found.sample().totals.loads.values()
+    assert count == 1 and 4 << 20 <= read < size
+    loader.do("fault", path, size)
+    totals = found.sample().totals
+    assert totals.loads == {}
+    assert _loads(totals, "llama") == 1
+    assert size // 2 <= totals.engines["llama"][LOAD_BYTES] <= size
+
+
+def test_a_mapping_found_at_start_is_no_load_and_other_reads_do_not_make_one(tmp_path, loaders) -> None:
+    """A server that mapped its model before discovery looked (a restart of the exporter) and then reads
+    other files from the disk: it holds the engine (info), it loads nothing."""
+    path = model(tmp_path, "repo/served/1/model.safetensors", 4 << 20)
+    data = model(tmp_path, "inputs.bin", 8 << 20)
+    loader = loaders()
+    loader.do("map", path)
+    loader.do("fault", path, 4 << 20)
+    found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
+    found.sample()
+    _uncached(data)
+    loader.do("open", data)
+    loader.do("read", data, 8 << 20)
+    totals = found.sample().totals
+    assert [info.path for info in totals.infos["served"]] == [path]
+    assert totals.loads == {} and _loads(totals, "served") == 0
 
 
 def test_a_process_on_a_pid_nvml_listed_for_another_is_no_inference_process(tmp_path, loaders) -> None:
@@ -197,7 +277,7 @@ def test_a_process_on_a_pid_nvml_listed_for_another_is_no_inference_process(tmp_
     pid was reused): a copy tool there is no inference process, its reads no load."""
     path = model(tmp_path, "repo/resnet50/1/model.plan")
     copier = loaders()
-    found = Discovery([str(tmp_path)], gpu_processes=lambda: [(copier.pid, _start(copier.pid) - 1)])
+    found = Discovery([str(tmp_path)], gpu_processes=lambda: [(copier.pid, _start(copier.pid) - 1)], join_within=0.0)
     found.sample()
     copier.do("open", path)
     found.sample()
@@ -224,7 +304,7 @@ def test_processes_that_keep_loading_off_the_gpu_give_way_to_a_gpu_process(tmp_p
     none of their loads counts yet, so a server on a GPU still takes the place of one of them."""
     monkeypatch.setattr(discovery, "MAX_TRACKED_PROCESSES", 4)
     monkeypatch.setattr(discovery, "MAX_TRACKED_OFF_GPU_PER_OWNER", 4)
-    found = Discovery([str(tmp_path)])
+    found = Discovery([str(tmp_path)], join_within=0.0)
     found.sample()
     busy = [loaders() for _ in range(4)]
     for index, loader in enumerate(busy):
@@ -250,7 +330,7 @@ def test_descriptors_past_the_cap_are_said_not_looked_at(tmp_path) -> None:
     path = model(tmp_path, "late/model.plan")
     hoarder = _hoard(path, discovery.MAX_FDS_PER_PROCESS + 100, os.getuid())
     try:
-        found = Discovery([str(tmp_path)], require_gpu=False)
+        found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
         for _ in range(3):
             figures = found.sample().figures
         assert dict(figures.dropped).get("descriptors") == 1

@@ -59,6 +59,7 @@ if [ -f .whl/alertmanager.xz ] && [ -f .whl/prometheus.xz ]; then  # a real stor
   xz -dc .whl/alertmanager.xz > /tmp/gpuio-bin/alertmanager && chmod +x /tmp/gpuio-bin/alertmanager
   cp .whl/alertmanager-templates/*.tmpl /usr/share/prometheus/alertmanager/  # Debian's build reads them
   step env PATH=/tmp/gpuio-bin:$PATH PYTHONUNBUFFERED=1 python3 tests/gpu/storm_check.py
+  step env PATH=/tmp/gpuio-bin:$PATH PYTHONUNBUFFERED=1 python3 tests/gpu/multi_gpu_check.py  # one process on 2 GPUs (skips on 1)
 fi
 if [ -f .whl/node_exporter.xz ]; then  # the benchmarks against their peers, on this host
   mkdir -p /tmp/gpuio-bin && xz -dc .whl/node_exporter.xz > /tmp/gpuio-bin/node_exporter && chmod +x /tmp/gpuio-bin/node_exporter

@@ -212,17 +212,18 @@ class Storm:
 
 class CrashLoop:
     """A pod whose startup probe kills it CRASH_LOOP_KILL_S into its load (Python and torch starting on the
-    stormed disk take their own time first), restarted CRASH_LOOP_RESTART_S later."""
+    stormed disk take their own time first), restarted CRASH_LOOP_RESTART_S later; ``env``: its environment
+    (None: this process's)."""
 
-    def __init__(self, script: str) -> None:
-        self.script, self.kills = script, 0
+    def __init__(self, script: str, env: dict[str, str] | None = None) -> None:
+        self.script, self.kills, self.env = script, 0, env
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
         while not self.stopping.is_set():
             process = subprocess.Popen([sys.executable, "-c", self.script], stdout=subprocess.PIPE,
-                                       stderr=subprocess.DEVNULL, text=True)
+                                       stderr=subprocess.DEVNULL, text=True, env=self.env)
             assert process.stdout is not None
             if process.stdout.readline().strip() == "loading":
                 try:

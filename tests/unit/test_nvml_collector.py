@@ -417,6 +417,44 @@ def test_slow_sweeps_tell_the_engines_collector_which_gpu_each_process_is_on(tmp
     assert table.get(201, 5201) is None and table.get(201, 9000) == uuids[0] and table.get(101, 5101) == uuids[0]
 
 
+def test_a_process_on_several_gpus_is_listed_on_each_with_its_memory(tmp_path) -> None:
+    """Issue 41: one Triton on every GPU is on none for get(), and on each (NVML index order, its used
+    memory per GPU where NVML says it) for gpus_of() and memory_of(); ordered() is every GPU by index."""
+    procfs = tmp_path / "proc"
+    for pid in (101, 102):
+        write_stat(procfs, pid, 5000 + pid)
+    fake = FakeNvml(h100s(3))
+    uuids = [gpu.uuid for gpu in fake.gpus]
+    fake.gpus[2].processes = [ProcessInfo(101, 3 * GIB)]
+    fake.gpus[0].processes = [ProcessInfo(101, GIB), ProcessInfo(102, 2 * GIB)]
+    fake.gpus[1].processes = [ProcessInfo(101, None)]  # NVML cannot say (MIG without privileges, WDDM)
+    collector = make(fake)
+    collector.context = Context(procfs=str(procfs))
+    sweep(collector)
+    table = collector.context.gpu_processes
+    assert table.get(101, 5101) is None and table.get(102, 5102) == uuids[0]
+    assert table.gpus_of(101, 5101) == (uuids[0], uuids[1], uuids[2])
+    assert table.gpus_of(102, 5102) == (uuids[0],) and table.gpus_of(999, 1) == ()
+    assert table.memory_of(101, 5101) == {uuids[0]: GIB, uuids[2]: 3 * GIB}
+    assert table.memory_of(101, 5100) == {}  # another process under that pid
+    assert table.ordered() == tuple(uuids)
+    assert table.processes() == {(101, 5101), (102, 5102)}
+    # the next sweep replaces it whole: 101 exited
+    for gpu in fake.gpus:
+        gpu.processes = [p for p in gpu.processes if p.pid != 101]
+    sweep(collector)
+    assert table.gpus_of(101, 5101) == () and table.memory_of(101, 5101) == {} and table.get(102, 5102) == uuids[0]
+
+
+def test_cuda_ordinals_are_not_mapped_on_a_node_in_mig_mode(tmp_path) -> None:
+    """Under MIG, CUDA enumerates MIG devices, not NVML's GPUs: ordered() says it cannot tell (())."""
+    fake = FakeNvml([*h100s(1), FakeGpu("GPU-M", mig_mode=(1, 1), mig=[FakeMig("MIG-a", 1, 0)])])
+    collector = make(fake)
+    collector.context = Context(procfs=str(tmp_path))
+    sweep(collector)
+    assert collector.context.gpu_processes.ordered() == ()
+
+
 def test_a_recycled_pid_left_out_by_the_cap_is_counted_again(tmp_path) -> None:
     """gpuio_gpu_processes_dropped_total counts each process once, when first left out: a new process
     with an old pid is another process."""
