@@ -44,6 +44,12 @@ def read_at_most(fd: int, limit: int) -> bytes:
 def read_bounded(path: str, limit: int) -> tuple[str, bool] | None:
     """At most ``limit`` bytes of a kernel file as text, and whether there was more; None when it cannot be
     read (gone with its process or cgroup, no such file here, unreadable).  A symlink is not followed."""
+    read = read_bounded_bytes(path, limit)
+    return None if read is None else (read[0].decode("ascii", "replace"), read[1])
+
+
+def read_bounded_bytes(path: str, limit: int) -> tuple[bytes, bool] | None:
+    """:func:`read_bounded` as the bytes the kernel gave (a process's maps or environ name files in bytes)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
@@ -54,7 +60,7 @@ def read_bounded(path: str, limit: int) -> tuple[str, bool] | None:
         return None  # ENODEV and the like: the cgroup or process went after the open
     finally:
         os.close(fd)
-    return data[:limit].decode("ascii", "replace"), len(data) > limit
+    return data[:limit], len(data) > limit
 
 
 def stat_fields(pid: int | str = "self", procfs: str = "/proc") -> list[bytes]:

@@ -233,3 +233,13 @@ def spool_dir(tmp_path) -> Iterator[str]:
     yield str(directory)
     gpuio.close()
     gpuio.configure(None)
+
+
+def evict(path: str) -> None:
+    """The file's pages out of the page cache (written back first): the next read of it comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

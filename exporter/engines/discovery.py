@@ -51,6 +51,12 @@ is engine ``<model>`` version ``<version>``; a generic file name (``model.*``, `
 ``pytorch_model.bin``, shards ``...-00001-of-00004.safetensors``) takes its directory's name; any other
 its file name without the suffix (as the library names an engine by default).
 
+Which GPUs: those NVML lists the process on; a process on several (one Triton server on every GPU) has each
+model file placed by exporter.engines.placement (its config.pbtxt, read once a file and process where the
+wait can be abandoned, with the process's CUDA_VISIBLE_DEVICES read once from its environ; else the GPUs the
+process's NVML memory grew on while it loaded the file, looked for until GROWTH_WAIT after the load; else
+all of them), and its engine's info, loads in progress and abandoned loads are on each of those GPUs.
+
 Only inference processes: a process counts once NVML lists it with a GPU context (``gpu_processes``: pid
 and start time, so a process that took the pid of one NVML listed is not it), and what it loaded before
 that counts from then on; a copy, a checksum or a backup reading model files is

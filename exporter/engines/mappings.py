@@ -13,7 +13,6 @@ longer than that is read in part, and said so.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,17 +34,7 @@ class Mapped:
 def read_maps(procfs: str, pid: int, limit: int = MAPS_BYTES) -> tuple[bytes, bool] | None:
     """The process's maps (at most ``limit`` bytes) and whether there was more; None when it is gone or may
     not be read."""
-    try:
-        fd = os.open(f"{procfs}/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        data = procstat.read_at_most(fd, limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return data[:limit], len(data) > limit
+    return procstat.read_bounded_bytes(f"{procfs}/{pid}/maps", limit)
 
 
 def mapped_files(text: bytes, wanted: Callable[[str], bool],

@@ -43,6 +43,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .. import procstat
+
 MAX_CONFIG_BYTES = 64 << 10  # a config.pbtxt bigger than this is not read (a real one is a few KiB)
 MAX_TOKENS = 32_768  # of one config (a 64 KiB file of one-character tokens and blanks at most)
 MAX_DEPTH = 32  # nested messages and lists (Triton's deepest config is ~6)
@@ -373,7 +375,7 @@ class ConfigReader:
             with self._lock:
                 if key in self._cache:
                     return self._cache[key]
-            data = _read_at_most(fd, MAX_CONFIG_BYTES + 1)
+            data = procstat.read_at_most(fd, MAX_CONFIG_BYTES)  # one byte more: too big shows
         except OSError:
             return None
         finally:
@@ -384,18 +386,6 @@ class ConfigReader:
                 del self._cache[next(iter(self._cache))]  # the oldest first
             self._cache[key] = found
         return found
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    left = limit
-    while left > 0:
-        chunk = os.read(fd, left)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 # --- CUDA_VISIBLE_DEVICES ----------------------------------------------------------------------------
@@ -455,19 +445,12 @@ def read_cuda_environ(procfs: str, pid: int) -> CudaEnviron | None:
     """The CUDA variables of ``/proc/<pid>/environ`` (at most MAX_ENVIRON_BYTES read); None where it cannot
     be read (another user's process without CAP_SYS_PTRACE, a kernel thread, the process gone) or is cut
     before the variable.  The read takes the process's memory lock: run it where the wait can be abandoned."""
-    try:
-        fd = os.open(f"{procfs}/{pid}/environ", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    read = procstat.read_bounded_bytes(f"{procfs}/{pid}/environ", MAX_ENVIRON_BYTES)
+    if read is None:
         return None
-    try:
-        data = _read_at_most(fd, MAX_ENVIRON_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_ENVIRON_BYTES:
-        data = data[: data.rfind(b"\0", 0, MAX_ENVIRON_BYTES) + 1]  # whole entries only
-        return parse_environ(data, complete=False)
+    data, more = read
+    if more:
+        return parse_environ(data[: data.rfind(b"\0") + 1], complete=False)  # whole entries only
     return parse_environ(data)
 
 

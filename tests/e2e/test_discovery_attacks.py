@@ -22,6 +22,7 @@ from exporter import procstat
 from exporter.engines import discovery
 from exporter.engines.discovery import Discovery
 from gpuio import spool as spool_format
+from tests.conftest import evict
 from tests.e2e.loaders import model
 
 pytestmark = pytest.mark.e2e
@@ -218,23 +219,13 @@ def test_two_models_loading_at_once_are_two_loads(tmp_path, loaders) -> None:
     assert (totals.engines["a"][LOAD_BYTES], totals.engines["b"][LOAD_BYTES]) == (1 << 20, 2 << 20)
 
 
-def _uncached(path: str) -> None:
-    """The file's pages out of the page cache: the next read of it comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_a_loader_that_maps_the_file_and_closes_it_is_seen_loading(tmp_path, loaders) -> None:
     """safetensors' and llama.cpp's way: map the whole file, close its descriptor, fault the tensors in.  No
     descriptor holds the file; the maps do, and the process's device reads move the load: in progress while
     they grow, finished once they reached the file's size, its bytes what came from the device."""
     size = 64 << 20  # past the disk's read-ahead, which a fault may read whole (8 MiB here)
     path = model(tmp_path, "repo/llama/1/model.gguf", size)
-    _uncached(path)
+    evict(path)
     found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
     found.sample()
     loader = loaders()
@@ -264,7 +255,7 @@ def test_a_mapping_found_at_start_is_no_load_and_other_reads_do_not_make_one(tmp
     loader.do("fault", path, 4 << 20)
     found = Discovery([str(tmp_path)], require_gpu=False, join_within=0.0)
     found.sample()
-    _uncached(data)
+    evict(data)
     loader.do("open", data)
     loader.do("read", data, 8 << 20)
     totals = found.sample().totals

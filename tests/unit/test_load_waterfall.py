@@ -22,18 +22,9 @@ from exporter.exposition import render
 from gpuio import spool as spool_format
 from gpuio import waterfall
 from gpuio.spool import SpoolFile
-from tests.conftest import engines_collector
+from tests.conftest import engines_collector, evict
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "mounts", "writer")
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture
@@ -65,7 +56,7 @@ def test_classify_thresholds() -> None:
 
 def test_cold_then_warm_load_device_bytes_and_phases(model_file: str, spool: str) -> None:
     size = os.path.getsize(model_file)
-    _evict(model_file)
+    evict(model_file)
     cold = gpuio.load(model_file, bytes, name="wf").waterfall
     warm = gpuio.load(model_file, bytes, name="wf").waterfall
     assert cold is not None and warm is not None
@@ -86,10 +77,10 @@ def test_pool_phases_join_the_last_load(model_file: str, spool: str) -> None:
 
 
 def test_exporter_serves_the_waterfall_and_prediction(model_file: str, spool: str) -> None:
-    _evict(model_file)
+    evict(model_file)
     gpuio.load(model_file, bytes, name="served")
     gpuio.load(model_file, bytes, name="served")
-    _evict(model_file)
+    evict(model_file)
     collector = engines_collector(spool, path_include=(os.path.dirname(model_file),))
     collector.collect()
     collector.engine_files_now()
@@ -112,9 +103,9 @@ def test_prediction_adds_the_exact_mean_deserialize_time_not_a_bucket_median(mod
         time.sleep(0.26)
         return len(data)
 
-    _evict(model_file)
+    evict(model_file)
     loads = [gpuio.load(model_file, slow, name="timed").waterfall for _ in range(2)]
-    _evict(model_file)
+    evict(model_file)
     collector = engines_collector(spool, path_include=(os.path.dirname(model_file),))
     collector.collect()
     collector.engine_files_now()
@@ -283,7 +274,7 @@ def test_hostile_waterfall_and_mount_records_stop_the_parse_there(kind: int, key
 def test_load_timer_with_the_callers_own_read(model_file: str, spool: str) -> None:
     """LoadTimer around code the caller owns: its read (on this thread) is what the bytes count."""
     size = os.path.getsize(model_file)
-    _evict(model_file)
+    evict(model_file)
     with gpuio.LoadTimer("timed", model_file) as timer:
         with timer.reading(size), open(model_file, "rb") as handle:
             data = handle.read()
