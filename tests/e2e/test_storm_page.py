@@ -185,6 +185,26 @@ TRITON_LOADER = textwrap.dedent("""
         pass
     print("loaded", flush=True)
 """)
+# One Triton server on several GPUs (its usual shape: NVML lists it on all of them): it loads its models at
+# once, each in a thread of its own, as the server's model loader does; each model's config.pbtxt says on which
+# of its CUDA devices the model's instances run.
+TRITON_SERVER = textwrap.dedent("""
+    import mmap, os, threading, time
+    time.sleep(1.0)  # the server starts and creates its CUDA contexts before it loads a model
+
+    def load(path):
+        buffer = mmap.mmap(-1, 1 << 20)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        while os.readv(fd, [buffer]) > 0:
+            pass
+
+    loading = [threading.Thread(target=load, args=(path,)) for path in {paths!r}]
+    for thread in loading:
+        thread.start()
+    for thread in loading:
+        thread.join()
+    print("loaded", flush=True)
+""")
 CRASH_LOOP_KILL_S = 4.0  # the startup probe's patience
 CRASH_LOOP_RESTART_S = 1.5  # the replacement's start
 CRASH_LOOP_S = 75  # how long the rollout crash-loops
@@ -192,10 +212,13 @@ CRASH_LOOP_S = 75  # how long the rollout crash-loops
 
 class CrashLoop:
     """One engine's pods: start, kill when still loading after CRASH_LOOP_KILL_S, start again.  Each pod is
-    listed on the engine's GPU while it lives (the fake NVML's process list)."""
+    listed on the engine's GPU while it lives (the fake NVML's process list); a server on several GPUs, on each
+    of ``uuid``."""
 
-    def __init__(self, stack: Stack, script: str, uuid: str) -> None:
+    def __init__(self, stack: Stack, script: str, uuid: str | tuple[str, ...],
+                 env: dict[str, str] | None = None) -> None:
         self.stack, self.script, self.uuid = stack, script, uuid
+        self.env = None if env is None else {**os.environ, **env}
         self.kills = self.loaded = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -203,7 +226,7 @@ class CrashLoop:
     def run(self) -> None:
         while not self.stopping.is_set():
             process = subprocess.Popen([sys.executable, "-c", self.script], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL)
+                                       stderr=subprocess.DEVNULL, env=self.env)
             self.stack.on_gpu(process.pid, self.uuid)
             try:
                 process.wait(timeout=CRASH_LOOP_KILL_S)
@@ -238,19 +261,19 @@ class Stack:
     processes: list[subprocess.Popen] = field(default_factory=list)
     culprit: str | None = None  # a blkio cgroup the storm's fio runs in (cgroup v1), named by the page
     gpu_processes: str = ""  # the fake NVML's process list ("pid uuid" lines: tests/e2e/fake_gpu_exporter.py)
-    _on_gpus: dict[int, str] = field(default_factory=dict)
+    _on_gpus: dict[int, tuple[str, ...]] = field(default_factory=dict)
     _gpu_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def on_gpu(self, pid: int, uuid: str | None) -> None:
-        """List a process on a GPU (it made its CUDA context), or take it off (it exited)."""
+    def on_gpu(self, pid: int, uuid: str | tuple[str, ...] | None) -> None:
+        """List a process on a GPU, or on several (it made its CUDA contexts), or take it off (it exited)."""
         with self._gpu_lock:
             if uuid is None:
                 self._on_gpus.pop(pid, None)
             else:
-                self._on_gpus[pid] = uuid
+                self._on_gpus[pid] = (uuid,) if isinstance(uuid, str) else uuid
             temporary = self.gpu_processes + ".new"
             with open(temporary, "w") as handle:
-                handle.writelines(f"{pid} {uuid}\n" for pid, uuid in self._on_gpus.items())
+                handle.writelines(f"{pid} {gpu}\n" for pid, gpus in self._on_gpus.items() for gpu in gpus)
             os.replace(temporary, self.gpu_processes)
 
     def loaders(self) -> list[subprocess.Popen]:
@@ -695,14 +718,32 @@ def test_crash_looping_cold_start_pages_once_naming_every_engine_and_gpu(stack: 
 
 
 def test_triton_pods_without_the_library_page_naming_their_models(stack: Stack) -> None:
-    """The same rollout served by Triton-like processes that never import gpuio: each reads
-    ``<repository>/<model>/1/model.plan`` with direct reads and is killed while loading, again and again.
-    The exporter finds them from /proc (engine discovery), so the page names every model (the engine, by
-    Triton's layout) and its GPU (NVML's process list), GPUStarvedByDiskIO fires for each, and the abandoned
-    loads are counted, exactly as for processes that use the library."""
+    """The same rollout served by Triton-like processes that never import gpuio, reading
+    ``<repository>/<model>/1/model.plan`` with direct reads, killed while loading, again and again: two pods
+    each on a GPU of its own, and one server on the four other GPUs (Triton's usual shape), its models placed
+    by their config.pbtxt -- on its CUDA device 0, on device 1, on devices 2 and 3, and one with no
+    instance_group (Triton's default: every GPU).  The exporter finds them from /proc (engine discovery), so
+    the page names every model (the engine, by Triton's layout) with its GPUs, GPUStarvedByDiskIO fires for
+    each model on each of its GPUs and on no other, and the abandoned loads are counted, exactly as for
+    processes that use the library."""
     engines = engine_copies(stack, "triton/model-{index}/1/model.plan", "model-{index}")
-    loops = [CrashLoop(stack, TRITON_LOADER.format(path=path), uuid) for path, uuid in engines.values()]
-    crash_loop_storm(stack, engines, loops, "triton crash loop")
+    names = list(engines)
+    alone, served = names[:2], names[2:]
+    server_gpus = tuple(engines[name][1] for name in served)
+    placements = {served[0]: "gpus: [ 0 ]", served[1]: "gpus: [ 1 ]", served[2]: "gpus: [ 2, 3 ]", served[3]: ""}
+    expected = {name: {engines[name][1]} for name in alone}
+    for name, gpus in placements.items():
+        group = f"instance_group [ {{ kind: KIND_GPU {gpus} }} ]" if gpus else ""
+        with open(os.path.join(os.path.dirname(os.path.dirname(engines[name][0])), "config.pbtxt"), "w") as config:
+            config.write(f'name: "{name}"\nplatform: "tensorrt_plan"\n{group}\n')
+        ordinals = [int(k) for k in gpus.strip("gpus: []").split(",")] if gpus else range(len(server_gpus))
+        expected[name] = {server_gpus[k] for k in ordinals}
+    loops = [CrashLoop(stack, TRITON_LOADER.format(path=engines[name][0]), engines[name][1]) for name in alone]
+    # a pod given four of the node's GPUs by the device plugin: its CUDA devices 0-3 are those
+    loops.append(CrashLoop(stack, TRITON_SERVER.format(paths=[engines[name][0] for name in served]), server_gpus,
+                           env={"NVIDIA_VISIBLE_DEVICES": ",".join(server_gpus)}))
+    starved = crash_loop_storm(stack, engines, loops, "triton crash loop")
+    assert starved == expected, f"GPUStarvedByDiskIO paged for {starved}, expected {expected}"
 
 
 def engine_copies(stack: Stack, path_pattern: str, name_pattern: str) -> dict[str, tuple[str, str]]:
@@ -719,23 +760,25 @@ def engine_copies(stack: Stack, path_pattern: str, name_pattern: str) -> dict[st
     return engines
 
 
-def crash_loop_storm(stack: Stack, engines: dict[str, tuple[str, str]], loops: list[CrashLoop], what: str) -> None:
+def crash_loop_storm(stack: Stack, engines: dict[str, tuple[str, str]], loops: list[CrashLoop],
+                     what: str) -> dict[str, set[str]]:
     """Storm the disk while ``loops`` crash-loop their pods for CRASH_LOOP_S; the page must name every engine
     and GPU, GPUStarvedByDiskIO page for each engine, abandoned loads be counted, and no page resolve or
-    blink while the storm lasts."""
+    blink while the storm lasts.  The GPUs GPUStarvedByDiskIO paged each engine on."""
     wait_for_calm(stack)
     already = len(Webhook.received)
     start, wall_start = time.monotonic(), time.time()
     fio = stack.fio(STORM, CRASH_LOOP_S + 30)
     for loop in loops:
         loop.thread.start()
-    starved: set[str] = set()
+    starved: dict[str, set[str]] = {}  # engine -> the GPUs GPUStarvedByDiskIO paged it on
     try:
         while time.monotonic() - start < CRASH_LOOP_S:
             for _, body in Webhook.received[already:]:
-                starved |= {a["labels"]["engine"] for a in body["alerts"] if body["receiver"] == "page"
-                            and a["labels"].get("alertname") == "GPUStarvedByDiskIO" and a["status"] == "firing"
-                            and a["labels"]["engine"] in engines}
+                for alert in body["alerts"]:
+                    if body["receiver"] == "page" and alert["labels"].get("alertname") == "GPUStarvedByDiskIO" \
+                            and alert["status"] == "firing" and alert["labels"]["engine"] in engines:
+                        starved.setdefault(alert["labels"]["engine"], set()).add(alert["labels"]["uuid"])
             assert fio.poll() is None, f"fio stopped: {fio_output(fio)}"
             time.sleep(0.5)
         names = "|".join(engines)  # plain names: letters, digits and "-"
@@ -769,7 +812,7 @@ def crash_loop_storm(stack: Stack, engines: dict[str, tuple[str, str]], loops: l
     assert [uuid for _, uuid in engines.values() if uuid not in description] == []
     waiting = re.search(r"(\d+) engine\(s\) waiting to load", storm_pages[-1]["annotations"]["summary"])
     assert waiting and int(waiting.group(1)) >= len(engines), storm_pages[-1]["annotations"]["summary"]
-    assert starved == set(engines), f"GPUStarvedByDiskIO paged for {sorted(starved)} of {sorted(engines)}"
+    assert set(starved) == set(engines), f"GPUStarvedByDiskIO paged for {sorted(starved)} of {sorted(engines)}"
     # One storm, one page per alert: no alert of the storm resolved while it lasted (the pager would have
     # heard), and in Prometheus each page fired without a break from its first firing to the storm's end.
     ours = [a for body in pages for a in body["alerts"] if started_since(a, wall_start)]
@@ -784,6 +827,7 @@ def crash_loop_storm(stack: Stack, engines: dict[str, tuple[str, str]], loops: l
     alerts = {json.dumps(a["labels"], sort_keys=True) for a in ours}
     stack.report(f"[storm e2e] {what} notifications to the pager: {per_group} (group_wait 1 s, group_interval "
                  f"{GROUP_INTERVAL}): {len(alerts)} paging alerts, none resolved or fired twice during the storm")
+    return starved
 
 
 def wait_for_calm(stack: Stack) -> None:
