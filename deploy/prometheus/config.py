@@ -235,12 +235,22 @@ class Config:
     # saturated disk or slow mount on the node, held for BASELINE_HOLD.  A storm rarely stops a GPU dead;
     # it takes most of its throughput (measured on an H200: SM activity 0.90 -> 0.34 with every pool full).
     GPU_ACTIVITY_DROP: float = 0.5
-    STARVED_FOR: str = "5m"
+    # GPUStarvedByDiskIO pages after this long.  The starved judgement is a conjunction (the device lost its
+    # work, work waits for the engine on it, its storage is saturated or slow, the GPU data is fresh) that no
+    # look-alike of the scenario suite holds for more than one evaluation, so the `for` only has to outlast
+    # transients: a reload's saturating burst (30 s), a pod evicted once while loading (LOAD_RESTART_GRACE),
+    # the rate window.  As long as the storm's page (STORM_PAGE_FOR): the page naming a GPU with its engine
+    # comes 2 minutes after its starvation is first seen (about 2.5 minutes into a storm), whether or not
+    # the storm's page, which names the GPUs starving when it fires, came before.
+    STARVED_FOR: str = "2m"
+    # NodeGPUStarvedByIO (a GPU no engine reports on: a guess, a ticket) after this long.
     NODE_STARVED_FOR: str = "10m"
 
     # --- churn: processes crash-loop, restart, get replaced ----------------------------------------------
     # An engine's file and GPU outlive its processes by this long in the joins the alerts make, so that a
-    # process restarting (a crash loop's back-off reaches 5 minutes) does not make its engine vanish.
+    # process restarting (a crash loop's back-off reaches 5 minutes) does not make its engine vanish; and a
+    # GPU's compute processes outlive them as long for NodeGPUStarvedByIO (between a crash-looping process's
+    # attempts no process holds the GPU), which a GPU whose processes are gone for good stops after this long.
     ENGINE_HOLD: str = "10m"
     # Loads of an engine on one GPU abandoned at least twice within this window (their process exited while
     # loading: killed by its startup probe, out of memory) mean the engine cannot come up: work waits on it
@@ -248,7 +258,7 @@ class Config:
     LOAD_CRASH_LOOP_WINDOW: str = "15m"
     # After a load is abandoned, its replacement has this long to start loading before the engine stops
     # counting as loading (the first attempts of a crash loop restart within seconds; a drained pod never).
-    # Shorter than STORM_PAGE_FOR, so a pod killed once while loading pages nobody.
+    # Shorter than STORM_PAGE_FOR and STARVED_FOR, so a pod killed once while loading pages nobody.
     LOAD_RESTART_GRACE: str = "1m"
     # A scrape gap (the exporter restarting, OOM-killed or upgraded, its node unreachable) resolves no firing
     # alert of a storm and starts no second one: while the node's exporter has not been up without a break

@@ -51,6 +51,10 @@ GAP_SCENARIOS = {"exporter-restart", "node-drain"}
 # vmalert may resolve later: measured up to 600 s (EngineColdStartSlow after a crash loop, whose 15-minute
 # max reads load ages the replay never marks stale); the bound catches an alert that never resolves.
 RESOLVE_LAG = 15 * 60  # seconds
+# Or one evaluation earlier, where a condition holds a series over a window (NodeGPUStarvedByIO: the GPU's
+# processes in the last ENGINE_HOLD): Prometheus 2 still sees the sample exactly a window old ([t - d, t]),
+# VictoriaMetrics does not ((t - d, t], as Prometheus 3).
+WINDOW_EDGE = sc.STEP  # seconds
 
 
 def expand(values: str) -> list[float | None]:
@@ -184,7 +188,8 @@ def test_every_scenario_fires_the_same_alerts_at_the_same_evaluations_on_vmalert
     """Every alert of every scenario first fires at the same evaluation on vmalert as in promtool, and no
     other alert fires; whenever it fires in promtool it fires on vmalert, which may resolve later
     (victoria-metrics has no staleness markers for the results a replay stops writing: a vanished series
-    stays visible to the rules reading it for a while), never more than RESOLVE_LAG."""
+    stays visible to the rules reading it for a while), never more than RESOLVE_LAG, or one evaluation earlier
+    where a window's oldest sample decides (WINDOW_EDGE)."""
     scenarios, promtool, replay = replayed
     differences, lags = [], []
     for scenario in scenarios:
@@ -200,7 +205,9 @@ def test_every_scenario_fires_the_same_alerts_at_the_same_evaluations_on_vmalert
         for alert in firsts_p:
             fired_p = {t for t, alerts in on_prometheus.items() if alert in map(key, alerts)}
             fired_v = {t for t, alerts in on_vmalert.items() if alert in map(key, alerts)}
-            missed = sorted(fired_p - fired_v)
+            # the last evaluation of a run in promtool, where vmalert fired up to the one before
+            missed = sorted(t for t in fired_p - fired_v
+                            if not (t + WINDOW_EDGE not in fired_p and t - WINDOW_EDGE in fired_v))
             if missed and scenario.name not in GAP_SCENARIOS:
                 differences.append(f"{scenario.name}: {dict(alert)} firing in promtool, not vmalert, at {missed[:5]}")
             late = [t - max((p for p in fired_p if p < t), default=t) for t in sorted(fired_v - fired_p)]

@@ -52,9 +52,43 @@ def test_pages_within_twice_for_plus_scrape_interval(scenario: sc.Scenario) -> N
     for fire in pages:
         bound = sc.STARVED_BOUND if fire.alertname == "GPUStarvedByDiskIO" else sc.PAGE_BOUND
         assert 0 < fire.start - scenario.storm_start <= bound, (fire.alertname, fire.start)
-    storm_page = min(pages, key=lambda fire: fire.start)
-    assert storm_page.alertname in ("DiskIOStorm", "MountIOStorm")
-    assert storm_page.names, "the page must be checked for what it names"
+    storm_pages = [fire for fire in pages if fire.alertname in ("DiskIOStorm", "MountIOStorm")]
+    assert storm_pages and all(fire.names for fire in storm_pages), "the storm's page is checked for what it names"
+
+
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s.expected == "page" and s.starving()],
+                         ids=lambda s: s.name)
+def test_each_starving_gpu_is_named_with_its_engine_within_the_goal(scenario: sc.Scenario) -> None:
+    """Every starving GPU is named with its engine ("<engine> on GPU <index>") by a page checked to the
+    evaluation within GPU_NAMING_BOUND of the storm's start: the storm's page, whose description the probe
+    checks at its first firing, or the engine's own page (its summary)."""
+    for gpu, engine in scenario.starving():
+        named = f"{engine} on GPU {gpu}"
+        pages = [fire for fire in scenario.fires if fire.severity == c.CRITICAL and fire.exact and (
+            named in fire.names or (fire.alertname == "GPUStarvedByDiskIO"
+                                    and (fire.labels["gpu"], fire.labels["engine"]) == (gpu, engine)))]
+        assert pages and min(fire.start for fire in pages) - scenario.storm_start <= sc.GPU_NAMING_BOUND, named
+
+
+def test_warm_engines_beside_a_drain_are_never_named_starving() -> None:
+    (scenario,) = [s for s in SCENARIOS if s.name == "drain-beside-warm"]
+    (page,) = [f for f in scenario.fires if f.alertname == "DiskIOStorm" and f.severity == c.CRITICAL]
+    assert set(page.not_names) == {f"chat-{i} on GPU {i}" for i in range(4)}
+    assert {engine for _, engine in scenario.starving()} == {f"search-{i}" for i in range(4)}
+
+
+def test_a_gpu_whose_processes_are_gone_is_checked_to_stop_after_the_hold() -> None:
+    """NodeGPUStarvedByIO through a crash loop fires and holds; for a GPU whose processes exit for good it is
+    checked present two evaluations before ENGINE_HOLD has passed and absent once it has."""
+    (scenario,) = [s for s in SCENARIOS if s.name == "node-crash-loop"]
+    looping, gone = sorted((f for f in scenario.fires if f.alertname == "NodeGPUStarvedByIO"),
+                           key=lambda f: f.labels["gpu"])
+    assert looping.exact and looping.steady_from is not None and looping.end is None
+    assert gone.end_checked and gone.end == 30 * 60 + sc.ENGINE_HOLD
+    checks = sc.test_group(scenario)["promql_expr_test"]
+    at = {sc.seconds(check["eval_time"]): check["exp_samples"] for check in checks
+          if 'gpu="1"' in check["expr"] and "count_over_time" not in check["expr"]}
+    assert at[gone.end - 2 * sc.STEP] and at[gone.end] == []
 
 
 def test_long_storm_is_checked_firing_for_its_two_hours() -> None:

@@ -96,10 +96,12 @@ def learned(config: Config, calm: str, every: str, subquery: bool = False) -> st
             f"  >= {config.BASELINE_MIN_COVERAGE:g} * count_over_time({evaluations})")
 
 
-def held(config: Config, info: str) -> str:
-    """An engine's info series held for ENGINE_HOLD after its last process: its file, disk, mount and GPU
-    stay joined while a crash-looping pod restarts (between attempts no live process reports it)."""
-    return f"last_over_time({info}[{config.ENGINE_HOLD}])"
+def held(config: Config, series: str, over_time: str = "last") -> str:
+    """A series held for ENGINE_HOLD after its last process: an engine's info (its file, disk, mount and
+    GPU stay joined while a crash-looping pod restarts: between attempts no live process reports it), or,
+    with ``over_time`` "max", the most compute processes a GPU had in that window (a crash-looping process
+    leaves its GPU without one between attempts)."""
+    return f"{over_time}_over_time({series}[{config.ENGINE_HOLD}])"
 
 
 def engine_devices(config: Config) -> str:

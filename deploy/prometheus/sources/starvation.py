@@ -15,7 +15,9 @@ from .base import (
     engine_disks,
     engine_mounts,
     fill,
+    held,
     held_through_gaps,
+    indent,
     learned,
     rate,
     reason,
@@ -215,16 +217,20 @@ def waiting_rules(config: Config) -> list[Rule]:
                                           f"unless on ({config.NODE_LABEL}, uuid) {busy}"),
         # Starved: the engine's device lost its work, work waits for the engine on that device, its
         # storage is saturated (a disk, named in `device`) or slow (a network mount, named in
-        # `mountpoint`), and the node's GPU data is fresh.  Value: the device's activity.
-        # GPUStarvedByDiskIO is this for `for`.
+        # `mountpoint`), and the node's GPU data is fresh.  Value: the device's activity.  One series per
+        # engine, device and storage, whatever the number of its files: a checkpoint of 100 shards (each
+        # shard's path held for ENGINE_HOLD) or a model's old and new version is one engine starving one
+        # device.  GPUStarvedByDiskIO is this for `for`.
         record(recorded.STARVED, "\n".join([
-            "(",
-            starved_by(recorded.ENGINE_DISK_SATURATED, "device"),
-            "  or",
-            starved_by(recorded.ENGINE_MOUNT_SLOW, "mountpoint"),
+            "max without (path) (",
+            "  (",
+            indent(starved_by(recorded.ENGINE_DISK_SATURATED, "device")),
+            "    or",
+            indent(starved_by(recorded.ENGINE_MOUNT_SLOW, "mountpoint")),
+            "  )",
+            f"  and on ({config.NODE_LABEL}, engine, uuid)",
+            f'    label_replace({recorded.WORK_WAITING}, "uuid", "$1", "gpu_uuid", "(.+)")',
             ")",
-            f"and on ({config.NODE_LABEL}, engine, uuid)",
-            f'  label_replace({recorded.WORK_WAITING}, "uuid", "$1", "gpu_uuid", "(.+)")',
             f"unless on ({config.NODE_LABEL}) {recorded.GPU_STALE}",
         ])),
     ]
@@ -244,9 +250,9 @@ def starved_alert(config: Config) -> Rule:
     mount = (config.NODE_LABEL, "mountpoint")
     oldest = figure("gpuio_mount_engine_load_oldest_in_progress_seconds", mount, "humanizeDuration", "none")
     storage = fill(
-        "{{ if $labels.device }}the disk under {{ $labels.path }}, {{ $labels.device }}, is saturated: "
+        "{{ if $labels.device }}the disk under its files, {{ $labels.device }}, is saturated: "
         "await ${disk_await}, ${queue} requests queued"
-        "{{ else }}the network mount under {{ $labels.path }}, {{ $labels.mountpoint }}, is slow: "
+        "{{ else }}the network mount under its files, {{ $labels.mountpoint }}, is slow: "
         "NFS READ round trip ${rtt}, oldest engine load in progress ${oldest}{{ end }}; "
         "IO pressure on the node ${io_some}",
         disk_await=figure(recorded.AWAIT, device_labels, "humanizeDuration", "?"),
@@ -281,8 +287,9 @@ def node_gpu_starved(config: Config) -> Rule:
                       f'label_replace({engines_on}, "mig_uuid", "$1", "uuid", "(.+)")')
     expr = "\n".join([
         recorded.GPU_IDLE,
-        "# the GPU has work: compute processes hold it",
-        f"and on ({config.NODE_LABEL}, gpu) (gpuio_gpu_processes{config.selector()} > 0)",
+        f"# the GPU has work: compute processes hold it, or did in the last {config.ENGINE_HOLD} (a crash-looping",
+        "# process leaves the GPU without one between its attempts)",
+        f"and on ({config.NODE_LABEL}, gpu) ({held(config, 'gpuio_gpu_processes' + config.selector(), 'max')} > 0)",
         "# and a disk of the node is saturated",
         f"and on ({config.NODE_LABEL}) count by ({config.NODE_LABEL}) ({recorded.SATURATED})",
         "# GPUs whose engines report (on the GPU or one of its MIG devices) are judged by GPUStarvedByDiskIO",
