@@ -163,7 +163,8 @@ gpu-wheels:
 	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-node-exporter prometheus-alertmanager"
 	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
-	  $(GPU_PLATFORMS) --dest .whl -r requirements-run.txt pytest iniconfig pluggy packaging
+	  $(GPU_PLATFORMS) --dest .whl -r requirements-run.txt pytest iniconfig pluggy packaging \
+	  "$$(grep -o 'grafana-foundation-sdk==[^;"]*' pyproject.toml)"  # the rules generator's boards (GPU checks)
 	xz -T0 -c $$(command -v prometheus) > .whl/prometheus.xz
 	xz -T0 -c $$(command -v promtool) > .whl/promtool.xz
 	xz -T0 -c $$(command -v prometheus-node-exporter) > .whl/node_exporter.xz

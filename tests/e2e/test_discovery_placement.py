@@ -16,6 +16,14 @@ from tests.e2e.loaders import model
 
 pytestmark = pytest.mark.e2e
 
+@pytest.fixture(autouse=True)
+def _no_gpus_given_by_the_environment(monkeypatch) -> None:
+    """The loaders inherit this process's environment: a GPU host's own CUDA_VISIBLE_DEVICES or
+    NVIDIA_VISIBLE_DEVICES (real GPUs' UUIDs) would hide the table's GPUs from them."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
+
+
 GPUS = tuple(f"GPU-{index}0000000-0000-0000-0000-00000000000{index}" for index in range(4))
 GIB = 1 << 30
 
