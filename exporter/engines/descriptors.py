@@ -115,12 +115,13 @@ def answers_in_pass(mount: mounts.MountPoint) -> bool:
 
 
 CONFIG_READ_SECONDS = 1.0  # a model's config.pbtxt read waited for this long at most (a cold read in a storm)
+MAX_STUCK_CONFIG_READS = 16  # config reads left waiting (one per tenant's mount namespace); none started past this
 
 
 def abandonable_config_reads() -> Abandonable:
     """Where discovery reads the config.pbtxt beside a model (exporter.engines.placement): on any mount, for
     a tenant may mount a FUSE file system on the config's very name, where the model's mount says nothing."""
-    return Abandonable(CONFIG_READ_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_STATS, "discovery-config")
+    return Abandonable(CONFIG_READ_SECONDS, UNRESPONSIVE_SECONDS, MAX_STUCK_CONFIG_READS, "discovery-config")
 
 
 def abandonable_stats() -> Abandonable:

@@ -142,6 +142,10 @@ MAPS_EVERY = 30.0
 # How long after a load's end its process's GPU memory may still show where it went: NVML's process list
 # (and its used memory) is read every slow interval of the nvml collector (10 s), three of them.
 GROWTH_WAIT = 30.0
+# config.pbtxt files read for one process in one pass, at most (each may take up to CONFIG_READ_SECONDS); the
+# rest wait for the next pass, and none is read once the pass is past its deadline
+CONFIG_READS_PER_PROCESS = 2
+MAPPED_SLACK = 1 << 20  # a mapped file read to within this of its size is read whole
 SPOOL_SUFFIX = spool_format.SUFFIX
 _SPOOL_NAME = re.compile(re.escape(spool_format.PREFIX) + r"\d{1,10}-(?P<start>\d{1,20})-[0-9a-f]{16}"
                          + re.escape(spool_format.SUFFIX))
@@ -483,8 +487,11 @@ class Discovery:
             for settle in known.pending:  # its loads that ended before NVML listed it
                 settle()
             known.pending.clear()
-        self._follow(known, held, fresh, max(0, known.chars - chars_before), max(0, device_bytes - device_before))
-        self._place(known)
+        returned, grew = max(0, known.chars - chars_before), max(0, device_bytes - device_before)
+        # a mapped file moves by the device reads its faults caused: those that no read() returned (the
+        # process's other reads -- its inputs, another model's file -- count in rchar; faults do not)
+        self._follow(known, held, fresh, returned, max(0, grew - returned))
+        self._place(known, budget.deadline)
         self._close_loads(known, time.monotonic())
         return 1
 
@@ -496,20 +503,26 @@ class Discovery:
 
     # --- which GPUs ---------------------------------------------------------------------------------
 
-    def _place(self, process: Process) -> None:
+    def _place(self, process: Process, deadline: float) -> None:
         """Each file's GPUs: the process's one GPU; for a process on several, where the placement module puts
-        the model (its config.pbtxt, the GPUs its memory grew on while it loaded, else all of them)."""
+        the model (its config.pbtxt, the GPUs its memory grew on while it loaded, else all of them).  A file
+        whose config is not read yet (CONFIG_READS_PER_PROCESS a pass, none past the pass's ``deadline``, or
+        its mount did not answer) keeps the GPUs it was placed on; a new one is on all of them meanwhile."""
         if len(process.gpus) <= 1:
             for held in process.files.values():
                 held.gpus = process.gpus
             return
         now = time.monotonic()
         memory: dict[str, int] | None = None
+        reads = CONFIG_READS_PER_PROCESS
         for held in process.files.values():
             if not held.open and held.loading_since is None and held.gpus:
                 continue  # closed and done: where it was
             if not held.config_read:
-                self._read_config(process, held)
+                if reads <= 0 or time.monotonic() >= deadline or not self._read_config(process, held):
+                    held.gpus = held.gpus or process.gpus
+                    continue
+                reads -= 1
             if held.memory_at_start is not None and not held.grown:
                 memory = self.memory_of(process.pid, process.start) if memory is None else memory
                 held.grown = placement.grew_on(held.memory_at_start, memory)
@@ -518,16 +531,24 @@ class Discovery:
             visible = self._visible(process) if held.config is not None and held.config.ordinals else None
             held.gpus, _ = placement.place(held.config, visible, process.gpus, held.grown)
 
-    def _read_config(self, process: Process, held: HeldFile) -> None:
+    def _read_config(self, process: Process, held: HeldFile) -> bool:
         """The config.pbtxt beside the file, in the process's root, where the wait can be abandoned (after
         CONFIG_READ_SECONDS: a cold read from a local disk in a storm takes a fraction of that; a dead NFS export
-        or FUSE daemon never answers): read again at a later pass when it did not answer."""
+        or FUSE daemon never answers); False when it did not answer (read again at a later pass).  A read that
+        does not answer refuses the reads of its process's mount namespace for a while, not those of others (a
+        tenant can mount a FUSE file system on its own config's name)."""
         try:
-            held.config = self._config_reads.call(held.file.dev, functools.partial(self._configs, process.pid,
-                                                                                   held.file.path))
-            held.config_read = True
+            namespace = os.readlink(f"{self.procfs}/{process.pid}/ns/mnt")
+        except OSError:
+            namespace = f"pid {process.pid}"
+        try:
+            held.config = self._config_reads.call(namespace, functools.partial(self._configs, process.pid,
+                                                                               held.file.path))
         except Unresponsive:
             self._drop("unresponsive_mount")
+            return False
+        held.config_read = True
+        return True
 
     def _visible(self, process: Process) -> tuple[str, ...] | None:
         """The GPUs the process's CUDA ordinals are, from its CUDA_VISIBLE_DEVICES (read once, where the wait
@@ -651,18 +672,22 @@ class Discovery:
         if read is None:
             for key, file in (known.files.items() if known is not None else ()):
                 if file.open and file.file.mapped and len(held) < MAX_FILES_PER_PROCESS:
-                    held.setdefault(key, file.file)
+                    held[key] = _as_mapped(held[key]) if key in held else file.file
             return
         text, more = read
         if more and pid not in self._past_maps_cap and len(self._past_maps_cap) < MAX_LISTED:
             self._past_maps_cap.add(pid)
             self._drop("mappings")
-        held_paths = {file.path for file in held.values()}
+        by_path = {file.path: key for key, file in held.items()}
         for key, found in mappings.mapped_files(text, self._is_model_path, self._include_bytes).items():
-            if key in held or found.path in held_paths or found.extent < MIN_MODEL_BYTES:
+            known_key = key if key in held else by_path.get(found.path)
+            if known_key is not None:
+                # mapped and held open (Python's mmap, numpy.memmap keep a duplicate of the descriptor, whose
+                # position never moves): followed as mapped
+                held[known_key] = _as_mapped(held[known_key])
                 continue
-            if len(held) >= MAX_FILES_PER_PROCESS:
-                break
+            if found.extent < MIN_MODEL_BYTES or len(held) >= MAX_FILES_PER_PROCESS:
+                continue
             held[key] = OpenFile(found.path, found.dev, found.ino, found.extent, 0, 0, mapped=True)
 
     def _is_model_path(self, target: str) -> bool:
@@ -747,8 +772,13 @@ class Discovery:
     def _follow(self, process: Process, held: HeldNow, fresh: bool, returned: int, grew: int) -> None:
         """Follow the files ``held`` now; ``returned`` is what the process's reads returned since its last
         look (rchar), which bounds how far the positions can have moved by reading (a seek moves them for
-        free); ``grew`` what it read from the device since (a mapped file's load moves by that alone)."""
+        free); ``grew`` what its faults read from the device since (a mapped file's load moves by that alone)."""
         now = time.monotonic()
+        # the device reads of the faults, shared among the mapped files loading (a split checkpoint mapped
+        # whole and faulted in shard after shard: each is credited its share, not all of it)
+        mapped_loading = sum(1 for key, opened in held.items() if opened.mapped and key in process.files
+                             and process.files[key].loading_since is not None)
+        share = grew // max(1, mapped_loading)
         for key, opened in held.items():
             known = process.files.get(key)
             if known is None:
@@ -757,7 +787,7 @@ class Discovery:
                     self._begin(process, known, now, already_read=opened.position)
                 continue
             if opened.mapped:
-                self._follow_mapped(process, known, opened, grew, now)
+                self._follow_mapped(process, known, opened, share, now)
                 continue
             moved = opened.position != known.file.position or not known.open
             if moved and known.loading_since is None:
@@ -777,8 +807,7 @@ class Discovery:
                     self._finish(process, known, now)
             elif known.open and known.loading_since is not None and self._stood_still(process, known, now):
                 self._finish(process, known, known.load_moved_at)
-            elif known.open and known.loading_since is not None and known.file.mapped \
-                    and known.read_forward >= known.file.size:
+            elif known.open and known.loading_since is not None and _mapped_read_whole(known):
                 self._finish(process, known, now)  # the device gave as much as the whole file: read
 
     def _follow_mapped(self, process: Process, known: HeldFile, opened: OpenFile, grew: int, now: float) -> None:
@@ -976,7 +1005,7 @@ class Discovery:
         for held in process.files.values():
             if held.loading_since is None:
                 continue
-            if held.file.position >= held.file.size > 0 or (held.file.mapped and held.read_forward >= held.file.size):
+            if held.file.position >= held.file.size > 0 or _mapped_read_whole(held):
                 self._finish(process, held, held.load_moved_at)  # read to the end, then exited
             else:
                 held.loading_since = None
@@ -1046,6 +1075,18 @@ class Discovery:
         for engine in engines:
             totals.processes[engine] = totals.processes.get(engine, 0) + 1
             totals.writers.setdefault(engine, []).append((process.pid, process.start))
+
+
+def _mapped_read_whole(held: HeldFile) -> bool:
+    """A mapped file whose faults read (about) all of it from the device: within MAPPED_SLACK of its size (the
+    device reads credited to it are those no read() returned, a bound that may fall short by a few bytes)."""
+    return held.file.mapped and held.read_forward >= held.file.size - MAPPED_SLACK
+
+
+def _as_mapped(opened: OpenFile) -> OpenFile:
+    """A file held by a descriptor that is also mapped: mapped while its position has not moved (a reader
+    that maps and reads the same file is followed by its reads)."""
+    return dataclasses.replace(opened, mapped=True) if opened.position == 0 and not opened.mapped else opened
 
 
 def _engine_gpus(process: Process, engine: str) -> tuple[str, ...]:

@@ -24,8 +24,8 @@ def loaders() -> Iterator[Callable[..., Loader]]:
     """Starts :class:`tests.e2e.loaders.Loader` processes; kills those still running after the test."""
     started: list[Loader] = []
 
-    def start(env: dict[str, str] | None = None) -> Loader:
-        loader = Loader(env)
+    def start(env: dict[str, str] | None = None, wrapper: tuple[str, ...] = ()) -> Loader:
+        loader = Loader(env, wrapper)
         started.append(loader)
         return loader
 

@@ -2,9 +2,11 @@
 
 Each :class:`Loader` is a real child process (plain Python, no gpuio) that reads its commands from a pipe
 and answers "ok" after each: ``open PATH``, ``write PATH`` (opened for writing), ``read PATH COUNT``,
-``seek PATH OFFSET`` and ``close PATH``; ``map PATH`` (mapped whole, its descriptor closed), ``fault PATH
-COUNT`` (its first COUNT bytes read through the mapping) and ``unmap PATH``.  The ``loaders`` fixture
-(tests/e2e/conftest.py) starts them (``env``: variables to add) and kills those still running after the test.
+``seek PATH OFFSET`` and ``close PATH``; ``map PATH`` (mapped whole, its descriptor closed), ``pymap PATH``
+(with Python's mmap, which keeps a duplicate descriptor), ``fault PATH COUNT`` (its first COUNT bytes read
+through the mapping) and ``unmap PATH``.  The ``loaders`` fixture (tests/e2e/conftest.py) starts them
+(``env``: variables to add; ``wrapper``: a command to run them under, ``unshare ...``) and kills those still
+running after the test.
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ LOADER = textwrap.dedent("""
             address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
             os.close(fd)
             maps[rest] = (address, (ctypes.c_char * size).from_address(address))
+        elif word == "pymap":  # Python's mmap (numpy.memmap's): it keeps a duplicate of the descriptor open
+            with open(rest, "rb") as handle:
+                maps[rest] = (None, mmap.mmap(handle.fileno(), 0, prot=mmap.PROT_READ))
         elif word == "fault":  # read COUNT bytes of the mapping from its start: a fault a page
             name, count = rest.rsplit(" ", 1)
             view = maps[name][1]
-            sum(view[offset][0] for offset in range(0, min(int(count), len(view)), mmap.PAGESIZE))
+            sum(view[offset][0] if maps[name][0] is not None else view[offset]
+                for offset in range(0, min(int(count), len(view)), mmap.PAGESIZE))
         elif word == "unmap":
             address, view = maps.pop(rest)
             libc.munmap(address, len(view))
@@ -53,8 +59,8 @@ LOADER = textwrap.dedent("""
 
 
 class Loader:
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", LOADER], stdin=subprocess.PIPE,
+    def __init__(self, env: dict[str, str] | None = None, wrapper: tuple[str, ...] = ()) -> None:
+        self.process = subprocess.Popen([*wrapper, sys.executable, "-c", LOADER], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True,
                                         env=None if env is None else {**os.environ, **env})
         self.pid = self.process.pid
