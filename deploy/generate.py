@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import glob
 import os
 import sys
@@ -32,7 +33,7 @@ from deploy.generated import DASHBOARDS_DIR, REPO, report_stale, stale_files, wr
 from deploy.kubernetes import generate as kubernetes
 from deploy.prometheus import generate as prometheus
 from deploy.prometheus import runbooks
-from deploy.prometheus.config import DEFAULT, GRAFANA_URL_ENV, RUNBOOK_URL_ENV, Config
+from deploy.prometheus.config import DEFAULT, GRAFANA_URL_ENV, KNOBS, RUNBOOK_URL_ENV, Config
 from deploy.prometheus.sources import rule_files
 
 
@@ -93,6 +94,17 @@ def configured(runbook_url: str | None, grafana_url: str | None, environ: Mappin
                                GRAFANA_URL=DEFAULT.GRAFANA_URL if grafana is None else grafana)
 
 
+def check_knob_name(text: str) -> None:
+    """ValueError, with the closest knob's name, where ``NAME=VALUE`` names no knob: a misspelt knob (STORM_FR)
+    would otherwise be told only that it is none, and a lower-case one (storm_for) the same."""
+    name, sep, _ = text.partition("=")
+    if not sep or name in KNOBS:
+        return  # well formed and known, or not NAME=VALUE at all (parse_override says what is expected)
+    close = difflib.get_close_matches(name.upper(), sorted(KNOBS), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else " (the knobs are the fields of its Config)"
+    raise ValueError(f"--set {text!r}: {name} is not a knob of deploy/prometheus/config.py{hint}")
+
+
 def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,6 +123,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ)
     args = parser.parse_args(argv)
     try:
         config = configured(args.runbook_url, args.grafana_url, environ)
+        for text in args.set:
+            check_knob_name(text)
         overrides = dict(prometheus.parse_override(text, config) for text in args.set)
     except ValueError as error:
         parser.error(str(error))

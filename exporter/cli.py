@@ -115,8 +115,8 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
         print("usage: gpuio scrape [collector flags]   print one scrape of this machine in the text format\n"
               "       gpuio top [--once|--json] [--url URL] [exporter flags]   live view of disks, IO pressure, "
               "GPUs, engines\n"
-              "       gpuio engines [--spool-dir DIR] [--path GLOB] [--json]   engines on this node: size, "
-              "residency, disk, GPU\n"
+              "       gpuio engines [--spool-dir DIR] [--path GLOB] [--url URL] [--json]   engines on this node (or "
+              "the exporter's at URL): size, residency, disk, GPU\n"
               "       gpuio warm PATH... [--jobs N] [--json] [--evict] [--stall-timeout S] [--as-root]   read engine "
               "files into the page cache (--evict: drop them from it), print MiB/s\n"
               "       gpuio --version")

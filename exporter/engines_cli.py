@@ -307,7 +307,7 @@ def _table(rows: list[dict[str, Any]], wide: bool = False) -> str:
 
 # The exporter's JSON API of the join (exporter/api.py), and the most of its answer read: above the
 # exporter's own bound on it, so that a whole answer always fits.
-ENGINES_API = "/api/v1/engines"
+ENGINES_API = "/api/v1/engines"  # remote.ENGINES_API_PATH (not imported here: the local table needs no client)
 MAX_API_ANSWER_BYTES = 16 << 20
 # The most rows read, and the objects and arrays they may hold (counted before the answer is parsed): a few
 # KiB of gzip can pack a million rows into the byte bound above, each made a dict of every field here.  The
@@ -327,14 +327,20 @@ def _engines_parser() -> argparse.ArgumentParser:
     from gpuio.spool import DEFAULT_DIR
 
     from .pods import kubelet
-    from .remote import add_client_options
+    from .remote import URL_HELP, add_client_options
 
-    parser = argparse.ArgumentParser(prog="gpuio engines", description="The engines on this node, or on the "
-                                     "node of the exporter --url names.")
-    spool_dir = os.environ.get("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR") or os.environ.get("GPUIO_SPOOL_DIR") or DEFAULT_DIR
-    parser.add_argument("--spool-dir", default=spool_dir,
-                        help="spool directory (env GPUIO_COLLECTOR_ENGINES_SPOOL_DIR, else GPUIO_SPOOL_DIR as the "
-                             "library reads it; default %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="gpuio engines", description="The engines on this node, or on the node of the exporter --url names.",
+        epilog=f"Without --url: the engines processes report here through the library (the spool directory, and "
+               f"pods' spool volumes under --kubelet-pods-dir) and the --path files.  Engines the exporter finds by "
+               f"discovery (servers without the library, holding model files open on a GPU NVML lists) are the "
+               f"running exporter's: --url http://localhost:9817 reads them.  No spool directory at the default "
+               f"{DEFAULT_DIR} is no error (no process on this node has used the library): the rest is shown, or a "
+               f"line 'no engines:' saying what was looked at, exit 0.  A --spool-dir (or variable) that does not "
+               f"exist is an error, exit 2: a typo would otherwise read as no engines.")
+    parser.add_argument("--spool-dir", default=None,
+                        help=f"spool directory (env GPUIO_COLLECTOR_ENGINES_SPOOL_DIR, else GPUIO_SPOOL_DIR as the "
+                             f"library reads it; default {DEFAULT_DIR})")
     parser.add_argument("--path", action="append", default=[],
                         help="glob of engine files to include (repeatable, or comma-separated)")
     parser.add_argument("--path.procfs", dest="procfs", default="/proc")
@@ -352,8 +358,8 @@ def _engines_parser() -> argparse.ArgumentParser:
                         help="every column: the device and mount, loads in progress, the last load's waterfall and "
                              "disk bytes, inferences")
     parser.add_argument("--url", metavar="URL",
-                        help="read the engines of the node a running exporter serves (e.g. https://node7:9817), "
-                             "from its /api/v1/engines, instead of this node's")
+                        help=f"read the engines of the node a running exporter serves, from its /api/v1/engines, "
+                             f"instead of this node's: {URL_HELP}")
     add_client_options(parser)
     return parser
 
@@ -372,22 +378,44 @@ def engines_main(argv: Sequence[str]) -> int:
     return _print_local(args)
 
 
+def spool_directory(given: str | None, environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """The spool directory to read, and what named it (a flag or a variable; None for the default)."""
+    from gpuio.spool import DEFAULT_DIR
+
+    if given is not None:
+        return given, "--spool-dir"
+    for variable in ("GPUIO_COLLECTOR_ENGINES_SPOOL_DIR", "GPUIO_SPOOL_DIR"):
+        if environ.get(variable):
+            return environ[variable], variable
+    return DEFAULT_DIR, None
+
+
 def _print_local(args: argparse.Namespace) -> int:
+    spool_dir, named_by = spool_directory(args.spool_dir, os.environ)
     globs = [part.strip() for value in args.path for part in value.split(",") if part.strip()]
     if not globs and env_globs():
         globs = env_globs()
-    if not globs and not os.path.isdir(args.spool_dir) and not os.path.isdir(args.kubelet_pods_dir):
-        # a typo would otherwise read as "no engines"
-        print(f"gpuio engines: error: spool directory {printable(args.spool_dir)} does not exist "
-              "(--spool-dir, GPUIO_COLLECTOR_ENGINES_SPOOL_DIR, GPUIO_SPOOL_DIR); "
-              "no instrumented process can report there",
-              file=sys.stderr)
+    if named_by is not None and not os.path.isdir(spool_dir):
+        # Named on purpose: a typo would otherwise read as "no engines".  The default missing is no error:
+        # no process on this node has used the library, and discovery and --path may still find engines.
+        print(f"gpuio engines: error: spool directory {printable(spool_dir)} does not exist (named by {named_by}); "
+              "no instrumented process can report there", file=sys.stderr)
         return 2
     include = [part.strip() for part in args.path_include.split(",") if part.strip()]
-    rows = engine_rows(args.spool_dir, globs, args.procfs, args.sysfs, args.rootfs, include or None,
+    rows = engine_rows(spool_dir, globs, args.procfs, args.sysfs, args.rootfs, include or None,
                        args.kubelet_pods_dir)
-    _print_rows(rows, args, f"nothing in {printable(args.spool_dir)} and no --path files")
+    _print_rows(rows, args, _nothing_found(spool_dir, globs))
     return 0
+
+
+def _nothing_found(spool_dir: str, globs: Sequence[str]) -> str:
+    """What ``gpuio engines`` looked at and found empty, and where to point it instead: one line."""
+    spool = (f"nothing in the spool directory {printable(spool_dir)}" if os.path.isdir(spool_dir) else
+             f"no spool directory at {printable(spool_dir)}, so no process here reports through the library "
+             "(--spool-dir or GPUIO_SPOOL_DIR names another)")
+    files = "no file matches --path" if globs else "no --path files"
+    # Discovery counts processes NVML lists on a GPU, which only the exporter's nvml collector reads.
+    return f"{spool}; {files}; engines found by discovery are a running exporter's: --url http://localhost:9817"
 
 
 def _print_remote(args: argparse.Namespace, options: ClientOptions) -> int:
@@ -425,7 +453,7 @@ def remote_rows(url: str, options: ClientOptions) -> tuple[list[dict[str, Any]],
     from .remote import Exporter, RemoteError
 
     exporter = Exporter(url, options)
-    api = exporter.url(_api_path(exporter.path), "")
+    api = exporter.endpoint(ENGINES_API)
     answer = exporter.get_json(api, MAX_API_ANSWER_BYTES, MAX_API_CONTAINERS)
     rows = answer.get("engines") if isinstance(answer, dict) else None
     if isinstance(rows, list) and len(rows) > MAX_API_ROWS:
@@ -434,13 +462,6 @@ def remote_rows(url: str, options: ClientOptions) -> tuple[list[dict[str, Any]],
     if not isinstance(rows, list) or not all(isinstance(row, dict) and "engine" in row for row in rows):
         raise RemoteError(f"{api}: not an answer of gpuio's engines API")
     return [{**dict.fromkeys(ROW_FIELDS), **row} for row in rows], answer, api
-
-
-def _api_path(path: str) -> str:
-    """The API's path under the path --url gives: "" or "/" (the exporter itself), a proxy's prefix, or
-    the API's own URL."""
-    path = path.rstrip("/")
-    return path if path.endswith(ENGINES_API) else path + ENGINES_API
 
 
 def env_globs() -> list[str]:

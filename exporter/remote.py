@@ -39,7 +39,16 @@ from typing import IO, Any
 from . import __version__
 from .webconfig import read_regular_file
 
+# The default --timeout of both clients: Prometheus's default scrape_timeout, so that an exporter slow under an IO
+# storm (when these tools are reached for) is given up on no sooner than the scrapes give up on it.
 DEFAULT_TIMEOUT = 10.0
+# What the clients read of an exporter: `gpuio top` its text exposition, `gpuio engines` its JSON API; both at
+# the exporter's root, or under a reverse proxy's prefix.
+METRICS_PATH = "/metrics"
+ENGINES_API_PATH = "/api/v1/engines"
+ENDPOINTS = (METRICS_PATH, ENGINES_API_PATH)
+URL_HELP = ("the exporter's base URL (http://node:9817, http:// assumed without a scheme; a path is a reverse "
+            "proxy's prefix) or any of its endpoints, .../metrics or .../api/v1/engines")
 MAX_PASSWORD_FILE_BYTES = 4096
 MAX_ERROR_BYTES = 64 * 1024  # of an error answer's body: its message, no more
 READ_CHUNK = 64 * 1024
@@ -77,8 +86,21 @@ def _seconds(value: str) -> float:
     return seconds
 
 
-def add_client_options(parser: argparse.ArgumentParser, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """The flags that say how to reach the exporter named by --url (its TLS and basic auth)."""
+def endpoint_path(path: str, endpoint: str) -> str:
+    """The path of ``endpoint`` (one of ENDPOINTS) at the exporter a --url's ``path`` names: its base ("" or
+    "/", the exporter's root; a reverse proxy's prefix), or one of its endpoints under that base.  So both
+    tools take the same URLs: http://node:9817, http://node:9817/metrics, https://proxy/node7/api/v1/engines."""
+    base = path.rstrip("/")
+    for known in ENDPOINTS:
+        if base.endswith(known):
+            base = base[:-len(known)]
+            break
+    return base + endpoint
+
+
+def add_client_options(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how to reach the exporter named by --url (its TLS and basic auth, --timeout): the
+    same, with the same defaults, for every client."""
     group = parser.add_argument_group("with --url, an exporter behind --web.config.file (TLS, basic auth)")
     group.add_argument("--ca-file", metavar="FILE",
                        help="CA certificates to verify the exporter's certificate with (default: the system's)")
@@ -88,8 +110,9 @@ def add_client_options(parser: argparse.ArgumentParser, timeout: float = DEFAULT
     group.add_argument("--username", metavar="USER", help="basic-auth user (with --password-file)")
     group.add_argument("--password-file", metavar="FILE",
                        help="file holding the basic-auth password (whitespace around it is ignored)")
-    group.add_argument("--timeout", type=_seconds, default=timeout, metavar="SECONDS",
-                       help="give up on an exporter that has not answered in full this long (default %(default)g)")
+    group.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                       help="give up on an exporter that has not answered in full this long (default %(default)g, "
+                            "Prometheus's default scrape_timeout; the same for gpuio top and gpuio engines)")
 
 
 def client_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ClientOptions:
@@ -137,6 +160,11 @@ class Exporter:
         elif self.options.ca_file or self.options.cert_file:
             raise RemoteError(f"{self.url('')}: --ca-file and --cert-file need an https:// URL")
         self._opener = urllib.request.build_opener(*handlers)
+
+    def endpoint(self, endpoint: str, query: str = "") -> str:
+        """The URL of ``endpoint`` (METRICS_PATH, ENGINES_API_PATH) at this exporter (:func:`endpoint_path`),
+        with ``query``; never with the password."""
+        return self.url(endpoint_path(self.path, endpoint), query)
 
     def url(self, path: str | None = None, query: str | None = None) -> str:
         """This exporter's URL with another path (and query); the URL's own without arguments.  Never

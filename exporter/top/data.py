@@ -16,7 +16,7 @@ from gpuio.spool import SERIES
 
 from .. import collect
 from ..collectors import diskstats, engines, nvml, pressure, smart
-from ..remote import ClientOptions, Exporter, RemoteError
+from ..remote import DEFAULT_TIMEOUT, METRICS_PATH, ClientOptions, Exporter, RemoteError
 
 # --- The families top reads, from their declarations in the collectors (never a copied literal). ---
 # Disks (diskstats collector; node_exporter's node_disk_* semantics).
@@ -205,11 +205,13 @@ class UrlSource:
     """A running exporter's /metrics (text format; gzip accepted), reached with the TLS and basic auth
     ``options`` give (exporter/remote.py)."""
 
-    def __init__(self, url: str, clock: Callable[[], float] = time.monotonic, timeout: float = 5.0,
+    def __init__(self, url: str, clock: Callable[[], float] = time.monotonic, timeout: float = DEFAULT_TIMEOUT,
                  options: ClientOptions | None = None) -> None:
         self.exporter = Exporter(url, options or ClientOptions(timeout=timeout))
         self.headers = self.exporter.headers
-        self.url = self.exporter.url(self.exporter.path or "/metrics")  # a bare host:port: the default path
+        # The exporter's base or any of its endpoints: its /metrics, as `gpuio engines` reads its API.  The URL's
+        # query goes along (?collect[]=diskstats reads those collectors only).
+        self.url = self.exporter.endpoint(METRICS_PATH, self.exporter.query)
         self.clock = clock
         self.description = self.url  # without the password
 

@@ -15,7 +15,7 @@ import sys
 import termios
 import time
 import tty
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import thresholds as th
-from ..remote import RemoteError, add_client_options, client_options
+from ..remote import URL_HELP, RemoteError, add_client_options, client_options
 from ..sorting import natural_key
 from ..terminal import printable, safe_text
 from .data import GIB, MIB, LocalSource, Snapshot, Source, SourceError, UrlSource
@@ -463,27 +463,53 @@ def _with_own_flags(error: Exception, parser: argparse.ArgumentParser) -> str:
     return f"unknown flag {found[1]!r}; did you mean {close[0]}?" if close else str(error)
 
 
+# gpuio top logs warnings and errors only, on stderr (stdout is the view): the exporter's "source absent" notes
+# (no GPU, no kubelet here) are news in a server's log, noise around a table that says the same in its rows.
+LOG_LEVEL = "warn"
+
+
+def log_level(configured: str, argv: Sequence[str], environ: Mapping[str, str]) -> str:
+    """The level gpuio top logs at: ``configured`` where --log.level (or GPUIO_LOG_LEVEL) set it, else LOG_LEVEL."""
+    given = any(arg == "--log.level" or arg.startswith("--log.level=") for arg in argv) or "GPUIO_LOG_LEVEL" in environ
+    return configured if given else LOG_LEVEL
+
+
+def checked_setting(setting: str) -> str:
+    """``setting`` (--set NAME=VALUE) when NAME is a threshold gpuio top judges by, or not NAME=VALUE at all (the
+    thresholds say what is expected); else ValueError naming the closest threshold (STORM_FR: did you mean ...?)."""
+    name, sep, _ = setting.partition("=")
+    names = sorted(f.name for f in dataclasses.fields(th.DEFAULT) if isinstance(getattr(th.DEFAULT, f.name), float))
+    if not sep or name in names:
+        return setting
+    close = difflib.get_close_matches(name.upper(), names, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise ValueError(f"--set {setting!r}: {name} is not a threshold gpuio top judges by{hint} (accepted: "
+                     f"{', '.join(names)})")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuio top", allow_abbrev=False,
         description="A live view of this node's disks (iostat -x), IO pressure, GPUs and engines; rows that "
                     "meet the alert thresholds are highlighted.",
-        epilog="Other flags are the exporter's (--path.procfs, --path.sysfs, --collector.*): without --url, "
-               "gpuio top reads this machine through the same collectors. Keys: s/S sort column, r reverse, "
+        epilog="Other flags are the exporter's (--path.procfs, --path.sysfs, --collector.*, --log.level): without "
+               "--url, gpuio top reads this machine through the same collectors. Only the view goes to stdout; "
+               "warnings and errors go to stderr (--log.level=info adds the collectors' notes). Keys: s/S sort "
+               "column, r reverse, "
                "Tab next table, / filter (Enter keeps, Esc cancels; Esc clears), p or space pause, q quit.")
     parser.add_argument("--once", action="store_true", help="Print one view (two samples --interval apart).")
     parser.add_argument("--json", action="store_true", help="Print one view as JSON (implies --once).")
     parser.add_argument("--interval", default="1s", metavar="DURATION",
                         help="Time between samples, e.g. 500ms, 1s, 2s (default 1s).")
     parser.add_argument("--url", metavar="URL",
-                        help="Read a running exporter (e.g. http://node:9817/metrics) instead of this machine.")
+                        help=f"Read a running exporter's /metrics instead of this machine: {URL_HELP}.")
     parser.add_argument("--sort", metavar="COLUMN", help="Sort by this column header (e.g. r_await, %%util, busy%%).")
     parser.add_argument("--filter", default="", metavar="TEXT", help="Show only rows whose device/GPU/engine "
                         "contains TEXT.")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="Judge by your own threshold, the knob of the same name you give the rules "
                              "(python -m deploy.generate --set NAME=VALUE), e.g. GPU_BUSY_LOW=0.2; repeatable.")
-    add_client_options(parser, timeout=5.0)
+    add_client_options(parser)
     return parser
 
 
@@ -504,7 +530,7 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
         parser.error(f"invalid value {args.interval!r} for --interval: {exc}; accepted: a duration above zero "
                      "such as 500ms, 1s, 2s")
     try:
-        limits = th.DEFAULT.with_overrides(args.set)
+        limits = th.DEFAULT.with_overrides([checked_setting(setting) for setting in args.set])
     except ValueError as exc:
         parser.error(str(exc))
     ui = UiState(filter=args.filter)
@@ -524,11 +550,11 @@ def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time
     else:
         try:
             config = parse_args(rest, prog="gpuio top", server=False)
+            setup(log_level(config.log_level, rest, os.environ), config.log_format)  # before the collectors log
             source = LocalSource(config, clock)
         except ConfigError as exc:
             print(f"gpuio top: error: {printable(_with_own_flags(exc, parser))}", file=sys.stderr)
             return 2
-        setup(config.log_level, config.log_format)
     once = args.once or args.json
     if not once and not (sys.stdin.isatty() and out.isatty()):
         print("gpuio top: error: the live view needs a terminal; use --once or --json for scripts",

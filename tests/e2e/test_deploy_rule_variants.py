@@ -38,3 +38,13 @@ def test_cli_check_passes_on_the_checked_in_files() -> None:
     result = subprocess.run([sys.executable, "-m", "deploy.generate", "--check"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_misspelt_knob_is_refused_with_the_closest_name(tmp_path) -> None:
+    out = tmp_path / "variant"
+    result = subprocess.run([sys.executable, "-m", "deploy.generate", "--set", "STORM_FR=10m", "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines()[-1] == ("python -m deploy.generate: error: --set 'STORM_FR=10m': STORM_FR is not "
+                                              "a knob of deploy/prometheus/config.py; did you mean STORM_FOR?")
+    assert not out.exists()  # nothing written

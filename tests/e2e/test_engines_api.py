@@ -135,6 +135,10 @@ def test_gpuio_engines_url_prints_the_table_gpuio_engines_prints_here(exporter, 
         assert len(remote.stdout.splitlines()) == 4  # the heading and three engines
     remote_json = gpuio_cli("engines", "--url", server.base + "/", "--json")
     assert json.loads(remote_json.stdout) == node.local_rows()
+    # the URL `gpuio top --url` is given works here too: the exporter's /metrics names the same exporter
+    from_metrics = gpuio_cli("engines", "--url", server.base + "/metrics", "--json")
+    assert from_metrics.returncode == 0, from_metrics.stderr
+    assert json.loads(from_metrics.stdout) == node.local_rows()
 
 
 def test_errors_are_json_and_the_client_says_them_on_one_line(exporter, tmp_path: Path) -> None:

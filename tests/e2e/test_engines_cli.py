@@ -33,6 +33,32 @@ def test_engines_prints_a_hostile_engine_name_escaped(spool_dir) -> None:
     assert r"evil\x1b[2J\x1b]0;pwned\x07\x9b1m\x7f[bold red]x[/]\u202egnp.exe" in out
 
 
+def test_engines_with_no_flags_where_no_spool_directory_is(tmp_path) -> None:
+    """`gpuio engines` on a node where no process has used the library (no spool directory at the default):
+    exit 0, one line on stdout saying what was looked at and where else to look; a directory named that is
+    not there is still an error (exit 2).  The default is moved into tmp_path (the command line cannot
+    move it: only a flag or a variable could, and either makes it named)."""
+    moved = f"import gpuio.spool; gpuio.spool.DEFAULT_DIR = {str(tmp_path / 'spool')!r}; " + GPUIO
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("GPUIO_SPOOL_DIR", "GPUIO_COLLECTOR_ENGINES_SPOOL_DIR", "GPUIO_COLLECTOR_ENGINES_PATH",
+                          "GPUIO_COLLECTOR_ENGINES_KUBELET_PODS_DIR")}
+    pods = str(tmp_path / "no-kubelet")
+
+    def gpuio_engines(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", moved, "engines", "--kubelet-pods-dir", pods, *args],
+                              capture_output=True, text=True, timeout=60, cwd=REPO, env={**env, **extra})
+
+    plain = gpuio_engines()
+    assert plain.returncode == 0 and plain.stderr == ""
+    assert plain.stdout.startswith(f"no engines: no spool directory at {tmp_path / 'spool'}, so no process here "
+                                   "reports through the library (--spool-dir or GPUIO_SPOOL_DIR names another)")
+    assert json.loads(gpuio_engines("--json").stdout) == []
+    typo = gpuio_engines(GPUIO_SPOOL_DIR=str(tmp_path / "typo"))
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert typo.stderr == (f"gpuio engines: error: spool directory {tmp_path / 'typo'} does not exist (named by "
+                           "GPUIO_SPOOL_DIR); no instrumented process can report there\n")
+
+
 def _run_on_a_terminal(arguments: list[str]) -> str:
     """``gpuio`` in a process whose stdout and stderr are a pseudo-terminal; all it wrote."""
     import pty

@@ -99,6 +99,33 @@ def test_url_as_a_process(exporter) -> None:
     assert any(line.split()[:2] == ["nvme1n1", "0.00"] for line in result.stdout.splitlines())
 
 
+def test_url_takes_the_exporters_base_or_its_engines_api(exporter) -> None:
+    """What `gpuio engines --url` is given works here too: the exporter's base, or its /api/v1/engines."""
+    procfs, sysfs = root("linux-6.8")
+    server = exporter(f"--path.procfs={procfs}", f"--path.sysfs={sysfs}")
+    for url in (server.base, f"{server.base}/api/v1/engines"):
+        result = run("--once", "--interval=100ms", f"--url={url}")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split("\n")[0].endswith(f"s  {server.base}/metrics")
+
+
+def test_once_writes_the_view_alone_to_stdout() -> None:
+    """Logs go to stderr, never into the view, and by default only warnings: the collectors' start-up notes
+    ("source absent": no GPU, no kubelet here) come with --log.level=info, on stderr still."""
+    procfs, sysfs = root("linux-6.8")
+    flags = ("--once", "--interval=100ms", f"--path.procfs={procfs}", f"--path.sysfs={sysfs}")
+    quiet = run(*flags)
+    assert quiet.returncode == 0, quiet.stderr
+    lines = quiet.stdout.splitlines()
+    assert lines[0].startswith("gpuio top  ") and lines[-1].startswith("engines: ")
+    assert "level=" not in quiet.stdout and "level=info" not in quiet.stderr
+    told = run(*flags, "--log.level=info")
+    assert told.returncode == 0, told.stderr
+    assert "level=" not in told.stdout and len(told.stdout.splitlines()) == len(lines)
+    assert 'msg="source absent"' in told.stderr  # nvml at least: no GPU library in the test's environment
+    assert 'msg="source absent"' in run(*flags, env={"GPUIO_LOG_LEVEL": "info"}).stderr
+
+
 @pytest.mark.parametrize(("argv", "code", "message"), [
     (["--json", "--interval=100ms", "--url=127.0.0.1:1"], 1, "error: http://127.0.0.1:1/metrics: "),
     (["--json", "--url=127.0.0.1:1", "--path.procfs=/proc"], 2, "(--path.procfs=/proc) apply to this machine, "
@@ -106,6 +133,8 @@ def test_url_as_a_process(exporter) -> None:
     (["--json", "--ca-file=/ca.crt"], 2, "--ca-file: how to reach the exporter --url names; give --url"),
     (["--json", "--url=127.0.0.1:1", "--username=a"], 2, "error: --username and --password-file go together"),
     (["--json", "--interval=soon"], 2, "invalid value 'soon' for --interval: not a duration; accepted: "),
+    (["--json", "--set=IO_PRESSURE_FUL=0.2"], 2, "IO_PRESSURE_FUL is not a threshold gpuio top judges by; did you "
+                                                 "mean IO_PRESSURE_FULL?"),
     (["--json", "--sort=speed"], 2, "invalid value 'speed' for --sort; accepted: %util, aqu-sz, busy%, "),
     (["--json", "--path.procfs=/nonexistent"], 2, "invalid value '/nonexistent' for --path.procfs"),
     (["--json", "--no-such-flag"], 2, "unknown flag '--no-such-flag' (--help lists the flags)"),

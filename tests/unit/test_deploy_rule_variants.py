@@ -80,6 +80,10 @@ def test_cli_links_come_from_flags_or_the_environment(tmp_path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--set", "STORM_FOR=5 minutes", "--out", "x"], "expected a Prometheus duration"),
     (["--set", "NO_SUCH_KNOB=1", "--out", "x"], "a knob of deploy/prometheus/config.py"),
+    # a misspelt knob is told the closest one; a lower-case one too (the knobs are upper case)
+    (["--set", "STORM_FR=10m", "--out", "x"], "--set 'STORM_FR=10m': STORM_FR is not a knob of "
+                                              "deploy/prometheus/config.py; did you mean STORM_FOR?"),
+    (["--set", "io_pressure_full=0.2", "--out", "x"], "did you mean IO_PRESSURE_FULL?"),
     (["--set", "STORM_BASELINE_FACTOR=four", "--out", "x"], "expected a number"),
     # nan compares false everywhere: an alert that would never fire, refused like a typo
     (["--set", "GPU_BUSY_LOW=nan", "--out", "x"], "expected a share between 0 and 1"),

@@ -82,6 +82,49 @@ def test_a_spool_dir_that_does_not_exist_is_an_error_not_no_engines(tmp_path, ca
     assert engines_main(["--spool-dir", str(tmp_path)]) == 0  # an empty spool: no engines, no error
 
 
+def test_no_spool_directory_at_the_default_is_no_error(tmp_path, monkeypatch, capsys) -> None:
+    """A node (a dev box) where no process has used the library has no spool directory: that is nothing
+    there, not a mistake; the line says what was looked at and where to look instead, and the exit is 0."""
+    import gpuio.spool
+
+    monkeypatch.setattr(gpuio.spool, "DEFAULT_DIR", str(tmp_path / "run" / "spool"))
+    for variable in ("GPUIO_SPOOL_DIR", "GPUIO_COLLECTOR_ENGINES_SPOOL_DIR", "GPUIO_COLLECTOR_ENGINES_PATH"):
+        monkeypatch.delenv(variable, raising=False)
+    pods = ["--kubelet-pods-dir", str(tmp_path / "no-kubelet")]
+    assert engines_main(pods) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out == (f"no engines: no spool directory at {tmp_path}/run/spool, so no process here reports through the "
+                   "library (--spool-dir or GPUIO_SPOOL_DIR names another); no --path files; engines found by "
+                   "discovery are a running exporter's: --url http://localhost:9817\n")
+    assert engines_main([*pods, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    # --path files are shown all the same
+    (tmp_path / "a.engine").write_bytes(b"e" * 4096)
+    assert engines_main([*pods, "--path", str(tmp_path / "*.engine"), "--json"]) == 0
+    assert [row["engine"] for row in json.loads(capsys.readouterr().out)] == ["a"]
+    # a directory named on purpose that is not there is a typo, whoever named it
+    monkeypatch.setenv("GPUIO_SPOOL_DIR", str(tmp_path / "typo"))
+    assert engines_main(pods) == 2
+    assert f"spool directory {tmp_path}/typo does not exist (named by GPUIO_SPOOL_DIR)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("given", "environ", "expected"), [
+    (None, {}, ("DEFAULT", None)),
+    ("/flag", {"GPUIO_SPOOL_DIR": "/env"}, ("/flag", "--spool-dir")),
+    (None, {"GPUIO_SPOOL_DIR": "/env"}, ("/env", "GPUIO_SPOOL_DIR")),
+    (None, {"GPUIO_SPOOL_DIR": "/env", "GPUIO_COLLECTOR_ENGINES_SPOOL_DIR": "/twin"},
+     ("/twin", "GPUIO_COLLECTOR_ENGINES_SPOOL_DIR")),
+    (None, {"GPUIO_SPOOL_DIR": ""}, ("DEFAULT", None)),  # set empty: not set
+])
+def test_spool_directory_and_what_named_it(given, environ, expected) -> None:
+    from exporter.engines_cli import spool_directory
+    from gpuio.spool import DEFAULT_DIR
+
+    directory, named_by = spool_directory(given, environ)
+    assert (directory, named_by) == (DEFAULT_DIR if expected[0] == "DEFAULT" else expected[0], expected[1])
+
+
 def test_warm_refuses_jobs_below_one(tmp_path) -> None:
     (tmp_path / "a.engine").write_bytes(b"x" * 4096)
     for jobs in ("0", "-1", "two"):

@@ -240,3 +240,29 @@ def test_an_error_answer_nested_too_deep_is_still_one_line_of_its_status(canned:
         Exporter(canned.url, ClientOptions(timeout=5)).get(canned.url, 1 << 20)
     assert str(refused.value) == f"{canned.url}: HTTP 500 Internal Server Error"
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("url", "metrics", "api"), [
+    ("node:9817", "http://node:9817/metrics", "http://node:9817/api/v1/engines"),
+    ("http://node:9817/", "http://node:9817/metrics", "http://node:9817/api/v1/engines"),
+    ("http://node:9817/metrics", "http://node:9817/metrics", "http://node:9817/api/v1/engines"),
+    ("http://node:9817/metrics/", "http://node:9817/metrics", "http://node:9817/api/v1/engines"),
+    ("http://node:9817/api/v1/engines", "http://node:9817/metrics", "http://node:9817/api/v1/engines"),
+    # a reverse proxy's prefix, bare or with either endpoint under it
+    ("https://proxy/node7", "https://proxy/node7/metrics", "https://proxy/node7/api/v1/engines"),
+    ("https://proxy/node7/metrics", "https://proxy/node7/metrics", "https://proxy/node7/api/v1/engines"),
+    ("https://u:pw@proxy/node7/api/v1/engines/", "https://proxy/node7/metrics", "https://proxy/node7/api/v1/engines"),
+])
+def test_both_clients_take_the_base_url_or_either_endpoint(url: str, metrics: str, api: str) -> None:
+    """`gpuio top --url` and `gpuio engines --url` read their endpoint under the same base, whichever URL is given."""
+    exporter = Exporter(url)
+    assert (exporter.endpoint(remote.METRICS_PATH), exporter.endpoint(remote.ENGINES_API_PATH)) == (metrics, api)
+
+
+def test_one_default_timeout_for_both_clients() -> None:
+    from exporter.engines_cli import _engines_parser
+    from exporter.top.display import _parser
+
+    for parser in (_parser(), _engines_parser()):
+        assert parser.parse_args([]).timeout == remote.DEFAULT_TIMEOUT == 10
+        assert "(default 10, Prometheus's default scrape_timeout" in " ".join(parser.format_help().split())

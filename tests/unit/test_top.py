@@ -188,8 +188,30 @@ def test_set_judges_the_rows_by_your_own_thresholds(tmp_path, capsys) -> None:
     assert view["pressure"]["io_high"] is True
     assert disks["nvme0n1"]["flags"] == ["await", "saturated"]  # slow, and the node now stalls on IO
     with pytest.raises(SystemExit) as exit_:
-        display.main(["--json", "--set", "STORM_FOR=10m"])
-    assert exit_.value.code == 2 and "NAME one of AWAIT_MIN_IOPS" in capsys.readouterr().err
+        display.main(["--json", "--set", "STORM_FOR=10m"])  # a knob of the rules, not a threshold top judges by
+    assert exit_.value.code == 2 and "(accepted: AWAIT_MIN_IOPS, ENGINE_POOL_WAIT_SECONDS" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        display.main(["--json", "--set", "IO_PRESURE_FULL=0.2"])
+    assert exit_.value.code == 2
+    assert "IO_PRESURE_FULL is not a threshold gpuio top judges by; did you mean IO_PRESSURE_FULL?" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        display.main(["--json", "--set", "GPU_BUSY_LOW"])  # no =VALUE: the thresholds' own complaint
+    assert exit_.value.code == 2 and "expected NAME=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("setting", "error"), [
+    ("GPU_BUSY_LOW=0.2", None),
+    ("GPU_BUSY_LWO=0.2", "did you mean GPU_BUSY_LOW?"),
+    ("gpu_busy_low=0.2", "did you mean GPU_BUSY_LOW?"),  # the knobs are upper case; a lower-case one is close
+    ("ZZZ=1", "ZZZ is not a threshold gpuio top judges by (accepted: AWAIT_MIN_IOPS"),
+])
+def test_a_misspelt_threshold_gets_the_closest_name(setting: str, error: str | None) -> None:
+    if error is None:
+        assert display.checked_setting(setting) == setting
+    else:
+        with pytest.raises(ValueError, match=re.escape(error)):
+            display.checked_setting(setting)
 
 
 @pytest.mark.parametrize(("value", "text"), [(None, "-"), (0, "0.00"), (9.994, "9.99"), (9.996, "10.0"),
@@ -424,7 +446,13 @@ def test_keys_cycle_sort_reverse_focus_filter_pause() -> None:
 
 def test_url_source_accepts_host_port_and_reports_unreachable() -> None:
     assert data.UrlSource("node:9817").url == "http://node:9817/metrics"
-    assert data.UrlSource("https://node:9817/m").url == "https://node:9817/m"
+    # The exporter's base, or any of its endpoints (what `gpuio engines --url` takes too): its /metrics.
+    assert data.UrlSource("https://node:9817/metrics").url == "https://node:9817/metrics"
+    assert data.UrlSource("https://node:9817/").url == "https://node:9817/metrics"
+    assert data.UrlSource("https://node:9817/api/v1/engines").url == "https://node:9817/metrics"
+    assert data.UrlSource("https://proxy/node7/").url == "https://proxy/node7/metrics"  # a reverse proxy's prefix
+    assert data.UrlSource("node:9817/metrics?collect[]=diskstats").url == "http://node:9817/metrics?collect[]=diskstats"
+    assert data.UrlSource("node:9817").exporter.options.timeout == 10  # the default of both clients
     assert data.UrlSource("[::1]:9817").url == "http://[::1]:9817/metrics"
     secured = data.UrlSource("https://on%40call:s3cret@node:9817")
     assert secured.url == secured.description == "https://node:9817/metrics"  # no password on the screen
