@@ -272,6 +272,12 @@ class Scenario:
             self.add("gpuio_engine_inference_seconds_bucket", counter(bucket, reset_at), le=le, **labels)
         self.add("gpuio_engine_inference_seconds_bucket", counter(per_step, reset_at), le="+Inf", **labels)
 
+    def disk_loads(self, device: str, loading: list[tuple[float, bool]], count: float = 1) -> None:
+        """The disk's engine loads in progress (``count`` while on) and the oldest one's age."""
+        self.add("gpuio_disk_engine_loads_in_progress", gauge([(m, count if on else 0) for m, on in loading]),
+                 device=device)
+        self.add("gpuio_disk_engine_load_oldest_in_progress_seconds", age(loading), device=device)
+
     def loads(self, engine: str, gpu_uuid: str, loading: list[tuple[float, bool]],
               read_rate: float | None = None) -> None:
         """An engine's loads on one GPU; ``read_rate``: bytes/s its load in progress reads, as the exporter
@@ -335,8 +341,7 @@ def cold_start_storm() -> Scenario:
         s.loads(engine, uuid, [(20, False), (20, True)])
         s.serving(engine, uuid, in_flight=[(20, 0), (20, 4)], contexts=4, requests=[(20, 0), (20, 0.2)],
                   pool_wait=[(40, 0)], latency=[(20, (1, 1, 1, 1, 1)), (20, (0, 0, 0, 0, 0))])
-    s.add("gpuio_disk_engine_loads_in_progress", gauge([(20, 0), (20, 8)]), device="nvme0n1")
-    s.add("gpuio_disk_engine_load_oldest_in_progress_seconds", age([(20, False), (20, True)]), device="nvme0n1")
+    s.disk_loads("nvme0n1", [(20, False), (20, True)], count=8)
     start = s.storm_start + FIRST_STORM
     names = ("nvme0n1", "8 engine(s) waiting to load", *engines, "GPU 0", "GPU 7")
     s.fires = [
@@ -365,9 +370,7 @@ def long_storm() -> Scenario:
     uuid = s.gpu(0, [(200, 0.05)])
     s.engine_file("vit", uuid, device="nvme0n1")
     s.loads("vit", uuid, [(70, False), (120, True), (10, False)])
-    s.add("gpuio_disk_engine_loads_in_progress", gauge([(70, 0), (120, 1), (10, 0)]), device="nvme0n1")
-    s.add("gpuio_disk_engine_load_oldest_in_progress_seconds", age([(70, False), (120, True), (10, False)]),
-          device="nvme0n1")
+    s.disk_loads("nvme0n1", [(70, False), (120, True), (10, False)])
     start = s.storm_start + FIRST_STORM
     end = s.storm_start + 120 * MIN
     s.fires = [
@@ -1121,8 +1124,7 @@ def sharded_checkpoint() -> Scenario:
         s.add("gpuio_engine_physical_device_info", samples(held), engine=engine, path=path, physical_device="nvme0n1")
     loading = [(20, False), (12, True), (8, False)]
     s.loads(engine, uuid, loading, read_rate=140e9 / (12 * MIN))
-    s.add("gpuio_disk_engine_loads_in_progress", gauge([(20, 0), (12, 1), (8, 0)]), device="nvme0n1")
-    s.add("gpuio_disk_engine_load_oldest_in_progress_seconds", age(loading), device="nvme0n1")
+    s.disk_loads("nvme0n1", loading)
     start, end = s.storm_start + FIRST_STORM, 32 * MIN
     s.fires = [
         Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + STORM_PAGE_FOR, end + MIN, exact=True,
@@ -1155,8 +1157,7 @@ def mapped_loader() -> Scenario:
           path=f"/models/{engine}.gguf", physical_device="nvme0n1")
     loading = [(20, False), (6, True), (9, False)]
     s.loads(engine, uuid, loading, read_rate=0)
-    s.add("gpuio_disk_engine_loads_in_progress", gauge([(20, 0), (6, 1), (9, 0)]), device="nvme0n1")
-    s.add("gpuio_disk_engine_load_oldest_in_progress_seconds", age(loading), device="nvme0n1")
+    s.disk_loads("nvme0n1", loading)
     start, end = s.storm_start + FIRST_STORM, 26 * MIN
     s.fires = [
         Fire("DiskIOStorm", c.CRITICAL, {"device": "nvme0n1"}, start + STORM_PAGE_FOR, end + MIN, exact=True,
@@ -1194,9 +1195,7 @@ def drain_beside_warm() -> Scenario:
         s.add("gpuio_engine_physical_device_info", gauge([(40, None), (15, 1)]), engine=engine, path=path,
               physical_device="nvme0n1")
         s.loads(engine, uuid, [(40, False), (10, True), (5, False)], read_rate=12e9 / (10 * MIN))
-    s.add("gpuio_disk_engine_loads_in_progress", gauge([(40, 0), (10, 4), (5, 0)]), device="nvme0n1")
-    s.add("gpuio_disk_engine_load_oldest_in_progress_seconds", age([(40, False), (10, True), (5, False)]),
-          device="nvme0n1")
+    s.disk_loads("nvme0n1", [(40, False), (10, True), (5, False)], count=4)
     start, end = s.storm_start + FIRST_STORM, 50 * MIN
     loading = [(str(index), f"search-{index - 4}") for index in range(4, 8)]
     s.fires = [

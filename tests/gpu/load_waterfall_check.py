@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import gpuio  # noqa: E402
 from exporter.collect import Context  # noqa: E402
 from exporter.collectors.engines import EnginesCollector  # noqa: E402
+from tests.conftest import evict as evict_from_page_cache  # noqa: E402
 
 failures: list[str] = []
 
@@ -39,12 +40,7 @@ def check(ok: bool, what: str) -> None:
 
 
 def evict(path: str) -> str:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict_from_page_cache(path)
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as handle:
