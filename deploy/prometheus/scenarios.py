@@ -272,13 +272,13 @@ class Scenario:
             self.add("gpuio_engine_inference_seconds_bucket", counter(bucket, reset_at), le=le, **labels)
         self.add("gpuio_engine_inference_seconds_bucket", counter(per_step, reset_at), le="+Inf", **labels)
 
-    def disk_loads(self, device: str, loading: list[tuple[float, bool]], count: float = 1) -> None:
+    def disk_loads(self, device: str, loading: Sequence[tuple[float, bool]], count: float = 1) -> None:
         """The disk's engine loads in progress (``count`` while on) and the oldest one's age."""
         self.add("gpuio_disk_engine_loads_in_progress", gauge([(m, count if on else 0) for m, on in loading]),
                  device=device)
         self.add("gpuio_disk_engine_load_oldest_in_progress_seconds", age(loading), device=device)
 
-    def loads(self, engine: str, gpu_uuid: str, loading: list[tuple[float, bool]],
+    def loads(self, engine: str, gpu_uuid: str, loading: Sequence[tuple[float, bool]],
               read_rate: float | None = None) -> None:
         """An engine's loads on one GPU; ``read_rate``: bytes/s its load in progress reads, as the exporter
         follows it (0 for a loader that maps the file: no read position to follow)."""
@@ -1643,14 +1643,15 @@ def naming_page(scenario: Scenario, seen: dict[int, list[dict[str, str]]],
     notification: grouped by node and alert name, sent when an alert joins the group, not when only the
     annotations change), say it all."""
     pairs = scenario.starving()
-    paging, before = set(), set()
+    opened: set[tuple[str, int]] = set()
+    before: set[tuple[tuple[str, str], ...]] = set()
     for t in sorted(seen):
         now = {tuple(sorted(a.items())) for a in seen[t] if a.get("severity") == c.CRITICAL}
-        paging |= {(dict(key)["alertname"], t) for key in now - before if t >= scenario.storm_start}
+        opened |= {(dict(key)["alertname"], t) for key in now - before if t >= scenario.storm_start}
         before = now
-    if not pairs or not paging:
+    if not pairs or not opened:
         return None
-    paging = sorted(paging, key=lambda key: (key[1], key[0]))
+    paging = sorted(opened, key=lambda key: (key[1], key[0]))
     rendered = annotations_by_alert(scenario, paging, directory)
     for name, t in paging:
         text = " ".join(text for labels, text in rendered[(name, t)] if labels.get("severity") == c.CRITICAL)
