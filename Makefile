@@ -73,9 +73,13 @@ image:
 
 # Both distributions -- gpuio-exporter and gpuio, the library inference images install -- as sdist and wheel
 # in dist/: `pipx install dist/gpuio_exporter-*.whl --pip-args="--find-links dist"`, or pip (docs/deploy.md).
+# The library's wheels: with its C hot path (cp311-abi3, this machine's architecture) and pure Python
+# (py3-none-any: CPython 3.10, aarch64, any other machine), which pip chooses between.
 dist: venv
 	rm -rf dist
 	$(PY) -m build --no-isolation --outdir dist exporter/instrument
+	GPUIO_PURE_PYTHON=1 $(PY) -m build --wheel --no-isolation --outdir dist exporter/instrument
+	rm -rf exporter/instrument/build
 	$(PY) -m build --no-isolation --outdir dist .
 
 # The one version both carry (exporter/instrument/gpuio/VERSION) and the exporter's pins on the library.

@@ -2,7 +2,9 @@
 
 Built where a C compiler and CPython's headers are present, as one abi3 extension for CPython 3.11 and
 later; anywhere else (no compiler, another interpreter, CPython 3.10, the free-threaded build) the
-build skips it and gpuio uses the same stores written in Python.
+build skips it and gpuio uses the same stores written in Python.  GPUIO_PURE_PYTHON=1 skips it on purpose:
+`make dist` builds that wheel (py3-none-any) beside the C one, for the Pythons and machines the C one does
+not fit (CPython 3.10, aarch64).
 """
 
 import os
@@ -17,7 +19,7 @@ except ImportError:  # setuptools < 70.1
     from wheel.bdist_wheel import bdist_wheel
 
 WANTED = (sys.implementation.name == "cpython" and sys.version_info >= (3, 11)
-          and not sysconfig.get_config_var("Py_GIL_DISABLED"))
+          and not sysconfig.get_config_var("Py_GIL_DISABLED") and os.environ.get("GPUIO_PURE_PYTHON") != "1")
 
 extensions = [Extension("gpuio._hotpath", ["gpuio/_hotpath.c"], py_limited_api=True, optional=True,
                         extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration",

@@ -120,6 +120,33 @@ def test_without_a_c_compiler_the_wheel_is_pure_python_and_works(tmp_path: Path)
     assert output.split() == ["python", "2.0"]
 
 
+def test_the_pure_python_wheel_is_the_one_for_python_3_10_and_aarch64(tmp_path: Path) -> None:
+    """`make dist` builds a pure-Python wheel beside the C one (GPUIO_PURE_PYTHON=1, a compiler present): the
+    C wheel's tag fits no CPython 3.10 and no aarch64 machine, the pure one's fits every Python >= 3.10 the
+    library claims, on x86_64 and aarch64 alike, and it carries no compiled file."""
+    from packaging import tags
+    from packaging.utils import parse_wheel_filename
+
+    source = tmp_path / "source"
+    shutil.copytree(LIBRARY, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so"))
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(source),
+        cwd=str(tmp_path), env={**os.environ, "GPUIO_PURE_PYTHON": "1"})
+    (built,) = glob.glob(str(tmp_path / "gpuio-*.whl"))
+    with zipfile.ZipFile(built) as archive:
+        assert not [name for name in archive.namelist() if name.endswith((".so", ".pyd"))]
+        metadata = archive.read(next(name for name in archive.namelist() if name.endswith("METADATA"))).decode()
+    assert "Requires-Python: >=3.10" in metadata
+    _, _, _, pure_tags = parse_wheel_filename(os.path.basename(built))
+    c_tags = parse_wheel_filename("gpuio-1.0-cp311-abi3-linux_x86_64.whl")[3]
+    for python in ((3, 10), (3, 11), (3, 12), (3, 13)):
+        for platform in ("manylinux_2_17_x86_64", "manylinux_2_17_aarch64", "linux_aarch64"):
+            supported = set(tags.cpython_tags(python, platforms=[platform])) | set(
+                tags.compatible_tags(python, platforms=[platform]))
+            assert pure_tags & supported, (python, platform)
+            if python == (3, 10) or "aarch64" in platform:
+                assert not c_tags & supported, (python, platform)
+
+
 def documented_example() -> str:
     """The python block of docs/engines.md's installation section, as written there."""
     with open(DOCS, encoding="utf-8") as file:
