@@ -92,8 +92,8 @@ version:
 #   make -s kubernetes IMAGE=<ref> [COMPONENTS=discovery,residency] [OPERATOR=no] | kubectl apply -f -
 kubernetes:
 	@test -n "$(IMAGE)" || { echo "make kubernetes: set IMAGE=<registry>/gpuio-exporter:<tag> (make image builds it)" >&2; exit 2; }
-	@$(MAKE) --no-print-directory venv >&2
-	@$(PY) -m deploy.kubernetes.render --image "$(IMAGE)" $(if $(COMPONENTS),--component "$(COMPONENTS)") $(if $(filter no,$(OPERATOR)),--without-operator)
+	@$(MAKE) --no-print-directory run-venv >&2  # PyYAML is all the render needs: not the development venv
+	@$(RUN_VENV)/bin/python -m deploy.kubernetes.render --image "$(IMAGE)" $(if $(COMPONENTS),--component "$(COMPONENTS)") $(if $(filter no,$(OPERATOR)),--without-operator)
 
 # The exporter, Prometheus with deploy/prometheus/rules and Alertmanager with deploy/alertmanager's routing,
 # on this machine, from Debian's packages; prints where to look; Ctrl-C stops them (deploy/local/stack.py).

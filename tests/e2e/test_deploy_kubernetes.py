@@ -175,13 +175,17 @@ def test_every_combination_of_components_in_any_order_is_coherent(tmp_path) -> N
 
 
 @pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
-def test_make_kubernetes_renders_your_image_components_and_a_variant_without_the_operator() -> None:
+def test_make_kubernetes_renders_your_image_components_and_a_variant_without_the_operator(tmp_path) -> None:
     """From a clean clone: the objects with the image you built, the components you chose; without the
-    Operator's CRDs, no ServiceMonitor or PrometheusRule (Prometheus scrapes with prometheus-scrape.yml)."""
+    Operator's CRDs, no ServiceMonitor or PrometheusRule (Prometheus scrapes with prometheus-scrape.yml).  It
+    needs the runtime venv only: the development one (pointed at a directory that does not exist) is not made."""
     image = "registry.example:5000/gpuio-exporter:0.1.0"
+    no_dev_venv = tmp_path / "dev-venv"
     result = subprocess.run(["make", "-s", "kubernetes", f"IMAGE={image}", "COMPONENTS=discovery,residency",
-                             "OPERATOR=no"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             "OPERATOR=no", f"VENV={no_dev_venv}"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr
+    assert not no_dev_venv.exists()
     built = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     for doc in built:
         validate(doc)
