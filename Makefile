@@ -1,8 +1,8 @@
 # Two commands set up everything on a fresh machine: `make run` and `make test`.
 SHELL := /bin/bash
 PYTHON ?= python3
-# `make test` and the development targets: gpuio with its [dev] extras (linters, schema validators, the
-# Grafana SDK, TensorRT's lean libraries).
+# `make test` and the development targets: gpuio with its [dev] extras (linters, schema validators,
+# TensorRT's lean libraries).
 VENV := .venv
 PY := $(VENV)/bin/python
 # `make run` and `make stack`: gpuio's runtime dependencies only, pinned in requirements-run.txt.  A venv of
@@ -167,8 +167,7 @@ gpu-wheels:
 	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-node-exporter prometheus-alertmanager"
 	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
-	  $(GPU_PLATFORMS) --dest .whl -r requirements-run.txt pytest iniconfig pluggy packaging \
-	  "$$(grep -o 'grafana-foundation-sdk==[^;"]*' pyproject.toml)"  # the rules generator's boards (GPU checks)
+	  $(GPU_PLATFORMS) --dest .whl -r requirements-run.txt pytest iniconfig pluggy packaging
 	xz -T0 -c $$(command -v prometheus) > .whl/prometheus.xz
 	xz -T0 -c $$(command -v promtool) > .whl/promtool.xz
 	xz -T0 -c $$(command -v prometheus-node-exporter) > .whl/node_exporter.xz

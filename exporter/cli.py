@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import signal
 import sys
@@ -109,6 +110,19 @@ def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionT
     return families
 
 
+def _generate(argv: list[str]) -> int:
+    """``gpuio generate``: deploy/'s generator, which the wheel installs as exporter.deploy (a checkout on
+    the path, as ``make run`` puts it, has it as deploy)."""
+    # Imported by name: deploy/ is typed for Python 3.11+ (Grafana's SDK) and `make lint` checks it on its own.
+    try:
+        generate = importlib.import_module(f"{__package__}.deploy.generate")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__package__}.deploy":
+            raise  # the generator is there and something it imports is not: say so, not "no deploy"
+        generate = importlib.import_module("deploy.generate")
+    return int(generate.main(argv, prog="gpuio generate", installed=True))
+
+
 def tools_main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -119,6 +133,8 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
               "the exporter's at URL): size, residency, disk, GPU\n"
               "       gpuio warm PATH... [--jobs N] [--json] [--evict] [--stall-timeout S] [--as-root]   read engine "
               "files into the page cache (--evict: drop them from it), print MiB/s\n"
+              "       gpuio generate --out DIR [--set NAME=VALUE]... [--image REF]   the rules, boards, runbooks "
+              "(and Kubernetes objects) under your own thresholds\n"
               "       gpuio --version")
         raise SystemExit(0 if args else 2)
     if args[0] == "--version":
@@ -144,5 +160,8 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
         from .engines_cli import warm_main
 
         raise SystemExit(warm_main(args[1:]))
-    print(f"gpuio: error: unknown command {args[0]!r}; accepted: scrape, top, engines, warm", file=sys.stderr)
+    if args[0] == "generate":
+        raise SystemExit(_generate(args[1:]))
+    print(f"gpuio: error: unknown command {args[0]!r}; accepted: scrape, top, engines, warm, generate",
+          file=sys.stderr)
     raise SystemExit(2)

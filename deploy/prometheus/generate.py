@@ -16,10 +16,10 @@ import dataclasses
 import os
 from typing import Any
 
-from deploy.generated import stale_files, yaml_text
 from exporter.options import parse_bool
 from exporter.thresholds import parse_threshold
 
+from ..generated import stale_files, yaml_text
 from .config import DEFAULT, KNOBS, NODE_EXPORTER, RATIO_KNOBS, Config
 from .durations import DURATION
 from .sources import rule_files

@@ -21,9 +21,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from deploy.generated import REPO
 from exporter.thresholds import DiskClass
 
+from ..generated import REPO
 from . import durations
 from .config import DEFAULT, KNOBS, NETWORK, NVME, ROTATIONAL, SOLID_STATE, Config
 

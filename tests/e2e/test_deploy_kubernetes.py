@@ -201,6 +201,37 @@ def test_make_kubernetes_renders_your_image_components_and_a_variant_without_the
     assert {"ServiceMonitor", "PrometheusRule", "DaemonSet"} <= kinds
 
 
+@pytest.mark.skipif(not KUBECTL, reason="kubectl (with its built-in kustomize) is not installed")
+def test_generate_with_image_writes_a_kustomization_of_your_variant_that_builds(tmp_path) -> None:
+    """``gpuio generate --set ... --image ... --out DIR``: DIR/kubernetes builds alone, with the image, the
+    components, the variant's rules in the PrometheusRules and its boards in the ConfigMaps."""
+    from deploy import generate as generator
+
+    image = "registry.example:5000/gpuio-exporter:0.1.0"
+    assert generator.main(["--set", "IO_PRESSURE_FULL=0.2", "--image", image, "--component", "node-exporter",
+                           "--component", "discovery", "--out", str(tmp_path)], environ={}) == 0
+    built = kustomize(str(tmp_path / "kubernetes"))
+    for doc in built:
+        validate(doc)
+    assert {doc["metadata"].get("namespace") for doc in built if doc["kind"] != "Namespace"} == {NAMESPACE}
+    (daemonset,) = [doc for doc in built if doc["kind"] == "DaemonSet"]
+    container = daemonset["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == image and "--no-collector.diskstats" in container["args"]
+    assert sorted(container["securityContext"]["capabilities"]["add"]) == ["DAC_READ_SEARCH", "SYS_PTRACE"]
+    rules = {doc["metadata"]["name"]: doc["spec"]["groups"] for doc in built if doc["kind"] == "PrometheusRule"}
+    node_exporter_mode = tmp_path / "rules-node-exporter"
+    assert rules == {f"gpuio-{p.stem}": yaml.safe_load(p.read_text())["groups"]
+                     for p in node_exporter_mode.glob("*.yml")}
+    assert "stalled_seconds:rate1m >= 0.2" in json.dumps(rules)
+    boards = {key: value for doc in built if doc["kind"] == "ConfigMap" for key, value in doc["data"].items()}
+    assert boards == {p.name: p.read_text() for p in (tmp_path / "dashboards").glob("*.json")}
+    without = tmp_path / "without-operator"
+    assert generator.main(["--image", image, "--component", "node-exporter", "--without-operator",
+                           "--out", str(without)], environ={}) == 0
+    kinds = {doc["kind"] for doc in kustomize(str(without / "kubernetes"))}
+    assert "DaemonSet" in kinds and not {"ServiceMonitor", "PrometheusRule"} & kinds
+
+
 def test_the_image_is_required_and_its_tools_named() -> None:
     for target, extra, said in (("kubernetes", [], "set IMAGE="), ("image", [], "set IMAGE="),
                                 ("image", ["IMAGE=registry.example/gpuio-exporter:1", "CONTAINER_TOOL="],

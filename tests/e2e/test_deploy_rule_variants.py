@@ -48,3 +48,19 @@ def test_a_misspelt_knob_is_refused_with_the_closest_name(tmp_path) -> None:
     assert result.stderr.splitlines()[-1] == ("python -m deploy.generate: error: --set 'STORM_FR=10m': STORM_FR is not "
                                               "a knob of deploy/prometheus/config.py; did you mean STORM_FOR?")
     assert not out.exists()  # nothing written
+
+
+def test_without_grafanas_sdk_the_boards_are_refused_by_name_and_no_boards_writes_the_rest(tmp_path) -> None:
+    """Python 3.10 installs gpuio-exporter without grafana-foundation-sdk (it needs 3.11): ``gpuio generate``
+    says so and how to get the rest, instead of a traceback.  Run here with the SDK made unimportable."""
+    hide_sdk = ("import sys; sys.modules['grafana_foundation_sdk'] = None; from exporter.cli import tools_main; "
+                "tools_main(sys.argv[1:])")
+    refused = subprocess.run([sys.executable, "-c", hide_sdk, "generate", "--out", str(tmp_path / "a")], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert "the boards need Grafana's SDK (grafana-foundation-sdk, Python 3.11 or later" in refused.stderr
+    assert "--no-boards" in refused.stderr and not (tmp_path / "a").exists()
+    rest = subprocess.run([sys.executable, "-c", hide_sdk, "generate", "--no-boards", "--out", str(tmp_path / "b")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert rest.returncode == 0, rest.stderr
+    assert (tmp_path / "b" / "starvation.yml").is_file() and not (tmp_path / "b" / "dashboards").exists()

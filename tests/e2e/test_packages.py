@@ -61,9 +61,40 @@ def test_make_dist_builds_both_distributions_as_sdist_and_wheel_at_one_version(d
         files = wheel.namelist()
         metadata = wheel.read(f"gpuio_exporter-{VERSION}.dist-info/METADATA").decode()
     assert "exporter/engines/discovery.py" in files and not any("instrument" in name for name in files)
+    # the generators and what they read (gpuio generate), under the exporter's name: no top-level deploy
+    assert {"exporter/deploy/generate.py", "exporter/deploy/grafana/boards/starvation.py",
+            "exporter/deploy/prometheus/runbooks/MountIOStorm.md", "exporter/deploy/kubernetes/daemonset.yaml",
+            "exporter/deploy/kubernetes/components/smart/kustomization.yaml"} <= set(files)
+    assert not [name for name in files if name.startswith("deploy/") or "/local/" in name]
     assert f"Requires-Dist: gpuio=={VERSION}" in metadata
     with tarfile.open(dist / f"gpuio_exporter-{VERSION}.tar.gz") as sdist:  # the sdist builds its wheel alone
         assert f"gpuio_exporter-{VERSION}/exporter/instrument/gpuio/VERSION" in sdist.getnames()
+
+
+def generated_outside_the_repository(gpuio: str, out: Path, env: dict[str, str]) -> None:
+    """``gpuio generate`` of the install, run from /: your threshold in the rules promtool accepts (both disk
+    sources), the boards, the runbooks and the Kubernetes objects, each file what the checkout writes."""
+    from deploy import generate as generator
+
+    args = ["--set", "IO_PRESSURE_FULL=0.2", "--image", "registry.example/gpuio-exporter:1", "--component", "smart"]
+    run(gpuio, "generate", *args, "--out", str(out), cwd="/", env=env)
+    written = {str(path.relative_to(out)): path.read_text() for path in out.rglob("*") if path.is_file()}
+    checkout = out.parent / "checkout"
+    assert generator.main([*args, "--out", str(checkout)], environ={}) == 0
+    expected = {str(path.relative_to(checkout)): path.read_text() for path in checkout.rglob("*") if path.is_file()}
+    assert written.keys() == expected.keys()
+    differ = [name for name in written if written[name] != expected[name].replace(str(checkout), str(out))]
+    assert differ == [], differ
+    promtool = shutil.which("promtool")
+    if promtool:
+        rule_files = sorted(str(out / name) for name in written if name.endswith(".yml") and "kubernetes" not in name)
+        assert len(rule_files) == 10, rule_files  # five files, for each disk source
+        run(promtool, "check", "rules", *rule_files, cwd="/")
+    assert "stalled_seconds:rate1m >= 0.2" in written["starvation.yml"]
+    assert "stalled_seconds:rate1m >= 0.2" in written["rules-node-exporter/starvation.yml"]
+    assert "20% full" in written["dashboards/gpuio-disk-io.json"]
+    assert '20 % ("full")' in written["runbooks/MountIOStorm.md"]
+    assert "newName: registry.example/gpuio-exporter" in written["kubernetes/kustomization.yaml"]
 
 
 def test_pipx_installs_the_exporter_from_the_built_files_and_it_serves(dist: Path, tmp_path: Path) -> None:
@@ -81,6 +112,7 @@ def test_pipx_installs_the_exporter_from_the_built_files_and_it_serves(dist: Pat
                 "import exporter, gpuio; print(exporter.__file__); print(gpuio.__file__)", cwd="/", env=env)
     assert all(str(tmp_path) in line and REPO not in line for line in where.splitlines()), where
     assert "usage: gpuio engines" in run(str(tmp_path / "bin" / "gpuio"), "engines", "--help", cwd="/", env=env)
+    generated_outside_the_repository(str(tmp_path / "bin" / "gpuio"), tmp_path / "site", env)
     port = free_port()
     server = subprocess.Popen([exporter, f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
                                "--collector.pressure"], cwd="/", env=env, stdout=subprocess.DEVNULL,

@@ -98,9 +98,89 @@ def test_cli_links_come_from_flags_or_the_environment(tmp_path) -> None:
     (["--set", "STORM_FOR=10s", "--out", REPO], "or the repository itself"),
     (["--set", "STORM_FOR=10s", "--check"], "no --check"),
     (["--runbook-url", "https://wiki.example.com/runbooks", "--out", "x"], "must contain {alert}"),
+    (["--image", "reg.example/gpuio:1", "--component", "smrat", "--out", "x"], "no component smrat; there are "),
+    (["--component", "smart", "--out", "x"], "give --image too"),
+    (["--without-operator", "--out", "x"], "give --image too"),
+    (["--image", "reg example/gpuio", "--out", "x"], "--image must name an image"),
+    (["--image", "reg.example/gpuio:1"], "give --out DIR"),
 ])
 def test_bad_overrides_are_refused(args: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         generator.main(args, environ={})
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert generator.stale() == []
+
+
+def test_the_installed_command_needs_out_and_offers_no_check(capsys) -> None:
+    for args, message in ((["--set", "STORM_FOR=10m"], "the following arguments are required: --out"),
+                          (["--check", "--out", "x"], "unrecognized arguments: --check")):
+        with pytest.raises(SystemExit) as exit_:
+            generator.main(args, environ={}, prog="gpuio generate", installed=True)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_knobs_lists_every_replaceable_knob_with_its_default() -> None:
+    listed = dict(line.split("=", 1) for line in generator.knob_list().splitlines())
+    assert listed["IO_PRESSURE_FULL"] == "0.1" and listed["STORM_FOR"] == config.DEFAULT.STORM_FOR
+    assert listed["MULTI_CLUSTER"] == "false"
+    for name, default in listed.items():  # each line, given back to --set, is accepted and changes nothing
+        assert generate.variant(dict([generate.parse_override(f"{name}={default}")])) == config.DEFAULT
+    assert "GPU_THROTTLE_REASONS" not in listed  # a list: not replaceable
+
+
+def test_out_writes_both_disk_sources_boards_runbooks_and_no_kubernetes_without_image(tmp_path) -> None:
+    assert generator.main(["--set", "IO_PRESSURE_FULL=0.2", "--out", str(tmp_path)], environ={}) == 0
+    variant = generate.variant({"IO_PRESSURE_FULL": 0.2})
+    note = generate.variant_note({"IO_PRESSURE_FULL": 0.2})
+    node_exporter = tmp_path / "rules-node-exporter"
+    written = {str(p): p.read_text() for p in node_exporter.glob("*.yml")}
+    assert written == generate.rendered(generate.node_exporter_mode(variant), str(node_exporter),
+                                        f"{generate.NODE_EXPORTER_NOTE}; {note}")
+    assert "node_disk_" in written[str(node_exporter / "starvation.yml")]
+    assert "node_disk_" not in (tmp_path / "starvation.yml").read_text()
+    assert sorted(p.name for p in (tmp_path / "dashboards").iterdir()) == sorted(
+        os.path.basename(path) for path in generator.boards(config.DEFAULT))  # no kustomization without --image
+    assert (tmp_path / "runbooks" / "MountIOStorm.md").is_file() and not (tmp_path / "kubernetes").exists()
+
+
+def test_no_boards_leaves_the_boards_out(tmp_path) -> None:
+    assert generator.main(["--no-boards", "--image", "reg.example/gpuio:1", "--out", str(tmp_path)],
+                          environ={}) == 0
+    assert not (tmp_path / "dashboards").exists()
+    kustomization = yaml.safe_load((tmp_path / "kubernetes" / "kustomization.yaml").read_text())
+    assert "../dashboards" not in kustomization["resources"]
+
+
+def test_image_writes_a_kustomization_of_the_variant_with_the_image(tmp_path) -> None:
+    assert generator.main(["--set", "IO_PRESSURE_FULL=0.2", "--image", "reg.example/gpuio:1.2",
+                           "--component", "discovery,node-exporter", "--out", str(tmp_path)], environ={}) == 0
+    objects = tmp_path / "kubernetes"
+    kustomization = yaml.safe_load((objects / "kustomization.yaml").read_text())
+    assert kustomization["images"] == [{"name": "gpuio-exporter", "newName": "reg.example/gpuio", "newTag": "1.2"}]
+    assert kustomization["components"] == ["components/discovery", "components/node-exporter"]
+    assert "../dashboards" in kustomization["resources"] and "prometheusrule.yaml" in kustomization["resources"]
+    # the PrometheusRules are the variant's rule files, group for group
+    rules = {doc["metadata"]["name"]: doc["spec"]["groups"]
+             for doc in yaml.safe_load_all((objects / "prometheusrule.yaml").read_text()) if doc}
+    assert rules == {f"gpuio-{p.stem}": yaml.safe_load(p.read_text())["groups"] for p in tmp_path.glob("*.yml")}
+    patch = yaml.safe_load_all((objects / "components" / "node-exporter" / "prometheusrule-starvation.yaml")
+                               .read_text())
+    (patch_doc,) = [doc for doc in patch if doc]
+    assert patch_doc["spec"]["groups"] == yaml.safe_load(
+        (tmp_path / "rules-node-exporter" / "starvation.yml").read_text())["groups"]
+    boards = yaml.safe_load((tmp_path / "dashboards" / "kustomization.yaml").read_text())
+    assert sorted(entry["files"][0] for entry in boards["configMapGenerator"]) == sorted(
+        p.name for p in (tmp_path / "dashboards").glob("*.json"))
+
+
+def test_without_operator_leaves_out_the_operators_kinds_and_their_patches(tmp_path) -> None:
+    assert generator.main(["--image", "reg.example/gpuio:1", "--component", "node-exporter", "--without-operator",
+                           "--out", str(tmp_path)], environ={}) == 0
+    objects = tmp_path / "kubernetes"
+    kustomization = yaml.safe_load((objects / "kustomization.yaml").read_text())
+    assert not {"servicemonitor.yaml", "prometheusrule.yaml"} & set(kustomization["resources"])
+    assert not (objects / "servicemonitor.yaml").exists() and not (objects / "prometheusrule.yaml").exists()
+    component = objects / "components" / "node-exporter"
+    assert sorted(p.name for p in component.iterdir()) == ["kustomization.yaml"]
+    patches = yaml.safe_load((component / "kustomization.yaml").read_text())["patches"]
+    assert [patch["target"]["kind"] for patch in patches] == ["DaemonSet"]  # --no-collector.diskstats stays

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 
-from deploy.generated import DASHBOARDS_DIR
-from deploy.prometheus.config import (
+from ...generated import DASHBOARDS_DIR
+from ...prometheus.config import (
     DASHBOARD_TITLES,
     DEFAULT,
     DISK_HEALTH_UID,
@@ -23,7 +23,6 @@ from deploy.prometheus.config import (
     STARVATION_UID,
     Config,
 )
-
 from . import disk_health, disk_io, engines, fleet, gpu, starvation
 from .common import render
 

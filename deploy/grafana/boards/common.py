@@ -49,8 +49,8 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from deploy.prometheus.config import DASHBOARD_TAG, DASHBOARD_TITLES, Config
-from deploy.prometheus.sources.names import names
+from ...prometheus.config import DASHBOARD_TAG, DASHBOARD_TITLES, Config
+from ...prometheus.sources.names import names
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 # The label that names a Prometheus (or a cluster) where one Grafana looks at several, the mixins'

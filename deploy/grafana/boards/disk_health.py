@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from deploy.prometheus.config import DISK_HEALTH_UID, Config
-
+from ...prometheus.config import DISK_HEALTH_UID, Config
 from .common import (
     BAD,
     INFO,

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from deploy.prometheus.config import DISK_IO_UID, ROTATIONAL, SOLID_STATE, Config
-from deploy.prometheus.sources.names import names
-
+from ...prometheus.config import DISK_IO_UID, ROTATIONAL, SOLID_STATE, Config
+from ...prometheus.sources.names import names
 from .common import (
     assemble,
     dev,

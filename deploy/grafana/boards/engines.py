@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from deploy.prometheus.config import ENGINES_UID, Config
-from deploy.prometheus.sources.names import names
-
+from ...prometheus.config import ENGINES_UID, Config
+from ...prometheus.sources.names import names
 from .common import (
     ENGINE,
     ENGINE_PODS,

@@ -26,9 +26,8 @@ from grafana_foundation_sdk.models.common import (
 from grafana_foundation_sdk.models.dashboard import DataTransformerConfig, FieldColorModeId
 from grafana_foundation_sdk.models.heatmap import HeatmapColorMode, HeatmapColorScale
 
-from deploy.prometheus.config import STARVATION_UID, Config
-from deploy.prometheus.sources.names import names
-
+from ...prometheus.config import STARVATION_UID, Config
+from ...prometheus.sources.names import names
 from .common import (
     DATASOURCE,
     assemble,

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from deploy.prometheus.config import GPU_UID, Config
-
+from ...prometheus.config import GPU_UID, Config
 from .common import (
     GPU,
     GPU_PODS,

@@ -17,10 +17,9 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import table
 from grafana_foundation_sdk.models.dashboard import DataTransformerConfig
 
-from deploy.prometheus.config import DISK_IO_UID, ENGINES_UID, STARVATION_UID, Config
-from deploy.prometheus.sources.base import CRASH_LOOPING
-from deploy.prometheus.sources.names import names
-
+from ...prometheus.config import DISK_IO_UID, ENGINES_UID, STARVATION_UID, Config
+from ...prometheus.sources.base import CRASH_LOOPING
+from ...prometheus.sources.names import names
 from .common import (
     BAD,
     CLUSTER,

@@ -1,0 +1,1 @@
+"""gpuio's Grafana boards (boards/) and Grafana's provisioning of them (provisioning/)."""
