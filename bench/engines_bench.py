@@ -760,6 +760,13 @@ def report_maps(repeats: int) -> None:
 API_ENGINES = 200  # the engines collector's default --collector.engines.max-engines
 
 
+def exporter_env() -> dict[str, str]:
+    """The environment of an exporter started from this checkout: its source first, then the path this
+    bench was given (where a GPU host without PyPI has the exporter's dependencies, tests/gpu/device_session.sh)."""
+    path = (REPO, os.path.join(REPO, "exporter", "instrument"), os.environ.get("PYTHONPATH"))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+
+
 def api_answer(url: str) -> tuple[float, bytes]:
     started = time.perf_counter()
     with urllib.request.urlopen(url, timeout=30) as response:
@@ -775,7 +782,7 @@ def report_api(repeats: int) -> None:
     helper = subprocess.Popen([sys.executable, __file__, "--writer-helper", directory, str(API_ENGINES),
                                str(API_ENGINES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     exporter = None
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((REPO, os.path.join(REPO, "exporter", "instrument")))}
+    env = exporter_env()
     try:
         assert helper.stdout is not None and helper.stdout.readline().strip() == "ready"
         port = free_port()
@@ -1027,7 +1034,7 @@ def exporter_scrapes(directory: str, scrapes: int) -> dict[str, Any]:
 
     spool = tempfile.mkdtemp(prefix="gpuio-bench-spool-")
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((REPO, os.path.join(REPO, "exporter", "instrument")))}
+    env = exporter_env()
     exporter = subprocess.Popen([sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
                                  "--log.level=error", "--collector.disable-defaults", "--collector.engines",
                                  f"--collector.engines.spool-dir={spool}",
