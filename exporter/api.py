@@ -3,7 +3,7 @@
 So that the engineer without a shell on the node (``gpuio engines --url https://node7:9817``) sees what
 the one with a shell sees: each engine file with its spool figures, loads in progress, predicted cold
 start, and the disk, mount, GPU and pod behind it (docs/engines.md, "The JSON API").  The rows are
-:class:`exporter.engines_cli.EngineJoin`'s, the same function ``gpuio engines`` prints, made from the
+:class:`exporter.engine_join.EngineJoin`'s, the same function ``gpuio engines`` prints, made from the
 exporter's own engines collector: its spool reader (a read, as a scrape reads) and its background
 scan of the engine files (the residency /metrics serves; no file is measured for a request).
 
@@ -40,7 +40,7 @@ from pydantic import BaseModel, Field
 
 from . import __version__
 from .collectors.engines import MAX_GPUS_PER_ENGINE, MAX_INFOS, MAX_PODS_PER_ENGINE
-from .engines_cli import ENGINES_API, EngineJoin, finite
+from .engine_join import ENGINES_API, EngineJoin, finite
 
 if TYPE_CHECKING:
     from .collect import CollectorState, Scraper

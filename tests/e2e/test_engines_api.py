@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import gpuio
-from exporter.engines_cli import engine_rows, json_text
+from exporter.engine_join import engine_rows, json_text
 from gpuio import metrics
 from gpuio import spool as spool_format
 from tests.conftest import REPO, free_port

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.engines_cli import ROW_FIELDS
+from exporter.engine_join import ROW_FIELDS
 from tests.conftest import REPO
 from tests.unit.test_remote import Canned
 

@@ -15,7 +15,7 @@ from fastapi import HTTPException
 
 from exporter import api
 from exporter.collect import Scraper
-from exporter.engines_cli import ROW_FIELDS
+from exporter.engine_join import ROW_FIELDS
 from gpuio import metrics
 from gpuio import spool as spool_format
 from tests.conftest import engines_collector
@@ -120,7 +120,7 @@ def test_devices_come_from_what_the_scrapes_learned_never_a_lookup_per_request(
     """The st_dev numbers in a spool are what its writers report: a request must not make a sysfs look-up
     per row.  The scrape looks them up within its budget; the API serves those answers."""
     from exporter.blockdev import DeviceNumbers
-    from exporter.engines_cli import EngineJoin
+    from exporter.engine_join import EngineJoin
 
     (tmp_path / "m.plan").write_bytes(b"m" * 4096)
     report = report_of(spool_dir, path=(str(tmp_path / "m.*"),))

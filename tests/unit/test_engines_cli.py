@@ -54,7 +54,8 @@ def test_engines_lists_spool_and_glob_engines_without_touching_dead_files(spool_
 
 
 def test_a_gpu_cell_shows_what_is_known_and_a_uuid_cut_short() -> None:
-    from exporter.engines_cli import _gpu, _short_gpu
+    from exporter.engine_join import gpu_cell as _gpu
+    from exporter.engines_cli import _short_gpu
 
     assert _gpu(-1, "GPU-5a1e0c2b-aaaa-bbbb-cccc-dddddddddddd") == "GPU-5a1e0c2b-aaaa-bbbb-cccc-dddddddddddd"
     assert _gpu(0, "") == "cuda:0" and _gpu(1, "GPU-77") == "cuda:1 GPU-77"

@@ -197,3 +197,16 @@ def test_the_dashboards_folder_holds_only_what_grafana_loads() -> None:
     python = [os.path.join(directory, name) for directory, folders, files in os.walk(os.path.join(REPO, "dashboards"))
               if "node_modules" not in directory for name in files if name.endswith(".py")]
     assert python == []
+
+
+# The command-line tools: what a person runs on a node.  The server and the JSON API serve what they print
+# from the modules below them (the engine join), never from a CLI module.
+CLIS = {"exporter.cli", "exporter.engines_cli", "exporter.top", "exporter.top.__main__", "exporter.top.data",
+        "exporter.top.iostat", "exporter.top.display"}
+
+
+def test_neither_the_server_nor_the_api_imports_a_command_line_tool() -> None:
+    edges = graph()
+    assert "exporter.engine_join" in edges["exporter.api"]  # the walk sees the API's rows
+    served = {"exporter.server", "exporter.api", "exporter.server_metrics"}
+    assert {(name, target) for name in served for target in edges[name] if target in CLIS} == set()

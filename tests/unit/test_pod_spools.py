@@ -295,7 +295,7 @@ def test_pod_names_longer_than_kubernetes_allows_are_refused(tmp_path) -> None:
 
 def test_gpuio_engines_lists_the_engines_of_pods_emptydir_spools(tmp_path, pod_env) -> None:
     """`gpuio engines` reads what the exporter reads: the node's spool directory and the pods' volumes."""
-    from exporter.engines_cli import engine_rows
+    from exporter.engine_join import engine_rows
 
     pods = str(tmp_path / "pods")
     spool = pod_spool(pods, UID_A)

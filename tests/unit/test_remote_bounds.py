@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from exporter import api, engines_cli
-from exporter.engines_cli import ENGINES_API, ROW_FIELDS, engines_main
+from exporter.engine_join import ENGINES_API, ROW_FIELDS
+from exporter.engines_cli import engines_main
 from exporter.top import data
 from tests.unit.test_remote import Canned, reply
 
