@@ -66,6 +66,7 @@ def test_make_dist_builds_both_distributions_as_sdist_and_wheel_at_one_version(d
             "exporter/deploy/prometheus/runbooks/MountIOStorm.md", "exporter/deploy/kubernetes/daemonset.yaml",
             "exporter/deploy/kubernetes/components/smart/kustomization.yaml"} <= set(files)
     assert not [name for name in files if name.startswith("deploy/") or "/local/" in name]
+    assert f"gpuio_exporter-{VERSION}.dist-info/licenses/LICENSE" in files
     assert f"Requires-Dist: gpuio=={VERSION}" in metadata
     with tarfile.open(dist / f"gpuio_exporter-{VERSION}.tar.gz") as sdist:  # the sdist builds its wheel alone
         assert f"gpuio_exporter-{VERSION}/exporter/instrument/gpuio/VERSION" in sdist.getnames()
