@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import hosttext, procstat
-from .collect import BadLine
+from .lines import BadLine
 from .procstat import whole_number
 from .psi import parse_total
 

@@ -195,15 +195,6 @@ class MalformedSource(Exception):  # noqa: N818  (it is an outcome, as StaleData
         self.families = families or []
 
 
-class BadLine(ValueError):
-    """A source line a collector cannot use.  ``reason`` is one of the collector's own constants, never
-    text from the line: it labels gpuio_scrape_collector_dropped_lines_total where the collector counts it."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
 class DroppedLines:
     """Lines a collector skipped, counted by source (a file under --path.procfs/sysfs) and reason.
 

@@ -1,6 +1,6 @@
 """/proc/<pid>/stat, read once for the whole exporter: its own process metrics, smartctl's process
 table and the start time that identifies a spool writer; the bounded reading of a number any kernel
-file writes (``whole_number``) and of a file (``read_at_most``, ``read_bounded``).
+file writes (``whole_number``) and of a file (``read_at_most``, ``read_bounded``, ``read_regular_file``).
 
 The command name (field 2) is in parentheses and may itself hold spaces and parentheses, so the
 fields are split after its last ")".  (gpuio, the instrumentation library, has its own few lines
@@ -9,7 +9,9 @@ for its own start time: it imports nothing of the exporter.)
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 # Indexes into stat_fields(), i.e. field number (proc(5), from 1) minus 3.
 STATE, PPID, SESSION = 0, 1, 3
@@ -77,3 +79,21 @@ def start_ticks(pid: int | str = "self", procfs: str = "/proc") -> int:
         return int(stat_fields(pid, procfs)[START_TIME])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def read_regular_file(path: str, limit: int) -> bytes:
+    """A regular file's first ``limit`` bytes; OSError for anything else.
+
+    Opened non-blocking: open() of a FIFO with no writer would otherwise wait forever (and a device
+    node may block or never end).  What is not a regular file is refused before a byte is read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+            raise OSError(errno.EINVAL, f"not a regular file but {kind}")
+        return read_at_most(fd, limit)
+    finally:
+        os.close(fd)

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from .collect import BadLine
+from .lines import BadLine
 from .procstat import whole_number
 
 

@@ -52,13 +52,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import errno
 import hmac
 import logging
 import os
 import re
 import ssl
-import stat
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -68,7 +66,7 @@ from hashlib import sha256
 from typing import TYPE_CHECKING, Any
 
 from .logsetup import fields
-from .procstat import read_at_most
+from .procstat import read_regular_file
 from .server_metrics import AUTH_RESULTS, RELOAD_RESULTS
 
 log = logging.getLogger("gpuio.webconfig")
@@ -205,28 +203,10 @@ def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode)
     return loader.construct_mapping(node, deep=True)
 
 
-def read_regular_file(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
-    """A regular file's first ``limit`` bytes; OSError for anything else.
-
-    Opened non-blocking: open() of a FIFO with no writer would otherwise wait forever (and a device
-    node may block or never end).  What is not a regular file is refused before a byte is read.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
-            raise OSError(errno.EINVAL, f"not a regular file but {kind}")
-        return read_at_most(fd, limit)
-    finally:
-        os.close(fd)
-
-
 def load(path: str) -> WebConfig:
     """Read, validate and build a web configuration; WebConfigError says what is wrong and where."""
     try:
-        text = read_regular_file(path)  # not all of /dev/zero, should it be named here
+        text = read_regular_file(path, MAX_FILE_BYTES)  # not all of /dev/zero, should it be named here
     except FileNotFoundError:
         raise WebConfigError("no such file") from None
     except OSError as exc:

@@ -21,8 +21,9 @@ import time
 from typing import Any
 
 from ..blockdev import BlockDevices
-from ..collect import BadLine, Collector, Context, MalformedSource, register
+from ..collect import Collector, Context, MalformedSource, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..lines import BadLine
 from ..logsetup import LogOnce
 from ..options import ConfigError, Option, parse_regex
 

@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import mounts
-from ..collect import Absent, BadLine, Collector, Context, register
+from ..collect import Absent, Collector, Context, register
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..lines import BadLine
 from ..options import Option, parse_count
 from ..procstat import whole_number
 

@@ -17,8 +17,9 @@ import errno
 import logging
 import os
 
-from ..collect import Absent, BadLine, Collector, MalformedSource, register
+from ..collect import Absent, Collector, MalformedSource, register
 from ..exposition import COUNTER, Desc, Family
+from ..lines import BadLine
 from ..logsetup import LogOnce
 from ..psi import parse_total
 

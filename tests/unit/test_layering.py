@@ -210,3 +210,18 @@ def test_neither_the_server_nor_the_api_imports_a_command_line_tool() -> None:
     assert "exporter.engine_join" in edges["exporter.api"]  # the walk sees the API's rows
     served = {"exporter.server", "exporter.api", "exporter.server_metrics"}
     assert {(name, target) for name in served for target in edges[name] if target in CLIS} == set()
+
+
+# The host's readers and parsers, and the client of a remote exporter: below the collector framework and
+# the web stack, so that a parser is usable (and fuzzed) alone and a client carries no server code.
+READERS = {"exporter.psi", "exporter.cgroups", "exporter.blockdev", "exporter.mounts", "exporter.pagecache",
+           "exporter.procstat", "exporter.smartctl", "exporter.nvml_device", "exporter.hosttext",
+           "exporter.lines", "exporter.remote"}
+ABOVE_READERS = {"exporter.collect", "exporter.webconfig", "exporter.server", "exporter.connections",
+                 "exporter.api"}
+
+
+def test_readers_parsers_and_the_client_import_neither_the_framework_nor_the_web_stack() -> None:
+    edges = graph()
+    assert READERS <= set(edges)
+    assert {(name, target) for name in READERS for target in edges[name] if target in ABOVE_READERS} == set()
