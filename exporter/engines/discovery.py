@@ -55,7 +55,9 @@ Which GPUs: those NVML lists the process on; a process on several (one Triton se
 model file placed by exporter.engines.placement (its config.pbtxt, read once a file and process where the
 wait can be abandoned, with the process's CUDA_VISIBLE_DEVICES read once from its environ; else the GPUs the
 process's NVML memory grew on while it loaded the file, looked for until GROWTH_WAIT after the load; else
-all of them), and its engine's info, loads in progress and abandoned loads are on each of those GPUs.
+all of them), and its engine's info, loads in progress and abandoned loads are on each of those GPUs.  What
+is read for that, and when, is exporter.engines.placing's (:class:`~exporter.engines.placing.Placer`); how a
+file's load begins and ends, and each engine's history, :class:`LoadBook`'s.
 
 Only inference processes: a process counts once NVML lists it with a GPU context (``gpu_processes``: pid
 and start time, so a process that took the pid of one NVML listed is not it), and what it loaded before
@@ -107,7 +109,8 @@ from .. import procstat
 from ..abandonable import Unresponsive, proc_reads
 from ..pods import cgroup as pod_cgroup
 from . import mappings, model, placement
-from .descriptors import MountJudge, abandonable_config_reads, abandonable_stats, read_fdinfo
+from .descriptors import MountJudge, abandonable_stats, read_fdinfo
+from .placing import Placer
 
 log = logging.getLogger("gpuio.discovery")
 
@@ -139,12 +142,6 @@ IO_BYTES = 1024
 JOIN_SECONDS = 3.0
 # A GPU process's maps are read again when its device reads grew since the last look, else after this long.
 MAPS_EVERY = 30.0
-# How long after a load's end its process's GPU memory may still show where it went: NVML's process list
-# (and its used memory) is read every slow interval of the nvml collector (10 s), three of them.
-GROWTH_WAIT = 30.0
-# config.pbtxt files read for one process in one pass, at most (each may take up to CONFIG_READ_SECONDS); the
-# rest wait for the next pass, and none is read once the pass is past its deadline
-CONFIG_READS_PER_PROCESS = 2
 MAPPED_SLACK = 1 << 20  # a mapped file read to within this of its size is read whole
 SPOOL_SUFFIX = spool_format.SUFFIX
 _SPOOL_NAME = re.compile(re.escape(spool_format.PREFIX) + r"\d{1,10}-(?P<start>\d{1,20})-[0-9a-f]{16}"
@@ -318,16 +315,7 @@ class Discovery:
         self.include = tuple(directory.rstrip("/") + "/" for directory in include)
         self._include_bytes = tuple(os.fsencode(directory) for directory in self.include)
         self.matches = pattern_matcher(patterns)
-        self.gpu_of = gpu_of or (lambda pid, start: None)  # (pid, start ticks) -> GPU uuid (NVML's list)
-        # NVML's list again: every GPU of a process (NVML order), its used memory on each, every GPU's UUID in
-        # NVML order; for a process on several GPUs, where each of its models is (the placement module)
-        self.gpus_of = gpus_of
-        self.memory_of = memory_of or (lambda pid, start: {})
-        self.ordered_gpus = ordered_gpus or (lambda: ())
-        self._configs = placement.ConfigReader(procfs)
         self.gpu_processes = gpu_processes or (lambda: ())  # (pid, start ticks) with a GPU context (NVML's list)
-        self.idle = idle
-        self.join_within = join_within
         self.fd_entries_per_pass = fd_entries_per_pass
         self.priority_fd_entries = priority_fd_entries
         # Only processes with a GPU context load engines: a copy, a checksum or a backup reading model
@@ -336,7 +324,6 @@ class Discovery:
         self._on_gpus: frozenset[tuple[int, int]] = frozenset()  # this pass's NVML list
         self.library_files: frozenset[tuple[int, int]] = frozenset()  # (st_dev, st_ino) of spool files read
         self._tracked: dict[int, Process] = {}  # pid -> process (the start ticks tell a reused pid)
-        self._histories: dict[str, EngineHistory] = {}
         self._listed: set[int] = set()  # pids of the last listing
         self._rotation: list[int] = []  # pids not looked at yet in this round
         self._started_ticks = self._now_ticks()
@@ -348,11 +335,11 @@ class Discovery:
         self._past_maps_cap: set[int] = set()  # pids whose maps were longer than mappings.MAPS_BYTES (the same)
         self._maps_reads: dict[int, tuple[int, float, int]] = {}  # pid -> (start ticks, when, read_bytes): last read
         self._dropped: dict[str, int] = {}  # kind -> what the bounds left out (a counter)
-        self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
         self._mounts = MountJudge(procfs)
         self._remote = abandonable_stats()
-        self._config_reads = abandonable_config_reads()
         self._proc = proc_reads("discovery-proc")
+        self._placer = Placer(procfs, self._proc, self._drop, gpu_of, gpus_of, memory_of, ordered_gpus)
+        self._book = LoadBook(self._placer, self._drop, idle, join_within)
         self._lock = threading.Lock()
 
     # --- one pass ----------------------------------------------------------------------------------
@@ -380,7 +367,7 @@ class Discovery:
             figures = PassFigures(len(self._tracked), looked, self._not_permitted, bool(self._rotation),
                                   time.monotonic() - started, tuple(sorted(self._dropped.items())),
                                   self._remote.unresponsive())
-            return Discovered(self._totals(), figures)
+            return Discovered(self._book.totals(self._tracked.values()), figures)
 
     def _priority(self, listed: set[int], new: set[int]) -> list[int]:
         """The processes looked at every pass, in order: those NVML lists on a GPU (inference servers), the
@@ -481,7 +468,7 @@ class Discovery:
         known.waiting = waiting
         chars_before, device_before = known.chars, known.device_bytes
         known.chars, known.device_bytes = chars, device_bytes
-        known.gpus = self._gpus(pid, start)
+        known.gpus = self._placer.gpus(pid, start)
         if not known.on_gpu and on_gpu:
             known.on_gpu = True
             for settle in known.pending:  # its loads that ended before NVML listed it
@@ -491,79 +478,9 @@ class Discovery:
         # a mapped file moves by the device reads its faults caused: those that no read() returned (the
         # process's other reads -- its inputs, another model's file -- count in rchar; faults do not)
         self._follow(known, held, fresh, returned, max(0, grew - returned))
-        self._place(known, budget.deadline)
-        self._close_loads(known, time.monotonic())
+        self._placer.place(known, budget.deadline)
+        self._book.close_loads(known, time.monotonic())
         return 1
-
-    def _gpus(self, pid: int, start: int) -> tuple[str, ...]:
-        if self.gpus_of is not None:
-            return self.gpus_of(pid, start)
-        gpu = self.gpu_of(pid, start)
-        return (gpu,) if gpu else ()
-
-    # --- which GPUs ---------------------------------------------------------------------------------
-
-    def _place(self, process: Process, deadline: float) -> None:
-        """Each file's GPUs: the process's one GPU; for a process on several, where the placement module puts
-        the model (its config.pbtxt, the GPUs its memory grew on while it loaded, else all of them).  A file
-        whose config is not read yet (CONFIG_READS_PER_PROCESS a pass, none past the pass's ``deadline``, or
-        its mount did not answer) keeps the GPUs it was placed on; a new one is on all of them meanwhile."""
-        if len(process.gpus) <= 1:
-            for held in process.files.values():
-                held.gpus = process.gpus
-            return
-        now = time.monotonic()
-        memory: dict[str, int] | None = None
-        reads = CONFIG_READS_PER_PROCESS
-        for held in process.files.values():
-            if not held.open and held.loading_since is None and held.gpus:
-                continue  # closed and done: where it was
-            if not held.config_read:
-                if reads <= 0 or time.monotonic() >= deadline or not self._read_config(process, held):
-                    held.gpus = held.gpus or process.gpus
-                    continue
-                reads -= 1
-            if held.memory_at_start is not None and not held.grown:
-                memory = self.memory_of(process.pid, process.start) if memory is None else memory
-                held.grown = placement.grew_on(held.memory_at_start, memory)
-                if held.grown or now > held.grow_until:
-                    held.memory_at_start = None
-            visible = self._visible(process) if held.config is not None and held.config.ordinals else None
-            held.gpus, _ = placement.place(held.config, visible, process.gpus, held.grown)
-
-    def _read_config(self, process: Process, held: HeldFile) -> bool:
-        """The config.pbtxt beside the file, in the process's root, where the wait can be abandoned (after
-        CONFIG_READ_SECONDS: a cold read from a local disk in a storm takes a fraction of that; a dead NFS export
-        or FUSE daemon never answers); False when it did not answer (read again at a later pass).  A read that
-        does not answer refuses the reads of its process's mount namespace for a while, not those of others (a
-        tenant can mount a FUSE file system on its own config's name)."""
-        try:
-            namespace = os.readlink(f"{self.procfs}/{process.pid}/ns/mnt")
-        except OSError:
-            namespace = f"pid {process.pid}"
-        try:
-            held.config = self._config_reads.call(namespace, functools.partial(self._configs, process.pid,
-                                                                               held.file.path))
-        except Unresponsive:
-            self._drop("unresponsive_mount")
-            return False
-        held.config_read = True
-        return True
-
-    def _visible(self, process: Process) -> tuple[str, ...] | None:
-        """The GPUs the process's CUDA ordinals are, from its CUDA_VISIBLE_DEVICES (read once, where the wait
-        can be abandoned: reading environ takes the process's memory lock); None when it cannot be read."""
-        if not process.environ_read:
-            try:
-                environ = self._proc.call(process.pid, functools.partial(placement.read_cuda_environ, self.procfs,
-                                                                         process.pid))
-            except Unresponsive:
-                self._drop("unresponsive_process")
-                return None
-            process.environ_read = True
-            if environ is not None:
-                process.visible = environ.visible(self.ordered_gpus())
-        return process.visible
 
     def _facts(self, pid: int) -> tuple[int, bool, int, int, int] | None:
         """(start ticks, waiting on IO, uid, rchar, read_bytes) of a process; None when it is gone.  Read where
@@ -784,14 +701,14 @@ class Discovery:
             if known is None:
                 known = self._start_following(process, key, opened)
                 if known is not None and fresh:
-                    self._begin(process, known, now, already_read=opened.position)
+                    self._book.begin(process, known, now, already_read=opened.position)
                 continue
             if opened.mapped:
                 self._follow_mapped(process, known, opened, share, now)
                 continue
             moved = opened.position != known.file.position or not known.open
             if moved and known.loading_since is None:
-                self._begin_moving(process, known, now)
+                self._book.begin_moving(process, known, now)
             known.looked_again = True
             if known.loading_since is not None and opened.position > known.file.position:
                 forward = min(opened.position - known.file.position, returned)
@@ -804,18 +721,18 @@ class Discovery:
             if key not in held and known.open:
                 known.open = False
                 if known.loading_since is not None:
-                    self._finish(process, known, now)
-            elif known.open and known.loading_since is not None and self._stood_still(process, known, now):
-                self._finish(process, known, known.load_moved_at)
+                    self._book.finish(process, known, now)
+            elif known.open and known.loading_since is not None and self._book.stood_still(process, known, now):
+                self._book.finish(process, known, known.load_moved_at)
             elif known.open and known.loading_since is not None and _mapped_read_whole(known):
-                self._finish(process, known, now)  # the device gave as much as the whole file: read
+                self._book.finish(process, known, now)  # the device gave as much as the whole file: read
 
     def _follow_mapped(self, process: Process, known: HeldFile, opened: OpenFile, grew: int, now: float) -> None:
         """A mapped file: its load begins when it is mapped anew (never for a mapping found already there, as a
         file found open and still is no load) and moves while the process reads from the device (its faults
         reading the file in; process-wide, so at most the file's size)."""
         if not known.open:  # unmapped, then mapped again
-            self._begin(process, known, now, already_read=0)
+            self._book.begin(process, known, now, already_read=0)
         elif known.loading_since is not None and grew:
             known.read_forward = min(known.file.size, known.read_forward + grew)
             known.load_moved_at = now
@@ -837,14 +754,51 @@ class Discovery:
                                              chars_at_look=process.chars)
         return held
 
-    def _stood_still(self, process: Process, held: HeldFile, now: float) -> bool:
+    def _process_gone(self, process: Process) -> None:
+        """The process exited (or its pid was taken by another): its loads end, and it is followed no more."""
+        self._book.process_gone(process)
+        self._tracked.pop(process.pid, None)
+
+    def _end_pass(self, listed: set[int]) -> None:
+        for pid, process in list(self._tracked.items()):
+            if pid not in listed:
+                self._process_gone(process)
+            elif not any(held.open for held in process.files.values()) and not process.files:
+                del self._tracked[pid]
+        self._refused = {key for key in self._refused if key[0] in listed}
+        self._left_out = {key for key in self._left_out if key[0] in listed}
+        self._cursors = {pid: cursor for pid, cursor in self._cursors.items() if pid in listed}
+        self._past_fd_cap &= listed
+        self._past_maps_cap &= listed
+        self._maps_reads = {pid: last for pid, last in self._maps_reads.items() if pid in listed}
+        self._book.note_held(self._tracked.values())
+
+
+class LoadBook:
+    """The loads of the processes discovery follows, from a file's first movement to its engine's load recorded
+    (module note: a load, seen from outside), and each engine's history of them: what the answer's totals are
+    made of.  Discovery looks and follows the files; this book says when a load begins, moves on and ends."""
+
+    def __init__(self, placer: Placer, drop: Callable[[str], None], idle: float, join_within: float) -> None:
+        self.idle = idle
+        self.join_within = join_within
+        self._placer = placer  # told each load's start and end: it looks where the model's memory went meanwhile
+        self._drop = drop
+        self._histories: dict[str, EngineHistory] = {}
+        self._held_engines: set[str] = set()  # engines some followed process holds a file of (never forgotten)
+
+    def note_held(self, processes: Iterable[Process]) -> None:
+        """The engines the processes followed hold a file of now: their histories are never forgotten."""
+        self._held_engines = {held.engine for process in processes for held in process.files.values()}
+
+    def stood_still(self, process: Process, held: HeldFile, now: float) -> bool:
         """The load's position has not moved for ``idle`` seconds, or for three times that while the
         process waits on IO (a read held up by a storm; a reader at fixed offsets waits for ever)."""
         still = now - held.load_moved_at
         return still >= (3 * self.idle if process.waiting else self.idle)
 
-    def _begin(self, process: Process, held: HeldFile, now: float, already_read: int,
-               since: tuple[float, int, int] | None = None) -> None:
+    def begin(self, process: Process, held: HeldFile, now: float, already_read: int,
+              since: tuple[float, int, int] | None = None) -> None:
         """A file's load begins: now, or ``since`` (wall clock, read_bytes and rchar when it was found), and
         with it its engine's load, unless one is in progress (or ended within JOIN_SECONDS): the next file
         of the same load."""
@@ -853,8 +807,7 @@ class Discovery:
         held.loaded_at = held.loading_since
         held.load_moved_at = now
         held.read_forward = held.read_before = max(0, min(already_read, held.file.size))
-        if len(process.gpus) > 1 and not held.grown:  # where its memory grows tells where the model goes
-            held.memory_at_start, held.grow_until = self.memory_of(process.pid, process.start), float("inf")
+        self._placer.load_began(process, held)
         load = process.loads.get(held.engine)
         if load is None:
             process.loads[held.engine] = EngineLoad(held.loading_since, held.device_at_start, held.file.dev)
@@ -862,24 +815,24 @@ class Discovery:
             load.ended = None
             load.started = min(load.started, held.loading_since)
 
-    def _begin_moving(self, process: Process, held: HeldFile, now: float) -> None:
+    def begin_moving(self, process: Process, held: HeldFile, now: float) -> None:
         """A load of a file already open whose position moved.  Moving at the first look after the file
         was found (the exporter started, or the rotation reached the process, mid-read): the load was
         under way when found, so it counts from then with what was read before.  Later: a new read of a
         file held still, from now."""
         if held.looked_again or not held.open:
-            self._begin(process, held, now, already_read=0)
+            self.begin(process, held, now, already_read=0)
             return
-        self._begin(process, held, now, already_read=held.file.position,
-                    since=(held.sighted, held.device_at_sight, held.chars_at_sight))
+        self.begin(process, held, now, already_read=held.file.position,
+                   since=(held.sighted, held.device_at_sight, held.chars_at_sight))
 
-    def _finish(self, process: Process, held: HeldFile, ended: float) -> None:
+    def finish(self, process: Process, held: HeldFile, ended: float) -> None:
         """A file's load ended (closed, or still for ``idle`` seconds): its bytes go to its engine's load,
-        which ends with the last of its files (recorded by _close_loads)."""
+        which ends with the last of its files (recorded by close_loads)."""
         if held.loading_since is None:
             return
         held.loading_since = None
-        held.grow_until = time.monotonic() + GROWTH_WAIT
+        self._placer.load_ended(held)
         load = process.loads.get(held.engine)
         if load is None:
             return
@@ -889,7 +842,7 @@ class Discovery:
             load.ended = ended if load.ended is None else max(load.ended, ended)
             load.device_at_end = process.device_bytes
 
-    def _close_loads(self, process: Process, now: float, join: float | None = None) -> None:
+    def close_loads(self, process: Process, now: float, join: float | None = None) -> None:
         """Record the engine loads whose files all finished ``join`` (JOIN_SECONDS) ago: their duration from
         the first file's start to the last one's end, their bytes, and the device's share of them."""
         join = self.join_within if join is None else join
@@ -998,7 +951,7 @@ class Discovery:
         values[slot["file_bytes"]] = size
         values[slot["seq_end"]] = values[slot["seq"]]
 
-    def _process_gone(self, process: Process) -> None:
+    def process_gone(self, process: Process) -> None:
         """Its engine loads end: those whose files were all read to the end (or had finished) are recorded,
         the others abandoned, once an engine."""
         abandoned: set[str] = set()
@@ -1006,40 +959,25 @@ class Discovery:
             if held.loading_since is None:
                 continue
             if held.file.position >= held.file.size > 0 or _mapped_read_whole(held):
-                self._finish(process, held, held.load_moved_at)  # read to the end, then exited
+                self.finish(process, held, held.load_moved_at)  # read to the end, then exited
             else:
                 held.loading_since = None
                 abandoned.add(held.engine)
         for engine in abandoned:
             process.loads.pop(engine, None)
             self._abandon(process, engine)
-        self._close_loads(process, time.monotonic(), join=0.0)
-        self._tracked.pop(process.pid, None)
+        self.close_loads(process, time.monotonic(), join=0.0)
 
-    def _end_pass(self, listed: set[int]) -> None:
-        for pid, process in list(self._tracked.items()):
-            if pid not in listed:
-                self._process_gone(process)
-            elif not any(held.open for held in process.files.values()) and not process.files:
-                del self._tracked[pid]
-        self._refused = {key for key in self._refused if key[0] in listed}
-        self._left_out = {key for key in self._left_out if key[0] in listed}
-        self._cursors = {pid: cursor for pid, cursor in self._cursors.items() if pid in listed}
-        self._past_fd_cap &= listed
-        self._past_maps_cap &= listed
-        self._maps_reads = {pid: last for pid, last in self._maps_reads.items() if pid in listed}
-        self._held_engines = {held.engine for process in self._tracked.values() for held in process.files.values()}
+    # --- the answer: the histories, and the processes followed now ---------------------------------
 
-    # --- the answer -------------------------------------------------------------------------------
-
-    def _totals(self) -> model.Totals:
+    def totals(self, processes: Iterable[Process]) -> model.Totals:
         totals = model.Totals()
         for engine, history in self._histories.items():
             totals.engines[engine] = list(history.engine_values)
             totals.waterfalls[engine] = list(history.waterfall)
             for uuid, count in history.abandoned.items():
                 totals.abandoned[(engine, uuid)] = count
-        for process in self._tracked.values():
+        for process in processes:
             if process.on_gpu:
                 self._add_process(totals, process)
         return totals
