@@ -157,7 +157,7 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(engines_main(args[1:]))
     if args[0] == "warm":
-        from .engines_cli import warm_main
+        from .warm_cli import warm_main
 
         raise SystemExit(warm_main(args[1:]))
     if args[0] == "generate":

@@ -43,3 +43,8 @@ def safe_text(value: object, style: str = "") -> Text:
     from rich.text import Text
 
     return Text(printable(value), style=style)
+
+
+def mib(value: float) -> str:
+    """Bytes as MiB with one decimal, as the tools' tables and summaries print them ("1536.0")."""
+    return f"{value / 2**20:.1f}"

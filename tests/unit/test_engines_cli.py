@@ -1,4 +1,5 @@
-"""``gpuio engines`` and ``gpuio warm`` (exporter/engines_cli.py) on real files and a real spool."""
+"""``gpuio engines`` (exporter/engines_cli.py) and ``gpuio warm`` (exporter/warm_cli.py) on real files and a
+real spool."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 import pytest
 
 import gpuio
-from exporter.engines_cli import engines_main, warm_main
+from exporter.engines_cli import engines_main
+from exporter.warm_cli import warm_main
 from gpuio import metrics
 from gpuio import spool as spool_format
 
@@ -186,7 +188,7 @@ def test_engines_walks_a_spool_directory_too_big_for_one_read(spool_dir, monkeyp
 @pytest.fixture(autouse=True)
 def _not_on_a_sudo_users_behalf(monkeypatch) -> None:
     """warm_main, run as root with SUDO_UID set (``sudo make test``), would make this test process that
-    user for good (see exporter/engines_cli.py, WARM_RULES): these tests call it in-process as root."""
+    user for good (see exporter/warm_cli.py, WARM_RULES): these tests call it in-process as root."""
     for name in ("SUDO_UID", "SUDO_GID", "SUDO_USER"):
         monkeypatch.delenv(name, raising=False)
 
@@ -195,7 +197,7 @@ def test_a_blocked_read_is_abandoned_after_the_stall_bound_and_stops_when_it_ret
     """within_stall_bound on a real blocking read (a pipe nobody writes yet): Stalled once the bound
     passes without a beat; the thread stays blocked in the kernel until the read returns, then sees it
     was abandoned and ends without reading on."""
-    from exporter.engines_cli import Stalled, within_stall_bound
+    from exporter.warm_cli import Stalled, within_stall_bound
 
     reader, writer = os.pipe()
     reads: list[bytes] = []
