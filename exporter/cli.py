@@ -111,7 +111,7 @@ def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionT
 
 
 def _generate(argv: list[str]) -> int:
-    """``gpuio generate``: deploy/'s generator, which the wheel installs as exporter.deploy (a checkout on
+    """``gpuio generate``: deploy/'s generator, which the wheel installs as gpuio_exporter.deploy (a checkout on
     the path, as ``make run`` puts it, has it as deploy)."""
     # Imported by name: deploy/ is typed for Python 3.11+ (Grafana's SDK) and `make lint` checks it on its own.
     try:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from exporter import thresholds
+from ..exporter_modules import thresholds
 
 # --- disk classes (exporter/thresholds.py: the limits `gpuio top` judges its rows by) ------------------
 SOLID_STATE = thresholds.DISK_CLASSES[thresholds.SOLID_STATE]

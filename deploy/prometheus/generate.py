@@ -16,9 +16,7 @@ import dataclasses
 import os
 from typing import Any
 
-from exporter.options import parse_bool
-from exporter.thresholds import parse_threshold
-
+from ..exporter_modules import options, thresholds
 from ..generated import stale_files, yaml_text
 from .config import DEFAULT, KNOBS, NODE_EXPORTER, RATIO_KNOBS, Config
 from .durations import DURATION
@@ -49,7 +47,7 @@ def parse_override(text: str, base: Config = DEFAULT) -> tuple[str, Any]:
     current = getattr(base, name)
     if isinstance(current, bool):
         try:
-            return name, parse_bool(value)
+            return name, options.parse_bool(value)
         except ValueError:
             raise ValueError(f"--set {name}={value!r}: expected true or false") from None
     if isinstance(current, int):
@@ -57,7 +55,7 @@ def parse_override(text: str, base: Config = DEFAULT) -> tuple[str, Any]:
             raise ValueError(f"--set {name}={value!r}: expected a whole number of at least 0")
         return name, int(value)
     if isinstance(current, float):
-        return name, parse_threshold(name, value, name in RATIO_KNOBS)
+        return name, thresholds.parse_threshold(name, value, name in RATIO_KNOBS)
     if not isinstance(current, str):
         raise ValueError(f"--set {name}: only numbers, durations, text and true/false can be replaced, "
                          f"not {type(current).__name__}")

@@ -21,8 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from exporter.thresholds import DiskClass
-
+from ..exporter_modules import thresholds
 from ..generated import REPO
 from . import durations
 from .config import DEFAULT, KNOBS, NETWORK, NVME, ROTATIONAL, SOLID_STATE, Config
@@ -38,7 +37,7 @@ HEADER = ("<!-- Generated from deploy/prometheus/runbooks/{name} by `make genera
 # [[NAME]] or [[NAME|format]]; names and formats never contain brackets or a bar.
 PLACEHOLDER = re.compile(r"\[\[([^\[\]|\n]*)(?:\|([^\[\]|\n]*))?\]\]")
 
-DISK_CLASSES: dict[str, DiskClass] = {
+DISK_CLASSES: dict[str, thresholds.DiskClass] = {
     "SOLID_STATE": SOLID_STATE,
     "ROTATIONAL": ROTATIONAL,
     "NVME": NVME,

@@ -60,11 +60,12 @@ def test_make_dist_builds_both_distributions_as_sdist_and_wheel_at_one_version(d
     with zipfile.ZipFile(exporter_wheel) as wheel:
         files = wheel.namelist()
         metadata = wheel.read(f"gpuio_exporter-{VERSION}.dist-info/METADATA").decode()
-    assert "exporter/engines/discovery.py" in files and not any("instrument" in name for name in files)
+    assert "gpuio_exporter/engines/discovery.py" in files and not any("instrument" in name for name in files)
+    assert not [name for name in files if name.startswith("exporter/")]  # an import name of its own
     # the generators and what they read (gpuio generate), under the exporter's name: no top-level deploy
-    assert {"exporter/deploy/generate.py", "exporter/deploy/grafana/boards/starvation.py",
-            "exporter/deploy/prometheus/runbooks/MountIOStorm.md", "exporter/deploy/kubernetes/daemonset.yaml",
-            "exporter/deploy/kubernetes/components/smart/kustomization.yaml"} <= set(files)
+    shipped = ("generate.py", "grafana/boards/starvation.py", "prometheus/runbooks/MountIOStorm.md",
+               "kubernetes/daemonset.yaml", "kubernetes/components/smart/kustomization.yaml")
+    assert {f"gpuio_exporter/deploy/{name}" for name in shipped} <= set(files)
     assert not [name for name in files if name.startswith("deploy/") or "/local/" in name]
     assert f"gpuio_exporter-{VERSION}.dist-info/licenses/LICENSE" in files
     assert f"Requires-Dist: gpuio=={VERSION}" in metadata
@@ -110,7 +111,7 @@ def test_pipx_installs_the_exporter_from_the_built_files_and_it_serves(dist: Pat
     exporter = str(tmp_path / "bin" / "gpuio-exporter")
     assert run(exporter, "--version", cwd="/", env=env).strip() == f"gpuio-exporter {VERSION}"
     where = run(str(tmp_path / "pipx" / "venvs" / "gpuio-exporter" / "bin" / "python"), "-c",
-                "import exporter, gpuio; print(exporter.__file__); print(gpuio.__file__)", cwd="/", env=env)
+                "import gpuio_exporter, gpuio; print(gpuio_exporter.__file__); print(gpuio.__file__)", cwd="/", env=env)
     assert all(str(tmp_path) in line and REPO not in line for line in where.splitlines()), where
     assert "usage: gpuio engines" in run(str(tmp_path / "bin" / "gpuio"), "engines", "--help", cwd="/", env=env)
     generated_outside_the_repository(str(tmp_path / "bin" / "gpuio"), tmp_path / "site", env)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (source root, package): the exporter, and gpuio, the instrumentation library in its own project folder.
@@ -191,7 +192,21 @@ def folder_imports(folder: str) -> set[str]:
 def test_the_folders_import_one_way_down() -> None:
     for folder, allowed in FOLDERS_BELOW.items():
         assert folder_imports(folder) <= allowed, folder
-    assert folder_imports("deploy") == {"exporter"}  # the walk reads imports (deploy reads the thresholds)
+    assert folder_imports("bench") >= {"exporter", "tests"}  # the walk reads imports
+
+
+def test_deploy_reaches_the_exporter_through_one_module_under_either_name() -> None:
+    """deploy/ runs as ``deploy`` in a checkout and as ``gpuio_exporter.deploy`` from the wheel: it names the
+    exporter in deploy/exporter_modules.py alone, which imports the thresholds and options by either name."""
+    naming = []
+    for directory, folders, files in os.walk(os.path.join(REPO, "deploy")):
+        folders[:] = [name for name in folders if name != "__pycache__"]
+        for name in (name for name in files if name.endswith(".py")):
+            with open(os.path.join(directory, name), encoding="utf-8") as file:
+                text = file.read()
+            if re.search(r"^\s*(from|import) exporter\b", text, re.M):
+                naming.append(os.path.relpath(os.path.join(directory, name), REPO))
+    assert naming == [os.path.join("deploy", "exporter_modules.py")]
 
 
 def test_the_dashboards_folder_holds_only_what_grafana_loads() -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from exporter import thresholds
-
+from ...exporter_modules import thresholds
 from ..config import CRITICAL, DEVICE_NAME_CLASSES, DISK_CLASSES, DISK_IO_UID, WARNING, Config
 from .base import (
     LOAD_REASONS,
