@@ -22,7 +22,7 @@ Bounded: at most ``max-engines`` engines, 64 layers, 32 error reasons and 16 inf
 
 Which engines are shown when there are more than the cap (:func:`fair_share`): the slots are shared
 among the *tenants* that report engines -- each pod (by the kubelet's pod UID where its spool is in the
-pod's own volume), else each live writer process (see :meth:`EnginesCollector._tenants`) -- in rounds:
+pod's own volume), else each live writer process (see :meth:`.engine_selection.EngineSelection._tenants`) -- in rounds:
 every tenant gets its best engine not shown yet, then its next best, and so on.  One process with 3,000
 busy engines beside one with a single engine gets 199 of 200 slots, never all.  A tenant's own engines
 are ranked so that junk cannot push out real ones: engines whose counters moved recently first, then
@@ -49,51 +49,46 @@ at most MAX_LAYER_WALKS walks and LAYER_PASS_SECONDS a pass); the scrape uses it
 from __future__ import annotations
 
 import dataclasses
-import functools
-import glob
 import logging
 import math
 import os
-import stat
-import threading
 import time
-from collections import deque
-from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from gpuio import spool as spool_format
-from gpuio.load import engine_name
 
 from .. import mounts
-from ..abandonable import Abandonable, Unresponsive
-from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
+from ..blockdev import DeviceAnswer
 from ..collect import Absent, Collector, Context, Pending, StaleData, register
 from ..engines import discovery, model, spool
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, SUMMARY, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce
 from ..options import Option, parse_bool, parse_count, parse_seconds
-from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..pods import kubelet
-from ..sampler import PeriodicSampler
+from ..sampler import PeriodicSampler, Snapshot
+
+# The engine files' facts and device look-ups, and which engines are shown, live in their own modules
+# (engine_files, engine_selection); the names tests and tools read are importable from here as before.
+from .engine_files import MAX_DEVICE_LOOKUPS as MAX_DEVICE_LOOKUPS
+from .engine_files import (
+    MAX_INFOS,
+    EngineFiles,
+    FileDevices,
+    FileView,
+    LayerKey,
+    ScanResult,
+    Target,
+    cached_figure,
+    glob_directory,
+)
+from .engine_selection import EngineSelection, LeftOut
+from .engine_selection import fair_share as fair_share
 
 log = logging.getLogger("gpuio.collector.engines")
 
 MAX_LAYERS = 64
 MAX_ERRORS = 32
-MAX_INFOS = 16  # info series (path, GPU, runtime) per engine: a few GPUs and copies on a node
-ACTIVE_SECONDS = 600.0  # an engine whose counters moved this recently ranks as active for the cap
 DEFAULT_PATH_INCLUDE = "/models,/mnt,/data,/srv,/opt,/var/lib"
-DEVICE_CACHE_SECONDS = 60.0  # st_dev and writer mount answers are looked up again this often
-# st_dev -> block device look-ups per scrape (a readlink under /sys/dev/block each): a node's engines sit
-# on a few devices, a hundred PVCs at most; only a writer naming new numbers all the time needs more.
-MAX_DEVICE_LOOKUPS = 256
-# Writers' MOUNT records (overlay layer directories, /dev sources) are walked in the background: a pass
-# every LAYER_INTERVAL seconds when there is something to look up, at most MAX_LAYER_WALKS walks and
-# LAYER_PASS_SECONDS a pass (the rest wait for the next pass, in the order the scrape asked).
-LAYER_INTERVAL = 1.0
-MAX_LAYER_WALKS = 64
-LAYER_PASS_SECONDS = 2.0
 DURATION_ACCEPTED = "a duration above zero such as 500ms, 2s, 5m"
 
 
@@ -113,75 +108,6 @@ def _parse_directories(value: str) -> tuple[str, ...]:
     return directories
 
 
-def _files_of(pattern: str) -> list[str]:
-    """The regular files a glob pattern matches, sorted."""
-    return [path for path in sorted(glob.glob(pattern)) if os.path.isfile(path)]
-
-
-def _glob_directory(pattern: str) -> str:
-    """The directory above a glob's first wildcard: /models/*/x.engine -> /models."""
-    fixed = []
-    for part in pattern.split("/"):
-        if glob.has_magic(part):
-            break
-        fixed.append(part)
-    else:
-        fixed = fixed[:-1]  # no wildcard: the file's directory
-    return "/".join(fixed) or "/"
-
-
-class LeftOut:
-    """What a cap left out, counted each time a key goes from shown to left out.  Only the keys left
-    out at the last pass are remembered, so the memory is that of what is there now."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self._before: set[Any] = set()
-        self._now: set[Any] = set()
-
-    def add(self, key: Any) -> None:
-        self._now.add(key)
-
-    def commit(self) -> None:
-        self.total += len(self._now - self._before)
-        self._before, self._now = self._now, set()
-
-
-def fair_share(ranked: list[str], tenants: Mapping[str, Iterable[Hashable]], slots: int) -> list[str]:
-    """At most ``slots`` of ``ranked`` (best first), shared among the tenants that want them, in rounds:
-    in each round every tenant still wanting one gets its best engine not chosen yet (its own order is
-    that of ``ranked``), and when a round has more picks than slots left the best-ranked picks win.  An
-    engine several tenants want takes one slot, for the first of them; the others pick their next one.
-    Engines no tenant wants (no live process reports them) get the slots left once every tenant has all
-    it wants.  Returns the chosen engines in the order they were chosen: each tenant's first ones first.
-
-    So one tenant with 3,000 busy engines beside one with a single engine gets 199 slots of 200; alone,
-    it gets all 200.  Deterministic: the same ranking and tenants give the same choice (no flapping)."""
-    position = {name: index for index, name in enumerate(ranked)}
-    queues: dict[Hashable, deque[str]] = {}
-    unwanted: list[str] = []
-    for name in ranked:
-        wanted_by = sorted(tenants.get(name, ()), key=repr)  # a set's order changes with the hash seed
-        if not wanted_by:
-            unwanted.append(name)
-        for tenant in wanted_by:
-            queues.setdefault(tenant, deque()).append(name)
-    chosen: dict[str, None] = {}  # insertion-ordered: the order chosen
-    while queues and len(chosen) < slots:
-        picks: set[str] = set()
-        for tenant in list(queues):
-            queue = queues[tenant]
-            while queue and (queue[0] in chosen or queue[0] in picks):
-                queue.popleft()
-            if not queue:
-                del queues[tenant]
-                continue
-            picks.add(queue.popleft())
-        for name in sorted(picks, key=position.__getitem__)[: slots - len(chosen)]:
-            chosen[name] = None
-    for name in unwanted[: max(0, slots - len(chosen))]:
-        chosen[name] = None
-    return list(chosen)
 
 
 def _parse_directory_name(value: str) -> str:
@@ -409,11 +335,6 @@ DISCOVERY_DROPPED = Desc("gpuio_engine_discovery_dropped_total", COUNTER,
 DISCOVERY_UNRESPONSIVE = Desc("gpuio_engine_discovery_unresponsive_mounts", GAUGE,
                               "Network or FUSE mounts whose stat did not answer discovery in time: their files are "
                               "not looked at for a minute (a dead NFS server or FUSE daemon).")
-# A file's view (stat, residency) in the background scan is abandoned after this long (its mount then skipped
-# for a minute): cachestat answers in microseconds, mincore maps and walks a file of 100 GiB in about a second.
-SCAN_FILE_SECONDS = 5.0
-SCAN_QUIET_SECONDS = 60.0
-SCAN_MAX_STUCK = 4
 # Discovery is stuck (the collector stale) when no pass has ended for this many intervals, and this long.
 DISCOVERY_STUCK_INTERVALS = 10
 DISCOVERY_STUCK_SECONDS = 60.0
@@ -427,120 +348,59 @@ DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                    "before).")
 
 
-@dataclass(frozen=True)
-class Target:
-    engine: str
-    path: str
-    dev: tuple[int, int] | None  # the st_dev the process saw; None for files from globs
-    ino: int | None
-    uids: frozenset[int] = frozenset()  # the writers (spool file owners) that reported it
-
-
-@dataclass(frozen=True)
-class FileView:
-    engine: str
-    path: str
-    from_glob: bool  # named only by --collector.engines.path (no process reports it)
-    dev: tuple[int, int] | None
-    size: int | None
-    mtime: float | None
-    cached_bytes: int | None
-    unavailable: str | None  # why there is no residency
-
-
-@dataclass(frozen=True)
-class ScanResult:
-    files: dict[tuple[str, str], FileView]
-    duration: float
-    finished: float
-
-
-LayerKey = tuple[str, str, str]  # a writer mount as far as its device goes: fstype, source, layer directory
-
-
-def _layer_key(mount: model.WriterMount) -> LayerKey:
-    return mount.fstype, mount.source, mount.layer
-
-
-@dataclass(frozen=True)
-class FileDevices:
-    """What one scrape knows of where the shown engines' files are: their info records (at most
-    MAX_INFOS an engine, the engines in the order they were chosen), the block device of each st_dev
-    looked up (None: not looked up yet, this scrape's budget was spent), and the devices the
-    background found under writers' own mount records (the last answers)."""
-
-    infos: dict[str, list[model.EngineInfo]]
-    numbers: dict[tuple[int, int], DeviceAnswer | None]
-    writer_mounts: dict[model.MountKey, model.WriterMount]
-    layers: dict[LayerKey, DeviceAnswer]
-
-    def of(self, engine: str, dev: tuple[int, int]) -> tuple[str, tuple[str, ...]]:
-        """(device, whole disks) of an engine file on ``dev``: by its st_dev, else by its writer's mount."""
-        answer = self.numbers.get(dev)
-        if answer is None:
-            return "", ()
-        if not answer.device:
-            mount = self.writer_mounts.get((engine, dev))
-            answer = self.layers.get(_layer_key(mount)) if mount is not None else None
-        return (answer.device, answer.disks) if answer is not None else ("", ())
-
-    def disks(self, dev: tuple[int, int]) -> tuple[str, ...]:
-        """The whole disks under ``dev`` (by st_dev alone), () when not known."""
-        answer = self.numbers.get(dev)
-        return answer.disks if answer is not None else ()
+# The collector's flags (--collector.engines.*), declared beside its families.
+OPTIONS = (
+    Option("spool-dir", spool_format.DEFAULT_DIR, _parse_directory_name, "an absolute directory path",
+           "Directory where inference processes write their spool files (GPUIO_SPOOL_DIR in them)."),
+    Option("path", "", _parse_globs, "comma-separated absolute glob patterns, e.g. /models/*.engine",
+           "Engine files to watch (size, residency, device) even when no process reports them."),
+    Option("max-engines", "200", parse_count(1), "a whole number above zero", "At most this many engines."),
+    Option("max-files", "1000", parse_count(1), "a whole number above zero",
+           "At most this many files from --collector.engines.path."),
+    Option("residency-interval", "30s", parse_seconds, DURATION_ACCEPTED,
+           "How often the background scan measures engine files' page-cache residency and devices."),
+    Option("path-include", DEFAULT_PATH_INCLUDE, _parse_directories,
+           "comma-separated absolute directories, e.g. /models,/mnt/cache",
+           "Directories where engine files named by spool writers may be opened (size, residency); "
+           "the --collector.engines.path directories are added."),
+    Option("max-file-bytes", str(spool_format.DEFAULT_FILE_BYTES), parse_count(spool_format.HEADER_SIZE + 4096),
+           "a whole number of bytes, at least 4352",
+           "Spool files bigger than this are refused unread (the library makes 1 MiB files)."),
+    Option("kubelet-pods-dir", kubelet.DEFAULT_PODS_DIR, _parse_directory_name, "an absolute directory path",
+           "The kubelet's pods directory, where spool directories in pods' emptyDir volumes are found "
+           "(absent off Kubernetes: nothing is looked for)."),
+    Option("pod-spool-volume", kubelet.DEFAULT_VOLUME, kubelet.parse_volume_name,
+           "a volume name (lower-case letters, digits and '-')",
+           "Name of the emptyDir volume in which inference pods keep their spool (docs/engines.md)."),
+    Option("max-pod-spools", str(kubelet.DEFAULT_MAX_PODS), parse_count(1), "a whole number above zero",
+           "At most this many pods are looked at for a spool volume."),
+    Option("pod-spool-interval", "15s", parse_seconds, DURATION_ACCEPTED,
+           "How often the kubelet's pods directory is scanned for spool volumes (in the background)."),
+    Option("histogram-buckets", ",".join(DEFAULT_BUCKETED), _parse_histogram_names,
+           "comma-separated engine histogram names, or all",
+           "Engine histograms served with their buckets; the others are served as their _count and _sum "
+           "only (a summary without quantiles), which is what the boards read of them."),
+    Option("discover", "true", parse_bool, "true or false",
+           "Find engines served without the library: processes holding model files open for reading "
+           "under the path-include directories, from /proc (needs root, or CAP_SYS_PTRACE and "
+           "CAP_DAC_READ_SEARCH, to see other users' processes)."),
+    Option("discover-patterns", ",".join(discovery.MODEL_PATTERNS), discovery.parse_patterns,
+           "comma-separated file-name patterns, e.g. *.plan,*.onnx",
+           "Names of the model files discovery looks for."),
+    Option("discover-interval", "1s", parse_seconds, DURATION_ACCEPTED,
+           "How often discovery looks at the processes (in the background)."),
+)
 
 
 @register
 class EnginesCollector(Collector):
     name = "engines"
-    options = (
-        Option("spool-dir", spool_format.DEFAULT_DIR, _parse_directory_name, "an absolute directory path",
-               "Directory where inference processes write their spool files (GPUIO_SPOOL_DIR in them)."),
-        Option("path", "", _parse_globs, "comma-separated absolute glob patterns, e.g. /models/*.engine",
-               "Engine files to watch (size, residency, device) even when no process reports them."),
-        Option("max-engines", "200", parse_count(1), "a whole number above zero", "At most this many engines."),
-        Option("max-files", "1000", parse_count(1), "a whole number above zero",
-               "At most this many files from --collector.engines.path."),
-        Option("residency-interval", "30s", parse_seconds, DURATION_ACCEPTED,
-               "How often the background scan measures engine files' page-cache residency and devices."),
-        Option("path-include", DEFAULT_PATH_INCLUDE, _parse_directories,
-               "comma-separated absolute directories, e.g. /models,/mnt/cache",
-               "Directories where engine files named by spool writers may be opened (size, residency); "
-               "the --collector.engines.path directories are added."),
-        Option("max-file-bytes", str(spool_format.DEFAULT_FILE_BYTES), parse_count(spool_format.HEADER_SIZE + 4096),
-               "a whole number of bytes, at least 4352",
-               "Spool files bigger than this are refused unread (the library makes 1 MiB files)."),
-        Option("kubelet-pods-dir", kubelet.DEFAULT_PODS_DIR, _parse_directory_name, "an absolute directory path",
-               "The kubelet's pods directory, where spool directories in pods' emptyDir volumes are found "
-               "(absent off Kubernetes: nothing is looked for)."),
-        Option("pod-spool-volume", kubelet.DEFAULT_VOLUME, kubelet.parse_volume_name,
-               "a volume name (lower-case letters, digits and '-')",
-               "Name of the emptyDir volume in which inference pods keep their spool (docs/engines.md)."),
-        Option("max-pod-spools", str(kubelet.DEFAULT_MAX_PODS), parse_count(1), "a whole number above zero",
-               "At most this many pods are looked at for a spool volume."),
-        Option("pod-spool-interval", "15s", parse_seconds, DURATION_ACCEPTED,
-               "How often the kubelet's pods directory is scanned for spool volumes (in the background)."),
-        Option("histogram-buckets", ",".join(DEFAULT_BUCKETED), _parse_histogram_names,
-               "comma-separated engine histogram names, or all",
-               "Engine histograms served with their buckets; the others are served as their _count and _sum "
-               "only (a summary without quantiles), which is what the boards read of them."),
-        Option("discover", "true", parse_bool, "true or false",
-               "Find engines served without the library: processes holding model files open for reading "
-               "under the path-include directories, from /proc (needs root, or CAP_SYS_PTRACE and "
-               "CAP_DAC_READ_SEARCH, to see other users' processes)."),
-        Option("discover-patterns", ",".join(discovery.MODEL_PATTERNS), discovery.parse_patterns,
-               "comma-separated file-name patterns, e.g. *.plan,*.onnx",
-               "Names of the model files discovery looks for."),
-        Option("discover-interval", "1s", parse_seconds, DURATION_ACCEPTED,
-               "How often discovery looks at the processes (in the background)."),
-    )
+    options = OPTIONS
 
     def __init__(self, context: Context, options: dict[str, Any], read_only: bool = False) -> None:
         super().__init__(context, options)
         self.spool_dir: str = self.settings["spool-dir"]
-        self.globs: tuple[str, ...] = self.settings["path"]
         self.max_engines: int = self.settings["max-engines"]
-        self.max_files: int = self.settings["max-files"]
         self.histogram_descs = served_histograms(self.settings["histogram-buckets"])
         self._writer_gpus = spool.WriterGpus(context.gpu_processes.get, context.procfs,
                                              gpus_of_process=context.gpu_processes.gpus_of,
@@ -550,31 +410,18 @@ class EnginesCollector(Collector):
                                       gpu_of=self._writer_gpus,
                                       max_file_bytes=self.settings["max-file-bytes"],
                                       procfs=context.procfs, place_of=self._writer_gpus.placed)
-        self.path_include: tuple[str, ...] = (tuple(self.settings["path-include"])
-                                              + tuple(_glob_directory(g) for g in self.globs))
-        self.scanner: PeriodicSampler[ScanResult] = PeriodicSampler(
-            "engine-files", self.settings["residency-interval"], self.scan_files, log)
-        self._scan_calls = Abandonable(SCAN_FILE_SECONDS, SCAN_QUIET_SECONDS, SCAN_MAX_STUCK, "engine-file")
-        self._targets: dict[tuple[str, str], Target] = {}
-        self._targets_lock = threading.Lock()
-        self._exported: set[str] = set()
-        self._activity: dict[str, tuple[float, float]] = {}  # engine -> (sum of its counters, when it moved)
-        self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer",
-                                                                            "engine_gpu", "pod")}
-        self._files_left_out = LeftOut()  # the background scan's own (another thread)
-        self._labels: dict[str, str] = {}  # of the engines shown now
-        self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
-        self._devices = DeviceNumbers(context.sysfs, context.host_mounts.table, context.rootfs,
-                                      ttl=DEVICE_CACHE_SECONDS, budget=MAX_DEVICE_LOOKUPS)
-        # The exporter's own mount table, by mount id: what a walk of a writer-named path is judged by.
-        self._own_mounts = mounts.MountTableWatch(own=True)
-        # Writers' mount records the last scrape wanted a device for (in the order it asked), and the
-        # background sampler that walks them (the scrape reads its last answers).
-        self._layer_wants: dict[LayerKey, model.WriterMount] = {}
-        self.layers: PeriodicSampler[dict[LayerKey, DeviceAnswer]] = PeriodicSampler(
-            "engine-layers", LAYER_INTERVAL, self.resolve_layers, log)
         self._started = False  # start() called: the samplers run on their threads
         self._started_at = 0.0  # wall clock: when start() was called
+        globs: tuple[str, ...] = self.settings["path"]
+        path_include = tuple(self.settings["path-include"]) + tuple(glob_directory(g) for g in globs)
+        self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer",
+                                                                            "engine_gpu", "pod")}
+        self.files = EngineFiles(context, globs, self.settings["max-files"], path_include,
+                                 self.settings["residency-interval"], self._left_out["info"],
+                                 background=lambda: self._started)
+        self.selection = EngineSelection(self.max_engines, self._left_out["engine"])
+        self._labels: dict[str, str] = {}  # of the engines shown now
+        self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
         self._bad = LogOnce(log)
         self.pods_dir: str = self.settings["kubelet-pods-dir"]
         self.pod_volume: str = self.settings["pod-spool-volume"]
@@ -584,7 +431,7 @@ class EnginesCollector(Collector):
         self.discovery: discovery.Discovery | None = None
         self.discoveries: PeriodicSampler[discovery.Discovered] | None = None
         if self.settings["discover"]:
-            self.discovery = discovery.Discovery(self.path_include,
+            self.discovery = discovery.Discovery(path_include,
                                                  self.settings["discover-patterns"],
                                                  context.procfs, context.sysfs,
                                                  gpu_of=context.gpu_processes.get,
@@ -594,6 +441,29 @@ class EnginesCollector(Collector):
                                                  ordered_gpus=context.gpu_processes.ordered)
             self.discoveries = PeriodicSampler("engine-discovery", self.settings["discover-interval"],
                                                self.discovery.sample, log)
+
+    # --- what tests, bench and `gpuio engines` reach through the collector: the files' own ----------
+
+    @property
+    def scanner(self) -> PeriodicSampler[ScanResult]:
+        return self.files.scanner
+
+    @property
+    def layers(self) -> PeriodicSampler[dict[LayerKey, DeviceAnswer]]:
+        return self.files.layers
+
+    def scan_files(self) -> ScanResult:
+        return self.files.scan_files()
+
+    def resolve_layers(self) -> dict[LayerKey, DeviceAnswer]:
+        return self.files.resolve_layers()
+
+    def device_from_writer(self, mount: model.WriterMount | None,
+                           table: dict[int, mounts.MountPoint] | None = None) -> tuple[str, list[str]]:
+        return self.files.device_from_writer(mount, table)
+
+    def device_of(self, dev: tuple[int, int], look_up: bool = True) -> tuple[str, list[str]]:
+        return self.files.device_of(dev, look_up)
 
     def _samplers(self) -> list[PeriodicSampler[Any]]:
         return [self.scanner, self.pod_spools, self.layers, *([self.discoveries] if self.discoveries else [])]
@@ -633,7 +503,7 @@ class EnginesCollector(Collector):
     def engine_files_now(self) -> dict[tuple[str, str], FileView]:
         """Every engine file known now, (engine, path) -> its size, residency and device: a scan run
         on this thread, not the background one's last."""
-        scan = self.scanner.sample_now().value
+        scan = self.files.scanner.sample_now().value
         return dict(scan.files) if scan is not None else {}
 
     # --- the scrape ----------------------------------------------------------------------------
@@ -642,7 +512,7 @@ class EnginesCollector(Collector):
         pods = self.pod_spools.snapshot().value
         # On a kubelet's node the pods' volumes are a source even while no pod has a spool volume.
         has_spool = os.path.isdir(self.spool_dir) or (pods is not None and pods.exists)
-        if not has_spool and not self.globs and self.discoveries is None:
+        if not has_spool and not self.files.globs and self.discoveries is None:
             raise Absent(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
                          "report (and neither --collector.engines.path nor discovery is on)")
         totals = self.reader.read() if has_spool else model.Totals()
@@ -654,21 +524,21 @@ class EnginesCollector(Collector):
         engines = sorted(chosen)
         families = self._engine_families(totals, engines)
         pairs = self._engine_gpus(totals, engines)
-        files = self._file_devices(totals, chosen, pairs)
-        families += self._per_gpu_families(totals, pairs)
+        files = self.files.file_devices(totals, chosen, pairs)
+        families += _per_gpu_families(totals, pairs, self.histogram_descs)
         families += self._info_families(totals, engines, files)
         families += self._load_families(totals, files, pairs)
-        families += self._file_families(totals)
+        families += _file_families(totals, self.files.last_scan())
         families += self._waterfall_families(totals, engines)
         families += self._pod_families(totals, pairs)
         for left_out in self._left_out.values():
             left_out.commit()
         families += self._spool_families(totals)
-        families += self._discovery_families()
+        families += _discovery_families(self.discoveries.snapshot() if self.discoveries is not None else None)
         stuck = self._discovery_stuck()
         if stuck:
             raise StaleData(stuck, families)
-        if self.scanner.first_pending():
+        if self.files.scanner.first_pending():
             raise Pending("the first scan of engine files (size, residency, device) is still running", families)
         return families
 
@@ -694,67 +564,12 @@ class EnginesCollector(Collector):
         return model.PodIdentity(*names, pod_uid=pod.pod_uid) if names else pod
 
     def _select(self, totals: model.Totals) -> list[str]:
-        """At most max-engines engines, shared among tenants and ranked within each so that junk cannot
-        push out real ones (module note); in the order chosen.
-
-        The reader is told which engines are shown: their folded totals are never forgotten."""
-        now = time.monotonic()
-        self._note_activity(totals, now)
-        ranked = sorted(totals.engines, key=lambda name: self._rank(totals, name, now))
-        chosen = fair_share(ranked, self._tenants(totals), self.max_engines)
-        self._exported = set(chosen)
-        for name in ranked:
-            if name not in self._exported:
-                self._drop("engine", name)
-        self.reader.protected = self._exported
+        """The engines shown (engine_selection), in the order chosen.  The reader is told which they are:
+        their folded totals are never forgotten."""
+        chosen = self.selection.select(totals)
+        self.reader.protected = self.selection.shown
         self._labels = {name: self._labels.get(name) or label_string({"engine": name}) for name in chosen}
         return chosen
-
-    @staticmethod
-    def _tenants(totals: model.Totals) -> dict[str, set[Hashable]]:
-        """Who wants each engine shown, by the strongest identity its live writers have, in this order:
-        the kubelet's pod UIDs (a spool found in the pod's own volume: no writer chooses it); writer
-        processes the kernel's lock table vouches for (pid, start ticks); the pods its writers say they
-        are in (namespace, name); the pids their headers give (start 0: not vouched for).  The last two
-        are the writers' word: a writer may claim another's, and share its slots.  Engines of exited
-        processes only: nobody."""
-        pod_uids: dict[str, set[Hashable]] = {}
-        pod_names: dict[str, set[Hashable]] = {}
-        for (engine, _), found in totals.pods.items():
-            for pod in found:
-                if pod.pod_uid:
-                    pod_uids.setdefault(engine, set()).add(("pod", pod.pod_uid))
-                elif pod.pod:
-                    pod_names.setdefault(engine, set()).add(("pod", pod.namespace, pod.pod))
-        vouched: dict[str, set[Hashable]] = {}
-        claimed: dict[str, set[Hashable]] = {}
-        for engine, writers in totals.writers.items():
-            for pid, start in writers:
-                (vouched if start else claimed).setdefault(engine, set()).add(("process", pid, start))
-        return {engine: pod_uids.get(engine) or vouched.get(engine) or pod_names.get(engine)
-                or claimed.get(engine) or set() for engine in totals.engines}
-
-    def _note_activity(self, totals: model.Totals, now: float) -> None:
-        """When each engine's counters last moved, as this exporter saw them (not as a writer says)."""
-        prefix = spool_format.ENGINE_LAYOUT.monotonic_prefix
-        activity: dict[str, tuple[float, float]] = {}
-        for name, values in totals.engines.items():
-            signature = sum(values[:prefix])
-            before = self._activity.get(name)
-            if before is None:
-                activity[name] = (signature, -math.inf)  # first sight proves nothing
-            else:
-                activity[name] = (signature, now if signature != before[0] else before[1])
-        self._activity = activity
-
-    def _rank(self, totals: model.Totals, name: str, now: float) -> tuple[bool, bool, bool, bool, float, str]:
-        """Sort key, best first: moved recently, has live writers, has observations, shown before,
-        moved most recently; then the name (a stable order among equals)."""
-        moved = self._activity[name][1]
-        values = totals.engines[name]
-        live = totals.live_processes(name)
-        return (now - moved > ACTIVE_SECONDS, live == 0,
-                model.observations(values) == 0, name not in self._exported, -moved, name)
 
     def _drop(self, kind: str, key: Any) -> None:
         self._left_out[kind].add(key)
@@ -840,27 +655,6 @@ class EnginesCollector(Collector):
             pairs.extend((engine, uuid) for uuid in uuids[:MAX_GPUS_PER_ENGINE])
         return pairs
 
-    def _per_gpu_families(self, totals: model.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
-        """Work waiting, judged per engine *and* GPU: a spare replica on another GPU has its own series."""
-        layout = model.PER_GPU_LAYOUT
-        histograms: dict[str, list[str]] = {name: [] for name in model.PER_GPU_HISTOGRAMS}
-        gauges: dict[Desc, list[str]] = {IN_FLIGHT: [], POOL_CONTEXTS: [], POOL_IDLE: []}
-        slots = {IN_FLIGHT: layout.gauges["in_flight"], POOL_CONTEXTS: layout.gauges["pool_contexts"],
-                 POOL_IDLE: layout.gauges["pool_idle"]}
-        for engine, uuid in pairs:
-            values = totals.per_gpu.get((engine, uuid))
-            if values is None:  # only a load in progress so far
-                continue
-            labels = label_string({"engine": engine, "gpu_uuid": uuid})
-            for name, lines in histograms.items():
-                first, total, bounds = layout.histograms[name]
-                lines.extend(histogram_samples(self.histogram_descs[name], labels, bounds, values[first:total],
-                                               values[total]))
-            for desc, lines in gauges.items():
-                lines.append(desc.sample(labels, max(0.0, values[slots[desc]])))
-        return ([Family(self.histogram_descs[name], lines) for name, lines in histograms.items()]
-                + [Family(desc, lines) for desc, lines in gauges.items()])
-
     def _load_families(self, totals: model.Totals, files: FileDevices, pairs: list[tuple[str, str]]) -> list[Family]:
         """Loads in progress per engine and GPU, per physical disk and per mount point; and each engine
         file's mount.  Every engine GPU, disk and mount point of an engine file is served, at 0 when
@@ -870,7 +664,7 @@ class EnginesCollector(Collector):
         per_mount: dict[str, list[float]] = {}
         mount_info: dict[str, None] = {}
         mount_table = self.context.host_mounts.table()  # one table for every file of this scrape
-        for engine, path, dev in self._engine_files(files):
+        for engine, path, dev in self.files.shown_files(files):
             for disk in files.disks(dev):
                 per_disk.setdefault(disk, [0.0, 0.0])
             mount = mount_table.of_file(dev, path)
@@ -934,38 +728,7 @@ class EnginesCollector(Collector):
                          Family(POD_SPOOLS_FAILED, [POD_SPOOLS_FAILED.sample("", 1 if scan.error else 0)])]
         return families
 
-    def _engine_files(self, shown: FileDevices) -> list[tuple[str, str, tuple[int, int]]]:
-        """(engine, path, st_dev) of every engine file shown: those live processes load or loaded (the
-        info records shown, at most MAX_INFOS an engine), and those only the globs name (from the last
-        background scan)."""
-        files = [(engine, item.path, item.dev) for engine, items in sorted(shown.infos.items()) for item in items
-                 if item.dev != (0, 0)]
-        scan = self.scanner.snapshot().value
-        for view in scan.files.values() if scan is not None else ():
-            if view.from_glob and view.dev is not None:
-                files.append((view.engine, view.path, view.dev))
-        return files
-
     # --- engine -> file -> disk, GPU -------------------------------------------------------------
-
-    def _infos(self, totals: model.Totals, engine: str) -> list[model.EngineInfo]:
-        """At most MAX_INFOS of an engine's info records: those whose file the last scan found as the
-        writer reported it first, then the latest loads.  Many writers naming many paths for one
-        engine cannot multiply its series."""
-        items = totals.infos.get(engine, [])
-        if len(items) <= MAX_INFOS:
-            return items
-        scan = self.scanner.snapshot().value
-        files = scan.files if scan is not None else {}
-
-        def verified(item: model.EngineInfo) -> bool:
-            view = files.get((engine, item.path))
-            return view is not None and view.size is not None
-
-        ranked = sorted(items, key=lambda item: (not verified(item), -item.load_time, item.path))
-        for item in ranked[MAX_INFOS:]:
-            self._drop("info", (engine, item.path, item.gpu_uuid, item.runtime))
-        return ranked[:MAX_INFOS]
 
     def _info_families(self, totals: model.Totals, engines: list[str], files: FileDevices) -> list[Family]:
         info, physical = [], []
@@ -989,12 +752,10 @@ class EnginesCollector(Collector):
                         physical.append(line)
                 targets[(engine, item.path)] = Target(engine, item.path, item.dev, item.ino,
                                                       frozenset(totals.info_uids.get((engine, item.path), ())))
-        with self._targets_lock:
-            self._targets = targets
+        self.files.watch(targets)
         # Files only the globs name: the same join, with no GPU (no process has them loaded).
-        scan = self.scanner.snapshot().value
-        for view in scan.files.values() if scan is not None else ():
-            if not view.from_glob or view.dev is None:
+        for view in self.files.from_globs():
+            if view.dev is None:
                 continue
             answer = files.numbers.get(view.dev)
             device, disks = (answer.device, answer.disks) if answer is not None else ("", ())
@@ -1015,234 +776,6 @@ class EnginesCollector(Collector):
             lines += [PROCESS_INFO.sample(label_string({"engine": engine, "pid": str(pid)}), 1)
                       for pid in pids[:MAX_INFOS]]
         return lines
-
-    # --- devices: st_dev on the scrape (bounded), writers' mount records in the background ------------
-
-    def _file_devices(self, totals: model.Totals, chosen: list[str], pairs: list[tuple[str, str]]) -> FileDevices:
-        """Where the shown engines' files are (see FileDevices), with the scrape's look-ups in the order
-        the engines were chosen: each tenant's first engines' files are looked up first."""
-        infos = {engine: self._infos(totals, engine) for engine in chosen}
-        wanted = [item.dev for items in infos.values() for item in items]
-        shown_pairs = set(pairs)
-        wanted += [dev for engine, uuid, dev in totals.loads if (engine, uuid) in shown_pairs]
-        scan = self.scanner.snapshot().value
-        wanted += [view.dev for view in (scan.files.values() if scan is not None else ())
-                   if view.from_glob and view.dev is not None]
-        self._devices.start_round()
-        numbers = {dev: self._devices.lookup(dev) for dev in dict.fromkeys(wanted) if dev != (0, 0)}
-        self._devices.end_round()
-        return FileDevices(infos, numbers, totals.mounts, self._layer_answers(totals, infos, numbers))
-
-    def _layer_answers(self, totals: model.Totals, infos: dict[str, list[model.EngineInfo]],
-                       numbers: dict[tuple[int, int], DeviceAnswer | None]) -> dict[LayerKey, DeviceAnswer]:
-        """The background's last answers for the writers' mount records of shown files whose st_dev has
-        no block device; those records are handed to it (in this scrape's order) for its next pass.
-        Where the samplers do not run (``gpuio engines``, tests), the pass runs here, on this thread."""
-        wants: dict[LayerKey, model.WriterMount] = {}
-        for engine, items in infos.items():
-            for item in items:
-                answer = numbers.get(item.dev)
-                mount = totals.mounts.get((engine, item.dev))
-                if answer is not None and not answer.device and mount is not None:
-                    wants.setdefault(_layer_key(mount), mount)
-        with self._targets_lock:
-            self._layer_wants = wants
-        if not self._started:
-            self.layers.sample_now()
-        return self.layers.snapshot().value or {}
-
-    def resolve_layers(self) -> dict[LayerKey, DeviceAnswer]:
-        """One pass of the background sampler ``layers``: the device under each writer mount record the
-        last scrape wanted, new ones first (in the scrape's order), then those looked up more than
-        DEVICE_CACHE_SECONDS ago; at most MAX_LAYER_WALKS walks and LAYER_PASS_SECONDS.  Records no
-        longer wanted are forgotten: the answers are those of what is shown."""
-        with self._targets_lock:
-            wants = self._layer_wants
-        before = self.layers.snapshot().value or {}
-        now = time.monotonic()
-        answers = {key: before[key] for key in wants if key in before}
-        due = [key for key in wants if key not in answers]
-        due += sorted((key for key, answer in answers.items() if now - answer.at >= DEVICE_CACHE_SECONDS),
-                      key=lambda key: answers[key].at)
-        if not due:
-            return answers
-        table = self._own_mounts.table().by_id()  # once a pass: the exporter's own mounts, by id
-        deadline = now + LAYER_PASS_SECONDS
-        for key in due[:MAX_LAYER_WALKS]:
-            if time.monotonic() >= deadline:
-                break
-            device, disks = self.device_from_writer(wants[key], table)
-            answers[key] = DeviceAnswer(device, tuple(disks), time.monotonic())
-        return answers
-
-    def device_from_writer(self, mount: model.WriterMount | None,
-                           table: dict[int, mounts.MountPoint] | None = None) -> tuple[str, list[str]]:
-        """The block device under a file as its writer's own mountinfo names it, where the exporter's
-        view has none (a file inside a container image: overlayfs, whose layer directory is a path of the
-        host's filesystem; a PVC's /dev source).  Looked up now, on this thread (the scrape leaves it to
-        the ``layers`` sampler).
-
-        The writer's word is never followed by name: the layer directory (or /dev node) is walked under
-        --path.rootfs by :func:`mounts.open_without_waiting` -- no symlink, no component on a network,
-        FUSE or automount file system, each judged by its mount before it is asked anything -- and only
-        the st_dev of the directory it reaches (the st_rdev of the node) is used; a /dev source the walk
-        refuses is looked for in sysfs by its name.  ``table``: the exporter's own mounts by id, asked of
-        its mount table here when not given."""
-        if mount is None:
-            return "", []
-        table = self._own_mounts.table().by_id() if table is None else table
-        paths, devices = self._devices.tables()
-        if mount.fstype == "overlay":
-            st = self._walked(mount.layer, table)
-            if st is None or not stat.S_ISDIR(st.st_mode):
-                return "", []
-            device = paths.of_dev(os.major(st.st_dev), os.minor(st.st_dev)).device
-        elif mount.source.startswith("/dev/") and not {".", ".."} & set(mount.source.split("/")):
-            st = self._walked(mount.source, table)
-            if st is not None and stat.S_ISBLK(st.st_mode):
-                device = device_by_number(self.context.sysfs, os.major(st.st_rdev), os.minor(st.st_rdev)) or ""
-            else:
-                device = device_named(self.context.sysfs, mount.source) or ""
-        else:
-            return "", []
-        return device, devices.physical(device) if device else []
-
-    def _walked(self, path: str, table: dict[int, mounts.MountPoint]) -> os.stat_result | None:
-        """The fstat of a writer-named path walked under --path.rootfs (see device_from_writer); None
-        where the walk refused it."""
-        try:
-            fd, st = mounts.open_without_waiting(self.context.rootfs, path, table)
-        except mounts.Refused as refused:
-            log.debug("writer mount path not looked at", extra={"path": path, "reason": refused.reason})
-            return None
-        os.close(fd)
-        return st
-
-    def device_of(self, dev: tuple[int, int], look_up: bool = True) -> tuple[str, list[str]]:
-        """The block device behind st_dev MAJ:MIN and the whole disks under it: looked up now (for
-        ``gpuio engines``), or with ``look_up`` False what the scrapes learned within their budget (see
-        _file_devices; for the API, whose rows name numbers spool writers chose): ("", []) if nothing."""
-        answer = self._devices.resolve(dev) if look_up and dev != (0, 0) else self._devices.known(dev)
-        return (answer.device, list(answer.disks)) if answer is not None else ("", [])
-
-    # --- files: background scan ----------------------------------------------------------------
-
-    def scan_files(self) -> ScanResult:
-        """Stat and measure residency of every target file (runs on the sampler's thread)."""
-        start = time.perf_counter()
-        with self._targets_lock:
-            targets = dict(self._targets)
-        for path in self._glob():
-            key = (engine_name(path), path)
-            if not any(target.path == path for target in targets.values()):
-                targets[key] = Target(key[0], path, None, None)
-        files = {key: self._view_abandonable(target) for key, target in targets.items()}
-        self._files_left_out.commit()
-        return ScanResult(files, time.perf_counter() - start, time.time())
-
-    def _glob(self) -> list[str]:
-        """The files --collector.engines.path's patterns match now; a pattern whose directory does not answer
-        (a dead mount) matches nothing this scan, and is not asked again for a minute (_view_abandonable)."""
-        found: list[str] = []
-        for pattern in self.globs:
-            try:
-                matched = self._scan_calls.call(_glob_directory(pattern), functools.partial(_files_of, pattern))
-            except Unresponsive:
-                continue
-            for path in matched:
-                if len(found) >= self.max_files:
-                    self._files_left_out.add(path)
-                else:
-                    found.append(path)
-        return found
-
-    def _view_abandonable(self, target: Target) -> FileView:
-        """_view where its wait can be abandoned: any file (a writer's word, a glob's match) may sit on a
-        network or FUSE mount that stopped answering, and a stat, an open or a residency call there waits for
-        as long as it does.  A file whose view takes longer than SCAN_FILE_SECONDS is "unresponsive_mount",
-        and so are the files of its device for a minute (exporter.abandonable)."""
-        try:
-            return self._scan_calls.call(target.dev or target.path, lambda: self._view(target))
-        except Unresponsive:
-            return FileView(target.engine, target.path, target.dev is None, target.dev, None, None, None,
-                            "unresponsive_mount")
-
-    def _view(self, target: Target) -> FileView:
-        """Stat and residency of one file.  A file a writer named is opened only as
-        :func:`pagecache.open_claimed` allows (another file by that name, say in another mount
-        namespace, is "not_visible"); a glob's file is the operator's choice, but a symlink or a
-        non-regular file there is not opened either."""
-        from_glob = target.dev is None
-        try:
-            if from_glob:
-                fd, st = open_regular(target.path, follow=False)
-                try:
-                    measured = residency_fd(fd, st, target.path, "auto")
-                finally:
-                    os.close(fd)
-            else:
-                claim = Claim(target.path, target.dev or (0, 0), target.ino or 0, target.uids)
-                st, measured = residency_of_claim(self.context.rootfs, claim, self.path_include)
-        except Unavailable as exc:
-            found = exc.st
-            if found is None:
-                return FileView(target.engine, target.path, from_glob, None, None, None, None, exc.reason)
-            dev = (os.major(found.st_dev), os.minor(found.st_dev))
-            return FileView(target.engine, target.path, from_glob, dev, found.st_size, found.st_mtime, None,
-                            exc.reason)
-        dev = (os.major(st.st_dev), os.minor(st.st_dev))
-        return FileView(target.engine, target.path, from_glob, dev, measured.size, st.st_mtime,
-                        measured.cached_bytes, None)
-
-    def _file_families(self, totals: model.Totals) -> list[Family]:
-        snapshot = self.scanner.snapshot()
-        result = snapshot.value
-        if result is None:
-            return []
-        size, mtime, cached, ratio, measured = [], [], [], [], []
-        unavailable: dict[str, int] = {}
-        for view in result.files.values():
-            labels = label_string({"engine": view.engine, "path": view.path})
-            if view.size is not None:
-                size.append(FILE_SIZE.sample(labels, view.size))
-            if view.mtime is not None:
-                mtime.append(FILE_MTIME.sample(labels, view.mtime))
-            figure = self.cached_figure(totals, view, result.finished)
-            if figure is not None:
-                file_bytes, cached_bytes, source, when = figure
-                cached.append(FILE_CACHED.sample(labels, cached_bytes))
-                ratio.append(FILE_RATIO.sample(labels, 1.0 if file_bytes == 0 else cached_bytes / file_bytes))
-                measured.append(CACHED_SOURCE.sample(label_string({"engine": view.engine, "path": view.path,
-                                                                   "source": source}), when))
-            if view.unavailable is not None:
-                unavailable[view.unavailable] = unavailable.get(view.unavailable, 0) + 1
-        return [
-            Family(FILE_SIZE, size), Family(FILE_MTIME, mtime), Family(FILE_CACHED, cached), Family(FILE_RATIO, ratio),
-            Family(CACHED_SOURCE, measured),
-            Family(RESIDENCY_UNAVAILABLE, [RESIDENCY_UNAVAILABLE.sample(label_string({"reason": reason}), count)
-                                           for reason, count in sorted(unavailable.items())]),
-            Family(SCAN_DURATION, [SCAN_DURATION.sample("", result.duration)]),
-            Family(SCAN_TIME, [SCAN_TIME.sample("", result.finished)]),
-        ]
-
-    @staticmethod
-    def cached_figure(totals: model.Totals, view: FileView, scanned: float) -> tuple[int, int, str, float] | None:
-        """(file bytes, cached bytes, source, when measured) of an engine file: the exporter's scan where
-        it could measure, else what the loading process measured at the end of the engine's latest load
-        of that very file (an exporter without CAP_FOWNER cannot measure a file it may not write)."""
-        if view.cached_bytes is not None and view.size is not None:
-            return view.size, view.cached_bytes, "scan", scanned
-        values = totals.waterfalls.get(view.engine)
-        slot = spool_format.WATERFALL
-        if values is None or values[slot["residency_method"]] <= 0 or values[slot["file_bytes"]] <= 0:
-            return None
-        infos = totals.infos.get(view.engine, [])
-        latest = max(infos, key=lambda item: item.load_time, default=None)
-        if latest is None or latest.path != view.path:
-            return None
-        file_bytes = int(values[slot["file_bytes"]])
-        cached = min(file_bytes, int(values[slot["cached_end_bytes"]]))
-        return file_bytes, cached, "loader", values[slot["residency_time"]]
 
     # --- the waterfall of loads -----------------------------------------------------------------
 
@@ -1288,50 +821,14 @@ class EnginesCollector(Collector):
     def predicted_cold_start(self, totals: model.Totals, engine: str) -> float | None:
         """Bytes of the engine's file not cached now / cold-read throughput + mean deserialize seconds
         (docs/engines.md, "Predicted cold start"); None where a part is unknown."""
-        missing = self._bytes_not_cached(totals, engine)
-        throughput = self._cold_throughput(totals, engine)
+        missing = self.files.bytes_not_cached(totals, engine)
+        throughput = cold_throughput(totals, engine)
         values = totals.engines.get(engine)
         if missing is None or throughput is None or values is None:
             return None
         deserialize = mean_observation(values, "load_deserialize_seconds")
         predicted = missing / throughput + (deserialize or 0.0)
         return predicted if math.isfinite(predicted) else None
-
-    def _bytes_not_cached(self, totals: model.Totals, engine: str) -> int | None:
-        scan = self.scanner.snapshot()
-        views = [view for (name, _), view in (scan.value.files.items() if scan.value is not None else ())
-                 if name == engine]
-        figures = [figure for view in views
-                   if (figure := self.cached_figure(totals, view, scan.value.finished if scan.value else 0.0))]
-        if figures:
-            return max(file_bytes - cached for file_bytes, cached, _, _ in figures)
-        values = totals.waterfalls.get(engine)  # no file view at all: the loader's own figure
-        slot = spool_format.WATERFALL
-        if values is not None and values[slot["residency_method"]] > 0 and values[slot["file_bytes"]] > 0:
-            return int(max(0.0, values[slot["file_bytes"]] - values[slot["cached_end_bytes"]]))
-        return None
-
-    @staticmethod
-    def _cold_throughput(totals: model.Totals, engine: str) -> float | None:
-        """Bytes per second of the engine's cold loads; else of every engine's cold loads from the same
-        st_dev (its file's filesystem)."""
-        slot = spool_format.WATERFALL
-
-        def rate(names: list[str]) -> float | None:
-            known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
-            moved = sum(values[slot["cold_device_bytes"]] for values in known)
-            seconds = sum(values[slot["cold_read_seconds"]] for values in known)
-            # Writers' figures: 5e-324 bytes in 1e10 s is legal and rounds to 0 bytes/s, a divisor.
-            throughput = moved / seconds if moved > 0 and seconds > 0 else 0.0
-            return throughput if 0.0 < throughput < math.inf else None
-
-        own = rate([engine])
-        if own is not None:
-            return own
-        devices = {info.dev for info in totals.infos.get(engine, []) if info.dev != (0, 0)}
-        if not devices:
-            return None
-        return rate([name for name, infos in totals.infos.items() if any(info.dev in devices for info in infos)])
 
     # --- the sources themselves ----------------------------------------------------------------
 
@@ -1352,27 +849,13 @@ class EnginesCollector(Collector):
                 f"{self.settings['discover-interval']:g} s): processes loading engines without the library are "
                 "not followed")
 
-    def _discovery_families(self) -> list[Family]:
-        snapshot = self.discoveries.snapshot() if self.discoveries is not None else None
-        if snapshot is None or snapshot.value is None or snapshot.taken_at is None:
-            return []
-        figures = snapshot.value.figures
-        return [Family(DISCOVERY_PROCESSES, [DISCOVERY_PROCESSES.sample("", figures.processes)]),
-                Family(DISCOVERY_REFUSED, [DISCOVERY_REFUSED.sample("", figures.not_permitted)]),
-                Family(DISCOVERY_DURATION, [DISCOVERY_DURATION.sample("", figures.duration)]),
-                Family(DISCOVERY_TIME, [DISCOVERY_TIME.sample("", snapshot.taken_at)]),
-                Family(DISCOVERY_BEHIND, [DISCOVERY_BEHIND.sample("", 1 if figures.unfinished else 0)]),
-                Family(DISCOVERY_DROPPED, [DISCOVERY_DROPPED.sample(label_string({"kind": kind}), count)
-                                           for kind, count in figures.dropped]),
-                Family(DISCOVERY_UNRESPONSIVE, [DISCOVERY_UNRESPONSIVE.sample("", figures.unresponsive_mounts)])]
-
     def _spool_families(self, totals: model.Totals) -> list[Family]:
         reader = self.reader
         errors = [SPOOL_ERRORS.sample(label_string({"reason": reason}), count)
                   for reason, count in sorted(reader.errors.items())]
         counts = {kind: left_out.total for kind, left_out in self._left_out.items() if left_out.total}
-        if self._files_left_out.total:
-            counts["file"] = self._files_left_out.total
+        if self.files.left_out.total:
+            counts["file"] = self.files.left_out.total
         if reader.forgotten_engines:  # folded engines of exited processes forgotten past the reader's cap
             counts["folded_engine"] = reader.forgotten_engines
         dropped = [DROPPED.sample(label_string({"kind": kind}), count) for kind, count in sorted(counts.items())]
@@ -1387,6 +870,75 @@ class EnginesCollector(Collector):
         ]
 
 
+def _per_gpu_families(totals: model.Totals, pairs: list[tuple[str, str]],
+                      histogram_descs: dict[str, Desc]) -> list[Family]:
+    """Work waiting, judged per engine *and* GPU: a spare replica on another GPU has its own series."""
+    layout = model.PER_GPU_LAYOUT
+    histograms: dict[str, list[str]] = {name: [] for name in model.PER_GPU_HISTOGRAMS}
+    gauges: dict[Desc, list[str]] = {IN_FLIGHT: [], POOL_CONTEXTS: [], POOL_IDLE: []}
+    slots = {IN_FLIGHT: layout.gauges["in_flight"], POOL_CONTEXTS: layout.gauges["pool_contexts"],
+             POOL_IDLE: layout.gauges["pool_idle"]}
+    for engine, uuid in pairs:
+        values = totals.per_gpu.get((engine, uuid))
+        if values is None:  # only a load in progress so far
+            continue
+        labels = label_string({"engine": engine, "gpu_uuid": uuid})
+        for name, lines in histograms.items():
+            first, total, bounds = layout.histograms[name]
+            lines.extend(histogram_samples(histogram_descs[name], labels, bounds, values[first:total],
+                                           values[total]))
+        for desc, lines in gauges.items():
+            lines.append(desc.sample(labels, max(0.0, values[slots[desc]])))
+    return ([Family(histogram_descs[name], lines) for name, lines in histograms.items()]
+            + [Family(desc, lines) for desc, lines in gauges.items()])
+
+
+def _file_families(totals: model.Totals, result: ScanResult | None) -> list[Family]:
+    """Each engine file's size, mtime and residency as the last background scan found them."""
+    if result is None:
+        return []
+    size, mtime, cached, ratio, measured = [], [], [], [], []
+    unavailable: dict[str, int] = {}
+    for view in result.files.values():
+        labels = label_string({"engine": view.engine, "path": view.path})
+        if view.size is not None:
+            size.append(FILE_SIZE.sample(labels, view.size))
+        if view.mtime is not None:
+            mtime.append(FILE_MTIME.sample(labels, view.mtime))
+        figure = cached_figure(totals, view, result.finished)
+        if figure is not None:
+            file_bytes, cached_bytes, source, when = figure
+            cached.append(FILE_CACHED.sample(labels, cached_bytes))
+            ratio.append(FILE_RATIO.sample(labels, 1.0 if file_bytes == 0 else cached_bytes / file_bytes))
+            measured.append(CACHED_SOURCE.sample(label_string({"engine": view.engine, "path": view.path,
+                                                               "source": source}), when))
+        if view.unavailable is not None:
+            unavailable[view.unavailable] = unavailable.get(view.unavailable, 0) + 1
+    return [
+        Family(FILE_SIZE, size), Family(FILE_MTIME, mtime), Family(FILE_CACHED, cached), Family(FILE_RATIO, ratio),
+        Family(CACHED_SOURCE, measured),
+        Family(RESIDENCY_UNAVAILABLE, [RESIDENCY_UNAVAILABLE.sample(label_string({"reason": reason}), count)
+                                       for reason, count in sorted(unavailable.items())]),
+        Family(SCAN_DURATION, [SCAN_DURATION.sample("", result.duration)]),
+        Family(SCAN_TIME, [SCAN_TIME.sample("", result.finished)]),
+    ]
+
+
+def _discovery_families(snapshot: Snapshot[discovery.Discovered] | None) -> list[Family]:
+    """What discovery's last pass found and left out (nothing before its first)."""
+    if snapshot is None or snapshot.value is None or snapshot.taken_at is None:
+        return []
+    figures = snapshot.value.figures
+    return [Family(DISCOVERY_PROCESSES, [DISCOVERY_PROCESSES.sample("", figures.processes)]),
+            Family(DISCOVERY_REFUSED, [DISCOVERY_REFUSED.sample("", figures.not_permitted)]),
+            Family(DISCOVERY_DURATION, [DISCOVERY_DURATION.sample("", figures.duration)]),
+            Family(DISCOVERY_TIME, [DISCOVERY_TIME.sample("", snapshot.taken_at)]),
+            Family(DISCOVERY_BEHIND, [DISCOVERY_BEHIND.sample("", 1 if figures.unfinished else 0)]),
+            Family(DISCOVERY_DROPPED, [DISCOVERY_DROPPED.sample(label_string({"kind": kind}), count)
+                                       for kind, count in figures.dropped]),
+            Family(DISCOVERY_UNRESPONSIVE, [DISCOVERY_UNRESPONSIVE.sample("", figures.unresponsive_mounts)])]
+
+
 def mean_observation(values: list[float], name: str) -> float | None:
     """The exact mean of an ENGINE vector's histogram ``name`` (its sum over its count); None with no
     observation.  Why not a quantile: the load buckets are coarse (1 s, then 2.5 s), and a median
@@ -1394,6 +946,28 @@ def mean_observation(values: list[float], name: str) -> float | None:
     first, sum_index, _ = spool_format.ENGINE_LAYOUT.histograms[name]
     count = sum(values[first:sum_index])
     return values[sum_index] / count if count > 0 else None
+
+
+def cold_throughput(totals: model.Totals, engine: str) -> float | None:
+    """Bytes per second of the engine's cold loads; else of every engine's cold loads from the same
+    st_dev (its file's filesystem)."""
+    slot = spool_format.WATERFALL
+
+    def rate(names: list[str]) -> float | None:
+        known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
+        moved = sum(values[slot["cold_device_bytes"]] for values in known)
+        seconds = sum(values[slot["cold_read_seconds"]] for values in known)
+        # Writers' figures: 5e-324 bytes in 1e10 s is legal and rounds to 0 bytes/s, a divisor.
+        throughput = moved / seconds if moved > 0 and seconds > 0 else 0.0
+        return throughput if 0.0 < throughput < math.inf else None
+
+    own = rate([engine])
+    if own is not None:
+        return own
+    devices = {info.dev for info in totals.infos.get(engine, []) if info.dev != (0, 0)}
+    if not devices:
+        return None
+    return rate([name for name, infos in totals.infos.items() if any(info.dev in devices for info in infos)])
 
 
 def _add_load(totals: list[float], count: float, age: float, read_bytes: float | None = None) -> None:
