@@ -13,14 +13,11 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ..abandonable import Abandonable, Unresponsive
 from . import placement
 from .descriptors import abandonable_config_reads
-
-if TYPE_CHECKING:
-    from .discovery import HeldFile, Process
+from .followed import HeldFile, Process
 
 # How long after a load's end its process's GPU memory may still show where it went: NVML's process list
 # (and its used memory) is read every slow interval of the nvml collector (10 s), three of them.
