@@ -217,10 +217,10 @@ def test_an_engine_on_more_gpus_than_the_cap_is_counted_not_a_crash(tmp_path) ->
 def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_path, monkeypatch) -> None:
     """Each pod directory gives at most MAX_POD_DIRECTORY_ENTRIES entries a read (the rest of that pod's
     files at the next reads, in turn), so a pod listed first cannot take the whole listing from the others."""
-    from exporter.engines import spool as spool_source
+    from exporter.engines import spool_listing
     from gpuio.metrics import EngineMetrics
 
-    monkeypatch.setattr(spool_source, "MAX_POD_DIRECTORY_ENTRIES", 5)
+    monkeypatch.setattr(spool_listing, "MAX_POD_DIRECTORY_ENTRIES", 5)
     pods = str(tmp_path / "pods")
     crowded, quiet = pod_spool(pods, UID_B), pod_spool(pods, UID_A)  # UID_B's directory is listed first
     files = []

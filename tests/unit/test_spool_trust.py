@@ -15,7 +15,7 @@ import tracemalloc
 
 import gpuio
 from exporter.collectors import engines
-from exporter.engines import model
+from exporter.engines import model, spool_listing
 from exporter.engines import spool as spool_source
 from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
@@ -220,7 +220,7 @@ def test_garbage_files_are_counted_once_however_many(tmp_path) -> None:
     with open(os.path.join(directory, "gpuio-7-2-garbage.spool"), "wb") as handle:
         handle.write(b"another bad file" * 20)  # a new file: counted
     reader.read()
-    assert reader.errors["garbage"] == 10_501 and len(reader._bad) == 10_500
+    assert reader.errors["garbage"] == 10_501 and len(reader.listing.bad) == 10_500
 
 
 def test_a_live_file_that_turns_oversized_keeps_its_last_values_and_is_folded_when_its_writer_exits(tmp_path) -> None:
@@ -336,7 +336,7 @@ def test_bad_files_remembered_are_capped_however_many_the_walk_reaches(tmp_path,
     """The listing reaches every name of the directory in turn, junk included: the bad files remembered
     (to count each once and not open it again) stop at MAX_BAD_REMEMBERED, and those past it are counted
     again when seen again (the counter runs on, visibly), rather than growing memory without end."""
-    monkeypatch.setattr(spool_source, "MAX_BAD_REMEMBERED", 4)
+    monkeypatch.setattr(spool_listing, "MAX_BAD_REMEMBERED", 4)
     directory = tmp_path / "spool"
     directory.mkdir()
     for index in range(10):
@@ -345,5 +345,5 @@ def test_bad_files_remembered_are_capped_however_many_the_walk_reaches(tmp_path,
     reader.scan_entries = 3
     for _ in range(8):  # two walks of the directory
         reader.read()
-    assert len(reader._bad) == 4
+    assert len(reader.listing.bad) == 4
     assert reader.errors["empty"] == 4 + 2 * 6  # 4 remembered, counted once; 6 counted at each walk
