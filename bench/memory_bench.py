@@ -34,7 +34,8 @@ STEPS = [
     ("collectors and their parsers", ["exporter.assemble"]),
     ("uvicorn", ["uvicorn"]),
     ("uvloop, httptools", ["uvloop", "httptools", "uvicorn.protocols.http.httptools_impl"]),
-    ("the server (its own modules)", ["exporter.cli", "exporter.server", "exporter.connections", "exporter.webconfig"]),
+    ("the server (its own modules)",
+     ["exporter.cli", "exporter.web.server", "exporter.web.connections", "exporter.web.webconfig"]),
     ("FastAPI (only for what it alone answers)", ["fastapi", "fastapi.responses"]),
 ]
 

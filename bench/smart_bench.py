@@ -48,7 +48,7 @@ from exporter.exposition import GzipRenderer, render  # noqa: E402
 from tests.conftest import root  # noqa: E402
 from tests.fixtures.smartctl.fake import SINGLE, FakeSmartctl  # noqa: E402
 
-GZIP_LEVEL = 1  # exporter/server.py
+GZIP_LEVEL = 1  # exporter/web/server.py
 
 
 def build_host(directory: str, disks: int) -> tuple[FakeSmartctl, str]:

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import collect, process, server_metrics
+from . import collect, process
 from .collectors import cgroup_io, diskstats, engines, mountstats, nvml, pods, pressure, smart
 from .exposition import INFO, Desc
+from .web import server_metrics
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from .logsetup import fields, setup
 from .options import ConfigError
 
 if TYPE_CHECKING:
-    from .connections import ConnectionTable
-    from .webconfig import BasicAuth, WebConfigWatcher
+    from .web.connections import ConnectionTable
+    from .web.webconfig import BasicAuth, WebConfigWatcher
 
 log = logging.getLogger("gpuio")
 
@@ -45,8 +45,8 @@ def _configure(argv: Sequence[str] | None, prog: str, server: bool = True) -> tu
 def exporter_main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
-    from . import connections, webconfig
-    from .server import KEEP_ALIVE_TIMEOUT, BoundedHttpToolsProtocol, bind, build_app
+    from .web import connections, webconfig
+    from .web.server import KEEP_ALIVE_TIMEOUT, BoundedHttpToolsProtocol, bind, build_app
 
     # Before anything opens a descriptor (and before process_max_fds is read): as Go does at start-up.
     old_limit, new_limit, how = connections.raise_fd_limit()
@@ -98,7 +98,7 @@ def exporter_main(argv: Sequence[str] | None = None) -> None:
 
 def _with_server_metrics(process: Callable[[], list[Family]], table: ConnectionTable, accept_errors: dict[str, int],
                          watcher: WebConfigWatcher | None, auth: BasicAuth | None) -> Callable[[], list[Family]]:
-    from .server_metrics import connection_families, web_config_families
+    from .web.server_metrics import connection_families, web_config_families
 
     def families() -> list[Family]:
         result = process() + connection_families(table, accept_errors)

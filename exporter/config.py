@@ -22,7 +22,7 @@ from .logsetup import LEVELS
 from .options import ConfigError, Option, parse_bool, parse_choice, parse_count, parse_seconds
 
 if TYPE_CHECKING:
-    from .webconfig import WebConfig
+    from .web.webconfig import WebConfig
 
 DEFAULT_PORT = 9817  # see README "Port": not used by node_exporter, dcgm-exporter, smartctl_exporter & co.
 
@@ -64,7 +64,7 @@ def parse_web_config_file(value: str) -> WebConfig | None:
     """
     if not value:
         return None
-    from . import webconfig
+    from .web import webconfig
 
     return webconfig.load(value)
 

@@ -1,7 +1,7 @@
 """The engine join: each engine's spool figures with its files (size, residency, device), the disks and
 mount under them, its GPUs and pods -- the rows ``gpuio engines`` prints and ``GET /api/v1/engines`` serves.
 
-One home for both, below them: the CLI (exporter/engines_cli.py) and the API (exporter/api.py) render
+One home for both, below them: the CLI (exporter/engines_cli.py) and the API (exporter/web/api.py) render
 these rows, and neither imports the other.
 """
 
@@ -73,7 +73,7 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
 
 
 # Every field of a row, in the order --json prints them; None where nothing is known.  The exporter's
-# JSON API (exporter/api.py) serves the same rows, so a remote table is this table.
+# JSON API (exporter/web/api.py) serves the same rows, so a remote table is this table.
 ROW_FIELDS = (
     "engine", "path", "processes", "pods", "size_bytes", "cached_ratio", "residency_unavailable", "device",
     "disks", "mountpoint", "fstype", "gpus", "loads", "read_mib_per_second", "inferences", "mean_latency_seconds",

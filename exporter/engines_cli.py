@@ -98,12 +98,12 @@ def _table(rows: list[dict[str, Any]], wide: bool = False) -> str:
                      for line in shown) + "\n"
 
 
-# The exporter's JSON API of the join (exporter/api.py), and the most of its answer read: above the
+# The exporter's JSON API of the join (exporter/web/api.py), and the most of its answer read: above the
 # exporter's own bound on it, so that a whole answer always fits.
 MAX_API_ANSWER_BYTES = 16 << 20
 # The most rows read, and the objects and arrays they may hold (counted before the answer is parsed): a few
 # KiB of gzip can pack a million rows into the byte bound above, each made a dict of every field here.  The
-# exporter serves at most 8 MiB of rows (exporter/api.py), each of every field: ~12,800 rows of nulls, 3,200
+# exporter serves at most 8 MiB of rows (exporter/web/api.py), each of every field: ~12,800 rows of nulls, 3,200
 # at its default caps (200 engines, 16 files each).  A row is an object with 4 more (pods, disks, gpus, its
 # last load's phases); the answer adds itself and its list.
 MAX_API_ROWS = 25_000

@@ -26,7 +26,7 @@ LIGHT = [
     *(f"exporter.collectors.{name[:-3]}" for name in sorted(os.listdir(os.path.join(REPO, "exporter", "collectors")))
       if name.endswith(".py") and name != "__init__.py"),
     "exporter.assemble",
-    "exporter.server_metrics",  # the server's families, declared below the web stack
+    "exporter.web.server_metrics",  # the server's families, declared below the web stack
     "exporter.catalogue",  # every family: what gpuio top, the rules and the dashboards read names from
 ]
 
@@ -46,11 +46,11 @@ def test_importing_it_loads_no_part_of_the_web_stack(module: str) -> None:
 
 
 def test_the_server_does_load_it() -> None:  # the check above can see the web stack
-    assert "uvicorn" in loaded_by("exporter.server")
+    assert "uvicorn" in loaded_by("exporter.web.server")
 
 
 def test_the_server_without_a_web_config_or_gpus_loads_no_yaml_bcrypt_or_nvml_bindings() -> None:
     """PyYAML and bcrypt come with the first web configuration file, NVIDIA's bindings with the nvml
     collector's first start (together ~6 MiB of RSS an exporter without them does not pay)."""
-    loaded = loaded_by("exporter.cli, exporter.server, exporter.webconfig, exporter.collectors")
+    loaded = loaded_by("exporter.cli, exporter.web.server, exporter.web.webconfig, exporter.collectors")
     assert {name for name in loaded if name.split(".")[0] in ("yaml", "bcrypt", "pynvml")} == set()

@@ -23,7 +23,7 @@ def test_importing_the_library_pulls_in_no_server_and_no_gpu_library() -> None:
     code = ("import sys; import gpuio; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('fastapi', 'starlette', 'uvicorn', 'prometheus_client', 'tensorrt', 'tensorrt_lean_bindings', "
-            "'torch', 'pycuda', 'pynvml', 'yaml', 'bcrypt') or m in ('exporter.server', 'exporter.config', "
+            "'torch', 'pycuda', 'pynvml', 'yaml', 'bcrypt') or m in ('exporter.web.server', 'exporter.config', "
             "'exporter.cli')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert result.stdout.strip() == "[]"

@@ -20,7 +20,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from exporter.server import MAX_PIPELINED
+from exporter.web.server import MAX_PIPELINED
 from tests.conftest import parse_samples, root
 
 PROC, SYS = root("linux-6.8")

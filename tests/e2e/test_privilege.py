@@ -130,7 +130,7 @@ def test_runs_as_nobody_without_capabilities_and_reads_disks_and_pressure(tmp_pa
 @pytest.mark.e2e
 def test_no_endpoint_takes_a_file_or_path_from_the_request(exporter) -> None:
     server = exporter(*FIXTURE)
-    # Every route is a fixed path without parameters (exporter/server.py: /, /healthz and the telemetry
+    # Every route is a fixed path without parameters (exporter/web/server.py: /, /healthz and the telemetry
     # path); FastAPI's schema and docs are switched off, so they are not a way in either.
     for path in ("/openapi.json", "/docs", "/redoc"):
         assert server.get(path)[0] == 404, path
@@ -170,7 +170,7 @@ def test_request_heads_are_bounded_in_size_and_time(exporter) -> None:
                      + b"a" * 60_000 + b"\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200 ")
     # Connect and send nothing, or trickle a head: closed after REQUEST_HEAD_TIMEOUT (10 s) with 408.
-    from exporter.server import REQUEST_HEAD_TIMEOUT
+    from exporter.web.server import REQUEST_HEAD_TIMEOUT
 
     answer, elapsed = _raw(server.port, b"")
     assert answer.startswith(b"HTTP/1.1 408 ") and REQUEST_HEAD_TIMEOUT - 0.5 < elapsed < REQUEST_HEAD_TIMEOUT + 3

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from exporter.webconfig import BasicAuth, WebConfigError, load
+from exporter.web.webconfig import BasicAuth, WebConfigError, load
 from tests.conftest import REPO, free_port, parse_samples, root
 
 PROC, SYS = root("linux-6.8")

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.connections import UNSENT_BUDGET
-from exporter.server_metrics import DROP_REASONS
+from exporter.web.connections import UNSENT_BUDGET
+from exporter.web.server_metrics import DROP_REASONS
 from tests.conftest import REPO, ExporterProcess, parse_samples, undeclared
 from tests.e2e.test_connections import LimitedExporter
 from tests.e2e.test_tls import Certs, certs, client_context, tls_config  # noqa: F401

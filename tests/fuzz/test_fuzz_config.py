@@ -22,13 +22,11 @@ from cryptography.x509.oid import NameOID
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from exporter import (
-    collectors,  # noqa: F401  (registers the collectors, which creates their flags)
-    webconfig,
-)
+from exporter import collectors  # noqa: F401  (registers the collectors, which creates their flags)
 from exporter.collect import REGISTRY, Context
 from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
-from exporter.webconfig import WebConfigError
+from exporter.web import webconfig
+from exporter.web.webconfig import WebConfigError
 
 DIRECTORY = tempfile.mkdtemp(prefix="gpuio-fuzz-config-")
 

@@ -1,4 +1,4 @@
-"""exporter/api.py's bounds and schema, on a real engines collector reading a real spool.
+"""exporter/web/api.py's bounds and schema, on a real engines collector reading a real spool.
 
 The answer is made as the server makes it (a real Scraper, the collector's lock, the worker thread);
 over HTTP, through FastAPI and the web config's guard, in tests/e2e/test_engines_api.py.
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from fastapi import HTTPException
 
-from exporter import api
 from exporter.collect import Scraper
 from exporter.engine_join import ROW_FIELDS
+from exporter.web import api
 from gpuio import metrics
 from gpuio import spool as spool_format
 from tests.conftest import engines_collector

@@ -16,10 +16,10 @@ PACKAGES = ((REPO, "exporter"), (os.path.join(REPO, "exporter", "instrument"), "
 LIBRARY_FOLDER = os.path.join(REPO, "exporter", "instrument")
 
 # The entry points and the web stack: a collector, the library or a parser never imports these.
-TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.server", "exporter.config",
-       "exporter.webconfig", "exporter.connections", "exporter.top", "exporter.top.__main__", "exporter.top.data",
-       "exporter.top.iostat", "exporter.top.display", "exporter.engines_cli", "exporter.warm_cli", "exporter.api",
-       "exporter.remote"}
+TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.config", "exporter.web",
+       "exporter.web.server", "exporter.web.webconfig", "exporter.web.connections", "exporter.web.api",
+       "exporter.top", "exporter.top.__main__", "exporter.top.data", "exporter.top.iostat", "exporter.top.display",
+       "exporter.engines_cli", "exporter.warm_cli", "exporter.remote"}
 
 
 def modules() -> dict[str, str]:
@@ -223,8 +223,8 @@ CLIS = {"exporter.cli", "exporter.engines_cli", "exporter.warm_cli", "exporter.t
 
 def test_neither_the_server_nor_the_api_imports_a_command_line_tool() -> None:
     edges = graph()
-    assert "exporter.engine_join" in edges["exporter.api"]  # the walk sees the API's rows
-    served = {"exporter.server", "exporter.api", "exporter.server_metrics"}
+    assert "exporter.engine_join" in edges["exporter.web.api"]  # the walk sees the API's rows
+    served = {"exporter.web.server", "exporter.web.api", "exporter.web.server_metrics"}
     assert {(name, target) for name in served for target in edges[name] if target in CLIS} == set()
 
 
@@ -233,8 +233,8 @@ def test_neither_the_server_nor_the_api_imports_a_command_line_tool() -> None:
 READERS = {"exporter.psi", "exporter.cgroups", "exporter.blockdev", "exporter.mounts", "exporter.pagecache",
            "exporter.procstat", "exporter.smartctl", "exporter.nvml_device", "exporter.hosttext",
            "exporter.lines", "exporter.remote"}
-ABOVE_READERS = {"exporter.collect", "exporter.webconfig", "exporter.server", "exporter.connections",
-                 "exporter.api"}
+ABOVE_READERS = {"exporter.collect", "exporter.web.webconfig", "exporter.web.server", "exporter.web.connections",
+                 "exporter.web.api"}
 
 
 def test_readers_parsers_and_the_client_import_neither_the_framework_nor_the_web_stack() -> None:

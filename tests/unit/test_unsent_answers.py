@@ -1,4 +1,4 @@
-"""The bounds on answers not yet taken by their clients (exporter/connections.py): the write deadline's looks,
+"""The bounds on answers not yet taken by their clients (exporter/web/connections.py): the write deadline's looks,
 the budget over all connections, the chunks an answer is handed over in.
 
 A transport, a socket and an event loop stand in for uvloop's: the figures a look reads (bytes buffered,
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from exporter import connections
-from exporter.connections import (
+from exporter.web import connections
+from exporter.web.connections import (
     ANSWER_CHUNK,
     MIN_READ_RATE,
     TCP_INFO_BYTES_ACKED,
@@ -26,7 +26,7 @@ from exporter.connections import (
     UnsentAnswers,
     WriteWatch,
 )
-from exporter.server_metrics import BUDGET, DEADLINE, connection_families
+from exporter.web.server_metrics import BUDGET, DEADLINE, connection_families
 
 
 class Socket:

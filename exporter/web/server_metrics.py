@@ -1,7 +1,7 @@
 """The families the HTTP server adds to the exporter's own: connections, unsent answers, accept errors, web
 config reloads and basic-auth checks.
 
-The server's modules (exporter/connections.py, exporter/webconfig.py) keep the counts; the families are
+The server's modules (exporter/web/connections.py, exporter/web/webconfig.py) keep the counts; the families are
 declared and rendered here, below the web stack, so that the catalogue of every family
 (exporter/catalogue.py) lists them without importing uvicorn, bcrypt or YAML.
 """
@@ -12,15 +12,15 @@ import errno
 from collections.abc import Mapping
 from typing import Protocol
 
-from .exposition import COUNTER, GAUGE, Desc, Family, label_string
+from ..exposition import COUNTER, GAUGE, Desc, Family, label_string
 
-# The states of a connection (exporter/connections.py's ConnectionTable).
+# The states of a connection (exporter/web/connections.py's ConnectionTable).
 WAITING, IDLE, BUSY = "waiting", "idle", "busy"
 # Failing accept() for these leaves the connection in the kernel's queue: back off and retry.
 RESOURCE_ERRORS = {errno.EMFILE: "emfile", errno.ENFILE: "enfile", errno.ENOBUFS: "enobufs", errno.ENOMEM: "enomem"}
 ACCEPT_ERROR_REASONS = ("emfile", "enfile", *(name for name in RESOURCE_ERRORS.values()
                                               if name not in ("emfile", "enfile")), "other")
-# Why a connection was dropped with its answer unsent (exporter/connections.py's WriteWatch): its client took
+# Why a connection was dropped with its answer unsent (exporter/web/connections.py's WriteWatch): its client took
 # too little of it in time, or all connections together held too much.
 DEADLINE, BUDGET = "deadline", "budget"
 DROP_REASONS = (DEADLINE, BUDGET)
@@ -83,7 +83,7 @@ _DROP_LABELS = {reason: label_string({"reason": reason}) for reason in DROP_REAS
 
 
 class Unsent(Protocol):
-    """What the unsent answers' families read of exporter/connections.py's UnsentAnswers."""
+    """What the unsent answers' families read of exporter/web/connections.py's UnsentAnswers."""
 
     dropped: dict[str, int]
 
@@ -91,7 +91,7 @@ class Unsent(Protocol):
 
 
 class Connections(Protocol):
-    """What the connection families read of exporter/connections.py's ConnectionTable."""
+    """What the connection families read of exporter/web/connections.py's ConnectionTable."""
 
     limit: int
     evicted: dict[str, int]

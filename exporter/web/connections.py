@@ -39,7 +39,7 @@ connected, past the keep-alive timeout too (a close waits for the buffer to be s
 - a big answer is handed to the transport in chunks (:data:`ANSWER_CHUNK`), so that what a client has
   taken is freed and what the budget counts is what is held;
 - a request that arrives while its connection's client has not taken the answer before is answered
-  once it has (exporter/server.py): an unread connection holds one answer, not one per request.
+  once it has (exporter/web/server.py): an unread connection holds one answer, not one per request.
 
 Each drop is counted (``gpuio_exporter_http_answers_dropped_total{reason}``).  A prompt client (Prometheus
 reads its scrape at once) takes everything long before the first look.
@@ -65,7 +65,7 @@ from typing import Any
 
 import uvicorn
 
-from .logsetup import fields
+from ..logsetup import fields
 from .server_metrics import BUDGET, BUSY, DEADLINE, DROP_REASONS, IDLE, RESOURCE_ERRORS, WAITING
 
 log = logging.getLogger("gpuio.server")

@@ -8,7 +8,7 @@ exporter's own engines collector: its spool reader (a read, as a scrape reads) a
 scan of the engine files (the residency /metrics serves; no file is measured for a request).
 
 Served by FastAPI, which the server loads with the first request off its fast path, behind the same
-guard as /metrics (TLS, basic auth, configured headers: exporter/webconfig.py wraps the whole app).
+guard as /metrics (TLS, basic auth, configured headers: exporter/web/webconfig.py wraps the whole app).
 
 Bounded, whoever asks and however often:
 
@@ -21,7 +21,7 @@ Bounded, whoever asks and however often:
   scrape); one more may wait; beyond that, 503 at once.
 
 Errors are JSON, FastAPI's ``{"detail": "..."}``; a 401 or 429 from the guard is its plain text, as on
-/metrics.  No OpenAPI document or docs page is served (see exporter/server.py); ``python -m exporter.api``
+/metrics.  No OpenAPI document or docs page is served (see exporter/web/server.py); ``python -m exporter.web.api``
 prints the document.
 """
 
@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any, cast
 from fastapi import APIRouter, FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
-from . import __version__
-from .collectors.engines import MAX_GPUS_PER_ENGINE, MAX_INFOS, MAX_PODS_PER_ENGINE
-from .engine_join import ENGINES_API, EngineJoin, finite
+from .. import __version__
+from ..collectors.engines import MAX_GPUS_PER_ENGINE, MAX_INFOS, MAX_PODS_PER_ENGINE
+from ..engine_join import ENGINES_API, EngineJoin, finite
 
 if TYPE_CHECKING:
-    from .collect import CollectorState, Scraper
-    from .collectors.engines import EnginesCollector
+    from ..collect import CollectorState, Scraper
+    from ..collectors.engines import EnginesCollector
 
 log = logging.getLogger("gpuio.api")
 

@@ -5,11 +5,11 @@ dependency and response machinery cost about as much per request as node_exporte
 (docs/performance.md), and /metrics is the one endpoint hit every few seconds for months.  The
 GETs of the landing page and of /healthz (which Kubernetes probes call every few seconds) are answered
 there too, and the lifespan events start and stop the collectors.  Everything else is FastAPI: the JSON
-API of the engines (/api/v1/engines, exporter/api.py), and the answers to a wrong method or an unknown
+API of the engines (/api/v1/engines, exporter/web/api.py), and the answers to a wrong method or an unknown
 path.  FastAPI is imported the first time such a request comes: FastAPI and pydantic are ~15 MiB of
 every node's resident memory otherwise.  Its /docs, /redoc and /openapi.json are switched off: the
 exporter serves only what the README lists, /docs would load scripts from a CDN, and the document
-describes an API whose users read docs/engines.md (``python -m exporter.api`` prints it).
+describes an API whose users read docs/engines.md (``python -m exporter.web.api`` prints it).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from urllib.parse import parse_qs
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from . import __version__
-from .collect import Scraper
-from .config import Config
+from .. import __version__
+from ..collect import Scraper
+from ..config import Config
+from ..exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE, GzipRenderer, render, wants_openmetrics
 from .connections import BUSY, IDLE, ChunkedWrites, Slot, WriteWatch
-from .exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE, GzipRenderer, render, wants_openmetrics
 from .webconfig import BasicAuth, WebConfigWatcher, guard
 
 log = logging.getLogger("gpuio.server")
@@ -51,7 +51,7 @@ KEEP_ALIVE_TIMEOUT = 75  # idle keep-alive; above the longest common scrape inte
 # waiting request holds its head (at most MAX_REQUEST_HEAD) and uvicorn's per-request state.
 MAX_PIPELINED = 16
 PARSE_SLICE = 4096  # bytes handed to the parser at a time: the head bound is exact to this much
-# Open connections are bounded in exporter/connections.py (an idle one makes room, a scrape is never
+# Open connections are bounded in exporter/web/connections.py (an idle one makes room, a scrape is never
 # refused for it); scrapes in flight by --web.max-requests.
 
 
@@ -271,10 +271,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     when the one before it is answered is answered in its turn (the close for its unread body comes
     after its answer; uvicorn's rule above closed the connection before it).
 
-    The acceptor (exporter/connections.py) sets ``_slot``: the protocol marks its connection busy
+    The acceptor (exporter/web/connections.py) sets ``_slot``: the protocol marks its connection busy
     from a request's headers to its answer and idle after, which is what eviction looks at.  Its
-    :class:`~exporter.connections.WriteWatch` follows each answer until the client has taken it, and
-    drops a client that does not (exporter/connections.py says how); and a request that comes while the
+    :class:`~exporter.web.connections.WriteWatch` follows each answer until the client has taken it, and
+    drops a client that does not (exporter/web/connections.py says how); and a request that comes while the
     client has not taken the answer before is answered once it has: uvicorn made the answer at once and
     held it until the client read, one more for every request an unread connection sent.
     """
