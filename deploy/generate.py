@@ -120,9 +120,9 @@ def variant_files(config: Config, out: str, note: str, with_boards: bool = True,
     DIR/rules-node-exporter, the boards in DIR/dashboards, the runbooks in DIR/runbooks, and with ``objects``
     the Kubernetes kustomization in DIR/kubernetes."""
     files = prometheus.rendered(config, out, note)
+    node_exporter_mode = prometheus.node_exporter_mode(config)
     node_exporter_note = "; ".join(filter(None, (prometheus.NODE_EXPORTER_NOTE, note)))
-    files.update(prometheus.rendered(prometheus.node_exporter_mode(config),
-                                     os.path.join(out, NODE_EXPORTER_RULES), node_exporter_note))
+    files.update(prometheus.rendered(node_exporter_mode, os.path.join(out, NODE_EXPORTER_RULES), node_exporter_note))
     boards_dir = os.path.join(out, "dashboards")
     json_files = boards(config, boards_dir) if with_boards else {}
     files.update(json_files)
@@ -130,7 +130,7 @@ def variant_files(config: Config, out: str, note: str, with_boards: bool = True,
     if objects is not None:
         files.update(kubernetes_variant.rendered(
             os.path.join(out, "kubernetes"), objects.image, objects.components, objects.without_operator,
-            rule_files(config), rule_files(prometheus.node_exporter_mode(config)), json_files, boards_dir))
+            rule_files(config), rule_files(node_exporter_mode), json_files, boards_dir))
     return files
 
 
@@ -199,25 +199,19 @@ def parser_for(prog: str, installed: bool) -> argparse.ArgumentParser:
 
 
 def kubernetes_out(args: argparse.Namespace) -> KubernetesOut | None:
-    """--image and its companions; ValueError names what is wrong."""
-    components = tuple(dict.fromkeys(part.strip() for value in args.component for part in value.split(",")
-                                     if part.strip()))
+    """--image and its companions, checked as `make kubernetes` checks them; ValueError names what is wrong."""
     if args.image is None:
-        if components or args.without_operator:
+        if args.component or args.without_operator:
             raise ValueError("--component and --without-operator shape the Kubernetes objects: give --image too")
         return None
-    if not args.image.strip() or any(ch.isspace() for ch in args.image):
-        raise ValueError("--image must name an image, e.g. registry.example/gpuio-exporter:0.1.0")
-    unknown = [name for name in components if name not in render.COMPONENTS]
-    if unknown:
-        raise ValueError(f"no component {', '.join(unknown)}; there are {', '.join(render.COMPONENTS)}")
-    return KubernetesOut(args.image, components, args.without_operator)
+    render.check_image(args.image)
+    return KubernetesOut(args.image, tuple(render.chosen_components(args.component)), args.without_operator)
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ,
          prog: str = "python -m deploy.generate", installed: bool = False) -> int:
     parser = parser_for(prog, installed)
-    if argv is not None and "--knobs" in argv or argv is None and "--knobs" in sys.argv[1:]:
+    if "--knobs" in (sys.argv[1:] if argv is None else argv):
         print(knob_list(), end="")  # before parsing: --out is not needed to read the list
         return 0
     args = parser.parse_args(argv)

@@ -73,6 +73,25 @@ def render(image: str, components: Sequence[str], without_operator: bool, kubect
     return yaml.safe_dump_all(documents, sort_keys=False)
 
 
+IMAGE_EXAMPLE = "registry.example/gpuio-exporter:0.1.0"
+
+
+def chosen_components(values: Sequence[str]) -> list[str]:
+    """--component values (repeatable, or comma-separated) in the order given, each once; ValueError names
+    one that is not a component of components/."""
+    chosen = list(dict.fromkeys(part.strip() for value in values for part in value.split(",") if part.strip()))
+    unknown = [name for name in chosen if name not in COMPONENTS]
+    if unknown:
+        raise ValueError(f"no component {', '.join(unknown)}; there are {', '.join(COMPONENTS)}")
+    return chosen
+
+
+def check_image(image: str) -> None:
+    """ValueError where ``image`` names no image (empty, or with white space in it)."""
+    if not image.strip() or any(ch.isspace() for ch in image):
+        raise ValueError(f"--image must name an image, e.g. {IMAGE_EXAMPLE}")
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m deploy.kubernetes.render",
                                      description="gpuio's Kubernetes objects with your image and components.")
@@ -86,18 +105,19 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--kubectl", default=shutil.which("kubectl") or "kubectl",
                         help="kubectl, with its built-in kustomize (default: from PATH)")
     args = parser.parse_args(argv)
-    args.component = list(dict.fromkeys(part.strip() for value in args.component for part in value.split(",")
-                                        if part.strip()))
-    unknown = [name for name in args.component if name not in COMPONENTS]
-    if unknown:
-        parser.error(f"no component {', '.join(unknown)}; there are {', '.join(COMPONENTS)}")
+    try:
+        args.component = chosen_components(args.component)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    if not args.image.strip() or any(ch.isspace() for ch in args.image):
-        print("render: error: --image must name an image, e.g. registry.example/gpuio-exporter:0.1.0", file=sys.stderr)
+    try:
+        check_image(args.image)
+    except ValueError as error:
+        print(f"render: error: {error}", file=sys.stderr)
         return 2
     if shutil.which(args.kubectl) is None:
         print(f"render: error: {args.kubectl} not found: install kubectl (it builds kustomizations)", file=sys.stderr)

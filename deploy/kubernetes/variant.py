@@ -62,10 +62,9 @@ def component_files(name: str, out: str, rule_patches: Mapping[str, str], withou
     return files
 
 
-def kustomization(image: str, components: Sequence[str], without_operator: bool, boards: bool,
-                  directory: str) -> str:
-    """DIR/kubernetes/kustomization.yaml: the base's, with ``image``, ``components`` and DIR/dashboards."""
-    base = yaml.safe_load(_read(BASE))
+def kustomization(base: Mapping[str, Any], image: str, components: Sequence[str], without_operator: bool,
+                  boards: bool, directory: str) -> str:
+    """DIR/kubernetes/kustomization.yaml: the ``base``'s, with ``image``, ``components`` and DIR/dashboards."""
     resources = [resource for resource in base["resources"]
                  if not (without_operator and resource in OPERATOR_RESOURCES)]
     resources = [("../dashboards" if resource == BOARDS_RESOURCE else resource) for resource in resources
@@ -84,8 +83,9 @@ def rendered(out: str, image: str, components: Sequence[str], without_operator: 
     """Path -> text of DIR/kubernetes (``out``) and, where there are boards, the kustomization in
     ``boards_dir`` that makes them ConfigMaps."""
     board_names = sorted(os.path.basename(path) for path in board_files)
+    base = yaml.safe_load(_read(BASE))
     files = {os.path.join(out, name): _read(os.path.join(HERE, name))
-             for name in yaml.safe_load(_read(BASE))["resources"]
+             for name in base["resources"]
              if name.endswith(".yaml") and name != "prometheusrule.yaml"
              and not (without_operator and name in OPERATOR_RESOURCES)}
     files[os.path.join(out, "prometheus-scrape.yml")] = _read(os.path.join(HERE, "prometheus-scrape.yml"))
@@ -95,7 +95,7 @@ def rendered(out: str, image: str, components: Sequence[str], without_operator: 
     rule_patches = {os.path.basename(path): text for path, text in patches.items()}
     for name in components:
         files.update(component_files(name, out, rule_patches, without_operator))
-    files[os.path.join(out, "kustomization.yaml")] = kustomization(image, components, without_operator,
+    files[os.path.join(out, "kustomization.yaml")] = kustomization(base, image, components, without_operator,
                                                                    bool(board_names), out)
     if board_names:
         files[os.path.join(boards_dir, "kustomization.yaml")] = dashboards_kustomization(
