@@ -513,7 +513,8 @@ class SpoolReader:
             gone = writer_gone(fd)
         except OSError:
             gone = False
-        folded = self.folded_files.find(file_id, fd, self.budget) if state is None else None
+        folded, header_read = self.folded_files.find(file_id, fd) if state is None else (None, 0)
+        self.budget.read -= header_read
         if folded is not None:
             # Never counted again.  Removed (or tombstoned) once its writer is gone; while some process
             # holds its lock (a renamed live file folded as vanished), left alone and looked at again.

@@ -7,15 +7,11 @@ See the module docstring of :mod:`exporter.engines.spool`: a file is its inode, 
 from __future__ import annotations
 
 import os
-import typing
 from dataclasses import dataclass, field
 
 from gpuio.spool import HEADER_SIZE
 
 from .parse import Parsed, instance_of
-
-if typing.TYPE_CHECKING:
-    from .spool_budget import ReadBudget
 
 # Folded files remembered by inode while they may still have names (FoldedFile: ~200 bytes each): a
 # dead file's hard links, a dead file this reader may not delete, a live file that vanished while no
@@ -140,21 +136,21 @@ class FoldedFiles:
     def __init__(self) -> None:
         self.files: dict[FileId, FoldedFile] = {}
 
-    def find(self, file_id: FileId, fd: int, budget: ReadBudget) -> FoldedFile | None:
+    def find(self, file_id: FileId, fd: int) -> tuple[FoldedFile | None, int]:
         """The folded file that the one open on ``fd`` is (same inode, same writer instance): another name
-        of it (a hard link, a rename), which must not count again; None: a file not folded before."""
+        of it (a hard link, a rename), which must not count again; None: a file not folded before.  With
+        the bytes read to tell (the caller's read budget pays them)."""
         folded = self.files.get(file_id)
         if folded is None:
-            return None
+            return None, 0
         try:
             header = os.pread(fd, HEADER_SIZE, 0)
         except OSError:
-            return folded  # unreadable: not counted, rather than perhaps counted twice
-        budget.read -= HEADER_SIZE
+            return folded, 0  # unreadable: not counted, rather than perhaps counted twice
         if instance_of(header) == folded.instance:
-            return folded
+            return folded, HEADER_SIZE
         del self.files[file_id]  # the inode was freed and is another file's now
-        return None
+        return None, HEADER_SIZE
 
     def remember(self, file_id: FileId, folded: FoldedFile) -> None:
         self.files.pop(file_id, None)  # the newest last: the oldest is forgotten first

@@ -18,8 +18,8 @@ import asyncio
 import html
 import logging
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 import httptools
@@ -27,10 +27,23 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .. import __version__
 from ..collect import Scraper
-from ..config import Config
 from ..exposition import OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE, GzipRenderer, render, wants_openmetrics
 from .connections import BUSY, IDLE, ChunkedWrites, Slot, WriteWatch
-from .webconfig import BasicAuth, WebConfigWatcher, guard
+from .webconfig import BasicAuth, WebConfig, WebConfigWatcher, guard
+
+
+class Served(Protocol):
+    """What the server reads of the exporter's configuration (exporter.config.Config, which sits above
+    the web stack: it loads the web config file through it, so the server names only these fields)."""
+
+    @property
+    def enabled(self) -> Mapping[str, bool]: ...
+    @property
+    def telemetry_path(self) -> str: ...
+    @property
+    def max_requests(self) -> int: ...
+    @property
+    def web_config(self) -> WebConfig | None: ...
 
 log = logging.getLogger("gpuio.server")
 
@@ -128,12 +141,12 @@ async def _as_fastapi_would(send: Send, body: bytes, content_type: bytes) -> Non
     await send({"type": "http.response.body", "body": body})
 
 
-def _never_scraped(config: Config, scraper: Scraper) -> bool:
+def _never_scraped(config: Served, scraper: Scraper) -> bool:
     return any(enabled and (name not in scraper.states or scraper.states[name].last_state is None)
                for name, enabled in config.enabled.items())
 
 
-def landing_page(config: Config, scraper: Scraper) -> str:
+def landing_page(config: Served, scraper: Scraper) -> str:
     rows = []
     for name, enabled in sorted(config.enabled.items()):
         state = scraper.states.get(name)
@@ -162,7 +175,7 @@ failed; stale: it failed and its last good data is served.</p>
 """
 
 
-def fastapi_app(config: Config, scraper: Scraper) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+def fastapi_app(config: Served, scraper: Scraper) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The JSON API, the landing page and /healthz as FastAPI serves them, with FastAPI's answers to
     everything else."""
     from fastapi import FastAPI
@@ -203,7 +216,7 @@ async def _lifespan(scraper: Scraper, receive: Receive, send: Send) -> None:
             return
 
 
-def build_app(config: Config, scraper: Scraper, web: WebConfigWatcher | None = None,
+def build_app(config: Served, scraper: Scraper, web: WebConfigWatcher | None = None,
               auth: BasicAuth | None = None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     metrics = MetricsEndpoint(scraper, config.max_requests)
     telemetry_path = config.telemetry_path
