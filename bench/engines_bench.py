@@ -359,7 +359,7 @@ def engines_collector_class() -> Any:
 
 
 def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[dict[str, list[float]], float | None]:
-    from exporter.collect import Context
+    from exporter.context import Context
     from exporter.engines import spool as spool_source
     from exporter.exposition import render
 
@@ -558,7 +558,7 @@ def flood_spool(directory: str, flood: bool) -> tuple[list[object], list[Any]]:
 
 
 def flood_times(flood: bool, repeats: int) -> dict[str, Any]:
-    from exporter.collect import Context
+    from exporter.context import Context
     from exporter.engines import spool as spool_source
     from exporter.exposition import render
 

@@ -40,10 +40,11 @@ sys.path.insert(0, LIBRARY)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get("PYTHONPATH"))))
 
 import exporter.collectors.smart  # noqa: E402,F401  (registers the collector)
-from exporter.collect import Context, Scraper  # noqa: E402
+from exporter.collect import Scraper  # noqa: E402
 from exporter.collectors import diskstats, pressure  # noqa: E402
 from exporter.collectors.smart import SmartCollector  # noqa: E402
 from exporter.config import parse_args  # noqa: E402
+from exporter.context import Context  # noqa: E402
 from exporter.exposition import GzipRenderer, render  # noqa: E402
 from tests.conftest import root  # noqa: E402
 from tests.fixtures.smartctl.fake import SINGLE, FakeSmartctl  # noqa: E402

@@ -10,8 +10,9 @@ from __future__ import annotations
 import platform
 
 from . import __version__, collectors  # noqa: F401  (importing registers the collectors)
-from .collect import REGISTRY, Collector, Context, Scraper
+from .collect import REGISTRY, Collector, Scraper
 from .config import Config
+from .context import Context
 from .exposition import label_string
 from .process import ProcessMetrics
 

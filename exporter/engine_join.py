@@ -53,8 +53,8 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
 
     The spools in pods' emptyDir volumes under ``pods_dir`` (the kubelet's pods directory) are read
     too, as the exporter reads them: found by one scan, now."""
-    from .collect import Context
     from .collectors.engines import EnginesCollector
+    from .context import Context
 
     options = {"spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
                "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None,

@@ -210,8 +210,8 @@ def exporter() -> Iterator[callable]:
 def engines_collector(spool: str, **options: object) -> Any:
     """The engines collector with its default options but discovery off, ``spool`` as its spool directory
     and ``options`` on top (``path_include=`` for ``path-include``)."""
-    from exporter.collect import Context
     from exporter.collectors import engines
+    from exporter.context import Context
 
     settings = {option.name: option.parse(option.default) if option.default is not None else None
                 for option in engines.EnginesCollector.options}

@@ -56,7 +56,8 @@ from typing import Any
 from .. import cgroups
 from ..blockdev import device_by_number
 from ..cgroups import DeviceIo, Pressure, Walk
-from ..collect import Absent, Collector, Context, Failing, Pending, StaleData, register
+from ..collect import Absent, Collector, Failing, Pending, StaleData, register
+from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce
 from ..options import Option, parse_count, parse_seconds

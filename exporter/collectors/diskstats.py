@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 from ..blockdev import BlockDevices
-from ..collect import Collector, Context, MalformedSource, register
+from ..collect import Collector, MalformedSource, register
+from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..lines import BadLine
 from ..logsetup import LogOnce

@@ -29,7 +29,7 @@ from gpuio.load import engine_name
 from .. import mounts
 from ..abandonable import Abandonable, Unresponsive
 from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
-from ..collect import Context
+from ..context import Context
 from ..engines import model
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..sampler import PeriodicSampler

@@ -59,7 +59,8 @@ from gpuio import spool as spool_format
 
 from .. import mounts
 from ..blockdev import DeviceAnswer
-from ..collect import Absent, Collector, Context, Pending, StaleData, register
+from ..collect import Absent, Collector, Pending, StaleData, register
+from ..context import Context
 from ..engines import discovery, model, spool
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, SUMMARY, Desc, Family, histogram_samples, label_string
 from ..logsetup import LogOnce

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import mounts
-from ..collect import Absent, Collector, Context, register
+from ..collect import Absent, Collector, register
+from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..lines import BadLine
 from ..options import Option, parse_count

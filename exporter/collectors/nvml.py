@@ -57,7 +57,8 @@ from typing import Any
 from .. import nvml_device as nv
 from .. import procstat
 from ..abandonable import Unresponsive, proc_reads
-from ..collect import Absent, Collector, Context, Pending, StaleData, register
+from ..collect import Absent, Collector, Pending, StaleData, register
+from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce
 from ..nvml_device import Nvml, NVMLError, error_code

@@ -18,7 +18,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..collect import Absent, Collector, Context, Failing, StaleData, register
+from ..collect import Absent, Collector, Failing, StaleData, register
+from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..options import Option, parse_seconds
 from ..pods import podresources

@@ -47,7 +47,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..collect import Absent, Collector, Context, Pending, StaleData, register
+from ..collect import Absent, Collector, Pending, StaleData, register
+from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..logsetup import LogOnce, fields
 from ..options import ConfigError, Option, parse_choice, parse_count, parse_regex, parse_seconds

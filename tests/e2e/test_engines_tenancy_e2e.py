@@ -29,8 +29,8 @@ from collections.abc import Iterator
 import pytest
 
 from exporter.blockdev import PathDevices
-from exporter.collect import Context
 from exporter.collectors import engines
+from exporter.context import Context
 from exporter.exposition import render
 from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics

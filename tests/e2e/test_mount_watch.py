@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
     assert not any(m.mountpoint == point for m in watch.table().mounts), "an unmount was missed"
     # The collectors' shared reader: the device look-ups see a mount made after they first asked.
     from exporter.blockdev import DeviceNumbers
-    from exporter.collect import Context
+    from exporter.context import Context
     context = Context("/proc")
     devices = DeviceNumbers("/sys", context.host_mounts.table, "/")
     before, _ = devices.tables()

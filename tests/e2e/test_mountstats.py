@@ -69,7 +69,7 @@ def test_a_non_root_exporter_falls_back_to_its_own_mountstats_on_the_real_proc()
     and, where an NFS mount is listed, its own mountstats; it says so, and does not fail."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv (util-linux) to switch to nobody")
-    code = (f"import sys; sys.path[:0] = [{REPO!r}, {LIBRARY!r}]; from exporter.collect import Context; "
+    code = (f"import sys; sys.path[:0] = [{REPO!r}, {LIBRARY!r}]; from exporter.context import Context; "
             "from exporter.collectors.mountstats import MountstatsCollector; from exporter.exposition import render; "
             "print(render(MountstatsCollector(Context(), {}).collect()))")
     # setpriv, as tests/e2e/test_privilege.py does: runuser goes through PAM and a login shell's lookup of

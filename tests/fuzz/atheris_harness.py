@@ -38,9 +38,10 @@ import atheris
 
 with atheris.instrument_imports():
     from exporter import collectors, smartctl  # noqa: F401  (collectors: registers them, creating their flags)
-    from exporter.collect import Context, MalformedSource
+    from exporter.collect import MalformedSource
     from exporter.collectors import diskstats, pressure, smart
     from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
+    from exporter.context import Context
     from exporter.engines import parse
     from exporter.exposition import render
     from exporter.web import webconfig

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 from exporter import cgroups
-from exporter.collect import Absent, Context
+from exporter.collect import Absent
 from exporter.collectors.cgroup_io import CgroupIoCollector
+from exporter.context import Context
 from exporter.exposition import render
 from exporter.lines import BadLine
 from tests.conftest import parse_samples, undeclared

@@ -23,8 +23,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from exporter import collectors  # noqa: F401  (registers the collectors, which creates their flags)
-from exporter.collect import REGISTRY, Context
+from exporter.collect import REGISTRY
 from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
+from exporter.context import Context
 from exporter.web import webconfig
 from exporter.web.webconfig import WebConfigError
 

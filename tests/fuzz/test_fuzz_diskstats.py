@@ -17,8 +17,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter.collect import Collector, Context, MalformedSource
+from exporter.collect import Collector, MalformedSource
 from exporter.collectors.diskstats import FIELDS, BadLine, DiskstatsCollector, parse_line
+from exporter.context import Context
 from exporter.exposition import Family, render
 from tests.conftest import parse_samples
 

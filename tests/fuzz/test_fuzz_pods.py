@@ -27,8 +27,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter.collect import Context
 from exporter.collectors.engines import EnginesCollector
+from exporter.context import Context
 from exporter.engines import model, parse
 from exporter.engines import spool as spool_source
 from exporter.exposition import render

@@ -16,8 +16,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter.collect import Absent, Collector, Context, MalformedSource
+from exporter.collect import Absent, Collector, MalformedSource
 from exporter.collectors.pressure import RESOURCES, BadLine, PressureCollector, parse_total
+from exporter.context import Context
 from exporter.exposition import Family, render
 from tests.conftest import parse_samples
 

@@ -42,8 +42,8 @@ sys.path.insert(0, REPO)
 LIBRARY = os.path.join(REPO, "exporter", "instrument")  # gpuio, the instrumentation library the exporter imports
 sys.path.insert(0, LIBRARY)
 
-from exporter.collect import Context  # noqa: E402  (after the path is set)
 from exporter.collectors import nvml as NVML  # noqa: E402
+from exporter.context import Context  # noqa: E402  (after the path is set)
 from exporter.exposition import render  # noqa: E402
 from exporter.nvml_device import NVMLError, ProcessUtilization, PyNvml, error_name  # noqa: E402
 

@@ -67,8 +67,8 @@ def unavailable() -> str | None:
 
 def collector(**options: float) -> Any:
     """The collector on the real NVML; by default every sweep reads everything (the slow fields too)."""
-    from exporter.collect import Context
     from exporter.collectors.nvml import NvmlCollector
+    from exporter.context import Context
     from exporter.nvml_device import PyNvml
 
     settings = {"interval": 1.0, "slow-interval": 1e-9, "hang-timeout": 10.0, "reinit-interval": 30.0,

@@ -26,8 +26,8 @@ sys.path[:0] = [REPO, os.path.join(REPO, "exporter", "instrument")]
 import torch  # noqa: E402
 
 import gpuio  # noqa: E402
-from exporter.collect import Context  # noqa: E402
 from exporter.collectors.engines import EnginesCollector  # noqa: E402
+from exporter.context import Context  # noqa: E402
 from tests.conftest import evict as evict_from_page_cache  # noqa: E402
 
 failures: list[str] = []

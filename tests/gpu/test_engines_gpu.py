@@ -65,7 +65,7 @@ def run(work: str) -> dict[str, Any]:
     import torch
 
     import gpuio
-    from exporter.collect import Context
+    from exporter.context import Context
     from exporter.exposition import render
     from gpuio.gpu import TorchEventTimer
 

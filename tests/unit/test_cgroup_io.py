@@ -16,10 +16,11 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 
 from exporter import cgroups
 from exporter.cgroups import NO_IO, DeviceIo, Pressure
-from exporter.collect import Absent, Context, Pending, Scraper
+from exporter.collect import Absent, Pending, Scraper
 from exporter.collectors import cgroup_io
 from exporter.collectors.cgroup_io import CgroupIoCollector, Selection
 from exporter.config import ConfigError, parse_args
+from exporter.context import Context
 from exporter.exposition import render
 from exporter.lines import BadLine
 from tests.conftest import REPO, parse_samples, undeclared

@@ -6,7 +6,8 @@ import logging
 import threading
 
 from exporter import collect
-from exporter.collect import Collector, Context, Pending, Scraper, StaleData
+from exporter.collect import Collector, Pending, Scraper, StaleData
+from exporter.context import Context
 from exporter.exposition import GAUGE, Desc, Family, render
 from exporter.sampler import PeriodicSampler
 from tests.conftest import parse_samples

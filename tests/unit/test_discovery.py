@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from exporter.collect import GpuProcesses
+from exporter.context import GpuProcesses
 from exporter.engines import discovery, model
 from exporter.engines.discovery import engine_identity
 from exporter.pods.attribution import PodAttribution

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import time
 
-from exporter.collect import Context, StaleData
+from exporter.collect import StaleData
 from exporter.collectors import engines
+from exporter.context import Context
 
 
 def test_a_pass_that_never_ends_makes_the_collector_stale(tmp_path, monkeypatch) -> None:

@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from exporter.collect import Context, Scraper
+from exporter.collect import Scraper
 from exporter.collectors.diskstats import DiskstatsCollector
+from exporter.context import Context
 from exporter.exposition import render
 from exporter.options import parse_regex
 from tests.conftest import parse_samples

@@ -11,8 +11,9 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 import gpuio
 from exporter import procstat
 from exporter.blockdev import PathDevices
-from exporter.collect import REGISTRY, Absent, Context
+from exporter.collect import REGISTRY, Absent
 from exporter.collectors import engines  # noqa: F401  (registers the collector)
+from exporter.context import Context
 from exporter.exposition import render
 from gpuio import metrics
 from gpuio import spool as spool_format

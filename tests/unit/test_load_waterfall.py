@@ -208,8 +208,8 @@ def test_the_join_engine_to_disk_for_image_pvc_hostpath_and_nfs(spool: str, requ
     """Four engines, one per kind of storage, each with the st_dev and mount line its writer records
     (tests/fixtures/mounts/writer): the image file's disk comes from the writer's overlay layer, the PVC's
     and the hostPath's from their st_dev, the NFS file's mount from the host's mount table."""
-    from exporter.collect import Context
     from exporter.collectors.engines import EnginesCollector
+    from exporter.context import Context
 
     root = tempfile.mkdtemp(dir="/var/tmp")
     request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))

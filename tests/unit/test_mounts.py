@@ -10,8 +10,8 @@ import os
 import pytest
 
 from exporter import mounts
-from exporter.collect import Context
 from exporter.collectors import engines, mountstats
+from exporter.context import Context
 from exporter.exposition import render
 from tests.conftest import REPO, parse_samples
 

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from exporter.collect import Absent, Context
+from exporter.collect import Absent
 from exporter.collectors import mountstats
+from exporter.context import Context
 from exporter.exposition import render
 from tests.conftest import REPO, Samples, parse_samples
 

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from exporter.collect import Absent, Context, Scraper
+from exporter.collect import Absent, Scraper
 from exporter.collectors.nvml import DESCS, NvmlCollector
+from exporter.context import Context
 from exporter.exposition import render
 from exporter.nvml_device import ProcessInfo, bindings
 from tests.conftest import Samples, parse_samples, undeclared

@@ -8,8 +8,9 @@ import logging
 import os
 import time
 
-from exporter.collect import Context, Scraper
+from exporter.collect import Scraper
 from exporter.collectors.pods import PodsCollector
+from exporter.context import Context
 from exporter.exposition import render
 from exporter.nvml_device import ProcessInfo
 from tests.conftest import parse_samples

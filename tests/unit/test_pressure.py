@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from exporter.collect import Absent, Context, Scraper
+from exporter.collect import Absent, Scraper
 from exporter.collectors.pressure import PressureCollector
+from exporter.context import Context
 from exporter.exposition import render
 from tests.conftest import parse_samples
 

@@ -14,7 +14,7 @@ import threading
 import time
 
 from exporter import procstat
-from exporter.collect import GpuProcesses
+from exporter.context import GpuProcesses
 from exporter.engines import placement
 from exporter.engines import spool as spool_source
 from gpuio import spool as spool_format
