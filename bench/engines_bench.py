@@ -395,7 +395,7 @@ def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[dict[str, list[
         scrape()
         runs = {"changed": timed(scrape, repeats, tick), "unchanged": timed(scrape, repeats)}
         fresh = spool_source.SpoolReader(directory, remove_dead=False).read()
-        ours = collector.reader.read()
+        ours = collector.service.reader.read()
         if (ours.engines, ours.per_gpu, ours.processes) != (fresh.engines, fresh.per_gpu, fresh.processes):
             raise SystemExit("the collector's totals differ from a fresh reader's")
         return runs, fold

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from .hosttext import visible
 
 if TYPE_CHECKING:
-    from .collectors.engines import EnginesCollector, FileView
+    from .engines.files import FileView
     from .engines.model import Totals
+    from .engines.service import EngineService
 
 # The exporter's JSON API of these rows (remote.ENGINES_API_PATH, which the client joins to a node's URL).
 ENGINES_API = "/api/v1/engines"
@@ -53,22 +54,25 @@ def engine_rows(spool_dir: str, globs: Sequence[str], procfs: str = "/proc", sys
 
     The spools in pods' emptyDir volumes under ``pods_dir`` (the kubelet's pods directory) are read
     too, as the exporter reads them: found by one scan, now."""
-    from .collectors.engines import EnginesCollector
+    from .collectors.engines import OPTIONS
     from .context import Context
+    from .engines.service import EngineService
+    from .options import with_defaults
 
-    options = {"spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
-               "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None,
-               "kubelet-pods-dir": pods_dir}
-    collector = EnginesCollector(Context(procfs, sysfs, rootfs), options, read_only=True)
-    collector.find_pod_spools_now()  # the pods' spools (none off a Kubernetes node)
-    collector.collect()  # learns the files processes report
-    files = collector.engine_files_now()
-    totals = collector.spool_totals()
+    settings = with_defaults(OPTIONS, {
+        "spool-dir": spool_dir, "path": tuple(globs), "max-engines": 10_000, "max-files": 10_000,
+        "residency-interval": 3600.0, "path-include": tuple(path_include) if path_include else None,
+        "kubelet-pods-dir": pods_dir})
+    service = EngineService(Context(procfs, sysfs, rootfs), settings, read_only=True)
+    service.find_pod_spools_now()  # the pods' spools (none off a Kubernetes node)
+    service.snapshot()  # learns the files processes report
+    files = service.files_now()
+    totals = service.totals_now()
     for _ in range(MAX_LISTING_READS):  # asked once: the whole of a directory too big for one read
         if not totals.unfinished_listings:
             break
-        totals = collector.spool_totals()
-    join = EngineJoin(collector, totals, files)
+        totals = service.totals_now()
+    join = EngineJoin(service, totals, files)
     return join.rows(join.engines())
 
 
@@ -87,19 +91,19 @@ class EngineJoin:
     """The join behind ``gpuio engines`` and the exporter's /api/v1/engines: each engine's spool figures
     with its files (size, residency, device), the disks and mount under them, its GPUs and pods.
 
-    ``collector`` is an engines collector (a read-only one of ``gpuio engines``, or the exporter's own,
-    held by its caller alone); ``files`` its last scan of engine files.  ``look_up``: devices are looked
+    ``service`` is an engine service (a read-only one of ``gpuio engines``, or the exporter's own engines
+    collector's, held by its caller alone); ``files`` its last scan of engine files.  ``look_up``: devices are looked
     up now (a one-shot tool), else taken from what the exporter's scrapes learned within their budget (the
     API: st_dev numbers are what spool writers report, so a request must not make a look-up per row).
-    Mounts come from the host's table the collector reads (``Context.host_mounts``), as /metrics' do."""
+    Mounts come from the host's table the service reads (``Context.host_mounts``), as /metrics' do."""
 
-    def __init__(self, collector: EnginesCollector, totals: Totals,
+    def __init__(self, service: EngineService, totals: Totals,
                  files: Mapping[tuple[str, str], FileView], look_up: bool = True) -> None:
-        self.collector = collector
+        self.service = service
         self.look_up = look_up
         self.totals = totals
         self.files = files
-        self.mount_table = collector.context.host_mounts.table()  # one table for every row
+        self.mount_table = service.context.host_mounts.table()  # one table for every row
 
     def engines(self) -> list[str]:
         """Every engine known: reported through the spool or discovery, or only a file."""
@@ -118,7 +122,7 @@ class EngineJoin:
         row.update(self._engine_figures(engine))
         row.update(self._file_figures(engine, path))
         row.update(_last_load(self.totals.waterfalls.get(engine)))
-        row["predicted_cold_start_seconds"] = self.collector.predicted_cold_start(self.totals, engine)
+        row["predicted_cold_start_seconds"] = self.service.predicted_cold_start(self.totals, engine)
         return row
 
     def _engine_figures(self, engine: str) -> dict[str, Any]:
@@ -169,7 +173,7 @@ class EngineJoin:
         infos = self.totals.infos.get(engine, [])
         info = next((i for i in infos if i.path == path), None)
         dev = info.dev if info is not None else view.dev if view is not None else None
-        device, disks = self.collector.device_of(dev, self.look_up) if dev else ("", [])
+        device, disks = self.service.device_of(dev, self.look_up) if dev else ("", [])
         mount = self.mount_table.of_file(dev, path) if dev and dev != (0, 0) and path else None
         return {
             "path": path,

@@ -22,7 +22,7 @@ Bounded: at most ``max-engines`` engines, 64 layers, 32 error reasons and 16 inf
 
 Which engines are shown when there are more than the cap (:func:`fair_share`): the slots are shared
 among the *tenants* that report engines -- each pod (by the kubelet's pod UID where its spool is in the
-pod's own volume), else each live writer process (see :meth:`.engine_selection.EngineSelection._tenants`) -- in rounds:
+pod's own volume), else each live writer process (see :meth:`exporter.engines.selection.EngineSelection._tenants`) -- in rounds:
 every tenant gets its best engine not shown yet, then its next best, and so on.  One process with 3,000
 busy engines beside one with a single engine gets 199 of 200 slots, never all.  A tenant's own engines
 are ranked so that junk cannot push out real ones: engines whose counters moved recently first, then
@@ -48,44 +48,21 @@ at most MAX_LAYER_WALKS walks and LAYER_PASS_SECONDS a pass); the scrape uses it
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import math
 import os
 import time
 from typing import Any
 
 from gpuio import spool as spool_format
 
-from .. import mounts
-from ..blockdev import DeviceAnswer
 from ..collect import Absent, Collector, Pending, StaleData, register
 from ..context import Context
-from ..engines import discovery, model, spool
+from ..engines import discovery, model
+from ..engines.files import MAX_INFOS, FileDevices, ScanResult, cached_figure
+from ..engines.service import MAX_PODS_PER_ENGINE, EngineService, EngineSnapshot, NoSource
 from ..exposition import COUNTER, GAUGE, HISTOGRAM, INFO, SUMMARY, Desc, Family, histogram_samples, label_string
-from ..logsetup import LogOnce
 from ..options import Option, parse_bool, parse_count, parse_seconds
 from ..pods import kubelet
-from ..sampler import PeriodicSampler, Snapshot
-
-# The engine files' facts and device look-ups, and which engines are shown, live in their own modules
-# (engine_files, engine_selection); the names tests and tools read are importable from here as before.
-from .engine_files import MAX_DEVICE_LOOKUPS as MAX_DEVICE_LOOKUPS
-from .engine_files import (
-    MAX_INFOS,
-    EngineFiles,
-    FileDevices,
-    FileView,
-    LayerKey,
-    ScanResult,
-    Target,
-    cached_figure,
-    glob_directory,
-)
-from .engine_selection import EngineSelection, LeftOut
-from .engine_selection import fair_share as fair_share
-
-log = logging.getLogger("gpuio.collector.engines")
+from ..sampler import Snapshot
 
 MAX_LAYERS = 64
 MAX_ERRORS = 32
@@ -198,7 +175,6 @@ ENGINE_MOUNT = Desc("gpuio_engine_mount_info", INFO,
                     "The mount holding an engine file as the host sees it (filesystem type and source; network and "
                     "FUSE mounts too): joins engines with gpuio_mount_info and gpuio_mountstats_*.",
                     labels=(*ENGINE, "path", "mountpoint", "fstype", "source"))
-MAX_GPUS_PER_ENGINE = 16
 PROCESSES = Desc("gpuio_engine_processes", GAUGE,
                  "Live processes serving the engine, by source: spool (reporting through the library) or proc "
                  "(found holding its file without the library: engine discovery).", labels=(*ENGINE, "source"),
@@ -336,10 +312,6 @@ DISCOVERY_DROPPED = Desc("gpuio_engine_discovery_dropped_total", COUNTER,
 DISCOVERY_UNRESPONSIVE = Desc("gpuio_engine_discovery_unresponsive_mounts", GAUGE,
                               "Network or FUSE mounts whose stat did not answer discovery in time: their files are "
                               "not looked at for a minute (a dead NFS server or FUSE daemon).")
-# Discovery is stuck (the collector stale) when no pass has ended for this many intervals, and this long.
-DISCOVERY_STUCK_INTERVALS = 10
-DISCOVERY_STUCK_SECONDS = 60.0
-MAX_PODS_PER_ENGINE = 64
 DROPPED = Desc("gpuio_engine_dropped_series_total", COUNTER,
                "Engines, layers, error reasons, info series and files left out by the exporter's caps, by kind "
                "(counted each time one is left out that was not left out at the scrape before).", labels=("kind",),
@@ -400,187 +372,51 @@ class EnginesCollector(Collector):
 
     def __init__(self, context: Context, options: dict[str, Any], read_only: bool = False) -> None:
         super().__init__(context, options)
-        self.spool_dir: str = self.settings["spool-dir"]
-        self.max_engines: int = self.settings["max-engines"]
         self.histogram_descs = served_histograms(self.settings["histogram-buckets"])
-        self._writer_gpus = spool.WriterGpus(context.gpu_processes.get, context.procfs,
-                                             gpus_of_process=context.gpu_processes.gpus_of,
-                                             ordered=context.gpu_processes.ordered)
-        self.reader = spool.SpoolReader(self.spool_dir, max_folded_engines=self.max_engines * 4,
-                                      remove_dead=not read_only,
-                                      gpu_of=self._writer_gpus,
-                                      max_file_bytes=self.settings["max-file-bytes"],
-                                      procfs=context.procfs, place_of=self._writer_gpus.placed)
-        self._started = False  # start() called: the samplers run on their threads
-        self._started_at = 0.0  # wall clock: when start() was called
-        globs: tuple[str, ...] = self.settings["path"]
-        path_include = tuple(self.settings["path-include"]) + tuple(glob_directory(g) for g in globs)
-        self._left_out: dict[str, LeftOut] = {kind: LeftOut() for kind in ("engine", "error", "info", "layer",
-                                                                            "engine_gpu", "pod")}
-        self.files = EngineFiles(context, globs, self.settings["max-files"], path_include,
-                                 self.settings["residency-interval"], self._left_out["info"],
-                                 background=lambda: self._started)
-        self.selection = EngineSelection(self.max_engines, self._left_out["engine"])
+        self.service = EngineService(context, self.settings, read_only)
         self._labels: dict[str, str] = {}  # of the engines shown now
         self._rendered: dict[str, tuple[list[float], list[list[str]]]] = {}
-        self._bad = LogOnce(log)
-        self.pods_dir: str = self.settings["kubelet-pods-dir"]
-        self.pod_volume: str = self.settings["pod-spool-volume"]
-        self.max_pod_spools: int = self.settings["max-pod-spools"]
-        self.pod_spools: PeriodicSampler[kubelet.Discovery] = PeriodicSampler(
-            "pod-spools", self.settings["pod-spool-interval"], self.find_pod_spools, log)
-        self.discovery: discovery.Discovery | None = None
-        self.discoveries: PeriodicSampler[discovery.Discovered] | None = None
-        if self.settings["discover"]:
-            self.discovery = discovery.Discovery(path_include,
-                                                 self.settings["discover-patterns"],
-                                                 context.procfs, context.sysfs,
-                                                 gpu_of=context.gpu_processes.get,
-                                                 gpu_processes=context.gpu_processes.processes,
-                                                 gpus_of=context.gpu_processes.gpus_of,
-                                                 memory_of=context.gpu_processes.memory_of,
-                                                 ordered_gpus=context.gpu_processes.ordered)
-            self.discoveries = PeriodicSampler("engine-discovery", self.settings["discover-interval"],
-                                               self.discovery.sample, log)
-
-    # --- what tests, bench and `gpuio engines` reach through the collector: the files' own ----------
-
-    @property
-    def scanner(self) -> PeriodicSampler[ScanResult]:
-        return self.files.scanner
-
-    @property
-    def layers(self) -> PeriodicSampler[dict[LayerKey, DeviceAnswer]]:
-        return self.files.layers
-
-    def scan_files(self) -> ScanResult:
-        return self.files.scan_files()
-
-    def resolve_layers(self) -> dict[LayerKey, DeviceAnswer]:
-        return self.files.resolve_layers()
-
-    def device_from_writer(self, mount: model.WriterMount | None,
-                           table: dict[int, mounts.MountPoint] | None = None) -> tuple[str, list[str]]:
-        return self.files.device_from_writer(mount, table)
-
-    def device_of(self, dev: tuple[int, int], look_up: bool = True) -> tuple[str, list[str]]:
-        return self.files.device_of(dev, look_up)
-
-    def _samplers(self) -> list[PeriodicSampler[Any]]:
-        return [self.scanner, self.pod_spools, self.layers, *([self.discoveries] if self.discoveries else [])]
 
     def start(self) -> None:
-        self._started = True
-        self._started_at = time.time()
-        for sampler in self._samplers():
-            sampler.start()
+        self.service.start()
 
     def stop(self) -> None:
-        for sampler in self._samplers():
-            sampler.stop()
+        self.service.stop()
 
-    def find_pod_spools(self) -> kubelet.Discovery:
-        """Scan the kubelet's pods directory and hand what it holds to the spool reader (background)."""
-        found = kubelet.find_spools(self.pods_dir, self.pod_volume, self.max_pod_spools)
-        if found.error:
-            self._bad.warning("cannot read the kubelet's pods directory: inference pods' emptyDir spools are "
-                              "not found (docs/deploy.md, Pods)", found.error, path=self.pods_dir)
-        if found.directories != self.reader.pod_directories:
-            log.info("pod spool directories", extra={"found": len(found.directories), "pods": found.pods})
-        self.reader.set_pod_directories(found.directories)
-        return found
-
-    # --- for gpuio engines: the same reads, on demand -------------------------------------------
-
-    def find_pod_spools_now(self) -> kubelet.Discovery | None:
-        """Scan the kubelet's pods directory on this thread (the scrapes after it read what it found)."""
-        return self.pod_spools.sample_now().value
-
-    def spool_totals(self) -> model.Totals:
-        """The spool merged now (a read_only collector leaves exited writers' files in place), with the
-        engines discovery's last pass found."""
-        return self._with_discovered(self.reader.read())
-
-    def engine_files_now(self) -> dict[tuple[str, str], FileView]:
-        """Every engine file known now, (engine, path) -> its size, residency and device: a scan run
-        on this thread, not the background one's last."""
-        scan = self.files.scanner.sample_now().value
-        return dict(scan.files) if scan is not None else {}
-
-    # --- the scrape ----------------------------------------------------------------------------
+    # --- the scrape: the service's snapshot, rendered ------------------------------------------
 
     def collect(self) -> list[Family]:
-        pods = self.pod_spools.snapshot().value
-        # On a kubelet's node the pods' volumes are a source even while no pod has a spool volume.
-        has_spool = os.path.isdir(self.spool_dir) or (pods is not None and pods.exists)
-        if not has_spool and not self.files.globs and self.discoveries is None:
-            raise Absent(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
-                         "report (and neither --collector.engines.path nor discovery is on)")
-        totals = self.reader.read() if has_spool else model.Totals()
-        totals = self._with_discovered(totals)
-        if totals.pods:  # the pods of writers, for the nvml collector's process series
-            self.context.pods.update_writer_pods((pod.pod_uid, pod.namespace, pod.pod)
-                                                 for found in totals.pods.values() for pod in found)
-        chosen = self._select(totals)  # in the order chosen: each tenant's first engines first
-        engines = sorted(chosen)
+        try:
+            snapshot = self.service.snapshot()
+        except NoSource as absent:
+            raise Absent(str(absent)) from None
+        totals, engines = snapshot.totals, snapshot.engines
+        self._labels = {name: self._labels.get(name) or label_string({"engine": name}) for name in snapshot.chosen}
         families = self._engine_families(totals, engines)
-        pairs = self._engine_gpus(totals, engines)
-        files = self.files.file_devices(totals, chosen, pairs)
-        families += _per_gpu_families(totals, pairs, self.histogram_descs)
-        families += self._info_families(totals, engines, files)
-        families += self._load_families(totals, files, pairs)
-        families += _file_families(totals, self.files.last_scan())
+        families += _per_gpu_families(totals, snapshot.pairs, self.histogram_descs)
+        families += self._info_families(totals, engines, snapshot.files)
+        families += self._load_families(totals, snapshot.files, snapshot.pairs)
+        families += _file_families(totals, snapshot.scan)
         families += self._waterfall_families(totals, engines)
-        families += self._pod_families(totals, pairs)
-        for left_out in self._left_out.values():
-            left_out.commit()
+        families += self._pod_families(totals, snapshot)
+        self.service.commit_left_out()
         families += self._spool_families(totals)
-        families += _discovery_families(self.discoveries.snapshot() if self.discoveries is not None else None)
-        stuck = self._discovery_stuck()
-        if stuck:
-            raise StaleData(stuck, families)
-        if self.files.scanner.first_pending():
+        families += _discovery_families(snapshot.discovered)
+        if snapshot.stuck:
+            raise StaleData(snapshot.stuck, families)
+        if snapshot.pending:
             raise Pending("the first scan of engine files (size, residency, device) is still running", families)
         return families
 
-    def _with_discovered(self, totals: model.Totals) -> model.Totals:
-        """The spool's totals and the last discovery pass's, as one (exporter.engines.discovery).  Discovery is told
-        which spool files the reader reads: their processes report through the library, never twice."""
-        if self.discovery is None or self.discoveries is None:
-            return totals
-        self.discovery.library_files = self.reader.live_file_ids()
-        if not self._started:
-            self.discoveries.sample_now()
-        found = self.discoveries.snapshot().value
-        if found is None:
-            return totals
-        pods = self.context.pods
-        pods.set_discovered_pods(pod.pod_uid for found_pods in found.totals.pods.values() for pod in found_pods)
-        named = {key: {self._named(pod, key[1]) for pod in found_pods} for key, found_pods in found.totals.pods.items()}
-        return model.combined(totals, dataclasses.replace(found.totals, pods=named))
-
-    def _named(self, pod: model.PodIdentity, gpu_uuid: str) -> model.PodIdentity:
-        """A discovered process's pod (its UID, from its cgroup) with the names the kubelet gives it."""
-        names = self.context.pods.of_process(pod.pod_uid, gpu_uuid) if gpu_uuid else None
-        return model.PodIdentity(*names, pod_uid=pod.pod_uid) if names else pod
-
-    def _select(self, totals: model.Totals) -> list[str]:
-        """The engines shown (engine_selection), in the order chosen.  The reader is told which they are:
-        their folded totals are never forgotten."""
-        chosen = self.selection.select(totals)
-        self.reader.protected = self.selection.shown
-        self._labels = {name: self._labels.get(name) or label_string({"engine": name}) for name in chosen}
-        return chosen
-
     def _drop(self, kind: str, key: Any) -> None:
-        self._left_out[kind].add(key)
+        self.service.left_out[kind].add(key)
 
     @staticmethod
     def _sourced(engine: str, source: str) -> str:
         return label_string({"engine": engine, "source": source})
 
     def _label(self, engine: str) -> str:
-        """``engine="..."``, kept for the engines shown (see _select), made afresh for any other."""
+        """``engine="..."``, kept for the engines shown (see collect), made afresh for any other."""
         return self._labels.get(engine) or label_string({"engine": engine})
 
     def _engine_families(self, totals: model.Totals, engines: list[str]) -> list[Family]:
@@ -638,24 +474,6 @@ class EnginesCollector(Collector):
 
     # --- per engine and GPU; loads in progress -------------------------------------------------------
 
-    def _engine_gpus(self, totals: model.Totals, engines: list[str]) -> list[tuple[str, str]]:
-        """The (engine, GPU) pairs to serve: every GPU a process of the engine recorded, is loading on or
-        loaded it for, at most MAX_GPUS_PER_ENGINE per engine (GPU uuids come from writers: untrusted)."""
-        wanted = set(engines)
-        by_engine: dict[str, set[str]] = {}
-        loading = [(engine, uuid) for engine, uuid, _ in totals.loads]
-        loaded = [(engine, item.gpu_uuid) for engine, items in totals.infos.items() for item in items if item.gpu_uuid]
-        for engine, uuid in [*totals.per_gpu, *loading, *totals.abandoned, *loaded]:
-            if engine in wanted:
-                by_engine.setdefault(engine, set()).add(uuid)
-        pairs: list[tuple[str, str]] = []
-        for engine in engines:
-            uuids = sorted(by_engine.get(engine, ()))
-            for uuid in uuids[MAX_GPUS_PER_ENGINE:]:
-                self._drop("engine_gpu", (engine, uuid))
-            pairs.extend((engine, uuid) for uuid in uuids[:MAX_GPUS_PER_ENGINE])
-        return pairs
-
     def _load_families(self, totals: model.Totals, files: FileDevices, pairs: list[tuple[str, str]]) -> list[Family]:
         """Loads in progress per engine and GPU, per physical disk and per mount point; and each engine
         file's mount.  Every engine GPU, disk and mount point of an engine file is served, at 0 when
@@ -665,7 +483,7 @@ class EnginesCollector(Collector):
         per_mount: dict[str, list[float]] = {}
         mount_info: dict[str, None] = {}
         mount_table = self.context.host_mounts.table()  # one table for every file of this scrape
-        for engine, path, dev in self.files.shown_files(files):
+        for engine, path, dev in self.service.files.shown_files(files):
             for disk in files.disks(dev):
                 per_disk.setdefault(disk, [0.0, 0.0])
             mount = mount_table.of_file(dev, path)
@@ -706,12 +524,12 @@ class EnginesCollector(Collector):
         families.append(Family(ENGINE_MOUNT, list(mount_info)))
         return families
 
-    def _pod_families(self, totals: model.Totals, pairs: list[tuple[str, str]]) -> list[Family]:
+    def _pod_families(self, totals: model.Totals, snapshot: EngineSnapshot) -> list[Family]:
         """Which pods report each served (engine, GPU), at most MAX_PODS_PER_ENGINE per engine; and what
         the last scan of the kubelet's pods directory found."""
         lines: list[str] = []
         per_engine: dict[str, int] = {}
-        for engine, uuid in pairs:
+        for engine, uuid in snapshot.pairs:
             for pod in sorted(totals.pods.get((engine, uuid), ()), key=lambda p: (p.namespace, p.pod, p.container,
                                                                                    p.pod_uid)):
                 if per_engine.get(engine, 0) >= MAX_PODS_PER_ENGINE:
@@ -722,7 +540,7 @@ class EnginesCollector(Collector):
                     "engine": engine, "gpu_uuid": uuid, "namespace": pod.namespace, "pod": pod.pod,
                     "container": pod.container, "pod_uid": pod.pod_uid}), 1))
         families = [Family(ENGINE_POD, lines)]
-        scan = self.pod_spools.snapshot().value
+        scan = snapshot.pod_spools
         if scan is not None and scan.exists:  # off Kubernetes: not a word
             families += [Family(POD_SPOOLS, [POD_SPOOLS.sample("", len(scan.directories))]),
                          Family(POD_SPOOLS_SKIPPED, [POD_SPOOLS_SKIPPED.sample("", scan.left_out)]),
@@ -734,7 +552,6 @@ class EnginesCollector(Collector):
     def _info_families(self, totals: model.Totals, engines: list[str], files: FileDevices) -> list[Family]:
         info, physical = [], []
         seen: set[str] = set()
-        targets: dict[tuple[str, str], Target] = {}
         for engine in engines:
             for item in files.infos.get(engine, []):
                 device, disks = files.of(engine, item.dev)
@@ -751,11 +568,8 @@ class EnginesCollector(Collector):
                                                               "physical_device": disk}), 1)
                     if line not in physical:
                         physical.append(line)
-                targets[(engine, item.path)] = Target(engine, item.path, item.dev, item.ino,
-                                                      frozenset(totals.info_uids.get((engine, item.path), ())))
-        self.files.watch(targets)
         # Files only the globs name: the same join, with no GPU (no process has them loaded).
-        for view in self.files.from_globs():
+        for view in self.service.files.from_globs():
             if view.dev is None:
                 continue
             answer = files.numbers.get(view.dev)
@@ -773,7 +587,7 @@ class EnginesCollector(Collector):
         lines = []
         for engine in engines:
             pids = sorted({pid for pid, start in totals.writers.get(engine, ())
-                           if self._writer_gpus.same_process(pid, start)})
+                           if self.service.writer_gpus.same_process(pid, start)})
             lines += [PROCESS_INFO.sample(label_string({"engine": engine, "pid": str(pid)}), 1)
                       for pid in pids[:MAX_INFOS]]
         return lines
@@ -814,51 +628,16 @@ class EnginesCollector(Collector):
                 if values[slot["residency_method"]] > 0 and values[slot["file_bytes"]] > 0:
                     lines[LAST_START_CACHED].append(LAST_START_CACHED.sample(
                         labels, min(1.0, values[slot["cached_start_bytes"]] / values[slot["file_bytes"]])))
-            predicted = self.predicted_cold_start(totals, engine)
+            predicted = self.service.predicted_cold_start(totals, engine)
             if predicted is not None:
                 lines[PREDICTED].append(PREDICTED.sample(labels, predicted))
         return [Family(desc, samples) for desc, samples in lines.items()]
 
-    def predicted_cold_start(self, totals: model.Totals, engine: str) -> float | None:
-        """Bytes of the engine's file not cached now / cold-read throughput + mean deserialize seconds
-        (docs/engines.md, "Predicted cold start"); None where a part is unknown."""
-        missing = self.files.bytes_not_cached(totals, engine)
-        throughput = cold_throughput(totals, engine)
-        values = totals.engines.get(engine)
-        if missing is None or throughput is None or values is None:
-            return None
-        deserialize = mean_observation(values, "load_deserialize_seconds")
-        predicted = missing / throughput + (deserialize or 0.0)
-        return predicted if math.isfinite(predicted) else None
-
-    # --- the sources themselves ----------------------------------------------------------------
-
-    def _discovery_stuck(self) -> str | None:
-        """Why discovery's passes have stopped finishing, or None: a pass has not ended for
-        DISCOVERY_STUCK_INTERVALS intervals (DISCOVERY_STUCK_SECONDS at least).  Passes never wait on a file
-        system (exporter.engines.descriptors), so this is a bug or a kernel that does not answer /proc: the
-        collector is ``stale`` (and GpuioCollectorFailing fires) while the spool's engines are still served."""
-        if self.discoveries is None or not self._started:
-            return None
-        snapshot = self.discoveries.snapshot()
-        since = snapshot.taken_at if snapshot.taken_at is not None else self._started_at
-        age = time.time() - since
-        allowed = max(DISCOVERY_STUCK_SECONDS, DISCOVERY_STUCK_INTERVALS * self.settings["discover-interval"])
-        if age <= allowed:
-            return None
-        return (f"engine discovery's last pass ended {age:.0f} s ago (one is due every "
-                f"{self.settings['discover-interval']:g} s): processes loading engines without the library are "
-                "not followed")
-
     def _spool_families(self, totals: model.Totals) -> list[Family]:
-        reader = self.reader
+        reader = self.service.reader
         errors = [SPOOL_ERRORS.sample(label_string({"reason": reason}), count)
                   for reason, count in sorted(reader.errors.items())]
-        counts = {kind: left_out.total for kind, left_out in self._left_out.items() if left_out.total}
-        if self.files.left_out.total:
-            counts["file"] = self.files.left_out.total
-        if reader.forgotten_engines:  # folded engines of exited processes forgotten past the reader's cap
-            counts["folded_engine"] = reader.forgotten_engines
+        counts = self.service.left_out_counts()
         dropped = [DROPPED.sample(label_string({"kind": kind}), count) for kind, count in sorted(counts.items())]
         return [
             Family(SPOOL_PROCESSES, [SPOOL_PROCESSES.sample("", totals.live_files)]),
@@ -938,37 +717,6 @@ def _discovery_families(snapshot: Snapshot[discovery.Discovered] | None) -> list
             Family(DISCOVERY_DROPPED, [DISCOVERY_DROPPED.sample(label_string({"kind": kind}), count)
                                        for kind, count in figures.dropped]),
             Family(DISCOVERY_UNRESPONSIVE, [DISCOVERY_UNRESPONSIVE.sample("", figures.unresponsive_mounts)])]
-
-
-def mean_observation(values: list[float], name: str) -> float | None:
-    """The exact mean of an ENGINE vector's histogram ``name`` (its sum over its count); None with no
-    observation.  Why not a quantile: the load buckets are coarse (1 s, then 2.5 s), and a median
-    interpolated inside them was off by 0.7 s for loads that all deserialized in about 1 s."""
-    first, sum_index, _ = spool_format.ENGINE_LAYOUT.histograms[name]
-    count = sum(values[first:sum_index])
-    return values[sum_index] / count if count > 0 else None
-
-
-def cold_throughput(totals: model.Totals, engine: str) -> float | None:
-    """Bytes per second of the engine's cold loads; else of every engine's cold loads from the same
-    st_dev (its file's filesystem)."""
-    slot = spool_format.WATERFALL
-
-    def rate(names: list[str]) -> float | None:
-        known = [totals.waterfalls[name] for name in names if name in totals.waterfalls]
-        moved = sum(values[slot["cold_device_bytes"]] for values in known)
-        seconds = sum(values[slot["cold_read_seconds"]] for values in known)
-        # Writers' figures: 5e-324 bytes in 1e10 s is legal and rounds to 0 bytes/s, a divisor.
-        throughput = moved / seconds if moved > 0 and seconds > 0 else 0.0
-        return throughput if 0.0 < throughput < math.inf else None
-
-    own = rate([engine])
-    if own is not None:
-        return own
-    devices = {info.dev for info in totals.infos.get(engine, []) if info.dev != (0, 0)}
-    if not devices:
-        return None
-    return rate([name for name, infos in totals.infos.items() if any(info.dev in devices for info in infos)])
 
 
 def _add_load(totals: list[float], count: float, age: float, read_bytes: float | None = None) -> None:

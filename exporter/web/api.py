@@ -4,8 +4,9 @@ So that the engineer without a shell on the node (``gpuio engines --url https://
 the one with a shell sees: each engine file with its spool figures, loads in progress, predicted cold
 start, and the disk, mount, GPU and pod behind it (docs/engines.md, "The JSON API").  The rows are
 :class:`exporter.engine_join.EngineJoin`'s, the same function ``gpuio engines`` prints, made from the
-exporter's own engines collector: its spool reader (a read, as a scrape reads) and its background
-scan of the engine files (the residency /metrics serves; no file is measured for a request).
+exporter's own engine service (exporter.engines.service, which its engines collector renders): the
+spool read once, as a scrape reads it, and the background scan's last answer for the engine files (the
+residency /metrics serves; no file is measured for a request).
 
 Served by FastAPI, which the server loads with the first request off its fast path, behind the same
 guard as /metrics (TLS, basic auth, configured headers: exporter/web/webconfig.py wraps the whole app).
@@ -39,8 +40,9 @@ from fastapi import APIRouter, FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from .. import __version__
-from ..collectors.engines import MAX_GPUS_PER_ENGINE, MAX_INFOS, MAX_PODS_PER_ENGINE
 from ..engine_join import ENGINES_API, EngineJoin, finite
+from ..engines.files import MAX_INFOS
+from ..engines.service import MAX_GPUS_PER_ENGINE, MAX_PODS_PER_ENGINE
 
 if TYPE_CHECKING:
     from ..collect import CollectorState, Scraper
@@ -150,17 +152,17 @@ class EnginesReport:
             state.lock.release()
 
     def _make(self, collector: EnginesCollector, state: CollectorState) -> dict[str, Any]:
-        scan = collector.scanner.snapshot()
-        join = EngineJoin(collector, collector.spool_totals(), dict(scan.value.files) if scan.value else {},
-                          look_up=False)
+        service = collector.service
+        scan = service.files.last_scan()
+        join = EngineJoin(service, service.totals_now(), dict(scan.files) if scan else {}, look_up=False)
         engines = join.engines()
-        shown = sorted(_ranked(join, engines)[:collector.max_engines])
+        shown = sorted(_ranked(join, engines)[:service.max_engines])
         rows, rows_left_out = _bounded_rows(join, shown)
         return {
             "engines": rows, "generated_at": time.time(),
-            "files_scanned_at": scan.value.finished if scan.value else None,
+            "files_scanned_at": scan.finished if scan else None,
             "collector_state": state.last_state, "collector_reason": state.last_error,
-            "max_engines": collector.max_engines, "engines_left_out": len(engines) - len(shown),
+            "max_engines": service.max_engines, "engines_left_out": len(engines) - len(shown),
             "rows_left_out": rows_left_out,
         }
 

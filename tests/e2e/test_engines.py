@@ -25,7 +25,7 @@ def test_promtool_check_metrics_is_clean(spool_dir, tmp_path) -> None:
     (tmp_path / "spool" / "gpuio-1-1-bad.spool").write_bytes(b"")
     target = collector(spool_dir, path=(str(tmp_path / "*.engine"),))
     target.collect()
-    target.scanner.sample_now()
+    target.service.files.scanner.sample_now()
     result = subprocess.run([PROMTOOL, "check", "metrics"], input=scrape(target), capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 

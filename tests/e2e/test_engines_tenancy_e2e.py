@@ -31,6 +31,7 @@ import pytest
 from exporter.blockdev import PathDevices
 from exporter.collectors import engines
 from exporter.context import Context
+from exporter.engines.files import MAX_DEVICE_LOOKUPS
 from exporter.exposition import render
 from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
@@ -237,7 +238,7 @@ def test_a_flood_of_device_numbers_costs_a_bounded_scrape_and_never_the_victims_
             # Before: 400 times each at the first scrape.
             assert mountinfo_reads <= 1 and sysfs_walks <= 1, (mountinfo_reads, sysfs_walks)
         # The budget of the first scrape went to the victim first, the rest of the junk came next scrape.
-        assert junk_with_device == [engines.MAX_DEVICE_LOOKUPS - 1] + [JUNK_WRITERS * JUNK_ENGINES] * 2
+        assert junk_with_device == [MAX_DEVICE_LOOKUPS - 1] + [JUNK_WRITERS * JUNK_ENGINES] * 2
     finally:
         work.stop()
         stop(victim)

@@ -31,7 +31,7 @@ def test_every_engine_file_names_its_mount_as_findmnt_sees_it(tmp_path) -> None:
         gpuio.load(str(loaded), bytes)
         target = engines_collector(str(spool), path=(str(models / "*.plan"),))
         target.collect()
-        target.scanner.sample_now()
+        target.service.files.scanner.sample_now()
         samples = parse_samples(render(target.collect()))
     finally:
         gpuio.close()

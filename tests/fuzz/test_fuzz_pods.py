@@ -195,7 +195,7 @@ def test_collector_over_a_pods_volume_of_corrupt_files(files: list[list[tuple]])
             handle.write(mutate(SEED, mutations))
     collector = EnginesCollector(Context(procfs=ROOT, sysfs=ROOT),
                                  {"spool-dir": os.path.join(ROOT, "none"), "kubelet-pods-dir": pods}, read_only=True)
-    collector.pod_spools.sample_now()
+    collector.service.pod_spools.sample_now()
     families = collector.collect()
     samples = [(sample.name, tuple(sorted(sample.labels.items())))
                for family in parse_openmetrics(render(families, openmetrics=True)) for sample in family.samples]

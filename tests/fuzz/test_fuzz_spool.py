@@ -139,7 +139,7 @@ def test_reader_and_collector_on_a_directory_of_corrupt_files(files: list[list[t
     assert all(not math.isnan(value) for value in text_samples.values())
     # Mutated files may parse and add to the pristine file's engine, never take from it: counters
     # (the monotonic slots) are at least the pristine file's, however the others were corrupted.
-    totals = collector.reader.read()
+    totals = collector.service.reader.read()
     for engine, values in PRISTINE.engines.items():
         merged = totals.engines[engine]
         prefix = spool.ENGINE_LAYOUT.monotonic_prefix

@@ -98,9 +98,9 @@ def main() -> int:
                                  {"spool-dir": spool, "path-include": (directory,), "residency-interval": 3600.0},
                                  read_only=True)
     collector.collect()  # learns the file from the spool
-    collector.engine_files_now()
-    totals = collector.spool_totals()
-    predicted = collector.predicted_cold_start(totals, "waterfall")
+    collector.service.files_now()
+    totals = collector.service.totals_now()
+    predicted = collector.service.predicted_cold_start(totals, "waterfall")
     # Cold loads of one file vary by a third from one to the next here (1.37-1.90 s on the H100 VM: the
     # read and deserialize both move), so the prediction is judged against the median of three.
     walls = []

@@ -126,7 +126,7 @@ def run(work: str) -> dict[str, Any]:
     # the model lies in a temporary directory: the exporter opens writer-named files only inside these
     collector = engines.EnginesCollector(Context(), {"spool-dir": spool, "path-include": (work,)})
     collector.collect()
-    collector.scanner.sample_now()
+    collector.service.files.scanner.sample_now()
     text = render(collector.collect())
     found = samples_of(text)
     engine = frozenset({("engine", "mlp")})

@@ -15,6 +15,7 @@ import time
 from exporter.collect import StaleData
 from exporter.collectors import engines
 from exporter.context import Context
+from exporter.engines import service
 
 
 def test_a_pass_that_never_ends_makes_the_collector_stale(tmp_path, monkeypatch) -> None:
@@ -30,7 +31,7 @@ def test_a_pass_that_never_ends_makes_the_collector_stale(tmp_path, monkeypatch)
     os.mkfifo(fifo)  # opening it for reading waits for a writer: for ever
     spool = tmp_path / "spool"
     spool.mkdir()
-    monkeypatch.setattr(engines, "DISCOVERY_STUCK_SECONDS", 0.3)
+    monkeypatch.setattr(service, "DISCOVERY_STUCK_SECONDS", 0.3)
     settings = {option.name: option.parse(option.default) if option.default is not None else None
                 for option in engines.EnginesCollector.options}
     settings.update({"spool-dir": str(spool), "discover": True, "discover-interval": 0.02,

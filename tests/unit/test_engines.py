@@ -164,7 +164,7 @@ def test_file_view_of_reported_and_globbed_files(spool_dir, tmp_path) -> None:
     os.close(fd)
     target = collector(spool_dir, path=(str(tmp_path / "models" / "*.plan"),), path_include=(str(tmp_path),))
     target.collect()  # learns the files the processes report
-    target.scanner.sample_now()  # what the background thread does every residency-interval
+    target.service.files.scanner.sample_now()  # what the background thread does every residency-interval
     samples = parse_samples(scrape(target))
     plan = str(tmp_path / "resnet50.engine")
     reported = frozenset({("engine", "resnet50"), ("path", plan)})
@@ -191,7 +191,7 @@ def test_a_file_the_exporter_sees_differently_is_not_measured(spool_dir, tmp_pat
                                           st.st_mtime_ns, 0.0, str(plan), "GPU-5a1e", "generic"))
     target = collector(spool_dir, path_include=(str(tmp_path),))
     target.collect()
-    target.scanner.sample_now()
+    target.service.files.scanner.sample_now()
     samples = parse_samples(scrape(target))
     assert not any(name == "gpuio_engine_file_size_bytes" for name, _ in samples)
     assert samples[("gpuio_engine_file_residency_unavailable", frozenset({("reason", "not_visible")}))] == 1
@@ -206,7 +206,7 @@ def test_every_engine_family_is_served_as_declared(spool_dir, tmp_path) -> None:
     target = collector(spool_dir, path=(str(tmp_path / "*.engine"),), max_engines=1)
     gpuio.engine("zz").inference_seconds.observe(0.1)  # over the cap: the dropped counter appears
     target.collect()
-    target.scanner.sample_now()
+    target.service.files.scanner.sample_now()
     text = scrape(target)
     assert len(set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))) >= 28
     assert undeclared(text) == []

@@ -23,7 +23,7 @@ from tests.conftest import engines_collector
 
 def report_of(spool: str, **options: object) -> api.EnginesReport:
     collector = engines_collector(spool, **options)
-    collector.scanner.sample_now()  # what the background scan would have found
+    collector.service.files.scanner.sample_now()  # what the background scan would have found
     return api.EnginesReport(Scraper([collector], 5.0, ""))
 
 
@@ -132,7 +132,7 @@ def test_devices_come_from_what_the_scrapes_learned_never_a_lookup_per_request(
     (row,) = answer(report)["engines"]  # its first answer scrapes once: the scrape learns the device
     monkeypatch.undo()
     collector = report.state.collector  # type: ignore[union-attr]
-    scan = collector.scanner.snapshot().value
-    looked_up_now = EngineJoin(collector, collector.spool_totals(), dict(scan.files)).rows(["m"])[0]
+    scan = collector.service.files.scanner.snapshot().value
+    looked_up_now = EngineJoin(collector.service, collector.service.totals_now(), dict(scan.files)).rows(["m"])[0]
     assert looked_up_now["device"]  # this machine's tmp directory is on a block device sysfs knows
     assert (row["device"], row["disks"]) == (looked_up_now["device"], looked_up_now["disks"])

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import pytest
 
 from exporter import mounts
-from exporter.collectors import engines
 from exporter.engines import model
+from exporter.engines.selection import fair_share
 from tests.conftest import engines_collector
 from tests.unit.test_load_waterfall import HungFilesystem
 
@@ -32,7 +32,7 @@ def test_one_tenant_with_thousands_of_engines_gets_its_share_not_every_slot() ->
     junk = [f"junk-{index:04d}" for index in range(3000)]
     ranked = [*junk, "victim"]  # the junk ranks first everywhere: busy, seen before
     tenants = {name: {"hostile"} for name in junk} | {"victim": {"victim-pod"}}
-    chosen = engines.fair_share(ranked, tenants, 200)
+    chosen = fair_share(ranked, tenants, 200)
     assert len(chosen) == 200 and "victim" in chosen[:2]  # served in the first round
     assert chosen[2:] == junk[1:199]  # within a tenant: its own ranking
 
@@ -40,16 +40,16 @@ def test_one_tenant_with_thousands_of_engines_gets_its_share_not_every_slot() ->
 def test_alone_a_tenant_gets_every_slot_and_leftovers_go_to_engines_nobody_reports() -> None:
     ranked = ["a", "b", "c", "folded-1", "folded-2"]
     tenants = {"a": {1}, "b": {1}, "c": {1}}  # folded-*: no live writer
-    assert engines.fair_share(ranked, tenants, 2) == ["a", "b"]
-    assert engines.fair_share(ranked, tenants, 4) == ["a", "b", "c", "folded-1"]
+    assert fair_share(ranked, tenants, 2) == ["a", "b"]
+    assert fair_share(ranked, tenants, 4) == ["a", "b", "c", "folded-1"]
 
 
 def test_an_engine_two_tenants_want_takes_one_slot_and_the_order_is_stable() -> None:
     ranked = ["shared", "x1", "x2", "y1", "y2"]
     tenants = {"shared": {"X", "Y"}, "x1": {"X"}, "x2": {"X"}, "y1": {"Y"}, "y2": {"Y"}}
-    first = engines.fair_share(ranked, tenants, 3)
+    first = fair_share(ranked, tenants, 3)
     assert first == ["shared", "y1", "x1"]  # Y's turn in round one went to its next engine
-    assert all(engines.fair_share(ranked, tenants, 3) == first for _ in range(5))
+    assert all(fair_share(ranked, tenants, 3) == first for _ in range(5))
 
 
 # --- walking a path a writer names -------------------------------------------------------------------
@@ -115,8 +115,9 @@ def test_a_layer_directory_the_writer_names_through_a_symlink_is_not_followed(di
     planted = os.path.join(disk_directory, "planted")
     os.symlink(target, planted)
     collector = engines_collector(tempfile.gettempdir())
-    assert collector.device_from_writer(model.WriterMount("/", "overlay", "overlay", target))[0]  # the disk
-    assert collector.device_from_writer(model.WriterMount("/", "overlay", "overlay", planted)) == ("", [])
+    files = collector.service.files
+    assert files.device_from_writer(model.WriterMount("/", "overlay", "overlay", target))[0]  # the disk
+    assert files.device_from_writer(model.WriterMount("/", "overlay", "overlay", planted)) == ("", [])
 
 
 def test_the_mount_holding_a_path_is_the_longest_mount_point_over_it_the_last_listed() -> None:

@@ -241,3 +241,30 @@ def test_readers_parsers_and_the_client_import_neither_the_framework_nor_the_web
     edges = graph()
     assert set(edges) >= READERS
     assert {(name, target) for name in READERS for target in edges[name] if target in ABOVE_READERS} == set()
+
+
+# The engine sources: constructed in one place, the engine service, which owns them and hands out
+# snapshots; the collector, ``gpuio engines`` and the JSON API render those snapshots.
+ENGINE_SOURCES = {"SpoolReader", "EngineFiles", "EngineSelection", "WriterGpus", "find_spools"}
+
+
+def _constructs_an_engine_source(path: str) -> set[str]:
+    with open(path, encoding="utf-8") as file:
+        tree = ast.parse(file.read())
+    made = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+        if name in ENGINE_SOURCES or (name == "Discovery" and owner == "discovery"):
+            made.add(name)
+    return made
+
+
+def test_the_engine_sources_have_one_owner_the_engine_service() -> None:
+    owners = {name for name, path in modules().items() if name.startswith("exporter.")
+              and path.endswith(".py") and _constructs_an_engine_source(path)}
+    assert owners == {"exporter.engines.service"}
+    assert _constructs_an_engine_source(modules()["exporter.engines.service"]) == ENGINE_SOURCES | {"Discovery"}

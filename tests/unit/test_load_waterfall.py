@@ -83,7 +83,7 @@ def test_exporter_serves_the_waterfall_and_prediction(model_file: str, spool: st
     evict(model_file)
     collector = engines_collector(spool, path_include=(os.path.dirname(model_file),))
     collector.collect()
-    collector.engine_files_now()
+    collector.service.files_now()
     text = "".join(line for family in collector.collect() for line in family.samples)
     assert 'gpuio_engine_loads_total{engine="served",class="cold"} 1' in text
     assert 'gpuio_engine_loads_total{engine="served",class="warm"} 1' in text
@@ -108,13 +108,13 @@ def test_prediction_adds_the_exact_mean_deserialize_time_not_a_bucket_median(mod
     evict(model_file)
     collector = engines_collector(spool, path_include=(os.path.dirname(model_file),))
     collector.collect()
-    collector.engine_files_now()
-    totals = collector.spool_totals()
+    collector.service.files_now()
+    totals = collector.service.totals_now()
     cold = totals.waterfalls["timed"]
     throughput = cold[spool_format.WATERFALL["cold_device_bytes"]] / cold[spool_format.WATERFALL["cold_read_seconds"]]
     deserialize = sum(w.phases["deserialize"] for w in loads if w is not None) / 2
     expected = os.path.getsize(model_file) / throughput + deserialize
-    assert collector.predicted_cold_start(totals, "timed") == pytest.approx(expected, rel=0.01)
+    assert collector.service.predicted_cold_start(totals, "timed") == pytest.approx(expected, rel=0.01)
 
 
 def test_torn_copy_keeps_the_last_good_load(model_file: str, spool: str) -> None:
@@ -166,11 +166,12 @@ def test_overlay_layer_resolves_to_the_disk_under_it(spool: str) -> None:
     st = os.stat(layer)
     expected = model.WriterMount("/", "overlay", "overlay", layer)
     collector = engines_collector(spool)
-    device, _ = collector.device_from_writer(expected)
+    device, _ = collector.service.files.device_from_writer(expected)
     assert device and os.path.exists(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
     assert os.path.basename(os.readlink(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")) == device
-    assert collector.device_from_writer(model.WriterMount("/", "overlay", "overlay", "/var/../etc")) == ("", [])
-    assert collector.device_from_writer(model.WriterMount("/models", "nfs4", "10.0.4.20:/x", "")) == ("", [])
+    files = collector.service.files
+    assert files.device_from_writer(model.WriterMount("/", "overlay", "overlay", "/var/../etc")) == ("", [])
+    assert files.device_from_writer(model.WriterMount("/models", "nfs4", "10.0.4.20:/x", "")) == ("", [])
 
 
 def test_writer_records_its_mount_in_the_spool(model_file: str, spool: str) -> None:

@@ -199,9 +199,9 @@ def test_every_collector_sees_the_same_table_after_a_change(tmp_path) -> None:
         samples = parse_samples(render(stats.collect()))
         return {dict(labels)["mountpoint"] for name, labels in samples if name == "gpuio_mount_info"}
 
-    assert network_mounts() == set() and files.device_of((0, 45)) == ("", [])
+    assert network_mounts() == set() and files.service.device_of((0, 45)) == ("", [])
     # A btrfs subvolume: an anonymous st_dev whose block device only the mount table names.
     host_procfs(tmp_path, ROOT + NFS + f"41 1 0:45 / /home rw - btrfs /dev/{disks[0]} rw\n")
     assert network_mounts() == {"/models"}
-    assert files.device_of((0, 45))[0] == disks[0]
+    assert files.service.device_of((0, 45))[0] == disks[0]
     assert context.host_mounts.table() is context.host_mounts.table()

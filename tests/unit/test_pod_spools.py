@@ -13,6 +13,7 @@ import pytest
 
 import gpuio
 from exporter.collect import Absent
+from exporter.engines.service import MAX_GPUS_PER_ENGINE
 from exporter.exposition import render
 from exporter.pods import kubelet
 from gpuio import spool as spool_format
@@ -68,7 +69,7 @@ def test_exporter_finds_a_pods_emptydir_spool(tmp_path, pod_env) -> None:
     model.write_bytes(b"x" * 4096)
     write_engine(spool, "detector", str(model))
     collector = engines_collector(str(tmp_path / "no-hostpath-spool"), kubelet_pods_dir=pods)
-    found = collector.pod_spools.sample_now().value
+    found = collector.service.pod_spools.sample_now().value
     assert found.directories == {spool: UID_A}
     text = scrape(collector)
     assert f'gpuio_engine_inference_seconds_count{{engine="detector",gpu_uuid="{GPU}"}} 1' in text
@@ -101,7 +102,7 @@ def test_symlinks_are_refused(tmp_path, pod_env) -> None:
     os.makedirs(os.path.join(pods, uid_c, "volumes", kubelet.EMPTY_DIR))
     os.symlink(other, os.path.join(pods, uid_c, "volumes", kubelet.EMPTY_DIR, "gpuio-spool"))
     collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods)
-    assert collector.pod_spools.sample_now().value.directories == {victim: UID_A, attacker: UID_B}
+    assert collector.service.pod_spools.sample_now().value.directories == {victim: UID_A, attacker: UID_B}
     text = scrape(collector)
     assert text.count("gpuio_engine_pod_info{") == 1 and f'pod_uid="{UID_A}"' in text
     assert f'pod_uid="{UID_B}"' not in text
@@ -113,7 +114,7 @@ def test_a_deleted_pod_folds_and_its_files_are_never_deleted(tmp_path, pod_env) 
     spool = pod_spool(pods, UID_A)
     write_engine(spool, "detector", __file__)
     collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods)
-    collector.pod_spools.sample_now()
+    collector.service.pod_spools.sample_now()
     assert "gpuio_engine_inference_seconds_count{" in scrape(collector)
     gpuio.close()  # the process exits: its lock goes, the exporter folds its file ...
     text = scrape(collector)
@@ -123,7 +124,7 @@ def test_a_deleted_pod_folds_and_its_files_are_never_deleted(tmp_path, pod_env) 
     for name in os.listdir(spool):
         os.unlink(os.path.join(spool, name))
     os.removedirs(spool)  # the pod is deleted, its volume with it
-    collector.pod_spools.sample_now()
+    collector.service.pod_spools.sample_now()
     text = scrape(collector)
     assert f'gpuio_engine_inference_seconds_count{{engine="detector",gpu_uuid="{GPU}"}} 1' in text  # no reset
 
@@ -135,14 +136,14 @@ def test_pods_scanned_are_capped(tmp_path, pod_env) -> None:
     for junk in ("not-a-uid", "..", "6f1c2d3e-4a5b-4c6d-8e7f-90a1b2c3d4eZ"):
         os.makedirs(os.path.join(pods, junk, "volumes", kubelet.EMPTY_DIR, "gpuio-spool"), exist_ok=True)
     collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods, max_pod_spools=1)
-    found = collector.pod_spools.sample_now().value
+    found = collector.service.pod_spools.sample_now().value
     assert len(found.directories) == 1 and found.left_out == 1
     assert "gpuio_engine_pod_spool_pods_skipped 1" in scrape(collector)
 
 
 def test_off_the_cluster_nothing_changes(tmp_path) -> None:
     collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=str(tmp_path / "no-kubelet"))
-    found = collector.pod_spools.sample_now().value
+    found = collector.service.pod_spools.sample_now().value
     assert not found.exists and found.directories == {}
     with pytest.raises(Absent) as absent:
         collector.collect()
@@ -197,11 +198,10 @@ def test_no_pod_record_without_a_pod_name_or_uid(tmp_path, monkeypatch) -> None:
 def test_an_engine_on_more_gpus_than_the_cap_is_counted_not_a_crash(tmp_path) -> None:
     """An engine reported on more GPUs than MAX_GPUS_PER_ENGINE (writers name GPUs: untrusted) has the
     rest counted as kind="engine_gpu"; the counter's kind had no slot, so the collector raised KeyError."""
-    from exporter.collectors import engines
     from gpuio.metrics import EngineMetrics
 
     files = []
-    for index in range(engines.MAX_GPUS_PER_ENGINE + 1):
+    for index in range(MAX_GPUS_PER_ENGINE + 1):
         file = spool_format.SpoolFile(str(tmp_path))
         metrics = EngineMetrics("wide", file)
         metrics._append_info(spool_format.pack_info(0, (0, 0), 0, 0, 0, 1.0, "/models/wide.engine",
@@ -231,7 +231,7 @@ def test_a_pod_filling_its_volume_with_files_cannot_crowd_out_the_others(tmp_pat
     victim = spool_format.SpoolFile(quiet)
     EngineMetrics("victim", victim).inference_seconds.observe(0.001)
     collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods)
-    collector.pod_spools.sample_now()
+    collector.service.pod_spools.sample_now()
     text = scrape(collector)
     assert 'gpuio_engine_inference_seconds_count{engine="victim",gpu_uuid=""} 1' in text
     assert 'gpuio_engine_inference_seconds_count{engine="crowd",gpu_uuid=""} 5' in text
@@ -255,17 +255,17 @@ def test_a_pod_left_out_by_the_scan_cap_for_a_while_is_not_counted_twice(tmp_pat
     write_engine(spool, "detector", __file__)
     collector = engines_collector(str(tmp_path / "none"), kubelet_pods_dir=pods, max_pod_spools=1)
     line = f'gpuio_engine_inference_seconds_count{{engine="detector",gpu_uuid="{GPU}"}} 1'
-    collector.pod_spools.sample_now()
+    collector.service.pod_spools.sample_now()
     assert line in scrape(collector)
     pod_spool(pods, UID_B)  # sorts before UID_A: now the one pod looked at
-    assert collector.pod_spools.sample_now().value.directories == {
+    assert collector.service.pod_spools.sample_now().value.directories == {
         os.path.join(pods, UID_B, "volumes", kubelet.EMPTY_DIR, "gpuio-spool"): UID_B}
     assert line in scrape(collector)
     for root, directories, _ in os.walk(os.path.join(pods, UID_B), topdown=False):
         for directory in directories:
             os.rmdir(os.path.join(root, directory))
     os.rmdir(os.path.join(pods, UID_B))  # that pod is gone: UID_A is looked at again
-    collector.pod_spools.sample_now()
+    collector.service.pod_spools.sample_now()
     assert line in scrape(collector)
     assert "vanished" not in scrape(collector)
 

@@ -168,7 +168,7 @@ def test_one_engine_named_with_thousands_of_paths_has_bounded_info_series(spool_
         files.append(file)
     target = collector(spool_dir)
     samples = parse_samples(_render(target))
-    while getattr(target.reader, "deferred_files", 0):  # 3,000 files take more than one scrape's read budget
+    while getattr(target.service.reader, "deferred_files", 0):  # 3,000 files take more than one scrape's read budget
         samples = parse_samples(_render(target))
     infos = [labels for name, labels in samples if name == "gpuio_engine_info"]
     cap = getattr(engines, "MAX_INFOS", 16)

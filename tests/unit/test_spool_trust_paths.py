@@ -128,7 +128,7 @@ def test_a_writer_cannot_make_the_exporter_open_what_it_names(hostile) -> None:
     watch = OpenWatch([paths[name] for name in ("fifo", "tty", "link", "secret")])
     try:
         collector.collect()  # learns the files the writer names
-        collector.scanner.sample_now()  # the background scan: stat and residency
+        collector.service.files.scanner.sample_now()  # the background scan: stat and residency
         samples = parse_samples(render(collector.collect()))
         opened = watch.opened()
     finally:

@@ -30,10 +30,10 @@ from .. import mounts
 from ..abandonable import Abandonable, Unresponsive
 from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
 from ..context import Context
-from ..engines import model
 from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..sampler import PeriodicSampler
-from .engine_selection import LeftOut
+from . import model
+from .selection import LeftOut
 
 log = logging.getLogger("gpuio.collector.engines")  # the collector's logger: its log lines are unchanged
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from gpuio import spool as spool_format
 
-from ..engines import model
+from . import model
 
 ACTIVE_SECONDS = 600.0  # an engine whose counters moved this recently ranks as active for the cap
 
