@@ -1,5 +1,8 @@
 """Engines: what inference processes report through the spool, and what the exporter sees of engine files.
 
+This collector renders the engine service's snapshots (:mod:`exporter.engines.service`, which owns the
+sources below and reads them); what follows is what the series mean and how they are bounded.
+
 Two sources (docs/engines.md):
 
 * the spool directory (``--collector.engines.spool-dir``): per-engine load, inference, pool and layer
@@ -20,9 +23,10 @@ Bounded: at most ``max-engines`` engines, 64 layers, 32 error reasons and 16 inf
 ``max-files`` files from globs; what does not fit is counted in
 ``gpuio_engine_dropped_series_total{kind}`` each time something shown is left out.
 
-Which engines are shown when there are more than the cap (:func:`fair_share`): the slots are shared
-among the *tenants* that report engines -- each pod (by the kubelet's pod UID where its spool is in the
-pod's own volume), else each live writer process (see :meth:`exporter.engines.selection.EngineSelection._tenants`) -- in rounds:
+Which engines are shown when there are more than the cap (:func:`exporter.engines.selection.fair_share`):
+the slots are shared among the *tenants* that report engines -- each pod (by the kubelet's pod UID where
+its spool is in the pod's own volume), else each live writer process (see
+:meth:`exporter.engines.selection.EngineSelection._tenants`) -- in rounds:
 every tenant gets its best engine not shown yet, then its next best, and so on.  One process with 3,000
 busy engines beside one with a single engine gets 199 of 200 slots, never all.  A tenant's own engines
 are ranked so that junk cannot push out real ones: engines whose counters moved recently first, then
