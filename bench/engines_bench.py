@@ -447,7 +447,7 @@ def report_scrapes(repeats: int) -> None:
 
 
 def report_residency(gib: float, directory: str) -> None:
-    from exporter import pagecache
+    from exporter.host import pagecache
 
     size = int(gib * (1 << 30))
     free = shutil.disk_usage(directory).free
@@ -706,9 +706,9 @@ sys.stdin.read()
 
 
 def report_maps(repeats: int) -> None:
-    from exporter import procstat
     from exporter.engines import mappings
     from exporter.engines.discovery import Discovery
+    from exporter.host import procstat
 
     directory = tempfile.mkdtemp(prefix="gpuio-maps-")
     paths = []
@@ -948,8 +948,8 @@ def hostile_discovery(directory: str, hostile: bool, passes: int, running: list[
     the next pass; passes until its rotation came round; the other half start, and the next pass; then
     ``passes`` steady ones; then a new Discovery's first pass over all of it (an exporter started while the
     attack runs).  The processes started are appended to ``running`` (left running for the exporter's turn)."""
-    from exporter import procstat
     from exporter.engines.discovery import Discovery
+    from exporter.host import procstat
 
     uid = NOBODY if os.getuid() == 0 else os.getuid()
     on_gpu: list[tuple[int, int]] = []

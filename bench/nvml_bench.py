@@ -35,7 +35,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, os.environ.get
 from exporter.collectors import nvml as NVML  # noqa: E402
 from exporter.context import Context  # noqa: E402  (after the path is set)
 from exporter.exposition import render  # noqa: E402
-from exporter.nvml_device import GPU_UTILIZATION_SAMPLES, NVMLError, PyNvml  # noqa: E402
+from exporter.host.nvml_device import GPU_UTILIZATION_SAMPLES, NVMLError, PyNvml  # noqa: E402
 from tests.gpu.gpu_checks import COMPARISONS  # noqa: E402
 
 

@@ -149,15 +149,15 @@ def tools_main(argv: Sequence[str] | None = None) -> None:
             scraper.stop()
         return
     if args[0] == "top":
-        from .top import main as top_main
+        from .tools.top import main as top_main
 
         raise SystemExit(top_main(args[1:]))
     if args[0] == "engines":
-        from .engines_cli import engines_main
+        from .tools.engines_cli import engines_main
 
         raise SystemExit(engines_main(args[1:]))
     if args[0] == "warm":
-        from .warm_cli import warm_main
+        from .tools.warm_cli import warm_main
 
         raise SystemExit(warm_main(args[1:]))
     if args[0] == "generate":

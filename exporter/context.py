@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .mounts import MountTableWatch
+from .host.mounts import MountTableWatch
 from .pods.attribution import PodAttribution
 
 

@@ -1,7 +1,7 @@
 """The engine join: each engine's spool figures with its files (size, residency, device), the disks and
 mount under them, its GPUs and pods -- the rows ``gpuio engines`` prints and ``GET /api/v1/engines`` serves.
 
-One home for both, below them: the CLI (exporter/engines_cli.py) and the API (exporter/web/api.py) render
+One home for both, below them: the CLI (exporter/tools/engines_cli.py) and the API (exporter/web/api.py) render
 these rows, and neither imports the other.
 """
 
@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .hosttext import visible
+from .host.hosttext import visible
 
 if TYPE_CHECKING:
     from .engines.files import FileView

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import resource
 
-from . import procstat
 from .exposition import COUNTER, GAUGE, Desc, Family
-from .procstat import START_TIME, stat_fields
+from .host import procstat
+from .host.procstat import START_TIME, stat_fields
 
 CPU = Desc("process_cpu_seconds_total", COUNTER, "Total user and system CPU time spent in seconds.", unit="seconds")
 RSS = Desc("process_resident_memory_bytes", GAUGE, "Resident memory size in bytes.", unit="bytes")

@@ -6,7 +6,7 @@ per device, the cgroups that do the most IO and the cgroups that stall most on I
 container (:func:`exporter.pods.cgroup.judge_path`: believed only in the kubelet's shape and where root owns
 the pod's directory and all above it, never in a tenant's delegated subtree; a claim refused is counted as
 kind="untrusted_pod") or its systemd service.  What is read, which cgroups are ranked and the bounds of the
-walk: :mod:`exporter.cgroups`.
+walk: :mod:`exporter.host.cgroups`.
 
 **Off the scrape path.**  A PeriodicSampler walks the tree every ``--collector.cgroup_io.interval`` (10 s)
 and renders the families there; a scrape serves the last walk's.  Values are up to one interval old
@@ -53,12 +53,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import cgroups
-from ..blockdev import device_by_number
-from ..cgroups import DeviceIo, Pressure, Walk
 from ..collect import Absent, Collector, Failing, Pending, StaleData, register
 from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..host import cgroups
+from ..host.blockdev import device_by_number
+from ..host.cgroups import DeviceIo, Pressure, Walk
 from ..logsetup import LogOnce
 from ..options import Option, parse_count, parse_seconds
 from ..pods.cgroup import PodRef, judge_path

@@ -20,11 +20,11 @@ import re
 import time
 from typing import Any
 
-from ..blockdev import BlockDevices
 from ..collect import Collector, MalformedSource, register
 from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
-from ..lines import BadLine
+from ..host.blockdev import BlockDevices
+from ..host.lines import BadLine
 from ..logsetup import LogOnce
 from ..options import ConfigError, Option, parse_regex
 

@@ -34,18 +34,18 @@ those with live writers, then any with observations, then those shown before (no
 equals).  Engines no live process reports (folded totals of exited ones) get the slots left over.
 
 Devices, bounded per scrape whatever the writers name (each names any st_dev it likes): the st_dev ->
-block device look-ups (:class:`exporter.blockdev.DeviceNumbers`) share one mount table (the host's,
+block device look-ups (:class:`exporter.host.blockdev.DeviceNumbers`) share one mount table (the host's,
 ``Context.host_mounts``, which the mount of each engine file and the mountstats collector read too) and
 one sysfs index, at most MAX_DEVICE_LOOKUPS a scrape, in the order the engines were chosen (each tenant's first
 engines first: a flood waits behind them, its info series show ``device=""`` until their turn), and
 only the answers of what is shown are kept: one writer cannot flush another's.
 
-Engine files named by writers are opened only through :func:`exporter.pagecache.open_claimed`: inside
+Engine files named by writers are opened only through :func:`exporter.host.pagecache.open_claimed`: inside
 ``--collector.engines.path-include`` (and the ``--collector.engines.path`` directories), the very
 inode the writer reported, a regular file one of the writers could read, no symlink, under
 ``--path.rootfs``.  A path a writer names in its MOUNT record (an overlay layer directory, a /dev
 source) is never followed by name: it is walked under ``--path.rootfs`` by
-:func:`exporter.mounts.open_without_waiting` (no symlink, no component on a network, FUSE or automount
+:func:`exporter.host.mounts.open_without_waiting` (no symlink, no component on a network, FUSE or automount
 file system, judged before it is asked anything), in a background sampler of its own (``layers``,
 at most MAX_LAYER_WALKS walks and LAYER_PASS_SECONDS a pass); the scrape uses its last answers.
 """

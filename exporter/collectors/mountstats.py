@@ -16,7 +16,7 @@ names the mount point of each engine file).  The kernel writes the file in fs/nf
   cumulative queue, response (round trip) and request (execute) times in milliseconds, and since
   Linux 5.x the errors.
 
-Which mount namespace: ``<procfs>/1/mountinfo`` (the host's, see :mod:`exporter.mounts`) where it
+Which mount namespace: ``<procfs>/1/mountinfo`` (the host's, see :mod:`exporter.host.mounts`) where it
 can be read, else ``self``; and the mountstats file of the same process.  /proc/<pid>/mountstats is
 mode 0400 (only root, or CAP_DAC_READ_SEARCH, reads init's): where init's is refused, the exporter's
 own is read instead, which shows the host's NFS mounts when the exporter shares the host's mount
@@ -38,13 +38,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import mounts
 from ..collect import Absent, Collector, register
 from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
-from ..lines import BadLine
+from ..host import mounts
+from ..host.lines import BadLine
+from ..host.procstat import whole_number
 from ..options import Option, parse_count
-from ..procstat import whole_number
 
 log = logging.getLogger("gpuio.collector.mountstats")
 

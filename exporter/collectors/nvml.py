@@ -38,7 +38,7 @@ The peers are dcgm-exporter and nvidia_gpu_exporter; this module answers their u
 - Label sets are bounded: processes per GPU (``--collector.nvml.max-processes``, largest memory first,
   ``gpuio_gpu_processes_dropped_total`` counts those left out), Xid codes per GPU (MAX_XID_CODES).
 
-The hardware sits behind :class:`exporter.nvml_device.Nvml`; tests run this module on a fake of it.
+The hardware sits behind :class:`exporter.host.nvml_device.Nvml`; tests run this module on a fake of it.
 This module declares the families, reads the GPUs and renders; the NVML session's lifecycle is in
 ``nvml_session``, the Xid listener in ``nvml_xid``, what is kept of each GPU in ``nvml_state``.
 """
@@ -54,14 +54,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import nvml_device as nv
-from .. import procstat
-from ..abandonable import Unresponsive, proc_reads
 from ..collect import Absent, Collector, Pending, StaleData, register
 from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..host import nvml_device as nv
+from ..host import procstat
+from ..host.abandonable import Unresponsive, proc_reads
+from ..host.nvml_device import Nvml, NVMLError, error_code
 from ..logsetup import LogOnce
-from ..nvml_device import Nvml, NVMLError, error_code
 from ..options import Option, parse_count, parse_seconds
 from ..pods import cgroup
 from ..sampler import PeriodicSampler, Snapshot

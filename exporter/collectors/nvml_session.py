@@ -16,9 +16,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .. import nvml_device as nv
+from ..host import nvml_device as nv
+from ..host.nvml_device import Nvml, NVMLError, error_code, error_name
 from ..logsetup import LogOnce, fields
-from ..nvml_device import Nvml, NVMLError, error_code, error_name
 from .nvml_state import Gpu
 from .nvml_xid import XID_WAIT_MS, XidListener
 

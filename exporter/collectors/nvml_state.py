@@ -10,8 +10,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import nvml_device as nv
 from ..exposition import Desc, label_string
+from ..host import nvml_device as nv
 from ..pods import cgroup
 
 MAX_SAMPLE_PERIOD_US = 1_100_000  # NVML samples utilisation every 1/6 s to 1 s, by product (+10 % jitter)

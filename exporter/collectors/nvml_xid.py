@@ -8,9 +8,9 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
-from .. import nvml_device as nv
+from ..host import nvml_device as nv
+from ..host.nvml_device import Nvml, NVMLError, error_code, error_name
 from ..logsetup import LogOnce, fields
-from ..nvml_device import Nvml, NVMLError, error_code, error_name
 from .nvml_state import Gpu
 
 log = logging.getLogger("gpuio.collector.nvml")

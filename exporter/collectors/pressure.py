@@ -19,9 +19,9 @@ import os
 
 from ..collect import Absent, Collector, MalformedSource, register
 from ..exposition import COUNTER, Desc, Family
-from ..lines import BadLine
+from ..host.lines import BadLine
+from ..host.psi import parse_total
 from ..logsetup import LogOnce
-from ..psi import parse_total
 
 log = logging.getLogger("gpuio.collector.pressure")
 

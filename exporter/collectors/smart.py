@@ -13,8 +13,8 @@ sleeping disks (#61).  Here:
   the flag is added where every process starts, not per command.
 - pySMART has no timeout (it calls ``Popen.communicate()`` without one).  It is handed a Smartctl whose
   ``generic_call`` - the hook pySMART's own test suite replaces to replay recordings - is a
-  :class:`~exporter.smartctl.Runner`: one deadline (``--collector.smart.timeout``) for all the smartctl
-  processes of one poll, the process group killed when it passes (exporter/smartctl.py supervises the
+  :class:`~exporter.host.smartctl.Runner`: one deadline (``--collector.smart.timeout``) for all the smartctl
+  processes of one poll, the process group killed when it passes (exporter/host/smartctl.py supervises the
   processes; this module turns their output into metrics).  A smartctl stuck in the kernel survives
   SIGKILL until its IO returns; its device is not polled again until it exits, so a hung disk holds one
   process, never one per sweep.  Devices are polled in parallel (``--collector.smart.concurrency``), so
@@ -50,10 +50,10 @@ from typing import Any
 from ..collect import Absent, Collector, Pending, StaleData, register
 from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
+from ..host.smartctl import DENIED, KILL_GRACE_SECONDS, Processes, Runner, SmartctlError, become_subreaper, run_parallel
 from ..logsetup import LogOnce, fields
 from ..options import ConfigError, Option, parse_choice, parse_count, parse_regex, parse_seconds
 from ..sampler import PeriodicSampler
-from ..smartctl import DENIED, KILL_GRACE_SECONDS, Processes, Runner, SmartctlError, become_subreaper, run_parallel
 from ..sorting import natural_key
 
 log = logging.getLogger("gpuio.collector.smart")

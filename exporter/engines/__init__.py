@@ -9,6 +9,6 @@
 * :mod:`.discovery` -- the source of processes that do not use the library, from /proc.
 
 The facts about engine files (page-cache residency, the device and mount under a file) are the
-exporter's own modules :mod:`exporter.pagecache`, :mod:`exporter.blockdev` and :mod:`exporter.mounts`;
+exporter's own modules :mod:`exporter.host.pagecache`, :mod:`exporter.host.blockdev` and :mod:`exporter.host.mounts`;
 the collector (:mod:`exporter.collectors.engines`) joins the model to them.
 """

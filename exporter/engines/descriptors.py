@@ -10,10 +10,10 @@ file), ``/proc/<pid>/fdinfo/<n>`` (read position, open flags and ``mnt_id``, the
 ``/proc/<pid>/mountinfo`` (that mount's type, in the process's own mount namespace: mount ids are unique
 across namespaces, so any process that sees a mount can name its type).  So a file is judged by its mount
 first (:class:`MountJudge`): on a file system that answers from this machine alone
-(:func:`exporter.mounts.answers_locally`: a block device, tmpfs; not an overlay, whose lower layers may be
+(:func:`exporter.host.mounts.answers_locally`: a block device, tmpfs; not an overlay, whose lower layers may be
 FUSE) it is stat'ed in the pass; on any other (network, FUSE, autofs, overlay, a mount no table names) the
 stat runs on a thread of its own that the pass waits for at most REMOTE_STAT_SECONDS
-(:mod:`exporter.abandonable`).  A stat that does not come back in time marks its mount unresponsive while it
+(:mod:`exporter.host.abandonable`).  A stat that does not come back in time marks its mount unresponsive while it
 is out and for UNRESPONSIVE_SECONDS after (its files are skipped, and counted), and at most MAX_STUCK_STATS
 stats are ever left waiting at once.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .. import mounts, procstat
-from ..abandonable import Abandonable
+from ..host import mounts, procstat
+from ..host.abandonable import Abandonable
 
 FDINFO_BYTES = 4096
 MOUNTINFO_BYTES = 4 << 20  # a process's mount table read to judge a mount (a node with ~10^4 mounts)

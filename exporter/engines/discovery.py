@@ -105,8 +105,8 @@ from dataclasses import dataclass, field
 from gpuio import spool as spool_format
 from gpuio.waterfall import classify
 
-from .. import procstat
-from ..abandonable import Unresponsive, proc_reads
+from ..host import procstat
+from ..host.abandonable import Unresponsive, proc_reads
 from ..pods import cgroup as pod_cgroup
 from . import mappings, model
 from .descriptors import MountJudge, abandonable_stats, read_fdinfo

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from gpuio import spool as spool_format
 from gpuio.load import engine_name
 
-from .. import mounts
-from ..abandonable import Abandonable, Unresponsive
-from ..blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
 from ..context import Context
-from ..pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
+from ..host import mounts
+from ..host.abandonable import Abandonable, Unresponsive
+from ..host.blockdev import DeviceAnswer, DeviceNumbers, device_by_number, device_named
+from ..host.pagecache import Claim, Unavailable, open_regular, residency_fd, residency_of_claim
 from ..sampler import PeriodicSampler
 from . import model
 from .selection import LeftOut
@@ -372,7 +372,7 @@ class EngineFiles:
         """_view where its wait can be abandoned: any file (a writer's word, a glob's match) may sit on a
         network or FUSE mount that stopped answering, and a stat, an open or a residency call there waits for
         as long as it does.  A file whose view takes longer than SCAN_FILE_SECONDS is "unresponsive_mount",
-        and so are the files of its device for a minute (exporter.abandonable)."""
+        and so are the files of its device for a minute (exporter.host.abandonable)."""
         try:
             return self._scan_calls.call(target.dev or target.path, lambda: self._view(target))
         except Unresponsive:

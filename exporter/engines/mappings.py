@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import hosttext, procstat
+from ..host import hosttext, procstat
 
 MAPS_BYTES = 2 << 20  # what one read of a process's maps takes at most
 

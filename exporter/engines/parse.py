@@ -43,7 +43,7 @@ from gpuio.spool import (
     pad8,
 )
 
-from .. import hosttext, procstat
+from ..host import hosttext, procstat
 from .model import EngineInfo, LoadKey, MountKey, PodIdentity, WriterMount, bucket_values
 
 MAX_VALUE = 2.0**53

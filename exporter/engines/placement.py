@@ -28,7 +28,7 @@ parser is bounded in bytes, tokens, nesting and entries, and anything it does no
 None ("unknown": the next way of placing is used), never an exception out of this module.
 
 Two reads here may wait for ever, so callers run them where the wait can be abandoned
-(:class:`exporter.abandonable.Abandonable`): :class:`ConfigReader` opens a file on whatever mount the
+(:class:`exporter.host.abandonable.Abandonable`): :class:`ConfigReader` opens a file on whatever mount the
 model repository is on (a dead NFS export, a hung FUSE daemon), and :func:`read_cuda_environ` reads
 ``/proc/<pid>/environ``, which takes the process's memory lock (held for as long as the process is stuck
 in a page fault on such a mount).  Both are plain calls; neither starts a thread.
@@ -43,7 +43,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .. import procstat
+from ..host import procstat
 
 MAX_CONFIG_BYTES = 64 << 10  # a config.pbtxt bigger than this is not read (a real one is a few KiB)
 MAX_TOKENS = 32_768  # of one config (a 64 KiB file of one-character tokens and blanks at most)

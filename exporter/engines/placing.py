@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 
-from ..abandonable import Abandonable, Unresponsive
+from ..host.abandonable import Abandonable, Unresponsive
 from . import placement
 from .descriptors import abandonable_config_reads
 from .followed import HeldFile, Process

@@ -271,7 +271,7 @@ class EngineService:
 
 def _scan_targets(totals: model.Totals, engines: list[str], files: FileDevices) -> dict[tuple[str, str], Target]:
     """The files of the shown engines the background scan measures: the inode each writer reported, and
-    which writers may read it (exporter.pagecache.open_claimed)."""
+    which writers may read it (exporter.host.pagecache.open_claimed)."""
     return {(engine, item.path): Target(engine, item.path, item.dev, item.ino,
                                         frozenset(totals.info_uids.get((engine, item.path), ())))
             for engine in engines for item in files.infos.get(engine, [])}

@@ -56,8 +56,8 @@ from collections.abc import Callable
 
 from gpuio.spool import DEFAULT_FILE_BYTES, GENERATION_OFFSET, HEADER_SIZE
 
-from .. import procstat
-from ..abandonable import Abandonable, Unresponsive
+from ..host import procstat
+from ..host.abandonable import Abandonable, Unresponsive
 from . import placement
 from .fold import Folded, not_carried_forward
 from .model import Totals

@@ -65,8 +65,8 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import TYPE_CHECKING, Any
 
+from ..host.procstat import read_regular_file
 from ..logsetup import fields
-from ..procstat import read_regular_file
 from .server_metrics import AUTH_RESULTS, RELOAD_RESULTS
 
 log = logging.getLogger("gpuio.webconfig")

@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 
-from exporter import nvml_device
-from exporter.nvml_device import ProcessInfo
+from exporter.host import nvml_device
+from exporter.host.nvml_device import ProcessInfo
 from tests.unit.test_nvml_fake import FakeGpu, FakeNvml
 
 SAMPLE_PERIOD_S = 0.2  # an H100 takes 5-6 utilisation samples a second

@@ -7,7 +7,7 @@ child cgroups under a parent of this test's own in ``/sys/fs/cgroup/blkio``, a r
 The readers read different amounts.
 
 Linux 6.10+ counts the v1 throttle statistics (``blkio.throttle.io_service_bytes``) only on a device where
-blk-throttle is active (a limit was once set on it, in any cgroup: exporter/cgroups.py), so each test cgroup
+blk-throttle is active (a limit was once set on it, in any cgroup: exporter/host/cgroups.py), so each test cgroup
 gets a read limit on the loop device far above what it reads (1 TiB/s), which activates it and limits nothing.
 
 Expected: the collector, built from flags as the server builds it, serves each reader's cgroup among the
@@ -28,10 +28,10 @@ import textwrap
 
 import pytest
 
-from exporter import cgroups
 from exporter.assemble import build_scraper
 from exporter.config import parse_args
 from exporter.exposition import render
+from exporter.host import cgroups
 from tests.conftest import parse_samples, undeclared
 from tests.peers import write_random
 

@@ -5,7 +5,7 @@ uid 1000 as systemd delegates one (the directory chowned to the user), in which 
 ``kubepods/besteffort/pod<victim>/<id>`` itself (the kernel makes it owned by its maker), and a root-owned
 cgroup with the same layout, as a kubelet nested under a node's cgroup makes it.  A process is put in each.
 
-Expected: the walk of the real tree (exporter/cgroups.py) says the user's directories are not root's and the
+Expected: the walk of the real tree (exporter/host/cgroups.py) says the user's directories are not root's and the
 pod is not believed; the root-owned one is.  ``/proc/<pid>/cgroup`` (``of_pid``) shows both in the kubelet's
 shape, so without ``sysfs`` both are believed (the shape cannot tell them apart); with ``sysfs`` only the
 root-owned one is.  Everything made is removed afterwards.
@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from exporter import cgroups
+from exporter.host import cgroups
 from exporter.pods import cgroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root]

@@ -273,7 +273,7 @@ def test_processes_it_may_not_look_at_are_counted_not_guessed(tmp_path, loaders)
 
 
 def _start(pid: int) -> int:
-    from exporter import procstat
+    from exporter.host import procstat
     return procstat.start_ticks(pid)
 
 

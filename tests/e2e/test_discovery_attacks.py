@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter import procstat
 from exporter.engines import discovery
 from exporter.engines.discovery import Discovery
+from exporter.host import procstat
 from gpuio import spool as spool_format
 from tests.conftest import evict
 from tests.e2e.loaders import model

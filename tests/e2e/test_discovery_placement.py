@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from exporter import procstat
 from exporter.engines.discovery import Discovery
+from exporter.host import procstat
 from tests.e2e.loaders import model
 
 pytestmark = pytest.mark.e2e

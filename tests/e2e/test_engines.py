@@ -35,7 +35,7 @@ def test_a_writer_cannot_claim_another_process_as_its_own(spool_dir, tmp_path) -
     live process of this machine (here a sleeping child) joined that process's GPU series to the
     writer's engine (gpuio_engine_process_info) and lent the writer that process's GPU.  The claim
     stands only where the kernel's lock table shows that pid holding the file's lock."""
-    from exporter import procstat
+    from exporter.host import procstat
 
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from exporter import pagecache
+from exporter.host import pagecache
 from tests.conftest import REPO, ExporterProcess, Samples, parse_samples
 
 pytestmark = [pytest.mark.e2e, pytest.mark.root]

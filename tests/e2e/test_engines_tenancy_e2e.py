@@ -28,11 +28,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter.blockdev import PathDevices
 from exporter.collectors import engines
 from exporter.context import Context
 from exporter.engines.files import MAX_DEVICE_LOOKUPS
 from exporter.exposition import render
+from exporter.host.blockdev import PathDevices
 from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 from gpuio.spool import SpoolFile

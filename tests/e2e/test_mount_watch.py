@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.root]
 
 SCRIPT = textwrap.dedent("""
     import os, subprocess, tempfile
-    from exporter.mounts import MountTableWatch
+    from exporter.host.mounts import MountTableWatch
     watch = MountTableWatch("/proc")
     first = watch.table()
     assert first.mounts, "no mount table read"
@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
     subprocess.run(["umount", point], check=True)
     assert not any(m.mountpoint == point for m in watch.table().mounts), "an unmount was missed"
     # The collectors' shared reader: the device look-ups see a mount made after they first asked.
-    from exporter.blockdev import DeviceNumbers
+    from exporter.host.blockdev import DeviceNumbers
     from exporter.context import Context
     context = Context("/proc")
     devices = DeviceNumbers("/sys", context.host_mounts.table, "/")

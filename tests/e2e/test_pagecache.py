@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter import pagecache
+from exporter.host import pagecache
 from tests.conftest import REPO
 from tests.unit.test_pagecache import SIZE, evict
 

@@ -17,7 +17,7 @@ import time
 from exporter.collect import Scraper
 from exporter.collectors.smart import PollResult
 from exporter.exposition import render
-from exporter.smartctl import Processes, Runner
+from exporter.host.smartctl import Processes, Runner
 from tests.conftest import parse_samples
 from tests.fixtures.smartctl.fake import LISTINGS, SINGLE, FakeSmartctl
 from tests.fixtures.smartctl.harness import collector, make_sysfs, state, sweep, value

@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from exporter.top import display
+from exporter.tools.top import display
 from tests.conftest import REPO, root
 from tests.unit.test_top import PATH_COLLECTORS, SYS, LiveProcfs, check_scenario, two_samples
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "exporter.top", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "exporter.tools.top", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=30, env={**os.environ, "COLUMNS": "80", **(env or {})}, stdin=subprocess.DEVNULL)
 
 
@@ -291,7 +291,7 @@ def disk_rows(lines: list[str]) -> list[list[str]]:
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (make system-deps)")
 def test_live_view_in_tmux_sort_filter_pause_quit(moving_procfs: LiveProcfs) -> None:
-    command = (f"{sys.executable} -m exporter.top --interval=200ms --path.procfs={moving_procfs.path} "
+    command = (f"{sys.executable} -m exporter.tools.top --interval=200ms --path.procfs={moving_procfs.path} "
                f"--path.sysfs={SYS}; echo top exited rc=$?; sleep 30")
     tmux = Tmux(f"cd {REPO} && {command}")
     try:

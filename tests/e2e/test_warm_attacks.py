@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter import pagecache
+from exporter.host import pagecache
 from tests.conftest import REPO
 from tests.e2e import test_engines_e2e
 from tests.unit.test_engines_cli import evicted

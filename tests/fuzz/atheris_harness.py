@@ -37,13 +37,14 @@ import tempfile
 import atheris
 
 with atheris.instrument_imports():
-    from exporter import collectors, smartctl  # noqa: F401  (collectors: registers them, creating their flags)
+    from exporter import collectors  # noqa: F401  (collectors: registers them, creating their flags)
     from exporter.collect import MalformedSource
     from exporter.collectors import diskstats, pressure, smart
     from exporter.config import ConfigError, _all_value_flags, env_name, parse_args
     from exporter.context import Context
     from exporter.engines import parse
     from exporter.exposition import render
+    from exporter.host import smartctl
     from exporter.web import webconfig
 
 ROOT = tempfile.mkdtemp(prefix="gpuio-atheris-")

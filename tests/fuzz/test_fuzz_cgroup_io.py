@@ -21,12 +21,12 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter import cgroups
 from exporter.collect import Absent
 from exporter.collectors.cgroup_io import CgroupIoCollector
 from exporter.context import Context
 from exporter.exposition import render
-from exporter.lines import BadLine
+from exporter.host import cgroups
+from exporter.host.lines import BadLine
 from tests.conftest import parse_samples, undeclared
 
 U64 = st.integers(0, 2**64 - 1)

@@ -24,9 +24,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter import smartctl
 from exporter.collectors import smart
 from exporter.exposition import Family, render
+from exporter.host import smartctl
 from tests.conftest import parse_samples
 from tests.fixtures.smartctl.fake import BANNER, SINGLE, recording_name, strip_powermode
 

@@ -37,11 +37,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
 
-from exporter import cgroups  # noqa: E402
 from exporter.assemble import build_scraper  # noqa: E402
-from exporter.blockdev import BlockDevices, PathDevices  # noqa: E402
 from exporter.config import parse_args  # noqa: E402
 from exporter.exposition import render  # noqa: E402
+from exporter.host import cgroups  # noqa: E402
+from exporter.host.blockdev import BlockDevices, PathDevices  # noqa: E402
 from tests.peers import write_random  # noqa: E402
 
 ROOT = "/sys/fs/cgroup"

@@ -44,7 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
 
-from exporter.hosttext import visible  # noqa: E402
+from exporter.host.hosttext import visible  # noqa: E402
 from tests.gpu.cgroup_io_check import Check, parse_exposition  # noqa: E402
 
 MODEL_MIB = 4096

@@ -45,7 +45,7 @@ sys.path.insert(0, LIBRARY)
 from exporter.collectors import nvml as NVML  # noqa: E402
 from exporter.context import Context  # noqa: E402  (after the path is set)
 from exporter.exposition import render  # noqa: E402
-from exporter.nvml_device import NVMLError, ProcessUtilization, PyNvml, error_name  # noqa: E402
+from exporter.host.nvml_device import NVMLError, ProcessUtilization, PyNvml, error_name  # noqa: E402
 
 WORKER = r"""
 import sys, time, torch

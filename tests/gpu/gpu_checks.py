@@ -2,7 +2,7 @@
 against workloads whose truth is known.
 
 The unit tests run the collector on a fake NVML (CI has no GPU); these checks run the same collector,
-in-process, on the real driver through exporter.nvml_device.PyNvml.  The GPU machine has PyTorch,
+in-process, on the real driver through exporter.host.nvml_device.PyNvml.  The GPU machine has PyTorch,
 nvidia-ml-py and prometheus-client but neither pytest nor the web stack, so this module needs neither:
 ``python tests/gpu/run_gpu_checks.py`` runs it as a script, ``pytest -m gpu tests/gpu`` through pytest.
 
@@ -53,7 +53,7 @@ def unavailable() -> str | None:
     """Why these checks cannot run here, or None."""
     if shutil.which("nvidia-smi") is None:
         return "no nvidia-smi on this machine"
-    from exporter.nvml_device import NVMLError, PyNvml
+    from exporter.host.nvml_device import NVMLError, PyNvml
 
     try:
         nvml = PyNvml()
@@ -69,7 +69,7 @@ def collector(**options: float) -> Any:
     """The collector on the real NVML; by default every sweep reads everything (the slow fields too)."""
     from exporter.collectors.nvml import NvmlCollector
     from exporter.context import Context
-    from exporter.nvml_device import PyNvml
+    from exporter.host.nvml_device import PyNvml
 
     settings = {"interval": 1.0, "slow-interval": 1e-9, "hang-timeout": 10.0, "reinit-interval": 30.0,
                 "max-processes": 64}

@@ -1,4 +1,4 @@
-"""exporter.abandonable: a call that never comes back costs one thread, refuses only its own key, and never
+"""exporter.host.abandonable: a call that never comes back costs one thread, refuses only its own key, and never
 shuts out the others (a dead mount must not blind the healthy ones)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from exporter.abandonable import Abandonable, Unresponsive
+from exporter.host.abandonable import Abandonable, Unresponsive
 
 
 def test_a_call_that_never_returns_costs_one_thread_and_only_its_key() -> None:

@@ -14,15 +14,15 @@ import shutil
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from exporter import cgroups
-from exporter.cgroups import NO_IO, DeviceIo, Pressure
 from exporter.collect import Absent, Pending, Scraper
 from exporter.collectors import cgroup_io
 from exporter.collectors.cgroup_io import CgroupIoCollector, Selection
 from exporter.config import ConfigError, parse_args
 from exporter.context import Context
 from exporter.exposition import render
-from exporter.lines import BadLine
+from exporter.host import cgroups
+from exporter.host.cgroups import NO_IO, DeviceIo, Pressure
+from exporter.host.lines import BadLine
 from tests.conftest import REPO, parse_samples, undeclared
 
 TREES = os.path.join(REPO, "tests", "fixtures", "cgroup-trees")

@@ -114,7 +114,7 @@ def test_buckets_are_read_only_of_the_histograms_served_with_buckets() -> None:
     _sum): every bucket a board, a rule or `gpuio top` reads is of one of those, and each of those is read."""
     from deploy.prometheus.generate import rendered
     from exporter.collectors.engines import DEFAULT_BUCKETED
-    from exporter.top import data, iostat
+    from exporter.tools.top import data, iostat
     texts = [expr for board in BOARDS.values() for expr in exprs(board)] + list(rendered().values())
     read = {name for text in texts for name in re.findall(r"(gpuio_engine_[a-z_]+)_bucket", text)}
     with open(iostat.__file__, encoding="utf-8") as source:

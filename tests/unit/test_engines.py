@@ -9,12 +9,12 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
 import gpuio
-from exporter import procstat
-from exporter.blockdev import PathDevices
 from exporter.collect import REGISTRY, Absent
 from exporter.collectors import engines  # noqa: F401  (registers the collector)
 from exporter.context import Context
 from exporter.exposition import render
+from exporter.host import procstat
+from exporter.host.blockdev import PathDevices
 from gpuio import metrics
 from gpuio import spool as spool_format
 from tests.conftest import engines_collector, parse_samples, undeclared

@@ -119,8 +119,8 @@ def test_devices_come_from_what_the_scrapes_learned_never_a_lookup_per_request(
         spool_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The st_dev numbers in a spool are what its writers report: a request must not make a sysfs look-up
     per row.  The scrape looks them up within its budget; the API serves those answers."""
-    from exporter.blockdev import DeviceNumbers
     from exporter.engine_join import EngineJoin
+    from exporter.host.blockdev import DeviceNumbers
 
     (tmp_path / "m.plan").write_bytes(b"m" * 4096)
     report = report_of(spool_dir, path=(str(tmp_path / "m.*"),))

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from exporter import mounts
-from exporter.blockdev import BlockDevices, PathDevices, device_by_number
+from exporter.host import mounts
+from exporter.host.blockdev import BlockDevices, PathDevices, device_by_number
 
 
 def root_device() -> tuple[str, int, int]:

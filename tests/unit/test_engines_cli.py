@@ -1,4 +1,4 @@
-"""``gpuio engines`` (exporter/engines_cli.py) and ``gpuio warm`` (exporter/warm_cli.py) on real files and a
+"""``gpuio engines`` (exporter/tools/engines_cli.py) and ``gpuio warm`` (exporter/tools/warm_cli.py) on real files and a
 real spool."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 import pytest
 
 import gpuio
-from exporter.engines_cli import engines_main
-from exporter.warm_cli import warm_main
+from exporter.tools.engines_cli import engines_main
+from exporter.tools.warm_cli import warm_main
 from gpuio import metrics
 from gpuio import spool as spool_format
 
@@ -57,7 +57,7 @@ def test_engines_lists_spool_and_glob_engines_without_touching_dead_files(spool_
 
 def test_a_gpu_cell_shows_what_is_known_and_a_uuid_cut_short() -> None:
     from exporter.engine_join import gpu_cell as _gpu
-    from exporter.engines_cli import _short_gpu
+    from exporter.tools.engines_cli import _short_gpu
 
     assert _gpu(-1, "GPU-5a1e0c2b-aaaa-bbbb-cccc-dddddddddddd") == "GPU-5a1e0c2b-aaaa-bbbb-cccc-dddddddddddd"
     assert _gpu(0, "") == "cuda:0" and _gpu(1, "GPU-77") == "cuda:1 GPU-77"
@@ -121,7 +121,7 @@ def test_no_spool_directory_at_the_default_is_no_error(tmp_path, monkeypatch, ca
     (None, {"GPUIO_SPOOL_DIR": ""}, ("DEFAULT", None)),  # set empty: not set
 ])
 def test_spool_directory_and_what_named_it(given, environ, expected) -> None:
-    from exporter.engines_cli import spool_directory
+    from exporter.tools.engines_cli import spool_directory
     from gpuio.spool import DEFAULT_DIR
 
     directory, named_by = spool_directory(given, environ)
@@ -188,7 +188,7 @@ def test_engines_walks_a_spool_directory_too_big_for_one_read(spool_dir, monkeyp
 @pytest.fixture(autouse=True)
 def _not_on_a_sudo_users_behalf(monkeypatch) -> None:
     """warm_main, run as root with SUDO_UID set (``sudo make test``), would make this test process that
-    user for good (see exporter/warm_cli.py, WARM_RULES): these tests call it in-process as root."""
+    user for good (see exporter/tools/warm_cli.py, WARM_RULES): these tests call it in-process as root."""
     for name in ("SUDO_UID", "SUDO_GID", "SUDO_USER"):
         monkeypatch.delenv(name, raising=False)
 
@@ -197,7 +197,7 @@ def test_a_blocked_read_is_abandoned_after_the_stall_bound_and_stops_when_it_ret
     """within_stall_bound on a real blocking read (a pipe nobody writes yet): Stalled once the bound
     passes without a beat; the thread stays blocked in the kernel until the read returns, then sees it
     was abandoned and ends without reading on."""
-    from exporter.warm_cli import Stalled, within_stall_bound
+    from exporter.tools.warm_cli import Stalled, within_stall_bound
 
     reader, writer = os.pipe()
     reads: list[bytes] = []

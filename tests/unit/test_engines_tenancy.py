@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter import mounts
 from exporter.engines import model
 from exporter.engines.selection import fair_share
+from exporter.host import mounts
 from tests.conftest import engines_collector
 from tests.unit.test_load_waterfall import HungFilesystem
 

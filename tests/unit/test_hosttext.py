@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from exporter import hosttext, mounts
 from exporter.engines import spool as spool_source
 from exporter.exposition import label_string
+from exporter.host import hosttext, mounts
 from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 import gpuio
-from exporter import pagecache
 from exporter.engines import model, parse
 from exporter.engines import spool as spool_source
+from exporter.host import pagecache
 from gpuio import gpu, metrics
 from gpuio import spool as spool_format
 

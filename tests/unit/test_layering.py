@@ -18,8 +18,9 @@ LIBRARY_FOLDER = os.path.join(REPO, "exporter", "instrument")
 # The entry points and the web stack: a collector, the library or a parser never imports these.
 TOP = {"exporter.cli", "exporter.__main__", "exporter.assemble", "exporter.config", "exporter.web",
        "exporter.web.server", "exporter.web.webconfig", "exporter.web.connections", "exporter.web.api",
-       "exporter.top", "exporter.top.__main__", "exporter.top.data", "exporter.top.iostat", "exporter.top.display",
-       "exporter.engines_cli", "exporter.warm_cli", "exporter.remote"}
+       "exporter.tools", "exporter.tools.top", "exporter.tools.top.__main__", "exporter.tools.top.data",
+       "exporter.tools.top.iostat", "exporter.tools.top.display", "exporter.tools.engines_cli",
+       "exporter.tools.warm_cli", "exporter.tools.remote"}
 
 
 def modules() -> dict[str, str]:
@@ -141,7 +142,7 @@ def test_the_engine_sources_never_call_up_into_a_collector() -> None:
     assert set(package) >= {"exporter.engines.model", "exporter.engines.parse", "exporter.engines.fold",
                             "exporter.engines.spool", "exporter.engines.discovery"}
     upward = {(name, target) for name in package for target in edges[name]
-              if target.startswith(("exporter.collect", "exporter.engines_cli", "exporter.warm_cli"))}
+              if target.startswith(("exporter.collect", "exporter.tools.engines_cli", "exporter.tools.warm_cli"))}
     assert upward == set()
 
 
@@ -157,12 +158,12 @@ def test_the_library_ships_the_spool_writer_but_not_its_reader() -> None:
 
 
 def test_gpuio_top_reads_data_then_arithmetic_then_screen() -> None:
-    """exporter.top: the screen (display) uses the arithmetic (iostat), which uses the data; never back."""
+    """exporter.tools.top: the screen (display) uses the arithmetic (iostat), which uses the data; never back."""
     known = modules()
     names = set(known)
-    layers = ["exporter.top.data", "exporter.top.iostat", "exporter.top.display"]
+    layers = ["exporter.tools.top.data", "exporter.tools.top.iostat", "exporter.tools.top.display"]
     for rank, name in enumerate(layers):
-        above = set(layers[rank + 1:]) | {"exporter.top"}
+        above = set(layers[rank + 1:]) | {"exporter.tools.top"}
         assert imports_of(name, known[name], names) & above == set(), name
 
 
@@ -217,8 +218,9 @@ def test_the_dashboards_folder_holds_only_what_grafana_loads() -> None:
 
 # The command-line tools: what a person runs on a node.  The server and the JSON API serve what they print
 # from the modules below them (the engine join), never from a CLI module.
-CLIS = {"exporter.cli", "exporter.engines_cli", "exporter.warm_cli", "exporter.top", "exporter.top.__main__",
-        "exporter.top.data", "exporter.top.iostat", "exporter.top.display"}
+CLIS = {"exporter.cli", "exporter.tools.engines_cli", "exporter.tools.warm_cli", "exporter.tools.top",
+        "exporter.tools.top.__main__", "exporter.tools.top.data", "exporter.tools.top.iostat",
+        "exporter.tools.top.display"}
 
 
 def test_neither_the_server_nor_the_api_imports_a_command_line_tool() -> None:
@@ -230,9 +232,9 @@ def test_neither_the_server_nor_the_api_imports_a_command_line_tool() -> None:
 
 # The host's readers and parsers, and the client of a remote exporter: below the collector framework and
 # the web stack, so that a parser is usable (and fuzzed) alone and a client carries no server code.
-READERS = {"exporter.psi", "exporter.cgroups", "exporter.blockdev", "exporter.mounts", "exporter.pagecache",
-           "exporter.procstat", "exporter.smartctl", "exporter.nvml_device", "exporter.hosttext",
-           "exporter.lines", "exporter.remote"}
+READERS = {"exporter.host.psi", "exporter.host.cgroups", "exporter.host.blockdev", "exporter.host.mounts",
+           "exporter.host.pagecache", "exporter.host.procstat", "exporter.host.smartctl", "exporter.host.nvml_device",
+           "exporter.host.hosttext", "exporter.host.abandonable", "exporter.host.lines", "exporter.tools.remote"}
 ABOVE_READERS = {"exporter.collect", "exporter.web.webconfig", "exporter.web.server", "exporter.web.connections",
                  "exporter.web.api"}
 

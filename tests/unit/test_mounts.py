@@ -1,4 +1,4 @@
-"""Mount tables (exporter.mounts) on mountinfo lines in the kernel's format: which mount holds a file,
+"""Mount tables (exporter.host.mounts) on mountinfo lines in the kernel's format: which mount holds a file,
 which mounts are network or FUSE, and what a malformed, hostile or oversized table costs; the one reader
 (MountTableWatch) on files in temporary directories and on this machine's own table, and the collectors
 that share it."""
@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from exporter import mounts
 from exporter.collectors import engines, mountstats
 from exporter.context import Context
 from exporter.exposition import render
+from exporter.host import mounts
 from tests.conftest import REPO, parse_samples
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "mounts")

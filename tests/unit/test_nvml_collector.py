@@ -19,7 +19,7 @@ from exporter.collect import Absent, Scraper
 from exporter.collectors.nvml import DESCS, NvmlCollector
 from exporter.context import Context
 from exporter.exposition import render
-from exporter.nvml_device import ProcessInfo, bindings
+from exporter.host.nvml_device import ProcessInfo, bindings
 from tests.conftest import Samples, parse_samples, undeclared
 from tests.unit.test_nvml_fake import FakeGpu, FakeMig, FakeNvml, h100s
 
@@ -708,7 +708,7 @@ def test_process_busy_skips_stale_and_garbage_samples() -> None:
     """NVML has been seen to return samples older than the timestamp passed and figures above 100 %
     (nvtop filters both): neither is counted; of several samples of one process the newest counts."""
     from exporter.collectors.nvml import ProcessBusy
-    from exporter.nvml_device import ProcessUtilization
+    from exporter.host.nvml_device import ProcessUtilization
 
     busy = ProcessBusy(8)
     busy.feed([], 100.0)

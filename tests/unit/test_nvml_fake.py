@@ -1,4 +1,4 @@
-"""A fake NVML behind exporter.nvml_device.Nvml, for CI machines that have no GPU (and the tests of the fake).
+"""A fake NVML behind exporter.host.nvml_device.Nvml, for CI machines that have no GPU (and the tests of the fake).
 
 A fake is only acceptable where the real thing cannot exist here (../shared/DESIGN.md): CI and
 laptops have no NVIDIA GPU or driver.  So the fake follows what NVML does, as documented in nvml.h and
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from exporter.nvml_device import Event, ProcessInfo, ProcessUtilization, bindings
+from exporter.host.nvml_device import Event, ProcessInfo, ProcessUtilization, bindings
 
 pynvml = bindings()  # loaded as the exporter loads it (its errors under nvml_device.NVMLError)
 
@@ -192,7 +192,7 @@ class EventSet:
 
 
 class FakeNvml:
-    """exporter.nvml_device.Nvml on FakeGpu objects, with NVML's semantics (module docstring)."""
+    """exporter.host.nvml_device.Nvml on FakeGpu objects, with NVML's semantics (module docstring)."""
 
     def __init__(self, gpus: list[FakeGpu], missing: set[str] | frozenset[str] = frozenset(),
                  driver_version: str = "580.159.04", cuda_version: int = 13000) -> None:

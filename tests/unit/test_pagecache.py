@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from exporter import pagecache
+from exporter.host import pagecache
 
 SIZE = 8 << 20
 
@@ -68,7 +68,7 @@ def test_odd_files(tmp_path) -> None:
 
 
 
-# --- open_named: what `gpuio warm` may open (exporter/pagecache.py), on real files and real links --------
+# --- open_named: what `gpuio warm` may open (exporter/host/pagecache.py), on real files and real links --------
 
 
 def named(*paths_and_anchors: tuple[str, str]) -> pagecache.NamedPaths:

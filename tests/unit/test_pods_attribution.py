@@ -12,7 +12,7 @@ from exporter.collect import Scraper
 from exporter.collectors.pods import PodsCollector
 from exporter.context import Context
 from exporter.exposition import render
-from exporter.nvml_device import ProcessInfo
+from exporter.host.nvml_device import ProcessInfo
 from tests.conftest import parse_samples
 from tests.unit.test_nvml_collector import make, now_us, value
 from tests.unit.test_nvml_fake import FakeNvml, h100s

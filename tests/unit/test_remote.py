@@ -1,4 +1,4 @@
-"""exporter/remote.py against a real HTTP server on a loopback socket that answers as told: redirects,
+"""exporter/tools/remote.py against a real HTTP server on a loopback socket that answers as told: redirects,
 answers too big (plain or as a gzip bomb), not JSON, too slow, a byte at a time."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from exporter import remote
-from exporter.remote import ClientOptions, Exporter, RemoteError
+from exporter.tools import remote
+from exporter.tools.remote import ClientOptions, Exporter, RemoteError
 
 Handler = Callable[[http.server.BaseHTTPRequestHandler], None]
 
@@ -260,8 +260,8 @@ def test_both_clients_take_the_base_url_or_either_endpoint(url: str, metrics: st
 
 
 def test_one_default_timeout_for_both_clients() -> None:
-    from exporter.engines_cli import _engines_parser
-    from exporter.top.display import _parser
+    from exporter.tools.engines_cli import _engines_parser
+    from exporter.tools.top.display import _parser
 
     for parser in (_parser(), _engines_parser()):
         assert parser.parse_args([]).timeout == remote.DEFAULT_TIMEOUT == 10

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from exporter import engines_cli
 from exporter.engine_join import ENGINES_API, ROW_FIELDS
-from exporter.engines_cli import engines_main
-from exporter.top import data
+from exporter.tools import engines_cli
+from exporter.tools.engines_cli import engines_main
+from exporter.tools.top import data
 from exporter.web import api
 from tests.unit.test_remote import Canned, reply
 

@@ -22,7 +22,7 @@ from exporter.collectors.smart import (
     raw_number,
 )
 from exporter.config import ConfigError, parse_args
-from exporter.smartctl import SmartctlError
+from exporter.host.smartctl import SmartctlError
 from tests.fixtures.smartctl.fake import LISTINGS
 from tests.fixtures.smartctl.harness import collector, make_sysfs
 

@@ -13,10 +13,10 @@ import os
 import threading
 import time
 
-from exporter import procstat
 from exporter.context import GpuProcesses
 from exporter.engines import placement
 from exporter.engines import spool as spool_source
+from exporter.host import procstat
 from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from exporter import pagecache
 from exporter.collectors import engines
 from exporter.exposition import render
+from exporter.host import pagecache
 from gpuio import spool as spool_format
 from gpuio.metrics import EngineMetrics
 from tests.conftest import engines_collector, parse_samples

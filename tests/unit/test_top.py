@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 from exporter import thresholds as th
-from exporter.top import data, display, iostat
+from exporter.tools.top import data, display, iostat
 from tests.conftest import catalogued, root
 
 PROC, SYS = root("linux-6.8")
@@ -462,7 +462,7 @@ def test_url_source_accepts_host_port_and_reports_unreachable() -> None:
 
 
 def test_every_metric_top_reads_is_declared() -> None:
-    """The names block of exporter/top/data.py against the catalogue (docs/metrics.md is generated from it):
+    """The names block of exporter/tools/top/data.py against the catalogue (docs/metrics.md is generated from it):
     a collector that renames a family fails here, not silently as an empty column."""
     read = {value for name, value in vars(data).items()
             if name.isupper() and isinstance(value, str) and value.startswith("gpuio_")}
@@ -492,7 +492,7 @@ def test_every_label_top_reads_is_declared_on_the_family_it_reads_it_from() -> N
 
 
 def test_printable_escapes_what_a_terminal_would_act_on_and_keeps_the_rest() -> None:
-    from exporter.terminal import printable, safe_text
+    from exporter.tools.terminal import printable, safe_text
 
     assert printable("résumé-モデル_v2.engine") == "résumé-モデル_v2.engine"  # plain names stay as they are
     assert printable("a\x1b[31mb\x07c\x7fd\x9be\tf\ng") == r"a\x1b[31mb\x07c\x7fd\x9be\x09f\x0ag"
@@ -502,7 +502,7 @@ def test_printable_escapes_what_a_terminal_would_act_on_and_keeps_the_rest() -> 
 
 def test_a_misspelt_flag_of_top_itself_gets_its_did_you_mean(capsys) -> None:
     """The exporter's flag parser knows only the exporter's flags: a typo of one of top's own was "unknown"."""
-    from exporter.top.display import main
+    from exporter.tools.top.display import main
 
     assert main(["--onse"]) == 2
     assert capsys.readouterr().err.strip() == "gpuio top: error: unknown flag '--onse'; did you mean --once?"

@@ -26,9 +26,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .. import thresholds as th
+from ... import thresholds as th
+from ...sorting import natural_key
 from ..remote import URL_HELP, RemoteError, add_client_options, client_options
-from ..sorting import natural_key
 from ..terminal import printable, safe_text
 from .data import GIB, MIB, LocalSource, Snapshot, Source, SourceError, UrlSource
 from .iostat import GpuRow, View, compute, view_json
@@ -516,10 +516,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, clock: Callable[[], float] = time.monotonic,
          sleep: Callable[[float], None] = time.sleep, out: IO[str] | None = None) -> int:
     """``gpuio top``; ``clock`` and ``sleep`` are for tests that rewrite a procfs between two samples."""
-    from .. import collectors  # noqa: F401  (importing registers the collectors, and so their flags)
-    from ..config import parse_args
-    from ..logsetup import setup
-    from ..options import ConfigError, parse_seconds
+    from ... import collectors  # noqa: F401  (importing registers the collectors, and so their flags)
+    from ...config import parse_args
+    from ...logsetup import setup
+    from ...options import ConfigError, parse_seconds
 
     out = out or sys.stdout
     parser = _parser()

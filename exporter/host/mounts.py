@@ -11,7 +11,7 @@ a container without hostPID): then the exporter sees its own namespace's mounts 
 Every user asks one reader, :class:`MountTableWatch`, which reads the file again only when it changed.
 The collectors share the host's through ``Context.host_mounts``: the mountstats collector (every network
 mount, NFS mount addresses) and the engines collector (the mount of each engine file, and the st_dev ->
-block device look-ups of :class:`exporter.blockdev.DeviceNumbers`), so after a mount or unmount they all
+block device look-ups of :class:`exporter.host.blockdev.DeviceNumbers`), so after a mount or unmount they all
 see the same new table, read once.
 
 A file belongs to the mount whose MAJ:MIN equals the file's st_dev (exact even when the path means
@@ -350,7 +350,7 @@ class MountTableWatch:
 # reading /proc/self/fdinfo/<fd>, whose "mnt_id" names the mount it landed on.  So each component is
 # judged by that mount, in the exporter's own mount table, *before* anything else is done with it: only
 # on a file system that answers from this machine alone is it fstat'ed, and only then looked into.
-# (exporter.pagecache's walk fstats each component first: it cannot be used for this.)
+# (exporter.host.pagecache's walk fstats each component first: it cannot be used for this.)
 
 SELF_MOUNTINFO = "/proc/self/mountinfo"  # the exporter's own: the ids fdinfo gives are of its mounts
 # File systems of memory (tmpfs, ramfs, devtmpfs), a container runtime's overlays of local directories, and
@@ -394,7 +394,7 @@ class Refused(Exception):  # noqa: N818  (an outcome: the path was not walked, a
 def open_without_waiting(root: str, path: str, table: dict[int, MountPoint]) -> tuple[int, os.stat_result]:
     """An O_PATH descriptor of ``path`` under ``root`` (the caller closes it) and its fstat; or Refused.
 
-    ``path`` is absolute, without ``.`` or ``..``; it is walked by :func:`exporter.pagecache.walk_nofollow`
+    ``path`` is absolute, without ``.`` or ``..``; it is walked by :func:`exporter.host.pagecache.walk_nofollow`
     from ``root``, each component judged by its mount (``table``: the exporter's own mounts by id,
     :meth:`MountTable.by_id` of ``MountTableWatch(own=True)``) before it is fstat'ed: on a file system that does not
     :func:`answer locally <answers_locally>`, or on a mount the table does not know, the walk stops

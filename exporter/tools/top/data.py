@@ -14,8 +14,8 @@ from typing import Any, Protocol, TextIO, cast
 
 from gpuio.spool import SERIES
 
-from .. import collect
-from ..collectors import diskstats, engines, nvml, pressure, smart
+from ... import collect
+from ...collectors import diskstats, engines, nvml, pressure, smart
 from ..remote import DEFAULT_TIMEOUT, METRICS_PATH, ClientOptions, Exporter, RemoteError
 
 # --- The families top reads, from their declarations in the collectors (never a copied literal). ---
@@ -181,7 +181,7 @@ class LocalSource:
     """This machine, through the exporter's own collectors (its flags decide which, and where)."""
 
     def __init__(self, config: Any, clock: Callable[[], float] = time.monotonic) -> None:
-        from ..assemble import build_scraper
+        from ...assemble import build_scraper
 
         # process_* would describe this gpuio top process, not the node.
         self.scraper = build_scraper(dataclasses.replace(config, disable_exporter_metrics=True))
@@ -192,7 +192,7 @@ class LocalSource:
         self.scraper.start()
 
     def sample(self) -> Snapshot:
-        from ..exposition import render
+        from ...exposition import render
 
         text = render(self.scraper.scrape_sync())
         return Snapshot(self.clock(), parse_exposition(text))
@@ -203,7 +203,7 @@ class LocalSource:
 
 class UrlSource:
     """A running exporter's /metrics (text format; gzip accepted), reached with the TLS and basic auth
-    ``options`` give (exporter/remote.py)."""
+    ``options`` give (exporter/tools/remote.py)."""
 
     def __init__(self, url: str, clock: Callable[[], float] = time.monotonic, timeout: float = DEFAULT_TIMEOUT,
                  options: ClientOptions | None = None) -> None:

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .engine_join import json_text
-from .pagecache import NamedPaths, Unavailable, lexical, open_named, residency_fd
+from ..engine_join import json_text
+from ..host.pagecache import NamedPaths, Unavailable, lexical, open_named, residency_fd
 from .terminal import mib, printable
 
 WARM_CHUNK = 8 << 20

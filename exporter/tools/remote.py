@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from itertools import accumulate, compress
 from typing import IO, Any
 
-from . import __version__
-from .procstat import read_regular_file
+from .. import __version__
+from ..host.procstat import read_regular_file
 
 # The default --timeout of both clients: Prometheus's default scrape_timeout, so that an exporter slow under an IO
 # storm (when these tools are reached for) is given up on no sooner than the scrapes give up on it.

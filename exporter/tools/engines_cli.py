@@ -4,7 +4,7 @@ It lists the engines on this node (from the spool and ``--path`` globs): file si
 the block device and disks under the file, the GPU, live processes, loads and when the last one happened,
 mean read throughput and inference latency.  It reads the spool without changing it: files of exited
 processes are left for the exporter to fold.  ``--url`` prints the same table from a remote exporter's
-JSON API.  (``gpuio warm``: exporter/warm_cli.py.)
+JSON API.  (``gpuio warm``: exporter/tools/warm_cli.py.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .engine_join import ENGINES_API, ROW_FIELDS, engine_rows, finite, json_text
+from ..engine_join import ENGINES_API, ROW_FIELDS, engine_rows, finite, json_text
 from .terminal import mib, printable
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ LOCAL_FLAGS = (("--spool-dir", "spool_dir"), ("--path", "path"), ("--path.procfs
 def _engines_parser() -> argparse.ArgumentParser:
     from gpuio.spool import DEFAULT_DIR
 
-    from .pods import kubelet
+    from ..pods import kubelet
     from .remote import URL_HELP, add_client_options
 
     parser = argparse.ArgumentParser(

@@ -1,5 +1,5 @@
 """What every line parser raises for a line it cannot use: the parsers of /proc and sysfs files
-(exporter/psi.py, cgroups.py, the collectors' own) share it, and import nothing of the collector framework."""
+(exporter/host/psi.py, cgroups.py, the collectors' own) share it, and import nothing of the collector framework."""
 
 from __future__ import annotations
 

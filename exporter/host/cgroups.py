@@ -36,7 +36,7 @@ cgroup namespace): a walk reads at most ``max_cgroups`` cgroups, breadth first w
 children in name order (so the shallow cgroups where kubepods and system services live are read
 before anything a delegated subtree nests below them) and none deeper than MAX_DEPTH; at most
 MAX_FILE_BYTES of any file (the rest is a ``truncated`` bad line); a line longer than MAX_LINE_CHARS is
-bad; numbers go through :func:`~exporter.procstat.whole_number` (at most 20 digits).  A bad line fails
+bad; numbers go through :func:`~exporter.host.procstat.whole_number` (at most 20 digits).  A bad line fails
 only itself.  Path labels are at most MAX_PATH_CHARS characters (a longer path is cut and keeps a hash
 of the whole, so two stay apart) and a byte of a name that is not UTF-8 shows as ``\\xNN`` (names are kept as
 str, such bytes as surrogates, os.fsdecode, until the label is made: nothing raises on them).  A cgroup whose
@@ -217,7 +217,7 @@ def parse_blkio_line(line: str) -> tuple[DeviceNumber, str, int] | None:
 
 
 def parse_pressure_line(line: str) -> tuple[str, int]:
-    """``("some"|"full", total microseconds)`` of one line of io.pressure (exporter/psi.py), bounded in length."""
+    """``("some"|"full", total microseconds)`` of one line of io.pressure (exporter/host/psi.py), bounded in length."""
     if len(line) > MAX_LINE_CHARS:
         raise BadLine("too_long", f"longer than {MAX_LINE_CHARS} characters")
     return parse_total(line)

@@ -109,7 +109,7 @@ class BlockDevices:
 # that is the device itself: /sys/dev/block/MAJ:MIN links to its sysfs directory (a partition's
 # parent disk and a dm/md device's slaves then come from BlockDevices).  Filesystems without one of
 # their own get an anonymous st_dev (major 0): btrfs (one per subvolume), overlayfs (container
-# images), tmpfs, NFS and FUSE.  The mount table (:mod:`exporter.mounts`) knows them by the same
+# images), tmpfs, NFS and FUSE.  The mount table (:mod:`exporter.host.mounts`) knows them by the same
 # MAJ:MIN: its mount source names btrfs's block device, its super options name overlayfs's upper (or
 # first lower) directory, whose own st_dev is followed in turn; tmpfs and network filesystems have no
 # block device and say so with an empty device and their fstype.

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import thresholds as th
-from ..sorting import natural_key
+from ... import thresholds as th
+from ...sorting import natural_key
 from .data import (
     # --- figures -----------------------------------------------------------------------------------------
     COLLECTOR_SUCCESS,
