@@ -72,7 +72,7 @@ INFERENCE = textwrap.dedent("""
     import hashlib, json, os, sys, time
     sys.path.insert(0, {repo!r})
     import gpuio
-    from exporter import pagecache
+    from exporter.host import pagecache
 
     gpuio.configure({spool!r})
 

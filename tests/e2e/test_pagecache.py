@@ -44,7 +44,7 @@ def test_a_file_the_caller_cannot_write_gets_no_made_up_residency(world_readable
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
-        from exporter import pagecache   # imported before dropping privileges (the stdlib may be unreadable)
+        from exporter.host import pagecache   # imported before dropping privileges (the stdlib may be unreadable)
         os.setgid(65534); os.setuid(65534)
         fd = os.open({engine_file!r}, os.O_RDONLY)
         try:
