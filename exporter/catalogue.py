@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from . import collect, process
-from .collectors import cgroup_io, diskstats, engines, mountstats, nvml, pods, pressure, smart
+from .collectors import cgroup_io, diskstats, engines, mountstats, nvml, nvml_ledger, pods, pressure, smart
 from .exposition import INFO, Desc
 from .web import server_metrics
 
@@ -109,6 +109,16 @@ Read from NVML by a background thread every `--collector.nvml.interval` (1 s); t
 GPU's UUID.  A series NVML does not support on a GPU or driver is absent, not zero.  A GPU that is
 lost or gone from the bus keeps only `gpuio_gpu_up` 0, `gpuio_gpu_info` and its Xid series.
 docs/gpu.md says what each value is, how it is read and what it costs.
+"""),
+    Section("GPU time (`nvml` collector, with the `engines` collector's work)", (nvml_ledger,), """\
+Every second of every GPU and MIG device, accounted at each NVML sweep to one state: `serving` (an engine
+has requests in flight on it), `loading` (a load to it in progress), `starved` (work waiting while the
+device has lost its activity and a disk under the engine's files is saturated: the judgement `gpuio top`
+and the starvation rules make), `allocated_idle` (a pod or a compute process holds it, no engine work),
+`idle`; the states add up to the wall time. GPU-hours by state:
+`sum by (state) (increase(gpuio_gpu_time_seconds_total[1d])) / 3600`; per namespace from the pod series:
+`sum by (namespace, state) (increase(gpuio_pod_gpu_time_seconds_total[1d])) / 3600`. See docs/gpu.md,
+"GPU time".
 """),
     Section("Pods (`pods` collector)", (pods,), """\
 Which namespace, pod and container holds each GPU, MIG device or time-slicing replica, from the

@@ -16,6 +16,8 @@ fact                          written by                                  read b
 ``pods.set_discovered_pods``  the engine service (discovery's pods)       the cgroup_io collector (``writer_pod_uids``)
 ``pods.set_mig_parents``      the nvml collector                          the pods collector (``parent_of``: a MIG
                                                                           device's GPU)
+``gpu_work``                  the engine service, every work interval     the nvml collector (the GPU-time ledger:
+                              (GpuWork.update)                            serving, loading, starved)
 ``host_mounts``               nobody: the table is read again only when   the mountstats collector, the engine
                               /proc's mounts change                       service (the mount under each engine file)
 ============================  ==========================================  ==========================================
@@ -117,6 +119,38 @@ class GpuProcesses:
 
 
 @dataclass(frozen=True)
+class DeviceWork:
+    """What engines do on one GPU or MIG device now, as the engine service last measured it."""
+
+    in_flight: float = 0.0  # requests in flight, every engine on the device together
+    loading: float = 0.0  # loads to the device in progress
+    waiting: bool = False  # work queues for the device: a pool with every context busy, or a pool wait
+    disk_saturated: bool = False  # a disk under the files of an engine with work on the device is saturated
+    # (namespace, pod) -> "serving" or "loading": the named pods whose engines have work on the device
+    pods: Mapping[tuple[str, str], str] = field(default_factory=dict)
+
+
+class GpuWork:
+    """Engine work per GPU or MIG device UUID (DeviceWork), replaced whole by each measurement: a reader
+    sees one measurement or the next.  ``age`` says how old it is (a monotonic clock's seconds); empty,
+    and as old as the exporter, while the engines collector is off or has not measured yet."""
+
+    def __init__(self) -> None:
+        self._devices: Mapping[str, DeviceWork] = {}
+        self._at: float | None = None
+
+    def update(self, devices: Mapping[str, DeviceWork], at: float) -> None:
+        self._devices, self._at = dict(devices), at
+
+    def get(self, uuid: str) -> DeviceWork | None:
+        return self._devices.get(uuid)
+
+    def measured_at(self) -> float | None:
+        """When the last measurement was taken (monotonic); None before the first."""
+        return self._at
+
+
+@dataclass(frozen=True)
 class Context:
     """Where collectors find the host: every path goes through these roots (node_exporter's --path.*),
     and what one collector tells another (the GPU of each compute process)."""
@@ -128,6 +162,9 @@ class Context:
     # Who holds each GPU (the pods collector) and which pod each spool writer is in (engines): the nvml
     # collector names GPU processes' pods from it.
     pods: PodAttribution = field(default_factory=PodAttribution, compare=False)
+    # What engines do on each GPU now (the engine service, every --collector.engines.work-interval): the
+    # nvml collector's GPU-time ledger tells serving, loading and starved GPUs from it.
+    gpu_work: GpuWork = field(default_factory=GpuWork, compare=False)
     # The host's mount table under ``procfs``, one reader for every collector that needs it (mountstats,
     # engines): read once, again only when the mounts change, and the same table for all of them.
     host_mounts: MountTableWatch = field(init=False, compare=False, repr=False)

@@ -24,6 +24,7 @@ from ..collect import Collector, MalformedSource, register
 from ..context import Context
 from ..exposition import COUNTER, GAUGE, INFO, Desc, Family, label_string
 from ..host.blockdev import BlockDevices
+from ..host.diskstats import parse_line
 from ..host.lines import BadLine
 from ..logsetup import LogOnce
 from ..options import ConfigError, Option, parse_regex
@@ -35,7 +36,6 @@ DEFAULT_EXCLUDE = r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$"
 METADATA_MAX_AGE = 300.0
 SECONDS_PER_TICK = 1.0 / 1000.0
 SECTOR_BYTES = 512.0
-MIN_FIELDS = 14  # major, minor, name and the 11 fields every kernel since 2.6 writes
 
 DEVICE = ("device",)
 READS_COMPLETED = Desc("gpuio_disk_reads_completed_total", COUNTER,
@@ -94,21 +94,6 @@ BACKING_DESC = Desc("gpuio_disk_backing_device_info", INFO,
 PHYSICAL_DESC = Desc("gpuio_disk_physical_device_info", INFO,
                      "The whole disks at the bottom of a device's stack (a plain disk names itself), for joins from "
                      "any device.", labels=(*DEVICE, "physical_device"))
-
-
-def parse_line(line: str) -> tuple[int, int, str, list[int]]:
-    """``major, minor, name, stats`` of one diskstats line (up to 17 stats); BadLine if it is not one."""
-    parts = line.split()
-    if len(parts) < MIN_FIELDS:
-        raise BadLine("too_few_fields", f"{len(parts)} fields, at least {MIN_FIELDS} expected")
-    try:
-        numbers = [int(part) for part in parts[3 : 3 + len(FIELDS)]]
-        major, minor = int(parts[0]), int(parts[1])
-    except ValueError:
-        raise BadLine("non_numeric", "non-numeric field") from None
-    if major < 0 or minor < 0 or min(numbers) < 0:
-        raise BadLine("negative", "negative field")
-    return major, minor, parts[2], numbers
 
 
 def convert(stats: list[int]) -> list[int | float]:

@@ -366,6 +366,10 @@ OPTIONS = (
            "Names of the model files discovery looks for."),
     Option("discover-interval", "1s", parse_seconds, DURATION_ACCEPTED,
            "How often discovery looks at the processes (in the background)."),
+    Option("work-interval", "1s", parse_seconds, DURATION_ACCEPTED,
+           "How often what engines do on each GPU (in flight, loading, waiting, a saturated disk under their "
+           "files) is measured for the nvml collector's GPU-time ledger (in the background: one read of the "
+           "spool, /proc/diskstats and /proc/pressure/io)."),
 )
 
 

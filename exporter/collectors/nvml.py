@@ -65,6 +65,7 @@ from ..logsetup import LogOnce
 from ..options import Option, parse_count, parse_seconds
 from ..pods import cgroup
 from ..sampler import PeriodicSampler, Snapshot
+from .nvml_ledger import DeviceReading, GpuLedger
 from .nvml_session import NvmlCalls, Session, SessionKeeper, quietly
 from .nvml_state import MIB_PER_SECOND, Gpm, GpmMetric, Gpu, Reading
 from .nvml_state import ProcessBusy as ProcessBusy  # tests and tools import it from here
@@ -832,6 +833,7 @@ class NvmlCollector(Collector):
                                        lambda session, gpu: self._reader.prepare(session, gpu))
         # The context is read at each use: whoever built the collector may hand it another one.
         self._reader = GpuReader(self._sessions.calls, self.settings["max-processes"], lambda: self.context)
+        self.ledger = GpuLedger(lambda: self.context)
         self.sampler: PeriodicSampler[list[Family]] = PeriodicSampler("nvml", self._interval, self.sweep, log)
 
     @property
@@ -912,6 +914,7 @@ class NvmlCollector(Collector):
                         self._next_slow = now + self._slow_interval
                     for gpu in session.gpus:
                         self._reader.read(gpu, slow)
+                    self.ledger.advance(_ledger_readings(session), now)
                     if slow:
                         self.context.gpu_processes.update_sweep(
                             (((pid, start), gpu.uuid, gpu.used.get(pid)) for gpu in session.gpus
@@ -945,7 +948,8 @@ class NvmlCollector(Collector):
         with self._xid_lock:
             for gpu in sorted(self._sessions.gpus.values(), key=lambda g: (g.index, g.uuid)):
                 self._render_gpu(gpu, lines)
-        return [Family(desc, samples) for desc, samples in lines.items() if samples]
+        families = [Family(desc, samples) for desc, samples in lines.items() if samples]
+        return families + [family for family in self.ledger.families() if family.samples]
 
     @staticmethod
     def _render_gpu(gpu: Gpu, lines: dict[Desc, list[str]]) -> None:
@@ -962,3 +966,14 @@ class NvmlCollector(Collector):
             for desc, labels, value in (*gpu.static, *gpu.fast, *gpu.slow):
                 lines[desc].append(desc.sample(labels, value))
 
+
+def _ledger_readings(session: Session) -> list[DeviceReading]:
+    """Each GPU's busy and SM-active counters and whether NVML lists a compute process on it, and each
+    MIG device's (no busy reading of its own: NVML lists its processes on the GPU)."""
+    readings = []
+    for gpu in session.gpus:
+        busy = gpu.busy.seconds if gpu.up and gpu.busy.last_seen_us is not None else None
+        sm_active = gpu.gpm_totals.get(nv.GPM_METRIC_SM_UTIL) if gpu.up and gpu.gpm is not None else None
+        readings.append(DeviceReading(gpu.uuid, busy, sm_active, bool(gpu.started)))
+        readings.extend(DeviceReading(mig, None, None, False) for mig in sorted(gpu.mig_uuids))
+    return readings

@@ -11,8 +11,13 @@ the engines chosen, their GPUs, the devices under their files.  Three places ren
 them reads a source itself: the engines collector (exporter.collectors.engines: the series), ``gpuio
 engines`` and ``GET /api/v1/engines`` (exporter.engine_join: the rows).
 
-Not thread-safe: one caller at a time (the exporter's scrape holds the collector's lock, and the API
-takes the same lock); the background samplers hand their results over through :class:`PeriodicSampler`.
+Every ``--collector.engines.work-interval`` (1 s) a background sampler measures what engines do on each
+GPU (:mod:`.work`: in flight, loading, waiting, a saturated disk under their files) into
+``Context.gpu_work``, which the nvml collector's GPU-time ledger reads.
+
+The spool reader is read by one caller at a time (the service's lock: a scrape's snapshot, the API's
+read and the work measurement take turns); the other background samplers hand their results over
+through :class:`PeriodicSampler`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,12 +35,14 @@ from typing import Any
 from gpuio import spool as spool_format
 
 from ..context import Context
+from ..host.diskstats import SaturatedDisks
 from ..logsetup import LogOnce
 from ..pods import kubelet
 from ..sampler import PeriodicSampler, Snapshot
 from . import discovery, model, spool
 from .files import EngineFiles, FileDevices, FileView, ScanResult, Target, glob_directory
 from .selection import EngineSelection, LeftOut
+from .work import WorkMeter
 
 log = logging.getLogger("gpuio.collector.engines")
 
@@ -92,6 +100,7 @@ class EngineService:
                                         remove_dead=not read_only, gpu_of=self.writer_gpus,
                                         max_file_bytes=settings["max-file-bytes"], procfs=context.procfs,
                                         place_of=self.writer_gpus.placed)
+        self._reading = threading.Lock()  # one read of the spool at a time (module note)
         self._started = False  # start() called: the samplers run on their threads
         self._started_at = 0.0  # wall clock: when start() was called
         globs: tuple[str, ...] = settings["path"]
@@ -114,11 +123,15 @@ class EngineService:
                                                  memory_of=gpus.memory_of, ordered_gpus=gpus.ordered)
             self.discoveries = PeriodicSampler("engine-discovery", settings["discover-interval"],
                                                self.discovery.sample, log)
+        self._work_meter = WorkMeter(SaturatedDisks(context.procfs, context.sysfs),
+                                     lambda dev: self.files.device_of(dev, look_up=False)[1])
+        self.work: PeriodicSampler[int] = PeriodicSampler("engine-work", settings["work-interval"],
+                                                          self.measure_work, log)
 
     # --- the background samplers ---------------------------------------------------------------
 
     def _samplers(self) -> list[PeriodicSampler[Any]]:
-        return [self.files.scanner, self.pod_spools, self.files.layers,
+        return [self.files.scanner, self.pod_spools, self.files.layers, self.work,
                 *([self.discoveries] if self.discoveries else [])]
 
     def start(self) -> None:
@@ -151,7 +164,15 @@ class EngineService:
 
     def totals_now(self) -> model.Totals:
         """The spool merged now with the engines discovery's last pass found (no selection, no files)."""
-        return self._with_discovered(self.reader.read())
+        return self._read_totals(True)
+
+    def measure_work(self) -> int:
+        """What engines do on each GPU now, into Context.gpu_work (background, every work interval);
+        returns how many devices have work."""
+        now = time.monotonic()
+        devices = self._work_meter.measure(self._read_totals(self._has_spool()), now)
+        self.context.gpu_work.update(devices, now)
+        return len(devices)
 
     def files_now(self) -> dict[tuple[str, str], FileView]:
         """Every engine file known now, (engine, path) -> its size, residency and device: a scan run on
@@ -163,13 +184,11 @@ class EngineService:
 
     def snapshot(self) -> EngineSnapshot:
         """Every source read once and joined (module note); raises NoSource where nothing can report."""
-        pods = self.pod_spools.snapshot().value
-        # On a kubelet's node the pods' volumes are a source even while no pod has a spool volume.
-        has_spool = os.path.isdir(self.spool_dir) or (pods is not None and pods.exists)
+        has_spool = self._has_spool()
         if not has_spool and not self.files.globs and self.discoveries is None:
             raise NoSource(f"spool directory {self.spool_dir} does not exist; instrumented processes cannot "
                            "report (and neither --collector.engines.path nor discovery is on)")
-        totals = self._with_discovered(self.reader.read() if has_spool else model.Totals())
+        totals = self._read_totals(has_spool)
         if totals.pods:  # the pods of writers, for the nvml collector's process series
             self.context.pods.update_writer_pods((pod.pod_uid, pod.namespace, pod.pod)
                                                  for found in totals.pods.values() for pod in found)
@@ -178,9 +197,21 @@ class EngineService:
         pairs = self._engine_gpus(totals, sorted(chosen))
         files = self.files.file_devices(totals, chosen, pairs)
         self.files.watch(_scan_targets(totals, sorted(chosen), files))
+        discovered = self.discoveries.snapshot() if self.discoveries else None
         return EngineSnapshot(totals=totals, chosen=chosen, pairs=pairs, files=files, scan=self.files.last_scan(),
-                              pod_spools=pods, discovered=self.discoveries.snapshot() if self.discoveries else None,
+                              pod_spools=self.pod_spools.snapshot().value, discovered=discovered,
                               stuck=self._discovery_stuck(), pending=self.files.scanner.first_pending())
+
+    def _has_spool(self) -> bool:
+        """The spool directory exists, or this is a kubelet's node: the pods' volumes are a source even
+        while no pod has a spool volume."""
+        pods = self.pod_spools.snapshot().value
+        return os.path.isdir(self.spool_dir) or (pods is not None and pods.exists)
+
+    def _read_totals(self, has_spool: bool) -> model.Totals:
+        """The spool (where there is one) and discovery's last pass, merged: one reader at a time."""
+        with self._reading:
+            return self._with_discovered(self.reader.read() if has_spool else model.Totals())
 
     def _with_discovered(self, totals: model.Totals) -> model.Totals:
         """The spool's totals and the last discovery pass's, as one (exporter.engines.discovery).  Discovery

@@ -52,6 +52,12 @@ class PodAttribution:
             by_gpu.setdefault(gpu, []).extend(o for o in holders if o.gpu_uuid == gpu or o.mig_uuid == uuid)
         self._by_gpu = {gpu: tuple(dict.fromkeys(found)) for gpu, found in by_gpu.items()}
 
+    def holders(self, uuid: str) -> frozenset[tuple[str, str]]:
+        """(namespace, pod) of every pod the kubelet gave the GPU or MIG device ``uuid`` to (a GPU counts
+        the holders of its MIG devices too)."""
+        found = self._owners.get(uuid, ()) + self._by_gpu.get(uuid, ())
+        return frozenset((owner.namespace, owner.pod) for owner in found)
+
     def update_owners(self, owners: Iterable[DeviceOwner]) -> None:
         table: dict[str, list[DeviceOwner]] = {}
         for owner in owners:

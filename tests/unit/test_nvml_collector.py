@@ -17,9 +17,11 @@ import pytest
 
 from exporter.collect import Absent, Scraper
 from exporter.collectors.nvml import DESCS, NvmlCollector
+from exporter.collectors.nvml_ledger import DESCS as LEDGER_DESCS
 from exporter.context import Context
 from exporter.exposition import render
 from exporter.host.nvml_device import ProcessInfo, bindings
+from exporter.pods.podresources import DeviceOwner
 from tests.conftest import Samples, parse_samples, undeclared
 from tests.unit.test_nvml_fake import FakeGpu, FakeMig, FakeNvml, h100s
 
@@ -357,6 +359,8 @@ def everything() -> str:
     gpus[0].add_process_samples(1, 2, {7: (50, 10)})
     fake = FakeNvml(gpus)
     collector = make(fake, max_processes=1)
+    holder = DeviceOwner("ns", "pod", "c", "nvidia.com/gpu", gpus[1].uuid, gpus[1].uuid, "")
+    collector.context.pods.update_owners([holder])
     collector.sampler.sample_now()  # opens the session and starts the Xid listener
     try:
         gpus[0].add_process_samples(400_000, 2, {7: (50, 10)})
@@ -374,7 +378,7 @@ def test_every_family_is_served_as_declared() -> None:
     """All of them at once (MIG, Xid, a lost GPU, processes): each in the catalogue (docs/metrics.md) with
     its declared type, label names and label values."""
     text = everything()
-    assert len(set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))) == len(DESCS)
+    assert len(set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))) == len(DESCS) + len(LEDGER_DESCS)
     assert undeclared(text) == []
 
 
