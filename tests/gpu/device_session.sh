@@ -9,10 +9,10 @@
 # the GPU 50 % busy, so the GPU board's panels must return data from a real H100; the SMART replay it
 # relies on is checked first (smart_replay_check.py), so a missing dependency is named, not guessed.
 # Parts, to run it in pieces (a lease may cap one command's time): bash tests/gpu/device_session.sh [checks]
-# [rules] [storm] [bench] -- none named: all four.
+# [ledger] [rules] [storm] [bench] -- none named: all five.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpuio-device}
-PARTS=" ${*:-checks rules storm bench} "
+PARTS=" ${*:-checks ledger rules storm bench} "
 want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -58,6 +58,9 @@ step python3 bench/nvml_bench.py
 step python3 tests/gpu/exporter_http_check.py
 step python3 tests/gpu/smart_replay_check.py
 step python3 tests/gpu/load_waterfall_check.py
+fi
+if want ledger; then  # the GPU-time ledger against what a serving, then loading process did (root: O_DIRECT)
+step python3 tests/gpu/gpu_time_check.py
 fi
 if want rules && [ -f .whl/prometheus.xz ]; then
   echo "$(date +%s)" | python3 tests/gpu/gpu_worker.py duty 1 0.5 90 > "$OUT/worker.log" 2>&1 &
