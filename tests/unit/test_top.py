@@ -306,8 +306,8 @@ def test_gpu_and_engine_columns_and_the_starved_marker() -> None:
     screen = render(view, display.UiState(), height=None)
     lines = [line.split() for line in screen.splitlines()]
     assert ["nvme1n1", "200.0", "-", "-", "-", "100.0", "-", "80.0", "-", "saturated+3"] in lines
-    assert ["0", "20.0", "-", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
-    assert ["1", "80.0", "-", "-", "-", "-", "sw_power_cap"] in lines  # listed, no flag
+    assert ["0", "20.0", "-", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "-", "starved?+1"] in lines
+    assert ["1", "80.0", "-", "-", "-", "-", "sw_power_cap", "-"] in lines  # listed, no flag
     assert ["resnet", "0", "dm-0", "18.0", "50.0", "3.00", "25.0", "25.0", "starved?"] in lines
 
 
@@ -329,7 +329,7 @@ def test_where_gpm_measures_sm_activity_idle_is_judged_on_it_not_on_nvml_busy() 
     assert plain.gpus[0].sm_active is None and "starved?" not in plain.gpus[0].flags
     assert plain.engines[0].flags == []
     lines = [line.split() for line in render(view, display.UiState(), height=None).splitlines()]
-    assert ["0", "100.0", "1.00", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "starved?+1"] in lines
+    assert ["0", "100.0", "1.00", "40.0/80G", "86.0", "312.5", "sw_thermal_slowdown", "-", "starved?+1"] in lines
 
 
 def test_gpu_rates_are_taken_over_the_nvml_sweeps_interval() -> None:
@@ -508,3 +508,28 @@ def test_a_misspelt_flag_of_top_itself_gets_its_did_you_mean(capsys) -> None:
     assert capsys.readouterr().err.strip() == "gpuio top: error: unknown flag '--onse'; did you mean --once?"
     assert main(["--collector.diskstat"]) == 2
     assert "did you mean --collector.diskstats?" in capsys.readouterr().err
+
+
+def ledger_lines(seconds: dict[str, float]) -> list[str]:
+    """The GPU-time ledger's series of GPU-aaa (uuid only: the ledger has no gpu index label)."""
+    return [f'{data.GPU_TIME}{{uuid="GPU-aaa",{data.GPU_TIME_STATE_LABEL}="{state}"}} {value}'
+            for state, value in seconds.items()]
+
+
+def test_each_gpu_shows_where_its_time_went_over_the_window_from_the_ledger() -> None:
+    """The ledger's states over the interval (their increases over their sum), the largest in the screen's
+    column, all of them in --json; a GPU without ledger series shows "-"."""
+    start = {"serving": 100.0, "loading": 5.0, "starved": 0.0, "allocated_idle": 40.0, "idle": 3.0}
+    later = {"serving": 115.0, "loading": 5.0, "starved": 3.0, "allocated_idle": 42.0, "idle": 3.0}  # 20 s
+    before = data.Snapshot(0.0, data.parse_exposition(exposition(10.0, (0, 0, 0, 0), 1.0, 10) + "\n"
+                                                      + "\n".join(ledger_lines(start))))
+    after = data.Snapshot(20.0, data.parse_exposition(exposition(14.0, (10, 60, 90, 100), 1.5, 30) + "\n"
+                                                      + "\n".join(ledger_lines(later))))
+    view = iostat.compute(before, after)
+    gpu0, gpu1 = view.gpus
+    assert gpu0.states == pytest.approx({"serving": 0.75, "loading": 0.0, "starved": 0.15, "allocated_idle": 0.1,
+                                         "idle": 0.0})
+    assert gpu1.states == {}
+    lines = [line.split() for line in render(view, display.UiState(), height=None).splitlines()]
+    assert any(line[:1] == ["0"] and "srv" in line and "75" in line for line in lines)
+    assert iostat.view_json(view)["gpus"][0]["states"]["starved"] == pytest.approx(0.15)

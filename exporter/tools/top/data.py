@@ -15,7 +15,7 @@ from typing import Any, Protocol, TextIO, cast
 from gpuio.spool import SERIES
 
 from ... import collect
-from ...collectors import diskstats, engines, nvml, pressure, smart
+from ...collectors import diskstats, engines, nvml, nvml_ledger, pressure, smart
 from ..remote import DEFAULT_TIMEOUT, METRICS_PATH, ClientOptions, Exporter, RemoteError
 
 # --- The families top reads, from their declarations in the collectors (never a copied literal). ---
@@ -53,6 +53,10 @@ GPU_POWER = nvml.POWER.name  # NVML's 1 s average (the energy counter is read on
 GPU_AGE = nvml.AGE.name
 GPU_THROTTLE = nvml.REASON.name  # one 0/1 series per reason
 GPU_THROTTLE_REASON_LABEL = "reason"
+# The GPU-time ledger: seconds of each GPU (by uuid, no gpu index) in each state; top shows the shares.
+GPU_TIME = nvml_ledger.GPU_TIME.name
+GPU_TIME_STATE_LABEL = "state"
+GPU_TIME_STATES = nvml_ledger.STATES
 # Clock-event reasons that are no slowdown (an idle GPU, clocks an operator or a display set): not listed.
 # Of those listed, only thresholds.GPU_THROTTLE_REASONS flag a row (sw_power_cap is listed, not flagged).
 GPU_THROTTLE_IGNORED = ("gpu_idle", "applications_clocks_setting", "display_clock_setting")

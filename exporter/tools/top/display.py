@@ -99,6 +99,19 @@ def _memory(row: GpuRow) -> str:
     return f"{num(scaled(row.memory_used_bytes, 1 / GIB))}/{row.memory_total_bytes / GIB:.0f}G"
 
 
+# The GPU-time ledger's states, short (exporter/collectors/nvml_ledger.py).
+STATE_NAMES = {"starved": "starv", "serving": "srv", "loading": "load", "allocated_idle": "held", "idle": "idle"}
+
+
+def state_text(row: GpuRow) -> str:
+    """The ledger's state that took most of the interval and its share: "srv 62" (percent); "-" without
+    the ledger.  --json lists every state's share."""
+    if not row.states:
+        return "-"
+    state = max(row.states, key=lambda name: row.states[name])
+    return f"{STATE_NAMES.get(state, state)} {row.states[state] * 100:.0f}"
+
+
 @dataclass(frozen=True)
 class TableSpec:
     name: str
@@ -130,6 +143,7 @@ TABLES = (
         _col("watts", 5, "power_watts"),
         Column("throttle", 20, lambda r: ",".join(r.throttle_reasons) or "-",
                lambda r: len(r.throttle_reasons), left=True),
+        Column("state%", 8, state_text, lambda r: r.states.get("serving", 0.0), left=True),
         _flags(lambda r: None if r.busy is None else 1.0 - r.busy),
     ), lambda v: v.gpus, lambda r: f"{r.gpu} {r.uuid} {r.name}", "no gpuio_gpu_* series (no GPU, or nvml off)"),
     TableSpec("engine", (

@@ -45,6 +45,8 @@ from .data import (
     GPU_THROTTLE,
     GPU_THROTTLE_IGNORED,
     GPU_THROTTLE_REASON_LABEL,
+    GPU_TIME,
+    GPU_TIME_STATE_LABEL,
     GPU_UP,
     GPU_UUID_LABEL,
     PSI_CPU_SOME,
@@ -112,6 +114,9 @@ class GpuRow:
     power_watts: float | None
     throttle_reasons: list[str]
     sm_active: float | None = None  # SM-active seconds per second (GPM, Hopper and newer); None without GPM
+    # The GPU-time ledger over the interval: state -> its share of the time (serving, loading, starved,
+    # allocated_idle, idle); empty without the ledger's series
+    states: dict[str, float] = field(default_factory=dict)
     flags: list[str] = field(default_factory=list)
 
 
@@ -248,6 +253,7 @@ def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: boo
         reason, key = labels.get(GPU_THROTTLE_REASON_LABEL, ""), gpu_key(labels)
         if key is not None and value >= 1 and reason not in GPU_THROTTLE_IGNORED:
             throttled.setdefault(key, []).append(reason)
+    states = _state_shares(before, after)
     rows = []
     for key in sorted(identity, key=natural_key):
         row = GpuRow(
@@ -258,6 +264,7 @@ def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: boo
             memory_used_bytes=used.get(key), memory_total_bytes=total.get(key),
             temperature_celsius=temperature.get(key), power_watts=power.get(key),
             throttle_reasons=sorted(throttled.get(key, [])),
+            states=states.get(identity[key].get(GPU_UUID_LABEL, ""), {}),
         )
         row.flags = [flag for flag, on in (
             (th.LOST, row.up is False),
@@ -266,6 +273,23 @@ def _gpus(before: Snapshot, after: Snapshot, seconds: float, disk_saturated: boo
         ) if on]
         rows.append(row)
     return rows
+
+
+def _state_shares(before: Snapshot, after: Snapshot) -> dict[str, dict[str, float]]:
+    """uuid -> state -> the share of the interval the GPU-time ledger counted in it (the states' increases
+    over their sum: the ledger's own clock, whatever the scrapes' timing)."""
+    def seconds(snapshot: Snapshot) -> dict[tuple[str, str], float]:
+        return {(labels.get(GPU_UUID_LABEL, ""), labels.get(GPU_TIME_STATE_LABEL, "")): value
+                for labels, value in snapshot.series.get(GPU_TIME, ())}
+
+    old, new = seconds(before), seconds(after)
+    grown: dict[str, dict[str, float]] = {}
+    for (uuid, state), value in new.items():
+        delta = increase(old.get((uuid, state)), value)
+        if delta is not None:
+            grown.setdefault(uuid, {})[state] = delta
+    return {uuid: {state: delta / total for state, delta in by_state.items()}
+            for uuid, by_state in grown.items() if (total := sum(by_state.values())) > 0}
 
 
 def histogram_quantile(quantile: float, buckets: dict[float, float]) -> float | None:
