@@ -51,6 +51,11 @@
    /metrics (the engines collector with discovery on, gzip) p50/p99 while it runs.  Both against the same
    without the attack, in the same run.  ``--only-hostile`` runs this alone.
 
+10. The work measurement of the GPU-time ledger (every --collector.engines.work-interval, 1 s): the engine
+   service's measure_work() (one spool read, diskstats and pressure) over 10, 100 and 1,000 live writers
+   changed before each measurement, against the scrape's collect()+render on the same spool, its peer (the
+   read it repeats every second); with the CPU share it costs at 1 Hz.  ``--only-work`` runs this alone.
+
 9. The maps of a GPU process (loaders that map a checkpoint and close its descriptor): a process with
    MAPS_REGIONS mappings (a CUDA server maps a few thousand) and MAPS_MODELS model files mapped.  One read
    and parse of its maps, against ``grep`` of the same file (a shell's look); and a discovery pass that
@@ -81,6 +86,7 @@ import tempfile
 import time
 import types
 import urllib.request
+from collections.abc import Callable, Iterator
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -358,36 +364,53 @@ def engines_collector_class() -> Any:
         return importlib.import_module("exporter.collectors.engines").EnginesCollector
 
 
-def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[dict[str, list[float]], float | None]:
-    from exporter.context import Context
-    from exporter.engines import spool as spool_source
-    from exporter.exposition import render
-
-    EnginesCollector = engines_collector_class()  # noqa: N806
-
+@contextlib.contextmanager
+def live_writers(count: int) -> Iterator[tuple[str, Callable[[], None], subprocess.Popen]]:
+    """A spool of ``count`` live writers held by a helper process: (its directory, a function that makes
+    every writer observe once, the helper)."""
     directory = tempfile.mkdtemp(prefix="gpuio-bench-spool-")
     helper = subprocess.Popen([sys.executable, __file__, "--writer-helper", directory, str(count)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert helper.stdin is not None and helper.stdout is not None
+
+    def tick() -> None:
+        helper.stdin.write("tick\n")  # type: ignore[union-attr]
+        helper.stdin.flush()  # type: ignore[union-attr]
+        assert helper.stdout.readline().strip() == "done"  # type: ignore[union-attr]
+
     try:
         assert helper.stdout.readline().strip() == "ready"
-        options = {"spool-dir": directory, "path": (), "max-engines": 200, "max-files": 1000,
-                   "residency-interval": 3600.0}
-        collector = EnginesCollector(Context(), options)
+        yield directory, tick, helper
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+            helper.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def bench_collector(directory: str, **more: Any) -> Any:
+    from exporter.context import Context
+
+    options = {"spool-dir": directory, "path": (), "max-engines": 200, "max-files": 1000,
+               "residency-interval": 3600.0, **more}
+    return engines_collector_class()(Context(), options)
+
+
+def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[dict[str, list[float]], float | None]:
+    from exporter.engines import spool as spool_source
+    from exporter.exposition import render
+
+    with live_writers(count) as (directory, tick, helper):
+        collector = bench_collector(directory)
 
         def scrape() -> None:
             render(collector.collect())
 
-        def tick() -> None:
-            helper.stdin.write("tick\n")  # type: ignore[union-attr]
-            helper.stdin.flush()  # type: ignore[union-attr]
-            assert helper.stdout.readline().strip() == "done"  # type: ignore[union-attr]
-
         fold = None
         if dead:
-            helper.stdin.write("exit\n")
-            helper.stdin.flush()
-            assert helper.stdout.readline().strip() == "closed"
+            helper.stdin.write("exit\n")  # type: ignore[union-attr]
+            helper.stdin.flush()  # type: ignore[union-attr]
+            assert helper.stdout.readline().strip() == "closed"  # type: ignore[union-attr]
             helper.wait()
             fold = timed(scrape, 1)[0]  # the first scrape folds every dead file and removes it
             assert not os.listdir(directory)
@@ -399,11 +422,6 @@ def gpuio_scrapes(count: int, dead: bool, repeats: int) -> tuple[dict[str, list[
         if (ours.engines, ours.per_gpu, ours.processes) != (fresh.engines, fresh.per_gpu, fresh.processes):
             raise SystemExit("the collector's totals differ from a fresh reader's")
         return runs, fold
-    finally:
-        if helper.poll() is None:
-            helper.kill()
-            helper.wait()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def prometheus_scrapes(count: int, repeats: int) -> list[float]:
@@ -758,6 +776,32 @@ def report_maps(repeats: int) -> None:
 
 
 API_ENGINES = 200  # the engines collector's default --collector.engines.max-engines
+
+
+# --------------------------------------------------------------------------------------------------
+# 10. the ledger's work measurement
+# --------------------------------------------------------------------------------------------------
+
+
+def report_work(repeats: int) -> None:
+    from exporter.exposition import render
+
+    print("\nGPU-time ledger's work measurement (ms, p50 and p99; every writer changed before each): the engine "
+          "service's measure_work() vs the scrape's collect()+render on the same spool")
+    print(f"  {'live writers':>12s} {'work p50':>9s} {'p99':>7s} {'scrape p50':>11s} {'p99':>7s} "
+          f"{'work / scrape (p50)':>20s} {'CPU at 1 Hz':>12s}")
+    for count in (10, 100, 1000):
+        with live_writers(count) as (directory, tick, _):
+            # Discovery off: in the exporter its passes run on their own thread, not inside either call.
+            collector = bench_collector(directory, discover=False)
+            collector.collect()
+            work = sorted(timed(collector.service.measure_work, repeats, tick))
+            scrape = sorted(timed(lambda: render(collector.collect()), repeats, tick))  # noqa: B023
+            if collector.service.measure_work() != 0:  # the helper's writers name no GPU: nothing in flight
+                raise SystemExit("work measured where no writer has a request in flight")
+        a, a99 = statistics.median(work) * 1000, work[-1 - len(work) // 100] * 1000
+        b, b99 = statistics.median(scrape) * 1000, scrape[-1 - len(scrape) // 100] * 1000
+        print(f"  {count:>12d} {a:9.2f} {a99:7.2f} {b:11.2f} {b99:7.2f} {a / b:20.3f} {a / 10:11.2f}%")
 
 
 def exporter_env() -> dict[str, str]:
@@ -1152,6 +1196,7 @@ def main() -> None:
     parser.add_argument("--only-api", action="store_true", help="7 only: the JSON API")
     parser.add_argument("--only-hostile", action="store_true", help="8 only: engine discovery under attack")
     parser.add_argument("--only-maps", action="store_true", help="9 only: the maps of a GPU process")
+    parser.add_argument("--only-work", action="store_true", help="10 only: the ledger's work measurement")
     parser.add_argument("--hostile-passes", type=int, default=HOSTILE_PASSES, help="8: steady discovery passes")
     parser.add_argument("--hostile-scrapes", type=int, default=HOSTILE_SCRAPES, help="8: timed scrapes")
     args = parser.parse_args()
@@ -1174,6 +1219,9 @@ def main() -> None:
     if args.only_maps:
         report_maps(args.scrapes)
         return
+    if args.only_work:
+        report_work(args.scrapes)
+        return
     report_observe(observe_costs())
     report_breakdown()
     report_fork()
@@ -1185,6 +1233,7 @@ def main() -> None:
     report_api(args.scrapes)
     report_hostile(args.hostile_passes, args.hostile_scrapes)
     report_maps(args.scrapes)
+    report_work(args.scrapes)
     if not args.skip_residency:
         report_residency(args.residency_gib, args.residency_dir)
 
