@@ -159,6 +159,32 @@ LOADER = textwrap.dedent("""
 """)
 
 
+# A serving pod: its engine's pool of 2 execution contexts, 2 request threads, each request reading its
+# 1 MiB input from the disk with O_DIRECT inside the pool (the GPU, the fake's, has nothing to do meanwhile).
+SERVER_GPU = "GPU-e2e0000-0000-0000-0000-0000000000aa"
+SERVER = textwrap.dedent("""
+    import mmap, os, sys, threading
+    sys.path.insert(0, {repo!r})
+    import gpuio
+    gpuio.configure({spool!r})
+    metrics = gpuio.engine("server-0")
+    metrics.set_info({path!r}, gpu_uuid={uuid!r})
+    metrics.pool_contexts.set(2)
+
+    def serve():
+        buffer = mmap.mmap(-1, 1 << 20)
+        fd = os.open({path!r}, os.O_RDONLY | os.O_DIRECT)
+        blocks = os.fstat(fd).st_size >> 20
+        block = 0
+        while True:
+            with metrics.infer():
+                os.preadv(fd, [buffer], block << 20)
+            block = (block + 1) % blocks
+
+    for _ in range(2):
+        threading.Thread(target=serve).start()
+""")
+
 # A pod of a crash-looping rollout: it cold-loads its engine with direct 1 MiB reads (each waits its turn
 # in the stormed disk's queue), the load in progress all along, until its startup probe kills it.
 CRASH_LOOPER = textwrap.dedent("""
@@ -287,6 +313,17 @@ class Stack:
             self.processes.append(process)
             started.append(process)
         return started
+
+    def server(self) -> subprocess.Popen:
+        """The serving pod (SERVER), on SERVER_GPU, its inputs in the first engine's file."""
+        path = next(iter(self.engines.values()))[0]
+        script = SERVER.format(repo=REPO, spool=self.spool, path=path, uuid=SERVER_GPU)
+        log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read back in fio_output
+        process = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT)
+        process.log = log  # type: ignore[attr-defined]
+        self.processes.append(process)
+        self.on_gpu(process.pid, SERVER_GPU)
+        return process
 
     def query(self, expr: str) -> dict[str, float]:
         """Instant query -> {label-set string: value}."""
@@ -455,7 +492,7 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         started.append(alertmanager_process)
         # The GPUs the engines are for, idle (starved of their data) all along: no NVML here, so the
         # exporter's NVML is the fake (tests/e2e/fake_gpu_exporter.py); the rest is the real exporter.
-        gpus = ",".join(sorted({uuid for _, uuid in engines.values()}))
+        gpus = ",".join(sorted({uuid for _, uuid in engines.values()} | {SERVER_GPU}))
         culprit = culprit_cgroup(device)
         gpu_processes = os.path.join(workdir, "gpu-processes")
         exporter = ExporterProcess(["--collector.disable-defaults", "--collector.diskstats", "--collector.pressure",
@@ -590,11 +627,13 @@ def starvation_board_during_the_storm(stack: Stack) -> None:
     pages: every engine of the storm has its lane and its row, joined to this loop device; the engines'
     GPUs are idle (fake NVML: no GPU here) while their loads wait on the saturated disk, so each lane turns
     starved, and where the board says starved GPUStarvedByDiskIO is pending for the same engine on the same
-    GPU, naming the same disk: the board's colours are the alert's."""
+    GPU, naming the same disk: the board's colours are the alert's.  The serving pod's engine too: its
+    requests wait for inputs on the same disk while its GPU idles."""
+    starving = {**{name: uuid for name, (_, uuid) in stack.engines.items()}, "server-0": SERVER_GPU}
     deadline = time.monotonic() + 2 * RATE_S
     while True:
         lanes = {json.loads(k)["engine"]: v for k, v in stack.query(board_expr("Engine x GPU")).items()}
-        if set(lanes) == set(stack.engines) and set(lanes.values()) == {3} or time.monotonic() > deadline:
+        if set(lanes) == set(starving) and set(lanes.values()) == {3} or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     rows = {json.loads(k)["engine"]: (json.loads(k).get("device"), json.loads(k).get("gpu_uuid"), v)
@@ -604,12 +643,12 @@ def starvation_board_during_the_storm(stack: Stack) -> None:
     stack.report("[storm e2e] Starvation board: " + ", ".join(
         f"{engine} on {rows.get(engine, ('?', '?'))[1]} {BOARD_STATES.get(int(state), state)}"
         for engine, state in sorted(lanes.items())))
-    assert set(lanes) == set(stack.engines), lanes
+    assert set(lanes) == set(starving), lanes
     assert set(lanes.values()) == {3}, lanes
     assert {engine: state for engine, (_, _, state) in rows.items()} == lanes
-    assert {engine: uuid for engine, (_, uuid, _) in rows.items()} == {n: u for n, (_, u) in stack.engines.items()}
+    assert {engine: uuid for engine, (_, uuid, _) in rows.items()} == starving
     assert {device for device, _, _ in rows.values()} == {stack.device}
-    assert set(alerts) == {(name, uuid) for name, (_, uuid) in stack.engines.items()}, alerts
+    assert set(alerts) == set(starving.items()), alerts
     assert {labels["device"] for labels in alerts.values()} == {stack.device}, alerts
 
 
@@ -619,6 +658,7 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
     start, wall_start = time.monotonic(), time.time()
     fio = stack.fio(STORM, 180, in_culprit=True)
     loaders = stack.loaders()
+    server = stack.server()
     first_io = pending = firing = None
     at_firing: dict[str, float | None] = {}
     while time.monotonic() - start < DETECTION_BOUND_S:
@@ -677,6 +717,7 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
     stack.report(f"[storm e2e] other notifications during the storm: tickets {tickets or 'none'}")
 
     starvation_board_during_the_storm(stack)
+    ledger_during_the_storm(stack)
 
     time.sleep(RECORD_TAIL_S)
     recording = record_storm(stack, wall_start - CALM_RECORDED_S, time.time(), wall_start)
@@ -684,8 +725,9 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
                  f"{RECORD_TAIL_S} s after the page" + (f" -> {os.environ['GPUIO_STORM_RECORDING']}"
                                                         if os.environ.get("GPUIO_STORM_RECORDING") else ""))
     stop(fio)
-    for loader in loaders:
+    for loader in [*loaders, server]:
         stop(loader)
+    stack.on_gpu(server.pid, None)
     stopped = time.monotonic()
     prometheus_cleared = alertmanager_cleared = None
     while time.monotonic() - stopped < RESOLVE_BOUND_S:
@@ -705,6 +747,22 @@ def test_cold_start_storm_pages_within_bound_and_resolves(stack: Stack) -> None:
     assert prometheus_cleared is not None and alertmanager_cleared is not None, (
         f"DiskIOStorm still active {RESOLVE_BOUND_S} s after the storm stopped: {stack.storm_alerts()} "
         f"{stack.alertmanager_storms()}")
+
+
+def ledger_during_the_storm(stack: Stack) -> None:
+    """The GPU-time ledger of the stormed node (exporter/collectors/nvml_ledger.py): the serving pod's GPU,
+    its pool full while its inputs wait on the saturated disk and the GPU idle, is starved; the GPUs the
+    loaders cold-load to are loading, never starved (nothing in flight there)."""
+    window = f"{RATE_S}s"
+    grown = {(json.loads(labels)["uuid"], json.loads(labels)["state"]): value for labels, value in stack.query(
+        f"increase(gpuio_gpu_time_seconds_total[{window}])").items()}
+    server = {state: seconds for (uuid, state), seconds in grown.items() if uuid == SERVER_GPU}
+    loading = {uuid: (grown.get((uuid, "loading"), 0.0), grown.get((uuid, "starved"), 0.0))
+               for _, uuid in stack.engines.values()}
+    stack.report(f"[storm e2e] GPU time over the last {window}: serving pod's GPU {server}; loaders' GPUs "
+                 f"(loading, starved) {sorted(loading.values())}")
+    assert server.get("starved", 0.0) >= RATE_S / 2, server
+    assert all(starved == 0.0 and load > 0.0 for load, starved in loading.values()), loading
 
 
 def test_crash_looping_cold_start_pages_once_naming_every_engine_and_gpu(stack: Stack) -> None:
