@@ -24,12 +24,10 @@ Prints every figure; exits 1 when a check fails.
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +36,7 @@ sys.path[:0] = [REPO, LIBRARY]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (LIBRARY, REPO, os.environ.get("PYTHONPATH"))))
 
 from tests.conftest import ExporterProcess, parse_samples  # noqa: E402
-from tests.gpu.storm_check import write_file  # noqa: E402
+from tests.gpu.storm_check import Storm, write_file  # noqa: E402
 
 INTERVAL = "250ms"
 SETTLE_S = 3.0  # after the last process exits: the exporter's sweeps see it gone (a few intervals)
@@ -47,7 +45,6 @@ IDLE_S = 30.0
 LOAD_S = 60.0
 REQUEST_THREADS = 2
 STORM_READERS = 16
-STORM_BLOCK = 4 << 20
 MODEL_MIB = 2048
 STORM_MIB = 2048
 TOLERANCE = 0.01
@@ -147,32 +144,6 @@ def ledger(exporter: ExporterProcess, uuid: str) -> tuple[float, dict[str, float
                 if name == "gpuio_gpu_time_seconds_total" and dict(labels)["uuid"] == uuid}
 
 
-class Storm:
-    def __init__(self, path: str) -> None:
-        self.path, self.stopping = path, threading.Event()
-        self.threads = [threading.Thread(target=self.read, daemon=True) for _ in range(STORM_READERS)]
-
-    def read(self) -> None:
-        import mmap
-
-        buffer = mmap.mmap(-1, STORM_BLOCK)
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-        blocks = os.fstat(fd).st_size // STORM_BLOCK
-        while not self.stopping.is_set():
-            os.preadv(fd, [buffer], random.randrange(blocks) * STORM_BLOCK)
-        os.close(fd)
-
-    def __enter__(self) -> Storm:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        for thread in self.threads:
-            thread.join(timeout=30)
-
-
 def main() -> int:
     uuid = gpu_uuid()
     work = tempfile.mkdtemp(prefix="gpuio-ledger-", dir="/var/tmp")  # a disk, not tmpfs: O_DIRECT
@@ -191,7 +162,9 @@ def main() -> int:
         start, before = ledger(exporter, uuid)
         served = run(SERVER, uuid, model, str(SERVE_S), str(REQUEST_THREADS), env=env)
         time.sleep(IDLE_S)
-        with Storm(storm_file):
+        storm = Storm(storm_file)
+        storm.active = STORM_READERS  # of its threads, these read
+        with storm:
             loaded = run(LOADER, uuid, model, str(LOAD_S), env=env)
         time.sleep(SETTLE_S)
         end, after = ledger(exporter, uuid)
