@@ -220,6 +220,21 @@ class Config:
     # starvation alert judges such a GPU; GpuioGPUDataStale fires instead (and inhibits them in Alertmanager).
     GPU_STALE_AFTER_SECONDS: int = 30
     GPU_STALE_FOR: str = "5m"
+    # A GPU (or MIG device) held but unused: a pod holds it (the kubelet's pod resources) or NVML lists a
+    # compute process on it, and no engine had work on it (the GPU-time ledger's allocated_idle state) for at
+    # least GPU_ALLOCATED_IDLE_RATIO of the last GPU_ALLOCATED_IDLE_WINDOW, while the device itself was mostly
+    # idle over it (GPU_BUSY_LOW; a MIG device: GPU_SM_ACTIVE_LOW): a training job gpuio follows no engine of
+    # is allocated_idle to the ledger, and busy.  A cost, not an outage: a ticket.  Under 1, so that a scrape
+    # gap (the exporter restarting: its seconds are counted by nobody) of up to (1 - ratio) x window does not
+    # hide it; a device whose counters are younger than ratio x window (a fresh exporter, a new MIG device)
+    # cannot fire yet.
+    GPU_ALLOCATED_IDLE_WINDOW: str = "6h"
+    GPU_ALLOCATED_IDLE_RATIO: float = 0.95
+    # ... holding for this long: a pod that does a little work now and then, its share around the ratio,
+    # opens no ticket on a single crossing.
+    GPU_ALLOCATED_IDLE_FOR: str = "30m"
+    # ... judged this often (its own rule group): its rates span the window, hours of samples per GPU.
+    GPU_ALLOCATED_IDLE_EVAL_INTERVAL: str = "5m"
 
     # --- starvation ----------------------------------------------------------------------------------
     # Work waits on an engine on one GPU (judged per engine and GPU, never "a request is in flight"):
@@ -327,4 +342,4 @@ DEFAULT = Config()
 KNOBS = frozenset(field.name for field in dataclasses.fields(Config))
 # The knobs that are shares (0-1): `--set` refuses more than 1 for them.
 RATIO_KNOBS = thresholds.RATIOS | {"BASELINE_MIN_COVERAGE", "STORM_PAGE_IO_FULL", "PCIE_GENERATION_BUSY",
-                                   "GPU_ACTIVITY_DROP", "COLLECTOR_FAILING_RATIO"}
+                                   "GPU_ACTIVITY_DROP", "COLLECTOR_FAILING_RATIO", "GPU_ALLOCATED_IDLE_RATIO"}

@@ -23,8 +23,8 @@ def test_every_query_parses(tmp_path) -> None:
     for board in BOARDS.values():
         queries = exprs(board) + [annotation["expr"] for annotation in board["annotations"]["list"]]
         for expr in queries:
-            for name, value in (("$__rate_interval", "1m"), ("$instance", "node"), ("$device", ".+"),
-                                ("$cluster", ".*"), ("$gpu", ".*"), ("$engine", ".*")):
+            for name, value in (("$__rate_interval", "1m"), ("$__range", "3h"), ("$instance", "node"),
+                                ("$device", ".+"), ("$cluster", ".*"), ("$gpu", ".*"), ("$engine", ".*")):
                 expr = expr.replace(name, value)
             records.append({"record": f"check:query:{len(records)}", "expr": expr})
     path = tmp_path / "queries.yml"

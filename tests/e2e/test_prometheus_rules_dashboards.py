@@ -211,8 +211,9 @@ def wait_for_scrapes(api: Prometheus, process: subprocess.Popen) -> None:
 
 def grafana_substitute(expr: str, instance: str) -> str:
     """What Grafana sends for ``expr`` with every variable on "All" and one node chosen."""
-    for name, value in (("$__rate_interval", RATE_INTERVAL), ("$instance", instance), ("$device", ".+"),
-                        ("$cluster", ".*"), ("$namespace", ".*"), ("$pod", ".*"), ("$gpu", ".*"), ("$engine", ".*")):
+    for name, value in (("$__rate_interval", RATE_INTERVAL), ("$__range", "1m"), ("$instance", instance),
+                        ("$device", ".+"), ("$cluster", ".*"), ("$namespace", ".*"), ("$pod", ".*"), ("$gpu", ".*"),
+                        ("$engine", ".*")):
         expr = expr.replace(name, value)
     assert "$" not in expr.replace("$1", ""), f"a variable the test does not know: {expr}"
     return expr

@@ -221,6 +221,11 @@ RUNBOOK_FIGURES = {
     "GPUThrottled": [pct(DEFAULT.GPU_THROTTLE_RATIO), *DEFAULT.GPU_THROTTLE_REASONS],
     "GPUPCIeLinkDegraded": [pct(DEFAULT.PCIE_GENERATION_BUSY)],
     "GPUXidError": list(DEFAULT.XID_APPLICATION),
+    "GPUAllocatedIdle": [f"{pct(DEFAULT.GPU_ALLOCATED_IDLE_RATIO)} of the last "
+                         f"{DEFAULT.GPU_ALLOCATED_IDLE_WINDOW.removesuffix('h')} hours",
+                         f"for {DEFAULT.GPU_ALLOCATED_IDLE_FOR.removesuffix('m')} minutes on end",
+                         f"busy under {pct(DEFAULT.GPU_BUSY_LOW)}",
+                         f"SM activity under {pct(DEFAULT.GPU_SM_ACTIVE_LOW)}"],
 }
 
 

@@ -5,7 +5,9 @@ slowing down): this board looks across every node of the chosen cluster (all nod
 Starvation board looks at one.  Top: how many engines on how many nodes are starved now, how many disks
 storm, how many loads run; then the nodes ranked by starvation and by storm (click one for its
 Starvation board), a heat map of disk saturation across the nodes over time, which engines cold-start
-where, and how long a cold start would take now across the fleet.
+where, and how long a cold start would take now across the fleet; last, where the GPU-hours of the board's
+time range went (the GPU-time ledger: serving, loading, starved, held but idle, idle), by namespace and
+fleet-wide.
 
 Every expression reads recording rules or per-node sums that stay cheap at a thousand nodes: see
 docs/performance.md ("Fleet scale") for the measured query times.
@@ -13,13 +15,16 @@ docs/performance.md ("Fleet scale") for the measured query times.
 
 from __future__ import annotations
 
-from grafana_foundation_sdk.builders import bargauge, heatmap, prometheus, table
+from typing import TypeVar
+
+from grafana_foundation_sdk.builders import bargauge, heatmap, prometheus, table, timeseries
 from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.builders.common import ReduceDataOptions
+from grafana_foundation_sdk.builders.common import ReduceDataOptions, StackingConfig
 from grafana_foundation_sdk.models.common import (
     AxisPlacement,
     BarGaugeDisplayMode,
     BarGaugeValueMode,
+    StackingMode,
     VisibilityMode,
     VizOrientation,
 )
@@ -29,7 +34,11 @@ from grafana_foundation_sdk.models.heatmap import HeatmapColorMode, HeatmapColor
 from ...prometheus.config import STARVATION_UID, Config
 from ...prometheus.sources.names import names
 from .common import (
+    BAD,
     DATASOURCE,
+    INFO,
+    OK,
+    WARN,
     assemble,
     big_number,
     graph,
@@ -37,6 +46,7 @@ from .common import (
     no_limit,
     override,
     query,
+    rate,
     sel,
     table_query,
     threshold_lines,
@@ -186,11 +196,82 @@ def cold_start_table(config: Config) -> list:
     return [panel]
 
 
+# The GPU-time ledger's states (exporter/collectors/nvml_ledger.py STATES) and their colours: the pod series
+# have all but idle.
+GPU_TIME_STATES = {"serving": OK, "loading": INFO, "starved": BAD, "allocated_idle": WARN, "idle": "#808080"}
+# Hours of GPU (or MIG device) time: Grafana's hour unit would write 36 of them as "1.50 day".
+GPU_HOURS = "suffix: GPU-h"
+# Over the board's whole time range, not a rate window: what the range cost, whatever its length.
+RANGE = "$__range"
+
+
+def gpu_hours(config: Config, metric: str, by: str) -> str:
+    """GPU-hours of ``metric`` (a GPU-time ledger counter) per ``by`` over the board's time range, largest first."""
+    return f"sort_desc(sum by ({by}) (increase({metric}{sel(config)}[{RANGE}])) / 3600)"
+
+
+Colourable = TypeVar("Colourable", bargauge.Panel, timeseries.Panel)
+
+
+def state_colours(panel: Colourable) -> Colourable:
+    """Each series coloured by the ledger state its name ends with ("ml serving", "idle")."""
+    for state, colour in GPU_TIME_STATES.items():
+        matcher, properties = override(f"/(^| ){state}$/", color={"mode": "fixed", "fixedColor": colour})
+        panel = panel.with_override(matcher, properties)
+    return panel
+
+
+def hours_bars(title: str, description: str, expr: str, legend: str, width: int) -> bargauge.Panel:
+    """One bar per series of an instant query of GPU-hours over the board's time range."""
+    panel = (bargauge.Panel().title(title).description(description).datasource(DATASOURCE).unit(GPU_HOURS)
+             .span(width).height(10).decimals(1)
+             .with_target(prometheus.Dataquery().expr(expr).legend_format(legend).ref_id("A").instant())
+             .thresholds(no_limit()).color_scheme(db.FieldColor().mode(FieldColorModeId.FIXED).fixed_color(INFO))
+             .display_mode(BarGaugeDisplayMode.GRADIENT).value_mode(BarGaugeValueMode.COLOR)
+             .orientation(VizOrientation.HORIZONTAL).show_unfilled(True).min_viz_height(16).min_viz_width(0)
+             .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False)).min(0))
+    return state_colours(panel)
+
+
+def gpu_time_panels(config: Config) -> list:
+    """Where the GPU-hours went: the GPU-time ledger (docs/gpu.md, "GPU time") over the board's time range."""
+    states = ("serving (an engine had requests in flight), loading (a load in progress, nothing in flight), "
+              "starved (work waiting while the device lost its activity and a disk under the engine's files was "
+              "saturated), allocated_idle (held by a pod or a process, no engine work)")
+    idle_alert = (f"GPUAllocatedIdle opens a ticket for a device held with no engine work, and mostly idle, for "
+                  f"{config.GPU_ALLOCATED_IDLE_RATIO:.0%} of {config.GPU_ALLOCATED_IDLE_WINDOW}.")
+    by_state = graph(
+        "GPUs by state", "How many GPUs and MIG devices were in each state of the GPU-time ledger at each moment, "
+        f"stacked: {states}, idle (nobody holds it). The stack's height is the devices gpuio sees; its area is "
+        "GPU-hours (the bars above add it up over the time range). An orange band that stays is capacity paid for "
+        f"and unused. {idle_alert}", "short",
+        query(f"sum by (state) ({rate('gpuio_gpu_time_seconds_total', sel(config))})", "{{state}}"),
+        width=24)
+    by_state = by_state.stacking(StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(60)
+    return [
+        hours_bars("GPU-hours by state, by namespace",
+                   "GPU-hours over the board's time range per Kubernetes namespace and state, from the pods' share of "
+                   f"the GPU-time ledger (gpuio_pod_gpu_time_seconds_total): {states}. Two pods time-slicing a GPU "
+                   "each count their own hours. Largest first: a long orange bar is a namespace holding GPUs it does "
+                   f"not use. Empty without the pods collector, or outside Kubernetes. {idle_alert}",
+                   gpu_hours(config, "gpuio_pod_gpu_time_seconds_total", "namespace, state"),
+                   "{{namespace}} {{state}}", width=12),
+        hours_bars("GPU-hours by state, fleet-wide",
+                   "GPU-hours over the board's time range of every GPU and MIG device of the chosen nodes, by state "
+                   f"of the GPU-time ledger (gpuio_gpu_time_seconds_total): {states}, idle (nobody holds it: free "
+                   "capacity). The states of a device add up to the time the exporter watched it, so the bars add up "
+                   "to the fleet's GPU-hours seen.",
+                   gpu_hours(config, "gpuio_gpu_time_seconds_total", "state"), "{{state}}", width=12),
+        state_colours(by_state),
+    ]
+
+
 def build(config: Config) -> db.Dashboard:
     sections = (("Now", top_row(config)), ("Nodes", rankings(config)), ("Disks", [saturation_heatmap(config)]),
-                ("Cold starts", cold_start_panels(config) + cold_start_table(config)))
+                ("Cold starts", cold_start_panels(config) + cold_start_table(config)),
+                ("GPU time", gpu_time_panels(config)))
     return assemble(config, FLEET_UID, "Every node of a cluster: starvation and storms ranked by node, disk saturation "
-                    "across nodes over time, where engines cold-start and how long a cold start would take.",
-                    sections, title=FLEET_TITLE, all_nodes=True)
+                    "across nodes over time, where engines cold-start and how long a cold start would take, and where "
+                    "the GPU-hours went.", sections, title=FLEET_TITLE, all_nodes=True)
 
 

@@ -4,7 +4,7 @@
     disk.py        block devices: rates, awaits, class limits, calm baselines; DiskIOStorm
     mounts.py      network and FUSE mounts; MountIOStorm
     gpu.py         GPU busy, stale GPU data; GPULost, GPUMissing, GPUThrottled, GPUPCIeLinkDegraded,
-                   GPUXidError, GPUECCUncorrectable, GpuioGPUDataStale
+                   GPUXidError, GPUECCUncorrectable, GPUAllocatedIdle, GpuioGPUDataStale
     starvation.py  engine -> GPU -> storage joins, work waiting; GPUStarvedByDiskIO, NodeGPUStarvedByIO
     engines.py     engine loads, the spool; EngineColdStartSlow, GpuioEngineSpoolErrors
     smart.py       disk health; DiskHealthDegrading, GpuioSmartDataStale
@@ -64,6 +64,8 @@ def rule_files(config: Config = DEFAULT) -> dict[str, dict[str, Any]]:
         ]},
         "gpu": {"groups": [
             {"name": "gpuio.gpu.alerts", "rules": gpu.alerts(config)},
+            {"name": "gpuio.gpu.tickets", "interval": config.GPU_ALLOCATED_IDLE_EVAL_INTERVAL,
+             "rules": gpu.tickets(config)},
         ]},
         "engines": {"groups": [
             {"name": "gpuio.engines.rules", "rules": engines.recording_rules(config)},

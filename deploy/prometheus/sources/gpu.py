@@ -146,6 +146,71 @@ def alerts(config: Config) -> list[Rule]:
     ]
 
 
+def tickets(config: Config) -> list[Rule]:
+    """The GPU-time ledger's ticket, in a group of its own evaluated every GPU_ALLOCATED_IDLE_EVAL_INTERVAL:
+    its rates span GPU_ALLOCATED_IDLE_WINDOW (hours of samples for every GPU of the fleet), and an answer a
+    few minutes late costs nothing."""
+    recorded = names(config)
+    return [
+        # The GPU-time ledger has no `gpu` index label (a MIG device has none): named by UUID, the board by node.
+        alert(config, "GPUAllocatedIdle", allocated_idle_expr(config), config.GPU_ALLOCATED_IDLE_FOR, WARNING,
+              fill("{{ $labels.uuid }} at ${node} is held but idle.", node=recorded.NODE),
+              fill("{{ $labels.uuid }} at ${node} sat allocated with no engine work for {{ $value | humanizePercentage "
+                   "}} of the last ${window}: a pod holds it (the kubelet's pod resources) or NVML lists a compute "
+                   "process on it, no engine had requests in flight or a load on it, and the device itself was "
+                   "mostly idle (busy under ${busy_low}, a MIG device's SM activity under ${sm_low}). Held by: "
+                   "${pods}. Nothing else can be scheduled on it while it is held: a cost, not an outage.",
+                   node=recorded.NODE, window=config.GPU_ALLOCATED_IDLE_WINDOW, pods=pods_holding_idle(config),
+                   busy_low=f"{config.GPU_BUSY_LOW:.0%}", sm_low=f"{config.GPU_SM_ACTIVE_LOW:.0%}"),
+              board(GPU_UID)),
+    ]
+
+
+ALLOCATED_IDLE = 'state="allocated_idle"'
+
+
+def allocated_idle_expr(config: Config) -> str:
+    """GPUAllocatedIdle: a device (GPU or MIG device, by ``uuid``) in the GPU-time ledger's allocated_idle state
+    (held by a pod or a process, no engine work) for at least GPU_ALLOCATED_IDLE_RATIO of the window, its value
+    that share.  rate() counts across an exporter restart (the ledger's counters start again from 0).
+
+    allocated_idle says only that no engine gpuio follows had work there: a training job, or a server without
+    gpuio's library, keeps a GPU busy in that state.  So the device itself must have been mostly idle over the
+    window too (the starvation rules' idle: NVML busy under GPU_BUSY_LOW; a MIG device, which has no busy of its
+    own, its GPU instance's SM activity under GPU_SM_ACTIVE_LOW); a device with no such reading is judged by the
+    ledger alone."""
+    window, node = config.GPU_ALLOCATED_IDLE_WINDOW, config.NODE_LABEL
+    sel = config.selector()
+    held = f"rate(gpuio_gpu_time_seconds_total{config.selector(ALLOCATED_IDLE)}[{window}])"
+    return "\n".join([
+        f"{held} >= {config.GPU_ALLOCATED_IDLE_RATIO:g}",
+        "# unless the device itself worked: a process gpuio follows no engine of (a training job) keeps it busy",
+        f"unless on ({node}, uuid) (",
+        f"  rate(gpuio_gpu_busy_seconds_total{sel}[{window}]) >= {config.GPU_BUSY_LOW:g}",
+        "  or",
+        "  label_replace(",
+        f"    gpuio_gpu_mig_device_info{sel}",
+        f"    * on ({node}, uuid, gpu_instance) group_left ()",
+        f"    rate(gpuio_gpu_mig_sm_active_seconds_total{sel}[{window}]),",
+        '    "uuid", "$1", "mig_uuid", "(.+)"',
+        f"  ) >= {config.GPU_SM_ACTIVE_LOW:g}",
+        ")",
+    ])
+
+
+def pods_holding_idle(config: Config) -> str:
+    """An alert template naming the pods that held the alert's device (labels: node, uuid) with no engine work
+    over GPU_ALLOCATED_IDLE_WINDOW, each with its share of the window; else says that no pod is known."""
+    query = fill("sum by (namespace, pod) (rate(gpuio_pod_gpu_time_seconds_total{${node}='%s',uuid='%s',"
+                 "state='allocated_idle'}[${window}])) > 0",
+                 node=config.NODE_LABEL, window=config.GPU_ALLOCATED_IDLE_WINDOW)
+    return fill('{{ with printf "${query}" $labels.${node} $labels.uuid | query | sortByLabel "pod" }}'
+                "{{ range $index, $pod := . }}{{ if $index }}, {{ end }}{{ $pod.Labels.namespace }}/"
+                "{{ $pod.Labels.pod }} ({{ $pod.Value | humanizePercentage }}){{ end }}"
+                "{{ else }}no pod known (a process outside Kubernetes, or no pods collector: nvidia-smi lists "
+                "the processes){{ end }}", query=query, node=config.NODE_LABEL)
+
+
 def nvml_success_now(config: Config) -> str:
     """An alert template: whether the nvml collector of the alert's node succeeded at its last scrape."""
     query = fill("gpuio_scrape_collector_success{collector='nvml',${node}='%s'}", node=config.NODE_LABEL)
