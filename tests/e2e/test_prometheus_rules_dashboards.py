@@ -264,17 +264,32 @@ def rules(rule_files: list[str]) -> Iterator[dict]:
                 yield from group["rules"]
 
 
+def slow_groups(rule_files: list[str]) -> set[str]:
+    """The groups with an interval of their own (gpuio.gpu.tickets: 5 minutes): Prometheus first evaluates
+    them up to that long after it starts; their expressions are run below all the same."""
+    found = set()
+    for path in rule_files:
+        with open(path) as handle:
+            found |= {group["name"] for group in yaml.safe_load(handle)["groups"] if "interval" in group}
+    return found
+
+
 def test_rules_are_healthy_and_run(prometheus: Setup) -> None:
     api = prometheus.api
     expected = {rule.get("record") or rule.get("alert") for rule in rules(prometheus.rule_files)}
+    slow = slow_groups(prometheus.rule_files)
     deadline = time.monotonic() + 10
-    while True:  # every rule evaluated at least once
-        loaded = [rule for group in api.get("/api/v1/rules")["data"]["groups"] for rule in group["rules"]]
-        if all(rule["lastEvaluation"] > "2000" for rule in loaded) or time.monotonic() > deadline:
+    while True:  # every rule evaluated at least once (but the slow groups')
+        groups = list(api.get("/api/v1/rules")["data"]["groups"])
+        loaded = [rule for group in groups for rule in group["rules"]]
+        if all(rule["lastEvaluation"] > "2000" for group in groups if group["name"] not in slow
+               for rule in group["rules"]) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
     assert {rule["name"] for rule in loaded} == expected
-    unhealthy = {rule["name"]: rule.get("lastError") for rule in loaded if rule["health"] != "ok"}
+    assert slow == {"gpuio.gpu.tickets"}  # the one group with an interval of its own
+    unhealthy = {rule["name"]: rule.get("lastError") for group in groups for rule in group["rules"]
+                 if rule["health"] != "ok" and not (group["name"] in slow and rule["health"] == "unknown")}
     assert unhealthy == {}
     for rule in rules(prometheus.rule_files):
         result = api.query(rule["expr"])
