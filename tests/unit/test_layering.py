@@ -270,3 +270,34 @@ def test_the_engine_sources_have_one_owner_the_engine_service() -> None:
               and path.endswith(".py") and _constructs_an_engine_source(path)}
     assert owners == {"exporter.engines.service"}
     assert _constructs_an_engine_source(modules()["exporter.engines.service"]) == ENGINE_SOURCES | {"Discovery"}
+
+
+# The rooms stay livable (issue 42): a class the size of a module is a module's worth of reasons to change.
+MAX_CLASS_LINES, MAX_CLASS_ATTRIBUTES = 500, 30
+
+
+def class_sizes() -> dict[str, tuple[int, int]]:
+    """Every class of the exporter (the library aside): module:Class -> (lines, attributes), an attribute
+    being a name assigned on ``self`` anywhere in the class or a field annotated in its body."""
+    sizes = {}
+    for name, path in modules().items():
+        if not name.startswith("exporter.") or not path.endswith(".py"):
+            continue
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                stored = {sub.attr for sub in ast.walk(node)
+                          if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                          and sub.value.id == "self" and isinstance(sub.ctx, ast.Store)}
+                fields = {stmt.target.id for stmt in node.body
+                          if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)}
+                sizes[f"{name}:{node.name}"] = (node.end_lineno - node.lineno + 1, len(stored | fields))
+    return sizes
+
+
+def test_no_class_of_the_exporter_is_over_500_lines_or_30_attributes() -> None:
+    sizes = class_sizes()
+    assert "exporter.engines.service:EngineService" in sizes  # the walk reads the classes
+    assert {name: size for name, size in sizes.items()
+            if size[0] > MAX_CLASS_LINES or size[1] > MAX_CLASS_ATTRIBUTES} == {}
