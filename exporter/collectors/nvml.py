@@ -968,12 +968,15 @@ class NvmlCollector(Collector):
 
 
 def _ledger_readings(session: Session) -> list[DeviceReading]:
-    """Each GPU's busy and SM-active counters and whether NVML lists a compute process on it, and each
-    MIG device's (no busy reading of its own: NVML lists its processes on the GPU)."""
-    readings = []
+    """Each GPU's busy and SM-active counters and whether NVML lists a compute process on it; a GPU in MIG
+    mode is its MIG devices (no busy reading of their own; NVML lists their processes on the GPU), so that
+    no second of it is counted twice."""
+    readings: list[DeviceReading] = []
     for gpu in session.gpus:
+        if gpu.mig_uuids:
+            readings.extend(DeviceReading(mig, None, None, False) for mig in sorted(gpu.mig_uuids))
+            continue
         busy = gpu.busy.seconds if gpu.up and gpu.busy.last_seen_us is not None else None
         sm_active = gpu.gpm_totals.get(nv.GPM_METRIC_SM_UTIL) if gpu.up and gpu.gpm is not None else None
         readings.append(DeviceReading(gpu.uuid, busy, sm_active, bool(gpu.started)))
-        readings.extend(DeviceReading(mig, None, None, False) for mig in sorted(gpu.mig_uuids))
     return readings

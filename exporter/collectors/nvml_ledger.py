@@ -17,7 +17,8 @@ So the states of one device add up to the wall time since the exporter first saw
 What engines do comes from the engine service (``Context.gpu_work``, measured every
 ``--collector.engines.work-interval``): without the engines collector, or with a measurement older than
 WORK_MAX_AGE, no engine has work and the states are ``allocated_idle`` and ``idle`` only.  A MIG device
-has no busy reading of its own here, so it is never judged ``starved``.
+has no busy reading of its own here, so it is never judged ``starved``; a GPU in MIG mode is
+accounted as its MIG devices (its own series stop), so that no second is counted twice.
 
 Per pod (namespace, pod) and device, the seconds its engines or its holding account for: ``serving``,
 ``loading`` or ``starved`` for the named pods whose engines have that work there (each pod its own

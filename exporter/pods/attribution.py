@@ -53,10 +53,8 @@ class PodAttribution:
         self._by_gpu = {gpu: tuple(dict.fromkeys(found)) for gpu, found in by_gpu.items()}
 
     def holders(self, uuid: str) -> frozenset[tuple[str, str]]:
-        """(namespace, pod) of every pod the kubelet gave the GPU or MIG device ``uuid`` to (a GPU counts
-        the holders of its MIG devices too)."""
-        found = self._owners.get(uuid, ()) + self._by_gpu.get(uuid, ())
-        return frozenset((owner.namespace, owner.pod) for owner in found)
+        """(namespace, pod) of every pod the kubelet gave the GPU or MIG device ``uuid`` to."""
+        return frozenset((owner.namespace, owner.pod) for owner in self._owners.get(uuid, ()))
 
     def update_owners(self, owners: Iterable[DeviceOwner]) -> None:
         table: dict[str, list[DeviceOwner]] = {}

@@ -241,3 +241,23 @@ def test_the_nvml_collector_serves_the_ledger_with_states_adding_up_to_the_time_
                   for state in STATES}
         assert sum(states.values()) == pytest.approx(last - first)
         assert states[busiest] == pytest.approx(last - first)
+
+
+def test_a_gpu_in_mig_mode_is_accounted_as_its_mig_devices_and_a_pod_holding_one_once() -> None:
+    """No second counted twice: the GPU's own series stop when it is cut into MIG devices, and the pod the
+    kubelet gave a MIG device is accounted on that device alone."""
+    from tests.unit.test_nvml_fake import FakeGpu, FakeMig
+
+    mig = FakeGpu("GPU-M", mig_mode=(1, 0), mig=[FakeMig("MIG-a", 1, 0), FakeMig("MIG-b", 2, 0)])
+    collector = make(FakeNvml([mig]))
+    collector.context.pods.update_owners([owner("research", "notebook", "MIG-a")])
+    for _ in range(3):
+        collector.sampler.sample_now()
+    samples = parse_samples(render(collector.collect()))
+    devices = {dict(labels)["uuid"] for (name, labels), _ in samples.items() if name == "gpuio_gpu_time_seconds_total"}
+    assert devices == {"MIG-a", "MIG-b"}
+    assert value(samples, "gpuio_gpu_time_seconds_total", uuid="MIG-a", state=ALLOCATED_IDLE) > 0
+    assert value(samples, "gpuio_gpu_time_seconds_total", uuid="MIG-b", state=IDLE) > 0
+    pods = {(dict(labels)["uuid"], dict(labels)["state"]) for (name, labels), seconds in samples.items()
+            if name == "gpuio_pod_gpu_time_seconds_total" and seconds > 0}
+    assert pods == {("MIG-a", ALLOCATED_IDLE)}
