@@ -914,7 +914,7 @@ class NvmlCollector(Collector):
                         self._next_slow = now + self._slow_interval
                     for gpu in session.gpus:
                         self._reader.read(gpu, slow)
-                    self.ledger.advance(_ledger_readings(session), now)
+                    self.ledger.advance(self._ledger_readings(session), now)
                     if slow:
                         self.context.gpu_processes.update_sweep(
                             (((pid, start), gpu.uuid, gpu.used.get(pid)) for gpu in session.gpus
@@ -925,6 +925,23 @@ class NvmlCollector(Collector):
             finally:
                 self._sweep_started = None
                 self._sessions.calls.current_call = ""
+
+    def _ledger_readings(self, session: Session) -> list[DeviceReading]:
+        """Each GPU's busy and SM-active counters, whether NVML lists a compute process on it and the named
+        pods of those it keeps; a GPU in MIG mode is its MIG devices (no busy reading of their own; NVML lists
+        their processes on the GPU), so that no second of it is counted twice."""
+        readings: list[DeviceReading] = []
+        for gpu in session.gpus:
+            if gpu.mig_uuids:
+                readings.extend(DeviceReading(mig, None, None, False) for mig in sorted(gpu.mig_uuids))
+                continue
+            busy = gpu.busy.seconds if gpu.up and gpu.busy.last_seen_us is not None else None
+            sm_active = gpu.gpm_totals.get(nv.GPM_METRIC_SM_UTIL) if gpu.up and gpu.gpm is not None else None
+            pods = self.context.pods
+            named = {pods.of_process(ref.pod_uid, gpu.uuid) for ref in gpu.pods.values() if ref is not None}
+            readings.append(DeviceReading(gpu.uuid, busy, sm_active, bool(gpu.started),
+                                          frozenset(name[:2] for name in named if name is not None)))
+        return readings
 
     @staticmethod
     def _cuda_order(session: Session) -> tuple[str, ...]:
@@ -967,16 +984,3 @@ class NvmlCollector(Collector):
                 lines[desc].append(desc.sample(labels, value))
 
 
-def _ledger_readings(session: Session) -> list[DeviceReading]:
-    """Each GPU's busy and SM-active counters and whether NVML lists a compute process on it; a GPU in MIG
-    mode is its MIG devices (no busy reading of their own; NVML lists their processes on the GPU), so that
-    no second of it is counted twice."""
-    readings: list[DeviceReading] = []
-    for gpu in session.gpus:
-        if gpu.mig_uuids:
-            readings.extend(DeviceReading(mig, None, None, False) for mig in sorted(gpu.mig_uuids))
-            continue
-        busy = gpu.busy.seconds if gpu.up and gpu.busy.last_seen_us is not None else None
-        sm_active = gpu.gpm_totals.get(nv.GPM_METRIC_SM_UTIL) if gpu.up and gpu.gpm is not None else None
-        readings.append(DeviceReading(gpu.uuid, busy, sm_active, bool(gpu.started)))
-    return readings

@@ -23,8 +23,9 @@ accounted as its MIG devices (its own series stop), so that no second is counted
 Per pod (namespace, pod) and device, the seconds its engines or its holding account for: ``serving``,
 ``loading`` or ``starved`` for the named pods whose engines have that work there (each pod its own
 state: two pods time-slicing a GPU are told apart), ``allocated_idle`` for the pods holding the device
-with no work there.  At most MAX_PODS_PER_DEVICE pods a device a sweep (by name); the seconds of the
-rest go to ``gpuio_pod_gpu_time_left_out_seconds_total``.  Pods not seen for POD_RETENTION_SECONDS are
+(the kubelet gave it to them, or a process of theirs has a context on it) with no work there.  At most
+MAX_PODS_PER_DEVICE pods a device a sweep (by name); the seconds of the rest go to
+``gpuio_pod_gpu_time_left_out_seconds_total``.  Pods not seen for POD_RETENTION_SECONDS are
 forgotten (their series end; Prometheus' ``increase()`` keeps what they counted).
 """
 
@@ -64,13 +65,15 @@ DESCS = (GPU_TIME, POD_GPU_TIME, POD_LEFT_OUT)
 
 @dataclass(frozen=True)
 class DeviceReading:
-    """What one sweep read of a device: its busy and SM-active counters (seconds; None where not read)
-    and whether NVML lists a compute process on it."""
+    """What one sweep read of a device: its busy and SM-active counters (seconds; None where not read),
+    whether NVML lists a compute process on it, and the named pods of those processes (their cgroup's pod,
+    named as exporter.pods.attribution names it)."""
 
     uuid: str
     busy_seconds: float | None
     sm_active_seconds: float | None
     has_processes: bool
+    process_pods: frozenset[tuple[str, str]] = frozenset()
 
 
 def judge(work: DeviceWork | None, busy: float | None, sm_active: float | None, held: bool,
@@ -113,7 +116,7 @@ class GpuLedger:
             if seconds <= 0:
                 continue
             work = context.gpu_work.get(reading.uuid) if work_fresh else None
-            holders = context.pods.holders(reading.uuid)
+            holders = context.pods.holders(reading.uuid) | reading.process_pods
             state = judge(work, _share(last[1], reading.busy_seconds, seconds),
                           _share(last[2], reading.sm_active_seconds, seconds),
                           reading.has_processes or bool(holders), self._limits)

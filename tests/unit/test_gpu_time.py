@@ -261,3 +261,16 @@ def test_a_gpu_in_mig_mode_is_accounted_as_its_mig_devices_and_a_pod_holding_one
     pods = {(dict(labels)["uuid"], dict(labels)["state"]) for (name, labels), seconds in samples.items()
             if name == "gpuio_pod_gpu_time_seconds_total" and seconds > 0}
     assert pods == {("MIG-a", ALLOCATED_IDLE)}
+
+
+def test_a_pod_whose_process_holds_a_gpu_is_accounted_without_the_kubelet() -> None:
+    """A process with a CUDA context on the GPU, in a pod its cgroup names (the nvml collector's process
+    pods): that pod holds the GPU, allocated_idle while no engine has work there."""
+    context = Context()
+    ledger, clock = GpuLedger(lambda: context), Clock(context)
+    held = DeviceReading(GPU_A, 0.0, None, True, frozenset({("batch", "trainer-0")}))
+    clock.sweep(ledger, 0, [held], {})
+    clock.sweep(ledger, 3.0, [held], {})
+    samples = parse_samples(render(ledger.families()))
+    assert value(samples, "gpuio_pod_gpu_time_seconds_total", namespace="batch", pod="trainer-0", uuid=GPU_A,
+                 state=ALLOCATED_IDLE) == 3.0
