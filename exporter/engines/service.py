@@ -114,19 +114,23 @@ class EngineService:
         self.pods_dir: str = settings["kubelet-pods-dir"]
         self.pod_spools: PeriodicSampler[kubelet.Discovery] = PeriodicSampler(
             "pod-spools", settings["pod-spool-interval"], self.find_pod_spools, log)
-        self.discovery: discovery.Discovery | None = None
+        self.discovery = self._discovery(path_include) if settings["discover"] else None
         self.discoveries: PeriodicSampler[discovery.Discovered] | None = None
-        if settings["discover"]:
-            self.discovery = discovery.Discovery(path_include, settings["discover-patterns"],
-                                                 context.procfs, context.sysfs, gpu_of=gpus.get,
-                                                 gpu_processes=gpus.processes, gpus_of=gpus.gpus_of,
-                                                 memory_of=gpus.memory_of, ordered_gpus=gpus.ordered)
+        if self.discovery is not None:
             self.discoveries = PeriodicSampler("engine-discovery", settings["discover-interval"],
                                                self.discovery.sample, log)
         self._work_meter = WorkMeter(SaturatedDisks(context.procfs, context.sysfs),
                                      lambda dev: self.files.device_of(dev, look_up=False)[1])
         self.work: PeriodicSampler[int] = PeriodicSampler("engine-work", settings["work-interval"],
                                                           self.measure_work, log)
+
+    def _discovery(self, path_include: tuple[str, ...]) -> discovery.Discovery:
+        """Discovery of the processes that serve engines without the library, told by the nvml collector
+        (Context.gpu_processes) which processes hold which GPU."""
+        gpus = self.context.gpu_processes
+        return discovery.Discovery(path_include, self.settings["discover-patterns"], self.context.procfs,
+                                   self.context.sysfs, gpu_of=gpus.get, gpu_processes=gpus.processes,
+                                   gpus_of=gpus.gpus_of, memory_of=gpus.memory_of, ordered_gpus=gpus.ordered)
 
     # --- the background samplers ---------------------------------------------------------------
 
