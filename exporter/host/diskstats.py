@@ -9,6 +9,7 @@ GPU-time ledger, which asks every second whether a disk an engine reads is satur
 from __future__ import annotations
 
 import os
+import time
 
 from .. import thresholds as th
 from .blockdev import BlockDevices
@@ -18,6 +19,7 @@ from .psi import parse_total
 MIN_FIELDS = 14  # major, minor, name and the 11 fields every kernel since 2.6 writes
 MAX_STATS = 17  # the fields after major, minor and name that a 5.5+ kernel writes; a later kernel's are ignored
 MAX_BYTES = 1 << 20  # /proc/diskstats of 4,000 devices is ~600 KiB
+SYSFS_REFRESH_SECONDS = 60.0  # a disk sysfs did not list is looked for again at most this often
 # Stats indexes (0-based after major, minor, name): what the saturation judgement reads.
 READS, READ_MS, WRITES, WRITE_MS, WEIGHTED_MS = 0, 3, 4, 7, 10
 
@@ -47,6 +49,7 @@ class SaturatedDisks:
         self.procfs = procfs
         self.limits = limits
         self._devices = BlockDevices(sysfs)
+        self._refreshed_at = 0.0  # monotonic: when the sysfs index was last read again for an unknown disk
         self._before: dict[str, tuple[list[int], float]] = {}
         self._pressure_before: tuple[dict[str, int], float] | None = None
 
@@ -69,8 +72,9 @@ class SaturatedDisks:
     def _saturated(self, disk: str, old: list[int], new: list[int], seconds: float, pressure: bool) -> bool:
         delta = [max(0, after - before) for before, after in zip(old, new, strict=False)]
         reads, writes = delta[READS], delta[WRITES]
-        if disk not in self._devices.devices:
-            self._devices.refresh()  # a disk that appeared since the index was read
+        if disk not in self._devices.devices and time.monotonic() - self._refreshed_at > SYSFS_REFRESH_SECONDS:
+            self._devices.refresh()  # a disk that appeared since the index was read (a gone one: not each call)
+            self._refreshed_at = time.monotonic()
         flags = self.limits.disk_flags(
             self._devices.rotational(disk), reads / seconds, writes / seconds,
             delta[READ_MS] / 1000 / reads if reads else None, delta[WRITE_MS] / 1000 / writes if writes else None,
