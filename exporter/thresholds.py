@@ -187,9 +187,14 @@ class Thresholds:
         pool wait of at least ENGINE_POOL_WAIT_SECONDS, or as many requests in flight as it has execution
         contexts.  A request in flight is not queueing: a spare replica serving one request now and then
         is idle, not starved."""
+        return (self.gpu_starved(gpu_busy, disk_saturated, gpu_sm_active)
+                and self.work_waiting(in_flight, pool_wait, contexts))
+
+    def work_waiting(self, in_flight: float | None, pool_wait: float | None, contexts: float | None) -> bool:
+        """Work queues for an engine: as many requests in flight as it has execution contexts, or a mean
+        pool wait of at least ENGINE_POOL_WAIT_SECONDS (the GPU-time ledger's "waiting" too)."""
         saturated_pool = in_flight is not None and contexts is not None and 0 < contexts <= in_flight
-        waiting = saturated_pool or (pool_wait is not None and pool_wait >= self.ENGINE_POOL_WAIT_SECONDS)
-        return self.gpu_starved(gpu_busy, disk_saturated, gpu_sm_active) and waiting
+        return saturated_pool or (pool_wait is not None and pool_wait >= self.ENGINE_POOL_WAIT_SECONDS)
 
 
 DEFAULT = Thresholds()

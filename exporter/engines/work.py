@@ -70,13 +70,10 @@ class WorkMeter:
 
     def _queues(self, in_flight: float, contexts: float, before: tuple[float, float] | None,
                 now: tuple[float, float]) -> bool:
-        """Work waits for the device: every execution context busy, or a mean pool wait since the last
-        measurement of at least ENGINE_POOL_WAIT_SECONDS."""
-        if 0 < contexts <= in_flight:
-            return True
-        if before is None or now[0] <= before[0]:
-            return False
-        return (now[1] - before[1]) / (now[0] - before[0]) >= self._limits.ENGINE_POOL_WAIT_SECONDS
+        """Work waits for the device (Thresholds.work_waiting) with the mean pool wait since the last
+        measurement (none before a second measurement, or without acquires since)."""
+        mean_wait = (now[1] - before[1]) / (now[0] - before[0]) if before is not None and now[0] > before[0] else None
+        return self._limits.work_waiting(in_flight, mean_wait, contexts)
 
     def _engine_disks(self, totals: model.Totals, engines: set[str]) -> set[str]:
         return {disk for engine in engines for info in totals.infos.get(engine, [])
