@@ -117,7 +117,7 @@ lint: venv
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/mypy exporter
 	# The Grafana SDK needs 3.11 (StrEnum): the generators (deploy/, `gpuio generate`) are checked at 3.11.
-	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 deploy/grafana deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py deploy/generate.py deploy/exporter_modules.py
+	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 deploy/grafana deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py deploy/generate.py deploy/exporter_modules.py deploy/victoriametrics
 
 # What the linter can mend on its own (import order, older syntax), in place; the rest `make lint` names.
 # The code is formatted by hand at 120 columns: no reformatter rewrites it.
@@ -170,7 +170,7 @@ soak: venv system-deps
 GPU_PYTHON ?= 3.12
 GPU_PLATFORMS := $(foreach p,manylinux_2_34 manylinux_2_28 manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1,--platform $(p)_x86_64)
 gpu-wheels:
-	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-node-exporter prometheus-alertmanager"
+	@$(MAKE) --no-print-directory debs DEBS="prometheus prometheus-node-exporter prometheus-alertmanager victoria-metrics"
 	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 	  $(GPU_PLATFORMS) --dest .whl -r requirements-run.txt pytest iniconfig pluggy packaging
@@ -178,6 +178,7 @@ gpu-wheels:
 	xz -T0 -c $$(command -v promtool) > .whl/promtool.xz
 	xz -T0 -c $$(command -v prometheus-node-exporter) > .whl/node_exporter.xz
 	xz -T0 -c $$(command -v prometheus-alertmanager) > .whl/alertmanager.xz
+	for tool in victoria-metrics vmagent vmalert; do xz -T0 -c $$(command -v $$tool) > .whl/$$tool.xz; done  # bench/fleet_bench.py
 	mkdir -p .whl/alertmanager-templates  # Debian's build reads its templates from /usr/share
 	cp /usr/share/prometheus/alertmanager/*.tmpl .whl/alertmanager-templates/
 	# gpuio's C hot path, an abi3 build (any CPython >= 3.11): tests/gpu/device_session.sh puts it beside

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -51,6 +52,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "exporter", "instrument"))
 
+from deploy.prometheus.generate import dump  # noqa: E402
+from deploy.prometheus.sources import rule_files  # noqa: E402
+from deploy.victoriametrics import vmalert  # noqa: E402  (vmalert's copy of the rules, and its shards)
 from exporter.collectors.engines import DEFAULT_BUCKETED  # noqa: E402  (which histograms keep their buckets)
 from gpuio import spool  # noqa: E402  (the instrumentation library: the engines' real histogram layout)
 
@@ -73,8 +77,10 @@ class Node:
     """One node's series: name{labels} -> a function of the sample index giving its value."""
 
     def __init__(self, index: int, gpus: int, engines: int, disks: int, storming: bool, storm_from: int,
-                 calm_loads: float = 0.01, bucketed: tuple[str, ...] = DEFAULT_BUCKETED, up: bool = False) -> None:
+                 calm_loads: float = 0.01, bucketed: tuple[str, ...] = DEFAULT_BUCKETED, up: bool = False,
+                 shard: str = "") -> None:
         self.instance = f"node-{index:04d}:9817"
+        self.shard = shard  # its vmalert shard's label (the scrape's relabeling, in production), or none
         self.calm_loads = calm_loads  # loads each engine finishes per second on a calm node
         self.bucketed = bucketed  # the engine histograms served with buckets (the others: _sum, _count)
         self.series: list[tuple[str, str, Value]] = []  # family, labels without job and instance, value
@@ -226,8 +232,11 @@ def stormy(args: argparse.Namespace) -> int:
 def fleet(args: argparse.Namespace) -> list[Node]:
     storm_from = (args.history - 8) * 60 // STEP
     bucketed = tuple(s.name for s in spool.ENGINE_SERIES) if args.all_buckets else DEFAULT_BUCKETED
+    # Nodes dealt to the vmalert shards in turn: in production the scrape's hashmod of the node's name,
+    # which spreads them as evenly at this size.
     return [Node(n, args.gpus, args.engines, args.disks, n < stormy(args), storm_from, args.calm_loads, bucketed,
-                 up=not args.live) for n in range(args.nodes)]
+                 up=not args.live, shard=str(n % args.vmalert_shards) if args.vmalert_shards else "")
+            for n in range(args.nodes)]
 
 
 def write_openmetrics(path: str, nodes: list[Node], samples: int, start: float, milliseconds: bool = False) -> None:
@@ -238,7 +247,8 @@ def write_openmetrics(path: str, nodes: list[Node], samples: int, start: float, 
     with open(path, "w", buffering=1 << 22) as out:
         for node in nodes:
             for family, pairs, value in node.series:
-                name = f'{family}{{job="gpuio",instance="{node.instance}"' + (f",{pairs}}}" if pairs else "}")
+                shard = f',shard="{node.shard}"' if node.shard else ""
+                name = f'{family}{{job="gpuio",instance="{node.instance}"{shard}' + (f",{pairs}}}" if pairs else "}")
                 out.write("".join(f"{name} {value(i):.9g} {stamps[i]}\n" for i in range(samples)))
         if not milliseconds:
             out.write("# EOF\n")
@@ -337,8 +347,11 @@ def free_port() -> int:
 
 def get(base: str, path: str, **params: str) -> dict:
     url = f"{base}{path}?{urllib.parse.urlencode(params)}"
-    with urllib.request.urlopen(url, timeout=300) as response:
-        return json.load(response)  # type: ignore[no-any-return]
+    try:
+        with urllib.request.urlopen(url, timeout=300) as response:
+            return json.load(response)  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as error:
+        raise RuntimeError(f"{params.get('query', path)}: HTTP {error.code}: {error.read()[:500]!r}") from None
 
 
 def timed(base: str, path: str, runs: int = 3, **params: str) -> tuple[float, int]:
@@ -352,8 +365,9 @@ def timed(base: str, path: str, runs: int = 3, **params: str) -> tuple[float, in
     return statistics.median(times), count
 
 
-def substitute(expr: str, instance: str) -> str:
-    for name, value in (("$__rate_interval", "1m"), ("$instance", instance), ("$cluster", ".*"), ("$device", ".+"),
+def substitute(expr: str, instance: str, range_s: int) -> str:
+    for name, value in (("$__rate_interval", "1m"), ("$__range", f"{range_s}s"), ("$instance", instance),
+                        ("$cluster", ".*"), ("$device", ".+"),
                         ("$gpu", ".*"), ("$engine", ".*"), ("$namespace", ".*"), ("$pod", ".*")):
         expr = expr.replace(name, value)
     return expr
@@ -367,7 +381,7 @@ def panel_queries(base: str, now: float, history_s: int, runs: int) -> list[tupl
         instance = ".+" if board["uid"] == "gpuio-fleet" else "node-0000:9817"
         for panel in [p for top in board["panels"] for p in (top, *top.get("panels", []))]:
             for target in panel.get("targets", []):
-                expr = substitute(target["expr"], instance)
+                expr = substitute(target["expr"], instance, history_s)
                 if target.get("instant") and not target.get("range"):
                     seconds, count = timed(base, "/api/v1/query", runs, query=expr, time=f"{now:.0f}")
                 else:
@@ -379,8 +393,8 @@ def panel_queries(base: str, now: float, history_s: int, runs: int) -> list[tupl
 
 def scrape_configs(nodes: list[Node], exporter: str) -> str:
     """The gpuio job over every simulated node (served at /metrics?node=N), named as the exporter's nodes."""
-    targets = "".join(f"      - targets: ['{exporter}']\n        labels: {{node: '{n}', name: '{node.instance}'}}\n"
-                      for n, node in enumerate(nodes))
+    targets = "".join(f"      - targets: ['{exporter}']\n        labels: {{node: '{n}', name: '{node.instance}'"
+                      + (f", shard: '{node.shard}'" if node.shard else "") + "}\n" for n, node in enumerate(nodes))
     return ("scrape_configs:\n  - job_name: gpuio\n    static_configs:\n" + targets +
             "    relabel_configs:\n"
             "      - {source_labels: [node], target_label: __param_node}\n"
@@ -470,16 +484,35 @@ class PrometheusBackend(Backend):
 
 
 class VictoriaMetricsBackend(Backend):
-    """victoria-metrics (the history imported over HTTP), vmagent scraping, vmalert evaluating the rules
-    with the flags of deploy/victoriametrics/docker-compose.yml."""
+    """victoria-metrics (the history imported over HTTP), vmagent scraping, vmalert evaluating vmalert's copy
+    of the rules (deploy/victoriametrics/vmalert.py) with the flags of deploy/victoriametrics/docker-compose.yml:
+    one vmalert, or with ``shards`` one per shard of the nodes, each on its shard's copy."""
 
     name = "VictoriaMetrics"
     tools = ("victoria-metrics", "vmagent", "vmalert")
 
+    def __init__(self, work: str, rules: list[str], shards: int = 0, unfolded: bool = False) -> None:
+        super().__init__(work, rules)
+        directory = os.path.join(work, "vmalert")
+        self.rule_dirs = [os.path.join(directory, f"shard-{k}") for k in range(shards)] if shards else [directory]
+        files = vmalert.rendered(directory=directory, node_exporter_directory=os.path.join(work, "vmalert-ne"),
+                                 shards=shards)
+        if unfolded:  # the peer: Prometheus' rule files as they are (each link of a chain one evaluation later)
+            files = {os.path.join(place, f"{name}.yml"): dump(content)
+                     for k, place in enumerate(self.rule_dirs)
+                     for name, content in (vmalert.shard(rule_files(), k) if shards else rule_files()).items()}
+        for path, text in files.items():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        self.vmalerts: list[str] = []
+        self.before_measured: dict[str, float] = {}
+
     def history(self, nodes: list[Node], samples: int, start: float, jobs: int) -> int:
         process, self.base = serve_on_free_port(
             ["victoria-metrics", f"-storageDataPath={os.path.join(self.work, 'vm-data')}", "-retentionPeriod=30d",
-             "-search.maxSamplesPerQuery=2000000000", "-search.maxUniqueTimeseries=100000000"],
+             "-search.maxSamplesPerQuery=2000000000", "-search.maxUniqueTimeseries=100000000",
+             "-search.maxQueryDuration=300s"],
             "-httpListenAddr=", "/health")
         self.processes.append(process)
         size = write_history(nodes, self.work, f"{self.base}/api/v1/import/prometheus", samples, start, jobs,
@@ -499,16 +532,39 @@ class VictoriaMetricsBackend(Backend):
         self.evaluate()
 
     def evaluate(self) -> None:
-        alert, self.vmalert = serve_on_free_port(
-            ["vmalert", f"-rule={os.path.join(os.path.dirname(self.rules[0]), '*.yml')}",
-             f"-datasource.url={self.base}", f"-remoteWrite.url={self.base}", f"-remoteRead.url={self.base}",
-             "-notifier.url=http://127.0.0.1:1", f"-evaluationInterval={STEP}s"], "-httpListenAddr=", "/health")
-        self.processes.append(alert)
+        for rules in self.rule_dirs:
+            alert, url = serve_on_free_port(
+                ["vmalert", f"-rule={os.path.join(rules, '*.yml')}",
+                 f"-datasource.url={self.base}", f"-remoteWrite.url={self.base}", f"-remoteRead.url={self.base}",
+                 "-remoteWrite.maxQueueSize=1000000", "-remoteWrite.maxBatchSize=10000", "-remoteWrite.concurrency=4",
+                 "-notifier.url=http://127.0.0.1:1", f"-evaluationInterval={STEP}s"], "-httpListenAddr=", "/health")
+            self.processes.append(alert)
+            self.vmalerts.append(url)
 
-    def iterations(self) -> dict[str, tuple[float, float]]:
-        """group -> (seconds of all its evaluations, how many) so far, from vmalert's own metrics."""
+    FAILURES = ("vmalert_remotewrite_dropped_rows_total", "vmalert_remotewrite_errors_total",
+                "vmalert_execution_errors_total")  # vmalert 1.79's names
+
+    def counters(self) -> dict[str, float]:
+        """Every vmalert's FAILURES counters, added up."""
+        out = dict.fromkeys(self.FAILURES, 0.0)
+        for url in self.vmalerts:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=300) as response:
+                for line in response.read().decode().splitlines():
+                    name = line.split("{")[0].split(" ")[0]
+                    if name in out:
+                        out[name] += float(line.rsplit(" ", 1)[1])
+        return out
+
+    def failures(self) -> dict[str, float]:
+        """What went wrong over the measured evaluations (dropped results, failed writes, failed rules)."""
+        return {name.removeprefix("vmalert_"): value - self.before_measured.get(name, 0.0)
+                for name, value in self.counters().items()}
+
+    @staticmethod
+    def iterations(vmalert_url: str) -> dict[str, tuple[float, float]]:
+        """group -> (seconds of all its evaluations, how many) so far, from one vmalert's own metrics."""
         out: dict[str, list[float]] = {}
-        with urllib.request.urlopen(f"{self.vmalert}/metrics", timeout=60) as response:
+        with urllib.request.urlopen(f"{vmalert_url}/metrics", timeout=300) as response:
             for line in response.read().decode().splitlines():
                 if line.startswith("vmalert_iteration_duration_seconds_"):
                     kind = line.split("{")[0].rsplit("_", 1)[1]
@@ -517,20 +573,23 @@ class VictoriaMetricsBackend(Backend):
         return {group: (total, count) for group, (total, count) in out.items()}
 
     def groups(self, samples: int) -> list[dict]:
-        """Each group's mean evaluation time over the next ``samples`` evaluations (no per-rule times:
-        vmalert reports none)."""
-        before = self.iterations()
+        """Each group's mean evaluation time over the next ``samples`` evaluations, per vmalert (no per-rule
+        times: vmalert reports none); a shard's groups are named ``group [shard K]``."""
+        before = [self.iterations(url) for url in self.vmalerts]
+        self.before_measured = self.counters()
         time.sleep(samples * STEP + STEP / 2)
-        after = self.iterations()
+        after = [self.iterations(url) for url in self.vmalerts]
         sizes = {}
-        for path in self.rules:
+        for path in glob.glob(os.path.join(self.rule_dirs[0], "*.yml")):
             with open(path) as handle:
                 sizes.update({g["name"]: len(g["rules"]) for g in yaml.safe_load(handle)["groups"]})
         out = []
-        for group, (total, count) in after.items():
-            seconds, evaluations = before.get(group, (0.0, 0.0))
-            out.append({"name": group, "rules": [], "size": sizes.get(group, 0),
-                        "evaluationTime": (total - seconds) / max(1.0, count - evaluations)})
+        for shard, (earlier, later) in enumerate(zip(before, after, strict=True)):
+            for group, (total, count) in later.items():
+                seconds, evaluations = earlier.get(group, (0.0, 0.0))
+                name = group + (f" [shard {shard}]" if len(self.vmalerts) > 1 else "")
+                out.append({"name": name, "rules": [], "size": sizes.get(group, 0),
+                            "evaluationTime": (total - seconds) / max(1.0, count - evaluations)})
         return out
 
 
@@ -558,6 +617,12 @@ def main() -> int:
                         help="loads each engine finishes per second on a calm node (0: engines load only in a storm)")
     parser.add_argument("--all-buckets", action="store_true",
                         help="every engine histogram with its buckets (--collector.engines.histogram-buckets=all)")
+    parser.add_argument("--vmalert-shards", type=int, default=0, metavar="N",
+                        help="with --backend victoriametrics: N vmalert processes, each evaluating its shard of the "
+                             "nodes (gpuio generate --vmalert-shards); 0: one vmalert for all")
+    parser.add_argument("--unfolded", action="store_true",
+                        help="with --backend victoriametrics: vmalert on Prometheus' rule files as they are, not "
+                             "vmalert's copy with each group's chain folded (the peer of the folding's cost)")
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="prometheus",
                         help="prometheus (Debian's prometheus, promtool), or victoriametrics: victoria-metrics, "
                              "vmagent and vmalert (Debian's victoria-metrics)")
@@ -565,7 +630,11 @@ def main() -> int:
     work = args.keep or tempfile.mkdtemp(prefix="gpuio-fleet-")
     os.makedirs(work, exist_ok=True)
     rules = sorted(glob.glob(os.path.join(REPO, "deploy", "prometheus", "rules", "*.yml")))
-    backend = BACKENDS[args.backend](work, rules)
+    if args.vmalert_shards and args.backend != "victoriametrics":
+        parser.error("--vmalert-shards shards vmalert: give --backend victoriametrics")
+    backend = (VictoriaMetricsBackend(work, rules, args.vmalert_shards, args.unfolded)
+               if args.backend == "victoriametrics"
+               else PrometheusBackend(work, rules))
     for tool in backend.tools:
         if not shutil.which(tool):
             print(f"{tool} not found (Debian package {'prometheus' if 'prom' in tool else 'victoria-metrics'})",
@@ -608,6 +677,12 @@ def main() -> int:
         print("alerts: " + (", ".join(f"{a['metric']['alertname']} {a['metric']['alertstate']} x{a['value'][1]}"
                                       for a in alerts) or "none"))
         print_groups(groups, args.samples)
+        if args.vmalert_shards:
+            print_shards(groups)
+        if isinstance(backend, VictoriaMetricsBackend):
+            print("vmalert, over the measured evaluations: " + ", ".join(
+                f"{name} {value:,.0f}" for name, value in backend.failures().items()))
+        print_recorded(base, nodes[:10])
         rows = panel_queries(base, time.time(), args.history * 60, args.query_runs)
         if server is not None:
             server.shutdown()
@@ -642,6 +717,33 @@ def print_groups(groups: list[dict], samples: int) -> None:
         print(f"  error ({name}): {error}")
     total = sum(group["evaluationTime"] for group in groups)
     print(f"  ... {len(rule_rows)} rules timed, groups together {total * 1000:.0f} ms per evaluation")
+
+
+def print_recorded(base: str, sample: list[Node]) -> None:
+    """The series the rules record at each evaluation, per node (counted on ``sample``), and the largest rule's
+    share: what a vmalert's remote-write queue must hold (-remoteWrite.maxQueueSize)."""
+    instances = "|".join(node.instance for node in sample)
+    result = get(base, "/api/v1/query",
+                 query=f'sort_desc(count by (__name__) ({{__name__=~".+:.+:.+",instance=~"{instances}"}}))')
+    counts = [(int(r["value"][1]), r["metric"]["__name__"]) for r in result["data"]["result"]]
+    if counts:
+        total = sum(count for count, _ in counts)
+        print(f"recorded series per evaluation: {total / len(sample):,.0f} per node; the largest rule "
+              f"{counts[0][0] / len(sample):,.0f} per node ({counts[0][1]})")
+
+
+def print_shards(groups: list[dict]) -> None:
+    """The longest group of each vmalert shard: what must stay within the evaluation interval."""
+    longest: dict[str, dict] = {}
+    for group in groups:
+        name, _, shard = group["name"].partition(" [shard ")
+        if shard and group["evaluationTime"] > longest.get(shard, {"evaluationTime": -1.0})["evaluationTime"]:
+            longest[shard] = {"name": name, "evaluationTime": group["evaluationTime"]}
+    worst = max(longest.values(), key=lambda g: g["evaluationTime"])
+    print("  longest group of each shard: " + ", ".join(
+        f"{shard.rstrip(']')} {g['evaluationTime']:.1f} s" for shard, g in sorted(longest.items(),
+                                                                           key=lambda kv: int(kv[0].rstrip("]"))))
+          + f"; the longest of all {worst['evaluationTime']:.1f} s ({worst['name']}), interval {STEP} s")
 
 
 def print_panels(rows: list[tuple[float, int, str, str]], runs: int) -> None:

@@ -39,18 +39,23 @@ from .prometheus import generate as prometheus
 from .prometheus import runbooks
 from .prometheus.config import DEFAULT, GRAFANA_URL_ENV, KNOBS, RUNBOOK_URL_ENV, Config
 from .prometheus.sources import rule_files
+from .victoriametrics import vmalert
 
 INSTALLED_HELP = """\
 gpuio's rules, boards, runbooks and Kubernetes objects under your own config, from the installed package:
 
     gpuio generate --set IO_PRESSURE_FULL=0.2 --set STORM_PAGE_FOR=3m --out DIR \\
         [--runbook-url 'https://wiki.example.com/gpuio/{alert}'] [--grafana-url https://grafana.example.com] \\
-        [--image registry.example/gpuio-exporter:0.1.0 [--component discovery] [--without-operator]]
+        [--image registry.example/gpuio-exporter:0.1.0 [--component discovery] [--without-operator]] \\
+        [--vmalert-shards 4]
 
 DIR gets:
   *.yml                       the Prometheus rules (gpuio's own disk collector); load DIR/*.yml
   rules-node-exporter/*.yml   the same rules reading node_exporter's disk series, for an exporter run with
                               --no-collector.diskstats beside a node_exporter; load these instead
+  vmalert/                    the same rules as vmalert evaluates them best (each group's chain folded), and
+                              vmalert/rules-node-exporter/; with --vmalert-shards N one copy per shard of the
+                              nodes (vmalert/shard-K/) and vmalert/scrape.yml, which labels each node's shard
   dashboards/*.json           the Grafana boards, their thresholds the alerts' (import, or provision)
   runbooks/*.md               the runbooks, quoting your numbers (publish them; --runbook-url links them)
   kubernetes/                 with --image: a kustomization with your image, rules and boards
@@ -74,6 +79,7 @@ def rendered(config: Config = DEFAULT) -> dict[str, str]:
     """Every generated file of the repository -> its text, from one config."""
     files = prometheus.rendered(config)
     files.update(prometheus.rendered_node_exporter_mode(config))
+    files.update(vmalert.rendered(config))
     files.update(runbooks.rendered(config))
     json_files = boards(config)
     files.update(json_files)
@@ -85,7 +91,8 @@ def rendered(config: Config = DEFAULT) -> dict[str, str]:
 def stray(files: Mapping[str, str]) -> list[str]:
     """Generated-looking files nobody generates any more (a removed rule file or board)."""
     present = [os.path.join(directory, name)
-               for directory in (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR) if os.path.isdir(directory)
+               for directory in (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR, vmalert.RULES_DIR,
+                                 vmalert.NODE_EXPORTER_RULES_DIR) if os.path.isdir(directory)
                for name in os.listdir(directory) if name.endswith(".yml")]
     present += [os.path.join(DASHBOARDS_DIR, name) for name in os.listdir(DASHBOARDS_DIR) if name.endswith(".json")]
     present += glob.glob(os.path.join(kubernetes.NODE_EXPORTER_COMPONENT, "prometheusrule-*.yaml"))
@@ -102,7 +109,10 @@ def stale(config: Config = DEFAULT) -> list[str]:
 NODE_EXPORTER_RULES = os.path.basename(prometheus.NODE_EXPORTER_RULES_DIR)
 
 # Where --out must never point: the checked-in rules, and the repository (whose dashboards/ it would overwrite).
-REPOSITORY_OUTPUTS = (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR, REPO)
+REPOSITORY_OUTPUTS = (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR, vmalert.RULES_DIR,
+                      vmalert.NODE_EXPORTER_RULES_DIR, REPO)
+# DIR/vmalert: the rules as vmalert evaluates them best (deploy/victoriametrics/vmalert.py).
+VMALERT = "vmalert"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,14 +125,17 @@ class KubernetesOut:
 
 
 def variant_files(config: Config, out: str, note: str, with_boards: bool = True,
-                  objects: KubernetesOut | None = None) -> dict[str, str]:
+                  objects: KubernetesOut | None = None, vmalert_shards: int = 0) -> dict[str, str]:
     """What ``--out DIR`` writes, all from one config: the rules in DIR, the same in node_exporter mode in
-    DIR/rules-node-exporter, the boards in DIR/dashboards, the runbooks in DIR/runbooks, and with ``objects``
-    the Kubernetes kustomization in DIR/kubernetes."""
+    DIR/rules-node-exporter, vmalert's copies of both in DIR/vmalert (one per shard with ``vmalert_shards``),
+    the boards in DIR/dashboards, the runbooks in DIR/runbooks, and with ``objects`` the Kubernetes
+    kustomization in DIR/kubernetes."""
     files = prometheus.rendered(config, out, note)
     node_exporter_mode = prometheus.node_exporter_mode(config)
     node_exporter_note = "; ".join(filter(None, (prometheus.NODE_EXPORTER_NOTE, note)))
     files.update(prometheus.rendered(node_exporter_mode, os.path.join(out, NODE_EXPORTER_RULES), node_exporter_note))
+    files.update(vmalert.rendered(config, os.path.join(out, VMALERT), os.path.join(out, VMALERT, NODE_EXPORTER_RULES),
+                                  vmalert_shards, note))
     boards_dir = os.path.join(out, "dashboards")
     json_files = boards(config, boards_dir) if with_boards else {}
     files.update(json_files)
@@ -184,6 +197,10 @@ def parser_for(prog: str, installed: bool) -> argparse.ArgumentParser:
     parser.add_argument("--out", metavar="DIR", required=installed,
                         help="write the rules into DIR, node_exporter mode's into DIR/rules-node-exporter, the "
                              "boards into DIR/dashboards, the runbooks into DIR/runbooks (not the repository's)")
+    parser.add_argument("--vmalert-shards", type=int, default=0, metavar="N",
+                        help="write DIR/vmalert as N copies, one per vmalert shard of the nodes (DIR/vmalert/shard-K),"
+                             " and DIR/vmalert/scrape.yml, the scrape configuration that labels each node's shard "
+                             "(deploy/victoriametrics/README.md, \"Sharding vmalert\")")
     parser.add_argument("--knobs", action="store_true", help="list every knob --set takes, with its default")
     parser.add_argument("--no-boards", action="store_true",
                         help="leave the boards out (they need Python 3.11+, for Grafana's SDK)")
@@ -225,10 +242,12 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ,
         parser.error(str(error))
     out = os.path.abspath(args.out) if args.out else None
     check = getattr(args, "check", False)
-    variant_only = overrides or objects or args.no_boards
+    if args.vmalert_shards < 0 or args.vmalert_shards == 1:
+        parser.error(f"--vmalert-shards {args.vmalert_shards}: give 2 or more (one vmalert needs no shards)")
+    variant_only = overrides or objects or args.no_boards or args.vmalert_shards
     if (variant_only or out) and (check or out in (None, *REPOSITORY_OUTPUTS)):
-        parser.error("--set, --image and --no-boards write your own variant: give --out DIR (never rules/ "
-                     "or the repository itself), and no --check")
+        parser.error("--set, --image, --vmalert-shards and --no-boards write your own variant: give --out DIR "
+                     "(never rules/ or the repository itself), and no --check")
     if not out:
         return report_stale(stale(config), "make generate") if check else write(rendered(config))
     if overrides and config.RUNBOOK_URL == DEFAULT.RUNBOOK_URL:
@@ -237,7 +256,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ,
               f"publish {os.path.join(args.out, 'runbooks')} and give --runbook-url", file=sys.stderr)
     note = prometheus.variant_note(overrides) if overrides else ""
     try:
-        files = variant_files(prometheus.variant(overrides, config), out, note, not args.no_boards, objects)
+        files = variant_files(prometheus.variant(overrides, config), out, note, not args.no_boards, objects,
+                              args.vmalert_shards)
     except ModuleNotFoundError as error:
         if error.name is None or not error.name.startswith("grafana_foundation_sdk"):
             raise

@@ -64,7 +64,8 @@ def test_make_dist_builds_both_distributions_as_sdist_and_wheel_at_one_version(d
     assert not [name for name in files if name.startswith("exporter/")]  # an import name of its own
     # the generators and what they read (gpuio generate), under the exporter's name: no top-level deploy
     shipped = ("generate.py", "grafana/boards/starvation.py", "prometheus/runbooks/MountIOStorm.md",
-               "kubernetes/daemonset.yaml", "kubernetes/components/smart/kustomization.yaml")
+               "kubernetes/daemonset.yaml", "kubernetes/components/smart/kustomization.yaml",
+               "victoriametrics/vmalert.py", "victoriametrics/scrape.yml")
     assert {f"gpuio_exporter/deploy/{name}" for name in shipped} <= set(files)
     assert not [name for name in files if name.startswith("deploy/") or "/local/" in name]
     assert f"gpuio_exporter-{VERSION}.dist-info/licenses/LICENSE" in files
@@ -78,7 +79,8 @@ def generated_outside_the_repository(gpuio: str, out: Path, env: dict[str, str])
     sources), the boards, the runbooks and the Kubernetes objects, each file what the checkout writes."""
     from deploy import generate as generator
 
-    args = ["--set", "IO_PRESSURE_FULL=0.2", "--image", "registry.example/gpuio-exporter:1", "--component", "smart"]
+    args = ["--set", "IO_PRESSURE_FULL=0.2", "--image", "registry.example/gpuio-exporter:1", "--component", "smart",
+            "--vmalert-shards", "2"]
     run(gpuio, "generate", *args, "--out", str(out), cwd="/", env=env)
     written = {str(path.relative_to(out)): path.read_text() for path in out.rglob("*") if path.is_file()}
     checkout = out.parent / "checkout"
@@ -89,11 +91,16 @@ def generated_outside_the_repository(gpuio: str, out: Path, env: dict[str, str])
     assert differ == [], differ
     promtool = shutil.which("promtool")
     if promtool:
-        rule_files = sorted(str(out / name) for name in written if name.endswith(".yml") and "kubernetes" not in name)
+        rule_files = sorted(str(out / name) for name in written
+                            if name.endswith(".yml") and not name.startswith(("kubernetes", "vmalert")))
         assert len(rule_files) == 10, rule_files  # five files, for each disk source
         run(promtool, "check", "rules", *rule_files, cwd="/")
     assert "stalled_seconds:rate1m >= 0.2" in written["starvation.yml"]
     assert "stalled_seconds:rate1m >= 0.2" in written["rules-node-exporter/starvation.yml"]
+    # vmalert's copies, one a shard, and the scrape that labels the shards
+    assert "stalled_seconds:rate1m >= 0.2" in written["vmalert/shard-1/starvation.yml"]
+    assert "'{shard=\"1\"}'" in written["vmalert/shard-1/starvation.yml"]
+    assert "modulus: 2" in written["vmalert/scrape.yml"]
     assert "20% full" in written["dashboards/gpuio-disk-io.json"]
     assert '20 % ("full")' in written["runbooks/MountIOStorm.md"]
     assert "newName: registry.example/gpuio-exporter" in written["kubernetes/kustomization.yaml"]

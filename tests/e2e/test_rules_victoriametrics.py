@@ -10,6 +10,8 @@ import subprocess
 import pytest
 
 from deploy.prometheus.generate import NODE_EXPORTER_RULES_DIR, RULES_DIR
+from deploy.victoriametrics import vmalert
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -23,10 +25,25 @@ def dry_run(pattern: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not VMALERT, reason="vmalert is not installed (Debian package victoria-metrics)")
-@pytest.mark.parametrize("directory", [RULES_DIR, NODE_EXPORTER_RULES_DIR], ids=os.path.basename)
+@pytest.mark.parametrize("directory", [RULES_DIR, NODE_EXPORTER_RULES_DIR, vmalert.RULES_DIR,
+                                       vmalert.NODE_EXPORTER_RULES_DIR], ids=lambda d: os.path.relpath(d, REPO))
 def test_vmalert_accepts_every_rule(directory: str) -> None:
     result = dry_run(os.path.join(directory, "*.yml"))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+
+
+@pytest.mark.skipif(not VMALERT, reason="vmalert is not installed (Debian package victoria-metrics)")
+def test_vmalert_accepts_every_shards_copy(tmp_path) -> None:
+    """A shard's copy adds the group's params and the rules' shard label: vmalert takes both."""
+    files = vmalert.rendered(directory=str(tmp_path / "vmalert"), node_exporter_directory=str(tmp_path / "ne"),
+                             shards=2)
+    for path, text in files.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    for pattern in ("vmalert/shard-1/*.yml", "ne/shard-0/*.yml"):
+        result = dry_run(str(tmp_path / pattern))
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
 
 
 @pytest.mark.skipif(not VMALERT, reason="vmalert is not installed (Debian package victoria-metrics)")

@@ -427,9 +427,12 @@ def culprit_cgroup(device: str) -> str | None:
     return path
 
 
-def generate_variant_rules(directory: Path) -> list[str]:
+def generate_variant_rules(directory: Path, vmalert_shards: int = 0) -> list[str]:
+    """The rules of VARIANT in ``directory`` (and vmalert's copies in ``directory``/vmalert, one per shard
+    with ``vmalert_shards``); the Prometheus rule files' paths."""
     sets = [arg for name, value in VARIANT.items() for arg in ("--set", f"{name}={value}")]
-    subprocess.run([sys.executable, "-m", "deploy.generate", *sets, "--out", str(directory)],
+    shards = ["--vmalert-shards", str(vmalert_shards)] if vmalert_shards else []
+    subprocess.run([sys.executable, "-m", "deploy.generate", *sets, *shards, "--no-boards", "--out", str(directory)],
                    cwd=REPO, check=True, capture_output=True, text=True)
     files = sorted(str(path) for path in directory.glob("*.yml"))
     disk = (directory / "starvation.yml").read_text()

@@ -55,7 +55,7 @@ def test_every_mounted_file_exists_where_the_flags_look() -> None:
             assert os.path.exists(source), (service, source)
     rules = flags("vmalert")["rule"]
     assert os.path.dirname(rules) in mounts("vmalert")
-    assert mounts("vmalert")[os.path.dirname(rules)] == os.path.join(REPO, "deploy", "prometheus", "rules")
+    assert mounts("vmalert")[os.path.dirname(rules)] == os.path.join(HERE, "rules")
     for member in ("vmagent-0", "vmagent-1"):
         assert mounts(member)[flags(member)["promscrape.config"]] == os.path.join(HERE, "scrape.yml")
     assert mounts("alertmanager")["/etc/alertmanager/alertmanager.yml"] == os.path.join(
