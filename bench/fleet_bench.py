@@ -32,6 +32,7 @@ import http.server
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import socket
@@ -544,52 +545,77 @@ class VictoriaMetricsBackend(Backend):
     FAILURES = ("vmalert_remotewrite_dropped_rows_total", "vmalert_remotewrite_errors_total",
                 "vmalert_execution_errors_total")  # vmalert 1.79's names
 
-    def counters(self) -> dict[str, float]:
-        """Every vmalert's FAILURES counters, added up."""
-        out = dict.fromkeys(self.FAILURES, 0.0)
-        for url in self.vmalerts:
-            with urllib.request.urlopen(f"{url}/metrics", timeout=300) as response:
-                for line in response.read().decode().splitlines():
-                    name = line.split("{")[0].split(" ")[0]
-                    if name in out:
-                        out[name] += float(line.rsplit(" ", 1)[1])
-        return out
-
     def failures(self) -> dict[str, float]:
         """What went wrong over the measured evaluations (dropped results, failed writes, failed rules)."""
         return {name.removeprefix("vmalert_"): value - self.before_measured.get(name, 0.0)
                 for name, value in self.counters().items()}
 
     @staticmethod
-    def iterations(vmalert_url: str) -> dict[str, tuple[float, float]]:
-        """group -> (seconds of all its evaluations, how many) so far, from one vmalert's own metrics."""
+    def iterations(vmalert_url: str) -> dict[str, tuple[float, float, float]] | None:
+        """group -> (seconds of all its finished evaluations, how many, how many missed) so far, from one
+        vmalert's own metrics; None where it does not answer within a minute (an overloaded host)."""
         out: dict[str, list[float]] = {}
-        with urllib.request.urlopen(f"{vmalert_url}/metrics", timeout=300) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("vmalert_iteration_duration_seconds_"):
-                    kind = line.split("{")[0].rsplit("_", 1)[1]
-                    group = line.split('group="')[1].split('"')[0]
-                    out.setdefault(group, [0.0, 0.0])[0 if kind == "sum" else 1] += float(line.rsplit(" ", 1)[1])
-        return {group: (total, count) for group, (total, count) in out.items()}
+        try:
+            with urllib.request.urlopen(f"{vmalert_url}/metrics", timeout=60) as response:
+                text = response.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            name = line.split("{")[0]
+            if name.startswith("vmalert_iteration_duration_seconds_") or name == "vmalert_iteration_missed_total":
+                group = line.split('group="')[1].split('"')[0]
+                slot = {"vmalert_iteration_duration_seconds_sum": 0, "vmalert_iteration_duration_seconds_count": 1,
+                        "vmalert_iteration_missed_total": 2}[name]
+                out.setdefault(group, [0.0, 0.0, 0.0])[slot] += float(line.rsplit(" ", 1)[1])
+        return {group: (total, count, missed) for group, (total, count, missed) in out.items()}
 
     def groups(self, samples: int) -> list[dict]:
         """Each group's mean evaluation time over the next ``samples`` evaluations, per vmalert (no per-rule
-        times: vmalert reports none); a shard's groups are named ``group [shard K]``."""
+        times: vmalert reports none); a shard's groups are named ``group [shard K]``.  A group that finished
+        no evaluation in the window counts the window, and says so; a vmalert that does not answer, too."""
+        window = samples * STEP + STEP / 2
         before = [self.iterations(url) for url in self.vmalerts]
         self.before_measured = self.counters()
-        time.sleep(samples * STEP + STEP / 2)
+        time.sleep(window)
         after = [self.iterations(url) for url in self.vmalerts]
-        sizes = {}
+        sizes, slow = {}, set()  # slow: groups of an interval of their own, longer than the window
         for path in glob.glob(os.path.join(self.rule_dirs[0], "*.yml")):
             with open(path) as handle:
-                sizes.update({g["name"]: len(g["rules"]) for g in yaml.safe_load(handle)["groups"]})
+                for group in yaml.safe_load(handle)["groups"]:
+                    sizes[group["name"]] = len(group["rules"])
+                    if "interval" in group:
+                        slow.add(group["name"])
         out = []
         for shard, (earlier, later) in enumerate(zip(before, after, strict=True)):
-            for group, (total, count) in later.items():
-                seconds, evaluations = earlier.get(group, (0.0, 0.0))
-                name = group + (f" [shard {shard}]" if len(self.vmalerts) > 1 else "")
-                out.append({"name": name, "rules": [], "size": sizes.get(group, 0),
-                            "evaluationTime": (total - seconds) / max(1.0, count - evaluations)})
+            suffix = f" [shard {shard}]" if len(self.vmalerts) > 1 else ""
+            if earlier is None or later is None:
+                out += [{"name": f"{group}{suffix} (vmalert did not answer)", "rules": [], "size": size,
+                         "evaluationTime": window} for group, size in sizes.items()]
+                continue
+            for group, (total, count, missed) in later.items():
+                seconds, evaluations, missed_before = earlier.get(group, (0.0, 0.0, 0.0))
+                finished = count - evaluations
+                if not finished and group in slow:
+                    continue  # not due in the window
+                note = ("" if finished else " (no evaluation finished)") + \
+                    (f" ({missed - missed_before:.0f} missed)" if missed > missed_before else "")
+                out.append({"name": f"{group}{suffix}{note}", "rules": [], "size": sizes.get(group, 0),
+                            "evaluationTime": (total - seconds) / finished if finished else window})
+        return out
+
+    def counters(self) -> dict[str, float]:
+        """Every vmalert's FAILURES counters, added up (the vmalerts that answer)."""
+        out = dict.fromkeys(self.FAILURES, 0.0)
+        for url in self.vmalerts:
+            try:
+                with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+                    text = response.read().decode()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                name = line.split("{")[0].split(" ")[0]
+                if name in out:
+                    out[name] += float(line.rsplit(" ", 1)[1])
         return out
 
 
@@ -734,15 +760,14 @@ def print_recorded(base: str, sample: list[Node]) -> None:
 
 def print_shards(groups: list[dict]) -> None:
     """The longest group of each vmalert shard: what must stay within the evaluation interval."""
-    longest: dict[str, dict] = {}
+    longest: dict[int, dict] = {}
     for group in groups:
-        name, _, shard = group["name"].partition(" [shard ")
-        if shard and group["evaluationTime"] > longest.get(shard, {"evaluationTime": -1.0})["evaluationTime"]:
-            longest[shard] = {"name": name, "evaluationTime": group["evaluationTime"]}
+        found = re.fullmatch(r"(.*) \[shard (\d+)\](.*)", group["name"])
+        if found and group["evaluationTime"] > longest.get(int(found[2]), {"evaluationTime": -1.0})["evaluationTime"]:
+            longest[int(found[2])] = {"name": found[1] + found[3], "evaluationTime": group["evaluationTime"]}
     worst = max(longest.values(), key=lambda g: g["evaluationTime"])
-    print("  longest group of each shard: " + ", ".join(
-        f"{shard.rstrip(']')} {g['evaluationTime']:.1f} s" for shard, g in sorted(longest.items(),
-                                                                           key=lambda kv: int(kv[0].rstrip("]"))))
+    print("  longest group of each shard: " + ", ".join(f"{shard} {g['evaluationTime']:.1f} s"
+                                                      for shard, g in sorted(longest.items()))
           + f"; the longest of all {worst['evaluationTime']:.1f} s ({worst['name']}), interval {STEP} s")
 
 
