@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import yaml
@@ -51,15 +51,21 @@ FOLDED_NOTE = ("vmalert's copy (deploy/victoriametrics/vmalert.py): each group's
 REFERENCE = re.compile(r"(?<![\w:])([a-z_]+:[a-z0-9_]+:[a-z0-9_]+)(?![\w:])(\{[^{}]*\})?(\s*\[)?")
 MATCHER = re.compile(r'\s*([A-Za-z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
 REGEX_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
+# A group whose recorded series only one later group reads, and no board: vmalert's copy computes them in
+# that group's rules and does not record them.  The inference-latency bucket rates, read only by the three
+# quantile rules, are 400 of the ~1,000 series a node records at each evaluation, written by vmalert and
+# ingested every interval for nothing else (tests/unit/test_vmalert_rules.py holds that nothing else reads them).
+UNRECORDED = {"gpuio.engines.latency.buckets": "gpuio.engines.latency"}
 SHARD_LABEL = "shard"
 # The label the scrape's hashmod writes before it becomes `shard` (dropped after relabeling: __tmp_).
 SHARD_HASH = "__tmp_gpuio_shard"
 
 
-def fold_group(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The group's rules, each reading the series its own group records through their expressions."""
+def fold_group(rules: list[dict[str, Any]], unrecorded: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The group's rules, each reading the series its own group records, and those of ``unrecorded`` (rules
+    folded into this group and not evaluated themselves), through their expressions."""
     recorded: dict[str, list[str]] = {}
-    for rule in rules:
+    for rule in [*unrecorded, *rules]:
         if "record" in rule:
             recorded.setdefault(rule["record"], []).append(labelled(rule["expr"], rule.get("labels", {})))
     folded = []
@@ -121,9 +127,16 @@ def indented(text: str) -> str:
 
 
 def folded(rule_files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every rule file with its groups folded (``fold_group``)."""
-    return {name: {**content, "groups": [{**group, "rules": fold_group(group["rules"])} for group in content["groups"]]}
-            for name, content in rule_files.items()}
+    """Every rule file with its groups folded (``fold_group``), and each group of UNRECORDED folded into the
+    group that reads it."""
+    return {name: {**content, "groups": folded_groups(content["groups"])} for name, content in rule_files.items()}
+
+
+def folded_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    into = {reader: [rule for group in groups if UNRECORDED.get(group["name"]) == reader for rule in group["rules"]]
+            for reader in UNRECORDED.values()}
+    return [{**group, "rules": fold_group(group["rules"], into.get(group["name"], []))}
+            for group in groups if group["name"] not in UNRECORDED]
 
 
 def shard(rule_files: dict[str, dict[str, Any]], index: int) -> dict[str, dict[str, Any]]:

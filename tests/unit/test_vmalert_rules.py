@@ -6,12 +6,14 @@ tests/e2e/test_rules_vmalert_replay.py; the shards paging their own nodes, tests
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import yaml
 
 from deploy.prometheus.sources import RECORDED, rule_files
 from deploy.victoriametrics import vmalert
+from tests.conftest import REPO
 
 
 def test_a_rule_reads_its_groups_recorded_series_through_their_expressions() -> None:
@@ -61,13 +63,31 @@ def test_every_shipped_group_reads_no_series_of_its_own_but_over_a_range() -> No
     and it records and alerts on exactly what the Prometheus rules do."""
     shipped = rule_files()
     for name, content in vmalert.folded(shipped).items():
-        for ours, theirs in zip(content["groups"], shipped[name]["groups"], strict=True):
+        evaluated = [group for group in shipped[name]["groups"] if group["name"] not in vmalert.UNRECORDED]
+        for ours, theirs in zip(content["groups"], evaluated, strict=True):
             own = {rule["record"] for rule in ours["rules"] if "record" in rule}
             for rule in ours["rules"]:
                 instant = {m.group(1) for m in vmalert.REFERENCE.finditer(rule["expr"]) if not m.group(3)}
                 assert not instant & own, (ours["name"], rule.get("record") or rule.get("alert"), instant & own)
             assert [(r.get("record"), r.get("alert"), r.get("for"), r.get("labels")) for r in ours["rules"]] == \
                 [(r.get("record"), r.get("alert"), r.get("for"), r.get("labels")) for r in theirs["rules"]]
+
+
+def test_what_vmalerts_copy_leaves_unrecorded_nothing_but_its_reader_reads() -> None:
+    """A group of UNRECORDED is computed inside its reader: no board, and no other group, may read its series."""
+    groups = {group["name"]: group for content in rule_files().values() for group in content["groups"]}
+    boards = "".join(path.read_text() for path in (Path(REPO) / "dashboards").glob("*.json"))
+    for name, reader in vmalert.UNRECORDED.items():
+        names = {rule["record"] for rule in groups[name]["rules"]}
+        assert names and all("alert" not in rule for rule in groups[name]["rules"])
+        readers = {other for other, group in groups.items() for rule in group["rules"]
+                   if other != name and names & set(RECORDED.findall(rule["expr"]))}
+        assert readers == {reader}
+        assert not [n for n in names if n in boards]
+    folded = {group["name"]: group for content in vmalert.folded(rule_files()).values() for group in content["groups"]}
+    assert not set(vmalert.UNRECORDED) & set(folded)
+    assert all("rate(gpuio_engine_inference_seconds_bucket" in rule["expr"]
+               for rule in folded["gpuio.engines.latency"]["rules"])
 
 
 def test_a_shards_copy_limits_every_group_to_its_nodes_and_labels_what_it_writes() -> None:
