@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -164,15 +164,12 @@ def shard_relabeling(shards: int) -> list[dict[str, Any]]:
     ]
 
 
-def sharded_scrape(scrape: dict[str, Any], shards: int, jobs: Iterable[str] | None = None) -> dict[str, Any]:
-    """``scrape`` (a Prometheus/vmagent scrape configuration) with ``shard_relabeling`` on ``jobs`` (all)."""
+def sharded_scrape(scrape: dict[str, Any], shards: int) -> dict[str, Any]:
+    """``scrape`` (a Prometheus/vmagent scrape configuration) with ``shard_relabeling`` on every job."""
     out = copy.deepcopy(scrape)
     for job in out.get("scrape_configs", []):
-        if jobs is None or job["job_name"] in jobs:
-            job["relabel_configs"] = [*job.get("relabel_configs", []), *shard_relabeling(shards)]
+        job["relabel_configs"] = [*job.get("relabel_configs", []), *shard_relabeling(shards)]
     return out
-
-
 
 
 def rendered(config: Config = DEFAULT, directory: str = RULES_DIR,
