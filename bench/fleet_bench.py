@@ -32,7 +32,6 @@ import http.server
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import socket
@@ -551,15 +550,21 @@ class VictoriaMetricsBackend(Backend):
                 for name, value in self.counters().items()}
 
     @staticmethod
-    def iterations(vmalert_url: str) -> dict[str, tuple[float, float, float]] | None:
-        """group -> (seconds of all its finished evaluations, how many, how many missed) so far, from one
-        vmalert's own metrics; None where it does not answer within a minute (an overloaded host)."""
-        out: dict[str, list[float]] = {}
+    def own_metrics(vmalert_url: str) -> str | None:
+        """One vmalert's /metrics; None where it does not answer within a minute (an overloaded host)."""
         try:
             with urllib.request.urlopen(f"{vmalert_url}/metrics", timeout=60) as response:
-                text = response.read().decode()
+                return response.read().decode()  # type: ignore[no-any-return]
         except OSError:
             return None
+
+    def iterations(self, vmalert_url: str) -> dict[str, tuple[float, float, float]] | None:
+        """group -> (seconds of all its finished evaluations, how many, how many missed) so far, from one
+        vmalert's own metrics; None where it does not answer."""
+        text = self.own_metrics(vmalert_url)
+        if text is None:
+            return None
+        out: dict[str, list[float]] = {}
         for line in text.splitlines():
             name = line.split("{")[0]
             if name.startswith("vmalert_iteration_duration_seconds_") or name == "vmalert_iteration_missed_total":
@@ -571,7 +576,7 @@ class VictoriaMetricsBackend(Backend):
 
     def groups(self, samples: int) -> list[dict]:
         """Each group's mean evaluation time over the next ``samples`` evaluations, per vmalert (no per-rule
-        times: vmalert reports none); a shard's groups are named ``group [shard K]``.  A group that finished
+        times: vmalert reports none), with its ``shard`` (None: one vmalert for all).  A group that finished
         no evaluation in the window counts the window, and says so; a vmalert that does not answer, too."""
         window = samples * STEP + STEP / 2
         before = [self.iterations(url) for url in self.vmalerts]
@@ -586,11 +591,12 @@ class VictoriaMetricsBackend(Backend):
                     if "interval" in group:
                         slow.add(group["name"])
         out = []
-        for shard, (earlier, later) in enumerate(zip(before, after, strict=True)):
-            suffix = f" [shard {shard}]" if len(self.vmalerts) > 1 else ""
+        for index, (earlier, later) in enumerate(zip(before, after, strict=True)):
+            shard = index if len(self.vmalerts) > 1 else None
+            suffix = "" if shard is None else f" [shard {shard}]"
             if earlier is None or later is None:
                 out += [{"name": f"{group}{suffix} (vmalert did not answer)", "rules": [], "size": size,
-                         "evaluationTime": window} for group, size in sizes.items()]
+                         "evaluationTime": window, "group": group, "shard": shard} for group, size in sizes.items()]
                 continue
             for group, (total, count, missed) in later.items():
                 seconds, evaluations, missed_before = earlier.get(group, (0.0, 0.0, 0.0))
@@ -600,19 +606,15 @@ class VictoriaMetricsBackend(Backend):
                 note = ("" if finished else " (no evaluation finished)") + \
                     (f" ({missed - missed_before:.0f} missed)" if missed > missed_before else "")
                 out.append({"name": f"{group}{suffix}{note}", "rules": [], "size": sizes.get(group, 0),
-                            "evaluationTime": (total - seconds) / finished if finished else window})
+                            "evaluationTime": (total - seconds) / finished if finished else window,
+                            "group": group + note, "shard": shard})
         return out
 
     def counters(self) -> dict[str, float]:
         """Every vmalert's FAILURES counters, added up (the vmalerts that answer)."""
         out = dict.fromkeys(self.FAILURES, 0.0)
         for url in self.vmalerts:
-            try:
-                with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
-                    text = response.read().decode()
-            except OSError:
-                continue
-            for line in text.splitlines():
+            for line in (self.own_metrics(url) or "").splitlines():
                 name = line.split("{")[0].split(" ")[0]
                 if name in out:
                     out[name] += float(line.rsplit(" ", 1)[1])
@@ -762,13 +764,13 @@ def print_shards(groups: list[dict]) -> None:
     """The longest group of each vmalert shard: what must stay within the evaluation interval."""
     longest: dict[int, dict] = {}
     for group in groups:
-        found = re.fullmatch(r"(.*) \[shard (\d+)\](.*)", group["name"])
-        if found and group["evaluationTime"] > longest.get(int(found[2]), {"evaluationTime": -1.0})["evaluationTime"]:
-            longest[int(found[2])] = {"name": found[1] + found[3], "evaluationTime": group["evaluationTime"]}
+        shard = group.get("shard")
+        if shard is not None and (shard not in longest or group["evaluationTime"] > longest[shard]["evaluationTime"]):
+            longest[shard] = group
     worst = max(longest.values(), key=lambda g: g["evaluationTime"])
     print("  longest group of each shard: " + ", ".join(f"{shard} {g['evaluationTime']:.1f} s"
                                                       for shard, g in sorted(longest.items()))
-          + f"; the longest of all {worst['evaluationTime']:.1f} s ({worst['name']}), interval {STEP} s")
+          + f"; the longest of all {worst['evaluationTime']:.1f} s ({worst['group']}), interval {STEP} s")
 
 
 def print_panels(rows: list[tuple[float, int, str, str]], runs: int) -> None:
