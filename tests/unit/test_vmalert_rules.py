@@ -58,6 +58,21 @@ def test_labels_of_a_folded_recording_rule_are_set_and_cycles_are_refused() -> N
         vmalert.fold_group([{"record": "a:b:c", "expr": "a:b:d"}, {"record": "a:b:d", "expr": "a:b:c + 1"}])
 
 
+def test_quantiles_of_one_histogram_become_one_histogram_quantiles_rule() -> None:
+    rules = [{"record": "x:h:q", "expr": f"histogram_quantile({phi}, x:h:rate1m)", "labels": {"quantile": phi}}
+             for phi in ("0.5", "0.95", "0.99")]
+    assert vmalert.merged_quantiles(rules) == [
+        {"record": "x:h:q", "expr": 'histogram_quantiles("quantile", 0.5, 0.95, 0.99, x:h:rate1m)'}]
+    # other labels stay; a phi written unlike MetricsQL's label ("0.50"), a lone quantile, another histogram
+    # in between or another rule's name: left as they are
+    kept = {"record": "x:h:q", "expr": "histogram_quantile(0.50, x:h:rate1m)", "labels": {"quantile": "0.50"}}
+    other = {"record": "x:h:q", "expr": "histogram_quantile(0.9, y:h:rate1m)", "labels": {"quantile": "0.9"}}
+    sized = [{**rule, "labels": {**rule["labels"], "size": "s"}} for rule in rules[:2]]
+    assert vmalert.merged_quantiles([kept, rules[0], other, rules[1], *sized]) == [
+        kept, rules[0], other, rules[1],
+        {"record": "x:h:q", "expr": 'histogram_quantiles("quantile", 0.5, 0.95, x:h:rate1m)', "labels": {"size": "s"}}]
+
+
 def test_every_shipped_group_reads_no_series_of_its_own_but_over_a_range() -> None:
     """The folded copy of the shipped rules: a group's instant reads are raw series or other groups' results,
     and it records and alerts on exactly what the Prometheus rules do."""
@@ -70,7 +85,11 @@ def test_every_shipped_group_reads_no_series_of_its_own_but_over_a_range() -> No
                 instant = {m.group(1) for m in vmalert.REFERENCE.finditer(rule["expr"]) if not m.group(3)}
                 assert not instant & own, (ours["name"], rule.get("record") or rule.get("alert"), instant & own)
             assert [(r.get("record"), r.get("alert"), r.get("for"), r.get("labels")) for r in ours["rules"]] == \
-                [(r.get("record"), r.get("alert"), r.get("for"), r.get("labels")) for r in theirs["rules"]]
+                [(r.get("record"), r.get("alert"), r.get("for"), r.get("labels"))
+                 for r in vmalert.merged_quantiles(theirs["rules"])]
+    latency = next(group for content in vmalert.folded(shipped).values() for group in content["groups"]
+                   if group["name"] == "gpuio.engines.latency")
+    assert [rule["expr"].split("(")[0] for rule in latency["rules"]] == ["histogram_quantiles"]
 
 
 def test_what_vmalerts_copy_leaves_unrecorded_nothing_but_its_reader_reads() -> None:
