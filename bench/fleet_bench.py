@@ -404,11 +404,28 @@ def scrape_configs(nodes: list[Node], exporter: str) -> str:
 
 def rss_mib(processes: list[subprocess.Popen]) -> float:
     """Resident memory of ``processes`` together, MiB."""
-    total = 0
+    return sum(map(process_rss_mib, processes))
+
+
+def process_rss_mib(process: subprocess.Popen) -> float:
+    with open(f"/proc/{process.pid}/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:")) / 1024
+
+
+def memory_by_component(processes: list[subprocess.Popen]) -> str:
+    """Resident memory of each kind of server (victoria-metrics, vmalert x N with its largest, ...)."""
+    kinds: dict[str, list[float]] = {}
     for process in processes:
-        with open(f"/proc/{process.pid}/status") as handle:
-            total += next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
-    return total / 1024
+        kinds.setdefault(os.path.basename(str(process.args[0])), []).append(process_rss_mib(process))
+    return ", ".join(f"{kind} {sum(sizes):,.0f} MiB" + (f" ({len(sizes)}, the largest {max(sizes):,.0f})"
+                                                        if len(sizes) > 1 else "")
+                     for kind, sizes in kinds.items())
+
+
+def host_load() -> str:
+    """The host's load average against its CPUs: whether the rules' queries had the cores they asked for."""
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs"
 
 
 def serve_on_free_port(command: list[str], address_flag: str, ready: str) -> tuple[subprocess.Popen, str]:
@@ -700,7 +717,9 @@ def main() -> int:
         up = get(base, "/api/v1/query", query='count(up{job="gpuio"} == 1)')["data"]["result"]
         scraped = (f"{up[0]['value'][1] if up else 0} of {args.nodes} nodes scraped for {args.live} min"
                    if args.live else f"no scrapes, {args.ahead} min of history past now")
-        print(f"live: {scraped}; memory (RSS) of {backend.name}: {rss_mib(backend.processes):,.0f} MiB")
+        print(f"live: {scraped}; memory (RSS) of {backend.name}: {rss_mib(backend.processes):,.0f} MiB: "
+              f"{memory_by_component(backend.processes)}")
+        print(f"host, over the measured evaluations: {host_load()}")
         alerts = get(base, "/api/v1/query", query="count by (alertname, alertstate) (ALERTS)")["data"]["result"]
         print("alerts: " + (", ".join(f"{a['metric']['alertname']} {a['metric']['alertstate']} x{a['value'][1]}"
                                       for a in alerts) or "none"))

@@ -23,12 +23,13 @@ Quantiles.  Prometheus' rules compute each quantile of a histogram in a rule of 
 bucket rates each); vmalert's copy computes them in one rule, MetricsQL's ``histogram_quantiles``, which
 labels each result with its phi as the separate rules did (``merged_quantiles``).
 
-Why shard.  A group's rules run one after another, so one vmalert's longest group bounds the fleet it can
-evaluate within the interval.  Shard K's copy limits every query of every group to the series labelled
-``shard="K"`` (the group's ``params: {extra_filters: [...]}``, VictoriaMetrics' ``extra_filters[]``) and
-labels what it records and alerts on with the same ``shard``, so its groups read its own results back;
-the scrape adds the label to every series of a node (``hashmod`` of ``instance``, ``sharded_scrape``).
-Every rule joins series of one node, so the shards need nothing of each other.
+Why shard.  A group's longest rules, run up to ``CONCURRENCY`` at a time (a folded group's rules do not
+read each other), bound the fleet one vmalert can evaluate within the interval.  Shard K's copy limits
+every query of every group to the series labelled ``shard="K"`` (the group's ``params: {extra_filters:
+[...]}``, VictoriaMetrics' ``extra_filters[]``) and labels what it records and alerts on with the same
+``shard``, so its groups read its own results back; the scrape adds the label to every series of a node
+(``hashmod`` of ``instance``, ``sharded_scrape``).  Every rule joins series of one node, so the shards need
+nothing of each other.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ REGEX_SPECIAL = re.compile(r"([\\.+*?()|\[\]{}^$])")
 # quantile rules, are 400 of the ~1,000 series a node records at each evaluation, written by vmalert and
 # ingested every interval for nothing else (tests/unit/test_vmalert_rules.py holds that nothing else reads them).
 UNRECORDED = {"gpuio.engines.latency.buckets": "gpuio.engines.latency"}
+# Rules of a group evaluated at once (vmalert's group `concurrency`); every query also waits for
+# victoria-metrics' own limit (-search.maxConcurrentRequests), so a few per group keep a shard's queries
+# from crowding out the others'.
+CONCURRENCY = 4
 # histogram_quantile(phi, x) labelled quantile=phi, one rule per phi (merged_quantiles).
 QUANTILE = re.compile(r"histogram_quantile\(\s*([0-9.]+)\s*,\s*(.*)\)", re.DOTALL)
 QUANTILE_LABEL = "quantile"
@@ -147,8 +152,18 @@ def folded(rule_files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def folded_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     into = {reader: [rule for group in groups if UNRECORDED.get(group["name"]) == reader for rule in group["rules"]]
             for reader in UNRECORDED.values()}
-    return [{**group, "rules": fold_group(merged_quantiles(group["rules"]), into.get(group["name"], []))}
+    return [concurrent({**group, "rules": fold_group(merged_quantiles(group["rules"]), into.get(group["name"], []))})
             for group in groups if group["name"] not in UNRECORDED]
+
+
+def concurrent(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` with its rules evaluated up to CONCURRENCY at a time: folded, no rule of a group reads
+    what another records in the same evaluation, so their order does not matter, and a group takes about
+    as long as its costliest rules instead of all of them one after another."""
+    if len(group["rules"]) < 2:
+        return group
+    return {"name": group["name"], "concurrency": min(CONCURRENCY, len(group["rules"])),
+            **{key: value for key, value in group.items() if key != "name"}}
 
 
 def merged_quantiles(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -84,6 +84,8 @@ def test_every_shipped_group_reads_no_series_of_its_own_but_over_a_range() -> No
             for rule in ours["rules"]:
                 instant = {m.group(1) for m in vmalert.REFERENCE.finditer(rule["expr"]) if not m.group(3)}
                 assert not instant & own, (ours["name"], rule.get("record") or rule.get("alert"), instant & own)
+            # reading nothing its group records in the same evaluation, a group's rules may run at once
+            assert ours.get("concurrency", 1) == min(vmalert.CONCURRENCY, len(ours["rules"]))
             assert [(r.get("record"), r.get("alert"), r.get("for"), r.get("labels")) for r in ours["rules"]] == \
                 [(r.get("record"), r.get("alert"), r.get("for"), r.get("labels"))
                  for r in vmalert.merged_quantiles(theirs["rules"])]
