@@ -117,7 +117,7 @@ lint: venv
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/mypy exporter
 	# The Grafana SDK needs 3.11 (StrEnum): the generators (deploy/, `gpuio generate`) are checked at 3.11.
-	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 deploy/grafana deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py deploy/generate.py deploy/exporter_modules.py deploy/victoriametrics
+	$(VENV)/bin/mypy --explicit-package-bases --python-version 3.11 deploy/grafana deploy/prometheus deploy/kubernetes deploy/local deploy/generated.py deploy/generate.py deploy/fleet_view.py deploy/exporter_modules.py deploy/victoriametrics
 
 # What the linter can mend on its own (import order, older syntax), in place; the rest `make lint` names.
 # The code is formatted by hand at 120 columns: no reformatter rewrites it.

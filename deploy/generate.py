@@ -31,6 +31,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from . import fleet_view
 from .generated import DASHBOARDS_DIR, REPO, report_stale, stale_files, write
 from .kubernetes import generate as kubernetes
 from .kubernetes import render
@@ -57,6 +58,9 @@ DIR gets:
                               vmalert/rules-node-exporter/; with --vmalert-shards N one copy per shard of the
                               nodes (vmalert/shard-K/) and vmalert/scrape.yml, which labels each node's shard
   dashboards/*.json           the Grafana boards, their thresholds the alerts' (import, or provision)
+  cells/fleet-keep.yml        the series the Fleet board reads, as a keep relabeling: what each cell of a
+                              large fleet forwards to the central store (vmagent's -remoteWrite.urlRelabelConfig,
+                              or a Prometheus remote_write's write_relabel_configs)
   runbooks/*.md               the runbooks, quoting your numbers (publish them; --runbook-url links them)
   kubernetes/                 with --image: a kustomization with your image, rules and boards
                               (kubectl apply -k DIR/kubernetes)
@@ -83,6 +87,7 @@ def rendered(config: Config = DEFAULT) -> dict[str, str]:
     files.update(runbooks.rendered(config))
     json_files = boards(config)
     files.update(json_files)
+    files.update(fleet_view.rendered(json_files))
     files.update(kubernetes.rendered(rule_files(config), [os.path.basename(path) for path in json_files],
                                      rule_files(prometheus.node_exporter_mode(config))))
     return files
@@ -113,6 +118,8 @@ REPOSITORY_OUTPUTS = (prometheus.RULES_DIR, prometheus.NODE_EXPORTER_RULES_DIR, 
                       vmalert.NODE_EXPORTER_RULES_DIR, REPO)
 # DIR/vmalert: the rules as vmalert evaluates them best (deploy/victoriametrics/vmalert.py).
 VMALERT = "vmalert"
+# DIR/cells: what a cell forwards to the central store (a folder of its own: DIR/*.yml are rule files).
+CELLS = "cells"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +146,8 @@ def variant_files(config: Config, out: str, note: str, with_boards: bool = True,
     boards_dir = os.path.join(out, "dashboards")
     json_files = boards(config, boards_dir) if with_boards else {}
     files.update(json_files)
+    if json_files:
+        files.update(fleet_view.rendered(json_files, os.path.join(out, CELLS, fleet_view.FILE)))
     files.update(runbooks.rendered(config, os.path.join(out, "runbooks")))
     if objects is not None:
         files.update(kubernetes_variant.rendered(

@@ -1,0 +1,50 @@
+"""deploy/fleet_view.py: the series the Fleet board reads, read off its queries, are what a cell forwards
+(fleet-keep.yml).  That victoria-metrics' and Prometheus' relabeling accept the file and keep exactly those:
+tests/e2e/test_fleet_keep.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from deploy import fleet_view
+from deploy.prometheus.sources import rule_files
+from exporter import catalogue
+from tests.conftest import REPO
+
+
+def test_a_querys_series_are_its_selectors_names_and_nothing_else() -> None:
+    expr = ('sum by (namespace, state) (increase(a_seconds_total{job="gpuio",cluster=~"$cluster"}[$__range]))'
+            ' / on (instance) group_left (engine) topk(5, b:c:rate1m offset 5m) > bool 0.5'
+            ' and label_replace(count(c_info), "dst", "$1", "src", "(.+)") unless vector(0)'
+            ' or sum(rate(d_bucket{le="+Inf"}[5m])) without (le) or time() > ${threshold}')
+    assert fleet_view.series_read(expr) == {"a_seconds_total", "b:c:rate1m", "c_info", "d_bucket"}
+
+
+def test_a_boards_variables_read_the_series_of_label_values() -> None:
+    board = {"panels": [{"panels": [{"targets": [{"expr": "x_total"}]}]}],
+             "templating": {"list": [
+                 {"type": "query", "query": {"query": 'label_values(up_info{job="gpuio",a=~"$a"}, instance)'}},
+                 {"type": "query", "query": "label_values(cluster)"},
+                 {"type": "query", "query": "query_result(count by (b) (b_total))"},
+                 {"type": "datasource", "query": "prometheus"}]}}
+    assert {name for expr in fleet_view.board_queries(board) for name in fleet_view.series_read(expr)} == \
+        {"x_total", "up_info", "b_total"}
+
+
+def test_the_shipped_keep_list_names_only_series_gpuio_serves_or_records() -> None:
+    """Every name kept is a family the exporter declares (or a histogram's series) or a
+    series gpuio's rules record: a label or a function read as a series would be a name nothing sends."""
+    (step,) = yaml.safe_load(Path(fleet_view.PATH).read_text())
+    kept = step["regex"].split("|")
+    recorded = {rule["record"] for content in rule_files().values() for group in content["groups"]
+                for rule in group["rules"] if "record" in rule}
+    served = {name + suffix for name in catalogue.names() for suffix in ("", "_bucket", "_sum", "_count")}
+    assert step["action"] == "keep" and step["source_labels"] == ["__name__"]
+    assert kept and not [name for name in kept if name not in recorded | served]
+    # what the Fleet board's GPU-time row and its node variables read is among them
+    assert {"gpuio_gpu_time_seconds_total", "gpuio_pod_gpu_time_seconds_total",
+            "gpuio_scrape_collector_success"} <= set(kept)
+    board = (Path(REPO) / "dashboards" / fleet_view.FLEET_BOARD).read_text()
+    assert kept == fleet_view.fleet_series(board)
