@@ -1,13 +1,14 @@
-"""deploy/victoriametrics/fleet-keep.yml in the real relabelers: victoria-metrics, given it as its ingestion
-relabeling (the same code as vmagent's -remoteWrite.urlRelabelConfig), stores the Fleet board's series and
-drops every other series a node sends and its rules record; promtool accepts it as a remote_write entry's
-write_relabel_configs."""
+"""deploy/victoriametrics/fleet-keep.yml in the real relabelers, in a cell's layout: one vmagent, which the
+cell's scrapes and vmalerts write to, sends everything to the cell's victoria-metrics and, through the file
+(``-remoteWrite.urlRelabelConfig``), only the Fleet board's series to the central one; promtool accepts the
+file as a remote_write entry's write_relabel_configs."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -22,6 +23,7 @@ from exporter import catalogue
 from tests.conftest import free_port
 
 VICTORIA_METRICS = shutil.which("victoria-metrics")
+VMAGENT = shutil.which("vmagent")
 PROMTOOL = shutil.which("promtool")
 
 
@@ -36,25 +38,55 @@ def every_series_name() -> list[str]:
     return sorted(recorded | served)
 
 
-@pytest.mark.skipif(VICTORIA_METRICS is None, reason="not installed: victoria-metrics (Debian's victoria-metrics)")
-def test_victoriametrics_keeps_the_fleet_boards_series_and_drops_the_rest(tmp_path: Path) -> None:
+def start_victoriametrics(directory: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process, url = serve("victoria-metrics", [
-        str(VICTORIA_METRICS), f"-storageDataPath={tmp_path / 'data'}", f"-httpListenAddr=127.0.0.1:{port}",
-        f"-relabelConfig={fleet_view.PATH}", "-search.latencyOffset=0s", "-search.disableCache"], port, "/health")
+    return serve("victoria-metrics", [str(VICTORIA_METRICS), f"-storageDataPath={directory}",
+                                      f"-httpListenAddr=127.0.0.1:{port}", "-search.latencyOffset=0s",
+                                      "-search.disableCache"], port, "/health")
+
+
+def names_stored(url: str, expected: int, timeout_s: float = 30) -> list[str]:
+    """The metric names a victoria-metrics holds, once ``expected`` have arrived (or ``timeout_s`` passed)."""
+    query = urllib.parse.urlencode({"match[]": '{__name__=~".+"}'})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        urllib.request.urlopen(f"{url}/internal/force_flush").read()
+        with urllib.request.urlopen(f"{url}/api/v1/label/__name__/values?{query}") as response:
+            names = sorted(json.load(response)["data"])
+        if len(names) >= expected or time.monotonic() > deadline:
+            return names
+        time.sleep(0.3)
+
+
+@pytest.mark.skipif(VICTORIA_METRICS is None or VMAGENT is None,
+                    reason="not installed: victoria-metrics, vmagent (Debian's victoria-metrics)")
+def test_a_cells_vmagent_sends_the_central_store_the_fleet_boards_series_and_the_cell_everything(tmp_path) -> None:
+    processes = []
     try:
+        cell, cell_url = start_victoriametrics(tmp_path / "cell")
+        central, central_url = start_victoriametrics(tmp_path / "central")
+        processes += [cell, central]
+        port = free_port()
+        agent, agent_url = serve("vmagent", [
+            str(VMAGENT), f"-httpListenAddr=127.0.0.1:{port}", f"-remoteWrite.tmpDataPath={tmp_path / 'vmagent'}",
+            # the central store first: -remoteWrite.urlRelabelConfig pairs with the urls in order, and an empty
+            # value for the cell's is dropped, not kept as "none" (the keep-list would apply to the cell's)
+            f"-remoteWrite.url={central_url}/api/v1/write", f"-remoteWrite.urlRelabelConfig={fleet_view.PATH}",
+            f"-remoteWrite.url={cell_url}/api/v1/write",
+            "-remoteWrite.flushInterval=100ms"], port, "/health")
+        processes.append(agent)
         names = every_series_name()
         lines = "".join(f'{name}{{instance="n1",job="gpuio"}} 1\n' for name in names)
-        urllib.request.urlopen(urllib.request.Request(f"{url}/api/v1/import/prometheus", data=lines.encode())).read()
-        urllib.request.urlopen(f"{url}/internal/force_flush").read()
-        query = urllib.parse.urlencode({"match[]": '{__name__=~".+"}'})
-        with urllib.request.urlopen(f"{url}/api/v1/label/__name__/values?{query}") as response:
-            stored = json.load(response)["data"]
+        urllib.request.urlopen(urllib.request.Request(f"{agent_url}/api/v1/import/prometheus",
+                                                      data=lines.encode())).read()
+        (step,) = yaml.safe_load(Path(fleet_view.PATH).read_text())
+        kept = step["regex"].split("|")
+        in_cell, in_central = names_stored(cell_url, len(names)), names_stored(central_url, len(kept))
     finally:
-        stop(process)
-    (step,) = yaml.safe_load(Path(fleet_view.PATH).read_text())
-    kept = step["regex"].split("|")
-    assert sorted(stored) == kept, (sorted(set(stored) - set(kept)), sorted(set(kept) - set(stored)))
+        for process in reversed(processes):
+            stop(process)
+    assert in_cell == names
+    assert in_central == kept, (sorted(set(in_central) - set(kept)), sorted(set(kept) - set(in_central)))
     assert len(names) > 10 * len(kept)  # what a cell does not forward: the rest, many times more
 
 
