@@ -73,6 +73,7 @@ CONCURRENCY = 4
 # histogram_quantile(phi, x) labelled quantile=phi, one rule per phi (merged_quantiles).
 QUANTILE = re.compile(r"histogram_quantile\(\s*([0-9.]+)\s*,\s*(.*)\)", re.DOTALL)
 QUANTILE_LABEL = "quantile"
+STRING_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
 SHARD_LABEL = "shard"
 # The label the scrape's hashmod writes before it becomes `shard` (dropped after relabeling: __tmp_).
 SHARD_HASH = "__tmp_gpuio_shard"
@@ -157,9 +158,10 @@ def folded_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def concurrent(group: dict[str, Any]) -> dict[str, Any]:
-    """``group`` with its rules evaluated up to CONCURRENCY at a time: folded, no rule of a group reads
-    what another records in the same evaluation, so their order does not matter, and a group takes about
-    as long as its costliest rules instead of all of them one after another."""
+    """``group`` with its rules evaluated up to CONCURRENCY at a time: folded, no rule of a group reads at an
+    instant what another records (its range reads see the history of earlier evaluations, which no write of
+    this one was sure to reach anyway), so their order does not matter, and a group takes about as long as
+    its costliest rules instead of all of them one after another."""
     if len(group["rules"]) < 2:
         return group
     return {"name": group["name"], "concurrency": min(CONCURRENCY, len(group["rules"])),
@@ -177,6 +179,9 @@ def merged_quantiles(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         record, histogram, labels = key
         phis = [rule["labels"][QUANTILE_LABEL] for rule in run_rules]  # each its expression's phi (quantile_of)
+        if len(set(phis)) < len(phis):  # one phi twice: two series alike, which Prometheus' rules would write
+            out += run_rules
+            continue
         merged = {"record": record,
                   "expr": f'histogram_quantiles("{QUANTILE_LABEL}", {", ".join(phis)}, {histogram})'}
         out.append({**merged, "labels": dict(labels)} if labels else merged)
@@ -190,7 +195,19 @@ def quantile_of(rule: dict[str, Any]) -> tuple[str, str, tuple[tuple[str, str], 
     labels = rule.get("labels", {})
     if not match or labels.get(QUANTILE_LABEL) != match.group(1) or f"{float(match.group(1)):g}" != match.group(1):
         return None
+    if not one_argument(match.group(2)):  # histogram_quantile(0.5, a) / histogram_quantile(0.5, b): not one call
+        return None
     return rule["record"], match.group(2), tuple(sorted((k, v) for k, v in labels.items() if k != QUANTILE_LABEL))
+
+
+def one_argument(text: str) -> bool:
+    """Whether ``text`` is one whole argument: its parentheses balance and none closes what it did not open."""
+    depth = 0
+    for character in STRING_LITERAL.sub("", text):
+        depth += {"(": 1, ")": -1}.get(character, 0)
+        if depth < 0:
+            return False
+    return depth == 0
 
 
 def shard(rule_files: dict[str, dict[str, Any]], index: int) -> dict[str, dict[str, Any]]:

@@ -28,14 +28,15 @@ PROMTOOL = shutil.which("promtool")
 
 
 def every_series_name() -> list[str]:
-    """One name for every family gpuio serves (as its samples are named) and every series its rules record."""
+    """One name for every family gpuio serves (as its samples are named), every series its rules record,
+    and ALERTS (what the rule engine writes of the alerts)."""
     recorded = {rule["record"] for content in rule_files().values() for group in content["groups"]
                 for rule in group["rules"] if "record" in rule}
     served = set()
     for name in catalogue.names():
         histogram = catalogue.by_name(name).kind == "histogram"  # a counter's name ends in _total already
         served |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"} if histogram else {name}
-    return sorted(recorded | served)
+    return sorted(recorded | served | {"ALERTS"})
 
 
 def start_victoriametrics(directory: Path) -> tuple[subprocess.Popen, str]:

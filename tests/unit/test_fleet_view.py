@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from deploy import fleet_view
 from deploy.prometheus.sources import rule_files
 from exporter import catalogue
-from tests.conftest import REPO
 
 
 def test_a_querys_series_are_its_selectors_names_and_nothing_else() -> None:
@@ -20,31 +20,33 @@ def test_a_querys_series_are_its_selectors_names_and_nothing_else() -> None:
             ' and label_replace(count(c_info), "dst", "$1", "src", "(.+)") unless vector(0)'
             ' or sum(rate(d_bucket{le="+Inf"}[5m])) without (le) or time() > ${threshold}')
     assert fleet_view.series_read(expr) == {"a_seconds_total", "b:c:rate1m", "c_info", "d_bucket"}
+    assert fleet_view.series_read('x @ ${__to:date:seconds} # y\n atan2 {__name__="z"} limit 3') == {"x", "z"}
+    with pytest.raises(ValueError, match="pattern of names"):
+        fleet_view.series_read('{__name__=~"gpuio_.+"}')
 
 
-def test_a_boards_variables_read_the_series_of_label_values() -> None:
+def test_a_boards_annotations_and_variables_read_series_too() -> None:
     board = {"panels": [{"panels": [{"targets": [{"expr": "x_total"}]}]}],
+             "annotations": {"list": [{"expr": 'ALERTS{alertstate="firing"}'}, {"builtIn": 1}]},
              "templating": {"list": [
                  {"type": "query", "query": {"query": 'label_values(up_info{job="gpuio",a=~"$a"}, instance)'}},
                  {"type": "query", "query": "label_values(cluster)"},
                  {"type": "query", "query": "query_result(count by (b) (b_total))"},
                  {"type": "datasource", "query": "prometheus"}]}}
     assert {name for expr in fleet_view.board_queries(board) for name in fleet_view.series_read(expr)} == \
-        {"x_total", "up_info", "b_total"}
+        {"x_total", "ALERTS", "up_info", "b_total"}
 
 
 def test_the_shipped_keep_list_names_only_series_gpuio_serves_or_records() -> None:
-    """Every name kept is a family the exporter declares (or a histogram's series) or a
-    series gpuio's rules record: a label or a function read as a series would be a name nothing sends."""
+    """Every name kept is a family the exporter declares (or a histogram's series), a series gpuio's rules
+    record, or ALERTS (the alerts' own): a label or a function read as a series would be a name nothing sends."""
     (step,) = yaml.safe_load(Path(fleet_view.PATH).read_text())
     kept = step["regex"].split("|")
     recorded = {rule["record"] for content in rule_files().values() for group in content["groups"]
                 for rule in group["rules"] if "record" in rule}
     served = {name + suffix for name in catalogue.names() for suffix in ("", "_bucket", "_sum", "_count")}
     assert step["action"] == "keep" and step["source_labels"] == ["__name__"]
-    assert kept and not [name for name in kept if name not in recorded | served]
-    # what the Fleet board's GPU-time row and its node variables read is among them
+    assert kept and not [name for name in kept if name not in recorded | served | {"ALERTS"}]
+    # what the Fleet board's GPU-time row, its node variables and its alert annotation read is among them
     assert {"gpuio_gpu_time_seconds_total", "gpuio_pod_gpu_time_seconds_total",
-            "gpuio_scrape_collector_success"} <= set(kept)
-    board = (Path(REPO) / "dashboards" / fleet_view.FLEET_BOARD).read_text()
-    assert kept == fleet_view.fleet_series(board)
+            "gpuio_scrape_collector_success", "ALERTS"} <= set(kept)

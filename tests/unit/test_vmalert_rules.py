@@ -71,6 +71,11 @@ def test_quantiles_of_one_histogram_become_one_histogram_quantiles_rule() -> Non
     assert vmalert.merged_quantiles([kept, rules[0], other, rules[1], *sized]) == [
         kept, rules[0], other, rules[1],
         {"record": "x:h:q", "expr": 'histogram_quantiles("quantile", 0.5, 0.95, x:h:rate1m)', "labels": {"size": "s"}}]
+    # two calls in one expression, or one phi twice: not one histogram's quantiles
+    two_calls = [{"record": "x:h:q", "expr": f"histogram_quantile({phi}, a) / histogram_quantile(0.5, b)",
+                  "labels": {"quantile": phi}} for phi in ("0.5", "0.9")]
+    assert vmalert.merged_quantiles(two_calls) == two_calls
+    assert vmalert.merged_quantiles([rules[0], rules[0]]) == [rules[0], rules[0]]
 
 
 def test_every_shipped_group_reads_no_series_of_its_own_but_over_a_range() -> None:
@@ -91,7 +96,11 @@ def test_every_shipped_group_reads_no_series_of_its_own_but_over_a_range() -> No
                  for r in vmalert.merged_quantiles(theirs["rules"])]
     latency = next(group for content in vmalert.folded(shipped).values() for group in content["groups"]
                    if group["name"] == "gpuio.engines.latency")
-    assert [rule["expr"].split("(")[0] for rule in latency["rules"]] == ["histogram_quantiles"]
+    (quantiles,) = latency["rules"]
+    phis = re.match(r'histogram_quantiles\("quantile", ([0-9., ]+), ', quantiles["expr"]).group(1).split(", ")
+    theirs = next(group for content in shipped.values() for group in content["groups"]
+                  if group["name"] == "gpuio.engines.latency")
+    assert phis == [rule["labels"]["quantile"] for rule in theirs["rules"]] == ["0.5", "0.95", "0.99"]
 
 
 def test_what_vmalerts_copy_leaves_unrecorded_nothing_but_its_reader_reads() -> None:
