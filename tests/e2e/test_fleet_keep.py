@@ -21,9 +21,11 @@ from deploy.local.stack import serve, stop
 from deploy.prometheus.sources import rule_files
 from exporter import catalogue
 from tests.conftest import free_port
+from tests.e2e.test_storm_page import get_json
+from tests.e2e.test_victoriametrics import RECORDING, VMALERT, Node, Recording, scrape_config, serve_node
 
 VICTORIA_METRICS = shutil.which("victoria-metrics")
-VMAGENT = shutil.which("vmagent")
+VMAGENT = shutil.which("vmagent")  # (test_victoriametrics' VMALERT: the same lookup)
 PROMTOOL = shutil.which("promtool")
 
 
@@ -99,3 +101,82 @@ def test_promtool_accepts_it_as_write_relabel_configs(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run([PROMTOOL, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Grafana's variables as the Fleet board's panels get them (every node, every cluster).
+BOARD_VARIABLES = (("$__rate_interval", "1m"), ("$__interval", "15s"), ("$__range", "60s"), ("$instance", ".+"),
+                   ("$cluster", ".*"), ("$namespace", ".*"), ("$engine", ".*"), ("$device", ".*"), ("$gpu", ".*"))
+
+
+def fleet_panel_queries() -> list[tuple[str, str, bool]]:
+    """(panel [refId], expr with the variables set, instant?) of every query of the Fleet board."""
+    board = json.loads((Path(fleet_view.PATH).parents[2] / "dashboards" / fleet_view.FLEET_BOARD).read_text())
+    out = []
+    for panel in [p for top in board["panels"] for p in (top, *top.get("panels", []))]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for name, value in BOARD_VARIABLES:
+                expr = expr.replace(name, value)
+            out.append((f"{panel['title']} [{target['refId']}]", expr, bool(target.get("instant"))))
+    return out
+
+
+def answer(url: str, expr: str, instant: bool, at: float) -> list:
+    """A query's result, each series as its labels and its values: comparable between two stores."""
+    if instant:
+        params = {"query": expr, "time": f"{at:.0f}", "nocache": "1"}
+        result = get_json(f"{url}/api/v1/query", **params)["data"]["result"]
+        return sorted((sorted(s["metric"].items()), [s["value"]]) for s in result)
+    params = {"query": expr, "start": f"{at - 30:.0f}", "end": f"{at:.0f}", "step": "5", "nocache": "1"}
+    result = get_json(f"{url}/api/v1/query_range", **params)["data"]["result"]
+    return sorted((sorted(s["metric"].items()), s["values"]) for s in result)
+
+
+@pytest.mark.skipif(None in (VICTORIA_METRICS, VMAGENT, VMALERT),
+                    reason="not installed: victoria-metrics, vmagent, vmalert (Debian's victoria-metrics)")
+def test_the_fleet_board_answers_from_the_central_store_as_from_the_cell(tmp_path: Path) -> None:
+    """A cell: a node scraped by the cell's vmagent, vmalert on vmalert's copy of the rules writing through it;
+    every Fleet board query answers the same from the central store, which got only fleet-keep.yml's series,
+    as from the cell's, which got everything."""
+    processes: list = []
+    node_port = free_port()
+    server = serve_node(Node(Recording(RECORDING), storm=False), "127.0.0.1", node_port)
+    try:
+        cell, cell_url = start_victoriametrics(tmp_path / "cell")
+        central, central_url = start_victoriametrics(tmp_path / "central")
+        processes += [cell, central]
+        port = free_port()
+        agent, agent_url = serve("vmagent", [
+            str(VMAGENT), f"-httpListenAddr=127.0.0.1:{port}", f"-remoteWrite.tmpDataPath={tmp_path / 'vmagent'}",
+            f"-promscrape.config={scrape_config(tmp_path, [f'127.0.0.1:{node_port}'])}",
+            f"-remoteWrite.url={central_url}/api/v1/write", f"-remoteWrite.urlRelabelConfig={fleet_view.PATH}",
+            f"-remoteWrite.url={cell_url}/api/v1/write", "-remoteWrite.flushInterval=1s"], port, "/health")
+        processes.append(agent)
+        port = free_port()
+        alert, _ = serve("vmalert", [
+            str(VMALERT), f"-rule={Path(fleet_view.PATH).parent / 'rules' / '*.yml'}",
+            f"-httpListenAddr=127.0.0.1:{port}",
+            f"-datasource.url={cell_url}", f"-remoteRead.url={cell_url}", f"-remoteWrite.url={agent_url}",
+            "-remoteWrite.flushInterval=1s", "-notifier.url=http://127.0.0.1:1", "-evaluationInterval=1s"],
+            port, "/health")
+        processes.append(alert)
+        recorded = "instance_device:gpuio_disk_await_seconds:max_rate1m"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not get_json(f"{central_url}/api/v1/query", query=recorded,
+                                                              nocache="1")["data"]["result"]:
+            time.sleep(1)
+        time.sleep(15)  # a few more scrapes and evaluations in both stores
+        at = time.time() - 5
+        for url in (cell_url, central_url):
+            urllib.request.urlopen(f"{url}/internal/force_flush").read()
+        answers = [(title, answer(cell_url, expr, instant, at), answer(central_url, expr, instant, at))
+                   for title, expr, instant in fleet_panel_queries()]
+    finally:
+        for process in reversed(processes):
+            stop(process)
+        server.shutdown()
+    differ = [title for title, in_cell, in_central in answers if in_cell != in_central]
+    assert differ == [], differ
+    answered = [title for title, in_cell, _ in answers if in_cell]
+    print(f"\n{len(answered)} of {len(answers)} Fleet board queries answered alike from both stores: {answered}")
+    assert len(answered) >= 4, answered  # the node's disks and engines on the board, not only empty panels
