@@ -18,27 +18,15 @@ import yaml
 
 from deploy import fleet_view
 from deploy.local.stack import serve, stop
-from deploy.prometheus.sources import rule_files
-from exporter import catalogue
-from tests.conftest import free_port
+from tests.conftest import REPO, free_port
+from tests.e2e.test_prometheus_rules_dashboards import grafana_substitute
 from tests.e2e.test_storm_page import get_json
 from tests.e2e.test_victoriametrics import RECORDING, VMALERT, Node, Recording, scrape_config, serve_node
+from tests.unit.test_fleet_view import every_series_name
 
 VICTORIA_METRICS = shutil.which("victoria-metrics")
 VMAGENT = shutil.which("vmagent")  # (test_victoriametrics' VMALERT: the same lookup)
 PROMTOOL = shutil.which("promtool")
-
-
-def every_series_name() -> list[str]:
-    """One name for every family gpuio serves (as its samples are named), every series its rules record,
-    and ALERTS (what the rule engine writes of the alerts)."""
-    recorded = {rule["record"] for content in rule_files().values() for group in content["groups"]
-                for rule in group["rules"] if "record" in rule}
-    served = set()
-    for name in catalogue.names():
-        histogram = catalogue.by_name(name).kind == "histogram"  # a counter's name ends in _total already
-        served |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"} if histogram else {name}
-    return sorted(recorded | served | {"ALERTS"})
 
 
 def start_victoriametrics(directory: Path) -> tuple[subprocess.Popen, str]:
@@ -103,22 +91,13 @@ def test_promtool_accepts_it_as_write_relabel_configs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# Grafana's variables as the Fleet board's panels get them (every node, every cluster).
-BOARD_VARIABLES = (("$__rate_interval", "1m"), ("$__interval", "15s"), ("$__range", "60s"), ("$instance", ".+"),
-                   ("$cluster", ".*"), ("$namespace", ".*"), ("$engine", ".*"), ("$device", ".*"), ("$gpu", ".*"))
-
-
 def fleet_panel_queries() -> list[tuple[str, str, bool]]:
-    """(panel [refId], expr with the variables set, instant?) of every query of the Fleet board."""
-    board = json.loads((Path(fleet_view.PATH).parents[2] / "dashboards" / fleet_view.FLEET_BOARD).read_text())
-    out = []
-    for panel in [p for top in board["panels"] for p in (top, *top.get("panels", []))]:
-        for target in panel.get("targets", []):
-            expr = target["expr"]
-            for name, value in BOARD_VARIABLES:
-                expr = expr.replace(name, value)
-            out.append((f"{panel['title']} [{target['refId']}]", expr, bool(target.get("instant"))))
-    return out
+    """(panel [refId], expr as Grafana sends it for every node, instant?) of every query of the Fleet board."""
+    board = json.loads((Path(REPO) / "dashboards" / fleet_view.FLEET_BOARD).read_text())
+    return [(f"{panel['title']} [{target['refId']}]", grafana_substitute(target["expr"], ".+"),
+             bool(target.get("instant")))
+            for panel in [p for top in board["panels"] for p in (top, *top.get("panels", []))]
+            for target in panel.get("targets", [])]
 
 
 def answer(url: str, expr: str, instant: bool, at: float) -> list:
