@@ -144,7 +144,7 @@ def test_the_fleet_board_answers_from_the_central_store_as_from_the_cell(tmp_pat
         while time.monotonic() < deadline and not get_json(f"{central_url}/api/v1/query", query=recorded,
                                                               nocache="1")["data"]["result"]:
             time.sleep(1)
-        time.sleep(15)  # a few more scrapes and evaluations in both stores
+        time.sleep(6)  # a few more scrapes and evaluations in both stores
         at = time.time() - 5
         for url in (cell_url, central_url):
             urllib.request.urlopen(f"{url}/internal/force_flush").read()
