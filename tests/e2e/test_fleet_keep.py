@@ -49,23 +49,30 @@ def names_stored(url: str, expected: int, timeout_s: float = 30) -> list[str]:
         time.sleep(0.3)
 
 
+def start_cell(tmp_path: Path, processes: list, *vmagent_flags: str) -> tuple[str, str, str]:
+    """The cell's victoria-metrics, the central one, and the cell's vmagent writing everything to the cell's
+    and fleet-keep.yml's series to the central one; the urls of the three (cell, central, vmagent).  The
+    central url comes first: -remoteWrite.urlRelabelConfig pairs with the urls in order, and an empty value
+    for the cell's is dropped, not kept as "none" (the keep-list would filter the cell's store)."""
+    cell, cell_url = start_victoriametrics(tmp_path / "cell")
+    processes.append(cell)
+    central, central_url = start_victoriametrics(tmp_path / "central")
+    processes.append(central)
+    port = free_port()
+    agent, agent_url = serve("vmagent", [
+        str(VMAGENT), f"-httpListenAddr=127.0.0.1:{port}", f"-remoteWrite.tmpDataPath={tmp_path / 'vmagent'}",
+        f"-remoteWrite.url={central_url}/api/v1/write", f"-remoteWrite.urlRelabelConfig={fleet_view.PATH}",
+        f"-remoteWrite.url={cell_url}/api/v1/write", *vmagent_flags], port, "/health")
+    processes.append(agent)
+    return cell_url, central_url, agent_url
+
+
 @pytest.mark.skipif(VICTORIA_METRICS is None or VMAGENT is None,
                     reason="not installed: victoria-metrics, vmagent (Debian's victoria-metrics)")
 def test_a_cells_vmagent_sends_the_central_store_the_fleet_boards_series_and_the_cell_everything(tmp_path) -> None:
-    processes = []
+    processes: list = []
     try:
-        cell, cell_url = start_victoriametrics(tmp_path / "cell")
-        central, central_url = start_victoriametrics(tmp_path / "central")
-        processes += [cell, central]
-        port = free_port()
-        agent, agent_url = serve("vmagent", [
-            str(VMAGENT), f"-httpListenAddr=127.0.0.1:{port}", f"-remoteWrite.tmpDataPath={tmp_path / 'vmagent'}",
-            # the central store first: -remoteWrite.urlRelabelConfig pairs with the urls in order, and an empty
-            # value for the cell's is dropped, not kept as "none" (the keep-list would apply to the cell's)
-            f"-remoteWrite.url={central_url}/api/v1/write", f"-remoteWrite.urlRelabelConfig={fleet_view.PATH}",
-            f"-remoteWrite.url={cell_url}/api/v1/write",
-            "-remoteWrite.flushInterval=100ms"], port, "/health")
-        processes.append(agent)
+        cell_url, central_url, agent_url = start_cell(tmp_path, processes, "-remoteWrite.flushInterval=100ms")
         names = every_series_name()
         lines = "".join(f'{name}{{instance="n1",job="gpuio"}} 1\n' for name in names)
         urllib.request.urlopen(urllib.request.Request(f"{agent_url}/api/v1/import/prometheus",
@@ -121,16 +128,9 @@ def test_the_fleet_board_answers_from_the_central_store_as_from_the_cell(tmp_pat
     node_port = free_port()
     server = serve_node(Node(Recording(RECORDING), storm=False), "127.0.0.1", node_port)
     try:
-        cell, cell_url = start_victoriametrics(tmp_path / "cell")
-        central, central_url = start_victoriametrics(tmp_path / "central")
-        processes += [cell, central]
-        port = free_port()
-        agent, agent_url = serve("vmagent", [
-            str(VMAGENT), f"-httpListenAddr=127.0.0.1:{port}", f"-remoteWrite.tmpDataPath={tmp_path / 'vmagent'}",
-            f"-promscrape.config={scrape_config(tmp_path, [f'127.0.0.1:{node_port}'])}",
-            f"-remoteWrite.url={central_url}/api/v1/write", f"-remoteWrite.urlRelabelConfig={fleet_view.PATH}",
-            f"-remoteWrite.url={cell_url}/api/v1/write", "-remoteWrite.flushInterval=1s"], port, "/health")
-        processes.append(agent)
+        cell_url, central_url, agent_url = start_cell(
+            tmp_path, processes, f"-promscrape.config={scrape_config(tmp_path, [f'127.0.0.1:{node_port}'])}",
+            "-remoteWrite.flushInterval=1s")
         port = free_port()
         alert, _ = serve("vmalert", [
             str(VMALERT), f"-rule={Path(fleet_view.PATH).parent / 'rules' / '*.yml'}",
