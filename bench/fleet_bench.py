@@ -613,7 +613,8 @@ class VictoriaMetricsBackend(Backend):
             suffix = "" if shard is None else f" [shard {shard}]"
             if earlier is None or later is None:
                 out += [{"name": f"{group}{suffix} (vmalert did not answer)", "rules": [], "size": size,
-                         "evaluationTime": window, "group": group, "shard": shard} for group, size in sizes.items()]
+                         "evaluationTime": window, "group": f"{group} (vmalert did not answer)", "shard": shard}
+                        for group, size in sizes.items()]
                 continue
             for group, (total, count, missed) in later.items():
                 seconds, evaluations, missed_before = earlier.get(group, (0.0, 0.0, 0.0))
